@@ -1,0 +1,38 @@
+# One command runs the main job (make demo), one runs the tests (make test). Each sets itself up.
+PYTHON ?= python3
+VENV ?= .venv
+# GPU users: make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" ...
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= runtime,pyinotify,metrics,dev
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ggufswap-installed
+
+.PHONY: test demo bench fuzz lint typecheck clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
+	touch $@
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/ggufswap demo
+
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py
+
+fuzz: $(STAMP)
+	GGUFSWAP_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest -q -m "not slow" tests -k fuzz
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

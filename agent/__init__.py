@@ -1,0 +1,3 @@
+"""ggufswap.agent."""
+
+__all__: list[str] = []

@@ -1,0 +1,5 @@
+"""``python -m ggufswap``."""
+
+from ggufswap.main import main
+
+raise SystemExit(main())

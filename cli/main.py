@@ -1,0 +1,57 @@
+"""The ``ggufswap`` command: one console script, one subcommand per job.
+
+Each command module exposes ``register(subparsers)``, which adds its parser and sets
+``func(args) -> int`` as the handler. Only this function turns results into exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from ggufswap import __version__
+from ggufswap._logsetup import configure_logging
+
+# Command modules, imported lazily so that ``ggufswap status`` never pays for torch.
+COMMAND_MODULES = (
+    "ggufswap._cmd_shards",
+)
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_SIGINT = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ggufswap", description="Live per-tensor hot-swap of GGUF weights."
+    )
+    parser.add_argument("--version", action="version", version=f"ggufswap {__version__}")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(level=args.log_level)
+    try:
+        result: int = args.func(args)
+    except KeyboardInterrupt:
+        return EXIT_SIGINT
+    except BrokenPipeError:  # `ggufswap inspect big.gguf | head`
+        sys.stderr.close()
+        return EXIT_OK
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

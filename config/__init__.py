@@ -1,0 +1,3 @@
+"""ggufswap.config."""
+
+__all__: list[str] = []

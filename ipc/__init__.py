@@ -1,0 +1,3 @@
+"""ggufswap.ipc."""
+
+__all__: list[str] = []

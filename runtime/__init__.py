@@ -1,0 +1,3 @@
+"""ggufswap.runtime."""
+
+__all__: list[str] = []

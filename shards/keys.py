@@ -1,0 +1,52 @@
+"""The GGUF metadata keys the project reads, in one namespace (never bare literals in logic)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+
+class Keys:
+    """Metadata keys, grouped as gguf-py's ``Keys`` does."""
+
+    class General:
+        ARCHITECTURE: Final = "general.architecture"
+        NAME: Final = "general.name"
+        ALIGNMENT: Final = "general.alignment"
+        FILE_TYPE: Final = "general.file_type"
+
+    class Split:
+        NO: Final = "split.no"
+        COUNT: Final = "split.count"
+        TENSORS_COUNT: Final = "split.tensors.count"
+
+    class LLM:
+        """Per-architecture keys: format with the architecture, ``Keys.LLM.BLOCK_COUNT.format(arch)``."""
+
+        CONTEXT_LENGTH: Final = "{}.context_length"
+        EMBEDDING_LENGTH: Final = "{}.embedding_length"
+        BLOCK_COUNT: Final = "{}.block_count"
+        FEED_FORWARD_LENGTH: Final = "{}.feed_forward_length"
+        EXPERT_FEED_FORWARD_LENGTH: Final = "{}.expert_feed_forward_length"
+        EXPERT_SHARED_FEED_FORWARD_LENGTH: Final = "{}.expert_shared_feed_forward_length"
+        EXPERT_COUNT: Final = "{}.expert_count"
+        EXPERT_USED_COUNT: Final = "{}.expert_used_count"
+        VOCAB_SIZE: Final = "{}.vocab_size"
+        HEAD_COUNT: Final = "{}.attention.head_count"
+        HEAD_COUNT_KV: Final = "{}.attention.head_count_kv"
+        KEY_LENGTH: Final = "{}.attention.key_length"
+        RMS_EPS: Final = "{}.attention.layer_norm_rms_epsilon"
+        ROPE_FREQ_BASE: Final = "{}.rope.freq_base"
+
+    class Tokenizer:
+        MODEL: Final = "tokenizer.ggml.model"
+        TOKENS: Final = "tokenizer.ggml.tokens"
+        SCORES: Final = "tokenizer.ggml.scores"
+        TOKEN_TYPE: Final = "tokenizer.ggml.token_type"
+        MERGES: Final = "tokenizer.ggml.merges"
+        BOS_ID: Final = "tokenizer.ggml.bos_token_id"
+        EOS_ID: Final = "tokenizer.ggml.eos_token_id"
+
+
+GGUF_MAGIC: Final = 0x46554747  # b"GGUF" read as a little-endian uint32
+GGUF_DEFAULT_ALIGNMENT: Final = 32
+GGUF_SUPPORTED_VERSIONS: Final = frozenset({2, 3})
