@@ -1,0 +1,351 @@
+"""Reference llama-style decoder (dense and MoE) that reads every weight through a provider.
+
+The modules own no weights: each ``forward`` asks the ``WeightProvider`` for the tensors it needs,
+so a swap committed between two batches is what the next batch computes with. Weights may live on
+different devices (mixed pools); activations move to a weight's device for each matmul and come
+back (llama.cpp's hybrid CPU/GPU style). The residual stream is float32 on the device of the input
+tokens; matmuls run in the weight's dtype.
+
+The maths follows llama.cpp's graph for each architecture (see ``model_config``): RMS norms,
+RoPE NORM (adjacent pairs) for ``llama`` and NEOX (halves) for the qwen MoE families, grouped-query
+causal attention with scale ``1/sqrt(head_dim)``, SwiGLU FFNs, softmax top-k routing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Final, Protocol
+
+import torch
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
+from ggufswap.runtime.errors import RuntimeLibraryError
+from ggufswap.runtime.model_config import ModelConfig, RopeType
+from torch import Tensor, nn
+
+
+class MissingWeightError(RuntimeLibraryError, KeyError):
+    """The provider lacks tensors the model needs, or holds them with the wrong shape."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class WeightProvider(Protocol):
+    """Where the model reads its weights from at forward time (the runtime's tensor store)."""
+
+    def weight(self, name: str) -> Tensor:
+        """The tensor in logical torch shape (reversed ggml ``ne``), compute dtype, own device."""
+        ...
+
+    def has(self, name: str) -> bool:
+        """Whether the model file holds a tensor of this name."""
+        ...
+
+
+class DictWeightProvider:
+    """A provider over a plain dict: for tests, tools and models loaded without the store."""
+
+    def __init__(self, tensors: Mapping[str, Tensor]) -> None:
+        self._tensors = dict(tensors)
+
+    def weight(self, name: str) -> Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise MissingWeightError(f"no tensor named {name!r} in this provider") from None
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def set(self, name: str, tensor: Tensor) -> None:
+        """Replace (or add) one tensor; the next forward sees it."""
+        self._tensors[name] = tensor
+
+    def names(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+
+class TensorNames:
+    """llama.cpp tensor names; per-layer templates are formatted with the block index."""
+
+    TOKEN_EMBD: Final = "token_embd.weight"  # noqa: S105 (a tensor name, not a secret)
+    OUTPUT_NORM: Final = "output_norm.weight"
+    OUTPUT: Final = "output.weight"
+    ROPE_FREQS: Final = "rope_freqs.weight"
+    ATTN_NORM: Final = "blk.{}.attn_norm.weight"
+    ATTN_Q: Final = "blk.{}.attn_q.{}"  # second field: "weight" or "bias"
+    ATTN_K: Final = "blk.{}.attn_k.{}"
+    ATTN_V: Final = "blk.{}.attn_v.{}"
+    ATTN_OUT: Final = "blk.{}.attn_output.{}"
+    ATTN_Q_NORM: Final = "blk.{}.attn_q_norm.weight"
+    ATTN_K_NORM: Final = "blk.{}.attn_k_norm.weight"
+    FFN_NORM: Final = "blk.{}.ffn_norm.weight"
+    FFN_GATE: Final = "blk.{}.ffn_gate.weight"
+    FFN_UP: Final = "blk.{}.ffn_up.weight"
+    FFN_DOWN: Final = "blk.{}.ffn_down.weight"
+    FFN_GATE_INP: Final = "blk.{}.ffn_gate_inp.weight"
+    FFN_GATE_EXPS: Final = "blk.{}.ffn_gate_exps.weight"
+    FFN_UP_EXPS: Final = "blk.{}.ffn_up_exps.weight"
+    FFN_DOWN_EXPS: Final = "blk.{}.ffn_down_exps.weight"
+    FFN_GATE_SHEXP: Final = "blk.{}.ffn_gate_shexp.weight"
+    FFN_UP_SHEXP: Final = "blk.{}.ffn_up_shexp.weight"
+    FFN_DOWN_SHEXP: Final = "blk.{}.ffn_down_shexp.weight"
+    FFN_GATE_INP_SHEXP: Final = "blk.{}.ffn_gate_inp_shexp.weight"
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """``x @ w.T (+ b)`` on ``w``'s device and dtype; the result returns to ``x``'s device/dtype."""
+    xw = x.to(device=w.device, dtype=w.dtype)
+    bw = None if b is None else b.to(device=w.device, dtype=w.dtype)
+    return F.linear(xw, w, bw).to(device=x.device, dtype=x.dtype)
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """llama.cpp's RMS norm over the last dim, in float32, scaled by ``w``."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * w.to(device=x.device, dtype=torch.float32)).to(x.dtype)
+
+
+class _Spec:
+    """Expected shapes of the tensors a module reads, checked once at construction."""
+
+    def __init__(self) -> None:
+        self.required: dict[str, tuple[int, ...]] = {}
+
+    def need(self, name: str, shape: tuple[int, ...]) -> str:
+        self.required[name] = shape
+        return name
+
+    def maybe(self, weights: WeightProvider, name: str, shape: tuple[int, ...]) -> str | None:
+        return self.need(name, shape) if weights.has(name) else None
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with a cos/sin cache; NORM rotates (x[2i], x[2i+1]), NEOX rotates (x[i], x[i+d/2])."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_rot = config.n_rot
+        self.rope_type = config.rope_type
+        self.base = config.rope_base
+        self.cos = self.sin = torch.empty(0)  # [P, n_rot/2] float32 on CPU
+        self._extend(config.context_length)
+
+    def _extend(self, n_pos: int) -> None:
+        # theta_i = pos * base^(-2i / n_rot), as ggml_rope; computed in float64, stored float32.
+        inv_freq = self.base ** (-torch.arange(0, self.n_rot, 2, dtype=torch.float64) / self.n_rot)
+        angles = torch.outer(torch.arange(n_pos, dtype=torch.float64), inv_freq)  # [P, n_rot/2]
+        self.cos = angles.cos().float()
+        self.sin = angles.sin().float()
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        # x: [B, T, H, hd], positions: [T]
+        if int(positions.max()) >= self.cos.shape[0]:
+            self._extend(2 * int(positions.max()) + 1)
+        cos = self.cos[positions.cpu()].to(x.device)[None, :, None, :]  # [1, T, 1, n_rot/2]
+        sin = self.sin[positions.cpu()].to(x.device)[None, :, None, :]
+        rot, rest = x[..., : self.n_rot].float(), x[..., self.n_rot :]
+        if self.rope_type == RopeType.NORM:
+            x0, x1 = rot[..., 0::2], rot[..., 1::2]  # [B, T, H, n_rot/2] each
+            out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+        else:
+            x0, x1 = rot.chunk(2, dim=-1)
+            out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+        return torch.cat((out.to(x.dtype), rest), dim=-1)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with optional Q/K biases and per-head Q/K norms."""
+
+    def __init__(self, config: ModelConfig, weights: WeightProvider, layer: int, spec: _Spec):
+        super().__init__()
+        self.config, self.weights = config, weights
+        d, hd = config.n_embd, config.head_dim
+        q_dim, kv_dim = config.n_head * hd, config.n_head_kv * hd
+        tn = TensorNames
+        self.wq = spec.need(tn.ATTN_Q.format(layer, "weight"), (q_dim, d))
+        self.wk = spec.need(tn.ATTN_K.format(layer, "weight"), (kv_dim, d))
+        self.wv = spec.need(tn.ATTN_V.format(layer, "weight"), (kv_dim, d))
+        self.wo = spec.need(tn.ATTN_OUT.format(layer, "weight"), (d, q_dim))
+        self.bq = spec.maybe(weights, tn.ATTN_Q.format(layer, "bias"), (q_dim,))
+        self.bk = spec.maybe(weights, tn.ATTN_K.format(layer, "bias"), (kv_dim,))
+        self.bv = spec.maybe(weights, tn.ATTN_V.format(layer, "bias"), (kv_dim,))
+        self.bo = spec.maybe(weights, tn.ATTN_OUT.format(layer, "bias"), (d,))
+        self.q_norm = spec.maybe(weights, tn.ATTN_Q_NORM.format(layer), (hd,))
+        self.k_norm = spec.maybe(weights, tn.ATTN_K_NORM.format(layer), (hd,))
+
+    def _proj(self, x: Tensor, w: str, b: str | None) -> Tensor:
+        return linear(x, self.weights.weight(w), None if b is None else self.weights.weight(b))
+
+    def _norm(self, x: Tensor, name: str | None) -> Tensor:
+        return x if name is None else rms_norm(x, self.weights.weight(name), self.config.norm_eps)
+
+    def forward(self, x: Tensor, rope: RotaryEmbedding, positions: Tensor) -> Tensor:
+        # x: [B, T, D]
+        c, (bsz, seq, _) = self.config, x.shape
+        q = self._proj(x, self.wq, self.bq).view(bsz, seq, c.n_head, c.head_dim)  # [B, T, H, hd]
+        k = self._proj(x, self.wk, self.bk).view(bsz, seq, c.n_head_kv, c.head_dim)  # [B,T,Hkv,hd]
+        v = self._proj(x, self.wv, self.bv).view(bsz, seq, c.n_head_kv, c.head_dim)
+        q = rope(self._norm(q, self.q_norm), positions)
+        k = rope(self._norm(k, self.k_norm), positions)
+        # A KV cache would append k, v here (positions already carry the offset).
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H(kv), T, hd]
+        k = k.repeat_interleave(c.q_per_kv, dim=1)  # query head h reads kv head h // q_per_kv
+        v = v.repeat_interleave(c.q_per_kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.head_dim**-0.5)
+        y = y.transpose(1, 2).reshape(bsz, seq, c.n_head * c.head_dim)  # [B, T, H*hd]
+        return self._proj(y, self.wo, self.bo)  # [B, T, D]
+
+
+def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """``down(silu(gate(x)) * up(x))``: llama.cpp's LLM_FFN_SILU + LLM_FFN_PAR."""
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+
+
+class FeedForward(nn.Module):
+    """Dense SwiGLU FFN."""
+
+    def __init__(self, config: ModelConfig, weights: WeightProvider, layer: int, spec: _Spec):
+        super().__init__()
+        self.weights = weights
+        d, ff = config.n_embd, config.n_ff
+        self.gate = spec.need(TensorNames.FFN_GATE.format(layer), (ff, d))
+        self.up = spec.need(TensorNames.FFN_UP.format(layer), (ff, d))
+        self.down = spec.need(TensorNames.FFN_DOWN.format(layer), (d, ff))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [..., D]
+        w = self.weights.weight
+        return swiglu(x, w(self.gate), w(self.up), w(self.down))
+
+
+class MoEFeedForward(nn.Module):
+    """Router -> top-k experts (each run over the tokens routed to it) + optional shared expert."""
+
+    def __init__(self, config: ModelConfig, weights: WeightProvider, layer: int, spec: _Spec):
+        super().__init__()
+        self.config, self.weights = config, weights
+        tn, d, n_exp = TensorNames, config.n_embd, config.n_expert
+        ff = config.n_ff_exp or config.n_ff // config.n_expert_used
+        self.router = spec.need(tn.FFN_GATE_INP.format(layer), (n_exp, d))
+        self.gate_exps = spec.need(tn.FFN_GATE_EXPS.format(layer), (n_exp, ff, d))
+        self.up_exps = spec.need(tn.FFN_UP_EXPS.format(layer), (n_exp, ff, d))
+        self.down_exps = spec.need(tn.FFN_DOWN_EXPS.format(layer), (n_exp, d, ff))
+        self.shared: tuple[str, str, str] | None = None
+        self.shared_gate: str | None = None
+        if weights.has(tn.FFN_UP_SHEXP.format(layer)):
+            ff_sh = weights.weight(tn.FFN_UP_SHEXP.format(layer)).shape[0]
+            self.shared = (
+                spec.need(tn.FFN_GATE_SHEXP.format(layer), (ff_sh, d)),
+                spec.need(tn.FFN_UP_SHEXP.format(layer), (ff_sh, d)),
+                spec.need(tn.FFN_DOWN_SHEXP.format(layer), (d, ff_sh)),
+            )
+            self.shared_gate = spec.maybe(weights, tn.FFN_GATE_INP_SHEXP.format(layer), (d,))
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Top-k expert weights and ids per token: ``([N, k] float32, [N, k] int64)``."""
+        # x: [N, D]
+        c = self.config
+        probs = linear(x, self.weights.weight(self.router)).float().softmax(dim=-1)  # [N, E]
+        top_w, top_i = probs.topk(c.n_expert_used, dim=-1)  # [N, k]
+        if c.norm_topk:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return top_w * c.expert_weights_scale, top_i
+
+    def expert(self, x: Tensor, e: int) -> Tensor:
+        """Expert ``e`` applied to rows ``x`` (the stacked tensors index by expert)."""
+        w = self.weights.weight
+        return swiglu(x, w(self.gate_exps)[e], w(self.up_exps)[e], w(self.down_exps)[e])
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [B, T, D]
+        flat = x.reshape(-1, x.shape[-1])  # [N, D]
+        top_w, top_i = self.route(flat)  # [N, k]
+        out = torch.zeros_like(flat)
+        for e in top_i.unique().tolist():  # ascending expert order: deterministic sums
+            rows, slot = (top_i == e).nonzero(as_tuple=True)  # tokens routed to e, and which slot
+            y = self.expert(flat[rows], e) * top_w[rows, slot, None].to(flat.dtype)
+            out.index_add_(0, rows, y)
+        return (out + self._shared(flat)).view_as(x)
+
+    def _shared(self, x: Tensor) -> Tensor | float:
+        # x: [N, D]
+        if self.shared is None:
+            return 0.0
+        w = self.weights.weight
+        y = swiglu(x, *(w(name) for name in self.shared))  # [N, D]
+        if self.shared_gate is None:
+            return y
+        return y * torch.sigmoid(linear(x, w(self.shared_gate).unsqueeze(0)))  # gate: [N, 1]
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm attention and FFN with residuals."""
+
+    def __init__(self, config: ModelConfig, weights: WeightProvider, layer: int, spec: _Spec):
+        super().__init__()
+        self.config, self.weights = config, weights
+        self.attn_norm = spec.need(TensorNames.ATTN_NORM.format(layer), (config.n_embd,))
+        self.ffn_norm = spec.need(TensorNames.FFN_NORM.format(layer), (config.n_embd,))
+        self.attention = Attention(config, weights, layer, spec)
+        ffn_cls = MoEFeedForward if config.is_moe else FeedForward
+        self.feed_forward: nn.Module = ffn_cls(config, weights, layer, spec)
+
+    def forward(self, x: Tensor, rope: RotaryEmbedding, positions: Tensor) -> Tensor:
+        # x: [B, T, D]
+        w, eps = self.weights.weight, self.config.norm_eps
+        h = x + self.attention(rms_norm(x, w(self.attn_norm), eps), rope, positions)
+        return h + self.feed_forward(rms_norm(h, w(self.ffn_norm), eps))
+
+
+class Transformer(nn.Module):
+    """The decoder. ``forward(tokens [B, T]) -> logits [B, T, V]`` (float32)."""
+
+    def __init__(
+        self, config: ModelConfig, weights: WeightProvider, *, check_shapes: bool = True
+    ) -> None:
+        super().__init__()
+        self.config, self.weights = config, weights
+        if weights.has(TensorNames.ROPE_FREQS):
+            raise MissingWeightError(
+                f"{TensorNames.ROPE_FREQS}: RoPE frequency factors (llama 3.1 scaling) are not "
+                "implemented by the reference decoder"
+            )
+        spec = _Spec()
+        self.tok_embd = spec.need(TensorNames.TOKEN_EMBD, (config.n_vocab, config.n_embd))
+        self.norm = spec.need(TensorNames.OUTPUT_NORM, (config.n_embd,))
+        out = TensorNames.OUTPUT if weights.has(TensorNames.OUTPUT) else TensorNames.TOKEN_EMBD
+        self.output = spec.need(out, (config.n_vocab, config.n_embd))  # tied when absent
+        self.layers = nn.ModuleList(
+            TransformerBlock(config, weights, i, spec) for i in range(config.n_layer)
+        )
+        self.rope = RotaryEmbedding(config)
+        self.required = dict(spec.required)  # every tensor a forward reads, with its shape
+        _check(weights, self.required, shapes=check_shapes)
+
+    def forward(self, tokens: Tensor, *, start_pos: int = 0) -> Tensor:
+        # tokens: [B, T] int64 -> logits: [B, T, V] float32
+        w = self.weights.weight
+        emb = w(self.tok_embd)  # [V, D]
+        x = F.embedding(tokens.to(emb.device), emb).to(tokens.device, torch.float32)  # [B, T, D]
+        positions = torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device)
+        for layer in self.layers:
+            x = layer(x, self.rope, positions)
+        x = rms_norm(x, w(self.norm), self.config.norm_eps)
+        return linear(x, w(self.output)).float()  # [B, T, V]
+
+
+def _check(
+    weights: WeightProvider, required: Mapping[str, tuple[int, ...]], *, shapes: bool
+) -> None:
+    """Raise one error listing every missing tensor and every shape mismatch."""
+    problems = [f"{name}: missing" for name in required if not weights.has(name)]
+    if shapes and not problems:
+        for name, expected in required.items():
+            found = tuple(weights.weight(name).shape)
+            if found != expected:
+                problems.append(f"{name}: expected shape {list(expected)}, found {list(found)}")
+    if problems:
+        lines = "\n  ".join(problems)
+        raise MissingWeightError(f"the weights do not fit the model config:\n  {lines}")
