@@ -1,0 +1,81 @@
+"""Strict field readers for decoded maps: each failure names the field path, expected and found."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ggufswap.ipc.errors import MalformedMessage
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def field_path(parent: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else key
+
+
+def require_map(value: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise MalformedMessage(f"field {where!r}: expected a map, found {_describe(value)}")
+    return value
+
+
+def get(d: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in d:
+        raise MalformedMessage(f"field {field_path(where, key)!r}: missing")
+    return d[key]
+
+
+def as_int(value: object, where: str, *, minimum: int | None = None) -> int:
+    # bool is an int subclass in Python but a distinct msgpack type: refuse it.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MalformedMessage(f"field {where!r}: expected an integer, found {_describe(value)}")
+    if minimum is not None and value < minimum:
+        raise MalformedMessage(f"field {where!r}: expected an integer >= {minimum}, found {value}")
+    return value
+
+
+def as_number(value: object, where: str, *, minimum: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise MalformedMessage(f"field {where!r}: expected a number, found {_describe(value)}")
+    if minimum is not None and not value >= minimum:  # also refuses NaN
+        raise MalformedMessage(f"field {where!r}: expected a number >= {minimum}, found {value}")
+    return float(value)
+
+
+def as_bool(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise MalformedMessage(f"field {where!r}: expected a boolean, found {_describe(value)}")
+    return value
+
+
+def as_str(value: object, where: str, *, nonempty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise MalformedMessage(f"field {where!r}: expected a string, found {_describe(value)}")
+    if nonempty and not value:
+        raise MalformedMessage(f"field {where!r}: expected a non-empty string, found ''")
+    return value
+
+
+def as_opt_str(value: object, where: str) -> str | None:
+    return None if value is None else as_str(value, where)
+
+
+def as_list(value: object, where: str) -> list[Any]:
+    if not isinstance(value, list | tuple):
+        raise MalformedMessage(f"field {where!r}: expected an array, found {_describe(value)}")
+    return list(value)
+
+
+def as_choice(value: object, where: str, choices: tuple[str, ...]) -> str:
+    text = as_str(value, where)
+    if text not in choices:
+        raise MalformedMessage(f"field {where!r}: expected one of {list(choices)}, found {text!r}")
+    return text

@@ -1,0 +1,527 @@
+"""Message vocabulary of the protocol: types, codes, field names, envelopes and typed bodies.
+
+Every message is a msgpack map with the envelope ``v`` (schema version), ``type`` and ``id``
+plus typed fields (see ``docs/protocol.md``). This module knows nothing about sockets; it turns
+records into plain maps and back, refusing anything that does not match the schema with a
+``MalformedMessage`` that names the offending field. Unknown fields are ignored (forward
+compatibility); unknown types raise ``UnknownMessageType``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+from typing import Any
+
+from ggufswap.ipc import _check as c
+from ggufswap.ipc.errors import MalformedMessage, UnknownMessageType, UnsupportedVersion
+from ggufswap.ipc.plan import Job, Plan
+from ggufswap.shards.records import FileIdentity, GGMLQuantizationType, TensorRecord
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS: tuple[int, ...] = (PROTOCOL_VERSION,)
+MAX_ID_LENGTH = 128
+GGML_MAX_DIMS = 4
+
+
+class MessageType(str, Enum):
+    """Value of the ``type`` envelope field."""
+
+    PING = "ping"
+    PONG = "pong"
+    STATUS = "status"
+    STATUS_REPLY = "status_reply"
+    STATE = "state"
+    STATE_REPLY = "state_reply"
+    PLAN = "plan"
+    ACCEPTED = "accepted"
+    STAGED = "staged"
+    COMMITTED = "committed"
+    REJECTED = "rejected"
+    ERROR = "error"
+    EVENT = "event"
+
+
+class ErrorCode(IntEnum):
+    """``code`` of an ``error`` reply."""
+
+    MALFORMED = 1
+    UNKNOWN_TYPE = 2
+    UNSUPPORTED_VERSION = 3
+    TOO_LARGE = 4
+    INTERNAL = 5
+
+
+class Topic(str, Enum):
+    """First frame of an event published on the PUB socket (subscribers filter on its prefix)."""
+
+    PLAN_ACCEPTED = "plan.accepted"
+    PLAN_COMMITTED = "plan.committed"
+    PLAN_REJECTED = "plan.rejected"
+    TENSOR_FALLBACK = "tensor.fallback"
+    TENSOR_REATTACHED = "tensor.reattached"
+    SHARD_INVALID = "shard.invalid"
+
+
+class Process(str, Enum):
+    """Which ggufswap process answers a ``status``."""
+
+    AGENT = "agent"
+    RUNTIME = "runtime"
+
+
+class SlotState(str, Enum):
+    """Where a loaded tensor lives, as reported in ``state_reply``."""
+
+    ON_ORIGINAL = "ON_ORIGINAL"
+    DETACHED = "DETACHED"
+    FALLBACK_CPU = "FALLBACK_CPU"
+
+
+class Fields:
+    """Every key used on the wire; no bare string literals in logic."""
+
+    # envelope
+    V = "v"
+    TYPE = "type"
+    ID = "id"
+    IN_REPLY_TO = "in_reply_to"
+    # bodies
+    PROCESS = "process"
+    UPTIME_S = "uptime_s"
+    STATUS = "status"
+    MODEL = "model"
+    WEIGHT_VERSION = "weight_version"
+    TENSORS = "tensors"
+    PLAN_ID = "plan_id"
+    JOBS = "jobs"
+    STALL_MS = "stall_ms"
+    STALE = "stale"
+    REASONS = "reasons"
+    CODE = "code"
+    MESSAGE = "message"
+    TOPIC = "topic"
+    # reasons and events
+    TENSOR = "tensor"
+    REASON = "reason"
+    POOL = "pool"
+    PATH = "path"
+
+    class Tensor:
+        """Keys of a tensor entry (``state_reply.tensors[name]``) and of a plan job."""
+
+        NAME = "name"
+        PATH = "path"
+        OFFSET = "offset"
+        NBYTES = "nbytes"
+        TYPE = "type"  # int ggml type code
+        NE = "ne"
+        IDENTITY = "identity"  # [dev, ino, size, mtime_ns, ctime_ns]
+        FINGERPRINT = "fingerprint"
+        SLOT = "slot"
+
+
+ENVELOPE_KEYS = frozenset({Fields.V, Fields.TYPE, Fields.ID})
+
+
+# --------------------------------------------------------------------------- envelopes
+
+
+def new_id() -> str:
+    """A fresh message id: a uuid4 in hex."""
+    return uuid.uuid4().hex
+
+
+def make_message(
+    msg_type: MessageType, *, msg_id: str | None = None, **fields: Any
+) -> dict[str, Any]:
+    """A message map: envelope plus ``fields`` (which must not repeat envelope keys)."""
+    return message_from(msg_type, fields, msg_id=msg_id)
+
+
+def message_from(
+    msg_type: MessageType, fields: Mapping[str, Any], *, msg_id: str | None = None
+) -> dict[str, Any]:
+    """Like ``make_message`` with the fields as a map (for keys that are not identifiers)."""
+    clash = ENVELOPE_KEYS.intersection(fields)
+    if clash:
+        raise ValueError(f"fields {sorted(clash)} are envelope keys; pass msg_id= for the id")
+    return {
+        Fields.V: PROTOCOL_VERSION,
+        Fields.TYPE: msg_type.value,
+        Fields.ID: msg_id if msg_id is not None else new_id(),
+        **fields,
+    }
+
+
+def make_reply(request: Mapping[str, Any], msg_type: MessageType, **fields: Any) -> dict[str, Any]:
+    """A reply to ``request``: ``in_reply_to`` carries the request's ``id``."""
+    return message_from(msg_type, {Fields.IN_REPLY_TO: request.get(Fields.ID), **fields})
+
+
+def make_error(in_reply_to: str | None, code: ErrorCode, message: str) -> dict[str, Any]:
+    """An ``error`` reply; ``in_reply_to`` is None when the request's id could not be read."""
+    body = {Fields.IN_REPLY_TO: in_reply_to, Fields.CODE: int(code), Fields.MESSAGE: message}
+    return message_from(MessageType.ERROR, body)
+
+
+def make_event(topic: Topic, **fields: Any) -> dict[str, Any]:
+    """The payload of an event; the topic is repeated inside so a payload stands alone."""
+    return message_from(MessageType.EVENT, {Fields.TOPIC: topic.value, **fields})
+
+
+def check_envelope(obj: object) -> dict[str, Any]:
+    """Return ``obj`` as a message map after checking ``v`` (first), ``type`` and ``id``."""
+    if not isinstance(obj, dict):
+        raise MalformedMessage(
+            f"top level: expected a map with 'v', 'type', 'id', found {type(obj).__name__}"
+        )
+    for key in obj:
+        if not isinstance(key, str):
+            raise MalformedMessage(f"top level: keys must be strings, found {key!r}")
+    version = c.get(obj, Fields.V, "")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise MalformedMessage(f"field 'v': expected an integer, found {version!r}")
+    if version not in SUPPORTED_VERSIONS:
+        raise UnsupportedVersion(version, SUPPORTED_VERSIONS)
+    c.as_str(c.get(obj, Fields.TYPE, ""), Fields.TYPE, nonempty=True)
+    msg_id = c.as_str(c.get(obj, Fields.ID, ""), Fields.ID, nonempty=True)
+    if len(msg_id) > MAX_ID_LENGTH:
+        raise MalformedMessage(
+            f"field 'id': at most {MAX_ID_LENGTH} characters, found {len(msg_id)}"
+        )
+    return obj
+
+
+def message_type(msg: Mapping[str, Any]) -> MessageType:
+    """The ``MessageType`` of an envelope-checked message, or ``UnknownMessageType``."""
+    raw = msg.get(Fields.TYPE)
+    try:
+        return MessageType(raw)
+    except ValueError:
+        raise UnknownMessageType(raw, served=tuple(t.value for t in MessageType)) from None
+
+
+# --------------------------------------------------------------------------- records
+
+
+def record_to_wire(record: TensorRecord) -> dict[str, Any]:
+    """A ``TensorRecord`` as a plain map (``name`` included)."""
+    t = Fields.Tensor
+    return {
+        t.NAME: record.name,
+        t.PATH: record.path,
+        t.OFFSET: record.offset,
+        t.NBYTES: record.nbytes,
+        t.TYPE: int(record.ggml_type),
+        t.NE: list(record.ne),
+        t.IDENTITY: list(record.identity.as_tuple()),
+    }
+
+
+def _identity_from_wire(value: object, where: str) -> FileIdentity:
+    items = c.as_list(value, where)
+    if len(items) != 5:
+        raise MalformedMessage(
+            f"field {where!r}: expected [dev, ino, size, mtime_ns, ctime_ns], "
+            f"found {len(items)} items"
+        )
+    dev, ino, size = (
+        c.as_int(v, c.field_path(where, i), minimum=0) for i, v in enumerate(items[:3])
+    )
+    mtime_ns, ctime_ns = (c.as_int(v, c.field_path(where, 3 + i)) for i, v in enumerate(items[3:]))
+    return FileIdentity(dev, ino, size, mtime_ns, ctime_ns)
+
+
+def record_from_wire(d: object, *, where: str = "record", name: str | None = None) -> TensorRecord:
+    """The inverse of ``record_to_wire``; ``name`` overrides a missing ``name`` key (state maps)."""
+    t = Fields.Tensor
+    m = c.require_map(d, where)
+    if name is None:
+        name = c.as_str(c.get(m, t.NAME, where), c.field_path(where, t.NAME), nonempty=True)
+    code = c.as_int(c.get(m, t.TYPE, where), c.field_path(where, t.TYPE), minimum=0)
+    try:
+        ggml_type = GGMLQuantizationType(code)
+    except ValueError:
+        raise MalformedMessage(
+            f"field {c.field_path(where, t.TYPE)!r}: unknown ggml type code {code} "
+            f"(tensor {name!r})"
+        ) from None
+    ne_where = c.field_path(where, t.NE)
+    ne_items = c.as_list(c.get(m, t.NE, where), ne_where)
+    if not 1 <= len(ne_items) <= GGML_MAX_DIMS:
+        raise MalformedMessage(
+            f"field {ne_where!r}: expected 1 to {GGML_MAX_DIMS} dimensions, found {len(ne_items)}"
+        )
+    ne = tuple(c.as_int(v, c.field_path(ne_where, i), minimum=0) for i, v in enumerate(ne_items))
+    return TensorRecord(
+        name=name,
+        ggml_type=ggml_type,
+        ne=ne,
+        offset=c.as_int(c.get(m, t.OFFSET, where), c.field_path(where, t.OFFSET), minimum=0),
+        nbytes=c.as_int(c.get(m, t.NBYTES, where), c.field_path(where, t.NBYTES), minimum=0),
+        path=c.as_str(c.get(m, t.PATH, where), c.field_path(where, t.PATH), nonempty=True),
+        identity=_identity_from_wire(c.get(m, t.IDENTITY, where), c.field_path(where, t.IDENTITY)),
+    )
+
+
+def _fingerprint_from_wire(m: Mapping[str, Any], where: str) -> str | None:
+    key = Fields.Tensor.FINGERPRINT
+    return c.as_opt_str(c.get(m, key, where), c.field_path(where, key))
+
+
+def job_to_wire(job: Job) -> dict[str, Any]:
+    """A plan job: the record's fields plus ``fingerprint`` (nil when unknown)."""
+    return {**record_to_wire(job.source), Fields.Tensor.FINGERPRINT: job.fingerprint}
+
+
+def job_from_wire(d: object, *, where: str = "job") -> Job:
+    record = record_from_wire(d, where=where)
+    return Job(source=record, fingerprint=_fingerprint_from_wire(c.require_map(d, where), where))
+
+
+def plan_to_wire(plan: Plan) -> dict[str, Any]:
+    """The body of a ``plan`` message (no envelope): ``make_message(PLAN, **plan_to_wire(p))``."""
+    return {
+        Fields.PLAN_ID: plan.plan_id,
+        Fields.MODEL: plan.model,
+        Fields.JOBS: [job_to_wire(job) for job in plan.jobs],
+    }
+
+
+def plan_from_wire(d: object) -> Plan:
+    """A ``Plan`` from a ``plan`` message or body; job names must be unique."""
+    m = c.require_map(d, "plan")
+    jobs_raw = c.as_list(c.get(m, Fields.JOBS, ""), Fields.JOBS)
+    jobs = tuple(
+        job_from_wire(j, where=c.field_path(Fields.JOBS, i)) for i, j in enumerate(jobs_raw)
+    )
+    counts = Counter(job.name for job in jobs)
+    duplicates = sorted(name for name, n in counts.items() if n > 1)
+    if duplicates:
+        raise MalformedMessage(f"field 'jobs': duplicate tensor names {duplicates}")
+    return Plan(
+        plan_id=c.as_str(c.get(m, Fields.PLAN_ID, ""), Fields.PLAN_ID, nonempty=True),
+        model=c.as_str(c.get(m, Fields.MODEL, ""), Fields.MODEL),
+        jobs=jobs,
+    )
+
+
+# --------------------------------------------------------------------------- replies
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One loaded tensor as the runtime reports it: where it came from and where it lives."""
+
+    record: TensorRecord
+    fingerprint: str | None
+    slot: SlotState
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeState:
+    """The body of ``state_reply``: what the runtime has loaded, at which weight version."""
+
+    model: str
+    weight_version: int
+    tensors: tuple[TensorEntry, ...]
+
+    def by_name(self) -> dict[str, TensorEntry]:
+        return {entry.record.name: entry for entry in self.tensors}
+
+
+def state_to_wire(state: RuntimeState) -> dict[str, Any]:
+    """The body of ``state_reply``; tensor entries are keyed by name and carry no ``name``."""
+    tensors: dict[str, Any] = {}
+    for entry in state.tensors:
+        wire = record_to_wire(entry.record)
+        del wire[Fields.Tensor.NAME]
+        wire[Fields.Tensor.FINGERPRINT] = entry.fingerprint
+        wire[Fields.Tensor.SLOT] = entry.slot.value
+        tensors[entry.record.name] = wire
+    return {
+        Fields.MODEL: state.model,
+        Fields.WEIGHT_VERSION: state.weight_version,
+        Fields.TENSORS: tensors,
+    }
+
+
+def state_from_wire(d: object) -> RuntimeState:
+    m = c.require_map(d, "state_reply")
+    tensors_raw = c.require_map(c.get(m, Fields.TENSORS, ""), Fields.TENSORS)
+    slots = tuple(s.value for s in SlotState)
+    entries = []
+    for name, raw in tensors_raw.items():
+        where = f"{Fields.TENSORS}[{name!r}]"
+        record = record_from_wire(raw, where=where, name=c.as_str(name, where, nonempty=True))
+        slot_where = c.field_path(where, Fields.Tensor.SLOT)
+        slot = c.as_choice(c.get(raw, Fields.Tensor.SLOT, where), slot_where, slots)
+        entries.append(TensorEntry(record, _fingerprint_from_wire(raw, where), SlotState(slot)))
+    return RuntimeState(
+        model=c.as_str(c.get(m, Fields.MODEL, ""), Fields.MODEL),
+        weight_version=c.as_int(
+            c.get(m, Fields.WEIGHT_VERSION, ""), Fields.WEIGHT_VERSION, minimum=0
+        ),
+        tensors=tuple(entries),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RejectReason:
+    """Why one tensor of a plan cannot be applied."""
+
+    tensor: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """The body of ``committed``: the plan is live from ``weight_version`` on."""
+
+    plan_id: str
+    weight_version: int
+    stall_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The body of ``rejected``; ``stale`` means a source file changed: re-plan and resend."""
+
+    plan_id: str
+    stale: bool
+    reasons: tuple[RejectReason, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """The body of ``error``."""
+
+    in_reply_to: str | None
+    code: ErrorCode
+    message: str
+
+
+def committed_to_wire(body: Committed) -> dict[str, Any]:
+    return {
+        Fields.PLAN_ID: body.plan_id,
+        Fields.WEIGHT_VERSION: body.weight_version,
+        Fields.STALL_MS: body.stall_ms,
+    }
+
+
+def committed_from_wire(d: object) -> Committed:
+    m = c.require_map(d, "committed")
+    return Committed(
+        plan_id=c.as_str(c.get(m, Fields.PLAN_ID, ""), Fields.PLAN_ID, nonempty=True),
+        weight_version=c.as_int(
+            c.get(m, Fields.WEIGHT_VERSION, ""), Fields.WEIGHT_VERSION, minimum=0
+        ),
+        stall_ms=c.as_number(c.get(m, Fields.STALL_MS, ""), Fields.STALL_MS, minimum=0.0),
+    )
+
+
+def rejected_to_wire(body: Rejected) -> dict[str, Any]:
+    return {
+        Fields.PLAN_ID: body.plan_id,
+        Fields.STALE: body.stale,
+        Fields.REASONS: [{Fields.TENSOR: r.tensor, Fields.REASON: r.reason} for r in body.reasons],
+    }
+
+
+def rejected_from_wire(d: object) -> Rejected:
+    m = c.require_map(d, "rejected")
+    reasons = []
+    for i, raw in enumerate(c.as_list(c.get(m, Fields.REASONS, ""), Fields.REASONS)):
+        where = c.field_path(Fields.REASONS, i)
+        r = c.require_map(raw, where)
+        reasons.append(
+            RejectReason(
+                tensor=c.as_str(c.get(r, Fields.TENSOR, where), c.field_path(where, Fields.TENSOR)),
+                reason=c.as_str(c.get(r, Fields.REASON, where), c.field_path(where, Fields.REASON)),
+            )
+        )
+    return Rejected(
+        plan_id=c.as_str(c.get(m, Fields.PLAN_ID, ""), Fields.PLAN_ID, nonempty=True),
+        stale=c.as_bool(c.get(m, Fields.STALE, ""), Fields.STALE),
+        reasons=tuple(reasons),
+    )
+
+
+def error_from_wire(d: object) -> ErrorReply:
+    m = c.require_map(d, "error")
+    code = c.as_int(c.get(m, Fields.CODE, ""), Fields.CODE)
+    try:
+        error_code = ErrorCode(code)
+    except ValueError:
+        error_code = ErrorCode.INTERNAL  # a newer peer's code: still an error, still readable
+    return ErrorReply(
+        in_reply_to=c.as_opt_str(c.get(m, Fields.IN_REPLY_TO, ""), Fields.IN_REPLY_TO),
+        code=error_code,
+        message=c.as_str(c.get(m, Fields.MESSAGE, ""), Fields.MESSAGE),
+    )
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _nonneg_number(value: object, where: str) -> object:
+    return c.as_number(value, where, minimum=0.0)
+
+
+def _nonneg_int(value: object, where: str) -> object:
+    return c.as_int(value, where, minimum=0)
+
+
+def _nonempty_str(value: object, where: str) -> object:
+    return c.as_str(value, where, nonempty=True)
+
+
+def _process(value: object, where: str) -> object:
+    return c.as_choice(value, where, tuple(p.value for p in Process))
+
+
+_Check = Callable[[object, str], object]
+_PLAN_REPLY: tuple[tuple[str, _Check], ...] = (
+    (Fields.PLAN_ID, _nonempty_str),
+    (Fields.IN_REPLY_TO, c.as_opt_str),
+)
+
+# Top-level fields each type must carry; deep structure is checked by the *_from_wire readers.
+SCHEMA: dict[MessageType, tuple[tuple[str, _Check], ...]] = {
+    MessageType.PING: (),
+    MessageType.PONG: ((Fields.PROCESS, c.as_str), (Fields.UPTIME_S, _nonneg_number)),
+    MessageType.STATUS: (),
+    MessageType.STATUS_REPLY: ((Fields.PROCESS, _process), (Fields.STATUS, c.require_map)),
+    MessageType.STATE: (),
+    MessageType.STATE_REPLY: (),
+    MessageType.PLAN: (),
+    MessageType.ACCEPTED: _PLAN_REPLY,
+    MessageType.STAGED: _PLAN_REPLY,
+    MessageType.COMMITTED: _PLAN_REPLY,
+    MessageType.REJECTED: _PLAN_REPLY,
+    MessageType.ERROR: ((Fields.CODE, c.as_int), (Fields.MESSAGE, c.as_str)),
+    MessageType.EVENT: ((Fields.TOPIC, _nonempty_str),),
+}
+
+_DEEP: dict[MessageType, Callable[[object], object]] = {
+    MessageType.STATE_REPLY: state_from_wire,
+    MessageType.PLAN: plan_from_wire,
+    MessageType.COMMITTED: committed_from_wire,
+    MessageType.REJECTED: rejected_from_wire,
+    MessageType.ERROR: error_from_wire,
+}
+
+
+def validate_message(msg: Mapping[str, Any]) -> MessageType:
+    """Check an envelope-checked message's fields against its type's schema; return the type."""
+    msg_type = message_type(msg)
+    for key, check in SCHEMA[msg_type]:
+        check(c.get(msg, key, ""), key)
+    deep = _DEEP.get(msg_type)
+    if deep is not None:
+        deep(msg)
+    return msg_type

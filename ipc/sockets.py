@@ -1,0 +1,266 @@
+"""Socket construction with the production options, and secure bind/connect of endpoints.
+
+Every socket gets an explicit ``LINGER``, high-water marks and a transport size cap
+(``MAXMSGSIZE``); a ROUTER also gets ``ROUTER_MANDATORY`` so that a reply to a vanished peer is
+an error rather than a silent drop. Endpoints:
+
+- ``ipc://PATH``: the parent directory is created with mode 0700, an existing one must not be
+  writable by group or others, the socket file is created under umask 0o077 (mode 0600), and a
+  stale socket file left by a dead process is removed (a live one raises ``EndpointInUse``).
+- ``tcp://HOST:PORT``: requires CURVE (server: its secret key plus a ZAP authenticator that only
+  admits the public keys found in an authorized-keys directory) unless the operator explicitly
+  passes ``allow_insecure_tcp=True``; otherwise ``InsecureEndpoint``.
+- ``inproc://NAME``: in-process only, no checks.
+
+Only one ZAP authenticator can serve a context, so a socket bound with CURVE should have a
+context of its own (``RequestServer`` and ``Publisher`` do).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from ggufswap.ipc.codec import DEFAULT_MAX_MSG_SIZE
+from ggufswap.ipc.errors import EndpointInUse, InsecureEndpoint, IpcError
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_LINGER_MS = 200
+DEFAULT_HWM = 1000
+# libzmq drops the connection of a peer that sends a frame over MAXMSGSIZE, so nobody could be
+# told why. The transport limit is therefore a little above the protocol cap: frames between the
+# two get a polite ``error TOO_LARGE`` reply; grossly oversized ones are cut off by libzmq
+# before they are buffered whole.
+TRANSPORT_SLACK_BYTES = 1024 * 1024
+IPC_SCHEME = "ipc://"
+TCP_SCHEME = "tcp://"
+INPROC_SCHEME = "inproc://"
+PRIVATE_UMASK = 0o077
+PRIVATE_DIR_MODE = 0o700
+SOCKET_FILE_MODE = 0o600
+
+_umask_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """Paths of CURVE key files (``zmq.auth.create_certificates`` format).
+
+    Mirrors the config's ``security.curve`` section. A server needs ``server_secret_key`` and
+    ``authorized_keys_dir`` (the client public keys it admits); a client needs
+    ``client_secret_key`` and ``server_public_key``.
+    """
+
+    server_secret_key: Path | None = None
+    server_public_key: Path | None = None
+    client_secret_key: Path | None = None
+    authorized_keys_dir: Path | None = None
+
+
+def transport_limit(max_msg_size: int) -> int:
+    """The ``MAXMSGSIZE`` set on sockets whose protocol cap is ``max_msg_size``."""
+    return max_msg_size + TRANSPORT_SLACK_BYTES
+
+
+def make_socket(
+    context: zmq.Context[zmq.Socket[bytes]],
+    socket_type: int,
+    *,
+    max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
+    linger_ms: int = DEFAULT_LINGER_MS,
+    hwm: int = DEFAULT_HWM,
+) -> zmq.Socket[bytes]:
+    """A socket of ``socket_type`` with LINGER, MAXMSGSIZE, SNDHWM/RCVHWM (and ROUTER_MANDATORY)."""
+    sock = context.socket(socket_type)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.setsockopt(zmq.MAXMSGSIZE, transport_limit(max_msg_size))
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    if socket_type == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    return sock
+
+
+def _load_key(path: Path | None, *, role: str, secret: bool) -> tuple[bytes, bytes | None]:
+    if path is None:
+        raise IpcError(f"CURVE: the {role} key file is not configured (security.curve)")
+    try:
+        public, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise IpcError(f"CURVE: cannot load the {role} key file {path}: {exc}") from exc
+    if secret and secret_key is None:
+        raise IpcError(
+            f"CURVE: {path} holds no secret key; the {role} key must be a '.key_secret' file"
+        )
+    return public, secret_key
+
+
+def _unix_socket_is_live(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return False
+        raise
+    finally:
+        probe.close()
+    return True
+
+
+def _prepare_ipc_path(path: str, endpoint: str) -> None:
+    """Private parent directory, no stale socket file; raises when that cannot be ensured."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        os.makedirs(parent, mode=PRIVATE_DIR_MODE, exist_ok=True)
+        os.chmod(parent, PRIVATE_DIR_MODE)
+    st = os.stat(parent)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise InsecureEndpoint(
+            f"{endpoint}: directory {parent} is writable by group or others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}); use a private directory "
+            f"(chmod 0700 {parent}) such as a systemd RuntimeDirectory"
+        )
+    try:
+        lst = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(lst.st_mode):
+        raise IpcError(f"{endpoint}: {path} exists and is not a socket; refusing to replace it")
+    if _unix_socket_is_live(path):
+        raise EndpointInUse(f"{endpoint}: {path} is in use by a live process")
+    log.info("ipc.stale_socket_removed", path=path)
+    os.unlink(path)
+
+
+class Binding:
+    """What ``bind_endpoint`` set up; ``close()`` after closing the socket."""
+
+    def __init__(
+        self, endpoint: str, *, authenticator: ThreadAuthenticator | None, ipc_path: str | None
+    ):
+        self.endpoint = endpoint  # as resolved by libzmq (a tcp wildcard port is filled in)
+        self.authenticator = authenticator
+        self.ipc_path = ipc_path
+
+    def close(self) -> None:
+        if self.authenticator is not None:
+            self.authenticator.stop()
+            self.authenticator = None
+        if self.ipc_path is not None:
+            try:
+                if stat.S_ISSOCK(os.lstat(self.ipc_path).st_mode):
+                    os.unlink(self.ipc_path)
+            except FileNotFoundError:
+                pass
+            self.ipc_path = None
+
+
+def _last_endpoint(sock: zmq.Socket[bytes], fallback: str) -> str:
+    raw = sock.getsockopt(zmq.LAST_ENDPOINT)
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return text or fallback
+
+
+def bind_endpoint(
+    sock: zmq.Socket[bytes],
+    endpoint: str,
+    *,
+    curve: CurveKeys | None = None,
+    allow_insecure_tcp: bool = False,
+) -> Binding:
+    """Bind ``sock`` to ``endpoint`` with the protections described in the module docstring."""
+    if endpoint.startswith(IPC_SCHEME):
+        path = endpoint[len(IPC_SCHEME) :]
+        if path.startswith("@"):  # Linux abstract namespace: no file, no directory
+            sock.bind(endpoint)
+            return Binding(_last_endpoint(sock, endpoint), authenticator=None, ipc_path=None)
+        with _umask_lock:
+            # The umask is process-wide: hold it restrictive only around mkdir and bind.
+            previous = os.umask(PRIVATE_UMASK)
+            try:
+                _prepare_ipc_path(path, endpoint)
+                sock.bind(endpoint)
+            finally:
+                os.umask(previous)
+        os.chmod(path, SOCKET_FILE_MODE)
+        return Binding(_last_endpoint(sock, endpoint), authenticator=None, ipc_path=path)
+    if endpoint.startswith(TCP_SCHEME):
+        authenticator = None
+        if curve is not None:
+            authenticator = _start_curve_server(sock, curve)
+        elif not allow_insecure_tcp:
+            raise InsecureEndpoint(
+                f"{endpoint}: tcp endpoints require CURVE keys (security.curve); set "
+                f"allow_insecure_tcp only on a trusted network"
+            )
+        else:
+            log.warning("ipc.insecure_tcp", endpoint=endpoint)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError:
+            if authenticator is not None:
+                authenticator.stop()
+            raise
+        return Binding(_last_endpoint(sock, endpoint), authenticator=authenticator, ipc_path=None)
+    if endpoint.startswith(INPROC_SCHEME):
+        sock.bind(endpoint)
+        return Binding(endpoint, authenticator=None, ipc_path=None)
+    raise IpcError(f"{endpoint}: unsupported transport; use ipc://, tcp:// or inproc://")
+
+
+def _start_curve_server(sock: zmq.Socket[bytes], curve: CurveKeys) -> ThreadAuthenticator:
+    public, secret = _load_key(curve.server_secret_key, role="server secret", secret=True)
+    keys_dir = curve.authorized_keys_dir
+    if keys_dir is None or not Path(keys_dir).is_dir():
+        raise IpcError(
+            f"CURVE: authorized_keys_dir {keys_dir} is not a directory of client public keys"
+        )
+    authenticator = ThreadAuthenticator(sock.context)
+    authenticator.start()
+    authenticator.configure_curve(domain="*", location=os.fspath(keys_dir))
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_server = True
+    return authenticator
+
+
+def connect_endpoint(
+    sock: zmq.Socket[bytes],
+    endpoint: str,
+    *,
+    curve: CurveKeys | None = None,
+    allow_insecure_tcp: bool = False,
+) -> None:
+    """Connect ``sock`` to ``endpoint``; tcp needs CURVE client keys unless explicitly insecure."""
+    if endpoint.startswith(TCP_SCHEME):
+        if curve is not None:
+            public, secret = _load_key(curve.client_secret_key, role="client secret", secret=True)
+            server_public, _ = _load_key(
+                curve.server_public_key, role="server public", secret=False
+            )
+            sock.curve_secretkey = secret
+            sock.curve_publickey = public
+            sock.curve_serverkey = server_public
+        elif not allow_insecure_tcp:
+            raise InsecureEndpoint(
+                f"{endpoint}: tcp endpoints require CURVE keys (security.curve); set "
+                f"allow_insecure_tcp only on a trusted network"
+            )
+    elif not endpoint.startswith((IPC_SCHEME, INPROC_SCHEME)):
+        raise IpcError(f"{endpoint}: unsupported transport; use ipc://, tcp:// or inproc://")
+    sock.connect(endpoint)
