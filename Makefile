@@ -20,6 +20,9 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
+	rm -rf build/typecheck && mkdir -p build/typecheck/ggufswap
+	ln -s $(CURDIR)/cli/* build/typecheck/ggufswap/
+	for p in shards config ipc agent runtime; do ln -s $(CURDIR)/$$p build/typecheck/ggufswap/$$p; done
 	$(BIN)/mypy
 
 test: lint typecheck

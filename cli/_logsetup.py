@@ -10,7 +10,7 @@ import structlog
 
 
 def configure_logging(*, level: str = "info", stream: TextIO | None = None) -> None:
-    """JSON lines when the stream is not a terminal (journald, files), the console renderer on one."""
+    """JSON lines off a terminal (journald, files); the console renderer on one."""
     out = stream if stream is not None else sys.stderr
     renderer: structlog.typing.Processor
     if out.isatty():

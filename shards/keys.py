@@ -20,7 +20,7 @@ class Keys:
         TENSORS_COUNT: Final = "split.tensors.count"
 
     class LLM:
-        """Per-architecture keys: format with the architecture, ``Keys.LLM.BLOCK_COUNT.format(arch)``."""
+        """Per-architecture keys: ``Keys.LLM.BLOCK_COUNT.format(arch)``."""
 
         CONTEXT_LENGTH: Final = "{}.context_length"
         EMBEDDING_LENGTH: Final = "{}.embedding_length"
