@@ -1,3 +1,61 @@
-"""ggufswap.config."""
+"""ggufswap.config: the YAML configuration as typed, frozen records.
 
-__all__: list[str] = []
+``load_config(path)`` reads and validates a file and returns a ``Config``; every problem is
+reported at once in a ``ConfigError`` whose lines read ``FILE:LINE: key.path: message``.
+``docs/configuration.md`` documents every key.
+"""
+
+from __future__ import annotations
+
+from ggufswap.config._export import config_to_dict
+from ggufswap.config.endpoints import Transport, default_runtime_dir, transport_of
+from ggufswap.config.errors import ConfigError, ConfigProblem, MissingSectionError
+from ggufswap.config.loader import SCHEMA_VERSION, load_config, load_config_text
+from ggufswap.config.schema import (
+    AgentConfig,
+    ComputeDtype,
+    Config,
+    CurveConfig,
+    LogLevel,
+    ModelConfig,
+    PlacementConfig,
+    PoolConfig,
+    RuntimeConfig,
+    SecurityConfig,
+    Storage,
+    TensorFilter,
+    VerifyMode,
+    WatchBackend,
+    WatchConfig,
+)
+from ggufswap.config.units import format_size, parse_size
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "AgentConfig",
+    "ComputeDtype",
+    "Config",
+    "ConfigError",
+    "ConfigProblem",
+    "CurveConfig",
+    "LogLevel",
+    "MissingSectionError",
+    "ModelConfig",
+    "PlacementConfig",
+    "PoolConfig",
+    "RuntimeConfig",
+    "SecurityConfig",
+    "Storage",
+    "TensorFilter",
+    "Transport",
+    "VerifyMode",
+    "WatchBackend",
+    "WatchConfig",
+    "config_to_dict",
+    "default_runtime_dir",
+    "format_size",
+    "load_config",
+    "load_config_text",
+    "parse_size",
+    "transport_of",
+]

@@ -1,0 +1,129 @@
+"""Checks that span several keys: unique names, pool references, endpoints and their security."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+from ggufswap.config._nodes import NodeReader, item_path
+from ggufswap.config.endpoints import Transport, transport_of
+from ggufswap.config.schema import Config, Keys, RuntimeConfig
+
+_SERVER_KEYS = ("server_secret_key", "authorized_keys_dir")
+_CLIENT_KEYS = ("client_secret_key", "server_public_key")
+
+
+def cross_check(config: Config, reader: NodeReader) -> None:
+    """Record every cross-key problem of an otherwise parsed configuration."""
+    _unique_names(reader, Keys.MODELS, [m.name for m in config.models], "model name")
+    _unique_names(
+        reader, f"{Keys.MODELS}[*].runtime", [m.runtime for m in config.models], "runtime endpoint"
+    )
+    if config.runtime is not None:
+        _check_runtime(config.runtime, reader)
+    _check_bind_endpoints(config, reader)
+    _check_tcp_security(config, reader)
+    ports = [("agent.metrics_port", config.agent.metrics_port)]
+    if config.runtime is not None:
+        ports.append(("runtime.metrics_port", config.runtime.metrics_port))
+    _unique_values(reader, [(k, v) for k, v in ports if v is not None], "metrics port")
+
+
+def _unique_names(reader: NodeReader, list_path: str, names: list[str], what: str) -> None:
+    """Report each repeated entry of a list at its own line (``[*]`` stands for the index)."""
+    base, _, field = list_path.partition("[*]")
+    keyed = []
+    for index, name in enumerate(names):
+        entry = item_path(base, index)
+        keyed.append((f"{entry}{field}" if field else f"{entry}.name", name))
+    _unique_values(reader, [(k, v) for k, v in keyed if v], what)
+
+
+def _unique_values(reader: NodeReader, keyed: list[tuple[str, object]], what: str) -> None:
+    first: dict[object, str] = {}
+    for key_path, value in keyed:
+        if value in first:
+            other = first[value]
+            line = reader.lines.get(other)
+            at = f"{other} at line {line}" if line is not None else other
+            reader.report_at(key_path, f"duplicate {what} {value!r} (also used by {at})")
+        else:
+            first[value] = key_path
+
+
+def _check_runtime(runtime: RuntimeConfig, reader: NodeReader) -> None:
+    _unique_names(reader, "runtime.pools", [p.name for p in runtime.pools], "pool name")
+    pool_names = [p.name for p in runtime.pools]
+    wanted = runtime.placement.experts_pool
+    # A reference into a broken pool list would only repeat the pool's own problem.
+    if (
+        wanted is not None
+        and wanted not in pool_names
+        and not reader.has_problem_under("runtime.pools")
+    ):
+        close = difflib.get_close_matches(wanted, pool_names, n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        reader.report_at(
+            "runtime.placement.experts_pool",
+            f"no pool named {wanted!r}; pools: {', '.join(pool_names)}{hint}",
+        )
+    if not reader.has_problem_under("runtime.model") and not any(
+        _is_within(runtime.model, root) for root in runtime.allowed_roots
+    ):
+        roots = ", ".join(str(r) for r in runtime.allowed_roots)
+        reader.report_at(
+            "runtime.model",
+            f"{str(runtime.model)!r} is outside allowed_roots ({roots}); "
+            "add its directory to runtime.allowed_roots",
+        )
+
+
+def _is_within(path: Path, root: Path) -> bool:
+    try:
+        return os.path.commonpath([path, root]) == str(root)
+    except ValueError:
+        return False
+
+
+def _bind_endpoints(config: Config) -> list[tuple[str, str]]:
+    """``(key path, endpoint)`` of every socket bound by a process this file configures."""
+    out = [("agent.status_endpoint", config.agent.status_endpoint)] if config.models else []
+    if config.runtime is not None:
+        out += [
+            ("runtime.control_endpoint", config.runtime.control_endpoint),
+            ("runtime.status_endpoint", config.runtime.status_endpoint),
+            ("runtime.events_endpoint", config.runtime.events_endpoint),
+        ]
+    return [(k, e) for k, e in out if e]
+
+
+def _check_bind_endpoints(config: Config, reader: NodeReader) -> None:
+    _unique_values(reader, list(_bind_endpoints(config)), "endpoint")
+
+
+def _check_tcp_security(config: Config, reader: NodeReader) -> None:
+    """A ``tcp://`` endpoint needs CURVE keys unless ``allow_insecure_tcp`` says otherwise."""
+    if config.security.allow_insecure_tcp:
+        return
+    curve = config.security.curve
+    servers = [(k, e) for k, e in _bind_endpoints(config) if transport_of(e) is Transport.TCP]
+    clients = [
+        (f"{item_path(Keys.MODELS, i)}.runtime", m.runtime)
+        for i, m in enumerate(config.models)
+        if m.runtime and transport_of(m.runtime) is Transport.TCP
+    ]
+    for endpoints, needed in ((servers, _SERVER_KEYS), (clients, _CLIENT_KEYS)):
+        missing = [k for k in needed if curve is None or getattr(curve, k) is None]
+        if not missing:
+            continue
+        keys = " and ".join(f"security.curve.{k}" for k in missing)
+        for key_path, endpoint in endpoints:
+            if key_path not in reader.lines:
+                continue  # derived from the control endpoint, which is reported itself
+            reader.report_at(
+                key_path,
+                f"{endpoint} is tcp:// without CURVE keys: set {keys} "
+                "(or security.allow_insecure_tcp: true to accept plaintext, "
+                "unauthenticated connections)",
+            )

@@ -1,0 +1,111 @@
+"""ZeroMQ endpoints in a configuration: where the sockets live by default, and their syntax.
+
+Only two transports are accepted: ``ipc://PATH`` (a Unix socket, the default) and
+``tcp://HOST:PORT`` (which needs CURVE keys unless the operator opts out explicitly).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+# Linux ``sockaddr_un.sun_path`` holds 108 bytes including the terminating NUL.
+MAX_IPC_PATH_BYTES = 107
+DEFAULT_RUNTIME_DIR = Path("/run/ggufswap")
+
+_TCP = re.compile(r"tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>\d{1,5})")
+
+
+class Transport(str, enum.Enum):
+    """The transport of an endpoint, from its scheme."""
+
+    IPC = "ipc"
+    TCP = "tcp"
+
+
+class Env:
+    """Environment variables that choose the default runtime directory, in order of preference."""
+
+    RUNTIME_DIRECTORY = "RUNTIME_DIRECTORY"  # set by systemd's RuntimeDirectory=
+    XDG_RUNTIME_DIR = "XDG_RUNTIME_DIR"  # per-user, set by the login manager
+
+
+def default_runtime_dir(*, environ: Mapping[str, str] | None = None) -> Path:
+    """Directory for the default ``ipc://`` sockets; nothing is created.
+
+    In order: ``$RUNTIME_DIRECTORY`` (its first entry; systemd sets it from
+    ``RuntimeDirectory=``), ``/run/ggufswap`` when it exists and is writable,
+    ``$XDG_RUNTIME_DIR/ggufswap``, and last ``<tmpdir>/ggufswap-<uid>``.
+    """
+    env = os.environ if environ is None else environ
+    systemd_dir = env.get(Env.RUNTIME_DIRECTORY, "").split(":")[0]
+    if systemd_dir:
+        return Path(systemd_dir)
+    if DEFAULT_RUNTIME_DIR.is_dir() and os.access(DEFAULT_RUNTIME_DIR, os.W_OK | os.X_OK):
+        return DEFAULT_RUNTIME_DIR
+    xdg = env.get(Env.XDG_RUNTIME_DIR, "")
+    if xdg:
+        return Path(xdg) / "ggufswap"
+    return Path(tempfile.gettempdir()) / f"ggufswap-{os.getuid()}"
+
+
+def ipc_endpoint(path: Path) -> str:
+    """``ipc://`` endpoint of a socket file."""
+    return f"ipc://{path}"
+
+
+def transport_of(endpoint: str) -> Transport:
+    """Transport of a validated endpoint."""
+    return Transport(endpoint.split("://", 1)[0])
+
+
+def check_endpoint(text: str, *, base_dir: Path) -> tuple[str | None, str]:
+    """``(normalized endpoint, "")`` for a valid endpoint, else ``(None, why)``.
+
+    A relative ``ipc://`` path is made absolute against ``base_dir``; an abstract Unix socket
+    (``ipc://@name``) is kept as written.
+    """
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme not in {t.value for t in Transport}:
+        return None, f"expected an ipc://PATH or tcp://HOST:PORT endpoint, found {text!r}"
+    if scheme == Transport.IPC.value:
+        if not rest:
+            return None, f"an ipc:// endpoint needs a socket path, found {text!r}"
+        if "\x00" in rest:
+            return None, "an ipc:// socket path cannot contain a NUL byte"
+        if rest.startswith("@"):
+            return text, ""
+        path = Path(os.path.normpath(base_dir / os.path.expanduser(rest)))
+        if len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
+            return None, (
+                f"ipc:// socket path {str(path)!r} is {len(os.fsencode(path))} bytes long; "
+                f"Unix sockets allow at most {MAX_IPC_PATH_BYTES} (choose a shorter directory)"
+            )
+        return ipc_endpoint(path), ""
+    match = _TCP.fullmatch(text)
+    if match is None:
+        return None, f"expected tcp://HOST:PORT (HOST may be '*' to bind), found {text!r}"
+    port = int(match.group("port"))
+    if not 1 <= port <= 65535:
+        return None, f"tcp:// port must be in 1..65535, found {port}"
+    return text, ""
+
+
+def sibling_endpoint(control: str, *, role: str, port_offset: int) -> str:
+    """Default endpoint next to a validated control endpoint.
+
+    ``ipc:///run/ggufswap/m.sock`` gives ``ipc:///run/ggufswap/m.<role>.sock``;
+    ``tcp://host:5555`` gives ``tcp://host:<5555 + port_offset>``.
+    """
+    scheme, _, rest = control.partition("://")
+    if scheme == Transport.TCP.value:
+        host, _, port = rest.rpartition(":")
+        return f"tcp://{host}:{int(port) + port_offset}"
+    stem, dot, suffix = rest.rpartition(".")
+    if dot and "/" not in suffix:
+        return f"ipc://{stem}.{role}.{suffix}"
+    return f"ipc://{rest}.{role}"

@@ -1,0 +1,45 @@
+"""Errors raised while loading a configuration file.
+
+Every problem names the file, the YAML line and the key path, and says what was expected and
+what was found. A loader collects every problem it can find before raising, so that one run of
+``ggufswap check-config`` shows all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigProblem:
+    """One thing wrong with a configuration file.
+
+    ``line`` is 1-based, or ``None`` for a problem with the file as a whole (unreadable, empty).
+    ``key_path`` is the dotted path of the offending key (``models[0].watch[0].backend``), or an
+    empty string at the top level.
+    """
+
+    file: str
+    line: int | None
+    key_path: str
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        if self.key_path:
+            return f"{where}: {self.key_path}: {self.message}"
+        return f"{where}: {self.message}"
+
+
+class ConfigError(Exception):
+    """Base class of every configuration error; ``problems`` lists all of them, in file order."""
+
+    def __init__(self, problems: Iterable[ConfigProblem]):
+        self.problems: tuple[ConfigProblem, ...] = tuple(problems)
+        assert self.problems, "a ConfigError needs at least one problem"
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+class MissingSectionError(ConfigError, LookupError):
+    """A command needs a section (``models`` or ``runtime``) that the file does not have."""

@@ -1,0 +1,352 @@
+"""Load a YAML configuration file into ``Config``, reporting every problem with its line."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from yaml.nodes import Node
+
+from ggufswap.config._checks import cross_check
+from ggufswap.config._convert import PathKind, Values, optional
+from ggufswap.config._nodes import Invalid, NodeReader, Section
+from ggufswap.config.endpoints import (
+    Transport,
+    check_endpoint,
+    default_runtime_dir,
+    ipc_endpoint,
+    sibling_endpoint,
+    transport_of,
+)
+from ggufswap.config.errors import ConfigError, ConfigProblem
+from ggufswap.config.schema import (
+    DEFAULT_IGNORE,
+    AgentConfig,
+    ComputeDtype,
+    Config,
+    CurveConfig,
+    Keys,
+    LogLevel,
+    ModelConfig,
+    PlacementConfig,
+    PoolConfig,
+    RuntimeConfig,
+    SecurityConfig,
+    Storage,
+    TensorFilter,
+    VerifyMode,
+    WatchBackend,
+    WatchConfig,
+)
+
+SCHEMA_VERSION = 1
+TOP_KEYS = ("version", Keys.AGENT, Keys.MODELS, Keys.RUNTIME, Keys.SECURITY)
+AGENT_KEYS = ("status_endpoint", "rescan_interval_s", "metrics_port", "log_level")
+MODEL_KEYS = (
+    "name",
+    "runtime",
+    "watch",
+    "ignore",
+    "settle_ms",
+    "tensors",
+    "verify",
+    "request_timeout_s",
+    "retries",
+)
+WATCH_KEYS = ("path", "glob", "recursive", "backend", "poll_interval_s")
+TENSOR_KEYS = ("include", "exclude")
+RUNTIME_KEYS = (
+    "name",
+    "model",
+    "control_endpoint",
+    "status_endpoint",
+    "events_endpoint",
+    "allowed_roots",
+    "storage",
+    "compute_dtype",
+    "strict_types",
+    "pools",
+    "placement",
+    "metrics_port",
+    "log_level",
+)
+POOL_KEYS = ("name", "device", "budget")
+PLACEMENT_KEYS = ("gpu_layers", "experts_pool")
+SECURITY_KEYS = ("curve", "allow_insecure_tcp")
+CURVE_KEYS = ("server_secret_key", "server_public_key", "client_secret_key", "authorized_keys_dir")
+
+DEFAULT_RUNTIME_NAME = "runtime"
+DEFAULT_POOLS = (PoolConfig(name="host", device="cpu", budget=None),)
+LOCALHOST = "127.0.0.1"
+_NO_PATH = Path()
+
+
+def load_config(
+    path: str | os.PathLike[str],
+    *,
+    check_paths: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Read and validate the YAML file at ``path``.
+
+    Raises ``ConfigError`` listing every problem. With ``check_paths`` the watched directories,
+    the model file, the allowed roots and the CURVE key files must also exist. ``environ``
+    (default ``os.environ``) chooses the default runtime directory of ``ipc://`` sockets.
+    """
+    file = Path(os.path.abspath(path))
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError([ConfigProblem(str(file), None, "", f"cannot read: {reason}")]) from None
+    return load_config_text(
+        data, source=file, base_dir=file.parent, check_paths=check_paths, environ=environ
+    )
+
+
+def load_config_text(
+    text: str | bytes,
+    *,
+    source: str | os.PathLike[str] | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
+    check_paths: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Validate YAML ``text``; ``source`` names it in messages, relative paths use ``base_dir``.
+
+    ``base_dir`` defaults to the directory of ``source``, else the current directory.
+    """
+    file = "<config>" if source is None else os.fspath(source)
+    if base_dir is None:
+        base_dir = os.path.dirname(os.path.abspath(file)) if source is not None else os.getcwd()
+    reader = NodeReader(file=file)
+    values = Values(reader, base_dir=Path(os.path.abspath(base_dir)), check_paths=check_paths)
+    builder = _Builder(reader, values, runtime_dir=default_runtime_dir(environ=environ))
+    root = reader.compose(text)
+    config = None
+    if root is not None or not reader.problems:  # a syntax error leaves nothing to check
+        config = builder.build(root, Path(file) if source is not None else None)
+    if reader.problems or config is None:
+        problems = sorted(reader.problems, key=lambda p: p.line or 0)
+        raise ConfigError(problems or [ConfigProblem(file, None, "", "invalid configuration")])
+    return config
+
+
+class _Builder:
+    """Turns the node tree into records, section by section."""
+
+    def __init__(self, reader: NodeReader, values: Values, *, runtime_dir: Path):
+        self.r = reader
+        self.v = values
+        self.runtime_dir = runtime_dir
+
+    def build(self, root: Node | None, source: Path | None) -> Config | None:
+        if root is None:
+            self.r.report(None, "", self._nothing_configured())
+            return None
+        try:
+            top = self.r.section(root, "", keys=TOP_KEYS)
+        except Invalid as exc:
+            self.r.report(root, "", f"the top level must be a mapping: {exc.message}")
+            return None
+        version = self.r.get(top, "version", self.v.integer(), SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            self.r.report_at("version", f"expected version {SCHEMA_VERSION}, found {version}")
+        agent = self.agent(self._section(top, Keys.AGENT, AGENT_KEYS))
+        no_models: tuple[ModelConfig, ...] = ()
+        models = self.r.get(top, Keys.MODELS, self.v.list_of(self.model, min_items=1), no_models)
+        runtime = None
+        if Keys.RUNTIME in top.values and not self.r.is_null(top.values[Keys.RUNTIME]):
+            runtime = self.r.convert(
+                top.values[Keys.RUNTIME], Keys.RUNTIME, self._runtime_of(models), None
+            )
+        elif Keys.MODELS not in top.values:
+            self.r.report(root, "", self._nothing_configured())
+        security = self.security(self._section(top, Keys.SECURITY, SECURITY_KEYS))
+        models = self._default_model_endpoints(models, runtime)
+        config = Config(
+            source=source, agent=agent, models=models, runtime=runtime, security=security
+        )
+        cross_check(config, self.r)
+        return config
+
+    @staticmethod
+    def _nothing_configured() -> str:
+        return (
+            f"nothing to configure: expected a '{Keys.MODELS}' list (for the agent) "
+            f"and/or a '{Keys.RUNTIME}' section"
+        )
+
+    def _section(self, parent: Section, key: str, keys: tuple[str, ...]) -> Section | None:
+        """The sub-mapping ``key`` of ``parent`` (empty when absent); ``None`` if malformed."""
+        path = parent.child(key)
+        try:
+            return self.r.section(parent.values.get(key), path, keys=keys, parent=parent.node)
+        except Invalid as exc:
+            self.r.report(parent.values[key], path, exc.message)
+            return None
+
+    # --- agent -----------------------------------------------------------------------------
+
+    def agent(self, sec: Section | None) -> AgentConfig:
+        default_status = ipc_endpoint(self.runtime_dir / "agent.sock")
+        if sec is None:
+            return AgentConfig(status_endpoint=default_status)
+        return AgentConfig(
+            status_endpoint=self.r.get(sec, "status_endpoint", self.v.endpoint, default_status),
+            rescan_interval_s=self.r.get(sec, "rescan_interval_s", self.v.seconds, 300.0),
+            metrics_port=self.r.get(sec, "metrics_port", optional(self.v.port), None),
+            log_level=self.r.get(sec, "log_level", self.v.choice(LogLevel), LogLevel.INFO),
+        )
+
+    def model(self, node: Node, path: str) -> ModelConfig:
+        sec = self.r.section(node, path, keys=MODEL_KEYS, required=("name", "watch"))
+        name = self.r.get(sec, "name", self.v.name, "")
+        watch_list = self.v.list_of(self.watch, min_items=1)
+        tensors = self._section(sec, "tensors", TENSOR_KEYS)
+        regexes = self.v.list_of(self.v.regex)
+        return ModelConfig(
+            name=name,
+            runtime=self.r.get(sec, "runtime", self.v.endpoint, ""),  # "" until defaulted
+            watch=self.r.get(sec, "watch", watch_list, ()),
+            ignore=self.r.get(sec, "ignore", self.v.list_of(self.v.glob), DEFAULT_IGNORE),
+            settle_ms=self.r.get(sec, "settle_ms", self.v.integer(minimum=0), 250),
+            tensors=TensorFilter(
+                include=self.r.get(tensors, "include", regexes, ()) if tensors else (),
+                exclude=self.r.get(tensors, "exclude", regexes, ()) if tensors else (),
+            ),
+            verify=self.r.get(sec, "verify", self.v.choice(VerifyMode), VerifyMode.CHECKSUM),
+            request_timeout_s=self.r.get(sec, "request_timeout_s", self.v.seconds, 5.0),
+            retries=self.r.get(sec, "retries", self.v.integer(minimum=0), 3),
+        )
+
+    def watch(self, node: Node, path: str) -> WatchConfig:
+        sec = self.r.section(node, path, keys=WATCH_KEYS, required=("path",))
+        return WatchConfig(
+            path=self.r.get(sec, "path", self.v.path(kind=PathKind.DIRECTORY), _NO_PATH),
+            glob=self.r.get(sec, "glob", self.v.glob, "*.gguf"),
+            recursive=self.r.get(sec, "recursive", self.v.boolean, False),
+            backend=self.r.get(sec, "backend", self.v.choice(WatchBackend), WatchBackend.AUTO),
+            poll_interval_s=self.r.get(sec, "poll_interval_s", self.v.seconds, 1.0),
+        )
+
+    def _default_model_endpoints(
+        self, models: tuple[ModelConfig, ...], runtime: RuntimeConfig | None
+    ) -> tuple[ModelConfig, ...]:
+        """Fill ``models[].runtime``: the runtime section's endpoint when it serves the only
+        model, else ``ipc://<runtime dir>/<name>.sock``."""
+        out = []
+        for model in models:
+            if model.runtime:
+                out.append(model)
+                continue
+            if runtime is not None and len(models) == 1:
+                endpoint = _connectable(runtime.control_endpoint)
+            else:
+                endpoint = ipc_endpoint(self.runtime_dir / f"{model.name}.sock")
+            out.append(dataclasses.replace(model, runtime=endpoint))
+        return tuple(out)
+
+    # --- runtime ---------------------------------------------------------------------------
+
+    def _runtime_of(
+        self, models: tuple[ModelConfig, ...]
+    ) -> Callable[[Node, str], RuntimeConfig | None]:
+        return lambda node, path: self.runtime(node, path, models)
+
+    def runtime(self, node: Node, path: str, models: tuple[ModelConfig, ...]) -> RuntimeConfig:
+        sec = self.r.section(node, path, keys=RUNTIME_KEYS, required=("model",))
+        default_name = models[0].name if len(models) == 1 and models[0].name else None
+        name = self.r.get(sec, "name", self.v.name, default_name or DEFAULT_RUNTIME_NAME)
+        model = self.r.get(sec, "model", self.v.path(kind=PathKind.FILE), _NO_PATH)
+        default_control = ipc_endpoint(self.runtime_dir / f"{name}.sock")
+        control = self.r.get(sec, "control_endpoint", self.v.endpoint, default_control)
+        status = self._sibling(sec, "status_endpoint", control, role="status", port_offset=1)
+        events = self._sibling(sec, "events_endpoint", control, role="events", port_offset=2)
+        roots = self.v.list_of(self.v.path(kind=PathKind.DIRECTORY), min_items=1)
+        pools = self.v.list_of(self.pool, min_items=1)
+        placement = self._section(sec, "placement", PLACEMENT_KEYS)
+        return RuntimeConfig(
+            name=name,
+            model=model,
+            control_endpoint=control,
+            status_endpoint=status,
+            events_endpoint=events,
+            allowed_roots=self.r.get(sec, "allowed_roots", roots, (model.parent,)),
+            pools=self.r.get(sec, "pools", pools, DEFAULT_POOLS),
+            storage=self.r.get(sec, "storage", self.v.choice(Storage), Storage.DEQUANTIZED),
+            compute_dtype=self.r.get(
+                sec, "compute_dtype", self.v.choice(ComputeDtype), ComputeDtype.FLOAT32
+            ),
+            strict_types=self.r.get(sec, "strict_types", self.v.boolean, False),
+            placement=self.placement(placement),
+            metrics_port=self.r.get(sec, "metrics_port", optional(self.v.port), None),
+            log_level=self.r.get(sec, "log_level", self.v.choice(LogLevel), LogLevel.INFO),
+        )
+
+    def _sibling(self, sec: Section, key: str, control: str, *, role: str, port_offset: int) -> str:
+        """An explicit endpoint, or one derived from the control endpoint."""
+        explicit = self.r.get(sec, key, self.v.endpoint, "")
+        if explicit or not control:
+            return explicit
+        derived = sibling_endpoint(control, role=role, port_offset=port_offset)
+        endpoint, why = check_endpoint(derived, base_dir=self.v.base_dir)
+        if endpoint is None:
+            self.r.report_at(
+                sec.child("control_endpoint"),
+                f"cannot derive {key} ({why}); set {sec.child(key)} explicitly",
+                fallback=sec.node,
+            )
+            return ""
+        return endpoint
+
+    def pool(self, node: Node, path: str) -> PoolConfig:
+        sec = self.r.section(node, path, keys=POOL_KEYS, required=("name", "device"))
+        return PoolConfig(
+            name=self.r.get(sec, "name", self.v.name, ""),
+            device=self.r.get(sec, "device", self.v.device, ""),
+            budget=self.r.get(sec, "budget", optional(self.v.size), None),
+        )
+
+    def placement(self, sec: Section | None) -> PlacementConfig:
+        if sec is None:
+            return PlacementConfig()
+        return PlacementConfig(
+            gpu_layers=self.r.get(sec, "gpu_layers", self.v.integer(minimum=-1), -1),
+            experts_pool=self.r.get(sec, "experts_pool", optional(self.v.name), None),
+        )
+
+    # --- security --------------------------------------------------------------------------
+
+    def security(self, sec: Section | None) -> SecurityConfig:
+        if sec is None:
+            return SecurityConfig()
+        curve = None
+        if "curve" in sec.values and not self.r.is_null(sec.values["curve"]):
+            curve_sec = self._section(sec, "curve", CURVE_KEYS)
+            if curve_sec is not None:
+                key_file = optional(self.v.path(kind=PathKind.FILE))
+                curve = CurveConfig(
+                    server_secret_key=self.r.get(curve_sec, "server_secret_key", key_file, None),
+                    server_public_key=self.r.get(curve_sec, "server_public_key", key_file, None),
+                    client_secret_key=self.r.get(curve_sec, "client_secret_key", key_file, None),
+                    authorized_keys_dir=self.r.get(
+                        curve_sec,
+                        "authorized_keys_dir",
+                        optional(self.v.path(kind=PathKind.DIRECTORY)),
+                        None,
+                    ),
+                )
+        return SecurityConfig(
+            curve=curve,
+            allow_insecure_tcp=self.r.get(sec, "allow_insecure_tcp", self.v.boolean, False),
+        )
+
+
+def _connectable(endpoint: str) -> str:
+    """An endpoint a client can connect to: a ``tcp://*`` bind address becomes localhost."""
+    if endpoint and transport_of(endpoint) is Transport.TCP and endpoint.startswith("tcp://*:"):
+        return f"tcp://{LOCALHOST}:" + endpoint.removeprefix("tcp://*:")
+    return endpoint

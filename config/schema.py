@@ -1,0 +1,217 @@
+"""The configuration as typed, frozen records.
+
+``docs/configuration.md`` documents every key. Records hold resolved values: absolute paths,
+normalized endpoints, sizes in bytes, compiled regular expressions and the defaults already
+filled in, so that callers never re-interpret the YAML.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ggufswap.config.errors import ConfigProblem, MissingSectionError
+
+
+class WatchBackend(str, enum.Enum):
+    """How the agent learns that files changed."""
+
+    AUTO = "auto"  # pyinotify or watchdog where available, else polling
+    WATCHDOG = "watchdog"
+    PYINOTIFY = "pyinotify"
+    POLLING = "polling"
+
+
+class VerifyMode(str, enum.Enum):
+    """What identifies a shard version: its stat identity alone, or also a content checksum."""
+
+    STAT = "stat"
+    CHECKSUM = "checksum"
+
+
+class Storage(str, enum.Enum):
+    """How the runtime holds weights."""
+
+    DEQUANTIZED = "dequantized"  # in compute_dtype; quant changes are in-place copies
+    NATIVE = "native"  # raw GGUF blocks, dequantized per use
+
+
+class ComputeDtype(str, enum.Enum):
+    """Torch dtype names accepted for ``runtime.compute_dtype``."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class LogLevel(str, enum.Enum):
+    """Levels accepted for ``log_level``."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+class Keys:
+    """Top-level section names."""
+
+    AGENT = "agent"
+    MODELS = "models"
+    RUNTIME = "runtime"
+    SECURITY = "security"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """``agent:``: settings of the sidecar process itself."""
+
+    status_endpoint: str
+    rescan_interval_s: float = 300.0
+    metrics_port: int | None = None
+    log_level: LogLevel = LogLevel.INFO
+
+
+@dataclass(frozen=True, slots=True)
+class WatchConfig:
+    """``models[].watch[]``: one directory the agent watches for shard files."""
+
+    path: Path
+    glob: str = "*.gguf"
+    recursive: bool = False
+    backend: WatchBackend = WatchBackend.AUTO
+    poll_interval_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class TensorFilter:
+    """``models[].tensors``: which tensor names the agent may plan (``re.search`` semantics).
+
+    An empty ``include`` admits every tensor; ``exclude`` wins over ``include``.
+    """
+
+    include: tuple[re.Pattern[str], ...] = ()
+    exclude: tuple[re.Pattern[str], ...] = ()
+
+    def admits(self, tensor_name: str) -> bool:
+        """Whether updates of ``tensor_name`` may be planned."""
+        if any(p.search(tensor_name) for p in self.exclude):
+            return False
+        return not self.include or any(p.search(tensor_name) for p in self.include)
+
+
+DEFAULT_IGNORE = ("*.tmp", ".*", "*.incomplete")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """``models[]``: one served model the agent keeps in sync with its files."""
+
+    name: str
+    runtime: str  # the runtime's control endpoint
+    watch: tuple[WatchConfig, ...]
+    ignore: tuple[str, ...] = DEFAULT_IGNORE
+    settle_ms: int = 250
+    tensors: TensorFilter = field(default_factory=TensorFilter)
+    verify: VerifyMode = VerifyMode.CHECKSUM
+    request_timeout_s: float = 5.0
+    retries: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """``runtime.pools[]``: a named byte budget on one torch device (``None``: unlimited)."""
+
+    name: str
+    device: str
+    budget: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    """``runtime.placement``: which pool each tensor starts in."""
+
+    gpu_layers: int = -1  # first N blocks on the first pool, the rest on the next; -1: all
+    experts_pool: str | None = None  # pool for MoE expert tensors, if not the layer's pool
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    """``runtime:``: the inference process that loads the model and applies plans."""
+
+    name: str
+    model: Path
+    control_endpoint: str
+    status_endpoint: str
+    events_endpoint: str
+    allowed_roots: tuple[Path, ...]
+    pools: tuple[PoolConfig, ...]
+    storage: Storage = Storage.DEQUANTIZED
+    compute_dtype: ComputeDtype = ComputeDtype.FLOAT32
+    strict_types: bool = False
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    metrics_port: int | None = None
+    log_level: LogLevel = LogLevel.INFO
+
+    def pool(self, name: str) -> PoolConfig:
+        """The pool called ``name``; raises ``KeyError`` naming the pools that exist."""
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise KeyError(f"no pool {name!r}; pools: {', '.join(p.name for p in self.pools)}")
+
+
+@dataclass(frozen=True, slots=True)
+class CurveConfig:
+    """``security.curve``: ZeroMQ CURVE certificate files (``zmq.auth`` format)."""
+
+    server_secret_key: Path | None = None
+    server_public_key: Path | None = None
+    client_secret_key: Path | None = None
+    authorized_keys_dir: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    """``security:``: transport security of ``tcp://`` endpoints."""
+
+    curve: CurveConfig | None = None
+    allow_insecure_tcp: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """A whole configuration file. ``models`` is empty and ``runtime`` is ``None`` when absent."""
+
+    source: Path | None
+    agent: AgentConfig
+    models: tuple[ModelConfig, ...] = ()
+    runtime: RuntimeConfig | None = None
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+
+    def require_runtime(self) -> RuntimeConfig:
+        """The ``runtime`` section, or ``MissingSectionError`` saying that the file lacks it."""
+        if self.runtime is None:
+            raise MissingSectionError([self._missing(Keys.RUNTIME, "the runtime command")])
+        return self.runtime
+
+    def require_models(self) -> tuple[ModelConfig, ...]:
+        """The ``models`` list, or ``MissingSectionError`` saying that the file lacks it."""
+        if not self.models:
+            raise MissingSectionError([self._missing(Keys.MODELS, "the agent command")])
+        return self.models
+
+    def model(self, name: str) -> ModelConfig:
+        """The model called ``name``; raises ``KeyError`` naming the models that exist."""
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise KeyError(f"no model {name!r}; models: {', '.join(m.name for m in self.models)}")
+
+    def _missing(self, key: str, who: str) -> ConfigProblem:
+        file = str(self.source) if self.source is not None else "<config>"
+        return ConfigProblem(
+            file, None, key, f"{who} needs a '{key}' section and this file has none"
+        )
