@@ -1,0 +1,149 @@
+"""Re-encode one tensor of a shard to another GGML type, leaving every other byte's meaning alone.
+
+``requantize`` is the quantization researcher's basic move: dequantize one tensor (gguf-py's
+reference dequantizer), quantize it to the new type, and write a replacement shard in which the
+metadata section is copied verbatim (``split.*`` and ``general.file_type`` included) and every
+other tensor's bytes are identical. Offsets after the changed tensor move when its size changes.
+The replacement is written atomically, in place by default; ``restore`` puts a saved copy back.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import struct
+from pathlib import Path
+from typing import Final
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from ggufswap.shards import _synth
+from ggufswap.shards.atomic import atomic_copy
+from ggufswap.shards.errors import FileChangedError, ShardError
+from ggufswap.shards.reader import read_header
+from ggufswap.shards.records import FileIdentity
+from ggufswap.shards.writer import RawTensor, parse_type, write_gguf
+
+SUPPORTED_TARGETS: Final = _synth.QUANTIZABLE_TYPES
+_PREAMBLE: Final = struct.Struct("<IIQQ")  # magic, version, n_tensors, n_kv
+_U32: Final = struct.Struct("<I")
+_U64: Final = struct.Struct("<Q")
+_SCALAR_SIZES: Final = {
+    GGUFValueType.UINT8: 1,
+    GGUFValueType.INT8: 1,
+    GGUFValueType.BOOL: 1,
+    GGUFValueType.UINT16: 2,
+    GGUFValueType.INT16: 2,
+    GGUFValueType.UINT32: 4,
+    GGUFValueType.INT32: 4,
+    GGUFValueType.FLOAT32: 4,
+    GGUFValueType.UINT64: 8,
+    GGUFValueType.INT64: 8,
+    GGUFValueType.FLOAT64: 8,
+}
+
+
+class RequantError(ShardError, ValueError):
+    """A requantization request cannot be carried out (unknown tensor, unsupported type...)."""
+
+
+def _skip_value(blob: bytes, pos: int, vtype: GGUFValueType) -> int:
+    """Position just after one metadata value of ``vtype`` starting at ``pos``."""
+    if vtype in _SCALAR_SIZES:
+        return pos + _SCALAR_SIZES[vtype]
+    if vtype is GGUFValueType.STRING:
+        return pos + 8 + _U64.unpack_from(blob, pos)[0]
+    sub = GGUFValueType(_U32.unpack_from(blob, pos)[0])
+    count = _U64.unpack_from(blob, pos + 4)[0]
+    pos += 12
+    if sub in _SCALAR_SIZES:
+        return pos + count * _SCALAR_SIZES[sub]
+    for _ in range(count):
+        pos = _skip_value(blob, pos, sub)
+    return pos
+
+
+def _kv_section(blob: bytes) -> tuple[int, bytes]:
+    """``(n_kv, raw key/value section)`` of a header that the reader has already validated."""
+    _magic, _version, _n_tensors, n_kv = _PREAMBLE.unpack_from(blob, 0)
+    pos = _PREAMBLE.size
+    for _ in range(n_kv):
+        pos += 8 + _U64.unpack_from(blob, pos)[0]  # key
+        vtype = GGUFValueType(_U32.unpack_from(blob, pos)[0])
+        pos = _skip_value(blob, pos + 4, vtype)
+    return n_kv, blob[_PREAMBLE.size : pos]
+
+
+def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise FileChangedError(path, f"short read of {n} bytes at {offset}: the file shrank")
+    return data
+
+
+def requantize(
+    shard: str | os.PathLike[str],
+    tensor: str,
+    new_type: GGMLQuantizationType | str,
+    *,
+    out: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Re-encode ``tensor`` of ``shard`` as ``new_type``; returns the written file.
+
+    Without ``out`` the shard is replaced in place (atomic rename); with ``out`` the original is
+    left alone. Raises :class:`RequantError` for an unknown tensor (with the nearest names) or an
+    unsupported target type (with the supported ones).
+    """
+    header = read_header(shard)
+    path = header.path
+    records = header.tensor_map()
+    if tensor not in records:
+        near = difflib.get_close_matches(tensor, list(records), n=5, cutoff=0.6)
+        hint = f"; nearest: {', '.join(near)}" if near else f"; it has {len(records)} tensors"
+        raise RequantError(path, f"no tensor named {tensor!r}{hint}")
+    try:
+        target = parse_type(new_type)
+    except ValueError:
+        target = None
+    if target not in SUPPORTED_TARGETS:
+        names = ", ".join(t.name for t in SUPPORTED_TARGETS)
+        raise RequantError(path, f"{tensor}: cannot quantize to {new_type!s}; supported: {names}")
+    assert target is not None, "checked against SUPPORTED_TARGETS"
+    record = records[tensor]
+    block_size = GGML_QUANT_SIZES[target][0]
+    if record.ne[0] % block_size:
+        raise RequantError(
+            path,
+            f"{tensor}: row length ne[0]={record.ne[0]} is not a multiple of the "
+            f"{target.name} block size {block_size}",
+        )
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if FileIdentity.of_fd(fd) != header.identity:
+            raise FileChangedError(path, "changed since its header was read")
+        n_kv, kv_bytes = _kv_section(_pread_exact(fd, header.data_offset, 0, path))
+        raws = [
+            RawTensor(t.name, t.ggml_type, t.ne, _pread_exact(fd, t.nbytes, t.offset, path))
+            for t in header.tensors
+        ]
+        if FileIdentity.of_fd(fd) != header.identity:
+            raise FileChangedError(path, "changed while its tensors were being read")
+    finally:
+        os.close(fd)
+
+    index = next(i for i, r in enumerate(raws) if r.name == tensor)
+    try:
+        values = _synth.decode_floats(raws[index].data, record.ggml_type, record.ne[0])
+    except NotImplementedError:
+        raise RequantError(
+            path, f"{tensor}: gguf-py cannot dequantize its type {record.ggml_type.name}"
+        ) from None
+    raws[index] = RawTensor(tensor, target, record.ne, _synth.encode_floats(values, target))
+    dest = Path(path) if out is None else Path(out)
+    return write_gguf(dest, n_kv=n_kv, kv_bytes=kv_bytes, tensors=raws, alignment=header.alignment)
+
+
+def restore(saved: str | os.PathLike[str], shard: str | os.PathLike[str]) -> Path:
+    """Atomically put a saved copy of a shard back in place."""
+    return atomic_copy(saved, shard)

@@ -1,0 +1,603 @@
+"""Deterministic writers of small llama.cpp-compatible GGUF models, for tests and the demo.
+
+A ``ModelSpec`` describes a tiny ``llama`` (dense, or Mixtral-style MoE) or ``qwen3moe`` model;
+``write_model`` writes it as one file, as a gguf-split style shard set, or as one shard per tensor.
+Tensor names and metadata keys are llama.cpp's (taken from gguf-py's constants), weights are
+seeded per tensor name, and the encoder embeds no timestamps: the same spec always gives
+byte-identical files. Every file is written atomically (``shards.atomic``).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, BinaryIO, Final
+
+import numpy as np
+import structlog
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGML_QUANT_VERSION,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGUF_VERSION,
+    MODEL_TENSOR,
+    TENSOR_NAMES,
+    GGMLQuantizationType,
+    GGUFValueType,
+    Keys,
+    LlamaFileType,
+    TokenType,
+)
+
+from ggufswap.shards import _synth
+from ggufswap.shards.atomic import atomic_write
+
+log = structlog.get_logger(__name__)
+
+Q = GGMLQuantizationType
+WRITABLE_TYPES: Final = _synth.WRITABLE_TYPES
+SHARD_NAME_FORMAT: Final = "{}-{:05d}-of-{:05d}.gguf"
+
+
+class Arch(str, Enum):
+    """Architectures the writer produces (``general.architecture`` values)."""
+
+    LLAMA = "llama"
+    QWEN3MOE = "qwen3moe"
+
+
+class Layout(Enum):
+    """How a model's tensors are distributed over files."""
+
+    SINGLE = "single"  # NAME.gguf
+    SPLIT = "split"  # NAME-00001-of-0000N.gguf, gguf-split style
+    PER_TENSOR = "per-tensor"  # a split with one tensor per shard
+
+
+class Role(Enum):
+    """What a tensor is in the model; ``ModelSpec.types`` maps roles to GGML types."""
+
+    TOKEN_EMBD = MODEL_TENSOR.TOKEN_EMBD
+    OUTPUT_NORM = MODEL_TENSOR.OUTPUT_NORM
+    OUTPUT = MODEL_TENSOR.OUTPUT
+    ATTN_NORM = MODEL_TENSOR.ATTN_NORM
+    ATTN_Q = MODEL_TENSOR.ATTN_Q
+    ATTN_K = MODEL_TENSOR.ATTN_K
+    ATTN_V = MODEL_TENSOR.ATTN_V
+    ATTN_O = MODEL_TENSOR.ATTN_OUT
+    ATTN_Q_NORM = MODEL_TENSOR.ATTN_Q_NORM
+    ATTN_K_NORM = MODEL_TENSOR.ATTN_K_NORM
+    FFN_NORM = MODEL_TENSOR.FFN_NORM
+    FFN_GATE = MODEL_TENSOR.FFN_GATE
+    FFN_UP = MODEL_TENSOR.FFN_UP
+    FFN_DOWN = MODEL_TENSOR.FFN_DOWN
+    FFN_GATE_INP = MODEL_TENSOR.FFN_GATE_INP
+    FFN_GATE_EXPS = MODEL_TENSOR.FFN_GATE_EXP
+    FFN_UP_EXPS = MODEL_TENSOR.FFN_UP_EXP
+    FFN_DOWN_EXPS = MODEL_TENSOR.FFN_DOWN_EXP
+    FFN_GATE_SHEXP = MODEL_TENSOR.FFN_GATE_SHEXP
+    FFN_UP_SHEXP = MODEL_TENSOR.FFN_UP_SHEXP
+    FFN_DOWN_SHEXP = MODEL_TENSOR.FFN_DOWN_SHEXP
+    FFN_GATE_INP_SHEXP = MODEL_TENSOR.FFN_GATE_INP_SHEXP
+
+    def tensor_name(self, block: int | None = None) -> str:
+        """The llama.cpp tensor name, e.g. ``blk.3.ffn_up_exps.weight``."""
+        return TENSOR_NAMES[self.value].format(bid=block) + ".weight"
+
+
+NORM_ROLES: Final = frozenset(
+    {Role.OUTPUT_NORM, Role.ATTN_NORM, Role.FFN_NORM, Role.ATTN_Q_NORM, Role.ATTN_K_NORM}
+)
+# 1-D or routing tensors stay F32, as llama.cpp's quantizer leaves them.
+F32_ROLES: Final = NORM_ROLES | {Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP}
+DEFAULT_TYPES: Final[Mapping[Role, GGMLQuantizationType]] = MappingProxyType(
+    {role: Q.F32 if role in F32_ROLES else Q.Q8_0 for role in Role}
+)
+
+
+def parse_role(text: str | Role) -> Role:
+    """A role from its name, case-insensitive (``"ffn_up_exps"``)."""
+    if isinstance(text, Role):
+        return text
+    try:
+        return Role[text.strip().upper()]
+    except KeyError:
+        names = ", ".join(r.name for r in Role)
+        raise ValueError(f"unknown tensor role {text!r}; roles are: {names}") from None
+
+
+def parse_type(text: str | int | GGMLQuantizationType) -> GGMLQuantizationType:
+    """A GGML type from its name (``"q4_k"``) or code."""
+    if isinstance(text, GGMLQuantizationType):
+        return text
+    try:
+        if isinstance(text, int):
+            return GGMLQuantizationType(text)
+        return GGMLQuantizationType[text.strip().upper()]
+    except (KeyError, ValueError):
+        names = ", ".join(t.name for t in WRITABLE_TYPES)
+        raise ValueError(f"unknown GGML type {text!r}; writable types are: {names}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A small model to write; 0/None fields resolve through properties (``n_embd_head``...)."""
+
+    arch: Arch | str = Arch.LLAMA
+    name: str = "tiny"
+    n_layers: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int | None = None  # None = n_embd // n_head (see n_embd_head)
+    n_ff: int = 128  # dense FFN width (dense layers only)
+    n_vocab: int = 256
+    n_expert: int = 0  # 0 = dense model
+    n_expert_used: int = 0
+    n_ff_expert: int = 64
+    moe_layers: tuple[int, ...] | None = None  # None = every block when n_expert > 0
+    shared_expert: bool = False
+    n_ff_shexp: int = 64
+    tied_output: bool = False
+    rope_freq_base: float = 10000.0
+    rms_eps: float = 1e-6
+    context_length: int = 256
+    seed: int = 0
+    types: Mapping[Role, GGMLQuantizationType] = field(default_factory=dict, hash=False)
+    extra_vocab_strings: int = 0  # extra tokenizer entries (the header-parse benchmark)
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("arch", Arch(self.arch))
+        if self.moe_layers is not None:
+            put("moe_layers", tuple(sorted(set(self.moe_layers))))
+        resolved = dict(DEFAULT_TYPES)
+        resolved.update({parse_role(r): parse_type(t) for r, t in self.types.items()})
+        put("types", MappingProxyType(resolved))
+        errors = _spec_errors(self)
+        if errors:
+            raise ValueError(f"invalid ModelSpec {self.name!r}:\n  " + "\n  ".join(errors))
+
+    @property
+    def arch_name(self) -> str:
+        return Arch(self.arch).value
+
+    @property
+    def n_embd_head(self) -> int:
+        """Per-head width: ``head_dim``, or ``n_embd // n_head`` when unset."""
+        if self.head_dim is not None:
+            return self.head_dim
+        return self.n_embd // self.n_head if self.n_head > 0 else 0
+
+    @property
+    def moe_blocks(self) -> tuple[int, ...]:
+        """The blocks with experts: ``moe_layers``, or every block of an MoE model when unset."""
+        if self.moe_layers is not None:
+            return self.moe_layers
+        return tuple(range(self.n_layers)) if self.n_expert > 0 else ()
+
+    def type_of(self, role: Role) -> GGMLQuantizationType:
+        return self.types[role]
+
+    def with_types(self, **types: str | GGMLQuantizationType) -> ModelSpec:
+        """A copy with some role types changed: ``spec.with_types(ffn_up_exps="q4_0")``."""
+        merged = {**self.types, **{parse_role(r): parse_type(t) for r, t in types.items()}}
+        return replace(self, types=merged)
+
+
+def _spec_errors(spec: ModelSpec) -> list[str]:
+    """Every inconsistency of a spec, including type block sizes (checked on the tensor plan)."""
+    errors = []
+    for name in ("n_layers", "n_embd", "n_head", "n_head_kv", "n_embd_head", "n_vocab", "n_ff"):
+        if getattr(spec, name) <= 0:
+            errors.append(f"{name} must be > 0, found {getattr(spec, name)}")
+    if spec.n_head > 0 and spec.n_head_kv > 0 and spec.n_head % spec.n_head_kv:
+        errors.append(f"n_head ({spec.n_head}) must be a multiple of n_head_kv ({spec.n_head_kv})")
+    if spec.n_expert > 0 and not 0 < spec.n_expert_used <= spec.n_expert:
+        errors.append(
+            f"n_expert_used must be in 1..n_expert ({spec.n_expert}), found {spec.n_expert_used}"
+        )
+    if spec.n_expert == 0 and (spec.moe_layers or spec.shared_expert):
+        errors.append("moe_layers / shared_expert need n_expert > 0")
+    if spec.n_expert > 0 and min(spec.n_ff_expert, spec.n_ff_shexp) <= 0:
+        errors.append("n_ff_expert / n_ff_shexp must be > 0 in an MoE model")
+    bad = [b for b in spec.moe_blocks if not 0 <= b < spec.n_layers]
+    if bad:
+        errors.append(f"moe_layers {bad} outside 0..{spec.n_layers - 1}")
+    if spec.arch is Arch.QWEN3MOE and len(spec.moe_blocks) != spec.n_layers:
+        errors.append("qwen3moe needs n_expert > 0 and every block MoE (llama.cpp requires it)")
+    if spec.extra_vocab_strings < 0:
+        errors.append(f"extra_vocab_strings must be >= 0, found {spec.extra_vocab_strings}")
+    unwritable = sorted({t.name for t in spec.types.values() if t not in WRITABLE_TYPES})
+    if unwritable:
+        names = ", ".join(t.name for t in WRITABLE_TYPES)
+        errors.append(f"types {unwritable} cannot be written; writable types are: {names}")
+    if not errors:
+        for t in plan_tensors(spec, validate=False):
+            block_size = GGML_QUANT_SIZES[t.ggml_type][0]
+            if t.ne[0] % block_size:
+                errors.append(
+                    f"{t.name}: row length ne[0]={t.ne[0]} is not a multiple of the "
+                    f"{t.ggml_type.name} block size {block_size} (choose another type for "
+                    f"role {t.role.name} or a dimension divisible by {block_size})"
+                )
+    return errors
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedTensor:
+    """One tensor the spec implies: llama.cpp name, role, type, ``ne`` (ggml order)."""
+
+    name: str
+    role: Role
+    ggml_type: GGMLQuantizationType
+    ne: tuple[int, ...]
+    block: int | None
+
+    @property
+    def nbytes(self) -> int:
+        block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        return math.prod(self.ne) // block_size * type_size
+
+
+def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTensor, ...]:
+    """The tensors of ``spec`` in file order, with llama.cpp's names and ``ne`` shapes."""
+    if validate:
+        errors = _spec_errors(spec)
+        if errors:
+            raise ValueError(f"invalid ModelSpec {spec.name!r}:\n  " + "\n  ".join(errors))
+    e, hd = spec.n_embd, spec.n_embd_head
+    out: list[PlannedTensor] = []
+
+    def add(role: Role, ne: tuple[int, ...], block: int | None = None) -> None:
+        out.append(PlannedTensor(role.tensor_name(block), role, spec.type_of(role), ne, block))
+
+    add(Role.TOKEN_EMBD, (e, spec.n_vocab))
+    for b in range(spec.n_layers):
+        add(Role.ATTN_NORM, (e,), b)
+        add(Role.ATTN_Q, (e, spec.n_head * hd), b)
+        add(Role.ATTN_K, (e, spec.n_head_kv * hd), b)
+        add(Role.ATTN_V, (e, spec.n_head_kv * hd), b)
+        add(Role.ATTN_O, (spec.n_head * hd, e), b)
+        if spec.arch is Arch.QWEN3MOE:
+            add(Role.ATTN_Q_NORM, (hd,), b)
+            add(Role.ATTN_K_NORM, (hd,), b)
+        add(Role.FFN_NORM, (e,), b)
+        if b in spec.moe_blocks:
+            f, x = spec.n_ff_expert, spec.n_expert
+            add(Role.FFN_GATE_INP, (e, x), b)
+            add(Role.FFN_GATE_EXPS, (e, f, x), b)
+            add(Role.FFN_UP_EXPS, (e, f, x), b)
+            add(Role.FFN_DOWN_EXPS, (f, e, x), b)
+            if spec.shared_expert:
+                s = spec.n_ff_shexp
+                add(Role.FFN_GATE_INP_SHEXP, (e,), b)
+                add(Role.FFN_GATE_SHEXP, (e, s), b)
+                add(Role.FFN_UP_SHEXP, (e, s), b)
+                add(Role.FFN_DOWN_SHEXP, (s, e), b)
+        else:
+            add(Role.FFN_GATE, (e, spec.n_ff), b)
+            add(Role.FFN_UP, (e, spec.n_ff), b)
+            add(Role.FFN_DOWN, (spec.n_ff, e), b)
+    add(Role.OUTPUT_NORM, (e,))
+    if not spec.tied_output:
+        add(Role.OUTPUT, (e, spec.n_vocab))
+    return tuple(out)
+
+
+def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
+    """The raw bytes of one planned tensor: norms near 1, weights ~ N(0, 1/sqrt(fan_in))."""
+    rng = _synth.tensor_rng(spec.seed, t.name)
+    if t.role in NORM_ROLES:
+        return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=1.0, std=0.05)
+    return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=0.0, std=1.0 / math.sqrt(t.ne[0]))
+
+
+# --- metadata ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TypedValue:
+    """One metadata value with its GGUF type (``sub_type`` for arrays)."""
+
+    vtype: GGUFValueType
+    value: Any
+    sub_type: GGUFValueType | None = None
+
+
+def _u32(v: int) -> TypedValue:
+    return TypedValue(GGUFValueType.UINT32, v)
+
+
+def _f32(v: float) -> TypedValue:
+    return TypedValue(GGUFValueType.FLOAT32, v)
+
+
+def _file_type(spec: ModelSpec, tensors: Sequence[PlannedTensor]) -> int:
+    """``general.file_type``: the ``MOSTLY_*`` of the type holding most matrix elements."""
+    weight: dict[GGMLQuantizationType, int] = {}
+    for t in tensors:
+        if len(t.ne) >= 2:
+            weight[t.ggml_type] = weight.get(t.ggml_type, 0) + math.prod(t.ne)
+    main = max(sorted(weight), key=weight.__getitem__)
+    for candidate in (f"MOSTLY_{main.name}", f"MOSTLY_{main.name}_M"):
+        if candidate in LlamaFileType.__members__:
+            return int(LlamaFileType[candidate])
+    return int(LlamaFileType.ALL_F32)
+
+
+def _vocab(spec: ModelSpec) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """A tiny SentencePiece-style vocabulary: unk, bos, eos, byte tokens, then plain pieces."""
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
+    n_bytes = min(256, max(0, spec.n_vocab - len(tokens)))
+    tokens += [f"<0x{i:02X}>" for i in range(n_bytes)]
+    types += [TokenType.BYTE] * n_bytes
+    n_plain = spec.n_vocab + spec.extra_vocab_strings - len(tokens)
+    tokens += [f"\u2581t{i}" for i in range(n_plain)]
+    types += [TokenType.NORMAL] * n_plain
+    scores = -np.arange(len(tokens), dtype=np.float32)
+    return tokens, scores, np.asarray(types, dtype=np.int32)
+
+
+def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
+    """The key/value metadata of ``spec``, in file order (llama.cpp's keys)."""
+    a = spec.arch_name
+    LLM = Keys.LLM  # noqa: N806
+    ATT = Keys.Attention  # noqa: N806
+    S = GGUFValueType.STRING  # noqa: N806
+    tensors = plan_tensors(spec)
+    kv: list[tuple[str, TypedValue]] = [
+        (Keys.General.ARCHITECTURE, TypedValue(S, a)),
+        (Keys.General.NAME, TypedValue(S, spec.name)),
+        (Keys.General.FILE_TYPE, _u32(_file_type(spec, tensors))),
+        (Keys.General.QUANTIZATION_VERSION, _u32(GGML_QUANT_VERSION)),
+        (LLM.BLOCK_COUNT.format(arch=a), _u32(spec.n_layers)),
+        (LLM.CONTEXT_LENGTH.format(arch=a), _u32(spec.context_length)),
+        (LLM.EMBEDDING_LENGTH.format(arch=a), _u32(spec.n_embd)),
+        (LLM.FEED_FORWARD_LENGTH.format(arch=a), _u32(spec.n_ff)),
+        (ATT.HEAD_COUNT.format(arch=a), _u32(spec.n_head)),
+        (ATT.HEAD_COUNT_KV.format(arch=a), _u32(spec.n_head_kv)),
+        (ATT.KEY_LENGTH.format(arch=a), _u32(spec.n_embd_head)),
+        (ATT.VALUE_LENGTH.format(arch=a), _u32(spec.n_embd_head)),
+        (ATT.LAYERNORM_RMS_EPS.format(arch=a), _f32(spec.rms_eps)),
+        (Keys.Rope.FREQ_BASE.format(arch=a), _f32(spec.rope_freq_base)),
+        (LLM.VOCAB_SIZE.format(arch=a), _u32(spec.n_vocab)),
+    ]
+    if spec.n_expert > 0:
+        kv += [
+            (LLM.EXPERT_COUNT.format(arch=a), _u32(spec.n_expert)),
+            (LLM.EXPERT_USED_COUNT.format(arch=a), _u32(spec.n_expert_used)),
+            (LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=a), _u32(spec.n_ff_expert)),
+        ]
+        if spec.shared_expert:
+            key = LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a)
+            kv.append((key, _u32(spec.n_ff_shexp)))
+    tokens, scores, token_types = _vocab(spec)
+    A = GGUFValueType.ARRAY  # noqa: N806
+    kv += [
+        (Keys.Tokenizer.MODEL, TypedValue(S, "llama")),
+        (Keys.Tokenizer.LIST, TypedValue(A, tokens, S)),
+        (Keys.Tokenizer.SCORES, TypedValue(A, scores, GGUFValueType.FLOAT32)),
+        (Keys.Tokenizer.TOKEN_TYPE, TypedValue(A, token_types, GGUFValueType.INT32)),
+        (Keys.Tokenizer.UNK_ID, _u32(0)),
+        (Keys.Tokenizer.BOS_ID, _u32(1)),
+        (Keys.Tokenizer.EOS_ID, _u32(2)),
+    ]
+    return kv
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+_SCALAR_FORMATS: Final = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+
+
+def _encode_string(s: str | bytes) -> bytes:
+    raw = s.encode() if isinstance(s, str) else s
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _encode_value(v: TypedValue) -> bytes:
+    if v.vtype in _SCALAR_FORMATS:
+        return struct.pack(_SCALAR_FORMATS[v.vtype], v.value)
+    if v.vtype is GGUFValueType.STRING:
+        return _encode_string(v.value)
+    if v.vtype is GGUFValueType.ARRAY and v.sub_type is not None:
+        head = struct.pack("<IQ", v.sub_type, len(v.value))
+        if v.sub_type is GGUFValueType.STRING:
+            return head + b"".join(_encode_string(s) for s in v.value)
+        fmt = _SCALAR_FORMATS[v.sub_type]
+        return head + np.asarray(v.value, dtype=np.dtype(fmt)).tobytes()
+    raise ValueError(f"cannot encode metadata value of type {v.vtype.name} (sub {v.sub_type})")
+
+
+def encode_metadata(kv: Iterable[tuple[str, TypedValue]]) -> bytes:
+    """The key/value section of a GGUF file, as bytes."""
+    return b"".join(
+        _encode_string(k) + struct.pack("<I", v.vtype) + _encode_value(v) for k, v in kv
+    )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RawTensor:
+    """A tensor ready to write: name, type, ``ne`` (ggml order) and its encoded bytes."""
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    ne: tuple[int, ...]
+    data: bytes | memoryview | np.ndarray
+
+
+def _byte_view(data: bytes | memoryview | np.ndarray) -> memoryview:
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+    return memoryview(data).cast("B")
+
+
+def _pad(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def write_gguf(
+    path: str | Path,
+    *,
+    n_kv: int,
+    kv_bytes: bytes,
+    tensors: Sequence[RawTensor],
+    alignment: int = GGUF_DEFAULT_ALIGNMENT,
+) -> Path:
+    """Atomically write a GGUF v3 file from an encoded KV section and raw tensors (in order)."""
+    infos, offset = [], 0
+    for t in tensors:
+        nbytes = _byte_view(t.data).nbytes
+        block_size, type_size = GGML_QUANT_SIZES[t.ggml_type]
+        expected = math.prod(t.ne) // block_size * type_size
+        if t.ne[0] % block_size or nbytes != expected:
+            raise ValueError(
+                f"{t.name}: {t.ggml_type.name} ne={list(t.ne)} needs {expected} bytes with ne[0] "
+                f"a multiple of {block_size}, found {nbytes} bytes"
+            )
+        info = _encode_string(t.name) + struct.pack(f"<I{len(t.ne)}Q", len(t.ne), *t.ne)
+        infos.append(info + struct.pack("<IQ", t.ggml_type, offset))
+        offset = _pad(offset + nbytes, alignment)
+    head = b"GGUF" + struct.pack("<IQQ", GGUF_VERSION, len(tensors), n_kv) + kv_bytes
+    head += b"".join(infos)
+
+    def write(f: BinaryIO) -> None:
+        f.write(head + bytes(_pad(len(head), alignment) - len(head)))
+        for t in tensors:
+            data = _byte_view(t.data)
+            f.write(data)
+            f.write(bytes(_pad(data.nbytes, alignment) - data.nbytes))
+
+    return atomic_write(path, write)
+
+
+# --- models -----------------------------------------------------------------------------------
+
+
+def shard_paths(
+    spec: ModelSpec, out_dir: str | Path, *, layout: Layout, n_shards: int
+) -> list[Path]:
+    """The file names of a model: ``NAME.gguf`` or ``NAME-0000i-of-0000N.gguf``."""
+    out_dir = Path(out_dir)
+    if layout is Layout.SINGLE:
+        return [out_dir / f"{spec.name}.gguf"]
+    return [out_dir / SHARD_NAME_FORMAT.format(spec.name, i + 1, n_shards) for i in range(n_shards)]
+
+
+def _group(
+    tensors: Sequence[PlannedTensor], *, layout: Layout, max_tensors_per_shard: int | None
+) -> list[list[PlannedTensor]]:
+    if layout is Layout.SINGLE:
+        if max_tensors_per_shard is not None:
+            raise ValueError("max_tensors_per_shard applies to Layout.SPLIT only")
+        return [list(tensors)]
+    if layout is Layout.PER_TENSOR:
+        if max_tensors_per_shard not in (None, 1):
+            raise ValueError(
+                f"Layout.PER_TENSOR means 1 tensor per shard, not {max_tensors_per_shard}"
+            )
+        per = 1
+    else:
+        per = max_tensors_per_shard or -(-len(tensors) // 4)  # default: about four shards
+        if per < 1:
+            raise ValueError(f"max_tensors_per_shard must be >= 1, found {per}")
+    return [list(tensors[i : i + per]) for i in range(0, len(tensors), per)]
+
+
+def write_model(
+    spec: ModelSpec,
+    out_dir: str | Path,
+    *,
+    layout: Layout = Layout.SINGLE,
+    max_tensors_per_shard: int | None = None,
+) -> list[Path]:
+    """Write ``spec`` into ``out_dir``; returns the files, the first one being the file to load.
+
+    Split shards follow gguf-split: the first holds every metadata key plus ``split.*``, the
+    others only ``split.no``, ``split.count`` and ``split.tensors.count``. Shards are written last
+    to first, so the file to load appears only when the rest of the set is in place.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    planned = plan_tensors(spec)
+    groups = _group(planned, layout=layout, max_tensors_per_shard=max_tensors_per_shard)
+    paths = shard_paths(spec, out_dir, layout=layout, n_shards=len(groups))
+    metadata = model_metadata(spec)
+    for i in reversed(range(len(groups))):
+        kv = metadata if i == 0 else []
+        if layout is not Layout.SINGLE:
+            kv = [
+                *kv,
+                (Keys.Split.LLM_KV_SPLIT_NO, TypedValue(GGUFValueType.UINT16, i)),
+                (Keys.Split.LLM_KV_SPLIT_COUNT, TypedValue(GGUFValueType.UINT16, len(groups))),
+                (
+                    Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT,
+                    TypedValue(GGUFValueType.INT32, len(planned)),
+                ),
+            ]
+        raws = [RawTensor(t.name, t.ggml_type, t.ne, tensor_bytes(spec, t)) for t in groups[i]]
+        write_gguf(paths[i], n_kv=len(kv), kv_bytes=encode_metadata(kv), tensors=raws)
+    log.info("model_written", model=spec.name, layout=layout.value, files=len(paths))
+    return paths
+
+
+# --- presets ----------------------------------------------------------------------------------
+
+
+def tiny_dense(**overrides: Any) -> ModelSpec:
+    """A 2-block dense llama (n_embd 64, vocab 256): the smallest realistic model."""
+    return replace(ModelSpec(arch=Arch.LLAMA, name="tiny-dense"), **overrides)
+
+
+def tiny_moe(**overrides: Any) -> ModelSpec:
+    """A 4-block qwen3moe with 4 experts, 2 used (n_embd 64, vocab 256)."""
+    base = ModelSpec(
+        arch=Arch.QWEN3MOE,
+        name="tiny-moe",
+        n_layers=4,
+        n_ff=128,
+        n_expert=4,
+        n_expert_used=2,
+        n_ff_expert=64,
+    )
+    return replace(base, **overrides)
+
+
+def demo_moe(**overrides: Any) -> ModelSpec:
+    """The demo model: an 8-block qwen3moe with 8 experts, 2 used (n_embd 128, vocab 512)."""
+    base = ModelSpec(
+        arch=Arch.QWEN3MOE,
+        name="demo-moe",
+        n_layers=8,
+        n_embd=128,
+        n_head=8,
+        n_head_kv=4,
+        n_ff=256,
+        n_vocab=512,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_expert=128,
+        context_length=512,
+    )
+    return replace(base, **overrides)
