@@ -38,6 +38,8 @@ from collections.abc import Callable, Mapping, MutableMapping
 
 import structlog
 
+from ggufswap.ipc.errors import IpcError
+
 log = structlog.get_logger(__name__)
 
 # Environment variables set by systemd for the service's main process.
@@ -55,8 +57,12 @@ _FIELD_NAME = re.compile(r"[A-Z][A-Z0-9_]*\Z")
 _USEC_PER_S = 1_000_000
 
 
-class NotifySocketError(ValueError):
-    """``NOTIFY_SOCKET`` does not name a socket this module can send to."""
+class NotifySocketError(IpcError, ValueError):
+    """``NOTIFY_SOCKET`` does not name a socket this module can send to.
+
+    Defined here rather than in ``errors.py`` because nothing else raises it; it is still an
+    :class:`~ggufswap.ipc.errors.IpcError`.
+    """
 
 
 class Field:
