@@ -1,0 +1,166 @@
+"""Dequantize GGUF tensor bytes to a torch tensor, on the tensor's own device.
+
+Every kernel reproduces ``gguf.quants.dequantize`` bit for bit in float32 (hot-swapped weights
+must equal a fresh load exactly); a requested ``bfloat16``/``float16`` result is converted from
+that float32 result. Types without a kernel fall back to gguf's numpy code on the CPU unless
+``strict`` is set.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import structlog
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ggufswap.runtime._dequant_kernels import KERNELS, Kernel
+from ggufswap.runtime.errors import UnsupportedTypeError
+
+__all__ = ["KERNEL_TYPES", "dequantize", "has_kernel"]
+
+log = structlog.get_logger(__name__)
+
+KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset(KERNELS)
+
+# Output elements per kernel call on the CPU: a 4 MiB float32 chunk stays in the last-level cache
+# between the int->float conversion and the scaling pass. Accelerators take the whole tensor.
+_CPU_CHUNK_ELEMENTS = 1 << 20
+_DEVICE_CHUNK_ELEMENTS = 1 << 26
+
+_warned_lock = threading.Lock()
+_warned_types: set[GGMLQuantizationType] = set()
+
+
+def has_kernel(ggml_type: GGMLQuantizationType) -> bool:
+    """Whether ``ggml_type`` is dequantized by a torch kernel (rather than gguf's numpy code)."""
+    return ggml_type in KERNEL_TYPES
+
+
+def dequantize(
+    raw: torch.Tensor,
+    ggml_type: GGMLQuantizationType,
+    ne: tuple[int, ...],
+    *,
+    dtype: torch.dtype = torch.float32,
+    strict: bool = False,
+) -> torch.Tensor:
+    """Dequantize one tensor's GGUF bytes.
+
+    ``raw`` is a 1-D uint8 tensor holding exactly the tensor's bytes (rows of blocks) on any
+    device; ``ne`` is the ggml-order shape (``ne[0]`` varies fastest). Returns a new tensor of
+    shape ``tuple(reversed(ne))`` and dtype ``dtype`` on ``raw``'s device.
+    """
+    ggml_type = GGMLQuantizationType(ggml_type)
+    block_size, type_size = _check(raw, ggml_type, ne)
+    shape = tuple(reversed(ne))
+    kernel = KERNELS.get(ggml_type)
+    if kernel is None:
+        if strict:
+            supported = ", ".join(sorted(t.name for t in KERNEL_TYPES))
+            msg = (
+                f"no torch dequantization kernel for {ggml_type.name} and strict mode forbids "
+                f"the CPU fallback; supported types: {supported}"
+            )
+            raise UnsupportedTypeError(msg)
+        return _fallback(raw, ggml_type, ne, dtype=dtype).reshape(shape)
+    n_blocks = raw.numel() // type_size
+    if raw.data_ptr() % 4 != 0:
+        raw = raw.clone()  # fp16 fields are read through dtype views, which need alignment
+    out = _run(kernel, raw.view(n_blocks, type_size), block_size=block_size, dtype=dtype)
+    return out.view(shape)
+
+
+def _check(
+    raw: torch.Tensor, ggml_type: GGMLQuantizationType, ne: tuple[int, ...]
+) -> tuple[int, int]:
+    """Validate ``raw`` against ``ne`` and return the type's (block_size, type_size)."""
+    if ggml_type not in GGML_QUANT_SIZES:
+        msg = f"GGML type {ggml_type.name} has no known block size"
+        raise UnsupportedTypeError(msg)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    if raw.dtype != torch.uint8 or raw.dim() != 1:
+        msg = f"raw bytes must be a 1-D uint8 tensor, found {raw.dim()}-D {raw.dtype}"
+        raise ValueError(msg)
+    if len(ne) == 0 or any(int(n) < 1 for n in ne):
+        msg = f"shape ne={tuple(ne)} must have at least one dimension, all positive"
+        raise ValueError(msg)
+    if ne[0] % block_size != 0:
+        msg = (
+            f"{ggml_type.name} row length ne[0]={ne[0]} is not a multiple of its "
+            f"block size {block_size}"
+        )
+        raise ValueError(msg)
+    expected = math.prod(ne) // block_size * type_size
+    if raw.numel() != expected:
+        msg = (
+            f"{ggml_type.name} tensor of shape ne={tuple(ne)} needs {expected} bytes, "
+            f"found {raw.numel()} bytes"
+        )
+        raise ValueError(msg)
+    return block_size, type_size
+
+
+def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised 1-D tensor; on the CPU backed by numpy, whose allocator asks the kernel
+    for transparent huge pages (first-touch page faults otherwise dominate the kernels' time)."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.empty(numel * itemsize, dtype=np.uint8)).view(dtype)
+
+
+def _run(
+    kernel: Kernel, blocks: torch.Tensor, *, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Apply ``kernel`` chunk by chunk over ``blocks [n, type_size]``; returns the flat result."""
+    n_blocks = blocks.shape[0]
+    device = blocks.device
+    chunk_elems = _CPU_CHUNK_ELEMENTS if device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS
+    chunk = max(1, chunk_elems // block_size)
+    out = _empty(n_blocks * block_size, dtype, device)
+    out_blocks = out.view(n_blocks, block_size)
+    if dtype == torch.float32:
+        for start in range(0, n_blocks, chunk):
+            kernel(blocks[start : start + chunk], out_blocks[start : start + chunk])
+        return out
+    # Other dtypes: compute each chunk in float32 scratch, then round it into the result.
+    scratch = torch.empty(min(chunk, n_blocks), block_size, dtype=torch.float32, device=device)
+    for start in range(0, n_blocks, chunk):
+        stop = min(start + chunk, n_blocks)
+        part = scratch[: stop - start]
+        kernel(blocks[start:stop], part)
+        out_blocks[start:stop].copy_(part)
+    return out
+
+
+def _fallback(
+    raw: torch.Tensor,
+    ggml_type: GGMLQuantizationType,
+    ne: tuple[int, ...],
+    *,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """gguf's numpy dequantization on the CPU, moved back to ``raw``'s device."""
+    with _warned_lock:
+        first = ggml_type not in _warned_types
+        _warned_types.add(ggml_type)
+    if first:
+        log.warning(
+            "dequant_cpu_fallback",
+            ggml_type=ggml_type.name,
+            reason="no torch kernel; using gguf's numpy dequantization on the CPU",
+        )
+    from gguf import quants
+
+    rows = math.prod(ne[1:])
+    data = raw.detach().cpu().numpy().reshape(rows, -1)
+    try:
+        values = quants.dequantize(data, ggml_type)
+    except NotImplementedError as exc:
+        msg = f"neither a torch kernel nor gguf can dequantize {ggml_type.name}: {exc}"
+        raise UnsupportedTypeError(msg) from exc
+    result = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    return result.to(device=raw.device, dtype=dtype)
