@@ -17,6 +17,7 @@ from ggufswap._logsetup import configure_logging
 # Command modules, imported lazily so that ``ggufswap status`` never pays for torch.
 COMMAND_MODULES = (
     "ggufswap._cmd_shards",
+    "ggufswap._cmd_config",
 )
 
 EXIT_OK = 0

@@ -1,0 +1,112 @@
+"""``ggufswap check-config FILE``: validate a configuration and summarize what it sets up."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ggufswap.config import (
+    Config,
+    ConfigError,
+    config_to_dict,
+    format_size,
+    load_config,
+)
+
+EXIT_OK = 0
+EXIT_INVALID = 1
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "check-config",
+        help="validate a configuration file",
+        description=(
+            "Validate a YAML configuration (including that the watched directories, the model "
+            "file and the key files exist) and print what it configures, or every problem as "
+            "FILE:LINE: key: message. Exit status 0 when valid, 1 otherwise."
+        ),
+    )
+    parser.add_argument("file", metavar="FILE", help="the YAML configuration file")
+    parser.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file, check_paths=True)
+    except ConfigError as exc:
+        if args.json:
+            problems = [
+                {"file": p.file, "line": p.line, "key": p.key_path, "message": p.message}
+                for p in exc.problems
+            ]
+            _print_json({"ok": False, "problems": problems})
+        else:
+            print(str(exc), file=sys.stderr)
+            count = len(exc.problems)
+            print(f"{count} problem{'s' if count != 1 else ''} found", file=sys.stderr)
+        return EXIT_INVALID
+    if args.json:
+        _print_json({"ok": True, "config": config_to_dict(config)})
+    else:
+        print("\n".join(summary_lines(config)))
+    return EXIT_OK
+
+
+def _print_json(data: dict[str, Any]) -> None:
+    json.dump(data, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+def summary_lines(config: Config) -> list[str]:
+    """A few lines a person reads to confirm the file means what they meant."""
+    lines = [f"{config.source}: OK"]
+    if config.models:
+        agent = config.agent
+        lines.append(
+            f"agent: status {agent.status_endpoint}, rescan every {agent.rescan_interval_s:g} s, "
+            f"log level {agent.log_level.value}"
+            + (f", metrics on port {agent.metrics_port}" if agent.metrics_port else "")
+        )
+    for model in config.models:
+        tensors = model.tensors
+        scope = (
+            "all tensors"
+            if not tensors.include and not tensors.exclude
+            else f"{len(tensors.include)} include / {len(tensors.exclude)} exclude pattern(s)"
+        )
+        lines.append(
+            f"model {model.name} -> {model.runtime} (verify {model.verify.value}, "
+            f"settle {model.settle_ms} ms, {scope})"
+        )
+        for watch in model.watch:
+            depth = "recursive" if watch.recursive else "not recursive"
+            lines.append(
+                f"  watch {watch.path} {watch.glob} (backend {watch.backend.value}, {depth})"
+            )
+    runtime = config.runtime
+    if runtime is not None:
+        lines.append(
+            f"runtime {runtime.name}: {runtime.model} "
+            f"(storage {runtime.storage.value}, {runtime.compute_dtype.value})"
+        )
+        lines.append(f"  control {runtime.control_endpoint}")
+        lines.append(f"  status  {runtime.status_endpoint}")
+        lines.append(f"  events  {runtime.events_endpoint}")
+        lines.append(f"  allowed roots: {', '.join(str(r) for r in runtime.allowed_roots)}")
+        for pool in runtime.pools:
+            budget = "unlimited" if pool.budget is None else format_size(pool.budget)
+            lines.append(f"  pool {pool.name} on {pool.device}, budget {budget}")
+        placement = runtime.placement
+        layers = "all" if placement.gpu_layers < 0 else str(placement.gpu_layers)
+        experts = f", experts in {placement.experts_pool}" if placement.experts_pool else ""
+        lines.append(f"  placement: {layers} layer(s) on {runtime.pools[0].name}{experts}")
+    security = config.security
+    if security.curve is not None:
+        lines.append("security: CURVE keys configured")
+    elif security.allow_insecure_tcp:
+        lines.append("security: WARNING allow_insecure_tcp is on (plaintext tcp:// allowed)")
+    return lines
