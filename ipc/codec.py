@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 
 from ggufswap.ipc.errors import MalformedMessage, MessageTooLarge
-from ggufswap.ipc.messages import check_envelope
+from ggufswap.ipc.messages import Fields, check_envelope
 
 DEFAULT_MAX_MSG_SIZE = 64 * 1024 * 1024
 
@@ -75,5 +75,10 @@ def decode(frame: bytes, *, max_size: int = DEFAULT_MAX_MSG_SIZE) -> dict[str, A
         # ExtraData, FormatError, StackError, OutOfData and UnicodeDecodeError are ValueErrors;
         # an unhashable map key (a map used as a key) is a TypeError.
         raise MalformedMessage(f"not a msgpack message: {type(exc).__name__}: {exc}") from exc
-    _check_plain(obj)
-    return check_envelope(obj)
+    msg = check_envelope(obj)
+    try:
+        _check_plain(msg)
+    except MalformedMessage as exc:
+        exc.msg_id = msg[Fields.ID]
+        raise
+    return msg

@@ -4,12 +4,14 @@ Every message names the field, the endpoint or the peer involved and says what w
 against what was found, so that the log line alone is enough to act on.
 """
 
-
 from __future__ import annotations
 
 
 class IpcError(Exception):
     """Base class of every error the ``ggufswap.ipc`` package raises."""
+
+    #: The ``id`` of the offending message when it could be read (for ``error.in_reply_to``).
+    msg_id: str | None = None
 
 
 class MalformedMessage(IpcError, ValueError):

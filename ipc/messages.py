@@ -174,11 +174,25 @@ def make_event(topic: Topic, **fields: Any) -> dict[str, Any]:
 
 
 def check_envelope(obj: object) -> dict[str, Any]:
-    """Return ``obj`` as a message map after checking ``v`` (first), ``type`` and ``id``."""
+    """Return ``obj`` as a message map after checking ``v`` (first), ``type`` and ``id``.
+
+    Errors carry the message's ``id`` in ``msg_id`` when it is readable, so that an error
+    reply can still name the request it answers.
+    """
     if not isinstance(obj, dict):
         raise MalformedMessage(
             f"top level: expected a map with 'v', 'type', 'id', found {type(obj).__name__}"
         )
+    raw_id = obj.get(Fields.ID)
+    try:
+        return _check_envelope_fields(obj)
+    except (MalformedMessage, UnsupportedVersion) as exc:
+        if isinstance(raw_id, str) and 0 < len(raw_id) <= MAX_ID_LENGTH:
+            exc.msg_id = raw_id
+        raise
+
+
+def _check_envelope_fields(obj: dict[Any, Any]) -> dict[str, Any]:
     for key in obj:
         if not isinstance(key, str):
             raise MalformedMessage(f"top level: keys must be strings, found {key!r}")

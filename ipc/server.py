@@ -1,0 +1,367 @@
+"""A ROUTER request server on its own stoppable thread, and a thread-safe event publisher.
+
+The server thread owns its ZeroMQ socket (sockets are not thread-safe). Other threads hand it
+messages through ``send_to``: they are encoded in the caller's thread, queued, and the server
+thread is woken through a pipe that its poller watches next to the socket. The loop polls with a
+timeout, so ``stop()`` is honoured within ``poll_interval_s`` even if the wake-up were lost.
+
+Every frame gets an answer or a logged reason why not: undecodable, oversized, wrongly versioned
+or unknown messages and handler exceptions are answered with ``error`` and the loop goes on.
+``ping`` is answered by the server itself with ``pong``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from enum import Enum
+from typing import Any
+
+import structlog
+import zmq
+
+from ggufswap.ipc.codec import DEFAULT_MAX_MSG_SIZE, decode, encode
+from ggufswap.ipc.errors import (
+    IpcError,
+    MalformedMessage,
+    MessageTooLarge,
+    UnknownMessageType,
+    UnsupportedVersion,
+)
+from ggufswap.ipc.messages import (
+    ErrorCode,
+    Fields,
+    MessageType,
+    Topic,
+    make_error,
+    make_event,
+    make_reply,
+    validate_message,
+)
+from ggufswap.ipc.sockets import (
+    DEFAULT_HWM,
+    DEFAULT_LINGER_MS,
+    Binding,
+    CurveKeys,
+    bind_endpoint,
+    make_socket,
+)
+
+log = structlog.get_logger(__name__)
+
+Handler = Callable[[bytes, dict[str, Any]], Mapping[str, Any] | None]
+
+_MAX_BATCH = 256  # frames handled per wake-up before the outbox and stop flag are looked at
+
+
+class ServerState(Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+class RequestServer:
+    """Serve requests on ``endpoint``: ``handler(peer_id, msg)`` returns the reply or None.
+
+    A handler that returns None may answer later (or several times) with ``send_to(peer_id,
+    reply)`` from any thread. Handler exceptions are logged and answered with ``error``:
+    ``MalformedMessage`` → MALFORMED, ``UnknownMessageType`` → UNKNOWN_TYPE, others → INTERNAL.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        handler: Handler,
+        *,
+        name: str,
+        max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
+        linger_ms: int = DEFAULT_LINGER_MS,
+        hwm: int = DEFAULT_HWM,
+        curve: CurveKeys | None = None,
+        allow_insecure_tcp: bool = False,
+        poll_interval_s: float = 0.1,
+    ):
+        self._requested_endpoint = endpoint
+        self._handler = handler
+        self.name = name
+        self._max_msg_size = max_msg_size
+        self._linger_ms = linger_ms
+        self._hwm = hwm
+        self._curve = curve
+        self._allow_insecure_tcp = allow_insecure_tcp
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._state = ServerState.CREATED
+        self._stop = threading.Event()
+        self._outbox: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._socket: zmq.Socket[bytes] | None = None
+        self._binding: Binding | None = None
+        self._wake_r = -1
+        self._wake_w = -1
+        self._thread: threading.Thread | None = None
+        self._started_at = time.monotonic()
+        self.log = log.bind(server=name)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def state(self) -> ServerState:
+        return self._state
+
+    @property
+    def endpoint(self) -> str:
+        """The bound endpoint (a tcp wildcard port resolved); the requested one before start."""
+        return self._binding.endpoint if self._binding is not None else self._requested_endpoint
+
+    def start(self) -> RequestServer:
+        """Bind in the caller's thread (so bind errors raise here), then serve on a thread."""
+        if self._state is not ServerState.CREATED:
+            raise IpcError(f"server {self.name}: start() in state {self._state.name}")
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        sock = make_socket(
+            context,
+            zmq.ROUTER,
+            max_msg_size=self._max_msg_size,
+            linger_ms=self._linger_ms,
+            hwm=self._hwm,
+        )
+        try:
+            self._binding = bind_endpoint(
+                sock,
+                self._requested_endpoint,
+                curve=self._curve,
+                allow_insecure_tcp=self._allow_insecure_tcp,
+            )
+        except BaseException:
+            sock.close(linger=0)
+            context.term()
+            raise
+        self._context, self._socket = context, sock
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._started_at = time.monotonic()
+        self._state = ServerState.RUNNING
+        self._thread = threading.Thread(
+            target=self._run, name=f"ggufswap-ipc-{self.name}", daemon=True
+        )
+        self._thread.start()
+        self.log.info("ipc.server_started", endpoint=self.endpoint)
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread (bounded by ``timeout_s``), close the socket and release the endpoint."""
+        if self._state is not ServerState.RUNNING:
+            self._state = ServerState.STOPPED
+            return
+        self._stop.set()
+        self._wake()
+        assert self._thread is not None, "a running server has a thread"
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self.log.error("ipc.server_stop_timeout", timeout_s=timeout_s)
+            raise IpcError(f"server {self.name}: thread did not stop within {timeout_s}s")
+        if self._binding is not None:
+            self._binding.close()
+        if self._context is not None:
+            self._context.term()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        self._state = ServerState.STOPPED
+        self.log.info("ipc.server_stopped", endpoint=self.endpoint)
+
+    def __enter__(self) -> RequestServer:
+        if self._state is ServerState.CREATED:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._started_at
+
+    # -- cross-thread sends ------------------------------------------------------------------
+
+    def send_to(self, peer_id: bytes, msg: Mapping[str, Any]) -> None:
+        """Queue ``msg`` for ``peer_id`` from any thread; encoding errors raise here."""
+        if self._state is not ServerState.RUNNING:
+            raise IpcError(f"server {self.name}: send_to() in state {self._state.name}")
+        self._outbox.put((peer_id, encode(msg)))
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # a full pipe: a wake-up is already pending
+            os.write(self._wake_w, b"\0")
+
+    # -- the server thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        sock = self._socket
+        assert sock is not None, "start() creates the socket before the thread"
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(self._poll_ms))
+                if sock in ready:
+                    self._drain_socket(sock)
+                if self._wake_r in ready:
+                    self._drain_wakeups()
+                self._drain_outbox(sock)
+        finally:
+            sock.close(linger=self._linger_ms)
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _drain_outbox(self, sock: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                peer, data = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            self._send(sock, peer, [], data)
+
+    def _drain_socket(self, sock: zmq.Socket[bytes]) -> None:
+        for _ in range(_MAX_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(sock, frames)
+
+    def _send(
+        self, sock: zmq.Socket[bytes], peer: bytes, envelope: list[bytes], data: bytes
+    ) -> None:
+        if len(data) > self._max_msg_size:
+            self.log.error("ipc.reply_too_large", size=len(data), limit=self._max_msg_size)
+            data = encode(
+                make_error(
+                    None,
+                    ErrorCode.TOO_LARGE,
+                    f"{self.name}: reply of {len(data)} bytes exceeds the "
+                    f"{self._max_msg_size}-byte cap",
+                )
+            )
+        try:
+            sock.send_multipart([peer, *envelope, data], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH: the peer is gone (ROUTER_MANDATORY); EAGAIN: its queue is full.
+            self.log.warning("ipc.reply_dropped", peer=peer.hex(), error=str(exc))
+
+    def _handle(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        peer, body = frames[0], frames[1:]
+        envelope: list[bytes] = []
+        if len(body) == 2 and body[0] == b"":  # a REQ peer: keep its empty delimiter
+            envelope, body = [b""], body[1:]
+        if len(body) != 1:
+            error = make_error(
+                None, ErrorCode.MALFORMED, f"expected one payload frame, found {len(body)}"
+            )
+            self._send(sock, peer, envelope, encode(error))
+            return
+        reply = self._reply_to(peer, body[0])
+        if reply is None:
+            return
+        try:
+            data = encode(reply)
+        except MalformedMessage as exc:
+            self.log.exception("ipc.reply_unencodable", type=reply.get(Fields.TYPE))
+            data = encode(make_error(reply.get(Fields.IN_REPLY_TO), ErrorCode.INTERNAL, str(exc)))
+        self._send(sock, peer, envelope, data)
+
+    def _reply_to(self, peer: bytes, payload: bytes) -> Mapping[str, Any] | None:
+        try:
+            msg = decode(payload, max_size=self._max_msg_size)
+        except MessageTooLarge as exc:
+            self.log.warning("ipc.message_too_large", peer=peer.hex(), size=exc.size)
+            return make_error(exc.msg_id, ErrorCode.TOO_LARGE, str(exc))
+        except UnsupportedVersion as exc:
+            self.log.warning("ipc.unsupported_version", peer=peer.hex(), found=exc.found)
+            return make_error(exc.msg_id, ErrorCode.UNSUPPORTED_VERSION, str(exc))
+        except MalformedMessage as exc:
+            self.log.warning("ipc.malformed", peer=peer.hex(), error=str(exc))
+            return make_error(exc.msg_id, ErrorCode.MALFORMED, str(exc))
+        msg_id = msg[Fields.ID]
+        try:
+            msg_type = validate_message(msg)
+            if msg_type is MessageType.PING:
+                return make_reply(msg, MessageType.PONG, process=self.name, uptime_s=self.uptime_s)
+            return self._handler(peer, msg)
+        except UnknownMessageType as exc:
+            self.log.warning("ipc.unknown_type", peer=peer.hex(), type=msg.get(Fields.TYPE))
+            return make_error(msg_id, ErrorCode.UNKNOWN_TYPE, str(exc))
+        except MalformedMessage as exc:
+            self.log.warning("ipc.malformed", peer=peer.hex(), id=msg_id, error=str(exc))
+            return make_error(msg_id, ErrorCode.MALFORMED, str(exc))
+        except Exception as exc:
+            self.log.exception("ipc.handler_failed", type=msg.get(Fields.TYPE), id=msg_id)
+            return make_error(msg_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+class Publisher:
+    """A PUB socket for events: frames ``[topic, msgpack map]``; ``publish`` is thread-safe."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
+        linger_ms: int = DEFAULT_LINGER_MS,
+        hwm: int = DEFAULT_HWM,
+        curve: CurveKeys | None = None,
+        allow_insecure_tcp: bool = False,
+    ):
+        self._lock = threading.Lock()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._socket: zmq.Socket[bytes] | None = make_socket(
+            self._context, zmq.PUB, max_msg_size=max_msg_size, linger_ms=linger_ms, hwm=hwm
+        )
+        try:
+            self._binding = bind_endpoint(
+                self._socket, endpoint, curve=curve, allow_insecure_tcp=allow_insecure_tcp
+            )
+        except BaseException:
+            self._socket.close(linger=0)
+            self._context.term()
+            raise
+
+    @property
+    def endpoint(self) -> str:
+        return self._binding.endpoint
+
+    def publish(self, topic: Topic, **fields: Any) -> dict[str, Any]:
+        """Publish one event (dropped by libzmq for subscribers over their HWM); returns it."""
+        event = make_event(topic, **fields)
+        data = encode(event)
+        with self._lock:
+            if self._socket is None:
+                raise IpcError(f"publisher {self.endpoint}: publish() after close()")
+            self._socket.send_multipart([topic.value.encode(), data])
+        return event
+
+    def close(self) -> None:
+        with self._lock:
+            if self._socket is None:
+                return
+            self._socket.close()
+            self._socket = None
+        self._binding.close()
+        self._context.term()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
