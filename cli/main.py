@@ -18,6 +18,7 @@ from ggufswap._logsetup import configure_logging
 COMMAND_MODULES = (
     "ggufswap._cmd_shards",
     "ggufswap._cmd_config",
+    "ggufswap._cmd_make",
 )
 
 EXIT_OK = 0

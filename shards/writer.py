@@ -219,15 +219,21 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
     if unwritable:
         names = ", ".join(t.name for t in WRITABLE_TYPES)
         errors.append(f"types {unwritable} cannot be written; writable types are: {names}")
-    if not errors:
-        for t in plan_tensors(spec, validate=False):
-            block_size = GGML_QUANT_SIZES[t.ggml_type][0]
-            if t.ne[0] % block_size:
-                errors.append(
-                    f"{t.name}: row length ne[0]={t.ne[0]} is not a multiple of the "
-                    f"{t.ggml_type.name} block size {block_size} (choose another type for "
-                    f"role {t.role.name} or a dimension divisible by {block_size})"
-                )
+    if errors:
+        return errors
+    misfits: dict[Role, list[PlannedTensor]] = {}
+    for t in plan_tensors(spec, validate=False):
+        if t.ne[0] % GGML_QUANT_SIZES[t.ggml_type][0]:
+            misfits.setdefault(t.role, []).append(t)
+    for role, bad_tensors in misfits.items():
+        t, more = bad_tensors[0], len(bad_tensors) - 1
+        block_size = GGML_QUANT_SIZES[t.ggml_type][0]
+        also = f" (and {more} more {role.name} tensors)" if more else ""
+        errors.append(
+            f"{t.name}{also}: row length ne[0]={t.ne[0]} is not a multiple of the "
+            f"{t.ggml_type.name} block size {block_size}; choose another type for role "
+            f"{role.name} or a dimension divisible by {block_size}"
+        )
     return errors
 
 
@@ -585,19 +591,23 @@ def tiny_moe(**overrides: Any) -> ModelSpec:
 
 
 def demo_moe(**overrides: Any) -> ModelSpec:
-    """The demo model: an 8-block qwen3moe with 8 experts, 2 used (n_embd 128, vocab 512)."""
+    """The demo model: a 4-block qwen3moe, 8 experts (2 used), n_embd 256, vocab 512.
+
+    Rows of 256 elements let every tensor but the norms and routers take any writable type,
+    K-quants and IQ4_XS included.
+    """
     base = ModelSpec(
         arch=Arch.QWEN3MOE,
         name="demo-moe",
-        n_layers=8,
-        n_embd=128,
+        n_layers=4,
+        n_embd=256,
         n_head=8,
         n_head_kv=4,
-        n_ff=256,
+        n_ff=512,
         n_vocab=512,
         n_expert=8,
         n_expert_used=2,
-        n_ff_expert=128,
+        n_ff_expert=256,
         context_length=512,
     )
     return replace(base, **overrides)

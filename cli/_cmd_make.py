@@ -1,0 +1,146 @@
+"""``ggufswap make-model`` (write a small test/demo GGUF model) and ``ggufswap requant``.
+
+The writer is imported when a command runs, not when the parser is built, so that other
+commands never pay for numpy and gguf-py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+PRESETS = ("tiny-dense", "tiny-moe", "demo-moe")
+ARCHES = ("llama", "qwen3moe")
+LAYOUTS = ("single", "split", "per-tensor")  # ggufswap.shards.writer.Layout values
+
+
+def register(subparsers: Any) -> None:
+    make = subparsers.add_parser(
+        "make-model",
+        help="write a small deterministic GGUF model (tests, demo)",
+        description=(
+            "Write a small llama.cpp-compatible GGUF model with seeded weights; prints the "
+            "written files, the file to load first. Same options, byte-identical files."
+        ),
+    )
+    make.add_argument("out_dir", metavar="OUT_DIR")
+    make.add_argument(
+        "--preset", choices=PRESETS, help="base model (default: tiny-dense, tiny-moe for qwen3moe)"
+    )
+    make.add_argument("--arch", choices=ARCHES)
+    make.add_argument("--layers", type=int, metavar="N", help="number of blocks")
+    make.add_argument("--experts", type=int, metavar="N", help="experts per MoE block (0: dense)")
+    make.add_argument("--experts-used", type=int, metavar="N", help="experts used per token")
+    make.add_argument("--shared-expert", action="store_true", help="add ffn_*_shexp tensors")
+    make.add_argument("--tied-output", action="store_true", help="no output.weight")
+    make.add_argument("--layout", choices=LAYOUTS, default="single")
+    make.add_argument("--max-tensors-per-shard", type=int, metavar="N", help="for --layout split")
+    make.add_argument(
+        "--type",
+        dest="types",
+        action="append",
+        default=[],
+        metavar="ROLE=TYPE",
+        help="GGML type of a tensor role, e.g. ffn_up_exps=q4_k (repeatable)",
+    )
+    make.add_argument("--vocab-strings", type=int, metavar="N", help="extra tokenizer strings")
+    make.add_argument("--seed", type=int)
+    make.add_argument("--name", help="model name (file name stem)")
+    make.set_defaults(func=run_make_model)
+
+    requant = subparsers.add_parser(
+        "requant",
+        help="re-encode one tensor of a shard to another GGML type",
+        description=(
+            "Dequantize TENSOR and quantize it to TYPE; every other tensor and metadata key stays "
+            "byte-identical. Replaces SHARD atomically unless --out is given."
+        ),
+    )
+    requant.add_argument("shard", metavar="SHARD")
+    requant.add_argument("tensor", metavar="TENSOR")
+    requant.add_argument("type", metavar="TYPE", help="target type, e.g. q4_0, q8_0, f16")
+    requant.add_argument("--out", metavar="PATH", help="write here instead of replacing SHARD")
+    requant.set_defaults(func=run_requant)
+
+
+def _error(command: str, message: str) -> None:
+    print(f"ggufswap {command}: error: {message}", file=sys.stderr)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    from ggufswap.shards.writer import Arch, parse_role, parse_type
+
+    out: dict[str, Any] = {}
+    if args.arch is not None:
+        out["arch"] = Arch(args.arch)
+    if args.layers is not None:
+        out["n_layers"] = args.layers
+    if args.experts is not None:
+        out["n_expert"] = args.experts
+        if args.experts_used is None:
+            out["n_expert_used"] = min(2, args.experts)
+    if args.experts_used is not None:
+        out["n_expert_used"] = args.experts_used
+    if args.shared_expert:
+        out["shared_expert"] = True
+    if args.tied_output:
+        out["tied_output"] = True
+    if args.vocab_strings is not None:
+        out["extra_vocab_strings"] = args.vocab_strings
+    if args.seed is not None:
+        out["seed"] = args.seed
+    if args.name is not None:
+        out["name"] = args.name
+    types = {}
+    for item in args.types:
+        role, sep, type_name = item.partition("=")
+        if not sep:
+            raise ValueError(f"--type expects ROLE=TYPE, found {item!r}")
+        types[parse_role(role)] = parse_type(type_name)
+    if types:
+        out["types"] = types
+    return out
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    from ggufswap.shards.writer import Layout, demo_moe, tiny_dense, tiny_moe, write_model
+
+    presets = {"tiny-dense": tiny_dense, "tiny-moe": tiny_moe, "demo-moe": demo_moe}
+    preset = args.preset or ("tiny-moe" if args.arch == "qwen3moe" else "tiny-dense")
+    try:
+        spec = presets[preset](**_overrides(args))
+        paths = write_model(
+            spec,
+            args.out_dir,
+            layout=Layout(args.layout),
+            max_tensors_per_shard=args.max_tensors_per_shard,
+        )
+    except ValueError as exc:
+        _error("make-model", str(exc))
+        return EXIT_USAGE
+    except OSError as exc:
+        _error("make-model", f"{exc.filename or args.out_dir}: {exc.strerror or exc}")
+        return EXIT_FAILURE
+    for path in paths:
+        print(path)
+    return EXIT_OK
+
+
+def run_requant(args: argparse.Namespace) -> int:
+    from ggufswap.shards.errors import ShardError
+    from ggufswap.shards.requant import requantize
+
+    try:
+        path = requantize(args.shard, args.tensor, args.type, out=args.out)
+    except ShardError as exc:
+        _error("requant", str(exc))
+        return EXIT_FAILURE
+    except OSError as exc:
+        _error("requant", f"{exc.filename or args.shard}: {exc.strerror or exc}")
+        return EXIT_FAILURE
+    print(path)
+    return EXIT_OK
