@@ -289,7 +289,9 @@ class TransformerBlock(nn.Module):
         self.attn_norm = spec.need(TensorNames.ATTN_NORM.format(layer), (config.n_embd,))
         self.ffn_norm = spec.need(TensorNames.FFN_NORM.format(layer), (config.n_embd,))
         self.attention = Attention(config, weights, layer, spec)
-        ffn_cls = MoEFeedForward if config.is_moe else FeedForward
+        # A model may mix dense and MoE blocks: a block with a router is an MoE block.
+        moe = config.is_moe and weights.has(TensorNames.FFN_GATE_INP.format(layer))
+        ffn_cls = MoEFeedForward if moe else FeedForward
         self.feed_forward: nn.Module = ffn_cls(config, weights, layer, spec)
 
     def forward(self, x: Tensor, rope: RotaryEmbedding, positions: Tensor) -> Tensor:
