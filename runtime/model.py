@@ -18,9 +18,10 @@ from typing import Final, Protocol
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
+from torch import Tensor, nn
+
 from ggufswap.runtime.errors import RuntimeLibraryError
 from ggufswap.runtime.model_config import ModelConfig, RopeType
-from torch import Tensor, nn
 
 
 class MissingWeightError(RuntimeLibraryError, KeyError):

@@ -390,9 +390,8 @@ def bigram_model(stream: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]
 def test_uniform_model_has_perplexity_equal_to_the_vocab_size() -> None:
     """A model with equal logits has perplexity n_vocab."""
     stream = make_eval_tokens(V, 1000, seed=0)
-    assert perplexity(uniform_model, stream, ctx=32, batch_size=4) == pytest.approx(
-        V, rel=1e-6
-    )  # float32 log-softmax
+    ppl = perplexity(uniform_model, stream, ctx=32, batch_size=4)
+    assert ppl == pytest.approx(V, rel=1e-6)  # float32 log-softmax
 
 
 def test_eval_tokens_are_deterministic_and_learnable() -> None:
