@@ -189,3 +189,53 @@ def test_sysusers_creates_the_units_user_and_group(tmp_path: Path) -> None:
         assert group in groups, f"{name}: Group={group} is not created by {SYSUSERS_FILE}"
         assert passwd[user][3] == groups[group][2], f"{user}'s primary group is not {group}"
         assert passwd[user][6] == "/usr/sbin/nologin"
+
+
+AGENT_UNDER_MDWE = """
+import ctypes, mmap, sys, tempfile
+PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN = 65, 1
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN, 0, 0, 0) != 0:
+    sys.exit(77)  # kernel older than 6.3
+try:
+    mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+except PermissionError:
+    pass
+else:
+    sys.exit("a writable+executable mapping was allowed: MDWE is not in force")
+import msgpack, structlog, xxhash, yaml, zmq
+from watchdog.events import FileSystemEventHandler
+from watchdog.observers.inotify import InotifyObserver
+import ggufswap.agent, ggufswap.ipc.sdnotify, ggufswap.shards
+directory = tempfile.mkdtemp()
+observer = InotifyObserver()
+observer.schedule(FileSystemEventHandler(), directory)
+observer.start()
+observer.stop()
+observer.join(10)
+context = zmq.Context()
+router = context.socket(zmq.ROUTER)
+router.bind(f"ipc://{directory}/agent.sock")
+router.close(linger=0)
+context.term()
+"""
+
+
+def test_agent_stack_runs_with_memory_deny_write_execute(tmp_path: Path) -> None:
+    """The agent's libraries (inotify observer, ZeroMQ, codecs) work with W^X memory enforced.
+
+    ``MemoryDenyWriteExecute=yes`` in the agent unit relies on this. The kernel's
+    ``PR_SET_MDWE`` is the same rule that systemd enforces with seccomp.
+    """
+    script = tmp_path / "agent_mdwe.py"
+    script.write_text(AGENT_UNDER_MDWE)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    if result.returncode == 77:
+        pytest.skip("kernel has no PR_SET_MDWE (Linux < 6.3)")
+    assert result.returncode == 0, result.stderr
