@@ -14,6 +14,7 @@ causal attention with scale ``1/sqrt(head_dim)``, SwiGLU FFNs, softmax top-k rou
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Final, Protocol
 
 import torch
@@ -122,30 +123,19 @@ class _Spec:
         return self.need(name, shape) if weights.has(name) else None
 
 
-class RotaryEmbedding(nn.Module):
-    """RoPE with a cos/sin cache; NORM rotates (x[2i], x[2i+1]), NEOX rotates (x[i], x[i+d/2])."""
+@dataclass(frozen=True)
+class RopeTables:
+    """cos/sin of the positions of one forward, and how to rotate with them."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.n_rot = config.n_rot
-        self.rope_type = config.rope_type
-        self.base = config.rope_base
-        self.cos = self.sin = torch.empty(0)  # [P, n_rot/2] float32 on CPU
-        self._extend(config.context_length)
+    cos: Tensor  # [T, n_rot/2] float32
+    sin: Tensor  # [T, n_rot/2] float32
+    n_rot: int
+    rope_type: RopeType
 
-    def _extend(self, n_pos: int) -> None:
-        # theta_i = pos * base^(-2i / n_rot), as ggml_rope; computed in float64, stored float32.
-        inv_freq = self.base ** (-torch.arange(0, self.n_rot, 2, dtype=torch.float64) / self.n_rot)
-        angles = torch.outer(torch.arange(n_pos, dtype=torch.float64), inv_freq)  # [P, n_rot/2]
-        self.cos = angles.cos().float()
-        self.sin = angles.sin().float()
-
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        # x: [B, T, H, hd], positions: [T]
-        if int(positions.max()) >= self.cos.shape[0]:
-            self._extend(2 * int(positions.max()) + 1)
-        cos = self.cos[positions.cpu()].to(x.device)[None, :, None, :]  # [1, T, 1, n_rot/2]
-        sin = self.sin[positions.cpu()].to(x.device)[None, :, None, :]
+    def rotate(self, x: Tensor) -> Tensor:
+        """NORM rotates (x[2i], x[2i+1]), NEOX (x[i], x[i + n_rot/2]); dims past n_rot pass."""
+        # x: [B, T, H, hd]
+        cos, sin = self.cos[None, :, None, :], self.sin[None, :, None, :]  # [1, T, 1, n_rot/2]
         rot, rest = x[..., : self.n_rot].float(), x[..., self.n_rot :]
         if self.rope_type == RopeType.NORM:
             x0, x1 = rot[..., 0::2], rot[..., 1::2]  # [B, T, H, n_rot/2] each
@@ -154,6 +144,36 @@ class RotaryEmbedding(nn.Module):
             x0, x1 = rot.chunk(2, dim=-1)
             out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
         return torch.cat((out.to(x.dtype), rest), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE cos/sin cache (per device), grown on demand past the training context."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_rot, self.rope_type, self.base = config.n_rot, config.rope_type, config.rope_base
+        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._n_pos = 0
+        self._extend(config.context_length)
+
+    def _extend(self, n_pos: int) -> None:
+        # theta_i = pos * base^(-2i / n_rot), as ggml_rope; computed in float64, stored float32.
+        inv_freq = self.base ** (-torch.arange(0, self.n_rot, 2, dtype=torch.float64) / self.n_rot)
+        angles = torch.outer(torch.arange(n_pos, dtype=torch.float64), inv_freq)  # [P, n_rot/2]
+        cpu = torch.device("cpu")
+        self._tables = {cpu: (angles.cos().float(), angles.sin().float())}
+        self._n_pos = n_pos
+
+    def forward(self, start: int, length: int, device: torch.device) -> RopeTables:
+        """Tables for positions ``start .. start + length - 1`` on ``device``."""
+        if start + length > self._n_pos:
+            self._extend(2 * (start + length))
+        if device not in self._tables:
+            cos, sin = self._tables[torch.device("cpu")]
+            self._tables[device] = (cos.to(device), sin.to(device))
+        cos, sin = self._tables[device]
+        end = start + length
+        return RopeTables(cos[start:end], sin[start:end], self.n_rot, self.rope_type)
 
 
 class Attention(nn.Module):
@@ -182,15 +202,15 @@ class Attention(nn.Module):
     def _norm(self, x: Tensor, name: str | None) -> Tensor:
         return x if name is None else rms_norm(x, self.weights.weight(name), self.config.norm_eps)
 
-    def forward(self, x: Tensor, rope: RotaryEmbedding, positions: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: RopeTables) -> Tensor:
         # x: [B, T, D]
         c, (bsz, seq, _) = self.config, x.shape
         q = self._proj(x, self.wq, self.bq).view(bsz, seq, c.n_head, c.head_dim)  # [B, T, H, hd]
         k = self._proj(x, self.wk, self.bk).view(bsz, seq, c.n_head_kv, c.head_dim)  # [B,T,Hkv,hd]
         v = self._proj(x, self.wv, self.bv).view(bsz, seq, c.n_head_kv, c.head_dim)
-        q = rope(self._norm(q, self.q_norm), positions)
-        k = rope(self._norm(k, self.k_norm), positions)
-        # A KV cache would append k, v here (positions already carry the offset).
+        q = rope.rotate(self._norm(q, self.q_norm))
+        k = rope.rotate(self._norm(k, self.k_norm))
+        # A KV cache would append k, v here (the rope tables already carry start_pos).
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H(kv), T, hd]
         k = k.repeat_interleave(c.q_per_kv, dim=1)  # query head h reads kv head h // q_per_kv
         v = v.repeat_interleave(c.q_per_kv, dim=1)
@@ -295,10 +315,10 @@ class TransformerBlock(nn.Module):
         ffn_cls = MoEFeedForward if moe else FeedForward
         self.feed_forward: nn.Module = ffn_cls(config, weights, layer, spec)
 
-    def forward(self, x: Tensor, rope: RotaryEmbedding, positions: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: RopeTables) -> Tensor:
         # x: [B, T, D]
         w, eps = self.weights.weight, self.config.norm_eps
-        h = x + self.attention(rms_norm(x, w(self.attn_norm), eps), rope, positions)
+        h = x + self.attention(rms_norm(x, w(self.attn_norm), eps), rope)
         return h + self.feed_forward(rms_norm(h, w(self.ffn_norm), eps))
 
 
@@ -332,9 +352,9 @@ class Transformer(nn.Module):
         w = self.weights.weight
         emb = w(self.tok_embd)  # [V, D]
         x = F.embedding(tokens.to(emb.device), emb).to(tokens.device, torch.float32)  # [B, T, D]
-        positions = torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device)
+        rope = self.rope(start_pos, tokens.shape[1], tokens.device)
         for layer in self.layers:
-            x = layer(x, self.rope, positions)
+            x = layer(x, rope)
         x = rms_norm(x, w(self.norm), self.config.norm_eps)
         return linear(x, w(self.output)).float()  # [B, T, V]
 

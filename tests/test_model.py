@@ -264,30 +264,59 @@ def _halves_from_pairs(n: int) -> torch.Tensor:
     return torch.cat((torch.arange(0, n, 2), torch.arange(1, n, 2)))
 
 
+def rotate(arch: Arch, x: torch.Tensor, start: int) -> torch.Tensor:
+    """RoPE of ``arch`` applied to x [B, T, H, hd] at positions start .. start + T - 1."""
+    return RotaryEmbedding(tiny_config(arch))(start, x.shape[1], x.device).rotate(x)
+
+
 def test_rope_norm_equals_neox_on_permuted_dims() -> None:
     """RoPE NORM rotates adjacent pairs: it is NEOX applied to the pair-to-halves permutation."""
-    norm = RotaryEmbedding(tiny_config(Arch.LLAMA))
-    neox = RotaryEmbedding(tiny_config(Arch.QWEN3MOE))
-    assert (norm.rope_type, neox.rope_type) == (RopeType.NORM, RopeType.NEOX)
+    rope_types = (tiny_config(Arch.LLAMA).rope_type, tiny_config(Arch.QWEN3MOE).rope_type)
+    assert rope_types == (RopeType.NORM, RopeType.NEOX)
     x = torch.randn(2, 5, 3, 8, generator=torch.Generator().manual_seed(7))
-    pos = torch.arange(3, 8)
     perm = _halves_from_pairs(8)
-    torch.testing.assert_close(norm(x, pos)[..., perm], neox(x[..., perm], pos))
+    torch.testing.assert_close(
+        rotate(Arch.LLAMA, x, 3)[..., perm], rotate(Arch.QWEN3MOE, x[..., perm], 3)
+    )
 
 
 @pytest.mark.parametrize("arch", [Arch.LLAMA, Arch.QWEN3MOE])
 def test_rope_scores_depend_only_on_relative_position(arch: Arch) -> None:
     """q·k after RoPE is unchanged by shifting both positions, and position 0 is the identity."""
-    rope = RotaryEmbedding(tiny_config(arch))
     g = torch.Generator().manual_seed(8)
     q, k = torch.randn(1, 1, 1, 8, generator=g), torch.randn(1, 1, 1, 8, generator=g)
-    torch.testing.assert_close(rope(q, torch.tensor([0])), q)
+    torch.testing.assert_close(rotate(arch, q, 0), q)
 
     def score(pq: int, pk: int) -> torch.Tensor:
-        return (rope(q, torch.tensor([pq])) * rope(k, torch.tensor([pk]))).sum()
+        return (rotate(arch, q, pq) * rotate(arch, k, pk)).sum()
 
     torch.testing.assert_close(score(5, 2), score(105, 102), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(score(5, 2), score(5, 3))
+
+
+def test_start_pos_offsets_rope_and_attention_sees_only_relative_positions() -> None:
+    """start_pos selects the RoPE rows from that position on (the hook for a KV cache), and
+    shifting every position leaves the logits unchanged up to rounding (RoPE is relative)."""
+    model, _ = build(Arch.LLAMA)
+    cpu = torch.device("cpu")
+    shifted, full = model.rope(5, 3, cpu), model.rope(0, 40, cpu)
+    assert torch.equal(shifted.cos, full.cos[5:8])
+    assert torch.equal(shifted.sin, full.sin[5:8])
+    x = tokens(1, 6)
+    torch.testing.assert_close(model(x, start_pos=30), model(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for a mixed pool")
+def test_weights_split_between_cpu_and_cuda_give_the_cpu_logits() -> None:
+    """With some weights on CUDA (mixed pools), activations follow them and the logits match CPU."""
+    model, provider = build(Arch.QWEN2MOE, shared_expert=True, qkv_bias=True)
+    x = tokens(2, 10)
+    expected = model(x)
+    for name in list(provider.names()):
+        if name.startswith("blk.1.") or name == "output.weight":
+            provider.set(name, provider.weight(name).cuda())
+    torch.testing.assert_close(model(x), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model(x.cuda()).cpu(), expected, rtol=1e-4, atol=1e-4)
 
 
 # --- the config ----------------------------------------------------------------------------------
