@@ -17,9 +17,11 @@ _CLIENT_KEYS = ("client_secret_key", "server_public_key")
 def cross_check(config: Config, reader: NodeReader) -> None:
     """Record every cross-key problem of an otherwise parsed configuration."""
     _unique_names(reader, Keys.MODELS, [m.name for m in config.models], "model name")
-    _unique_names(
-        reader, f"{Keys.MODELS}[*].runtime", [m.runtime for m in config.models], "runtime endpoint"
-    )
+    # Defaulted runtime endpoints derive from the names, whose duplicates are reported above.
+    explicit = [
+        (f"{item_path(Keys.MODELS, i)}.runtime", m.runtime) for i, m in enumerate(config.models)
+    ]
+    _unique_values(reader, [(k, e) for k, e in explicit if k in reader.lines], "runtime endpoint")
     if config.runtime is not None:
         _check_runtime(config.runtime, reader)
     _check_bind_endpoints(config, reader)
@@ -31,12 +33,8 @@ def cross_check(config: Config, reader: NodeReader) -> None:
 
 
 def _unique_names(reader: NodeReader, list_path: str, names: list[str], what: str) -> None:
-    """Report each repeated entry of a list at its own line (``[*]`` stands for the index)."""
-    base, _, field = list_path.partition("[*]")
-    keyed = []
-    for index, name in enumerate(names):
-        entry = item_path(base, index)
-        keyed.append((f"{entry}{field}" if field else f"{entry}.name", name))
+    """Report each repeated ``name`` of the entries of a list, at its own line."""
+    keyed = [(f"{item_path(list_path, i)}.name", name) for i, name in enumerate(names)]
     _unique_values(reader, [(k, v) for k, v in keyed if v], what)
 
 

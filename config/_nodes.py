@@ -112,8 +112,16 @@ class NodeReader:
             what = " ".join(str(x) for x in (exc.context, exc.problem) if x)
             self.problems.append(ConfigProblem(self.file, line, "", f"YAML syntax: {what}"))
             return None
-        except yaml.YAMLError as exc:  # reader errors: bad encoding, control characters
-            self.report(None, "", f"not readable as YAML: {exc}")
+        except yaml.reader.ReaderError as exc:  # bad encoding, control characters
+            head = text[: exc.position]
+            line = (head.count("\n") if isinstance(head, str) else head.count(b"\n")) + 1
+            what = str(exc).splitlines()[0]
+            self.problems.append(
+                ConfigProblem(self.file, line, "", f"not readable as YAML: {what}")
+            )
+            return None
+        except yaml.YAMLError as exc:
+            self.report(None, "", f"not readable as YAML: {str(exc).splitlines()[0]}")
             return None
         except RecursionError:
             self.report(None, "", "YAML nesting is too deep")

@@ -26,10 +26,14 @@ class ConfigProblem:
     message: str
 
     def __str__(self) -> str:
+        """``FILE:LINE: key.path: message`` on one line (line breaks in values are escaped)."""
         where = self.file if self.line is None else f"{self.file}:{self.line}"
-        if self.key_path:
-            return f"{where}: {self.key_path}: {self.message}"
-        return f"{where}: {self.message}"
+        text = (
+            f"{where}: {self.key_path}: {self.message}"
+            if self.key_path
+            else f"{where}: {self.message}"
+        )
+        return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 class ConfigError(Exception):
