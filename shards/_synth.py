@@ -12,7 +12,7 @@ import zlib
 from typing import Final
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, TokenType
 from gguf.quants import dequantize, quantize
 
 Q = GGMLQuantizationType
@@ -99,3 +99,20 @@ def synth_tensor(
     values *= np.float32(std)
     values += np.float32(mean)
     return encode_floats(values, ggml_type)
+
+
+def vocabulary(n_vocab: int, *, extra: int = 0) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """A SentencePiece-style vocabulary: unk, bos, eos, byte tokens, then plain pieces.
+
+    Returns ``(tokens, scores, token_types)`` of ``n_vocab + extra`` entries.
+    """
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
+    n_bytes = min(256, max(0, n_vocab - len(tokens)))
+    tokens += [f"<0x{i:02X}>" for i in range(n_bytes)]
+    types += [TokenType.BYTE] * n_bytes
+    n_plain = n_vocab + extra - len(tokens)
+    tokens += [f"\u2581t{i}" for i in range(n_plain)]
+    types += [TokenType.NORMAL] * n_plain
+    scores = -np.arange(len(tokens), dtype=np.float32)
+    return tokens, scores, np.asarray(types, dtype=np.int32)

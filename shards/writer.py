@@ -31,7 +31,6 @@ from gguf import (
     GGUFValueType,
     Keys,
     LlamaFileType,
-    TokenType,
 )
 
 from ggufswap.shards import _synth
@@ -326,7 +325,7 @@ def _f32(v: float) -> TypedValue:
     return TypedValue(GGUFValueType.FLOAT32, v)
 
 
-def _file_type(spec: ModelSpec, tensors: Sequence[PlannedTensor]) -> int:
+def _file_type(tensors: Sequence[PlannedTensor]) -> int:
     """``general.file_type``: the ``MOSTLY_*`` of the type holding most matrix elements."""
     weight: dict[GGMLQuantizationType, int] = {}
     for t in tensors:
@@ -339,20 +338,6 @@ def _file_type(spec: ModelSpec, tensors: Sequence[PlannedTensor]) -> int:
     return int(LlamaFileType.ALL_F32)
 
 
-def _vocab(spec: ModelSpec) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """A tiny SentencePiece-style vocabulary: unk, bos, eos, byte tokens, then plain pieces."""
-    tokens = ["<unk>", "<s>", "</s>"]
-    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
-    n_bytes = min(256, max(0, spec.n_vocab - len(tokens)))
-    tokens += [f"<0x{i:02X}>" for i in range(n_bytes)]
-    types += [TokenType.BYTE] * n_bytes
-    n_plain = spec.n_vocab + spec.extra_vocab_strings - len(tokens)
-    tokens += [f"\u2581t{i}" for i in range(n_plain)]
-    types += [TokenType.NORMAL] * n_plain
-    scores = -np.arange(len(tokens), dtype=np.float32)
-    return tokens, scores, np.asarray(types, dtype=np.int32)
-
-
 def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
     """The key/value metadata of ``spec``, in file order (llama.cpp's keys)."""
     a = spec.arch_name
@@ -363,7 +348,7 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
     kv: list[tuple[str, TypedValue]] = [
         (Keys.General.ARCHITECTURE, TypedValue(S, a)),
         (Keys.General.NAME, TypedValue(S, spec.name)),
-        (Keys.General.FILE_TYPE, _u32(_file_type(spec, tensors))),
+        (Keys.General.FILE_TYPE, _u32(_file_type(tensors))),
         (Keys.General.QUANTIZATION_VERSION, _u32(GGML_QUANT_VERSION)),
         (LLM.BLOCK_COUNT.format(arch=a), _u32(spec.n_layers)),
         (LLM.CONTEXT_LENGTH.format(arch=a), _u32(spec.context_length)),
@@ -386,7 +371,7 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
         if spec.shared_expert:
             key = LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a)
             kv.append((key, _u32(spec.n_ff_shexp)))
-    tokens, scores, token_types = _vocab(spec)
+    tokens, scores, token_types = _synth.vocabulary(spec.n_vocab, extra=spec.extra_vocab_strings)
     A = GGUFValueType.ARRAY  # noqa: N806
     kv += [
         (Keys.Tokenizer.MODEL, TypedValue(S, "llama")),
