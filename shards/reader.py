@@ -206,8 +206,8 @@ class _Cursor:
         # The hot loop of a header parse: locals only, one add per string, and the bounds check
         # only where the buffer runs out (a length past the end lands there too).
         unpack_len = _U64.unpack_from
-        buf, i = self.buf, self._fill(0, what)
-        base = self.buf_start
+        i = self._fill(0, what)  # before taking self.buf: _fill may replace the buffer
+        buf, base = self.buf, self.buf_start
         limit = len(buf) - 8
         for index in range(count):
             if i > limit:
@@ -505,7 +505,10 @@ def read_array(header: ShardHeader, key: str) -> list[Any]:
         return list(value)
     if not isinstance(value, ArrayRef):
         raise TypeError(f"{header.path}: metadata {key!r} is not an array")
-    fd = os.open(header.path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open(header.path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:  # removed or made unreadable since the header was read
+        raise FileChangedError(header.path, f"cannot open to read {key}: {exc.strerror}") from None
     try:
         if FileIdentity.of_fd(fd) != header.identity:
             raise FileChangedError(header.path, f"changed since its header was read ({key})")

@@ -1,0 +1,292 @@
+"""The pread header reader agrees with gguf-py's GGUFReader, and survives mutated headers.
+
+Agreement runs over models written by the project's writer (every writable GGML type, all three
+layouts). The fuzz tests mutate valid headers (byte flips, truncations, insertions, extreme u64
+values at every count, length, dimension and offset) and require that ``read_header`` only ever
+raises ``ShardError``, returns quickly, and allocates no more than the file could justify.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import tracemalloc
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import ggufbytes as gb
+import numpy as np
+import pytest
+from gguf import GGUFReader, GGUFValueType
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ggufswap.shards import ArrayRef, FileChangedError, ShardError, read_array, read_header
+from ggufswap.shards.writer import WRITABLE_TYPES, Layout, ModelSpec, Role, write_model
+
+FUZZ_EXAMPLES = int(os.environ.get("GGUFSWAP_FUZZ_EXAMPLES", "300"))
+ALLOC_SLACK = 4 << 20  # bytes a parse may allocate beyond the file size
+
+# A model whose quantizable roles use every writable type: a dense block 0 and an MoE block 1
+# with shared experts, 256-wide so that K-quant rows fill whole blocks.
+_ROLES = (
+    Role.TOKEN_EMBD,
+    Role.ATTN_Q,
+    Role.ATTN_K,
+    Role.ATTN_V,
+    Role.ATTN_O,
+    Role.FFN_GATE,
+    Role.FFN_UP,
+    Role.FFN_DOWN,
+    Role.FFN_GATE_EXPS,
+    Role.FFN_UP_EXPS,
+    Role.FFN_DOWN_EXPS,
+    Role.FFN_GATE_SHEXP,
+    Role.FFN_UP_SHEXP,
+    Role.FFN_DOWN_SHEXP,
+    Role.OUTPUT,
+)
+_NON_F32 = [t for t in WRITABLE_TYPES if t.name != "F32"]
+ALL_TYPES_SPEC = ModelSpec(
+    name="alltypes",
+    n_layers=2,
+    n_embd=256,
+    n_head=4,
+    n_head_kv=2,
+    n_ff=256,
+    n_vocab=300,  # > 64 tokens: the vocabulary stays on disk as an ArrayRef
+    n_expert=2,
+    n_expert_used=1,
+    n_ff_expert=256,
+    moe_layers=(1,),
+    shared_expert=True,
+    n_ff_shexp=256,
+    types={role: _NON_F32[i % len(_NON_F32)] for i, role in enumerate(_ROLES)},
+)
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[Layout, list[Path]]:
+    root = tmp_path_factory.mktemp("alltypes")
+    return {
+        layout: write_model(ALL_TYPES_SPEC, root / layout.value, layout=layout) for layout in Layout
+    }
+
+
+def _reference(path: Path) -> GGUFReader:
+    return GGUFReader(path, "r")
+
+
+def test_every_writable_type_is_covered(model_files: dict[Layout, list[Path]]) -> None:
+    """The agreement model really contains a tensor of every type the writer can produce."""
+    (path,) = model_files[Layout.SINGLE]
+    found = {t.ggml_type for t in read_header(path).tensors}
+    assert found == set(WRITABLE_TYPES)
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_tensor_table_agrees_with_gguf_reader(
+    model_files: dict[Layout, list[Path]], layout: Layout
+) -> None:
+    """Names, types, ne, absolute offsets and byte sizes equal GGUFReader's in every file."""
+    for path in model_files[layout]:
+        ours = read_header(path)
+        ref = _reference(path)
+        assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+        for mine, theirs in zip(ours.tensors, ref.tensors, strict=True):
+            assert mine.ggml_type == theirs.tensor_type, mine.name
+            assert mine.ne == tuple(int(d) for d in theirs.shape), mine.name
+            assert mine.offset == theirs.data_offset, mine.name
+            assert mine.nbytes == theirs.n_bytes, mine.name
+            assert mine.n_elements == theirs.n_elements, mine.name
+        assert ours.alignment == ref.alignment
+        assert ours.data_offset == ref.data_offset
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_metadata_agrees_with_gguf_reader(
+    model_files: dict[Layout, list[Path]], layout: Layout
+) -> None:
+    """Every metadata key and value (scalars, strings, inline and on-disk arrays) matches."""
+    for path in model_files[layout]:
+        ours = read_header(path)
+        ref = _reference(path)
+        ref_keys = [k for k in ref.fields if not k.startswith("GGUF.")]
+        assert list(ours.metadata) == ref_keys
+        for key in ref_keys:
+            field = ref.fields[key]
+            expected = field.contents()
+            value = ours.metadata[key]
+            if field.types[0] == GGUFValueType.ARRAY:
+                assert read_array(ours, key) == list(expected), key
+            else:
+                assert value == expected, key
+
+
+def test_tokens_array_equals_gguf_reader(model_files: dict[Layout, list[Path]]) -> None:
+    """read_array of the on-disk vocabulary equals GGUFReader's decoded tokens."""
+    path = model_files[Layout.SPLIT][0]
+    header = read_header(path)
+    ref = _reference(path).fields["tokenizer.ggml.tokens"].contents()
+    assert isinstance(header.metadata["tokenizer.ggml.tokens"], ArrayRef)
+    tokens = read_array(header, "tokenizer.ggml.tokens")
+    assert tokens == ref
+    assert len(tokens) == ALL_TYPES_SPEC.n_vocab
+
+
+def test_tensor_data_agrees_with_gguf_reader(model_files: dict[Layout, list[Path]]) -> None:
+    """The bytes at each record's offset are the bytes GGUFReader maps for that tensor."""
+    (path,) = model_files[Layout.SINGLE]
+    raw = path.read_bytes()
+    for mine, theirs in zip(read_header(path).tensors, _reference(path).tensors, strict=True):
+        assert raw[mine.offset : mine.end] == np.asarray(theirs.data).tobytes(), mine.name
+
+
+def test_header_records_identity(model_files: dict[Layout, list[Path]]) -> None:
+    """Every record carries the path and identity of the file version it came from."""
+    (path,) = model_files[Layout.SINGLE]
+    header = read_header(path)
+    st_ = path.stat()
+    assert header.identity.as_tuple() == (
+        st_.st_dev,
+        st_.st_ino,
+        st_.st_size,
+        st_.st_mtime_ns,
+        st_.st_ctime_ns,
+    )
+    assert {t.path for t in header.tensors} == {str(path.resolve())}
+    assert {t.identity for t in header.tensors} == {header.identity}
+
+
+def test_read_array_after_replace_raises(gguf_file: object, tmp_path: Path) -> None:
+    """read_array refuses to decode an array from a file replaced since its header was read."""
+    kvs, tensors = gb.sample_model()
+    path = tmp_path / "m.gguf"
+    path.write_bytes(gb.build(kvs=kvs, tensors=tensors).data)
+    header = read_header(path)
+    other = tmp_path / "m.tmp"
+    other.write_bytes(gb.build(kvs=kvs, tensors=tensors[:1]).data)
+    os.replace(other, path)
+    with pytest.raises(FileChangedError, match=r"tokenizer\.ggml\.tokens"):
+        read_array(header, "tokenizer.ggml.tokens")
+
+
+def test_read_array_of_removed_file_raises(tmp_path: Path) -> None:
+    """read_array of a file deleted since its header was read is a FileChangedError, not OSError."""
+    kvs, tensors = gb.sample_model()
+    path = tmp_path / "m.gguf"
+    path.write_bytes(gb.build(kvs=kvs, tensors=tensors).data)
+    header = read_header(path)
+    path.unlink()
+    with pytest.raises(FileChangedError, match=r"tokenizer\.ggml\.tokens"):
+        read_array(header, "tokenizer.ggml.tokens")
+
+
+def test_read_array_rejects_scalar(tmp_path: Path) -> None:
+    """read_array of a scalar key is a TypeError naming the key."""
+    kvs, tensors = gb.sample_model()
+    path = tmp_path / "m.gguf"
+    path.write_bytes(gb.build(kvs=kvs, tensors=tensors).data)
+    with pytest.raises(TypeError, match=r"general\.architecture"):
+        read_array(read_header(path), "general.architecture")
+
+
+# --- fuzz --------------------------------------------------------------------------------------
+
+_KVS, _TENSORS = gb.sample_model(n_tensors=3, vocab=70)
+BASE = gb.build(kvs=_KVS, tensors=_TENSORS)
+FUZZ_SETTINGS = settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=timedelta(seconds=2),  # generous: a parse of this file takes about a millisecond
+    suppress_health_check=[HealthCheck.too_slow],
+    database=None,
+)
+_SMALL = [0, 1, 2, 7, 8, 31, 32, 33, 63, 64, 65, len(BASE.data)]
+_HUGE = [1 << 31, (1 << 32) - 1, 1 << 32, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]
+INTERESTING_U64 = st.sampled_from([*_SMALL, *_HUGE])
+
+
+@pytest.fixture(scope="module")
+def fuzz_path() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="ggufswap-fuzz-") as tmp:
+        yield Path(tmp) / "fuzz.gguf"
+
+
+def _parse_bounded(path: Path, data: bytes) -> None:
+    """Parse ``data``: only ShardError may escape, and the peak allocation stays bounded."""
+    path.write_bytes(data)
+    tracemalloc.start()
+    try:
+        try:
+            header = read_header(path)
+        except ShardError:
+            return
+        for key, value in header.metadata.items():
+            if isinstance(value, ArrayRef):
+                read_array(header, key)
+        for t in header.tensors:
+            assert t.end <= len(data), t
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak < len(data) + ALLOC_SLACK, f"peak allocation {peak} for {len(data)} bytes"
+
+
+def test_base_file_is_valid() -> None:
+    """The fuzz corpus starts from a file that parses (so mutations explore past the preamble)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "base.gguf"
+        path.write_bytes(BASE.data)
+        assert len(read_header(path).tensors) == len(_TENSORS)
+
+
+@pytest.mark.timeout(120)
+@FUZZ_SETTINGS
+@given(
+    flips=st.lists(
+        st.tuples(st.integers(0, BASE.data_offset - 1), st.integers(1, 255)), min_size=1, max_size=8
+    )
+)
+def test_fuzz_byte_flips(fuzz_path: Path, flips: list[tuple[int, int]]) -> None:
+    """Flipped header bytes never raise anything but ShardError."""
+    data = bytearray(BASE.data)
+    for pos, mask in flips:
+        data[pos] ^= mask
+    _parse_bounded(fuzz_path, bytes(data))
+
+
+@pytest.mark.timeout(120)
+@FUZZ_SETTINGS
+@given(cut=st.integers(0, len(BASE.data)))
+def test_fuzz_truncation(fuzz_path: Path, cut: int) -> None:
+    """A file cut anywhere parses or raises ShardError (TruncatedError at least past the header)."""
+    _parse_bounded(fuzz_path, BASE.data[:cut])
+
+
+@pytest.mark.timeout(120)
+@FUZZ_SETTINGS
+@given(pos=st.integers(0, BASE.data_offset), blob=st.binary(min_size=1, max_size=64))
+def test_fuzz_insertion(fuzz_path: Path, pos: int, blob: bytes) -> None:
+    """Bytes inserted into the header never raise anything but ShardError."""
+    _parse_bounded(fuzz_path, BASE.data[:pos] + blob + BASE.data[pos:])
+
+
+@pytest.mark.timeout(120)
+@FUZZ_SETTINGS
+@given(
+    edits=st.lists(
+        st.tuples(
+            st.sampled_from(BASE.u64_fields),
+            st.one_of(INTERESTING_U64, st.integers(0, (1 << 64) - 1)),
+        ),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_fuzz_u64_fields(fuzz_path: Path, edits: list[tuple[int, int]]) -> None:
+    """Any value in any count, length, dimension or offset field only ever raises ShardError."""
+    data = bytearray(BASE.data)
+    for pos, value in edits:
+        data[pos : pos + 8] = value.to_bytes(8, "little")
+    _parse_bounded(fuzz_path, bytes(data))
