@@ -19,6 +19,7 @@ class Reason:
 
     tensor: str
     reason: str
+    stale: bool = False  # the file changed under the plan: re-planning will fix it
 
     def __str__(self) -> str:
         return f"{self.tensor}: {self.reason}"

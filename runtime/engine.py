@@ -1,0 +1,394 @@
+"""The runtime library's public face: submit plans, commit them between batches.
+
+Threads: ``submit`` (any thread) validates synchronously and queues the plan; one stager thread
+stages plans one at a time; the inference thread calls :meth:`HotSwapRuntime.at_batch_boundary`
+between batches, which commits every staged plan in order. The stager stages the next plan only
+after the previous one is committed or rejected, so a staged plan never copies a buffer that an
+earlier commit is about to replace.
+
+Usage::
+
+    runtime = HotSwapRuntime.open(model_path, pools=..., allowed_roots=[...])
+    model = Transformer(config, runtime.store)
+    while serving:
+        runtime.at_batch_boundary()   # commits staged plans; cheap when there are none
+        logits = model(batch)
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import structlog
+import torch
+
+from ggufswap.ipc.plan import Plan
+from ggufswap.runtime.errors import PlanRejected, Reason
+from ggufswap.runtime.plans import PlanState, PlanTicket
+from ggufswap.runtime.pools import Buffer, Pool, PoolSet
+from ggufswap.runtime.staging import StagedPlan, Stager, StaleJob, Unplaceable, commit
+from ggufswap.runtime.store import Placement, Slot, SlotState, Storage, TensorStore
+from ggufswap.runtime.validate import all_stale, validate_plan
+from ggufswap.shards import HeaderCache, ShardSet, open_shard_set
+
+log = structlog.get_logger(__name__)
+
+CommitCallback = Callable[[int, tuple[str, ...]], None]
+EventCallback = Callable[[str, dict[str, Any]], None]
+
+HISTORY: Final = 64
+_STOP: Final = object()
+
+
+class HotSwapRuntime:
+    """Applies reload plans to a :class:`TensorStore` atomically, between batches."""
+
+    def __init__(
+        self,
+        store: TensorStore,
+        *,
+        model_name: str,
+        allowed_roots: Sequence[str],
+        stable_pointers: bool | None = None,
+    ) -> None:
+        self.store = store
+        self.model_name = model_name
+        self.allowed_roots = [os.path.realpath(r) for r in allowed_roots]
+        self._stable = stable_pointers
+        self._stager = Stager(store, stable_pointers=self._stable_pointers_for)
+        self._queue: queue.Queue[object] = queue.Queue()
+        self._staged: collections.deque[tuple[PlanTicket, StagedPlan]] = collections.deque()
+        self._commit_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._in_flight = 0  # queued or staged, not yet final
+        self._tickets: collections.OrderedDict[str, PlanTicket] = collections.OrderedDict()
+        self._on_commit: list[CommitCallback] = []
+        self._on_event: list[EventCallback] = []
+        self._outcomes = collections.Counter[str]()
+        self.last_stall_s: float | None = None
+        self.bytes_reloaded = 0
+        self._thread = threading.Thread(
+            target=self._stage_loop, name="ggufswap-stager", daemon=True
+        )
+        self._thread.start()
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        model: str | os.PathLike[str],
+        *,
+        pools: list[Pool] | None = None,
+        fallback_pool: str | None = None,
+        storage: Storage = Storage.DEQUANTIZED,
+        compute_dtype: torch.dtype = torch.float32,
+        strict: bool = False,
+        placement: Placement | None = None,
+        allowed_roots: Sequence[str] | None = None,
+        stable_pointers: bool | None = None,
+        model_name: str | None = None,
+        progress: bool = False,
+    ) -> HotSwapRuntime:
+        """Load the shard set containing ``model`` onto ``pools`` and start the stager."""
+        shards = open_shard_set(model, cache=HeaderCache())
+        pool_set = PoolSet(pools or [], fallback=fallback_pool)
+        store = TensorStore(
+            pools=pool_set, storage=storage, compute_dtype=compute_dtype, strict=strict
+        )
+        n_blocks = _block_count(shards)
+        report = store.load(
+            shards, placement=placement or Placement(), n_blocks=n_blocks, progress=progress
+        )
+        roots = (
+            list(allowed_roots)
+            if allowed_roots is not None
+            else [os.path.dirname(shards.first.path)]
+        )
+        name = model_name or str(
+            shards.metadata.get("general.name") or os.path.basename(shards.first.path)
+        )
+        log.info(
+            "model.loaded",
+            model=name,
+            tensors=report.tensors,
+            bytes=report.bytes_read,
+            placed=report.placed,
+        )
+        runtime = cls(store, model_name=name, allowed_roots=roots, stable_pointers=stable_pointers)
+        runtime.shards = shards
+        return runtime
+
+    shards: ShardSet | None = None
+
+    def _stable_pointers_for(self, pool: Pool) -> bool:
+        if self._stable is not None:
+            return self._stable
+        return pool.device.type == "cuda"
+
+    # -- callbacks -------------------------------------------------------------------------
+
+    def on_commit(self, callback: CommitCallback) -> None:
+        """Call ``callback(weight_version, changed)`` in the inference thread after a commit."""
+        self._on_commit.append(callback)
+
+    def on_event(self, callback: EventCallback) -> None:
+        """Call ``callback(topic, payload)`` for plan and tensor events (any thread)."""
+        self._on_event.append(callback)
+
+    def _emit(self, topic: str, **payload: Any) -> None:
+        for callback in self._on_event:
+            try:
+                callback(topic, payload)
+            except Exception:  # a listener must not break the runtime
+                log.exception("event.listener_failed", topic=topic)
+
+    # -- plans -----------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self.store.weight_version
+
+    def submit(self, plan: Plan) -> PlanTicket:
+        """Validate ``plan`` and queue it for staging; a refused plan is returned REJECTED.
+
+        Re-submitting a plan id that is already known returns the existing ticket: a plan is
+        applied at most once.
+        """
+        known = self._tickets.get(plan.plan_id)
+        if known is not None and known.state is not PlanState.REJECTED:
+            return known
+        ticket = PlanTicket(plan)
+        self._remember(ticket)
+        reasons = validate_plan(plan, self.store, allowed_roots=self.allowed_roots)
+        if plan.model and plan.model != self.model_name:
+            reasons.append(
+                Reason(
+                    "*",
+                    f"plan is for model {plan.model!r}, this runtime serves {self.model_name!r}",
+                )
+            )
+        if reasons:
+            self._finish_rejected(ticket, reasons, stale=all_stale(reasons))
+            return ticket
+        self._emit("plan.accepted", plan_id=plan.plan_id, tensors=len(plan.jobs))
+        with self._cond:
+            self._in_flight += 1
+        self._queue.put(ticket)
+        return ticket
+
+    def apply(self, plan: Plan, *, timeout: float = 60.0) -> PlanTicket:
+        """Submit, wait until staged and commit now (for callers without a serving loop)."""
+        ticket = self.submit(plan)
+        deadline = time.monotonic() + timeout
+        while not ticket.state.final and time.monotonic() < deadline:
+            self.wait_staged(timeout=max(0.0, deadline - time.monotonic()))
+            self.at_batch_boundary()
+        if not ticket.state.final:
+            raise TimeoutError(f"plan {plan.plan_id} not applied within {timeout}s")
+        if ticket.state is PlanState.REJECTED:
+            raise PlanRejected(plan.plan_id, list(ticket.reasons), stale=ticket.stale)
+        return ticket
+
+    def wait_staged(self, timeout: float) -> bool:
+        """Block until a plan is staged or none is in flight; True if something is staged."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._staged) or self._in_flight == 0, timeout)
+            return bool(self._staged)
+
+    def _settled(self, n: int) -> None:
+        with self._cond:
+            self._in_flight -= n
+            self._cond.notify_all()
+
+    def ticket(self, plan_id: str) -> PlanTicket | None:
+        return self._tickets.get(plan_id)
+
+    def _remember(self, ticket: PlanTicket) -> None:
+        self._tickets[ticket.plan_id] = ticket
+        self._tickets.move_to_end(ticket.plan_id)
+        while len(self._tickets) > HISTORY:
+            self._tickets.popitem(last=False)
+
+    def _finish_rejected(self, ticket: PlanTicket, reasons: list[Reason], *, stale: bool) -> None:
+        ticket.reject(reasons, stale=stale)
+        self._outcomes["stale" if stale else "rejected"] += 1
+        log.warning(
+            "plan.rejected",
+            plan_id=ticket.plan_id,
+            stale=stale,
+            reasons=[str(r) for r in reasons],
+            tensors=len(ticket.plan.jobs),
+        )
+        self._emit(
+            "plan.rejected",
+            plan_id=ticket.plan_id,
+            stale=stale,
+            reasons=[{"tensor": r.tensor, "reason": r.reason} for r in reasons],
+        )
+
+    # -- staging (background thread) -------------------------------------------------------
+
+    def _stage_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            assert isinstance(item, PlanTicket), "only tickets are queued"
+            self._stage_one(item)
+
+    def _stage_one(self, ticket: PlanTicket) -> None:
+        ticket.move(PlanState.STAGING)
+        started = time.monotonic()
+        try:
+            staged = self._stager.stage(ticket.plan)
+        except StaleJob as exc:
+            self._finish_rejected(ticket, [exc.reason], stale=True)
+            self._settled(1)
+            return
+        except Unplaceable as exc:
+            self._finish_rejected(ticket, [exc.reason], stale=False)
+            self._settled(1)
+            return
+        except Exception as exc:  # a bug or a device error: the model stays as it was
+            log.exception("plan.staging_failed", plan_id=ticket.plan_id)
+            self._finish_rejected(ticket, [Reason("*", f"staging failed: {exc!r}")], stale=False)
+            self._settled(1)
+            return
+        ticket.stage_s = time.monotonic() - started
+        ticket.bytes_read = staged.bytes_read
+        ticket.move(PlanState.STAGED)
+        with self._cond:
+            self._staged.append((ticket, staged))
+            self._cond.notify_all()
+        # One plan in flight: the next is staged against the buffers this one leaves behind.
+        ticket.wait()
+
+    # -- commit (inference thread) ---------------------------------------------------------
+
+    def at_batch_boundary(self) -> int:
+        """Commit every staged plan; return the weight version the next batch runs on.
+
+        Call it from the inference loop between two batches. With nothing staged it costs one
+        attribute check.
+        """
+        if not self._staged:
+            return self.store.weight_version
+        with self._commit_lock:
+            started = time.perf_counter()
+            committed: list[tuple[PlanTicket, tuple[str, ...]]] = []
+            release: list[Buffer] = []
+            while self._staged:
+                ticket, staged = self._staged.popleft()
+                changed = tuple(op.slot.name for op in staged.ops if op.content.encoded is not None)
+                moved = [
+                    op
+                    for op in staged.ops
+                    if op.new_buffer is not None or op.copy_into_original is not None
+                ]
+                release.extend(commit(self.store, staged))
+                if changed or staged.derived or moved:
+                    self.store.weight_version += 1
+                ticket.changed = changed
+                ticket.weight_version = self.store.weight_version
+                committed.append((ticket, changed))
+                self._tensor_events(staged)
+            version = self.store.weight_version
+            for callback in self._on_commit:
+                callback(version, tuple(n for _, names in committed for n in names))
+            stall = time.perf_counter() - started
+            for buffer in release:  # old buffers go only after the commit
+                buffer.release()
+            self.last_stall_s = stall
+        for ticket, _ in committed:
+            ticket.stall_s = stall
+            self.bytes_reloaded += ticket.bytes_read
+            self._outcomes["committed"] += 1
+            ticket.move(PlanState.COMMITTED)
+            log.info(
+                "plan.committed",
+                plan_id=ticket.plan_id,
+                tensors=len(ticket.plan.jobs),
+                changed=len(ticket.changed),
+                bytes=ticket.bytes_read,
+                weight_version=version,
+                stage_ms=round((ticket.stage_s or 0) * 1e3, 3),
+                stall_ms=round(stall * 1e3, 3),
+            )
+            self._emit(
+                "plan.committed",
+                plan_id=ticket.plan_id,
+                weight_version=version,
+                stall_ms=round(stall * 1e3, 3),
+                changed=list(ticket.changed),
+            )
+        self._settled(len(committed))
+        return version
+
+    def _tensor_events(self, staged: StagedPlan) -> None:
+        for op in staged.ops:
+            if op.target.state is SlotState.FALLBACK_CPU:
+                self._emit(
+                    "tensor.fallback", tensor=op.slot.name, pool=self.store.pools.fallback.name
+                )
+            elif op.reattach and op.target.state is SlotState.ON_ORIGINAL:
+                self._emit("tensor.reattached", tensor=op.slot.name)
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def slots(self) -> dict[str, Slot]:
+        return dict(self.store.slots)
+
+    def status(self) -> dict[str, Any]:
+        recent = list(self._tickets.values())[-10:]
+        return {
+            "model": self.model_name,
+            "weight_version": self.store.weight_version,
+            "storage": self.store.storage.value,
+            "plans": dict(self._outcomes),
+            "pending": self._queue.qsize() + len(self._staged),
+            "tensor_states": self.store.state_counts(),
+            "pools": self.store.pools.snapshot(),
+            "last_stall_ms": None
+            if self.last_stall_s is None
+            else round(self.last_stall_s * 1e3, 3),
+            "bytes_reloaded": self.bytes_reloaded,
+            "recent_plans": [t.summary() for t in recent],
+        }
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the stager; queued and staged plans are rejected (nothing half-applied)."""
+        shutting_down = [Reason("*", "runtime shutting down")]
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, PlanTicket):
+                self._finish_rejected(item, shutting_down, stale=True)
+                self._settled(1)
+        self._queue.put(_STOP)
+        while self._staged:
+            ticket, staged = self._staged.popleft()
+            staged.discard()
+            self._finish_rejected(ticket, shutting_down, stale=True)
+            self._settled(1)
+        self._thread.join(timeout)
+
+    def __enter__(self) -> HotSwapRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _block_count(shards: ShardSet) -> int:
+    arch = shards.metadata.get("general.architecture")
+    value = shards.metadata.get(f"{arch}.block_count") if isinstance(arch, str) else None
+    return value if isinstance(value, int) else 0

@@ -1,0 +1,126 @@
+"""Memory pools: named byte budgets on torch devices.
+
+A pool accounts for every buffer the runtime allocates on it. The budget is enforced by the
+accounting (so CPU-only machines exercise placement, fallback and reattachment for real with
+small CPU pools), and on CUDA a ``torch.cuda.OutOfMemoryError`` also counts as "full".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+class PoolFull(Exception):
+    """A pool cannot hold an allocation (budget, or the device itself is out of memory)."""
+
+    def __init__(self, pool: str, nbytes: int, free: int) -> None:
+        self.pool = pool
+        self.nbytes = nbytes
+        self.free = free
+        super().__init__(f"pool {pool!r}: {nbytes} bytes requested, {free} free")
+
+
+@dataclass(eq=False)
+class Buffer:
+    """One allocation on a pool: a flat tensor and the pool it is accounted to."""
+
+    tensor: torch.Tensor
+    pool: Pool
+    nbytes: int
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool._release(self.nbytes)
+
+
+@dataclass(eq=False)
+class Pool:
+    """A byte budget on one device. ``budget=None`` means as much as the device has."""
+
+    name: str
+    device: torch.device
+    budget: int | None = None
+    used: int = 0
+    peak: int = 0
+    pin_staging: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def free(self) -> int | None:
+        return None if self.budget is None else self.budget - self.used
+
+    def fits(self, nbytes: int, *, credit: int = 0) -> bool:
+        """Whether ``nbytes`` fit, counting ``credit`` bytes that are about to be released."""
+        return self.budget is None or self.used + nbytes <= self.budget + credit
+
+    def allocate(self, numel: int, dtype: torch.dtype, *, credit: int = 0) -> Buffer:
+        """Allocate a flat ``numel`` x ``dtype`` buffer, or raise :class:`PoolFull`."""
+        nbytes = numel * dtype.itemsize
+        with self._lock:
+            if not self.fits(nbytes, credit=credit):
+                raise PoolFull(self.name, nbytes, (self.free or 0) + credit)
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+        try:
+            tensor = torch.empty(numel, dtype=dtype, device=self.device)
+        except torch.cuda.OutOfMemoryError:
+            self._release(nbytes)
+            raise PoolFull(self.name, nbytes, 0) from None
+        return Buffer(tensor=tensor, pool=self, nbytes=nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
+            assert self.used >= 0, f"pool {self.name}: released more than allocated"
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "device": str(self.device),
+            "budget": self.budget,
+            "used": self.used,
+            "peak": self.peak,
+        }
+
+
+class PoolSet:
+    """The runtime's pools in preference order, plus the host pool that takes fallbacks."""
+
+    def __init__(self, pools: list[Pool], *, fallback: str | None = None) -> None:
+        if not pools:
+            pools = [Pool(name="host", device=torch.device("cpu"))]
+        names = [p.name for p in pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate pool names in {names}")
+        self.pools = {p.name: p for p in pools}
+        if fallback is None:
+            cpu = [p for p in pools if p.device.type == "cpu"]
+            if cpu:
+                fallback = cpu[-1].name
+            else:
+                host = Pool(name="host", device=torch.device("cpu"))
+                self.pools[host.name] = host
+                fallback = host.name
+        if fallback not in self.pools:
+            raise ValueError(f"fallback pool {fallback!r} is not one of {names}")
+        self.fallback = self.pools[fallback]
+
+    def __getitem__(self, name: str) -> Pool:
+        return self.pools[name]
+
+    def __iter__(self) -> Iterator[Pool]:
+        return iter(self.pools.values())
+
+    def ordered(self) -> list[Pool]:
+        return list(self.pools.values())
+
+    def usage(self) -> dict[str, int]:
+        return {name: p.used for name, p in self.pools.items()}
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        return {name: p.snapshot() for name, p in self.pools.items()}

@@ -1,0 +1,352 @@
+"""Staging a plan off the critical path, and committing it between two batches.
+
+Staging (background worker) reads each job's bytes with identity checks, verifies the content
+fingerprint, encodes the bytes for the storage mode, decides where every affected tensor will live
+(its family included) and fills new buffers. Nothing the model reads is touched.
+
+Committing (inference thread, at a batch boundary) only swaps pointers, or copies staged contents
+in place when pointers must stay stable (CUDA graphs); then it releases the buffers that the plan
+replaced. Every operation a commit performs was prepared and checked by staging, so a commit
+cannot fail half-way on bad input.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ggufswap.ipc.plan import Job, Plan
+from ggufswap.runtime.errors import Reason
+from ggufswap.runtime.pools import Buffer, Pool, PoolFull
+from ggufswap.runtime.store import Slot, SlotState, TensorStore
+from ggufswap.shards import FileChangedError, ShardError, TensorRecord, fingerprint_bytes
+from ggufswap.shards.data import read_tensor_bytes
+
+
+class Target(enum.Enum):
+    """Where a tensor's content lives after the commit."""
+
+    ORIGINAL = "original"  # the buffer it was loaded into
+    PRIVATE_HOME = "private_home"  # a private buffer in its home pool
+    PRIVATE_FALLBACK = "private_fallback"  # a private buffer in the fallback pool
+
+    @property
+    def state(self) -> SlotState:
+        return _TARGET_STATE[self]
+
+
+_TARGET_STATE = {
+    Target.ORIGINAL: SlotState.ON_ORIGINAL,
+    Target.PRIVATE_HOME: SlotState.DETACHED,
+    Target.PRIVATE_FALLBACK: SlotState.FALLBACK_CPU,
+}
+_STATE_TARGET = {state: target for target, state in _TARGET_STATE.items()}
+
+
+@dataclass(frozen=True)
+class Content:
+    """What a tensor will hold: its source record and fingerprint, and staged bytes if read."""
+
+    record: TensorRecord
+    fingerprint: str
+    encoded: torch.Tensor | None  # flat buffer contents; None = take them from the slot
+
+
+@dataclass(eq=False)
+class StagedOp:
+    """One slot's change, prepared: commit applies it with pointer moves or one copy."""
+
+    slot: Slot
+    content: Content
+    target: Target
+    new_buffer: Buffer | None = None  # becomes the active (and, for ORIGINAL, original) buffer
+    copy_into_original: torch.Tensor | None = None  # in-place source for stable pointers
+    reattach: bool = False
+
+
+@dataclass(eq=False)
+class StagedPlan:
+    plan: Plan
+    ops: list[StagedOp]
+    derived: dict[str, torch.Tensor] = field(default_factory=dict)
+    allocated: list[Buffer] = field(default_factory=list)
+    bytes_read: int = 0
+
+    def discard(self) -> None:
+        """Free everything staging allocated (the plan will not be committed)."""
+        for buffer in self.allocated:
+            buffer.release()
+        self.allocated.clear()
+
+
+class StaleJob(Exception):
+    def __init__(self, reason: Reason) -> None:
+        self.reason = reason
+        super().__init__(str(reason))
+
+
+class Unplaceable(Exception):
+    def __init__(self, reason: Reason) -> None:
+        self.reason = reason
+        super().__init__(str(reason))
+
+
+def read_job(job: Job) -> Content:
+    """Read a job's bytes (identity checked before and after) and verify its fingerprint."""
+    record = job.source
+    raw = torch.empty(record.nbytes, dtype=torch.uint8)
+    try:
+        read_tensor_bytes(record, raw.numpy().data)
+    except (FileChangedError, ShardError) as exc:
+        raise StaleJob(Reason(record.name, f"stale: {exc.detail}", stale=True)) from None
+    digest = fingerprint_bytes(raw.numpy().data)
+    if job.fingerprint is not None and digest != job.fingerprint:
+        raise StaleJob(
+            Reason(
+                record.name,
+                f"stale: content fingerprint {digest} differs from the plan's {job.fingerprint}",
+                stale=True,
+            )
+        )
+    return Content(record=record, fingerprint=digest, encoded=raw)
+
+
+class Stager:
+    """Turns a validated plan into a :class:`StagedPlan` for one store."""
+
+    def __init__(self, store: TensorStore, *, stable_pointers: Callable[[Pool], bool]) -> None:
+        self.store = store
+        self.stable_pointers = stable_pointers
+
+    def stage(self, plan: Plan) -> StagedPlan:
+        store = self.store
+        staged = StagedPlan(plan=plan, ops=[])
+        contents: dict[str, Content] = {}
+        for job in plan.jobs:
+            slot = store.slots[job.name]
+            if job.fingerprint is not None and self._same_content(
+                slot, job.source, job.fingerprint
+            ):
+                contents[job.name] = Content(job.source, job.fingerprint, None)
+                continue
+            content = read_job(job)
+            staged.bytes_read += job.source.nbytes
+            assert content.encoded is not None, "read_job always returns bytes"
+            if self._same_content(slot, content.record, content.fingerprint):
+                contents[job.name] = Content(content.record, content.fingerprint, None)
+            else:
+                encoded = store.encode(content.encoded, content.record)
+                contents[job.name] = Content(content.record, content.fingerprint, encoded)
+        try:
+            self._place(staged, contents)
+            self._rebuild_derived(staged, contents)
+        except BaseException:
+            staged.discard()
+            raise
+        return staged
+
+    @staticmethod
+    def _same_content(slot: Slot, record: TensorRecord, digest: str) -> bool:
+        return digest == slot.fingerprint and record.ggml_type == slot.record.ggml_type
+
+    # -- placement -------------------------------------------------------------------------
+
+    def _units(self, names: list[str]) -> list[tuple[str, ...]]:
+        """Placement units touched by the plan: whole families, or single tensors."""
+        units: dict[str, tuple[str, ...]] = {}
+        for name in names:
+            family = self.store.slots[name].family
+            if family is None:
+                units[name] = (name,)
+            else:
+                units[family] = self.store.families[family]
+        return list(units.values())
+
+    def _content_of(self, slot: Slot, contents: dict[str, Content]) -> Content:
+        return contents.get(slot.name) or Content(slot.record, slot.fingerprint, None)
+
+    def _targets(
+        self, members: list[Slot], contents: dict[str, Content], fallback: bool
+    ) -> dict[str, Target]:
+        targets: dict[str, Target] = {}
+        for slot in members:
+            content = self._content_of(slot, contents)
+            if fallback and slot.home is not self.store.pools.fallback:
+                targets[slot.name] = Target.PRIVATE_FALLBACK
+            elif self.store.buffer_nbytes(content.record) == slot.original.nbytes:
+                targets[slot.name] = Target.ORIGINAL
+            else:
+                targets[slot.name] = Target.PRIVATE_HOME
+        return targets
+
+    def _needs(
+        self, members: list[Slot], contents: dict[str, Content], targets: dict[str, Target]
+    ) -> tuple[dict[Pool, int], dict[Pool, int]]:
+        """Bytes each pool must allocate, and bytes the commit will release there."""
+        need: dict[Pool, int] = {}
+        credit: dict[Pool, int] = {}
+        for slot in members:
+            target = targets[slot.name]
+            current = _STATE_TARGET[slot.state]
+            changed = slot.name in contents and contents[slot.name].encoded is not None
+            if target is current and not changed:
+                continue
+            if current is not Target.ORIGINAL:
+                credit[slot.active.pool] = credit.get(slot.active.pool, 0) + slot.active.nbytes
+            if target is not Target.ORIGINAL:
+                pool = self._pool_for(slot, target)
+                nbytes = self.store.buffer_nbytes(self._content_of(slot, contents).record)
+                need[pool] = need.get(pool, 0) + nbytes
+        return need, credit
+
+    def _pool_for(self, slot: Slot, target: Target) -> Pool:
+        return self.store.pools.fallback if target is Target.PRIVATE_FALLBACK else slot.home
+
+    def _place(self, staged: StagedPlan, contents: dict[str, Content]) -> None:
+        units = self._units(list(contents))
+        plans: list[tuple[list[Slot], dict[str, Target]]] = []
+        for names in units:
+            members = [self.store.slots[n] for n in names]
+            targets = self._targets(members, contents, fallback=False)
+            plans.append((members, targets))
+        # Units whose members all return to their original buffers go first: the memory they
+        # free is credit for the allocations of the others.
+        plans.sort(key=lambda mt: not all(t is Target.ORIGINAL for t in mt[1].values()))
+        credit: dict[Pool, int] = {}
+        for members, home_targets in plans:
+            targets = self._fit(members, contents, home_targets, credit)
+            _, freed = self._needs(members, contents, targets)
+            for pool, n in freed.items():
+                credit[pool] = credit.get(pool, 0) + n
+            for slot in members:
+                op = self._prepare(
+                    slot, self._content_of(slot, contents), targets[slot.name], staged, credit
+                )
+                if op is not None:
+                    staged.ops.append(op)
+        staged.ops.sort(key=lambda op: not op.reattach)
+
+    def _fit(
+        self,
+        members: list[Slot],
+        contents: dict[str, Content],
+        targets: dict[str, Target],
+        credit: dict[Pool, int],
+    ) -> dict[str, Target]:
+        """``targets`` if they fit their pools; else the whole unit's fallback targets."""
+        for fallback in (False, True):
+            if fallback:
+                targets = self._targets(members, contents, fallback=True)
+            need, freed = self._needs(members, contents, targets)
+            short = [
+                (pool, n)
+                for pool, n in need.items()
+                if not pool.fits(n, credit=credit.get(pool, 0) + freed.get(pool, 0))
+            ]
+            if not short:
+                return targets
+        pool, n = short[0]
+        raise Unplaceable(
+            Reason(
+                members[0].name,
+                f"needs {n} bytes in pool {pool.name!r}, which has {pool.free} free "
+                "(a family falls back as a whole)",
+            )
+        )
+
+    def _allocate(
+        self, pool: Pool, record: TensorRecord, staged: StagedPlan, credit: dict[Pool, int]
+    ) -> Buffer:
+        numel, dtype = self.store.buffer_spec(record)
+        buffer = pool.allocate(numel, dtype, credit=credit.get(pool, 0))
+        used = min(credit.get(pool, 0), buffer.nbytes)
+        credit[pool] = credit.get(pool, 0) - used
+        staged.allocated.append(buffer)
+        return buffer
+
+    def _prepare(
+        self,
+        slot: Slot,
+        content: Content,
+        target: Target,
+        staged: StagedPlan,
+        credit: dict[Pool, int],
+    ) -> StagedOp | None:
+        current = _STATE_TARGET[slot.state]
+        changed = content.encoded is not None
+        # New bytes, or the slot's current buffer when only the placement changes.
+        source = content.encoded if content.encoded is not None else slot.active.tensor
+        if target is current and not changed:
+            if content.record != slot.record:  # same bytes, now found elsewhere
+                return StagedOp(slot, content, target)
+            return None
+        op = StagedOp(
+            slot,
+            content,
+            target,
+            reattach=content.fingerprint == slot.original_fingerprint
+            and content.record.ggml_type == slot.original_type,
+        )
+        if target is Target.ORIGINAL:
+            if slot.held == (content.fingerprint, content.record.ggml_type):
+                return op  # the original buffer still holds this content: a pointer move
+            if self.stable_pointers(slot.home):
+                op.copy_into_original = source.to(slot.home.device, copy=True)
+            else:
+                try:
+                    op.new_buffer = self._allocate(slot.home, content.record, staged, credit)
+                    op.new_buffer.tensor.copy_(source)
+                except PoolFull:  # no headroom for a swap: copy in place at commit instead
+                    op.copy_into_original = source.clone()
+            return op
+        pool = self._pool_for(slot, target)
+        try:
+            op.new_buffer = self._allocate(pool, content.record, staged, credit)
+        except PoolFull as exc:
+            raise Unplaceable(Reason(slot.name, str(exc))) from None
+        op.new_buffer.tensor.copy_(source)
+        return op
+
+    # -- derived tensors -------------------------------------------------------------------
+
+    def _rebuild_derived(self, staged: StagedPlan, contents: dict[str, Content]) -> None:
+        for derived in self.store.derived_of(contents):
+            assert derived.rebuild is not None, "validation refuses unrebuildable derived tensors"
+            inputs: dict[str, torch.Tensor] = {}
+            for source in derived.sources:
+                content = contents.get(source)
+                if content is not None and content.encoded is not None:
+                    inputs[source] = self.store.materialize_flat(content.encoded, content.record)
+                else:
+                    inputs[source] = self.store.weight(source)
+            staged.derived[derived.name] = derived.rebuild(inputs)
+
+
+def commit(store: TensorStore, staged: StagedPlan) -> list[Buffer]:
+    """Apply a staged plan (inference thread). Returns the buffers to release afterwards."""
+    release: list[Buffer] = []
+    for op in staged.ops:
+        slot = op.slot
+        previous, old_original = slot.active, slot.original
+        if op.target is Target.ORIGINAL:
+            if op.new_buffer is not None:
+                release.append(old_original)
+                slot.original = op.new_buffer
+                slot.held = (op.content.fingerprint, op.content.record.ggml_type)
+            elif op.copy_into_original is not None:
+                slot.original.tensor.copy_(op.copy_into_original)
+                slot.held = (op.content.fingerprint, op.content.record.ggml_type)
+            slot.active = slot.original
+        elif op.new_buffer is not None:
+            slot.active = op.new_buffer
+        if previous is not old_original and previous is not slot.active:
+            release.append(previous)
+        slot.record = op.content.record
+        slot.fingerprint = op.content.fingerprint
+        slot.state = op.target.state
+    store.derived_values.update(staged.derived)
+    staged.allocated.clear()  # now owned by the slots
+    return release

@@ -1,0 +1,273 @@
+"""The tensor store: every tensor of a model in a slot, placed on pools, read by the model.
+
+Storage modes:
+
+- ``DEQUANTIZED``: each slot holds its tensor in the compute dtype. A quant-type change keeps the
+  logical shape and so the storage size; the commit is an in-place copy (``stable_pointers``) or a
+  swap to a staged buffer of the same size.
+- ``NATIVE``: each slot holds the raw GGUF blocks and their type; the model dequantizes on use. A
+  type change changes the byte size: the tensor moves to a private buffer (``DETACHED``) in its
+  home pool, or to the fallback pool (``FALLBACK_CPU``) with its whole family when the home pool is
+  full. The buffer it was loaded into stays reserved, so returning to the original content always
+  fits and frees the private buffer (memory back to the baseline).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+from gguf import GGMLQuantizationType
+
+from ggufswap.runtime.dequant import dequantize
+from ggufswap.runtime.families import DerivedTensor, block_of, family_of
+from ggufswap.runtime.pools import Buffer, Pool, PoolFull, PoolSet
+from ggufswap.shards import ShardSet, TensorRecord, fingerprint_bytes, read_tensor_bytes
+
+log = structlog.get_logger(__name__)
+
+
+class Storage(enum.Enum):
+    DEQUANTIZED = "dequantized"
+    NATIVE = "native"
+
+
+class SlotState(enum.Enum):
+    ON_ORIGINAL = "ON_ORIGINAL"  # in the buffer it was loaded into
+    DETACHED = "DETACHED"  # in a private buffer in its home pool (its byte size changed)
+    FALLBACK_CPU = "FALLBACK_CPU"  # in a private buffer in the fallback pool
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where tensors go at load: like llama.cpp's ``n_gpu_layers``, plus a pool for experts."""
+
+    gpu_layers: int = -1  # blocks [0, gpu_layers) on the first pool; -1 = all
+    experts_pool: str | None = None
+
+
+@dataclass(eq=False)
+class Slot:
+    """One tensor: its source, content fingerprint, buffers and state."""
+
+    name: str
+    ne: tuple[int, ...]
+    family: str | None
+    home: Pool
+    original: Buffer
+    original_type: GGMLQuantizationType
+    original_fingerprint: str
+    record: TensorRecord
+    fingerprint: str
+    active: Buffer
+    state: SlotState = SlotState.ON_ORIGINAL
+    # (fingerprint, type) of the content in the original buffer: a detached tensor's original
+    # buffer keeps the content it had, so returning to it needs no copy.
+    held: tuple[str, GGMLQuantizationType] = ("", GGMLQuantizationType.F32)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.ne))
+
+    @property
+    def ggml_type(self) -> GGMLQuantizationType:
+        return self.record.ggml_type
+
+    def is_original_content(self) -> bool:
+        return (
+            self.fingerprint == self.original_fingerprint
+            and self.record.ggml_type == self.original_type
+        )
+
+
+@dataclass
+class LoadReport:
+    tensors: int = 0
+    bytes_read: int = 0
+    placed: dict[str, int] = field(default_factory=dict)
+
+
+class TensorStore:
+    """A model's tensors in slots; implements the model's ``WeightProvider``."""
+
+    def __init__(
+        self, *, pools: PoolSet, storage: Storage, compute_dtype: torch.dtype, strict: bool
+    ) -> None:
+        self.pools = pools
+        self.storage = storage
+        self.compute_dtype = compute_dtype
+        self.strict = strict
+        self.slots: dict[str, Slot] = {}
+        self.families: dict[str, tuple[str, ...]] = {}
+        self.derived: dict[str, DerivedTensor] = {}
+        self.derived_values: dict[str, torch.Tensor] = {}
+        self.weight_version = 0
+
+    # -- the model's view ------------------------------------------------------------------
+
+    def has(self, name: str) -> bool:
+        return name in self.slots or name in self.derived
+
+    def weight(self, name: str) -> torch.Tensor:
+        if name in self.derived_values:
+            return self.derived_values[name]
+        slot = self.slots[name]
+        return self.materialize_flat(slot.active.tensor, slot.record)
+
+    def materialize_flat(self, flat: torch.Tensor, record: TensorRecord) -> torch.Tensor:
+        """The compute-dtype tensor that flat buffer contents holding ``record`` stand for."""
+        if self.storage is Storage.DEQUANTIZED:
+            return flat.view(record.shape)
+        return dequantize(
+            flat[: record.nbytes],
+            record.ggml_type,
+            record.ne,
+            dtype=self.compute_dtype,
+            strict=False,
+        )
+
+    # -- buffers ---------------------------------------------------------------------------
+
+    def buffer_spec(self, record: TensorRecord) -> tuple[int, torch.dtype]:
+        """``(numel, dtype)`` of the buffer that holds ``record`` in this storage mode."""
+        if self.storage is Storage.DEQUANTIZED:
+            return record.n_elements, self.compute_dtype
+        return record.nbytes, torch.uint8
+
+    def buffer_nbytes(self, record: TensorRecord) -> int:
+        numel, dtype = self.buffer_spec(record)
+        return numel * dtype.itemsize
+
+    def encode(self, raw: torch.Tensor, record: TensorRecord) -> torch.Tensor:
+        """Raw GGUF bytes (uint8, CPU) → the flat contents of a buffer in this storage mode."""
+        if self.storage is Storage.NATIVE:
+            return raw
+        values = dequantize(
+            raw, record.ggml_type, record.ne, dtype=self.compute_dtype, strict=self.strict
+        )
+        return values.reshape(-1)
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def plan_placement(
+        self, records: Iterable[TensorRecord], placement: Placement, n_blocks: int
+    ) -> dict[str, Pool]:
+        """Choose a home pool for every tensor; a family lands in one pool as a unit."""
+        ordered = self.pools.ordered()
+        primary = ordered[0]
+        units: dict[str, list[TensorRecord]] = {}
+        for record in records:
+            units.setdefault(family_of(record.name) or record.name, []).append(record)
+        tally: dict[str, int] = {p.name: 0 for p in ordered}
+        homes: dict[str, Pool] = {}
+        for members in units.values():
+            first = members[0].name
+            block = block_of(first)
+            on_primary = (
+                placement.gpu_layers < 0
+                or (block is not None and block < placement.gpu_layers)
+                or (block is None and placement.gpu_layers > n_blocks)
+            )
+            preferred = primary if on_primary else self.pools.fallback
+            if placement.experts_pool is not None and family_of(first) is not None:
+                preferred = self.pools[placement.experts_pool]
+            need = sum(self.buffer_nbytes(r) for r in members)
+            candidates = [preferred, *(p for p in ordered if p is not preferred)]
+            chosen = next(
+                (p for p in candidates if p.budget is None or tally[p.name] + need <= p.budget),
+                self.pools.fallback,
+            )
+            tally[chosen.name] += need
+            for record in members:
+                homes[record.name] = chosen
+        return homes
+
+    def load(
+        self, shards: ShardSet, *, placement: Placement, n_blocks: int, progress: bool = False
+    ) -> LoadReport:
+        """Read every tensor of ``shards`` into its home pool."""
+        records = list(shards.tensors.values())
+        homes = self.plan_placement(records, placement, n_blocks)
+        report = LoadReport()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=sum(r.nbytes for r in records),
+                unit="B",
+                unit_scale=True,
+                desc="loading",
+                leave=False,
+            )
+        for record in records:
+            home = homes[record.name]
+            raw = torch.empty(record.nbytes, dtype=torch.uint8)
+            read_tensor_bytes(record, raw.numpy().data)
+            digest = fingerprint_bytes(raw.numpy().data)
+            contents = self.encode(raw, record)
+            numel, dtype = self.buffer_spec(record)
+            try:
+                buffer = home.allocate(numel, dtype)
+            except PoolFull:
+                buffer = self.pools.fallback.allocate(numel, dtype)
+                home = self.pools.fallback
+            buffer.tensor.copy_(contents)
+            self.slots[record.name] = Slot(
+                name=record.name,
+                ne=record.ne,
+                family=family_of(record.name),
+                home=home,
+                original=buffer,
+                original_type=record.ggml_type,
+                original_fingerprint=digest,
+                record=record,
+                fingerprint=digest,
+                active=buffer,
+                held=(digest, record.ggml_type),
+            )
+            report.tensors += 1
+            report.bytes_read += record.nbytes
+            report.placed[home.name] = report.placed.get(home.name, 0) + buffer.nbytes
+            if bar is not None:
+                bar.update(record.nbytes)
+        if bar is not None:
+            bar.close()
+        self.families = {}
+        for slot in self.slots.values():
+            if slot.family is not None:
+                self.families.setdefault(slot.family, ())
+                self.families[slot.family] = (*self.families[slot.family], slot.name)
+        return report
+
+    # -- derived tensors -------------------------------------------------------------------
+
+    def register_derived(self, derived: DerivedTensor, value: torch.Tensor | None = None) -> None:
+        """Register a tensor computed from sources at load; built now unless ``value`` is given."""
+        missing = [s for s in derived.sources if s not in self.slots]
+        if missing:
+            raise KeyError(f"derived tensor {derived.name}: unknown sources {missing}")
+        if value is None:
+            if derived.rebuild is None:
+                raise ValueError(f"derived tensor {derived.name}: give a value or a rebuild")
+            value = derived.rebuild({s: self.weight(s) for s in derived.sources})
+        self.derived[derived.name] = derived
+        self.derived_values[derived.name] = value
+
+    def derived_of(self, names: Iterable[str]) -> list[DerivedTensor]:
+        touched = set(names)
+        return [d for d in self.derived.values() if touched.intersection(d.sources)]
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def state_counts(self) -> dict[str, int]:
+        counts = {s.value: 0 for s in SlotState}
+        for slot in self.slots.values():
+            counts[slot.state.value] += 1
+        return counts
+
+    def loaded_table(self) -> Mapping[str, Slot]:
+        return self.slots

@@ -1,0 +1,100 @@
+"""Checks a plan must pass before anything is touched; every failing tensor is reported."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from ggufswap.ipc.plan import Plan
+from ggufswap.runtime.dequant import has_kernel
+from ggufswap.runtime.errors import Reason
+from ggufswap.runtime.store import TensorStore
+from ggufswap.shards import FileIdentity, tensor_nbytes, type_sizes
+
+
+def inside_roots(path: str, roots: Sequence[str]) -> bool:
+    """Whether the real path of ``path`` lies under one of ``roots`` (real paths too)."""
+    real = os.path.realpath(path)
+    for root in roots:
+        base = os.path.realpath(root)
+        if os.path.commonpath([real, base]) == base:
+            return True
+    return False
+
+
+def validate_plan(plan: Plan, store: TensorStore, *, allowed_roots: Sequence[str]) -> list[Reason]:
+    """Every reason the plan cannot be applied (empty when it can)."""
+    reasons: list[Reason] = []
+    seen: set[str] = set()
+    for job in plan.jobs:
+        rec = job.source
+        name = rec.name
+        if name in seen:
+            reasons.append(Reason(name, "appears twice in the plan"))
+            continue
+        seen.add(name)
+        slot = store.slots.get(name)
+        if slot is None:
+            reasons.append(Reason(name, "the loaded model has no tensor of this name"))
+            continue
+        if rec.shape != slot.shape:
+            reasons.append(
+                Reason(
+                    name,
+                    f"on-disk shape {list(rec.shape)} differs from loaded {list(slot.shape)}; "
+                    "a logical shape change needs a restart",
+                )
+            )
+        block_size, _ = type_sizes(rec.ggml_type)
+        if rec.ne[0] % block_size or rec.nbytes != tensor_nbytes(rec.ggml_type, rec.ne):
+            reasons.append(
+                Reason(
+                    name,
+                    f"{rec.nbytes} bytes is not a {rec.ggml_type.name} tensor of ne={list(rec.ne)}",
+                )
+            )
+        if store.strict and not has_kernel(rec.ggml_type):
+            reasons.append(
+                Reason(name, f"type {rec.ggml_type.name} has no torch kernel (strict_types is on)")
+            )
+        if not inside_roots(rec.path, allowed_roots):
+            reasons.append(
+                Reason(
+                    name,
+                    f"{rec.path} resolves to {os.path.realpath(rec.path)}, outside the allowed "
+                    f"roots {list(allowed_roots)}",
+                )
+            )
+            continue  # never stat a file outside the roots
+        try:
+            found = FileIdentity.of_path(rec.path)
+        except OSError as exc:
+            reasons.append(Reason(name, f"cannot stat {rec.path}: {exc.strerror}"))
+            continue
+        if found != rec.identity:
+            reasons.append(
+                Reason(name, f"stale: {rec.path} changed since the plan was made", stale=True)
+            )
+        elif rec.offset + rec.nbytes > found.size:
+            reasons.append(
+                Reason(
+                    name,
+                    f"data ends at {rec.offset + rec.nbytes}, past the file's {found.size} bytes",
+                )
+            )
+    for derived in store.derived_of(seen):
+        if derived.rebuild is None:
+            changed = sorted(seen.intersection(derived.sources))
+            reasons.extend(
+                Reason(
+                    src,
+                    f"{derived.name} is derived from it at load and cannot be rebuilt "
+                    f"({derived.why_not})",
+                )
+                for src in changed
+            )
+    return reasons
+
+
+def all_stale(reasons: Sequence[Reason]) -> bool:
+    return bool(reasons) and all(r.stale for r in reasons)
