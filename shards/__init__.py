@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ggufswap.shards.atomic import atomic_copy, atomic_replace, atomic_write
 from ggufswap.shards.data import check_readable, open_verified, read_into, read_tensor_bytes
 from ggufswap.shards.diff import ChangeKind, Field, TensorChange, diff_tables
 from ggufswap.shards.errors import (
@@ -18,9 +19,25 @@ from ggufswap.shards.fingerprint import Fingerprinter, fingerprint, fingerprint_
 from ggufswap.shards.keys import Keys
 from ggufswap.shards.reader import ShardHeader, read_array, read_header
 from ggufswap.shards.records import ArrayRef, FileIdentity, TensorRecord, tensor_nbytes, type_sizes
+from ggufswap.shards.requant import SUPPORTED_TARGETS, RequantError, requantize, restore
 from ggufswap.shards.shardset import HeaderCache, ShardSet, open_shard_set
+from ggufswap.shards.writer import (
+    WRITABLE_TYPES,
+    Arch,
+    Layout,
+    ModelSpec,
+    Role,
+    demo_moe,
+    plan_tensors,
+    tiny_dense,
+    tiny_moe,
+    write_model,
+)
 
 __all__ = [
+    "SUPPORTED_TARGETS",
+    "WRITABLE_TYPES",
+    "Arch",
     "ArrayRef",
     "ChangeKind",
     "CorruptHeaderError",
@@ -30,7 +47,11 @@ __all__ = [
     "Fingerprinter",
     "HeaderCache",
     "Keys",
+    "Layout",
+    "ModelSpec",
     "NotGGUFError",
+    "RequantError",
+    "Role",
     "ShardError",
     "ShardHeader",
     "ShardSet",
@@ -40,16 +61,26 @@ __all__ = [
     "TensorRecord",
     "TruncatedError",
     "UnsupportedVersionError",
+    "atomic_copy",
+    "atomic_replace",
+    "atomic_write",
     "check_readable",
+    "demo_moe",
     "diff_tables",
     "fingerprint",
     "fingerprint_bytes",
     "open_shard_set",
     "open_verified",
+    "plan_tensors",
     "read_array",
     "read_header",
     "read_into",
     "read_tensor_bytes",
+    "requantize",
+    "restore",
     "tensor_nbytes",
+    "tiny_dense",
+    "tiny_moe",
     "type_sizes",
+    "write_model",
 ]
