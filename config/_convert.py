@@ -159,6 +159,13 @@ class Values:
             raise Invalid(why)
         return endpoint
 
+    def connect_endpoint(self, node: Node, path: str) -> str:
+        """An endpoint to connect to: a ``tcp://*`` bind address names no host."""
+        endpoint = self.endpoint(node, path)
+        if endpoint.startswith("tcp://*:"):
+            raise Invalid(f"{endpoint} is a bind address; name the host to connect to")
+        return endpoint
+
     def regex(self, node: Node, path: str) -> re.Pattern[str]:
         text = self.string(node, path)
         try:

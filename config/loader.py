@@ -209,7 +209,7 @@ class _Builder:
         regexes = self.v.list_of(self.v.regex)
         return ModelConfig(
             name=name,
-            runtime=self.r.get(sec, "runtime", self.v.endpoint, ""),  # "" until defaulted
+            runtime=self.r.get(sec, "runtime", self.v.connect_endpoint, ""),  # "" until defaulted
             watch=self.r.get(sec, "watch", watch_list, ()),
             ignore=self.r.get(sec, "ignore", self.v.list_of(self.v.glob), DEFAULT_IGNORE),
             settle_ms=self.r.get(sec, "settle_ms", self.v.integer(minimum=0), 250),

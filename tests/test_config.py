@@ -298,6 +298,13 @@ ERRORS = [
         id="bad-port",
     ),
     pytest.param(
+        MODEL.replace("name: m\n", "name: m\n    runtime: tcp://*:5555\n"),
+        3,
+        "models[0].runtime",
+        "tcp://*:5555 is a bind address; name the host to connect to",
+        id="connect-to-wildcard",
+    ),
+    pytest.param(
         RUNTIME + "  control_endpoint: tcp://*:5555\n",
         3,
         "runtime.control_endpoint",
@@ -462,6 +469,15 @@ def test_all_problems_are_reported_at_once_in_file_order(tmp_path: Path) -> None
     text_lines = str(info.value).splitlines()
     assert len(text_lines) == 5
     assert all(re.match(rf"{re.escape(str(tmp_path))}/ggufswap.yaml:\d+: ", s) for s in text_lines)
+
+
+def test_documented_example_loads(tmp_path: Path) -> None:
+    """The example in docs/configuration.md is a valid configuration."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    example = doc.split("```yaml\n", 1)[1].split("```", 1)[0]
+    config = load(example, tmp_path)
+    assert config.require_models()[0].name == "demo-moe"
+    assert config.require_runtime().pool("gpu0").budget == 70 * GiB
 
 
 # --- hostile YAML --------------------------------------------------------------------------
