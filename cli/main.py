@@ -19,6 +19,8 @@ COMMAND_MODULES = (
     "ggufswap._cmd_shards",
     "ggufswap._cmd_config",
     "ggufswap._cmd_make",
+    "ggufswap._cmd_runtime",
+    "ggufswap._cmd_status",
 )
 
 EXIT_OK = 0

@@ -267,6 +267,7 @@ class HotSwapRuntime:
         with self._cond:
             self._staged.append((ticket, staged))
             self._cond.notify_all()
+        self._emit("plan.staged", plan_id=ticket.plan_id, stage_ms=round(ticket.stage_s * 1e3, 3))
         # One plan in flight: the next is staged against the buffers this one leaves behind.
         ticket.wait()
 

@@ -1,0 +1,103 @@
+"""``ggufswap status [ENDPOINT]``: ask the agent or a runtime how it is doing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from ggufswap.config import ConfigError, load_config
+from ggufswap.ipc import Fields, MessageType, PeerTimeout, make_message, request
+
+EXIT_OK = 0
+EXIT_UNREACHABLE = 1
+EXIT_USAGE = 2
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "status",
+        help="show the status of the agent or a runtime",
+        description=(
+            "Send a status request to ENDPOINT, or to every process a --config names (the agent "
+            "and each runtime), and print the replies as tables, or as JSON with --json."
+        ),
+    )
+    parser.add_argument("endpoint", nargs="?", help="e.g. ipc:///run/ggufswap/agent.sock")
+    parser.add_argument("--config", metavar="FILE", help="take the endpoints from a config file")
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    parser.add_argument("--timeout", type=float, default=2.0, metavar="S")
+    parser.set_defaults(func=run)
+
+
+def endpoints_of(args: argparse.Namespace) -> list[str]:
+    if args.endpoint:
+        return [args.endpoint]
+    if not args.config:
+        raise ValueError("give an ENDPOINT or --config FILE")
+    config = load_config(args.config)
+    found: list[str] = []
+    if config.models:
+        found.append(config.agent.status_endpoint)
+    if config.runtime is not None:
+        found.append(config.runtime.status_endpoint)
+    return found
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        endpoints = endpoints_of(args)
+    except (ValueError, ConfigError) as exc:
+        print(f"ggufswap status: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    replies: dict[str, Any] = {}
+    code = EXIT_OK
+    for endpoint in endpoints:
+        try:
+            reply = request(
+                endpoint, make_message(MessageType.STATUS), timeout_s=args.timeout, retries=0
+            )
+        except PeerTimeout as exc:
+            replies[endpoint] = {"error": str(exc)}
+            code = EXIT_UNREACHABLE
+            continue
+        if reply.get(Fields.TYPE) == MessageType.ERROR.value:
+            replies[endpoint] = {"error": reply.get(Fields.MESSAGE)}
+            code = EXIT_UNREACHABLE
+        else:
+            replies[endpoint] = {
+                "process": reply.get(Fields.PROCESS),
+                "status": reply.get(Fields.STATUS),
+            }
+    if args.json:
+        json.dump(replies, sys.stdout, indent=2, sort_keys=True, default=str)
+        print()
+    else:
+        for endpoint, reply in replies.items():
+            print("\n".join(render(endpoint, reply)))
+    return code
+
+
+def render(endpoint: str, reply: Mapping[str, Any]) -> list[str]:
+    """A status reply as indented ``key: value`` lines, nested maps as sections."""
+    lines = [f"== {reply.get('process', '?')} at {endpoint}"]
+    if "error" in reply:
+        return [*lines, f"  unreachable: {reply['error']}"]
+    _walk(reply.get("status") or {}, 1, lines)
+    return lines
+
+
+def _walk(value: Mapping[str, Any], depth: int, lines: list[str]) -> None:
+    pad = "  " * depth
+    for key, item in value.items():
+        if isinstance(item, Mapping) and item:
+            lines.append(f"{pad}{key}:")
+            _walk(item, depth + 1, lines)
+        elif isinstance(item, list) and item and all(isinstance(x, Mapping) for x in item):
+            lines.append(f"{pad}{key}:")
+            for entry in item[-10:]:
+                lines.append(f"{pad}  - " + ", ".join(f"{k}={v}" for k, v in entry.items()))
+        else:
+            lines.append(f"{pad}{key}: {item}")

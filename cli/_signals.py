@@ -1,0 +1,39 @@
+"""Process signals, handled in one place that only sets flags (uvicorn's capture_signals).
+
+SIGTERM and SIGINT ask for a clean shutdown; a second SIGINT forces an immediate exit (130);
+SIGHUP asks for a configuration reload. Daemon loops wait on these events with timeouts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import FrameType
+
+EXIT_FORCED = 130
+
+
+class ProcessSignals:
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.reload = threading.Event()
+        self._interrupts = 0
+
+    def install(self) -> ProcessSignals:
+        signal.signal(signal.SIGTERM, self._on_stop)
+        signal.signal(signal.SIGINT, self._on_interrupt)
+        signal.signal(signal.SIGHUP, self._on_reload)
+        return self
+
+    def _on_stop(self, signum: int, frame: FrameType | None) -> None:
+        self.stop.set()
+
+    def _on_interrupt(self, signum: int, frame: FrameType | None) -> None:
+        self._interrupts += 1
+        if self._interrupts > 1:  # the operator insists: leave without the bounded shutdown
+            os._exit(EXIT_FORCED)
+        self.stop.set()
+
+    def _on_reload(self, signum: int, frame: FrameType | None) -> None:
+        self.reload.set()

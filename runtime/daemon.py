@@ -1,0 +1,118 @@
+"""``ggufswap runtime``: the reference inference process.
+
+Loads the configured model onto its pools, serves batches (probe or perplexity mode), answers
+``plan``/``state``/``status`` on its control endpoint and publishes events. Tells systemd it is
+ready after the model is loaded and the sockets are bound, and pings the watchdog from the
+inference loop, so a stuck loop gets the process restarted.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import structlog
+import torch
+
+from ggufswap.config import Config
+from ggufswap.ipc import CurveKeys
+from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
+from ggufswap.runtime.control import ControlServer
+from ggufswap.runtime.engine import HotSwapRuntime
+from ggufswap.runtime.model import Transformer
+from ggufswap.runtime.model_config import ModelConfig
+from ggufswap.runtime.pools import Pool
+from ggufswap.runtime.serve import ServeLoop, ServeOptions
+from ggufswap.runtime.store import Placement, Storage
+
+log = structlog.get_logger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def curve_keys(config: Config) -> CurveKeys | None:
+    curve = config.security.curve
+    if curve is None:
+        return None
+    return CurveKeys(
+        server_secret_key=curve.server_secret_key,
+        server_public_key=curve.server_public_key,
+        client_secret_key=curve.client_secret_key,
+        authorized_keys_dir=curve.authorized_keys_dir,
+    )
+
+
+def open_runtime(config: Config) -> HotSwapRuntime:
+    """Load the configured model onto the configured pools."""
+    rc = config.require_runtime()
+    pools = [Pool(name=p.name, device=torch.device(p.device), budget=p.budget) for p in rc.pools]
+    return HotSwapRuntime.open(
+        rc.model,
+        pools=pools,
+        storage=Storage(rc.storage.value),
+        compute_dtype=getattr(torch, rc.compute_dtype.value),
+        strict=rc.strict_types,
+        placement=Placement(
+            gpu_layers=rc.placement.gpu_layers, experts_pool=rc.placement.experts_pool
+        ),
+        allowed_roots=[str(r) for r in rc.allowed_roots],
+        model_name=rc.name,
+        progress=sys.stderr.isatty(),
+    )
+
+
+def run(config: Config, *, options: ServeOptions, stop: threading.Event) -> int:
+    """Serve until ``stop`` is set; return the process exit code."""
+    rc = config.require_runtime()
+    notifier = Notifier.from_env()
+    started = time.monotonic()
+    runtime = open_runtime(config)
+    try:
+        assert runtime.shards is not None, "open() always records the shard set"
+        model_config = ModelConfig.from_metadata(runtime.shards.metadata)
+        model = Transformer(model_config, runtime.store)
+        loop = ServeLoop(runtime, model, options=options)
+        control = ControlServer(
+            runtime,
+            control_endpoint=rc.control_endpoint,
+            status_endpoint=rc.status_endpoint,
+            events_endpoint=rc.events_endpoint,
+            curve=curve_keys(config),
+            allow_insecure_tcp=config.security.allow_insecure_tcp,
+            extra_status=loop.status,
+        ).start()
+    except BaseException:
+        runtime.close()
+        raise
+    log.info(
+        "runtime.ready",
+        model=runtime.model_name,
+        control=rc.control_endpoint,
+        mode=options.mode.value,
+        load_s=round(time.monotonic() - started, 3),
+    )
+    notifier.ready(status=f"serving {runtime.model_name} (weight_version 0)")
+    pinger = WatchdogPinger(notifier)
+    last_version = -1
+
+    def on_iteration() -> None:
+        nonlocal last_version
+        pinger.progress()
+        pinger.maybe_ping()
+        if runtime.weight_version != last_version:
+            last_version = runtime.weight_version
+            notifier.status(f"serving {runtime.model_name} (weight_version {last_version})")
+
+    try:
+        loop.run(stop, on_iteration=on_iteration)
+    finally:
+        # Shutdown, bounded: stop answering, discard staged plans, let the stager go.
+        notifier.stopping()
+        control.close()
+        runtime.close(timeout=SHUTDOWN_TIMEOUT_S)
+        log.info("runtime.stopped", model=runtime.model_name, batches=loop.batches)
+    return 0
+
+
+__all__ = ["curve_keys", "open_runtime", "run"]
