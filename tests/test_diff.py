@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from ggufswap.shards import (
     read_header,
     tensor_nbytes,
 )
+from ggufswap.shards.writer import Layout, tiny_moe, write_model
 
 Q = GGMLQuantizationType
 ID_A = FileIdentity(1, 10, 1 << 20, 100, 100)
@@ -306,3 +310,79 @@ def test_prop_same_content_moves_are_unchanged(
     for change in changes:
         assert change.kind is ChangeKind.UNCHANGED, change
         assert Field.CONTENT not in change.fields
+
+
+# --- ggufswap diff (a real subprocess) ---------------------------------------------------------
+
+GGUFSWAP = Path(sys.executable).with_name("ggufswap")
+
+
+def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(GGUFSWAP), *map(str, args)], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def _models(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A model, a requantized copy (ffn_up_exps Q4_0) and the original as a split set."""
+    spec = tiny_moe()
+    (base,) = write_model(spec, tmp_path / "base")
+    (requant,) = write_model(spec.with_types(ffn_up_exps="q4_0"), tmp_path / "requant")
+    split = write_model(spec, tmp_path / "split", layout=Layout.SPLIT)
+    return base, requant, split[2]
+
+
+def test_cli_diff_types(tmp_path: Path) -> None:
+    """`ggufswap diff A B --json` reports exactly the requantized tensors as type changes."""
+    base, requant, _ = _models(tmp_path)
+    proc = run_cli("diff", base, requant, "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    changed = [c for c in doc["changes"] if not c["relocated_only"]]
+    assert [c["name"] for c in changed] == [f"blk.{b}.ffn_up_exps.weight" for b in range(4)]
+    for c in changed:
+        assert c["kind"] == "modified"
+        assert {"type", "nbytes", "content"} <= set(c["fields"])
+        assert (c["old"]["type"], c["new"]["type"]) == ("Q8_0", "Q4_0")
+    assert doc["counts"]["modified"] == 4
+    assert doc["content_compared"] is False
+
+
+def test_cli_diff_text(tmp_path: Path) -> None:
+    """The text form lists each change with its description and a summary line."""
+    base, requant, _ = _models(tmp_path)
+    proc = run_cli("diff", base, requant)
+    assert proc.returncode == 0, proc.stderr
+    assert "MODIFIED      blk.2.ffn_up_exps.weight: type Q8_0 -> Q4_0" in proc.stdout
+    assert "4 change(s): 0 added, 0 removed, 4 modified, 0 shape changed" in proc.stdout
+
+
+def test_cli_diff_checksum_single_vs_split(tmp_path: Path) -> None:
+    """With --checksum, the same model as one file and as a split set has no changes at all."""
+    base, _, split_member = _models(tmp_path)
+    plain = json.loads(run_cli("diff", base, split_member, "--json").stdout)
+    assert plain["counts"]["relocated_only"] == plain["counts"]["common"] > 0
+    proc = run_cli("diff", base, split_member, "--json", "--checksum")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["changes"] == []
+    assert doc["content_compared"] is True
+    assert len(doc["new"]) > 1
+
+
+def test_cli_diff_checksum_detects_content(tmp_path: Path) -> None:
+    """With --checksum, a tensor with other bytes of the same type is MODIFIED with content."""
+    spec = tiny_moe()
+    (a,) = write_model(spec, tmp_path / "a")
+    (b,) = write_model(dataclasses.replace(spec, seed=1), tmp_path / "b")
+    doc = json.loads(run_cli("diff", a, b, "--json", "--checksum").stdout)
+    assert doc["counts"]["modified"] == doc["counts"]["common"]
+    assert all("content" in c["fields"] for c in doc["changes"])
+
+
+def test_cli_diff_missing_file(tmp_path: Path) -> None:
+    """A missing model exits 1 naming the path."""
+    base, _, _ = _models(tmp_path)
+    proc = run_cli("diff", base, tmp_path / "gone.gguf")
+    assert proc.returncode == 1
+    assert "gone.gguf: no such file" in proc.stderr

@@ -6,7 +6,10 @@ must be a ShardSetError whose message names the problem.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import ggufbytes as gb
@@ -249,3 +252,61 @@ def test_cache_forgets_removed_file(tmp_path: Path) -> None:
     with pytest.raises(ShardError, match="no such file"):
         cache.get(path)
     assert len(cache) == 0
+
+
+# --- ggufswap inspect (a real subprocess) ------------------------------------------------------
+
+GGUFSWAP = Path(sys.executable).with_name("ggufswap")
+
+
+def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(GGUFSWAP), *map(str, args)], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_cli_inspect_json_split_set(layouts: dict[Layout, list[Path]]) -> None:
+    """`ggufswap inspect SHARD --json` lists every shard, every tensor and per-type totals."""
+    paths = layouts[Layout.SPLIT]
+    proc = run_cli("inspect", paths[1], "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    expected = open_shard_set(paths[0])
+    assert [s["path"] for s in doc["shards"]] == list(expected.paths)
+    assert [s["split_no"] for s in doc["shards"]] == list(range(len(paths)))
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert rows.keys() == expected.tensors.keys()
+    for name, t in expected.tensors.items():
+        row = rows[name]
+        assert (row["type"], row["shape"], row["offset"], row["bytes"], row["shard"]) == (
+            t.ggml_type.name,
+            list(t.shape),
+            t.offset,
+            t.nbytes,
+            t.path,
+        )
+    assert sum(v["bytes"] for v in doc["totals"].values()) == doc["total"]["bytes"]
+    assert doc["total"]["tensors"] == len(expected.tensors)
+    assert doc["metadata"]["general.architecture"] == "qwen3moe"
+    assert doc["metadata"]["tokenizer.ggml.tokens"] == {"array_of": "STRING", "count": 256}
+
+
+def test_cli_inspect_text(layouts: dict[Layout, list[Path]]) -> None:
+    """The text form shows the shard list, metadata, the tensor table and totals by type."""
+    proc = run_cli("inspect", layouts[Layout.SINGLE][0])
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for fragment in ("metadata:", "general.architecture = 'qwen3moe'", "totals by type:"):
+        assert fragment in out
+    assert "blk.3.ffn_down_exps.weight  Q8_0  4x64x64" in out
+
+
+def test_cli_inspect_bad_file(tmp_path: Path) -> None:
+    """A file that is not GGUF exits 1 with the reader's message on stderr."""
+    path = tmp_path / "notes.gguf"
+    path.write_bytes(b"hello, this is not a model at all")
+    proc = run_cli("inspect", path, "--json")
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert "expected magic b'GGUF'" in proc.stderr
+    assert str(path) in proc.stderr
