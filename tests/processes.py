@@ -1,0 +1,83 @@
+"""Real ggufswap subprocesses for tests: start, wait until they answer, stop with a bound."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ggufswap.ipc import Fields, MessageType, PeerTimeout, make_message, request
+
+GGUFSWAP = str(Path(sys.executable).with_name("ggufswap"))
+
+
+def wait_for(
+    predicate: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.05
+) -> Any:
+    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def status_of(endpoint: str, *, timeout: float = 1.0) -> dict[str, Any] | None:
+    """The ``status`` body of the process at ``endpoint``, or None if it does not answer."""
+    try:
+        reply = request(endpoint, make_message(MessageType.STATUS), timeout_s=timeout, retries=0)
+    except PeerTimeout:
+        return None
+    status = reply.get(Fields.STATUS)
+    return status if isinstance(status, dict) else None
+
+
+class Proc:
+    """A ``ggufswap`` subprocess with its log in a file."""
+
+    def __init__(self, args: list[str], *, log: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log
+        self._log = log.open("wb")
+        self.popen = subprocess.Popen(
+            [GGUFSWAP, *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        self.popen.send_signal(sig)
+
+    def stop(self, *, timeout: float = 15.0) -> int:
+        """SIGTERM, then wait; kill and fail if it does not exit within ``timeout``."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+                self._log.close()
+                raise AssertionError(
+                    f"process did not stop within {timeout}s:\n{self.log()}"
+                ) from None
+        self._log.close()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(10)
+        self._log.close()

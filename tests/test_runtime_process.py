@@ -1,0 +1,189 @@
+"""The runtime as a real process: control socket, plans, status, hostile frames, shutdown."""
+
+from __future__ import annotations
+
+import pickle
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from gguf import GGMLQuantizationType as Q
+from processes import Proc, status_of, wait_for
+
+from ggufswap.ipc import (
+    DealerClient,
+    Fields,
+    Job,
+    MessageType,
+    Plan,
+    make_message,
+    plan_to_wire,
+    request,
+)
+from ggufswap.runtime import HotSwapRuntime, ModelConfig, Transformer
+from ggufswap.runtime.serve import logits_digest, probe_tokens
+from ggufswap.shards import Layout, open_shard_set, requantize, tiny_moe, write_model
+
+TENSOR = "blk.1.ffn_down_exps.weight"
+
+
+def fresh_digest(first_shard: Path) -> str:
+    """Digest of the probe batch's logits on a fresh load of the files as they are now."""
+    with HotSwapRuntime.open(first_shard) as runtime:
+        assert runtime.shards is not None
+        model = Transformer(ModelConfig.from_metadata(runtime.shards.metadata), runtime.store)
+        with torch.inference_mode():
+            return logits_digest(model(probe_tokens(model.config.n_vocab, batch=2, tokens=16)))
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    """A tiny MoE model on disk and a runtime process serving it."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    paths = write_model(tiny_moe(), model_dir, layout=Layout.PER_TENSOR)
+    run_dir = tmp_path / "run"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"""
+runtime:
+  name: tiny-moe
+  model: {paths[0]}
+  control_endpoint: ipc://{run_dir}/rt.sock
+  status_endpoint: ipc://{run_dir}/rt.status.sock
+  events_endpoint: ipc://{run_dir}/rt.events.sock
+  pools:
+    - {{name: dev, device: cpu, budget: 1MiB}}
+    - {{name: host, device: cpu}}
+"""
+    )
+    proc = Proc(["runtime", "--config", str(config)], log=tmp_path / "runtime.log")
+    control = f"ipc://{run_dir}/rt.sock"
+    try:
+        wait_for(lambda: status_of(control), timeout=60, what="the runtime to answer status")
+        yield paths, control, proc
+    finally:
+        proc.stop()
+
+
+def probe_digest_at(control: str, version: int) -> str | None:
+    status = status_of(control)
+    if status is None:
+        return None
+    result = status["serve"]["results"].get(str(version))
+    return result.get("digest") if result else None
+
+
+def test_plan_over_socket_commits_and_matches_fresh_load(served) -> None:
+    """A plan over the control socket is accepted, staged, committed; output equals a fresh load."""
+    paths, control, _ = served
+    record = open_shard_set(paths[0]).tensors[TENSOR]
+    requantize(Path(record.path), TENSOR, Q.Q4_0)
+    new = open_shard_set(paths[0]).tensors[TENSOR]
+    plan = Plan(plan_id=uuid.uuid4().hex, model="tiny-moe", jobs=(Job(new),))
+    replies = []
+    with DealerClient(control) as client:
+        client.send(make_message(MessageType.PLAN, **plan_to_wire(plan)))
+        wait_for(
+            lambda: (
+                (r := client.poll(0.2)) is not None
+                and replies.append(r) is None
+                and r[Fields.TYPE] == MessageType.COMMITTED.value
+            ),
+            timeout=30,
+            what="the committed reply",
+        )
+    kinds = [r[Fields.TYPE] for r in replies]
+    assert kinds[0] == MessageType.ACCEPTED.value, kinds
+    assert MessageType.STAGED.value in kinds, kinds
+    committed = replies[-1]
+    assert committed[Fields.PLAN_ID] == plan.plan_id
+    version = committed[Fields.WEIGHT_VERSION]
+    assert version == 1
+    served_digest = wait_for(
+        lambda: probe_digest_at(control, version), timeout=30, what="a batch on the new version"
+    )
+    assert served_digest == fresh_digest(paths[0])
+
+
+def test_state_reports_loaded_table(served) -> None:
+    """``state`` lists every loaded tensor with its source record, fingerprint and slot state."""
+    paths, control, _ = served
+    reply = request(control, make_message(MessageType.STATE), timeout_s=5)
+    assert reply[Fields.TYPE] == MessageType.STATE_REPLY.value
+    tensors = reply[Fields.TENSORS]
+    on_disk = open_shard_set(paths[0]).tensors
+    assert set(tensors) == set(on_disk)
+    entry = tensors[TENSOR]
+    assert entry["path"] == on_disk[TENSOR].path
+    assert entry["slot"] == "ON_ORIGINAL"
+    assert len(entry["fingerprint"]) == 32
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        pytest.param(pickle.dumps({"v": 1, "type": "status", "id": "x"}), id="pickle"),
+        pytest.param(b"\xff\x00garbage", id="garbage"),
+        pytest.param(b"\x80", id="empty-map"),
+    ],
+)
+def test_hostile_frames_get_errors_and_runtime_keeps_working(served, frame: bytes) -> None:
+    """A pickled, garbage or envelope-less frame gets an error reply; the runtime keeps going."""
+    _, control, proc = served
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(control)
+        sock.send(frame)
+        assert sock.poll(5000), "no reply to a hostile frame"
+        from ggufswap.ipc import decode
+
+        reply = decode(sock.recv(), max_size=1 << 20)
+        assert reply[Fields.TYPE] == MessageType.ERROR.value
+    finally:
+        sock.close()
+    assert status_of(control) is not None
+    assert proc.popen.poll() is None
+
+
+def test_oversized_frame_is_refused_and_runtime_keeps_working(served) -> None:
+    """A frame over the size cap never reaches the handler and the runtime keeps answering."""
+    _, control, proc = served
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(control)
+        sock.send(b"\x00" * (80 << 20))
+    finally:
+        sock.close()
+    assert wait_for(lambda: status_of(control), timeout=10, what="status after an oversized frame")
+    assert proc.popen.poll() is None
+
+
+def test_sigterm_stops_cleanly(served) -> None:
+    """SIGTERM makes the runtime exit 0 within the shutdown bound."""
+    _, _, proc = served
+    proc.signal(signal.SIGTERM)
+    assert proc.stop(timeout=15) == 0, proc.log()
+
+
+def test_tcp_without_curve_is_refused_at_startup(tmp_path: Path) -> None:
+    """A tcp endpoint without CURVE keys or an explicit opt-out is refused at startup."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    paths = write_model(tiny_moe(), model_dir, layout=Layout.SINGLE)
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"runtime:\n  name: m\n  model: {paths[0]}\n  control_endpoint: tcp://127.0.0.1:45999\n"
+    )
+    proc = Proc(["runtime", "--config", str(config)], log=tmp_path / "runtime.log")
+    code = proc.popen.wait(30)
+    proc.stop()
+    assert code == 2
+    assert "curve" in proc.log().lower()
