@@ -30,7 +30,12 @@ def open_verified(record: TensorRecord) -> Iterator[int]:
         ) from None
     try:
         _expect_identity(fd, record, "before reading")
-        yield fd
+        try:
+            yield fd
+        except TruncatedError:
+            # A file shrunk while being read is a changed file (the job is stale), not damage.
+            _expect_identity(fd, record, "while reading")
+            raise
         _expect_identity(fd, record, "after reading")
     finally:
         os.close(fd)

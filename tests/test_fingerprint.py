@@ -22,7 +22,7 @@ from ggufswap.shards import (
     read_header,
     read_tensor_bytes,
 )
-from ggufswap.shards.data import READ_CHUNK
+from ggufswap.shards.data import READ_CHUNK, iter_chunks, open_verified
 
 PAYLOAD = bytes(random.Random(7).getrandbits(8) for _ in range(4096))
 
@@ -169,3 +169,17 @@ def test_concurrent_fingerprints_agree(tmp_path: Path) -> None:
         t.join(timeout=10)
         assert not t.is_alive()
     assert results == [expected] * 4
+
+
+def test_truncated_while_reading_is_file_changed(tmp_path: Path) -> None:
+    """A file truncated between two chunks of a read is FileChangedError, not TruncatedError."""
+    path = tmp_path / "a.gguf"
+    record = _write(path, [TI("w", (1024,), data=PAYLOAD)])["w"]
+    scratch = memoryview(bytearray(1024))
+    with pytest.raises(FileChangedError, match="w: file identity changed while reading"):  # noqa: PT012
+        with open_verified(record) as fd:
+            pieces = iter_chunks(fd, record, scratch)
+            assert bytes(next(pieces)) == PAYLOAD[:1024]
+            os.truncate(path, record.offset + 1024)
+            for _ in pieces:
+                pass

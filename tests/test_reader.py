@@ -159,7 +159,7 @@ def test_header_records_identity(model_files: dict[Layout, list[Path]]) -> None:
     assert {t.identity for t in header.tensors} == {header.identity}
 
 
-def test_read_array_after_replace_raises(gguf_file: object, tmp_path: Path) -> None:
+def test_read_array_after_replace_raises(tmp_path: Path) -> None:
     """read_array refuses to decode an array from a file replaced since its header was read."""
     kvs, tensors = gb.sample_model()
     path = tmp_path / "m.gguf"
