@@ -684,16 +684,38 @@ FRAGMENTS = [
     "%YAML 1.1\n", "0x1F", "1e5", "~", "null", ".inf", "-.nan", "-1", "99999999999999999999",
     "tcp://*:0", "ipc://", "GiB", "cuda:", "\x00", "\ufeff", "\x85", "é", "\\", "%",
 ]  # fmt: skip
-_LINES = FULL.splitlines(keepends=True)
+# Values that keep the YAML well-formed, so that the fuzz reaches the schema, not only the parser.
+VALUES = [
+    "0", "-1", "3.5", ".nan", "-.inf", "true", "null", "~", "''", "x", "'70GiB'", "0GiB",
+    "[]", "[a, 1]", "{}", "{a: 1}", "{name: host, device: cpu}", "!!python/name:os.system ''",
+    "!x y", "!!binary aGk=", "!!int 0xZZ", "!!float nope", "!!str 5", "2024-01-01", "cuda:9",
+    "tcp://*:5555", "tcp://h:0", "ipc://", "ipc://rel.sock", "'('", "'*.tmp'", "&a [*a]",
+    "99999999999999999999999", "/abs/path", "../rel", "'a\\x01'",
+]  # fmt: skip
+KEYS = ["name", "watch", "path", "pools", "budget", "device", "<<", "tensors", "x", "models"]
 
 
 @st.composite
 def mutated_configs(draw: st.DrawFn) -> str:
     text = FULL
     for _ in range(draw(st.integers(1, 4))):
-        kind = draw(st.sampled_from(["insert", "delete", "replace", "duplicate", "swap"]))
+        kinds = ["revalue", "revalue", "rekey", "insert", "delete", "replace", "duplicate", "swap"]
+        kind = draw(st.sampled_from(kinds))
         at = draw(st.integers(0, len(text)))
-        if kind == "insert":
+        if kind in {"revalue", "rekey"}:
+            lines = text.splitlines(keepends=True)
+            keyed = [i for i, line in enumerate(lines) if ": " in line]
+            if not keyed:
+                continue
+            i = draw(st.sampled_from(keyed))
+            key, _, value = lines[i].partition(": ")
+            if kind == "revalue":
+                value = draw(st.sampled_from(VALUES)) + "\n"
+            else:
+                key = key[: len(key) - len(key.lstrip(" -"))] + draw(st.sampled_from(KEYS))
+            lines[i] = f"{key}: {value}"
+            text = "".join(lines)
+        elif kind == "insert":
             piece = draw(st.sampled_from(FRAGMENTS) | st.text(max_size=4))
             text = text[:at] + piece + text[at:]
         elif kind == "delete":
