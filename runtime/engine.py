@@ -220,7 +220,8 @@ class HotSwapRuntime:
         ticket.reject(reasons, stale=stale)
         self._outcomes["stale" if stale else "rejected"] += 1
         log.warning(
-            "plan.rejected",
+            "plan",
+            outcome="stale" if stale else "rejected",
             plan_id=ticket.plan_id,
             stale=stale,
             reasons=[str(r) for r in reasons],
@@ -313,7 +314,8 @@ class HotSwapRuntime:
             self._outcomes["committed"] += 1
             ticket.move(PlanState.COMMITTED)
             log.info(
-                "plan.committed",
+                "plan",
+                outcome="committed",
                 plan_id=ticket.plan_id,
                 tensors=len(ticket.plan.jobs),
                 changed=len(ticket.changed),
