@@ -1,0 +1,169 @@
+"""Shared helpers for the runtime acceptance tests: real GGUF models in ``tmp_path``, runtimes on
+small CPU pools, plans built from the files as they are on disk, and fresh-load references."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from ggufswap.ipc.plan import Job, Plan
+from ggufswap.runtime import HotSwapRuntime, Pool, Storage, Transformer
+from ggufswap.runtime.model_config import ModelConfig
+from ggufswap.shards import (
+    Layout,
+    ModelSpec,
+    TensorRecord,
+    atomic_copy,
+    open_shard_set,
+    requantize,
+    tiny_moe,
+    write_model,
+)
+
+Q = GGMLQuantizationType
+WAIT_S = 30.0  # upper bound of every wait in these tests; a broken runtime fails, never hangs
+TOKENS = torch.tensor(
+    [[1, 17, 33, 250, 4, 99, 7, 128], [200, 3, 45, 45, 12, 0, 255, 64]], dtype=torch.int64
+)  # [B=2, T=8]
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Run torch on one thread: the tiny models' matmuls are faster and steadier that way on a
+    busy 2-core machine (restored afterwards; results are compared within one setting)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def mixed_moe(**overrides: object) -> ModelSpec:
+    """The tiny MoE model with its weights in a mix of types (not all Q8_0)."""
+    return tiny_moe(**overrides).with_types(
+        ffn_gate_exps="q4_0",
+        ffn_up_exps="q5_1",
+        ffn_down_exps="q8_0",
+        attn_q="f16",
+        attn_k="q4_1",
+        attn_v="q5_0",
+        attn_o="bf16",
+        token_embd="q8_0",
+        output="f16",
+    )
+
+
+@dataclass
+class ModelDir:
+    """A model written into a directory, one shard per tensor unless told otherwise."""
+
+    root: Path
+    first: Path
+
+    @classmethod
+    def write(
+        cls, root: Path, spec: ModelSpec | None = None, *, layout: Layout = Layout.PER_TENSOR
+    ) -> ModelDir:
+        root.mkdir(parents=True, exist_ok=True)
+        paths = write_model(spec or mixed_moe(), root, layout=layout)
+        return cls(root=root, first=Path(paths[0]))
+
+    def records(self) -> dict[str, TensorRecord]:
+        """Every tensor record as the files on disk are now."""
+        return dict(open_shard_set(self.first).tensors)
+
+    def shard_of(self, name: str) -> Path:
+        return Path(self.records()[name].path)
+
+    def plan(self, plan_id: str, names: Iterable[str], *, model: str = "") -> Plan:
+        """A plan that loads ``names`` from the files as they are now (no fingerprints)."""
+        records = self.records()
+        return Plan(plan_id, model, tuple(Job(records[n]) for n in names))
+
+    def variant(self, name: str, ggml_type: GGMLQuantizationType, store: Path) -> Path:
+        """Write the shard of ``name`` with that tensor re-encoded as ``ggml_type`` into ``store``
+        (outside the model directory); returns the variant file."""
+        store.mkdir(parents=True, exist_ok=True)
+        out = store / f"{name}.{ggml_type.name}.gguf"
+        if not out.exists():
+            requantize(self.shard_of(name), name, ggml_type, out=out)
+        return out
+
+    def save(self, name: str, store: Path) -> Path:
+        """Keep a copy of the current shard of ``name`` in ``store``."""
+        store.mkdir(parents=True, exist_ok=True)
+        out = store / f"{name}.saved.gguf"
+        shutil.copy2(self.shard_of(name), out)
+        return out
+
+    def put(self, name: str, source: Path) -> None:
+        """Atomically replace the shard of ``name`` with ``source`` (a new inode)."""
+        atomic_copy(source, self.shard_of(name))
+
+    def clone(self, dest: Path, replacements: Mapping[str, Path] | None = None) -> ModelDir:
+        """A copy of this model's files (as they are now) with some shards replaced."""
+        dest.mkdir(parents=True, exist_ok=False)
+        for path in open_shard_set(self.first).paths:
+            shutil.copy2(path, dest / os.path.basename(path))
+        copy = ModelDir(root=dest, first=dest / self.first.name)
+        for name, source in (replacements or {}).items():
+            shutil.copy2(source, dest / os.path.basename(self.shard_of(name)))
+        return copy
+
+
+def open_runtime(
+    first: Path,
+    *,
+    storage: Storage = Storage.DEQUANTIZED,
+    stable_pointers: bool | None = None,
+    pools: list[Pool] | None = None,
+    **options: object,
+) -> tuple[HotSwapRuntime, Transformer]:
+    """A runtime over ``first``'s shard set and a reference model reading its store."""
+    runtime = HotSwapRuntime.open(
+        first,
+        storage=storage,
+        stable_pointers=stable_pointers,
+        pools=pools,
+        **options,  # type: ignore[arg-type]
+    )
+    assert runtime.shards is not None, "open() keeps the shard set"
+    model = Transformer(ModelConfig.from_metadata(runtime.shards.metadata), runtime.store)
+    return runtime, model
+
+
+def logits(model: Transformer, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(tokens)
+
+
+def fresh_logits(first: Path, *, storage: Storage, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
+    """Logits of a fresh load of the files as they are now (same storage mode)."""
+    runtime, model = open_runtime(first, storage=storage)
+    try:
+        return logits(model, tokens)
+    finally:
+        runtime.close()
+
+
+def cpu_pools(dev_budget: int | None, host_budget: int | None = None) -> list[Pool]:
+    """A budgeted "dev" pool and a "host" pool that takes fallbacks (both on the CPU)."""
+    cpu = torch.device("cpu")
+    return [Pool("dev", cpu, budget=dev_budget), Pool("host", cpu, budget=host_budget)]
+
+
+def loaded_bytes(first: Path, storage: Storage) -> int:
+    """How many bytes a load of ``first`` takes in ``storage`` mode (one unbounded pool)."""
+    runtime, _ = open_runtime(first, storage=storage)
+    try:
+        return sum(runtime.store.pools.usage().values())
+    finally:
+        runtime.close()
