@@ -120,19 +120,19 @@ def _run(
     device = blocks.device
     chunk_elems = _CPU_CHUNK_ELEMENTS if device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS
     chunk = max(1, chunk_elems // block_size)
+    scales = kernel.prepare(blocks)
     out = _empty(n_blocks * block_size, dtype, device)
     out_blocks = out.view(n_blocks, block_size)
-    if dtype == torch.float32:
-        for start in range(0, n_blocks, chunk):
-            kernel(blocks[start : start + chunk], out_blocks[start : start + chunk])
-        return out
-    # Other dtypes: compute each chunk in float32 scratch, then round it into the result.
-    scratch = torch.empty(min(chunk, n_blocks), block_size, dtype=torch.float32, device=device)
+    scratch = None
+    if dtype != torch.float32:
+        # compute each chunk in float32 scratch, then round it into the result
+        scratch = torch.empty(min(chunk, n_blocks), block_size, dtype=torch.float32, device=device)
     for start in range(0, n_blocks, chunk):
         stop = min(start + chunk, n_blocks)
-        part = scratch[: stop - start]
-        kernel(blocks[start:stop], part)
-        out_blocks[start:stop].copy_(part)
+        part = out_blocks[start:stop] if scratch is None else scratch[: stop - start]
+        kernel.body(blocks[start:stop], part, *(s[start:stop] for s in scales))
+        if scratch is not None:
+            out_blocks[start:stop].copy_(part)
     return out
 
 
