@@ -85,6 +85,10 @@ def run(config: Config, *, options: ServeOptions, stop: threading.Event) -> int:
     except BaseException:
         runtime.close()
         raise
+    if rc.metrics_port is not None:
+        from ggufswap.runtime.metrics import RuntimeMetrics
+
+        RuntimeMetrics(runtime).serve(rc.metrics_port)
     log.info(
         "runtime.ready",
         model=runtime.model_name,

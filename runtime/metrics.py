@@ -1,0 +1,86 @@
+"""Optional Prometheus metrics for the runtime (``runtime.metrics_port``).
+
+A thin adapter over the runtime's plan events; prometheus-client is an optional dependency
+(``pip install ggufswap[metrics]``) and is imported only when a port is configured.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ggufswap.runtime.engine import HotSwapRuntime
+from ggufswap.runtime.store import SlotState
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+# Commit stalls are sub-millisecond to tens of milliseconds; buckets in seconds.
+STALL_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)
+
+
+class RuntimeMetrics:
+    """Counters and gauges of one runtime, fed by its events; served over HTTP if asked."""
+
+    def __init__(
+        self, runtime: HotSwapRuntime, *, registry: CollectorRegistry | None = None
+    ) -> None:
+        try:
+            import prometheus_client as prom
+        except ImportError as exc:
+            raise RuntimeError(
+                "metrics_port is set but prometheus-client is not installed: "
+                "pip install 'ggufswap[metrics]'"
+            ) from exc
+        self._prom = prom
+        self.registry = registry if registry is not None else prom.CollectorRegistry()
+        self.runtime = runtime
+        r = self.registry
+        self.plans = prom.Counter(
+            "ggufswap_runtime_plans", "Plans by outcome", ["outcome"], registry=r
+        )
+        self.stall = prom.Histogram(
+            "ggufswap_runtime_commit_stall_seconds",
+            "Time the inference loop paused to commit a plan",
+            buckets=STALL_BUCKETS,
+            registry=r,
+        )
+        self.bytes_reloaded = prom.Gauge(
+            "ggufswap_runtime_bytes_reloaded",
+            "Bytes read from shards for committed plans",
+            registry=r,
+        )
+        self.weight_version = prom.Gauge(
+            "ggufswap_runtime_weight_version", "Current weight version", registry=r
+        )
+        self.tensors = prom.Gauge(
+            "ggufswap_runtime_tensors", "Tensors by slot state", ["state"], registry=r
+        )
+        self.pool_used = prom.Gauge(
+            "ggufswap_runtime_pool_used_bytes", "Bytes used per pool", ["pool"], registry=r
+        )
+        runtime.on_event(self._on_event)
+        self.refresh()
+
+    def _on_event(self, topic: str, payload: dict[str, Any]) -> None:
+        if topic == "plan.committed":
+            self.plans.labels("committed").inc()
+            self.stall.observe(float(payload.get("stall_ms", 0.0)) / 1e3)
+        elif topic == "plan.rejected":
+            self.plans.labels("stale" if payload.get("stale") else "rejected").inc()
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.weight_version.set(self.runtime.weight_version)
+        self.bytes_reloaded.set(self.runtime.bytes_reloaded)
+        counts = self.runtime.store.state_counts()
+        for state in SlotState:
+            self.tensors.labels(state.value).set(counts[state.value])
+        for name, used in self.runtime.store.pools.usage().items():
+            self.pool_used.labels(name).set(used)
+
+    def serve(self, port: int, *, addr: str = "127.0.0.1") -> None:
+        """Serve ``/metrics`` on ``addr:port`` from a daemon thread."""
+        self._prom.start_http_server(port, addr=addr, registry=self.registry)
+
+    def exposition(self) -> bytes:
+        return bytes(self._prom.generate_latest(self.registry))
