@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "ggufswap._cmd_make",
     "ggufswap._cmd_runtime",
     "ggufswap._cmd_status",
+    "ggufswap._cmd_demo",
 )
 
 EXIT_OK = 0
