@@ -1,0 +1,540 @@
+"""The agent daemon: one main loop that turns change reports into scans and scans into plans.
+
+Threads: the watcher backends (report paths into a :class:`ChangeQueue`, nothing else), one
+:class:`~ggufswap.agent.link.RuntimeLink` per model (talks to its runtime, computes plans), the
+status server, and the main loop here, which owns the debouncer, the shard indexes and the
+watches. The main loop waits at most ``MAX_WAIT_S`` at a time, so stop and reload flags (set by
+signal handlers, which do nothing else) are seen promptly, and it feeds the systemd watchdog
+only when it completes an iteration.
+
+Coalescing: changed paths settle individually (``settle_ms``); a model is re-scanned once no
+path is pending, or when paths have been pending for ``max_defer_s`` (then the still-settling
+files are skipped and their tensors held). A burst of thousands of events is one scan.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from ggufswap.agent.debounce import Debouncer
+from ggufswap.agent.errors import AgentError, WatchError, WatchLimitError
+from ggufswap.agent.index import Health, ModelIndex, ModelSnapshot, WatchRoot
+from ggufswap.agent.link import RuntimeLink
+from ggufswap.agent.status import status_handler, status_line
+from ggufswap.agent.watch import (
+    INOTIFY_WATCHES_SYSCTL,
+    ChangeQueue,
+    RescanReason,
+    Watcher,
+    choose_backend,
+    make_watcher,
+)
+from ggufswap.config import Config, ConfigError, ModelConfig, WatchBackend, load_config
+from ggufswap.ipc import CurveKeys, RequestServer
+from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
+from ggufswap.shards import Fingerprinter, HeaderCache
+
+log = structlog.get_logger(__name__)
+
+MAX_WAIT_S = 0.2
+ROOT_CHECK_S = 0.5
+STOP_STEP_TIMEOUT_S = 3.0  # per stage of shutdown; TimeoutStopSec=15 bounds the whole
+
+
+class DaemonState(str, enum.Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass
+class _Model:
+    config: ModelConfig
+    index: ModelIndex
+    link: RuntimeLink | None
+    dirty: bool = True
+    last_health: dict[str, Health] = field(default_factory=dict)
+
+
+@dataclass
+class _Watch:
+    root: WatchRoot
+    kind: WatchBackend | None  # None: not watched (missing directory)
+    why: str
+    identity: tuple[int, int] | None
+    models: set[str] = field(default_factory=set)
+
+
+def _curve(config: Config) -> CurveKeys | None:
+    curve = config.security.curve
+    if curve is None:
+        return None
+    return CurveKeys(
+        server_secret_key=curve.server_secret_key,
+        server_public_key=curve.server_public_key,
+        client_secret_key=curve.client_secret_key,
+        authorized_keys_dir=curve.authorized_keys_dir,
+    )
+
+
+def _dir_identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+class AgentDaemon:
+    """The agent. ``start()`` (binds, first scan, READY), ``run()`` until stopped, ``close()``.
+
+    ``request_stop`` and ``request_reload`` only set flags: they are what signal handlers call.
+    ``connect=False`` runs without runtime links (scans and status only).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        config_path: Path | None = None,
+        notifier: Notifier | None = None,
+        connect: bool = True,
+        max_defer_s: float | None = None,
+        heartbeat_interval_s: float = 1.0,
+    ) -> None:
+        self.config = config
+        self._config_path = config_path if config_path is not None else config.source
+        self._notifier = notifier if notifier is not None else Notifier.disabled()
+        self._pinger = WatchdogPinger(self._notifier)
+        self._connect = connect
+        self._max_defer_override = max_defer_s
+        self._heartbeat_s = heartbeat_interval_s
+        self._cache = HeaderCache()
+        self._fingerprinter = Fingerprinter()
+        self.queue = ChangeQueue()
+        self._debouncer = Debouncer()
+        self._watchers: dict[WatchBackend, Watcher] = {}
+        self._watches: dict[str, _Watch] = {}
+        self._models: dict[str, _Model] = {}
+        self._server: RequestServer | None = None
+        self._state = DaemonState.CREATED
+        self._stop_flag = threading.Event()
+        self._reload_flag = threading.Event()
+        self._started_at = time.monotonic()
+        self._next_rescan = 0.0
+        self._next_root_check = 0.0
+        self._scans = 0
+        self._rescans: dict[str, int] = {}
+        self._last_scan: dict[str, Any] = {}
+        self._published: dict[str, Any] = {}
+        self._status_text = ""
+        self._pending_count = 0
+        self.iterations = 0
+
+    # -- flags (signal-safe) -----------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop_flag.set()
+
+    def request_reload(self) -> None:
+        self._reload_flag.set()
+
+    @property
+    def state(self) -> DaemonState:
+        return self._state
+
+    @property
+    def status_endpoint(self) -> str | None:
+        return self._server.endpoint if self._server is not None else None
+
+    # -- start -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind the status socket, watch, scan every model, connect; then READY=1."""
+        if self._state is not DaemonState.CREATED:
+            raise AgentError(f"agent: start() in state {self._state.value}")
+        self._server = RequestServer(
+            self.config.agent.status_endpoint,
+            status_handler(self.status),
+            name="agent",
+            curve=_curve(self.config),
+            allow_insecure_tcp=self.config.security.allow_insecure_tcp,
+        ).start()
+        try:
+            self._build(self.config)
+        except BaseException:
+            self.close()
+            raise
+        self._state = DaemonState.RUNNING
+        self._publish()
+        self._notifier.ready(status=status_line(self._published))
+        log.info("agent.ready", models=sorted(self._models), status=self.status_endpoint)
+
+    def _build(self, config: Config) -> None:
+        """Indexes, watches, a first scan of every model, and links (in that order)."""
+        models = config.require_models()
+        for model in models:
+            self._models[model.name] = _Model(
+                model, ModelIndex(model, cache=self._cache), link=None
+            )
+        now = time.monotonic()
+        self._sync_watches()
+        self._scan_dirty(now, reason="startup", force=True)
+        self._sync_watches()  # link targets found by the first scan
+        for slot in self._models.values():
+            if self._connect:
+                slot.link = RuntimeLink(
+                    slot.config,
+                    fingerprinter=self._fingerprinter,
+                    curve=_curve(config),
+                    allow_insecure_tcp=config.security.allow_insecure_tcp,
+                    heartbeat_interval_s=self._heartbeat_s,
+                    state_refresh_s=config.agent.rescan_interval_s,
+                    on_stale=self._on_stale,
+                )
+                if slot.index.snapshot is not None:
+                    slot.link.set_desired(slot.index.snapshot)
+                slot.link.start()
+        self._next_rescan = now + config.agent.rescan_interval_s
+        self._next_root_check = now + ROOT_CHECK_S
+
+    def _on_stale(self, model: str) -> None:  # called from a link thread
+        self.queue.rescan_needed(RescanReason.STALE, model)
+
+    # -- watches -----------------------------------------------------------------------------
+
+    def _watcher(self, kind: WatchBackend, poll_interval_s: float) -> Watcher:
+        watcher = self._watchers.get(kind)
+        if watcher is None:
+            watcher = make_watcher(kind, self.queue, poll_interval_s=poll_interval_s)
+            watcher.start()
+            self._watchers[kind] = watcher
+        return watcher
+
+    def _sync_watches(self) -> None:
+        """Watch every directory some model needs; forget the others."""
+        wanted: dict[str, tuple[WatchRoot, set[str]]] = {}
+        for slot in self._models.values():
+            for root in slot.index.watch_roots():
+                entry = wanted.setdefault(root.directory, (root, set()))
+                entry[1].add(slot.config.name)
+        for directory in [d for d in self._watches if d not in wanted]:
+            self._unwatch(directory)
+        for directory, (root, models) in wanted.items():
+            current = self._watches.get(directory)
+            identity = _dir_identity(directory)
+            if current is not None and current.identity == identity and current.kind is not None:
+                current.models = models
+                continue
+            if current is not None:
+                self._unwatch(directory)
+            self._watches[directory] = self._watch(root, models, identity)
+
+    def _watch(self, root: WatchRoot, models: set[str], identity: tuple[int, int] | None) -> _Watch:
+        directory = root.directory
+        if identity is None:
+            log.warning("watch.missing_directory", directory=directory, models=sorted(models))
+            return _Watch(root, None, "directory does not exist (yet)", None, models)
+        choice = choose_backend(root.config.backend, directory)
+        kind, why = choice.kind, choice.why
+        try:
+            self._watcher(kind, root.config.poll_interval_s).add(
+                directory, recursive=root.recursive
+            )
+        except WatchLimitError as exc:
+            log.warning(
+                "watch.limit_reached",
+                directory=directory,
+                error=str(exc),
+                fix=f"raise {INOTIFY_WATCHES_SYSCTL} (docs/operations.md); polling meanwhile",
+            )
+            kind, why = WatchBackend.POLLING, f"inotify watch limit reached ({exc.strerror})"
+            self._watcher(kind, root.config.poll_interval_s).add(
+                directory, recursive=root.recursive
+            )
+            self.queue.rescan_needed(RescanReason.WATCH_LIMIT, directory)
+        except WatchError as exc:
+            log.warning("watch.failed", directory=directory, error=str(exc))
+            return _Watch(root, None, str(exc), None, models)
+        log.info(
+            "watch.added",
+            directory=directory,
+            backend=kind.value,
+            why=why,
+            recursive=root.recursive,
+            link_target=root.is_link_target,
+        )
+        return _Watch(root, kind, why, identity, models)
+
+    def _unwatch(self, directory: str) -> None:
+        entry = self._watches.pop(directory, None)
+        if entry is not None and entry.kind is not None:
+            self._watchers[entry.kind].remove(directory)
+
+    def _check_roots(self) -> None:
+        """Re-watch directories that vanished, appeared or were replaced (inode changed)."""
+        changed = False
+        for directory, entry in list(self._watches.items()):
+            if _dir_identity(directory) != entry.identity:
+                changed = True
+                log.info("watch.directory_changed", directory=directory)
+        for slot in self._models.values():
+            roots = {r.directory for r in slot.index.watch_roots()}
+            if not roots <= set(self._watches):
+                changed = True
+        if changed:
+            self._sync_watches()
+            self._request_full_scan(RescanReason.ROOT_CHANGED, "watched directory changed")
+        for kind, watcher in list(self._watchers.items()):
+            if not watcher.healthy():
+                log.warning("watch.backend_died", backend=kind.value)
+                dirs = watcher.directories
+                watcher.stop(STOP_STEP_TIMEOUT_S)
+                del self._watchers[kind]
+                for directory in dirs:
+                    self._watches.pop(directory, None)
+                self._sync_watches()
+                self._request_full_scan(RescanReason.BACKEND_ERROR, f"{kind.value} restarted")
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _max_defer_s(self) -> float:
+        if self._max_defer_override is not None:
+            return self._max_defer_override
+        settle = max((m.config.settle_ms for m in self._models.values()), default=0) / 1000
+        return max(2.0, 8 * settle)
+
+    def run(self) -> None:
+        """The main loop, until ``request_stop``; then a bounded shutdown."""
+        try:
+            while not self._stop_flag.is_set():
+                if self._reload_flag.is_set():
+                    self._reload_flag.clear()
+                    self.reload()
+                self.step()
+                self._pinger.progress()
+                self._pinger.maybe_ping()
+        finally:
+            self.close()
+
+    def step(self) -> None:
+        """One iteration: wait for reports (bounded), settle, scan, hand scans to the links."""
+        now = time.monotonic()
+        wait = min(MAX_WAIT_S, self._next_rescan - now, self._next_root_check - now)
+        deadline = self._debouncer.next_deadline()
+        if deadline is not None:
+            wait = min(wait, deadline - now)
+        self.queue.wait(max(0.0, wait))
+        paths, rescans = self.queue.drain()
+        now = time.monotonic()
+        for path in paths:
+            self._route(path, now)
+        for request in rescans:
+            self._request_full_scan(request.reason, request.detail)
+        self._debouncer.due(now)
+        if now >= self._next_rescan:
+            self._next_rescan = now + self.config.agent.rescan_interval_s
+            self._request_full_scan(RescanReason.PERIODIC, "rescan_interval_s")
+        if now >= self._next_root_check:
+            self._next_root_check = now + ROOT_CHECK_S
+            self._check_roots()
+        oldest = self._debouncer.oldest_since()
+        if len(self._debouncer) == 0 or (
+            oldest is not None and now - oldest >= self._max_defer_s()
+        ):
+            self._scan_dirty(now, reason="changes")
+        self._pending_count = len(self._debouncer)
+        self.iterations += 1
+
+    def _route(self, path: str, now: float) -> None:
+        settle_s = None
+        for slot in self._models.values():
+            if slot.index.concerns(path):
+                slot.dirty = True
+                settle_s = max(settle_s or 0.0, slot.config.settle_ms / 1000)
+        if settle_s is not None:
+            self._debouncer.touch(path, now, settle_s)
+        if path in self._watches:
+            self._next_root_check = now  # a watched directory itself changed
+
+    def _request_full_scan(self, reason: RescanReason, detail: str) -> None:
+        self._rescans[reason.value] = self._rescans.get(reason.value, 0) + 1
+        log.info("scan.full_requested", reason=reason.value, detail=detail)
+        for slot in self._models.values():
+            if reason is not RescanReason.STALE or detail in (slot.config.name, ""):
+                slot.dirty = True
+        self._last_scan["reason"] = reason.value
+
+    def _scan_dirty(self, now: float, *, reason: str, force: bool = False) -> None:
+        pending = self._debouncer.pending()
+        scanned = False
+        for slot in self._models.values():
+            if not (slot.dirty or force):
+                continue
+            slot.dirty = False
+            snapshot = slot.index.scan(skip=pending)
+            scanned = True
+            self._scans += 1
+            self._last_scan.update(
+                at=snapshot.scanned_at, duration_s=round(snapshot.scan_s, 6), model=slot.config.name
+            )
+            self._report_health(slot, snapshot)
+            if slot.link is not None:
+                slot.link.set_desired(snapshot)
+        if scanned:
+            self._sync_watches()  # new or vanished link targets
+            self._publish()
+
+    def _report_health(self, slot: _Model, snapshot: ModelSnapshot) -> None:
+        current = {s.path: s.health for s in snapshot.shards}
+        for shard in snapshot.shards:
+            before = slot.last_health.get(shard.path)
+            if shard.health is Health.INVALID and before is not Health.INVALID:
+                log.warning(
+                    "shard.invalid",
+                    model=slot.config.name,
+                    shard=shard.path,
+                    reason=shard.reason,
+                    held_by_last_good=shard.held_by_last_good,
+                )
+            elif shard.health is Health.VALID and before is Health.INVALID:
+                log.info("shard.valid", model=slot.config.name, shard=shard.path)
+        for problem in snapshot.problems:
+            log.warning("model.problem", model=slot.config.name, problem=problem)
+        slot.last_health = current
+
+    # -- status ------------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        """Rebuild the main-loop part of the status (read by the status server's thread)."""
+        models: dict[str, Any] = {}
+        for name, slot in self._models.items():
+            snap = slot.index.snapshot
+            if snap is None:
+                continue
+            counts = {h.value: 0 for h in Health}
+            for shard in snap.shards:
+                counts[shard.health.value] += 1
+            models[name] = {
+                "generation": snap.generation,
+                "desired": len(snap.desired),
+                "held": len(snap.held),
+                "shards": counts,
+                "invalid_shards": [
+                    {"path": s.path, "reason": s.reason, "held_by_last_good": s.held_by_last_good}
+                    for s in snap.invalid[:100]
+                ],
+                "problems": list(snap.problems[:50]),
+                "last_scan_at": snap.scanned_at,
+                "last_scan_s": round(snap.scan_s, 6),
+            }
+        watched = [
+            {
+                "models": sorted(w.models),
+                "directory": d,
+                "recursive": w.root.recursive,
+                "backend": w.kind.value if w.kind else None,
+                "why": w.why,
+                "link_target": w.root.is_link_target,
+                "watching": w.kind is not None,
+            }
+            for d, w in sorted(self._watches.items())
+        ]
+        backends = {
+            kind.value: {
+                "healthy": w.healthy(),
+                "overflows": w.overflows,
+                "directories": sorted(w.directories),
+            }
+            for kind, w in self._watchers.items()
+        }
+        self._published = {
+            "watched": watched,
+            "backends": backends,
+            "scans": {"count": self._scans, **self._last_scan, "rescans": dict(self._rescans)},
+            "models": models,
+        }
+        text = status_line(self.status())
+        if text != self._status_text:
+            self._status_text = text
+            self._notifier.status(text)
+
+    def status(self) -> dict[str, Any]:
+        """The status map (see ``ggufswap.agent.status``); safe from any thread."""
+        published = self._published
+        models = {name: dict(body) for name, body in published.get("models", {}).items()}
+        for name, slot in list(self._models.items()):
+            body = models.setdefault(name, {})
+            body["link"] = slot.link.status() if slot.link is not None else None
+        return {
+            "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - self._started_at, 3),
+            "state": self._state.value,
+            "config": str(self._config_path) if self._config_path else None,
+            "events": self.queue.events,
+            "pending_paths": self._pending_count,
+            **{k: v for k, v in published.items() if k != "models"},
+            "models": models,
+        }
+
+    # -- reload and stop ---------------------------------------------------------------------
+
+    def reload(self) -> bool:
+        """SIGHUP: re-read the config; an invalid one is logged and the old one stays."""
+        self._notifier.reloading()
+        try:
+            if self._config_path is None:
+                raise AgentError("no configuration file to reload (the config came from text)")
+            new = load_config(self._config_path)
+            new.require_models()
+        except (ConfigError, AgentError) as exc:
+            log.error("agent.reload_failed", error=str(exc), kept="the previous configuration")
+            self._notifier.ready(status=f"reload failed, previous config kept: {exc}"[:200])
+            return False
+        log.info("agent.reloading", config=str(self._config_path))
+        self._teardown_models()
+        self.config = new
+        self._build(new)
+        self._request_full_scan(RescanReason.RELOAD, str(self._config_path))
+        self._publish()
+        self._notifier.ready(status=status_line(self.status()))
+        return True
+
+    def _teardown_models(self) -> None:
+        for slot in self._models.values():
+            if slot.link is not None:
+                slot.link.stop(STOP_STEP_TIMEOUT_S)
+        self._models.clear()
+        for directory in list(self._watches):
+            self._unwatch(directory)
+
+    def close(self) -> None:
+        """Bounded shutdown: links, then watchers, then the status socket."""
+        if self._state is DaemonState.STOPPED:
+            return
+        self._state = DaemonState.STOPPING
+        self._notifier.stopping()
+        log.info("agent.stopping")
+        # 1. links: each stops within STOP_STEP_TIMEOUT_S; plans in flight stay with the runtime.
+        for slot in self._models.values():
+            if slot.link is not None:
+                slot.link.stop(STOP_STEP_TIMEOUT_S)
+        # 2. watcher threads.
+        for watcher in self._watchers.values():
+            watcher.stop(STOP_STEP_TIMEOUT_S)
+        self._watchers.clear()
+        self._watches.clear()
+        # 3. the status socket (removes the ipc socket file).
+        if self._server is not None:
+            self._server.stop(STOP_STEP_TIMEOUT_S)
+        self._state = DaemonState.STOPPED
+        log.info("agent.stopped")

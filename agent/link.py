@@ -1,0 +1,562 @@
+"""The link to one runtime: a DEALER connection on its own thread that keeps the runtime in sync.
+
+Life of a link (explicit states, guarded transitions)::
+
+    SYNCING ──state_reply──► IDLE ──plan──► PLAN_SENT ──accepted──► ACCEPTED ──staged──► STAGED
+       ▲  │                   ▲                 │                       │                  │
+       │  └─no reply after────┼─────────────────┘ (Lazy Pirate retries) │                  │
+       │    1+retries: UNREACHABLE (retry later)                         │                  │
+       └──────────── committed / rejected / peer lost / reconnect ◄──────┴──────────────────┘
+
+Only one plan is in flight per runtime. While it is, new scans only replace the desired state;
+the next plan is computed after the outcome, from the runtime's fresh ``state``, so a burst of
+changes becomes one or two plans. A ``committed`` or ``rejected`` (or a lost peer) always leads
+back through ``SYNCING``: the actual state is never guessed.
+
+Requests are retried on a fresh socket after ``request_timeout_s`` (``retries`` times), which is
+safe because ``state`` only reads and a plan's id is its content: the runtime answers a known
+plan id with its outcome instead of applying it again.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from ggufswap.agent.errors import LinkStateError
+from ggufswap.agent.index import ModelSnapshot
+from ggufswap.agent.reconcile import Blocked, reconcile
+from ggufswap.config import ModelConfig
+from ggufswap.ipc import (
+    CurveKeys,
+    DealerClient,
+    Fields,
+    IpcError,
+    MessageType,
+    Plan,
+    RuntimeState,
+    TensorEntry,
+    committed_from_wire,
+    error_from_wire,
+    make_message,
+    message_from,
+    new_id,
+    plan_to_wire,
+    rejected_from_wire,
+    state_from_wire,
+)
+from ggufswap.shards import Fingerprinter, TensorRecord
+
+log = structlog.get_logger(__name__)
+
+TICK_S = 0.05  # longest wait of the link thread (latency of a new desired state)
+HISTORY = 20  # finished plans kept for status
+REJECT_ALL = "*"
+
+
+class LinkState(str, enum.Enum):
+    SYNCING = "syncing"  # a `state` request is outstanding
+    IDLE = "idle"  # actual state known, nothing in flight
+    PLAN_SENT = "plan_sent"  # waiting for accepted (or an early outcome)
+    ACCEPTED = "accepted"  # waiting for staged / committed / rejected
+    STAGED = "staged"
+    UNREACHABLE = "unreachable"  # no reply after every retry; trying again later
+    STOPPED = "stopped"
+
+
+_ALLOWED: dict[LinkState, frozenset[LinkState]] = {
+    LinkState.SYNCING: frozenset({LinkState.IDLE, LinkState.SYNCING, LinkState.UNREACHABLE}),
+    LinkState.IDLE: frozenset({LinkState.PLAN_SENT, LinkState.SYNCING}),
+    LinkState.PLAN_SENT: frozenset(
+        {LinkState.ACCEPTED, LinkState.STAGED, LinkState.SYNCING, LinkState.UNREACHABLE}
+    ),
+    LinkState.ACCEPTED: frozenset({LinkState.STAGED, LinkState.SYNCING}),
+    LinkState.STAGED: frozenset({LinkState.SYNCING}),
+    LinkState.UNREACHABLE: frozenset({LinkState.SYNCING}),
+    LinkState.STOPPED: frozenset(),
+}
+
+
+class Outcome(str, enum.Enum):
+    COMMITTED = "committed"
+    REJECTED = "rejected"
+    STALE = "stale"  # rejected because a source file changed: re-planned
+    ABANDONED = "abandoned"  # the runtime went away before an outcome: re-planned from state
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRecord:
+    """A plan the link sent, and what became of it."""
+
+    plan_id: str
+    jobs: tuple[str, ...]
+    sent_at: float  # time.time()
+    outcome: Outcome | None = None
+    weight_version: int | None = None
+    reasons: tuple[str, ...] = ()
+    duration_s: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "plan_id": self.plan_id,
+            "jobs": len(self.jobs),
+            "tensors": list(self.jobs[:20]),
+            "sent_at": self.sent_at,
+            "outcome": self.outcome.value if self.outcome else "pending",
+            "weight_version": self.weight_version,
+            "reasons": list(self.reasons[:20]),
+            "duration_s": self.duration_s,
+        }
+
+
+@dataclass
+class _InFlight:
+    plan: Plan
+    msg: dict[str, Any]
+    record: PlanRecord
+    started: float  # monotonic
+    last_heard: float  # monotonic
+
+
+@dataclass
+class _Timers:
+    deadline: float = 0.0  # of the outstanding request
+    attempt: int = 0
+    retry_at: float = 0.0  # when UNREACHABLE
+    not_before: float = 0.0  # no plan before this (after a stale rejection)
+    stale_streak: int = 0
+    state_at: float = 0.0  # when the actual state was last fetched
+
+
+class RuntimeLink:
+    """Keeps one runtime in sync with one model's desired state. Start, feed, stop."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        *,
+        fingerprinter: Fingerprinter | None = None,
+        curve: CurveKeys | None = None,
+        allow_insecure_tcp: bool = False,
+        heartbeat_interval_s: float = 1.0,
+        state_refresh_s: float = 300.0,
+        on_stale: Callable[[str], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.endpoint = model.runtime
+        self._fingerprinter = fingerprinter if fingerprinter is not None else Fingerprinter()
+        self._curve = curve
+        self._allow_insecure_tcp = allow_insecure_tcp
+        self._heartbeat_s = heartbeat_interval_s
+        self._state_refresh_s = state_refresh_s
+        self._on_stale = on_stale
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client: DealerClient | None = None
+        self._reconnects_seen = 0
+        self._state = LinkState.SYNCING
+        self._desired: ModelSnapshot | None = None
+        self._actual: RuntimeState | None = None
+        self._actual_by_name: dict[str, TensorEntry] = {}
+        self._request_id: str | None = None
+        self._request: dict[str, Any] | None = None
+        self._in_flight: _InFlight | None = None
+        self._timers = _Timers()
+        self._last_key: tuple[int, int] | None = None
+        self._refused: dict[str, tuple[TensorRecord, str]] = {}
+        self._blocked: tuple[Blocked, ...] = ()
+        self._not_loaded = 0
+        self._history: deque[PlanRecord] = deque(maxlen=HISTORY)
+        self._last_error: str | None = None
+        self.plans_sent = 0
+        self.log = log.bind(model=model.name, endpoint=self.endpoint)
+
+    # -- public, any thread ------------------------------------------------------------------
+
+    @property
+    def state(self) -> LinkState:
+        return self._state
+
+    def start(self) -> RuntimeLink:
+        self._thread = threading.Thread(
+            target=self._run, name=f"ggufswap-link-{self.model.name}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread (bounded) and close the socket; a plan in flight is left to the
+        runtime, and the next agent re-plans from its state."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                self.log.error("link.stop_timeout", timeout_s=timeout_s)
+        self._thread = None
+
+    def set_desired(self, snapshot: ModelSnapshot) -> None:
+        """Hand over the latest scan; the link plans from it when nothing is in flight."""
+        with self._lock:
+            self._desired = snapshot
+        self._wake.set()
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            actual = self._actual
+            flight = self._in_flight
+            return {
+                "endpoint": self.endpoint,
+                "state": self._state.value,
+                "connected": bool(self._client is not None and self._client.connected),
+                "weight_version": actual.weight_version if actual else None,
+                "runtime_model": actual.model if actual else None,
+                "tensors_loaded": len(actual.tensors) if actual else None,
+                "pending_plan": flight.record.as_dict() if flight else None,
+                "last_plans": [r.as_dict() for r in self._history],
+                "plans_sent": self.plans_sent,
+                "blocked": [{"tensor": b.tensor, "reason": b.reason} for b in self._blocked[:50]],
+                "blocked_count": len(self._blocked),
+                "not_loaded_count": self._not_loaded,
+                "refused": sorted(self._refused),
+                "last_error": self._last_error,
+            }
+
+    def history(self) -> list[PlanRecord]:
+        with self._lock:
+            return list(self._history)
+
+    # -- the link thread ---------------------------------------------------------------------
+
+    def _move(self, to: LinkState) -> None:
+        if to not in _ALLOWED[self._state] and to is not LinkState.STOPPED:
+            raise LinkStateError(
+                f"link {self.model.name}: {self._state.value} -> {to.value} is not allowed"
+            )
+        with self._lock:
+            self._state = to
+
+    def _new_client(self) -> DealerClient:
+        if self._client is not None:
+            self._client.close()
+        self._client = DealerClient(
+            self.endpoint,
+            curve=self._curve,
+            allow_insecure_tcp=self._allow_insecure_tcp,
+            heartbeat_interval_s=self._heartbeat_s,
+        )
+        self._reconnects_seen = 0
+        return self._client
+
+    def _run(self) -> None:
+        try:
+            self._new_client()
+            self._sync(first=True)
+            while not self._stop.is_set():
+                self._step()
+        except Exception as exc:  # a bug: logged; the daemon notices the dead thread
+            self.log.exception("link.crashed", error=str(exc))
+            self._last_error = f"link thread crashed: {exc}"
+        finally:
+            if self._client is not None:
+                self._client.close()
+            with self._lock:
+                self._state = LinkState.STOPPED
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _step(self) -> None:
+        client = self._client
+        assert client is not None, "the link thread opens a client first"
+        msg = client.poll(TICK_S)
+        now = time.monotonic()
+        if msg is not None:
+            self._handle(msg, now)
+        if client.reconnects != self._reconnects_seen:
+            self._reconnects_seen = client.reconnects
+            self._peer_lost("no heartbeat reply")
+        self._check_timers(now)
+        if self._state is LinkState.IDLE:
+            self._maybe_plan(now)
+        if self._wake.is_set():
+            self._wake.clear()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _send(self, msg: dict[str, Any], now: float) -> None:
+        self._request, self._request_id = msg, str(msg[Fields.ID])
+        self._timers.deadline = now + self.model.request_timeout_s
+        assert self._client is not None, "a client exists while the thread runs"
+        try:
+            self._client.send(msg)
+        except IpcError as exc:  # send queue full: treated as a timeout by the retry logic
+            self._last_error = str(exc)
+
+    def _sync(self, *, first: bool = False) -> None:
+        now = time.monotonic()
+        if not first:
+            self._move(LinkState.SYNCING)
+        self._timers.attempt = 1
+        self._send(make_message(MessageType.STATE), now)
+
+    def _check_timers(self, now: float) -> None:
+        state = self._state
+        if state is LinkState.UNREACHABLE:
+            if now >= self._timers.retry_at:
+                self.log.info("link.retry")
+                self._new_client()
+                self._sync()
+            return
+        if state in (LinkState.SYNCING, LinkState.PLAN_SENT) and now >= self._timers.deadline:
+            attempts = 1 + self.model.retries
+            if self._timers.attempt < attempts:
+                self._timers.attempt += 1
+                self.log.warning(
+                    "link.request_timeout",
+                    type=self._request.get(Fields.TYPE) if self._request else None,
+                    attempt=self._timers.attempt,
+                    attempts=attempts,
+                )
+                self._new_client()  # Lazy Pirate: a fresh socket drops the old queue
+                assert self._request is not None, "a request is outstanding"
+                self._send(self._request, now)
+                return
+            self._unreachable(now)
+            return
+        if state in (LinkState.ACCEPTED, LinkState.STAGED):
+            flight = self._in_flight
+            progress_s = max(30.0, 6 * self.model.request_timeout_s)
+            if flight is not None and now - flight.last_heard >= progress_s:
+                # The runtime may have restarted between heartbeats and forgotten the plan:
+                # re-send it; a runtime that knows the id answers with its outcome.
+                self.log.warning("link.plan_resend", plan_id=flight.plan.plan_id)
+                flight.last_heard = now
+                self._send(flight.msg, now)
+        if state is LinkState.IDLE and now - self._timers.state_at >= self._state_refresh_s:
+            self._sync()
+
+    def _unreachable(self, now: float) -> None:
+        self._last_error = (
+            f"no reply from {self.endpoint} after {1 + self.model.retries} attempt(s) of "
+            f"{self.model.request_timeout_s}s; is the runtime running?"
+        )
+        self.log.warning("link.unreachable", error=self._last_error)
+        if self._in_flight is not None:
+            self._finish(Outcome.ABANDONED, now, reasons=("runtime unreachable",))
+        self._move(LinkState.UNREACHABLE)
+        self._timers.retry_at = now + self.model.request_timeout_s
+
+    def _peer_lost(self, why: str) -> None:
+        """The client re-created its socket: what was queued is gone."""
+        state = self._state
+        if state in (LinkState.UNREACHABLE, LinkState.STOPPED):
+            return
+        if state in (LinkState.SYNCING, LinkState.PLAN_SENT):
+            # Still inside the request's retry budget: re-send on the new socket.
+            assert self._client is not None, "the link thread opens a client first"
+            assert self._request is not None, "SYNCING and PLAN_SENT have a request outstanding"
+            try:
+                self._client.send(self._request)
+            except IpcError as exc:
+                self._last_error = str(exc)
+            return
+        self.log.warning("link.peer_lost", why=why, state=state.value)
+        if self._in_flight is not None:
+            self._finish(Outcome.ABANDONED, time.monotonic(), reasons=(why,))
+        self._sync()
+
+    # -- replies -----------------------------------------------------------------------------
+
+    def _handle(self, msg: dict[str, Any], now: float) -> None:
+        msg_type = msg.get(Fields.TYPE)
+        in_reply_to = msg.get(Fields.IN_REPLY_TO)
+        try:
+            if msg_type == MessageType.STATE_REPLY.value and in_reply_to == self._request_id:
+                self._on_state(state_from_wire(msg), now)
+            elif msg_type == MessageType.ERROR.value:
+                self._on_error(msg, now)
+            elif msg_type in _PLAN_REPLIES:
+                self._on_plan_reply(msg_type, msg, now)
+            else:
+                self.log.debug("link.unrelated_message", type=msg_type, in_reply_to=in_reply_to)
+        except IpcError as exc:
+            self._last_error = f"bad {msg_type} from {self.endpoint}: {exc}"
+            self.log.warning("link.bad_message", type=msg_type, error=str(exc))
+
+    def _on_state(self, state: RuntimeState, now: float) -> None:
+        if self._state is not LinkState.SYNCING:
+            return
+        if state.model and state.model != self.model.name:
+            self._last_error = (
+                f"{self.endpoint} serves model {state.model!r}, this agent's config names "
+                f"{self.model.name!r}; plans will be refused"
+            )
+            self.log.warning("link.model_mismatch", runtime_model=state.model)
+        with self._lock:
+            self._actual = state
+            self._actual_by_name = state.by_name()
+        self._request_id = self._request = None
+        self._timers.state_at = now
+        self._move(LinkState.IDLE)
+        self._last_key = None  # a fresh actual state is always reconciled
+
+    def _on_error(self, msg: dict[str, Any], now: float) -> None:
+        body = error_from_wire(msg)
+        self._last_error = f"runtime error {body.code.name}: {body.message}"
+        self.log.warning("link.error_reply", code=body.code.name, message=body.message)
+        if body.in_reply_to is None or body.in_reply_to != self._request_id:
+            return
+        flight = self._in_flight
+        if self._state is LinkState.PLAN_SENT and flight is not None:
+            for job in flight.plan.jobs:
+                self._refused[job.name] = (job.source, body.message)
+            self._finish(Outcome.REJECTED, now, reasons=(body.message,))
+            self._sync()
+        elif self._state is LinkState.SYNCING:
+            self._unreachable(now)
+
+    def _on_plan_reply(self, msg_type: str, msg: dict[str, Any], now: float) -> None:
+        plan_id = msg.get(Fields.PLAN_ID)
+        flight = self._in_flight
+        if flight is None or plan_id != flight.plan.plan_id:
+            if msg_type == MessageType.COMMITTED.value and self._state is LinkState.IDLE:
+                self._sync()  # a late outcome of an abandoned plan: the state moved
+            return
+        flight.last_heard = now
+        if msg_type == MessageType.ACCEPTED.value:
+            if self._state is LinkState.PLAN_SENT:
+                self._move(LinkState.ACCEPTED)
+        elif msg_type == MessageType.STAGED.value:
+            if self._state in (LinkState.PLAN_SENT, LinkState.ACCEPTED):
+                self._move(LinkState.STAGED)
+        elif msg_type == MessageType.COMMITTED.value:
+            body = committed_from_wire(msg)
+            self._timers.stale_streak = 0
+            self._finish(Outcome.COMMITTED, now, weight_version=body.weight_version)
+            self._sync()
+        elif msg_type == MessageType.REJECTED.value:
+            self._on_rejected(flight, rejected_from_wire(msg), now)
+
+    def _on_rejected(self, flight: _InFlight, body: Any, now: float) -> None:
+        reasons = tuple(f"{r.tensor}: {r.reason}" for r in body.reasons)
+        if body.stale:
+            self._timers.stale_streak += 1
+            backoff = min(self.model.request_timeout_s, 0.25 * self._timers.stale_streak)
+            self._timers.not_before = now + backoff
+            self._finish(Outcome.STALE, now, reasons=reasons)
+            if self._on_stale is not None:
+                self._on_stale(self.model.name)
+        else:
+            jobs = {job.name: job for job in flight.plan.jobs}
+            named = {r.tensor for r in body.reasons if r.tensor in jobs}
+            refuse_all = not named or any(r.tensor == REJECT_ALL for r in body.reasons)
+            for r in body.reasons:
+                if r.tensor in jobs:
+                    self._refused[r.tensor] = (jobs[r.tensor].source, r.reason)
+            if refuse_all:
+                text = "; ".join(reasons) or "rejected without reasons"
+                for name, job in jobs.items():
+                    self._refused.setdefault(name, (job.source, text))
+            self._finish(Outcome.REJECTED, now, reasons=reasons)
+        self._last_key = None
+        self._sync()
+
+    def _finish(
+        self,
+        outcome: Outcome,
+        now: float,
+        *,
+        weight_version: int | None = None,
+        reasons: tuple[str, ...] = (),
+    ) -> None:
+        flight = self._in_flight
+        if flight is None:
+            return
+        duration = now - flight.started
+        record = PlanRecord(
+            plan_id=flight.record.plan_id,
+            jobs=flight.record.jobs,
+            sent_at=flight.record.sent_at,
+            outcome=outcome,
+            weight_version=weight_version,
+            reasons=reasons,
+            duration_s=round(duration, 6),
+        )
+        with self._lock:
+            self._in_flight = None
+            self._history.append(record)
+        # The canonical line of a plan: its outcome and timings.
+        self.log.info(
+            "plan",
+            plan_id=record.plan_id,
+            outcome=outcome.value,
+            jobs=len(record.jobs),
+            weight_version=weight_version,
+            duration_ms=round(duration * 1000, 3),
+            reasons=list(reasons[:20]),
+        )
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def _maybe_plan(self, now: float) -> None:
+        with self._lock:
+            desired, actual = self._desired, self._actual
+        if desired is None or actual is None or now < self._timers.not_before:
+            return
+        key = (desired.generation, actual.weight_version)
+        if key == self._last_key:
+            return
+        self._last_key = key
+        result = reconcile(
+            desired.desired,
+            self._actual_by_name,
+            model=self.model.name,
+            base_version=actual.weight_version,
+            verify=self.model.verify,
+            fingerprint=self._fingerprinter,
+            refused=self._refused,
+        )
+        with self._lock:
+            self._blocked = result.blocked
+            self._not_loaded = len(result.not_loaded)
+        if result.blocked:
+            self.log.warning(
+                "plan.blocked",
+                count=len(result.blocked),
+                first=[f"{b.tensor}: {b.reason}" for b in result.blocked[:5]],
+            )
+        if result.plan is None:
+            self.log.debug("link.in_sync", generation=desired.generation)
+            return
+        self._send_plan(result.plan, now)
+
+    def _send_plan(self, plan: Plan, now: float) -> None:
+        msg = message_from(MessageType.PLAN, plan_to_wire(plan), msg_id=new_id())
+        record = PlanRecord(plan.plan_id, plan.names(), sent_at=time.time())
+        with self._lock:
+            self._in_flight = _InFlight(plan, msg, record, started=now, last_heard=now)
+            self.plans_sent += 1
+        self._move(LinkState.PLAN_SENT)
+        self._timers.attempt = 1
+        self.log.info("plan.sent", plan_id=plan.plan_id, jobs=len(plan.jobs))
+        self._send(msg, now)
+
+
+_PLAN_REPLIES = frozenset(
+    {
+        MessageType.ACCEPTED.value,
+        MessageType.STAGED.value,
+        MessageType.COMMITTED.value,
+        MessageType.REJECTED.value,
+    }
+)

@@ -1,0 +1,68 @@
+"""The agent's ``status`` endpoint: a ROUTER (ipc ``RequestServer``) answering ``status``.
+
+The reply's ``status`` map (documented for ``ggufswap status`` and other clients)::
+
+    pid, uptime_s, config, state            the daemon
+    watched: [{model, directory, recursive, backend, why, link_target, watching}]
+    backends: {NAME: {healthy, overflows, directories}}
+    scans: {count, last_at, last_duration_s, last_reason, rescans: {REASON: count}}
+    events: reports received from the backends
+    models: {NAME: {generation, desired, held, pending_paths,
+                    shards: {valid, invalid, settling},
+                    invalid_shards: [{path, reason, held_by_last_good}],
+                    problems: [...], link: {...}}}
+
+``link`` is :meth:`ggufswap.agent.link.RuntimeLink.status`: ``state``, ``connected``,
+``weight_version``, ``pending_plan``, ``last_plans`` (with ``outcome``), ``blocked``, ``refused``
+and ``last_error``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ggufswap.ipc import (
+    ErrorCode,
+    Fields,
+    Handler,
+    MessageType,
+    Process,
+    make_error,
+    make_reply,
+)
+
+
+def status_handler(build: Callable[[], dict[str, Any]]) -> Handler:
+    """A ``RequestServer`` handler answering ``status`` with ``build()``; others get an error."""
+
+    def handle(peer: bytes, msg: dict[str, Any]) -> Mapping[str, Any] | None:
+        if msg.get(Fields.TYPE) == MessageType.STATUS.value:
+            return make_reply(
+                msg, MessageType.STATUS_REPLY, process=Process.AGENT.value, status=build()
+            )
+        return make_error(
+            msg.get(Fields.ID),
+            ErrorCode.UNKNOWN_TYPE,
+            f"the agent answers 'status' and 'ping', not {msg.get(Fields.TYPE)!r}; plans go to "
+            "a runtime's control endpoint",
+        )
+
+    return handle
+
+
+def status_line(status: Mapping[str, Any]) -> str:
+    """One line for ``systemctl status`` (sd_notify ``STATUS=``)."""
+    parts = []
+    for name, model in sorted(status.get("models", {}).items()):
+        shards = model.get("shards", {})
+        link = model.get("link") or {}
+        text = f"{name}: {shards.get('valid', 0)} valid"
+        if shards.get("invalid"):
+            text += f", {shards['invalid']} invalid"
+        if link:
+            text += f", runtime {link.get('state')}"
+            if link.get("weight_version") is not None:
+                text += f" v{link['weight_version']}"
+        parts.append(text)
+    return "; ".join(parts) or "no models"
