@@ -1,0 +1,266 @@
+"""Torch dequantization kernels against gguf's numpy reference, bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import structlog
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ggufswap.runtime import dequant as dq
+from ggufswap.runtime.dequant import KERNEL_TYPES, dequantize, has_kernel
+from ggufswap.runtime.errors import UnsupportedTypeError
+
+T = GGMLQuantizationType
+KERNEL_LIST = sorted(KERNEL_TYPES, key=lambda t: t.name)
+# Types gguf can quantize, so real-looking data can be round-tripped through them.
+QUANTIZABLE = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+# Byte offsets of each block's fp16 scale fields.
+F16_FIELDS = {
+    T.Q4_0: (0,),
+    T.Q4_1: (0, 2),
+    T.Q5_0: (0,),
+    T.Q5_1: (0, 2),
+    T.Q8_0: (0,),
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108,),
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
+    T.IQ4_NL: (0,),
+    T.IQ4_XS: (0,),
+}
+
+
+def random_bytes(
+    ggml_type: GGMLQuantizationType, ne: tuple[int, ...], seed: int, *, finite: bool = True
+) -> np.ndarray:
+    """Random GGUF bytes for a tensor of shape ``ne``, as ``[rows, row_bytes]`` uint8."""
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    rows = math.prod(ne[1:])
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows, ne[0] // block_size * type_size), dtype=np.uint8)
+    if finite:
+        blocks = data.reshape(-1, type_size)
+        for off in F16_FIELDS.get(ggml_type, ()):
+            scales = rng.uniform(-4.0, 4.0, size=(blocks.shape[0], 1)).astype(np.float16)
+            scales[::7] = 0.0  # exact zeros exercise signed-zero products
+            blocks[:, off : off + 2] = scales.view(np.uint8)
+        if ggml_type in (T.F16, T.BF16, T.F32):
+            floats = rng.standard_normal(size=(rows, ne[0])).astype(np.float32)
+            data = quants.quantize(floats, ggml_type).view(np.uint8).reshape(rows, -1)
+    return data
+
+
+def reference(
+    data: np.ndarray, ggml_type: GGMLQuantizationType, ne: tuple[int, ...]
+) -> torch.Tensor:
+    """gguf's dequantization of ``data``, in the logical torch shape."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        values = quants.dequantize(data, ggml_type)
+    ref = np.ascontiguousarray(values, dtype=np.float32)
+    return torch.from_numpy(ref).reshape(tuple(reversed(ne)))
+
+
+def assert_same_bits(ours: torch.Tensor, ref: torch.Tensor, *, allow_nan: bool = False) -> None:
+    """Equal float32 bit patterns everywhere (NaN payloads aside where both are NaN)."""
+    assert ours.dtype == torch.float32
+    assert ours.shape == ref.shape, f"shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    both_nan = torch.isnan(ours) & torch.isnan(ref)
+    if not allow_nan:
+        assert not bool(both_nan.any()), "finite input produced NaN"
+    same = (ours.view(torch.int32) == ref.view(torch.int32)) | both_nan
+    bad = (~same).nonzero()
+    assert bad.numel() == 0, (
+        f"{bad.shape[0]} elements differ, first at {bad[0].tolist()}: "
+        f"{ours[tuple(bad[0])].item()!r} != {ref[tuple(bad[0])].item()!r}"
+    )
+
+
+def run(
+    data: np.ndarray,
+    ggml_type: GGMLQuantizationType,
+    ne: tuple[int, ...],
+    *,
+    dtype: torch.dtype = torch.float32,
+    strict: bool = False,
+) -> torch.Tensor:
+    """Our dequantization of ``data`` (a private copy, so the test owns the bytes)."""
+    raw = torch.from_numpy(data.reshape(-1).copy())
+    return dequantize(raw, ggml_type, ne, dtype=dtype, strict=strict)
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_LIST, ids=lambda t: t.name)
+def test_random_blocks_match_gguf_bit_for_bit(ggml_type: GGMLQuantizationType) -> None:
+    """Random blocks with finite scales dequantize to exactly gguf's float32 bits."""
+    block_size, _ = GGML_QUANT_SIZES[ggml_type]
+    ne = (block_size * 5, 7)
+    data = random_bytes(ggml_type, ne, seed=1)
+    assert_same_bits(run(data, ggml_type, ne), reference(data, ggml_type, ne))
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_LIST, ids=lambda t: t.name)
+def test_unconstrained_bytes_match_gguf_including_nan_and_inf(
+    ggml_type: GGMLQuantizationType,
+) -> None:
+    """Fully random bytes (inf/NaN scales included) give gguf's bits, NaN exactly where gguf's."""
+    block_size, _ = GGML_QUANT_SIZES[ggml_type]
+    ne = (block_size * 4, 64)
+    data = random_bytes(ggml_type, ne, seed=2, finite=False)
+    assert_same_bits(run(data, ggml_type, ne), reference(data, ggml_type, ne), allow_nan=True)
+
+
+@pytest.mark.parametrize("ggml_type", QUANTIZABLE, ids=lambda t: t.name)
+def test_quantized_real_looking_data_matches_gguf(ggml_type: GGMLQuantizationType) -> None:
+    """Weights quantized by gguf itself (heavy-tailed, per-row scales) dequantize identically."""
+    rng = np.random.default_rng(3)
+    rows, cols = 48, 512
+    weights = rng.standard_t(df=4, size=(rows, cols)).astype(np.float32)
+    weights *= rng.uniform(0.001, 0.2, size=(rows, 1)).astype(np.float32)
+    weights[0, :32] = 0.0  # an all-zero block (d == 0)
+    data = quants.quantize(weights, ggml_type).view(np.uint8).reshape(rows, -1)
+    ne = (cols, rows)
+    ours = run(data, ggml_type, ne)
+    assert_same_bits(ours, reference(data, ggml_type, ne))
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_K, T.Q5_0, T.Q6_K, T.F16])
+def test_tensor_spanning_several_chunks_matches_gguf(ggml_type: GGMLQuantizationType) -> None:
+    """A tensor larger than one CPU chunk (uneven last chunk) is exact across chunk seams."""
+    cols = 4096
+    rows = (dq._CPU_CHUNK_ELEMENTS * 5 // 2) // cols + 1
+    ne = (cols, rows)
+    data = random_bytes(ggml_type, ne, seed=4)
+    assert_same_bits(run(data, ggml_type, ne), reference(data, ggml_type, ne))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q8_0, T.BF16])
+def test_half_output_is_the_rounded_float32_result(
+    ggml_type: GGMLQuantizationType, dtype: torch.dtype
+) -> None:
+    """A bf16/f16 result equals the float32 result converted afterwards, across chunks."""
+    cols = 2048
+    ne = (cols, dq._CPU_CHUNK_ELEMENTS // cols + 3)
+    data = random_bytes(ggml_type, ne, seed=5)
+    ours = run(data, ggml_type, ne, dtype=dtype)
+    assert ours.dtype == dtype
+    assert torch.equal(
+        ours.view(torch.int16), reference(data, ggml_type, ne).to(dtype).view(torch.int16)
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ggml_type=st.sampled_from(KERNEL_LIST),
+    blocks_per_row=st.integers(1, 4),
+    rows=st.integers(1, 6),
+    planes=st.integers(1, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_any_shape_matches_gguf(
+    ggml_type: GGMLQuantizationType, blocks_per_row: int, rows: int, planes: int, seed: int
+) -> None:
+    """For every kernel type and 3-D shape, the result has shape reversed(ne) and gguf's bits."""
+    block_size, _ = GGML_QUANT_SIZES[ggml_type]
+    ne = (block_size * blocks_per_row, rows, planes)
+    data = random_bytes(ggml_type, ne, seed=seed)
+    ours = run(data, ggml_type, ne)
+    assert ours.shape == (planes, rows, block_size * blocks_per_row)
+    assert_same_bits(ours, reference(data, ggml_type, ne))
+
+
+def test_unaligned_raw_view_is_read_correctly() -> None:
+    """Bytes that start at an odd offset inside a larger buffer still dequantize exactly."""
+    ne = (256, 3)
+    data = random_bytes(T.Q6_K, ne, seed=6)
+    buf = torch.zeros(data.size + 1, dtype=torch.uint8)
+    buf[1:] = torch.from_numpy(data.reshape(-1))
+    assert_same_bits(dequantize(buf[1:], T.Q6_K, ne), reference(data, T.Q6_K, ne))
+
+
+def test_result_does_not_alias_raw_bytes() -> None:
+    """Overwriting the raw buffer afterwards leaves an F32 result unchanged."""
+    raw = torch.from_numpy(np.arange(8, dtype=np.float32).view(np.uint8).copy())
+    out = dequantize(raw, T.F32, (4, 2))
+    raw.zero_()
+    assert out.tolist() == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
+
+
+def test_wrong_byte_count_names_expected_and_found() -> None:
+    """A byte count that does not match ne is refused with both figures in the message."""
+    raw = torch.zeros(34 * 4 - 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"needs 136 bytes, found 135 bytes"):
+        dequantize(raw, T.Q8_0, (64, 2))
+
+
+def test_exact_byte_count_is_accepted() -> None:
+    """The paired case: exactly the expected bytes dequantize without complaint."""
+    raw = torch.zeros(34 * 4, dtype=torch.uint8)
+    assert dequantize(raw, T.Q8_0, (64, 2)).shape == (2, 64)
+
+
+def test_row_not_multiple_of_block_is_refused() -> None:
+    """ne[0] that is not a whole number of blocks is refused, naming the block size."""
+    with pytest.raises(ValueError, match="block size 256"):
+        dequantize(torch.zeros(210, dtype=torch.uint8), T.Q6_K, (128, 2))
+
+
+def test_non_uint8_raw_is_refused() -> None:
+    """Raw input must be 1-D uint8 bytes; anything else is refused with what was found."""
+    with pytest.raises(ValueError, match=r"torch\.int8"):
+        dequantize(torch.zeros(34, dtype=torch.int8), T.Q8_0, (32,))
+
+
+def test_has_kernel_reports_the_kernel_set() -> None:
+    """has_kernel is true for the listed kernel types and false for a type without one."""
+    assert all(has_kernel(t) for t in (T.Q8_0, T.Q4_K, T.Q6_K, T.F16, T.IQ4_XS))
+    assert not has_kernel(T.IQ2_XXS)
+
+
+def test_strict_mode_refuses_a_type_without_kernel() -> None:
+    """strict=True raises UnsupportedTypeError naming the type and the supported ones."""
+    ne = (256, 2)
+    data = random_bytes(T.IQ2_XXS, ne, seed=7, finite=False)
+    with pytest.raises(UnsupportedTypeError, match=r"IQ2_XXS.*Q4_K"):
+        run(data, T.IQ2_XXS, ne, strict=True)
+
+
+def test_fallback_matches_gguf_and_warns_once_per_type() -> None:
+    """Without strict, a kernel-less type is dequantized by gguf on the CPU, warned about once."""
+    dq._warned_types.discard(T.TQ2_0)
+    ne = (256, 3)
+    data = random_bytes(T.TQ2_0, ne, seed=8, finite=False)
+    with structlog.testing.capture_logs() as logs:
+        first = run(data, T.TQ2_0, ne)
+        run(data, T.TQ2_0, ne)
+    warnings = [e for e in logs if e["event"] == "dequant_cpu_fallback"]
+    assert [w["ggml_type"] for w in warnings] == ["TQ2_0"]
+    assert_same_bits(first, reference(data, T.TQ2_0, ne), allow_nan=True)
+
+
+def test_fallback_honours_dtype() -> None:
+    """The fallback path returns the requested dtype in the logical shape."""
+    ne = (256, 2)
+    data = random_bytes(T.TQ1_0, ne, seed=9, finite=False)
+    out = run(data, T.TQ1_0, ne, dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert out.shape == (2, 256)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("ggml_type", KERNEL_LIST, ids=lambda t: t.name)
+def test_cuda_kernels_match_gguf(ggml_type: GGMLQuantizationType) -> None:
+    """On a CUDA device the result stays on the device and has gguf's bits."""
+    block_size, _ = GGML_QUANT_SIZES[ggml_type]
+    ne = (block_size * 8, 33)
+    data = random_bytes(ggml_type, ne, seed=10)
+    raw = torch.from_numpy(data.reshape(-1).copy()).cuda()
+    ours = dequantize(raw, ggml_type, ne)
+    assert ours.device.type == "cuda"
+    assert_same_bits(ours.cpu(), reference(data, ggml_type, ne))
