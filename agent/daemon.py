@@ -74,7 +74,8 @@ class _Watch:
     models: set[str] = field(default_factory=set)
 
 
-def _curve(config: Config) -> CurveKeys | None:
+def curve_keys(config: Config) -> CurveKeys | None:
+    """The CURVE key files of ``security.curve`` (None when not configured)."""
     curve = config.security.curve
     if curve is None:
         return None
@@ -110,6 +111,8 @@ class AgentDaemon:
         connect: bool = True,
         max_defer_s: float | None = None,
         heartbeat_interval_s: float = 1.0,
+        stop: threading.Event | None = None,
+        reload: threading.Event | None = None,
     ) -> None:
         self.config = config
         self._config_path = config_path if config_path is not None else config.source
@@ -127,8 +130,8 @@ class AgentDaemon:
         self._models: dict[str, _Model] = {}
         self._server: RequestServer | None = None
         self._state = DaemonState.CREATED
-        self._stop_flag = threading.Event()
-        self._reload_flag = threading.Event()
+        self._stop_flag = stop if stop is not None else threading.Event()
+        self._reload_flag = reload if reload is not None else threading.Event()
         self._started_at = time.monotonic()
         self._next_rescan = 0.0
         self._next_root_check = 0.0
@@ -166,7 +169,7 @@ class AgentDaemon:
             self.config.agent.status_endpoint,
             status_handler(self.status),
             name="agent",
-            curve=_curve(self.config),
+            curve=curve_keys(self.config),
             allow_insecure_tcp=self.config.security.allow_insecure_tcp,
         ).start()
         try:
@@ -195,7 +198,7 @@ class AgentDaemon:
                 slot.link = RuntimeLink(
                     slot.config,
                     fingerprinter=self._fingerprinter,
-                    curve=_curve(config),
+                    curve=curve_keys(config),
                     allow_insecure_tcp=config.security.allow_insecure_tcp,
                     heartbeat_interval_s=self._heartbeat_s,
                     state_refresh_s=config.agent.rescan_interval_s,

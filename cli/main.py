@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "ggufswap._cmd_runtime",
     "ggufswap._cmd_status",
     "ggufswap._cmd_demo",
+    "ggufswap._cmd_agent",
 )
 
 EXIT_OK = 0
