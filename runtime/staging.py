@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ggufswap.ipc.plan import Job, Plan
-from ggufswap.runtime.errors import Reason
+from ggufswap.runtime.errors import Reason, UnsupportedTypeError
 from ggufswap.runtime.pools import Buffer, Pool, PoolFull
 from ggufswap.runtime.store import Slot, SlotState, TensorStore
 from ggufswap.shards import FileChangedError, ShardError, TensorRecord, fingerprint_bytes
@@ -138,7 +138,13 @@ class Stager:
             if self._same_content(slot, content.record, content.fingerprint):
                 contents[job.name] = Content(content.record, content.fingerprint, None)
             else:
-                encoded = store.encode(content.encoded, content.record)
+                try:
+                    encoded = store.encode(content.encoded, content.record)
+                except (UnsupportedTypeError, ValueError) as exc:
+                    reason = Reason(
+                        job.name, f"cannot decode {content.record.ggml_type.name}: {exc}"
+                    )
+                    raise Unplaceable(reason) from None
                 contents[job.name] = Content(content.record, content.fingerprint, encoded)
         try:
             self._place(staged, contents)
@@ -313,7 +319,10 @@ class Stager:
     # -- derived tensors -------------------------------------------------------------------
 
     def _rebuild_derived(self, staged: StagedPlan, contents: dict[str, Content]) -> None:
-        for derived in self.store.derived_of(contents):
+        # Only sources whose bytes change: a job that finds the content it already has (a file
+        # re-written identically, or moved) leaves its derived tensors as they are.
+        changed = [name for name, content in contents.items() if content.encoded is not None]
+        for derived in self.store.derived_of(changed):
             assert derived.rebuild is not None, "validation refuses unrebuildable derived tensors"
             inputs: dict[str, torch.Tensor] = {}
             for source in derived.sources:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 from collections.abc import Sequence
+
+import numpy as np
+from gguf import GGMLQuantizationType
 
 from ggufswap.ipc.plan import Plan
 from ggufswap.runtime.dequant import has_kernel
@@ -20,6 +25,23 @@ def inside_roots(path: str, roots: Sequence[str]) -> bool:
         if os.path.commonpath([real, base]) == base:
             return True
     return False
+
+
+@functools.cache
+def can_dequantize(ggml_type: GGMLQuantizationType) -> bool:
+    """Whether a torch kernel or gguf's numpy code can dequantize ``ggml_type`` at all."""
+    if has_kernel(ggml_type):
+        return True
+    from gguf import quants
+
+    _, type_size = type_sizes(ggml_type)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), ggml_type)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def validate_plan(plan: Plan, store: TensorStore, *, allowed_roots: Sequence[str]) -> list[Reason]:
@@ -53,7 +75,15 @@ def validate_plan(plan: Plan, store: TensorStore, *, allowed_roots: Sequence[str
                     f"{rec.nbytes} bytes is not a {rec.ggml_type.name} tensor of ne={list(rec.ne)}",
                 )
             )
-        if store.strict and not has_kernel(rec.ggml_type):
+        if not can_dequantize(rec.ggml_type):
+            reasons.append(
+                Reason(
+                    name,
+                    f"type {rec.ggml_type.name} cannot be dequantized (no torch kernel, and "
+                    "gguf has no dequantizer for it)",
+                )
+            )
+        elif store.strict and not has_kernel(rec.ggml_type):
             reasons.append(
                 Reason(name, f"type {rec.ggml_type.name} has no torch kernel (strict_types is on)")
             )
