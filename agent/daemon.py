@@ -141,6 +141,7 @@ class AgentDaemon:
         self._published: dict[str, Any] = {}
         self._status_text = ""
         self._pending_count = 0
+        self._forced_at = 0.0
         self.iterations = 0
 
     # -- flags (signal-safe) -----------------------------------------------------------------
@@ -154,6 +155,10 @@ class AgentDaemon:
     @property
     def state(self) -> DaemonState:
         return self._state
+
+    def watchers(self) -> dict[WatchBackend, Watcher]:
+        """The running backend instances (for diagnostics and tests)."""
+        return dict(self._watchers)
 
     @property
     def status_endpoint(self) -> str | None:
@@ -351,10 +356,12 @@ class AgentDaemon:
             self._next_root_check = now + ROOT_CHECK_S
             self._check_roots()
         oldest = self._debouncer.oldest_since()
-        if len(self._debouncer) == 0 or (
-            oldest is not None and now - oldest >= self._max_defer_s()
-        ):
+        if len(self._debouncer) == 0:
             self._scan_dirty(now, reason="changes")
+        elif oldest is not None and now - max(oldest, self._forced_at) >= self._max_defer_s():
+            # Changes for longer than max_defer_s: scan what has settled, at most that often.
+            self._forced_at = now
+            self._scan_dirty(now, reason="deferred too long")
         self._pending_count = len(self._debouncer)
         self.iterations += 1
 

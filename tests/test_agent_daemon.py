@@ -1,0 +1,321 @@
+"""The agent end to end: real inotify in tmp_path, real sockets, a fake runtime (test_agent_fakes)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from test_agent_fakes import (
+    FakeRuntime,
+    gguf_bytes,
+    replace_shard,
+    shard_bytes,
+    shard_name,
+    socket_dir,
+    tensor_data,
+    wait_until,
+    write_per_tensor_model,
+)
+
+from ggufswap.agent import AgentDaemon
+from ggufswap.config import WatchBackend, load_config
+from ggufswap.ipc import Fields, MessageType, make_message, request
+from ggufswap.shards import fingerprint, requantize
+from ggufswap.shards.writer import tiny_dense, write_model
+
+
+@dataclass
+class Agent:
+    daemon: AgentDaemon
+    runtime: FakeRuntime
+    status_endpoint: str
+
+    def status(self) -> dict[str, Any]:
+        return self.daemon.status()
+
+    def link(self) -> dict[str, Any]:
+        return self.status()["models"]["m"]["link"]
+
+    def scans(self) -> int:
+        return int(self.status()["scans"]["count"])
+
+    def wait_in_sync(self, timeout_s: float = 10.0) -> None:
+        """Wait until nothing is pending and the link is idle at the runtime's version."""
+
+        def settled() -> bool:
+            status = self.status()
+            link = status["models"]["m"]["link"]
+            return (
+                status["pending_paths"] == 0
+                and link["state"] == "idle"
+                and link["weight_version"] == self.runtime.weight_version
+            )
+
+        wait_until(settled, timeout_s, "the agent to be idle and in sync")
+
+
+def write_config(
+    tmp_path: Path,
+    watch: Path,
+    sockets: str,
+    *,
+    backend: str,
+    settle_ms: int,
+    verify: str,
+    poll_interval_s: float = 0.05,
+) -> Path:
+    path = tmp_path / "agent.yaml"
+    path.write_text(
+        f"""
+agent:
+  status_endpoint: ipc://{sockets}/agent.sock
+  rescan_interval_s: 300
+models:
+  - name: m
+    runtime: ipc://{sockets}/rt.sock
+    watch:
+      - path: {watch}
+        backend: {backend}
+        poll_interval_s: {poll_interval_s}
+    settle_ms: {settle_ms}
+    verify: {verify}
+    request_timeout_s: 2
+    retries: 1
+"""
+    )
+    return path
+
+
+@contextmanager
+def running_agent(
+    tmp_path: Path,
+    watch: Path,
+    loaded: Path,
+    *,
+    backend: str = "watchdog",
+    settle_ms: int = 80,
+    verify: str = "checksum",
+    poll_interval_s: float = 0.05,
+) -> Iterator[Agent]:
+    sockets = socket_dir()
+    config = load_config(
+        write_config(
+            tmp_path,
+            watch,
+            sockets,
+            backend=backend,
+            settle_ms=settle_ms,
+            verify=verify,
+            poll_interval_s=poll_interval_s,
+        )
+    )
+    with FakeRuntime(f"ipc://{sockets}/rt.sock", loaded) as runtime:
+        daemon = AgentDaemon(config, heartbeat_interval_s=0.5)
+        daemon.start()
+        thread = threading.Thread(target=daemon.run, name="test-agent")
+        thread.start()
+        try:
+            agent = Agent(daemon, runtime, f"ipc://{sockets}/agent.sock")
+            agent.wait_in_sync()
+            yield agent
+        finally:
+            daemon.request_stop()
+            thread.join(20)
+            assert not thread.is_alive(), "the agent did not stop within 20 s"
+    shutil.rmtree(sockets, ignore_errors=True)
+
+
+def test_atomic_rename_of_one_changed_tensor_gives_one_plan_with_that_tensor(
+    tmp_path: Path,
+) -> None:
+    """Re-quantizing one tensor (temp file + rename) yields exactly one plan with only it."""
+    [model] = write_model(tiny_dense(), tmp_path / "models")
+    with running_agent(tmp_path, model.parent, model) as agent:
+        assert agent.runtime.plans == [], "an agent in sync with the runtime sends nothing"
+        requantize(model, "blk.0.attn_q.weight", "q4_0")
+        [plan] = agent.runtime.wait_plans(1)
+        agent.wait_in_sync()
+        assert len(agent.runtime.plans) == 1
+        assert plan.names() == ("blk.0.attn_q.weight",)
+        job = plan.jobs[0]
+        assert job.source.ggml_type.name == "Q4_0"
+        assert job.fingerprint == fingerprint(job.source)
+        assert agent.link()["last_plans"][-1]["outcome"] == "committed"
+
+
+def test_shard_copied_in_place_in_slow_chunks_is_planned_only_once_complete(
+    tmp_path: Path,
+) -> None:
+    """A shard rewritten in place chunk by chunk is read as invalid meanwhile and never planned
+    until the copy is complete and settled; then exactly its tensor is planned."""
+    paths = write_per_tensor_model(tmp_path / "m", 3)
+    target = paths[1]
+    new = shard_bytes("m", 1, 3, "t.1", tensor_data(1000))
+    chunks = [new[:40], new[40 : len(new) - 64], new[len(new) - 64 :]]
+    with running_agent(tmp_path, target.parent, paths[0]) as agent:
+        with open(target, "wb") as f:  # truncates: the shard is now incomplete
+            for chunk in chunks[:-1]:
+                scans = agent.scans()
+                f.write(chunk)
+                f.flush()
+                wait_until(lambda s=scans: agent.scans() > s, what="a scan of the partial file")
+                agent.wait_in_sync()
+                shard = agent.status()["models"]["m"]["invalid_shards"]
+                assert [s["path"] for s in shard] == [str(target)]
+                assert shard[0]["held_by_last_good"] is True
+                assert agent.runtime.plans == [], "a partial shard must never be planned"
+            f.write(chunks[-1])
+        [plan] = agent.runtime.wait_plans(1)
+        agent.wait_in_sync()
+        assert plan.names() == ("t.1",)
+        assert len(agent.runtime.plans) == 1
+        assert agent.status()["models"]["m"]["invalid_shards"] == []
+
+
+def test_truncated_shard_is_reported_invalid_and_never_planned_until_fixed(
+    tmp_path: Path,
+) -> None:
+    """A truncated replacement shows as invalid on the status endpoint and sends nothing; a valid
+    file at the same path then leads to a plan."""
+    paths = write_per_tensor_model(tmp_path / "m", 3)
+    new = shard_bytes("m", 2, 3, "t.2", tensor_data(77))
+    with running_agent(tmp_path, paths[0].parent, paths[0]) as agent:
+        scans = agent.scans()
+        replace_shard(paths[2], new[: len(new) - 20])
+        wait_until(lambda: agent.scans() > scans, what="a scan of the truncated shard")
+        agent.wait_in_sync()
+        reply = request(agent.status_endpoint, make_message(MessageType.STATUS), timeout_s=5)
+        assert reply[Fields.TYPE] == MessageType.STATUS_REPLY.value
+        model = reply["status"]["models"]["m"]
+        [invalid] = model["invalid_shards"]
+        assert invalid["path"] == str(paths[2])
+        assert "end" in invalid["reason"] or "trunc" in invalid["reason"].lower()
+        assert model["shards"]["invalid"] == 1
+        assert agent.runtime.plans == []
+        replace_shard(paths[2], new)
+        [plan] = agent.runtime.wait_plans(1)
+        assert plan.names() == ("t.2",)
+        agent.wait_in_sync()
+        assert agent.status()["models"]["m"]["shards"]["invalid"] == 0
+
+
+def test_burst_of_ten_thousand_events_is_coalesced_into_at_most_two_plans(
+    tmp_path: Path,
+) -> None:
+    """Thousands of writes, renames and ignored temp files within a second become <= 2 plans,
+    and the runtime ends with exactly what is on disk."""
+    count = 40
+    paths = write_per_tensor_model(tmp_path / "m", count)
+    directory = paths[0].parent
+    with running_agent(tmp_path, directory, paths[0], settle_ms=250) as agent:
+        events_before = agent.daemon.queue.events
+        for i in range(1500):
+            no = 1 + i % (count - 1)
+            (directory / f"junk-{i % 7}.incomplete").write_bytes(b"x")  # ignored
+            replace_shard(paths[no], shard_bytes("m", no, count, f"t.{no}", tensor_data(i)))
+        wait_until(lambda: len(agent.runtime.plans) >= 1, what="a plan after the burst")
+        agent.wait_in_sync(timeout_s=20)
+        assert agent.daemon.queue.events - events_before >= 10_000
+        assert 1 <= len(agent.runtime.plans) <= 2
+        for no in range(1, count):
+            entry = agent.runtime.tensors[f"t.{no}"]
+            assert entry.record.path == str(paths[no])
+            assert entry.record.identity.ino == os.stat(paths[no]).st_ino
+
+
+def test_symlinked_model_directory_and_snapshot_links_into_blobs(tmp_path: Path) -> None:
+    """A model directory reached through a symlink, whose shard is a symlink into a blobs/
+    directory (Hugging Face layout), is planned when the link is re-pointed to a new blob."""
+    blobs = tmp_path / "hub" / "blobs"
+    snapshot = tmp_path / "hub" / "snapshots" / "rev1"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+
+    def blob(name: str, seed: int) -> Path:
+        path = blobs / name
+        path.write_bytes(gguf_bytes([], [("t.0", tensor_data(0)), ("t.1", tensor_data(seed))]))
+        return path
+
+    (snapshot / "m.gguf").symlink_to(os.path.relpath(blob("blob-a", 1), snapshot))
+    link_dir = tmp_path / "model-link"
+    link_dir.symlink_to(snapshot)
+    with running_agent(tmp_path, link_dir, link_dir / "m.gguf") as agent:
+        watched = {w["directory"]: w for w in agent.status()["watched"]}
+        assert str(snapshot) in watched
+        assert watched[str(blobs)]["link_target"] is True
+        new_blob = blob("blob-b", 55)
+        tmp_link = snapshot / ".relink"
+        tmp_link.symlink_to(os.path.relpath(new_blob, snapshot))
+        os.replace(tmp_link, snapshot / "m.gguf")
+        [plan] = agent.runtime.wait_plans(1)
+        assert plan.names() == ("t.1",)
+        assert plan.jobs[0].source.path == str(new_blob)
+
+
+def test_deleted_and_recreated_directory_is_watched_again(tmp_path: Path) -> None:
+    """After the model directory is deleted and recreated, its new files and later changes to
+    them are planned."""
+    paths = write_per_tensor_model(tmp_path / "m", 2)
+    directory = paths[0].parent
+    with running_agent(tmp_path, directory, paths[0]) as agent:
+        shutil.rmtree(directory)
+        directory.mkdir()
+        write_per_tensor_model(directory, 2)
+        (directory / shard_name("m", 1, 2)).write_bytes(
+            shard_bytes("m", 1, 2, "t.1", tensor_data(5))
+        )
+        first = agent.runtime.wait_plans(1)[-1]
+        assert "t.1" in first.names()
+        agent.wait_in_sync()
+        n = len(agent.runtime.plans)
+        replace_shard(paths[1], shard_bytes("m", 1, 2, "t.1", tensor_data(6)))
+        plan = agent.runtime.wait_plans(n + 1)[-1]
+        assert plan.names() == ("t.1",)
+
+
+def test_overflow_triggers_a_full_rescan_that_finds_unreported_changes(tmp_path: Path) -> None:
+    """With a backend that has not reported a change, an overflow report makes the agent rescan
+    and plan it."""
+    paths = write_per_tensor_model(tmp_path / "m", 2)
+    with running_agent(
+        tmp_path, paths[0].parent, paths[0], backend="polling", poll_interval_s=3600
+    ) as agent:
+        replace_shard(paths[1], shard_bytes("m", 1, 2, "t.1", tensor_data(9)))
+        watcher = agent.daemon.watchers()[WatchBackend.POLLING]
+        watcher.on_overflow()
+        [plan] = agent.runtime.wait_plans(1)
+        assert plan.names() == ("t.1",)
+        assert agent.status()["scans"]["rescans"]["overflow"] == 1
+        assert agent.status()["backends"]["polling"]["overflows"] == 1
+
+
+def test_verify_stat_plans_every_tensor_of_a_rewritten_file(tmp_path: Path) -> None:
+    """With verify: stat, a rewritten shard plans its tensors without fingerprints."""
+    [model] = write_model(tiny_dense(n_layers=1), tmp_path / "models")
+    with running_agent(tmp_path, model.parent, model, verify="stat") as agent:
+        requantize(model, "blk.0.attn_q.weight", "q4_0")
+        [plan] = agent.runtime.wait_plans(1)
+        assert "blk.0.attn_q.weight" in plan.names()
+        assert len(plan.jobs) == len(agent.runtime.tensors)
+        assert all(job.fingerprint is None for job in plan.jobs)
+
+
+def test_runtime_restart_converges_without_losing_the_update(tmp_path: Path) -> None:
+    """A change made while the runtime is down is planned once a runtime answers again."""
+    paths = write_per_tensor_model(tmp_path / "m", 2)
+    with running_agent(tmp_path, paths[0].parent, paths[0], settle_ms=0) as agent:
+        endpoint = agent.runtime.endpoint
+        agent.runtime.server.stop()
+        replace_shard(paths[1], shard_bytes("m", 1, 2, "t.1", tensor_data(31)))
+        wait_until(lambda: agent.link()["state"] in ("unreachable", "syncing", "plan_sent"))
+        with FakeRuntime(endpoint, paths[0]) as second:
+            # The second runtime loaded the old t.0 record; t.1 is the old version too.
+            second.tensors["t.1"] = agent.runtime.tensors["t.1"]
+            [plan] = second.wait_plans(1, timeout_s=20)
+            assert plan.names() == ("t.1",)
