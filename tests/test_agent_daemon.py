@@ -1,4 +1,4 @@
-"""The agent end to end: real inotify in tmp_path, real sockets, a fake runtime (test_agent_fakes)."""
+"""The agent end to end: real inotify, real sockets, a fake runtime (see test_agent_fakes)."""
 
 from __future__ import annotations
 
