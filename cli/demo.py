@@ -258,11 +258,11 @@ def sweep_steps(n_layers: int) -> list[Step]:
 # --- one step ---------------------------------------------------------------------------------
 
 
-def replace_shard(ws: Workspace, step: Step, low_type: GGMLQuantizationType) -> float:
+def replace_shard(ws: Workspace, step: Step, low_type: GGMLQuantizationType) -> tuple[float, float]:
     """Write the step's content into a hidden temp file, rename it over the shard.
 
-    Returns ``time.monotonic()`` taken just before the rename. Quant: the saved original
-    re-encoded to ``low_type``; restore and sanity: a copy of the saved original's bytes.
+    Returns ``(time.monotonic(), time.time())`` taken just before the rename. Quant: the saved
+    original re-encoded to ``low_type``; restore and sanity: a copy of the saved original's bytes.
     """
     shard = ws.shards[step.tensor]
     saved = ws.saved_dir / shard.name
@@ -272,12 +272,12 @@ def replace_shard(ws: Workspace, step: Step, low_type: GGMLQuantizationType) -> 
             requantize(saved, step.tensor, low_type, out=tmp)
         else:
             atomic_copy(saved, tmp)
-        renamed_at = time.monotonic()
+        renamed_at, renamed_wall = time.monotonic(), time.time()
         atomic_replace(tmp, shard)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return renamed_at
+    return renamed_at, renamed_wall
 
 
 def send_direct_plan(ws: Workspace, step: Step) -> None:
@@ -312,14 +312,6 @@ def perplexity_of(ws: Workspace, version: int, *, timeout_s: float) -> float:
     )
 
 
-def _sanity_note(event: Committed | None, before: int) -> str:
-    if event is None:
-        return "no plan: nothing changed"
-    if event.weight_version == before and not event.changed:
-        return f"no-op plan committed (changed nothing, still v{before})"
-    return f"plan committed v{event.weight_version}, changed {list(event.changed)}"
-
-
 @dataclass
 class _Sweep:
     ws: Workspace
@@ -330,6 +322,16 @@ class _Sweep:
     progress: Progress
     version: int = 0
     baseline: float = 0.0
+    agent_notes: list[str] = field(default_factory=list)
+
+    def _sanity_note(self, event: Committed | None, before: int) -> str:
+        if event is None:
+            what = "no plan committed: nothing changed"
+        elif event.weight_version == before and not event.changed:
+            what = f"no-op plan committed (changed nothing, still v{before})"
+        else:
+            what = f"plan committed v{event.weight_version}, changed {list(event.changed)}"
+        return "; ".join([what, *self.agent_notes[-1:]])
 
     def check_children(self) -> None:
         for child in self.children:
@@ -338,10 +340,18 @@ class _Sweep:
     def run_step(self, index: int, step: Step) -> SwapResult:
         self.check_children()
         before = self.version
-        renamed_at = replace_shard(self.ws, step, self.options.low_type)
+        agent_before = None
+        if step.kind is StepKind.SANITY and self.planner is Planner.AGENT:
+            agent_before = poll_until(
+                self._agent_model, timeout_s=self.options.step_timeout_s, what="the agent's status"
+            )
+        renamed_at, renamed_wall = replace_shard(self.ws, step, self.options.low_type)
         if self.planner is Planner.DIRECT:
             send_direct_plan(self.ws, step)
-        event = self._await_commit(step, before, renamed_at)
+        if step.kind is StepKind.SANITY:
+            event = self._await_sanity(step, renamed_at, renamed_wall, agent_before)
+        else:
+            event = self._await_commit(step, before, renamed_at)
         self.version = event.weight_version if event is not None else before
         ppl = perplexity_of(self.ws, self.version, timeout_s=self.options.step_timeout_s)
         ggml_type = read_header(self.ws.shards[step.tensor]).tensor_map()[step.tensor].ggml_type
@@ -354,16 +364,53 @@ class _Sweep:
             delta=ppl - self.baseline,
             latency_ms=None if event is None else (event.received_at - renamed_at) * 1e3,
             stall_ms=None if event is None else event.stall_ms,
-            note=_sanity_note(event, before) if step.kind is StepKind.SANITY else "",
+            note=self._sanity_note(event, before) if step.kind is StepKind.SANITY else "",
         )
 
-    def _await_commit(self, step: Step, before: int, renamed_at: float) -> Committed | None:
-        if step.kind is StepKind.SANITY:  # nothing should change: watch a quiet window
-            return self.events.wait(
-                lambda e: step.tensor in e.changed or not e.changed,
-                after=renamed_at,
-                timeout_s=QUIET_WINDOW_S,
+    def _agent_model(self) -> dict[str, Any] | None:
+        status = status_of(self.ws.agent_status)
+        if status is None or status.get("pending_paths"):
+            return None
+        model = (status.get("models") or {}).get(self.ws.model_name)
+        return model if isinstance(model, dict) else None
+
+    def _agent_view(self, renamed_wall: float) -> str:
+        """Wait for the agent's first scan after the rename; say what it made of the file."""
+
+        def scanned() -> dict[str, Any] | None:
+            model = self._agent_model()
+            if model is None or (model.get("last_scan_at") or 0.0) < renamed_wall:
+                return None
+            return model
+
+        model = poll_until(
+            scanned, timeout_s=self.options.step_timeout_s, what="the agent to scan the new shard"
+        )
+        return f"agent scanned it (generation {model.get('generation')})"
+
+    def _await_sanity(
+        self,
+        step: Step,
+        renamed_at: float,
+        renamed_wall: float,
+        before: dict[str, Any] | None,
+    ) -> Committed | None:
+        """Nothing should change: wait for the agent's scan, then watch a quiet window."""
+        seen = self._agent_view(renamed_wall) if self.planner is Planner.AGENT else ""
+        event = self.events.wait(
+            lambda e: step.tensor in e.changed or not e.changed,
+            after=renamed_at,
+            timeout_s=QUIET_WINDOW_S,
+        )
+        after = self._agent_model() if self.planner is Planner.AGENT else None
+        if before is not None and after is not None:
+            sent = (after.get("link") or {}).get("plans_sent", 0) - (before.get("link") or {}).get(
+                "plans_sent", 0
             )
+            self.agent_notes.append(f"{seen}; plans sent by the agent: {sent}")
+        return event
+
+    def _await_commit(self, step: Step, before: int, renamed_at: float) -> Committed:
         event = self.events.wait(
             lambda e: e.weight_version > before,
             after=renamed_at,
