@@ -142,6 +142,7 @@ class AgentDaemon:
         self._status_text = ""
         self._pending_count = 0
         self._forced_at = 0.0
+        self._reloads: dict[str, Any] = {"ok": 0, "failed": 0, "last_error": None}
         self.iterations = 0
 
     # -- flags (signal-safe) -----------------------------------------------------------------
@@ -492,6 +493,7 @@ class AgentDaemon:
             "config": str(self._config_path) if self._config_path else None,
             "events": self.queue.events,
             "pending_paths": self._pending_count,
+            "reloads": dict(self._reloads),
             **{k: v for k, v in published.items() if k != "models"},
             "models": models,
         }
@@ -508,6 +510,8 @@ class AgentDaemon:
             new.require_models()
         except (ConfigError, AgentError) as exc:
             log.error("agent.reload_failed", error=str(exc), kept="the previous configuration")
+            self._reloads["failed"] += 1
+            self._reloads["last_error"] = str(exc)
             self._notifier.ready(status=f"reload failed, previous config kept: {exc}"[:200])
             return False
         log.info("agent.reloading", config=str(self._config_path))
@@ -515,6 +519,7 @@ class AgentDaemon:
         self.config = new
         self._build(new)
         self._request_full_scan(RescanReason.RELOAD, str(self._config_path))
+        self._reloads["ok"] += 1
         self._publish()
         self._notifier.ready(status=status_line(self.status()))
         return True
