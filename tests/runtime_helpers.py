@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -20,8 +20,8 @@ from ggufswap.shards import (
     Layout,
     ModelSpec,
     TensorRecord,
-    atomic_copy,
     open_shard_set,
+    read_header,
     requantize,
     tiny_moe,
     write_model,
@@ -67,6 +67,7 @@ class ModelDir:
 
     root: Path
     first: Path
+    _paths: dict[str, Path] = field(default_factory=dict)
 
     @classmethod
     def write(
@@ -81,12 +82,17 @@ class ModelDir:
         return dict(open_shard_set(self.first).tensors)
 
     def shard_of(self, name: str) -> Path:
-        return Path(self.records()[name].path)
+        if not self._paths:
+            self._paths = {n: Path(r.path) for n, r in self.records().items()}
+        return self._paths[name]
+
+    def record(self, name: str) -> TensorRecord:
+        """The record of ``name`` as its shard is now (reads only that shard's header)."""
+        return read_header(self.shard_of(name)).tensor_map()[name]
 
     def plan(self, plan_id: str, names: Iterable[str], *, model: str = "") -> Plan:
         """A plan that loads ``names`` from the files as they are now (no fingerprints)."""
-        records = self.records()
-        return Plan(plan_id, model, tuple(Job(records[n]) for n in names))
+        return Plan(plan_id, model, tuple(Job(self.record(n)) for n in names))
 
     def variant(self, name: str, ggml_type: GGMLQuantizationType, store: Path) -> Path:
         """Write the shard of ``name`` with that tensor re-encoded as ``ggml_type`` into ``store``
@@ -105,8 +111,12 @@ class ModelDir:
         return out
 
     def put(self, name: str, source: Path) -> None:
-        """Atomically replace the shard of ``name`` with ``source`` (a new inode)."""
-        atomic_copy(source, self.shard_of(name))
+        """Replace the shard of ``name`` with a copy of ``source`` by atomic rename (new inode;
+        no fsync: durability is not what these tests are about)."""
+        dest = self.shard_of(name)
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, dest)
 
     def clone(self, dest: Path, replacements: Mapping[str, Path] | None = None) -> ModelDir:
         """A copy of this model's files (as they are now) with some shards replaced."""

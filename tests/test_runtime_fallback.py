@@ -1,0 +1,154 @@
+"""Native storage on small pools: a tensor that outgrows its pool falls back to host memory with
+its MoE family, outputs stay exact, and returning to the original gives the memory back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from runtime_helpers import (
+    WAIT_S,
+    ModelDir,
+    Q,
+    cpu_pools,
+    fresh_logits,
+    loaded_bytes,
+    logits,
+    one_thread,
+    open_runtime,
+)
+
+from ggufswap.runtime import PlanState, SlotState, Storage
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+DOWN1 = "blk.1.ffn_down_exps.weight"  # Q8_0: 17408 bytes native, 32768 as F16
+DOWN2 = "blk.2.ffn_down_exps.weight"
+FAMILY1 = ("blk.1.ffn_down_exps.weight", "blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight")
+HEADROOM = 4096  # dev pool bytes left free after the load: less than any F16 expert tensor
+
+
+def states(runtime: Any, names: tuple[str, ...]) -> set[SlotState]:
+    return {runtime.store.slots[n].state for n in names}
+
+
+@pytest.mark.parametrize("stable", [False, True], ids=["swap", "stable"])
+def test_family_falls_back_and_oscillation_returns_to_baseline(
+    tmp_path: Path, stable: bool
+) -> None:
+    """A type change that no longer fits moves the whole family to FALLBACK_CPU with outputs equal
+    to a fresh load; after 100 round trips the pools are exactly at their baseline."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    pools = cpu_pools(loaded_bytes(model_dir.first, Storage.NATIVE) + HEADROOM)
+    saved = model_dir.save(DOWN1, tmp_path / "saved")
+    big = model_dir.variant(DOWN1, Q.F16, tmp_path / "variants")
+    runtime, model = open_runtime(
+        model_dir.first, storage=Storage.NATIVE, pools=pools, stable_pointers=stable
+    )
+    events: list[tuple[str, str]] = []
+    runtime.on_event(lambda topic, p: events.append((topic, p.get("tensor", ""))))
+    try:
+        baseline = logits(model)
+        usage = runtime.store.pools.usage()
+        assert usage["host"] == 0
+        others = tuple(n for n in runtime.store.slots if n not in FAMILY1)
+
+        model_dir.put(DOWN1, big)
+        runtime.apply(model_dir.plan("big-0", [DOWN1]))
+        assert states(runtime, FAMILY1) == {SlotState.FALLBACK_CPU}
+        assert states(runtime, others) == {SlotState.ON_ORIGINAL}
+        assert {n for topic, n in events if topic == "tensor.fallback"} == set(FAMILY1)
+        assert torch.equal(logits(model), fresh_logits(model_dir.first, storage=Storage.NATIVE))
+        assert runtime.store.pools.usage()["dev"] == usage["dev"]  # originals stay reserved
+        assert runtime.store.pools.usage()["host"] > 0
+
+        model_dir.put(DOWN1, saved)
+        runtime.apply(model_dir.plan("orig-0", [DOWN1]))
+        assert {n for topic, n in events if topic == "tensor.reattached"} == set(FAMILY1)
+        for i in range(1, 100):
+            model_dir.put(DOWN1, big)
+            runtime.apply(model_dir.plan(f"big-{i}", [DOWN1]))
+            model_dir.put(DOWN1, saved)
+            runtime.apply(model_dir.plan(f"orig-{i}", [DOWN1]))
+        assert runtime.store.pools.usage() == usage
+        assert states(runtime, tuple(runtime.store.slots)) == {SlotState.ON_ORIGINAL}
+        assert torch.equal(logits(model), baseline)
+        assert runtime.weight_version == 200
+    finally:
+        runtime.close()
+
+
+def test_growth_that_fits_detaches_alone(tmp_path: Path) -> None:
+    """With room in its pool, a tensor that grows moves to a private buffer there (DETACHED),
+    its siblings stay put, and going back frees the private buffer."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    pools = cpu_pools(loaded_bytes(model_dir.first, Storage.NATIVE) + 64 * 1024)
+    saved = model_dir.save(DOWN1, tmp_path / "saved")
+    runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE, pools=pools)
+    try:
+        baseline, usage = logits(model), runtime.store.pools.usage()
+        model_dir.put(DOWN1, model_dir.variant(DOWN1, Q.F16, tmp_path / "variants"))
+        runtime.apply(model_dir.plan("grow", [DOWN1]))
+        assert runtime.store.slots[DOWN1].state is SlotState.DETACHED
+        assert states(runtime, FAMILY1[1:]) == {SlotState.ON_ORIGINAL}
+        assert runtime.store.pools.usage() == {"dev": usage["dev"] + 32768, "host": 0}
+        assert torch.equal(logits(model), fresh_logits(model_dir.first, storage=Storage.NATIVE))
+        model_dir.put(DOWN1, saved)
+        runtime.apply(model_dir.plan("back", [DOWN1]))
+        assert runtime.store.pools.usage() == usage
+        assert torch.equal(logits(model), baseline)
+    finally:
+        runtime.close()
+
+
+def test_plan_that_runs_out_of_memory_midway_is_rejected_whole(tmp_path: Path) -> None:
+    """When the second family of a plan fits nowhere, the plan is rejected whole: the first
+    family's fallback buffers are freed, pools, states and outputs are as before."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    family_f16 = 32768 + 9216 + 12288  # down as F16, gate Q4_0, up Q5_1 (native bytes)
+    pools = cpu_pools(
+        loaded_bytes(model_dir.first, Storage.NATIVE) + HEADROOM, host_budget=family_f16 + 1000
+    )
+    variants = tmp_path / "variants"
+    runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE, pools=pools)
+    try:
+        baseline, usage = logits(model), runtime.store.pools.usage()
+        for name in (DOWN1, DOWN2):
+            model_dir.put(name, model_dir.variant(name, Q.F16, variants))
+        ticket = runtime.submit(model_dir.plan("both", [DOWN1, DOWN2]))
+        assert ticket.wait(WAIT_S) is PlanState.REJECTED
+        assert not ticket.stale
+        assert "host" in " ".join(r.reason for r in ticket.reasons)
+        assert runtime.store.pools.usage() == usage
+        assert states(runtime, tuple(runtime.store.slots)) == {SlotState.ON_ORIGINAL}
+        assert runtime.weight_version == 0
+        assert torch.equal(logits(model), baseline)
+        ticket = runtime.apply(model_dir.plan("one", [DOWN1]))  # one family alone does fit
+        assert states(runtime, FAMILY1) == {SlotState.FALLBACK_CPU}
+    finally:
+        runtime.close()
+
+
+def test_plan_of_several_families_fits_via_fallback(tmp_path: Path) -> None:
+    """With an unbounded host pool the same two-family plan commits: both families fall back
+    together and the outputs equal a fresh load; restoring both returns to the baseline."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    pools = cpu_pools(loaded_bytes(model_dir.first, Storage.NATIVE) + HEADROOM)
+    saved = {n: model_dir.save(n, tmp_path / "saved") for n in (DOWN1, DOWN2)}
+    runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE, pools=pools)
+    try:
+        baseline, usage = logits(model), runtime.store.pools.usage()
+        for name in (DOWN1, DOWN2):
+            model_dir.put(name, model_dir.variant(name, Q.F16, tmp_path / "variants"))
+        runtime.apply(model_dir.plan("both", [DOWN1, DOWN2]))
+        assert runtime.store.state_counts()[SlotState.FALLBACK_CPU.value] == 6
+        assert torch.equal(logits(model), fresh_logits(model_dir.first, storage=Storage.NATIVE))
+        for name, path in saved.items():
+            model_dir.put(name, path)
+        runtime.apply(model_dir.plan("back", [DOWN1, DOWN2]))
+        assert runtime.store.pools.usage() == usage
+        assert torch.equal(logits(model), baseline)
+    finally:
+        runtime.close()
