@@ -1,6 +1,7 @@
 """Deterministic writers of small llama.cpp-compatible GGUF models, for tests and the demo.
 
-A ``ModelSpec`` describes a tiny ``llama`` (dense, or Mixtral-style MoE) or ``qwen3moe`` model;
+A ``ModelSpec`` describes a tiny ``llama`` (dense, or Mixtral-style MoE), ``qwen2`` / ``qwen3``
+(dense), ``qwen3moe`` or ``gemma3`` model (six blocks make one global layer: 5 local + 1);
 ``write_model`` writes it as one file, as a gguf-split style shard set, or as one shard per tensor.
 Tensor names and metadata keys are llama.cpp's (taken from gguf-py's constants), weights are
 seeded per tensor name, and the encoder embeds no timestamps: the same spec always gives
@@ -10,21 +11,18 @@ byte-identical files. Every file is written atomically (``shards.atomic``).
 from __future__ import annotations
 
 import math
-import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, BinaryIO, Final
+from typing import Any, Final
 
 import numpy as np
 import structlog
 from gguf import (
     GGML_QUANT_SIZES,
     GGML_QUANT_VERSION,
-    GGUF_DEFAULT_ALIGNMENT,
-    GGUF_VERSION,
     MODEL_TENSOR,
     TENSOR_NAMES,
     GGMLQuantizationType,
@@ -34,7 +32,12 @@ from gguf import (
 )
 
 from ggufswap.shards import _synth
-from ggufswap.shards.atomic import atomic_write
+from ggufswap.shards._gguf_encode import (
+    RawTensor,
+    TypedValue,
+    encode_metadata,
+    write_gguf,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -47,7 +50,14 @@ class Arch(str, Enum):
     """Architectures the writer produces (``general.architecture`` values)."""
 
     LLAMA = "llama"
+    QWEN2 = "qwen2"
+    QWEN3 = "qwen3"
     QWEN3MOE = "qwen3moe"
+    GEMMA3 = "gemma3"
+
+
+QK_NORM_ARCHS: Final = frozenset({Arch.QWEN3, Arch.QWEN3MOE, Arch.GEMMA3})
+DENSE_ONLY_ARCHS: Final = frozenset({Arch.QWEN2, Arch.QWEN3, Arch.GEMMA3})
 
 
 class Layout(Enum):
@@ -83,6 +93,8 @@ class Role(Enum):
     FFN_UP_SHEXP = MODEL_TENSOR.FFN_UP_SHEXP
     FFN_DOWN_SHEXP = MODEL_TENSOR.FFN_DOWN_SHEXP
     FFN_GATE_INP_SHEXP = MODEL_TENSOR.FFN_GATE_INP_SHEXP
+    ATTN_POST_NORM = MODEL_TENSOR.ATTN_POST_NORM  # gemma3
+    FFN_POST_NORM = MODEL_TENSOR.FFN_POST_NORM  # gemma3
 
     def tensor_name(self, block: int | None = None) -> str:
         """The llama.cpp tensor name, e.g. ``blk.3.ffn_up_exps.weight``."""
@@ -90,7 +102,15 @@ class Role(Enum):
 
 
 NORM_ROLES: Final = frozenset(
-    {Role.OUTPUT_NORM, Role.ATTN_NORM, Role.FFN_NORM, Role.ATTN_Q_NORM, Role.ATTN_K_NORM}
+    {
+        Role.OUTPUT_NORM,
+        Role.ATTN_NORM,
+        Role.FFN_NORM,
+        Role.ATTN_Q_NORM,
+        Role.ATTN_K_NORM,
+        Role.ATTN_POST_NORM,
+        Role.FFN_POST_NORM,
+    }
 )
 # 1-D or routing tensors stay F32, as llama.cpp's quantizer leaves them.
 F32_ROLES: Final = NORM_ROLES | {Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP}
@@ -145,6 +165,7 @@ class ModelSpec:
     tied_output: bool = False
     rope_freq_base: float = 10000.0
     rms_eps: float = 1e-6
+    sliding_window: int = 4  # gemma3's local attention window (tokens)
     context_length: int = 256
     seed: int = 0
     types: Mapping[Role, GGMLQuantizationType] = field(default_factory=dict, hash=False)
@@ -212,6 +233,10 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
         errors.append(f"moe_layers {bad} outside 0..{spec.n_layers - 1}")
     if spec.arch is Arch.QWEN3MOE and len(spec.moe_blocks) != spec.n_layers:
         errors.append("qwen3moe needs n_expert > 0 and every block MoE (llama.cpp requires it)")
+    if spec.arch in DENSE_ONLY_ARCHS and spec.n_expert:
+        errors.append(f"{spec.arch_name} is dense: n_expert must be 0, found {spec.n_expert}")
+    if spec.sliding_window <= 0:
+        errors.append(f"sliding_window must be > 0, found {spec.sliding_window}")
     if spec.extra_vocab_strings < 0:
         errors.append(f"extra_vocab_strings must be >= 0, found {spec.extra_vocab_strings}")
     unwritable = sorted({t.name for t in spec.types.values() if t not in WRITABLE_TYPES})
@@ -271,9 +296,12 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
         add(Role.ATTN_K, (e, spec.n_head_kv * hd), b)
         add(Role.ATTN_V, (e, spec.n_head_kv * hd), b)
         add(Role.ATTN_O, (spec.n_head * hd, e), b)
-        if spec.arch is Arch.QWEN3MOE:
+        if spec.arch in QK_NORM_ARCHS:
             add(Role.ATTN_Q_NORM, (hd,), b)
             add(Role.ATTN_K_NORM, (hd,), b)
+        if spec.arch is Arch.GEMMA3:
+            add(Role.ATTN_POST_NORM, (e,), b)
+            add(Role.FFN_POST_NORM, (e,), b)
         add(Role.FFN_NORM, (e,), b)
         if b in spec.moe_blocks:
             f, x = spec.n_ff_expert, spec.n_expert
@@ -306,15 +334,6 @@ def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
 
 
 # --- metadata ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TypedValue:
-    """One metadata value with its GGUF type (``sub_type`` for arrays)."""
-
-    vtype: GGUFValueType
-    value: Any
-    sub_type: GGUFValueType | None = None
 
 
 def _u32(v: int) -> TypedValue:
@@ -362,6 +381,8 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
         (Keys.Rope.FREQ_BASE.format(arch=a), _f32(spec.rope_freq_base)),
         (LLM.VOCAB_SIZE.format(arch=a), _u32(spec.n_vocab)),
     ]
+    if spec.arch is Arch.GEMMA3:
+        kv.append((ATT.SLIDING_WINDOW.format(arch=a), _u32(spec.sliding_window)))
     if spec.n_expert > 0:
         kv += [
             (LLM.EXPERT_COUNT.format(arch=a), _u32(spec.n_expert)),
@@ -383,104 +404,6 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
         (Keys.Tokenizer.EOS_ID, _u32(2)),
     ]
     return kv
-
-
-# --- encoding ---------------------------------------------------------------------------------
-
-_SCALAR_FORMATS: Final = {
-    GGUFValueType.UINT8: "<B",
-    GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I",
-    GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT64: "<d",
-}
-
-
-def _encode_string(s: str | bytes) -> bytes:
-    raw = s.encode() if isinstance(s, str) else s
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _encode_value(v: TypedValue) -> bytes:
-    if v.vtype in _SCALAR_FORMATS:
-        return struct.pack(_SCALAR_FORMATS[v.vtype], v.value)
-    if v.vtype is GGUFValueType.STRING:
-        return _encode_string(v.value)
-    if v.vtype is GGUFValueType.ARRAY and v.sub_type is not None:
-        head = struct.pack("<IQ", v.sub_type, len(v.value))
-        if v.sub_type is GGUFValueType.STRING:
-            return head + b"".join(_encode_string(s) for s in v.value)
-        fmt = _SCALAR_FORMATS[v.sub_type]
-        return head + np.asarray(v.value, dtype=np.dtype(fmt)).tobytes()
-    raise ValueError(f"cannot encode metadata value of type {v.vtype.name} (sub {v.sub_type})")
-
-
-def encode_metadata(kv: Iterable[tuple[str, TypedValue]]) -> bytes:
-    """The key/value section of a GGUF file, as bytes."""
-    return b"".join(
-        _encode_string(k) + struct.pack("<I", v.vtype) + _encode_value(v) for k, v in kv
-    )
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class RawTensor:
-    """A tensor ready to write: name, type, ``ne`` (ggml order) and its encoded bytes."""
-
-    name: str
-    ggml_type: GGMLQuantizationType
-    ne: tuple[int, ...]
-    data: bytes | memoryview | np.ndarray
-
-
-def _byte_view(data: bytes | memoryview | np.ndarray) -> memoryview:
-    if isinstance(data, np.ndarray):
-        return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
-    return memoryview(data).cast("B")
-
-
-def _pad(n: int, alignment: int) -> int:
-    return (n + alignment - 1) // alignment * alignment
-
-
-def write_gguf(
-    path: str | Path,
-    *,
-    n_kv: int,
-    kv_bytes: bytes,
-    tensors: Sequence[RawTensor],
-    alignment: int = GGUF_DEFAULT_ALIGNMENT,
-) -> Path:
-    """Atomically write a GGUF v3 file from an encoded KV section and raw tensors (in order)."""
-    infos, offset = [], 0
-    for t in tensors:
-        nbytes = _byte_view(t.data).nbytes
-        block_size, type_size = GGML_QUANT_SIZES[t.ggml_type]
-        expected = math.prod(t.ne) // block_size * type_size
-        if t.ne[0] % block_size or nbytes != expected:
-            raise ValueError(
-                f"{t.name}: {t.ggml_type.name} ne={list(t.ne)} needs {expected} bytes with ne[0] "
-                f"a multiple of {block_size}, found {nbytes} bytes"
-            )
-        info = _encode_string(t.name) + struct.pack(f"<I{len(t.ne)}Q", len(t.ne), *t.ne)
-        infos.append(info + struct.pack("<IQ", t.ggml_type, offset))
-        offset = _pad(offset + nbytes, alignment)
-    head = b"GGUF" + struct.pack("<IQQ", GGUF_VERSION, len(tensors), n_kv) + kv_bytes
-    head += b"".join(infos)
-
-    def write(f: BinaryIO) -> None:
-        f.write(head + bytes(_pad(len(head), alignment) - len(head)))
-        for t in tensors:
-            data = _byte_view(t.data)
-            f.write(data)
-            f.write(bytes(_pad(data.nbytes, alignment) - data.nbytes))
-
-    return atomic_write(path, write)
 
 
 # --- models -----------------------------------------------------------------------------------
@@ -572,6 +495,19 @@ def tiny_moe(**overrides: Any) -> ModelSpec:
         n_expert_used=2,
         n_ff_expert=64,
     )
+    return replace(base, **overrides)
+
+
+def tiny_arch(arch: Arch | str, **overrides: Any) -> ModelSpec:
+    """A tiny dense model of any dense-capable ``arch`` (qwen3moe: 4 experts, 2 used).
+
+    gemma3 gets six blocks (five sliding-window layers, then a global one) and a window of 4.
+    """
+    arch = Arch(arch)
+    if arch is Arch.QWEN3MOE:
+        return tiny_moe(**overrides)
+    n_layers = 6 if arch is Arch.GEMMA3 else 2
+    base = ModelSpec(arch=arch, name=f"tiny-{arch.value}", n_layers=n_layers)
     return replace(base, **overrides)
 
 
