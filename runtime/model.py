@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
 from ggufswap.runtime.errors import RuntimeLibraryError
-from ggufswap.runtime.model_config import ModelConfig, RopeType
+from ggufswap.runtime.model_config import Activation, ModelConfig, RopeType
 
 
 class MissingWeightError(RuntimeLibraryError, KeyError):
@@ -147,11 +147,19 @@ class RopeTables:
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE cos/sin cache (per device), grown on demand past the training context."""
+    """RoPE cos/sin cache (per device), grown on demand past the training context.
 
-    def __init__(self, config: ModelConfig) -> None:
+    ``base`` overrides the config's RoPE base (gemma3's local layers); ``freq_scale`` is linear
+    scaling (positions are multiplied by it, as ggml_rope's ``freq_scale``).
+    """
+
+    def __init__(
+        self, config: ModelConfig, *, base: float | None = None, freq_scale: float = 1.0
+    ) -> None:
         super().__init__()
-        self.n_rot, self.rope_type, self.base = config.n_rot, config.rope_type, config.rope_base
+        self.n_rot, self.rope_type = config.n_rot, config.rope_type
+        self.base = config.rope_base if base is None else base
+        self.freq_scale = freq_scale
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self._n_pos = 0
         self._extend(config.context_length)
@@ -159,7 +167,8 @@ class RotaryEmbedding(nn.Module):
     def _extend(self, n_pos: int) -> None:
         # theta_i = pos * base^(-2i / n_rot), as ggml_rope; computed in float64, stored float32.
         inv_freq = self.base ** (-torch.arange(0, self.n_rot, 2, dtype=torch.float64) / self.n_rot)
-        angles = torch.outer(torch.arange(n_pos, dtype=torch.float64), inv_freq)  # [P, n_rot/2]
+        positions = torch.arange(n_pos, dtype=torch.float64) * self.freq_scale
+        angles = torch.outer(positions, inv_freq)  # [P, n_rot/2]
         cpu = torch.device("cpu")
         self._tables = {cpu: (angles.cos().float(), angles.sin().float())}
         self._n_pos = n_pos
@@ -202,7 +211,8 @@ class Attention(nn.Module):
     def _norm(self, x: Tensor, name: str | None) -> Tensor:
         return x if name is None else rms_norm(x, self.weights.weight(name), self.config.norm_eps)
 
-    def forward(self, x: Tensor, rope: RopeTables) -> Tensor:
+    def forward(self, x: Tensor, rope: RopeTables, mask: Tensor | None = None) -> Tensor:
+        """Causal attention, or attention under ``mask`` ([T, T] bool, True = may attend)."""
         # x: [B, T, D]
         c, (bsz, seq, _) = self.config, x.shape
         q = self._proj(x, self.wq, self.bq).view(bsz, seq, c.n_head, c.head_dim)  # [B, T, H, hd]
@@ -214,7 +224,9 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H(kv), T, hd]
         k = k.repeat_interleave(c.q_per_kv, dim=1)  # query head h reads kv head h // q_per_kv
         v = v.repeat_interleave(c.q_per_kv, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.head_dim**-0.5)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=c.attn_scale
+        )
         y = y.transpose(1, 2).reshape(bsz, seq, c.n_head * c.head_dim)  # [B, T, H*hd]
         return self._proj(y, self.wo, self.bo)  # [B, T, D]
 
@@ -224,12 +236,21 @@ def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
+def geglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """``down(gelu_tanh(gate(x)) * up(x))``: llama.cpp's LLM_FFN_GELU + LLM_FFN_PAR (gemma)."""
+    return linear(F.gelu(linear(x, gate), approximate="tanh") * linear(x, up), down)
+
+
+GATED_FFN: Final = {Activation.SILU: swiglu, Activation.GELU_TANH: geglu}
+
+
 class FeedForward(nn.Module):
-    """Dense SwiGLU FFN."""
+    """Dense gated FFN (SwiGLU, or GeGLU for gemma)."""
 
     def __init__(self, config: ModelConfig, weights: WeightProvider, layer: int, spec: _Spec):
         super().__init__()
         self.weights = weights
+        self.act = GATED_FFN[config.activation]
         d, ff = config.n_embd, config.n_ff
         self.gate = spec.need(TensorNames.FFN_GATE.format(layer), (ff, d))
         self.up = spec.need(TensorNames.FFN_UP.format(layer), (ff, d))
@@ -238,7 +259,7 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # x: [..., D]
         w = self.weights.weight
-        return swiglu(x, w(self.gate), w(self.up), w(self.down))
+        return self.act(x, w(self.gate), w(self.up), w(self.down))
 
 
 class MoEFeedForward(nn.Module):
@@ -350,13 +371,26 @@ class Transformer(nn.Module):
     def forward(self, tokens: Tensor, *, start_pos: int = 0) -> Tensor:
         # tokens: [B, T] int64 -> logits: [B, T, V] float32
         w = self.weights.weight
-        emb = w(self.tok_embd)  # [V, D]
-        x = F.embedding(tokens.to(emb.device), emb).to(tokens.device, torch.float32)  # [B, T, D]
+        x = embed(tokens, w(self.tok_embd), self.config.embed_scale)  # [B, T, D]
         rope = self.rope(start_pos, tokens.shape[1], tokens.device)
         for layer in self.layers:
             x = layer(x, rope)
         x = rms_norm(x, w(self.norm), self.config.norm_eps)
-        return linear(x, w(self.output)).float()  # [B, T, V]
+        return lm_head(x, w(self.output), self.config.final_logit_softcap)  # [B, T, V]
+
+
+def embed(tokens: Tensor, emb: Tensor, scale: float = 1.0) -> Tensor:
+    """Rows of ``emb`` for ``tokens`` as float32 on the tokens' device, times ``scale``."""
+    # tokens: [B, T] -> [B, T, D]
+    x = F.embedding(tokens.to(emb.device), emb).to(tokens.device, torch.float32)
+    return x if scale == 1.0 else x * scale
+
+
+def lm_head(x: Tensor, output: Tensor, softcap: float = 0.0) -> Tensor:
+    """float32 logits ``x @ output.T``, soft-capped to ``(-softcap, softcap)`` when set."""
+    # x: [B, T, D] -> [B, T, V]
+    logits = linear(x, output).float()
+    return logits if not softcap else torch.tanh(logits / softcap) * softcap
 
 
 def _check(

@@ -8,11 +8,19 @@ Supported architectures (``general.architecture``):
   sigmoid gate. RoPE type NEOX.
 - ``qwen3moe``: softmax over all experts then top-k, renormalised (``expert_weights_norm``);
   per-head RMS norms on Q and K. RoPE type NEOX.
+- ``qwen2`` / ``qwen3``: the dense qwen decoders (Q/K/V biases for qwen2, per-head Q/K norms for
+  qwen3, both read when the file has them). RoPE type NEOX.
+- ``gemma3``: GeGLU (tanh GELU), Q/K norms, post-attention and post-FFN norms, embeddings scaled
+  by ``sqrt(n_embd)``, sliding-window attention on five layers of every six (local RoPE base
+  10000, global layers use ``rope.freq_base`` and linear ``rope.scaling.factor``). RoPE NEOX.
+
+``docs/models.md`` lists every key and tensor each architecture reads.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -29,8 +37,11 @@ class Arch(str, enum.Enum):
     """The ``general.architecture`` values the reference decoder implements."""
 
     LLAMA = "llama"
+    QWEN2 = "qwen2"
     QWEN2MOE = "qwen2moe"
+    QWEN3 = "qwen3"
     QWEN3MOE = "qwen3moe"
+    GEMMA3 = "gemma3"
 
 
 class RopeType(enum.IntEnum):
@@ -47,18 +58,31 @@ class ExtraKeys:
     EXPERT_WEIGHTS_NORM: Final = "{}.expert_weights_norm"
     EXPERT_WEIGHTS_SCALE: Final = "{}.expert_weights_scale"
     EXPERT_GATING_FUNC: Final = "{}.expert_gating_func"
+    SLIDING_WINDOW: Final = "{}.attention.sliding_window"
+    ROPE_SCALING_TYPE: Final = "{}.rope.scaling.type"
+    ROPE_SCALING_FACTOR: Final = "{}.rope.scaling.factor"
+    FINAL_LOGIT_SOFTCAPPING: Final = "{}.final_logit_softcapping"
+
+
+class Activation(str, enum.Enum):
+    """The gated FFN's activation: llama.cpp's LLM_FFN_SILU (SwiGLU) or LLM_FFN_GELU (GeGLU)."""
+
+    SILU = "silu"
+    GELU_TANH = "gelu_tanh"
 
 
 EXPERT_GATING_SOFTMAX: Final = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 
-_ROPE_TYPE: Final = {
-    Arch.LLAMA: RopeType.NORM,
-    Arch.QWEN2MOE: RopeType.NEOX,
-    Arch.QWEN3MOE: RopeType.NEOX,
-}
+_ROPE_TYPE: Final = {arch: RopeType.NORM if arch is Arch.LLAMA else RopeType.NEOX for arch in Arch}
 # Whether the top-k routing weights are renormalised to sum to one (llama.cpp's ``norm_w``).
-_NORM_TOPK: Final = {Arch.LLAMA: True, Arch.QWEN2MOE: False, Arch.QWEN3MOE: True}
+_NORM_TOPK: Final = {arch: arch is not Arch.QWEN2MOE for arch in Arch}
 _MOE_ONLY: Final = frozenset({Arch.QWEN2MOE, Arch.QWEN3MOE})
+_DENSE_ONLY: Final = frozenset({Arch.QWEN2, Arch.QWEN3, Arch.GEMMA3})
+# gemma3 (llama.cpp's hparams for LLM_ARCH_GEMMA3): every 6th layer is global, the others slide;
+# local layers use RoPE base 10000 without scaling.
+GEMMA3_SWA_PERIOD: Final = 6
+GEMMA3_ROPE_BASE_LOCAL: Final = 10000.0
+ROPE_SCALING_LINEAR: Final = "linear"
 
 
 @dataclass(frozen=True)
@@ -82,6 +106,11 @@ class ModelConfig:
     rope_dim: int | None = None  # rotated dims per head; None = the whole head
     expert_weights_norm: bool | None = None  # None = the architecture's default
     expert_weights_scale: float = 1.0
+    sliding_window: int = 0  # tokens a local layer sees (itself included); 0 = no local layers
+    swa_period: int = 0  # layer i is local iff i % swa_period < swa_period - 1; 0 = none
+    rope_base_local: float | None = None  # RoPE base of local layers; None = rope_base
+    rope_freq_scale: float = 1.0  # linear RoPE scaling of global layers (1 / scaling.factor)
+    final_logit_softcap: float = 0.0  # 0 = none; else logits = c * tanh(logits / c)
 
     # Derived.
     head_dim: int = field(init=False)
@@ -90,6 +119,9 @@ class ModelConfig:
     norm_topk: bool = field(init=False)
     q_per_kv: int = field(init=False)
     is_moe: bool = field(init=False)
+    attn_scale: float = field(init=False)  # softmax scale of Q.K
+    embed_scale: float = field(init=False)  # token embeddings are multiplied by this
+    activation: Activation = field(init=False)
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -111,6 +143,10 @@ class ModelConfig:
             problems.append(f"expert_used_count {self.n_expert_used} not in [1, {self.n_expert}]")
         if self.arch in _MOE_ONLY and not is_moe:
             problems.append(f"{self.arch.value} needs expert_count > 0")
+        if self.arch in _DENSE_ONLY and is_moe:
+            problems.append(f"{self.arch.value} is dense; found expert_count {self.n_expert}")
+        if self.swa_period and self.sliding_window <= 0:
+            problems.append(f"sliding_window must be > 0, found {self.sliding_window}")
         if not is_moe and self.n_ff <= 0:
             problems.append(f"dense model needs feed_forward_length > 0, found {self.n_ff}")
         if problems:
@@ -122,6 +158,16 @@ class ModelConfig:
         object.__setattr__(self, "norm_topk", _NORM_TOPK[self.arch] if norm is None else norm)
         object.__setattr__(self, "q_per_kv", self.n_head // self.n_head_kv)
         object.__setattr__(self, "is_moe", is_moe)
+        # llama.cpp scales by 1/sqrt(n_embd_head_k) for gemma3 too (all sizes but 27B, whose
+        # query_pre_attn_scalar is n_embd / n_head: key_length covers both).
+        object.__setattr__(self, "attn_scale", head_dim**-0.5)
+        gemma = self.arch is Arch.GEMMA3
+        object.__setattr__(self, "embed_scale", math.sqrt(self.n_embd) if gemma else 1.0)
+        object.__setattr__(self, "activation", Activation.GELU_TANH if gemma else Activation.SILU)
+
+    def is_local_layer(self, layer: int) -> bool:
+        """Whether ``layer`` uses sliding-window attention (and the local RoPE base)."""
+        return self.swa_period > 0 and layer % self.swa_period < self.swa_period - 1
 
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any], *, n_vocab: int | None = None) -> ModelConfig:
@@ -166,7 +212,15 @@ class ModelConfig:
             "rope_dim": reader.get_optional_int(ExtraKeys.ROPE_DIMENSION_COUNT),
             "expert_weights_norm": bool(md[norm_key]) if norm_key in md else None,
             "expert_weights_scale": scale if scale != 0.0 else 1.0,  # llama.cpp: 0 = unset
+            "final_logit_softcap": reader.get_float(ExtraKeys.FINAL_LOGIT_SOFTCAPPING, 0.0),
+            "rope_freq_scale": _rope_freq_scale(reader),
         }
+        if arch is Arch.GEMMA3:
+            kwargs.update(
+                sliding_window=reader.get_int(ExtraKeys.SLIDING_WINDOW),
+                swa_period=GEMMA3_SWA_PERIOD,
+                rope_base_local=GEMMA3_ROPE_BASE_LOCAL,
+            )
         if reader.problems:
             lines = "\n  ".join(reader.problems)
             raise ModelConfigError(f"cannot build a {arch.value} model config:\n  {lines}")
@@ -174,6 +228,21 @@ class ModelConfig:
 
 
 _MISSING: Final = object()
+
+
+def _rope_freq_scale(reader: _KeyReader) -> float:
+    """``1 / {arch}.rope.scaling.factor`` for linear scaling; 1.0 without scaling."""
+    kind = str(reader.md.get(ExtraKeys.ROPE_SCALING_TYPE.format(reader.arch), "none"))
+    factor = reader.get_float(ExtraKeys.ROPE_SCALING_FACTOR, 0.0)
+    if kind == "none" or factor in (0.0, 1.0):
+        return 1.0
+    if kind != ROPE_SCALING_LINEAR:
+        reader.problems.append(
+            f"{ExtraKeys.ROPE_SCALING_TYPE.format(reader.arch)} = {kind!r}: only "
+            f"{ROPE_SCALING_LINEAR!r} RoPE scaling is implemented"
+        )
+        return 1.0
+    return 1.0 / factor
 
 
 class _KeyReader:
@@ -226,6 +295,9 @@ class _KeyReader:
         tokens = self.md.get(Keys.Tokenizer.TOKENS)
         if tokens is not None and hasattr(tokens, "__len__"):
             return len(tokens)
+        count = getattr(tokens, "count", None)  # an array the header left on disk (ArrayRef)
+        if isinstance(count, int):
+            return count
         if fallback is not None:
             return fallback
         self.problems.append(

@@ -1,7 +1,7 @@
 """Deterministic writers of small llama.cpp-compatible GGUF models, for tests and the demo.
 
 A ``ModelSpec`` describes a tiny ``llama`` (dense, or Mixtral-style MoE), ``qwen2`` / ``qwen3``
-(dense), ``qwen3moe`` or ``gemma3`` model (six blocks make one global layer: 5 local + 1);
+(dense), ``qwen2moe`` / ``qwen3moe`` or ``gemma3`` model (six gemma3 blocks: 5 local + 1 global);
 ``write_model`` writes it as one file, as a gguf-split style shard set, or as one shard per tensor.
 Tensor names and metadata keys are llama.cpp's (taken from gguf-py's constants), weights are
 seeded per tensor name, and the encoder embeds no timestamps: the same spec always gives
@@ -51,6 +51,7 @@ class Arch(str, Enum):
 
     LLAMA = "llama"
     QWEN2 = "qwen2"
+    QWEN2MOE = "qwen2moe"
     QWEN3 = "qwen3"
     QWEN3MOE = "qwen3moe"
     GEMMA3 = "gemma3"
@@ -58,6 +59,7 @@ class Arch(str, Enum):
 
 QK_NORM_ARCHS: Final = frozenset({Arch.QWEN3, Arch.QWEN3MOE, Arch.GEMMA3})
 DENSE_ONLY_ARCHS: Final = frozenset({Arch.QWEN2, Arch.QWEN3, Arch.GEMMA3})
+MOE_ONLY_ARCHS: Final = frozenset({Arch.QWEN2MOE, Arch.QWEN3MOE})
 
 
 class Layout(Enum):
@@ -231,8 +233,10 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
     bad = [b for b in spec.moe_blocks if not 0 <= b < spec.n_layers]
     if bad:
         errors.append(f"moe_layers {bad} outside 0..{spec.n_layers - 1}")
-    if spec.arch is Arch.QWEN3MOE and len(spec.moe_blocks) != spec.n_layers:
-        errors.append("qwen3moe needs n_expert > 0 and every block MoE (llama.cpp requires it)")
+    if spec.arch in MOE_ONLY_ARCHS and len(spec.moe_blocks) != spec.n_layers:
+        errors.append(
+            f"{spec.arch_name} needs n_expert > 0 and every block MoE (llama.cpp requires it)"
+        )
     if spec.arch in DENSE_ONLY_ARCHS and spec.n_expert:
         errors.append(f"{spec.arch_name} is dense: n_expert must be 0, found {spec.n_expert}")
     if spec.sliding_window <= 0:
@@ -499,13 +503,17 @@ def tiny_moe(**overrides: Any) -> ModelSpec:
 
 
 def tiny_arch(arch: Arch | str, **overrides: Any) -> ModelSpec:
-    """A tiny dense model of any dense-capable ``arch`` (qwen3moe: 4 experts, 2 used).
-
-    gemma3 gets six blocks (five sliding-window layers, then a global one) and a window of 4.
+    """A tiny model of ``arch``: dense, or 4 experts (2 used) for the MoE-only archs (qwen2moe
+    with a shared expert). gemma3 gets six blocks (five sliding-window layers, then a global one)
+    and a window of 4.
     """
     arch = Arch(arch)
     if arch is Arch.QWEN3MOE:
         return tiny_moe(**overrides)
+    if arch is Arch.QWEN2MOE:
+        return tiny_moe(
+            **{"arch": arch, "name": "tiny-qwen2moe", "shared_expert": True, **overrides}
+        )
     n_layers = 6 if arch is Arch.GEMMA3 else 2
     base = ModelSpec(arch=arch, name=f"tiny-{arch.value}", n_layers=n_layers)
     return replace(base, **overrides)

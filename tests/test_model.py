@@ -386,8 +386,10 @@ def test_config_names_every_missing_key() -> None:
 
 def test_config_rejects_an_unsupported_architecture_by_name() -> None:
     """An unimplemented architecture is refused, naming it and the supported ones."""
-    with pytest.raises(ModelConfigError, match=r"'gemma3'.*llama, qwen2moe, qwen3moe"):
-        ModelConfig.from_metadata(metadata("gemma3"))
+    with pytest.raises(
+        ModelConfigError, match=r"'mamba'.*llama, qwen2, qwen2moe, qwen3, qwen3moe, gemma3"
+    ):
+        ModelConfig.from_metadata(metadata("mamba"))
     with pytest.raises(ModelConfigError, match=r"general\.architecture"):
         ModelConfig.from_metadata({})
 

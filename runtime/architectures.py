@@ -1,0 +1,50 @@
+"""Which decoder runs which ``general.architecture``: ``build_model(config, weights, store=...)``.
+
+- ``llama``, ``qwen2``, ``qwen3``, ``qwen2moe``, ``qwen3moe``: ``model.Transformer`` (pre-norm
+  blocks, SwiGLU, dense or MoE FFNs per block);
+- ``gemma3``: ``model_gemma3.Gemma3Transformer``.
+
+Both read every weight through the provider at forward time. A tied output head is read from
+``token_embd.weight``'s own slot rather than copied, so a swap of the embedding is the head's swap
+too; no supported architecture builds a fused or pre-scaled copy of a weight at load. When a
+store is given, every tensor the model reads is checked against it, and any tensor a future
+architecture derives must be registered with ``TensorStore.register_derived`` here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Final
+
+from torch import nn
+
+from ggufswap.runtime.model import MissingWeightError, Transformer, WeightProvider
+from ggufswap.runtime.model_config import Arch, ModelConfig
+from ggufswap.runtime.model_gemma3 import Gemma3Transformer
+
+if TYPE_CHECKING:
+    from ggufswap.runtime.store import TensorStore
+
+ModelClass = type[Transformer] | type[Gemma3Transformer]
+
+DECODERS: Final[Mapping[Arch, ModelClass]] = {
+    Arch.LLAMA: Transformer,
+    Arch.QWEN2: Transformer,
+    Arch.QWEN3: Transformer,
+    Arch.QWEN2MOE: Transformer,
+    Arch.QWEN3MOE: Transformer,
+    Arch.GEMMA3: Gemma3Transformer,
+}
+
+
+def build_model(
+    config: ModelConfig, weights: WeightProvider, *, store: TensorStore | None = None
+) -> nn.Module:
+    """The decoder for ``config.arch`` over ``weights`` (the store itself when serving)."""
+    model = DECODERS[config.arch](config, weights)
+    if store is not None:
+        required: Mapping[str, tuple[int, ...]] = model.required
+        unknown = sorted(name for name in required if not store.has(name))
+        if unknown:
+            raise MissingWeightError(f"the tensor store lacks tensors the model reads: {unknown}")
+    return model

@@ -1,0 +1,289 @@
+"""Tokenizers built from a GGUF file's own metadata, on Hugging Face's ``tokenizers`` library.
+
+Two ``tokenizer.ggml.model`` kinds are supported:
+
+- ``llama`` (SentencePiece BPE): llama.cpp merges the adjacent pair whose concatenation is the
+  highest-scoring token, repeatedly. That is BPE whose merges are every ``(left, right)`` split of
+  a normal token into two vocabulary tokens, ranked by the merged token's score (the same
+  extraction ``transformers`` uses to convert SentencePiece models). Spaces become ``▁``, a ``▁``
+  is prepended when ``tokenizer.ggml.add_space_prefix`` is true (the default), and characters
+  without a token fall back to the ``<0xXX>`` byte tokens.
+- ``gpt2`` (byte-level BPE): ``tokenizer.ggml.merges`` as given, with the pre-tokenizer regex
+  that ``tokenizer.ggml.pre`` names.
+
+Control tokens are special (matched in text only with ``parse_special=True``); user-defined tokens
+are always matched whole, as llama.cpp does. ``tokenizer.ggml.add_bos_token`` /
+``add_eos_token`` decide what ``encode`` adds by default.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ggufswap.runtime.errors import RuntimeLibraryError
+from ggufswap.shards import read_header
+from ggufswap.shards.reader import read_array
+
+
+class TokenizerError(RuntimeLibraryError, ValueError):
+    """The GGUF's tokenizer metadata is missing, inconsistent or of an unsupported kind."""
+
+
+class TokenizerKeys:
+    """``tokenizer.ggml.*`` keys (gguf-py's ``Keys.Tokenizer``)."""
+
+    MODEL: Final = "tokenizer.ggml.model"
+    PRE: Final = "tokenizer.ggml.pre"
+    TOKENS: Final = "tokenizer.ggml.tokens"
+    SCORES: Final = "tokenizer.ggml.scores"
+    TOKEN_TYPE: Final = "tokenizer.ggml.token_type"  # noqa: S105 (a key name, not a password)
+    MERGES: Final = "tokenizer.ggml.merges"
+    BOS_ID: Final = "tokenizer.ggml.bos_token_id"
+    EOS_ID: Final = "tokenizer.ggml.eos_token_id"
+    UNK_ID: Final = "tokenizer.ggml.unknown_token_id"
+    ADD_BOS: Final = "tokenizer.ggml.add_bos_token"
+    ADD_EOS: Final = "tokenizer.ggml.add_eos_token"
+    ADD_SPACE_PREFIX: Final = "tokenizer.ggml.add_space_prefix"
+
+
+class TokenizerKind(str, enum.Enum):
+    """``tokenizer.ggml.model`` values this module builds."""
+
+    SPM = "llama"
+    BPE = "gpt2"
+
+
+class TokenType(enum.IntEnum):
+    """llama.cpp's ``LLAMA_TOKEN_TYPE_*`` (``tokenizer.ggml.token_type``)."""
+
+    UNDEFINED = 0
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+SPACE: Final = "\u2581"  # SentencePiece's visible space
+_GPT2_SPLIT: Final = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT: Final = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT: Final = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> the pre-tokenizer split regex (llama.cpp's llama-vocab.cpp).
+BPE_PRE_SPLITS: Final[Mapping[str, str]] = {
+    "default": _GPT2_SPLIT,
+    "gpt-2": _GPT2_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+}
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """The tokenizer metadata of one GGUF file, decoded."""
+
+    kind: TokenizerKind
+    tokens: Sequence[str]
+    token_types: Sequence[int]
+    scores: Sequence[float] | None = None
+    merges: Sequence[str] | None = None
+    pre: str = "default"
+    bos_id: int | None = None
+    eos_id: int | None = None
+    unk_id: int | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+    add_space_prefix: bool = True
+
+    @classmethod
+    def from_metadata(
+        cls, md: Mapping[str, Any], array: Callable[[str], list[Any]] | None = None
+    ) -> Vocabulary:
+        """Read ``tokenizer.ggml.*``; ``array(key)`` decodes arrays left on disk (read_array)."""
+        k = TokenizerKeys
+
+        def arr(key: str) -> list[Any] | None:
+            if key not in md:
+                return None
+            value = md[key]
+            if isinstance(value, list | tuple):
+                return list(value)
+            if array is None:
+                raise TokenizerError(f"{key}: array left on disk and no reader given")
+            return array(key)
+
+        kind_name = md.get(k.MODEL)
+        try:
+            kind = TokenizerKind(str(kind_name))
+        except ValueError:
+            supported = ", ".join(repr(t.value) for t in TokenizerKind)
+            raise TokenizerError(
+                f"{k.MODEL} = {kind_name!r} is not supported; supported: {supported}"
+            ) from None
+        tokens, types = arr(k.TOKENS), arr(k.TOKEN_TYPE)
+        scores, merges = arr(k.SCORES), arr(k.MERGES)
+        problems = []
+        if tokens is None:
+            problems.append(f"missing {k.TOKENS!r}")
+        n = len(tokens or ())
+        if types is None:
+            types = [TokenType.NORMAL] * n
+        for key, values in ((k.TOKEN_TYPE, types), (k.SCORES, scores)):
+            if values is not None and len(values) != n:
+                problems.append(f"{key} has {len(values)} entries, {k.TOKENS} has {n}")
+        if kind is TokenizerKind.SPM and scores is None:
+            problems.append(f"a {kind.value!r} tokenizer needs {k.SCORES!r}")
+        if kind is TokenizerKind.BPE and merges is None:
+            problems.append(f"a {kind.value!r} tokenizer needs {k.MERGES!r}")
+        pre = str(md.get(k.PRE, "default"))
+        if kind is TokenizerKind.BPE and pre not in BPE_PRE_SPLITS:
+            problems.append(f"{k.PRE} = {pre!r} is not supported; known: {sorted(BPE_PRE_SPLITS)}")
+        ids = {key: md.get(key) for key in (k.BOS_ID, k.EOS_ID, k.UNK_ID)}
+        for key, value in ids.items():
+            if value is not None and not 0 <= int(value) < n:
+                problems.append(f"{key} = {value} is outside the vocabulary (0..{n - 1})")
+        if problems:
+            raise TokenizerError("cannot build the tokenizer:\n  " + "\n  ".join(problems))
+
+        def opt(key: str) -> int | None:
+            value = ids[key]
+            return None if value is None else int(value)
+
+        return cls(
+            kind=kind,
+            tokens=tokens or [],
+            token_types=[int(t) for t in types],
+            scores=None if scores is None else [float(s) for s in scores],
+            merges=merges,
+            pre=pre,
+            bos_id=opt(k.BOS_ID),
+            eos_id=opt(k.EOS_ID),
+            unk_id=opt(k.UNK_ID),
+            add_bos=bool(md.get(k.ADD_BOS, kind is TokenizerKind.SPM)),
+            add_eos=bool(md.get(k.ADD_EOS, False)),
+            add_space_prefix=bool(md.get(k.ADD_SPACE_PREFIX, kind is TokenizerKind.SPM)),
+        )
+
+
+def spm_merges(vocab: Vocabulary) -> list[tuple[str, str]]:
+    """Every split of a normal token into two vocabulary tokens, best merged score first."""
+    assert vocab.scores is not None, "SPM vocabularies carry scores (checked when read)"
+    index = {tok: i for i, tok in enumerate(vocab.tokens)}
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for i, piece in enumerate(vocab.tokens):
+        if vocab.token_types[i] != TokenType.NORMAL or len(piece) < 2:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            a, b = index.get(left), index.get(right)
+            if a is not None and b is not None:
+                ranked.append((-vocab.scores[i], a, b, left, right))
+    ranked.sort(key=lambda r: r[:3])
+    return [(left, right) for *_, left, right in ranked]
+
+
+class GgufTokenizer:
+    """Text <-> token ids for one GGUF vocabulary."""
+
+    def __init__(self, vocab: Vocabulary) -> None:
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+        from tokenizers import pre_tokenizers as pre
+
+        self.vocab = vocab
+        ids = {tok: i for i, tok in enumerate(vocab.tokens)}
+        unk = None if vocab.unk_id is None else vocab.tokens[vocab.unk_id]
+        if vocab.kind is TokenizerKind.SPM:
+            model = models.BPE(
+                ids, spm_merges(vocab), unk_token=unk, byte_fallback=True, fuse_unk=True
+            )
+            tok = Tokenizer(model)
+            steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", SPACE)]
+            if vocab.add_space_prefix:
+                steps.insert(0, normalizers.Prepend(SPACE))
+            tok.normalizer = normalizers.Sequence(steps)
+            dec = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+            if vocab.add_space_prefix:
+                dec.append(decoders.Strip(" ", 1, 0))
+            tok.decoder = decoders.Sequence(dec)
+        else:
+            assert vocab.merges is not None, "BPE vocabularies carry merges (checked when read)"
+            pairs = [tuple(m.split(" ", 1)) for m in vocab.merges]
+            tok = Tokenizer(models.BPE(ids, pairs, unk_token=unk))  # type: ignore[arg-type]
+            tok.pre_tokenizer = pre.Sequence(
+                [
+                    pre.Split(Regex(BPE_PRE_SPLITS[vocab.pre]), behavior="isolated"),
+                    pre.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+            tok.decoder = decoders.ByteLevel()
+        special = {TokenType.CONTROL, TokenType.UNKNOWN}
+        added = [
+            AddedToken(t, special=ty in special, normalized=False)
+            for t, ty in zip(vocab.tokens, vocab.token_types, strict=True)
+            if ty in special or ty == TokenType.USER_DEFINED
+        ]
+        tok.add_tokens(added)
+        self._tok = tok
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> GgufTokenizer:
+        """The tokenizer of a GGUF file (the first shard of a split model holds it)."""
+        header = read_header(path)
+        return cls(Vocabulary.from_metadata(header.metadata, lambda key: read_array(header, key)))
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.vocab.tokens)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.vocab.bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.vocab.eos_id
+
+    def encode(
+        self,
+        text: str,
+        *,
+        add_bos: bool | None = None,
+        add_eos: bool | None = None,
+        parse_special: bool = False,
+    ) -> list[int]:
+        """Token ids of ``text``; BOS/EOS as the file says unless given; control tokens written in
+        the text are tokens only with ``parse_special``."""
+        self._tok.encode_special_tokens = not parse_special
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        bos = self.vocab.add_bos if add_bos is None else add_bos
+        eos = self.vocab.add_eos if add_eos is None else add_eos
+        if bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        if eos and self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        """The text of ``ids``; control tokens are left out unless ``skip_special=False``."""
+        text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special)
+        return text
+
+    def token(self, token_id: int) -> str:
+        """The vocabulary entry of ``token_id`` (``▁``-spaced for SPM, byte-level for BPE)."""
+        return self.vocab.tokens[token_id]
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a vocabulary entry, or None."""
+        found: int | None = self._tok.token_to_id(token)
+        return found

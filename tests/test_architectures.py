@@ -1,0 +1,206 @@
+"""Every supported architecture, written as a tiny GGUF file, loads, runs and hot-swaps exactly."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ggufswap.ipc.plan import Job, Plan
+from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime.architectures import DECODERS, build_model
+from ggufswap.runtime.model import DictWeightProvider
+from ggufswap.runtime.model_config import Arch, ModelConfig, ModelConfigError
+from ggufswap.runtime.model_gemma3 import Gemma3Transformer, sliding_window_mask
+from ggufswap.shards import read_header, requantize
+from ggufswap.shards.writer import ModelSpec, tiny_arch, write_model
+
+TOKENS = torch.tensor(
+    [[1, 17, 33, 250, 4, 99, 7, 128, 5, 60], [200, 3, 45, 45, 12, 0, 255, 64, 9, 9]]
+)
+
+# (writer arch, spec overrides): every architecture, and llama as Mixtral-style MoE.
+CASES = {
+    "llama": ("llama", {}),
+    "llama-moe": ("llama", {"n_expert": 4, "n_expert_used": 2}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "qwen2moe": ("qwen2moe", {}),
+    "qwen3moe": ("qwen3moe", {}),
+    "gemma3": ("gemma3", {}),
+}
+
+
+def spec_for(case: str) -> ModelSpec:
+    arch, overrides = CASES[case]
+    return tiny_arch(arch, **overrides).with_types(attn_q="q5_0", ffn_down="q4_0")
+
+
+def open_model(path: Path) -> tuple[HotSwapRuntime, torch.nn.Module]:
+    runtime = HotSwapRuntime.open(path)
+    assert runtime.shards is not None, "open() keeps the shard set"
+    config = ModelConfig.from_metadata(runtime.shards.metadata)
+    return runtime, build_model(config, runtime.store, store=runtime.store)
+
+
+def logits_of(path: Path) -> torch.Tensor:
+    runtime, model = open_model(path)
+    try:
+        with torch.inference_mode():
+            return model(TOKENS)
+    finally:
+        runtime.close()
+
+
+def test_every_architecture_has_a_decoder() -> None:
+    """Each architecture the config reader accepts maps to a decoder module."""
+    assert set(DECODERS) == set(Arch)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tiny_model_swaps_equal_a_fresh_load_and_restore_exactly(case: str, tmp_path: Path) -> None:
+    """Re-quantizing attn_q of block 0 and hot-swapping it gives the fresh load's logits bit for
+    bit, and swapping the original back restores the original logits exactly."""
+    model_dir, store = tmp_path / "model", tmp_path / "store"
+    store.mkdir()
+    path = write_model(spec_for(case), model_dir)[0]
+    assert read_header(path).architecture == CASES[case][0]
+    saved = shutil.copy2(path, store / "saved.gguf")
+    name = "blk.0.attn_q.weight"
+    runtime, model = open_model(path)
+    try:
+        with torch.inference_mode():
+            before = model(TOKENS)
+        assert torch.isfinite(before).all()
+        assert before.shape == (*TOKENS.shape, 256)
+        requantize(path, name, "q8_0")
+        record = read_header(path).tensor_map()[name]
+        runtime.apply(Plan("down", "", (Job(record),)))
+        with torch.inference_mode():
+            swapped = model(TOKENS)
+        assert not torch.equal(swapped, before), "the swap changed nothing"
+        assert torch.equal(swapped, logits_of(path))
+        shutil.copy2(saved, store / "back.gguf")
+        (store / "back.gguf").replace(path)
+        runtime.apply(Plan("back", "", (Job(read_header(path).tensor_map()[name]),)))
+        with torch.inference_mode():
+            assert torch.equal(model(TOKENS), before)
+    finally:
+        runtime.close()
+
+
+def test_gemma3_tied_head_follows_a_swapped_embedding(tmp_path: Path) -> None:
+    """With no output.weight, the head reads token_embd's slot: swapping the embedding changes the
+    head too, and the result equals a fresh load."""
+    path = write_model(tiny_arch("gemma3", tied_output=True), tmp_path)[0]
+    assert "output.weight" not in read_header(path).tensor_map()
+    runtime, model = open_model(path)
+    try:
+        assert isinstance(model, Gemma3Transformer)
+        assert model.output == "token_embd.weight"
+        requantize(path, "token_embd.weight", "q4_0")
+        runtime.apply(Plan("e", "", (Job(read_header(path).tensor_map()["token_embd.weight"]),)))
+        with torch.inference_mode():
+            assert torch.equal(model(TOKENS), logits_of(path))
+    finally:
+        runtime.close()
+
+
+def test_gemma3_layers_alternate_five_local_then_one_global() -> None:
+    """Layers 0-4 and 6-10 slide, layers 5 and 11 are global (llama.cpp's pattern of 6)."""
+    md = _gemma_md(n_layer=12)
+    config = ModelConfig.from_metadata(md)
+    assert [config.is_local_layer(i) for i in range(12)] == [True] * 5 + [False] + [True] * 5 + [
+        False
+    ]
+    assert config.rope_base_local == 10000.0
+    assert config.rope_base == 1e6
+    assert config.embed_scale == pytest.approx(8.0)  # sqrt(64)
+
+
+def test_sliding_window_mask_keeps_the_last_window_tokens() -> None:
+    """Query i sees keys i-window+1 .. i: never the future, never further back than the window."""
+    mask = sliding_window_mask(6, 3, torch.device("cpu"))
+    for i in range(6):
+        assert [j for j in range(6) if mask[i, j]] == list(range(max(0, i - 2), i + 1))
+
+
+def test_gemma3_local_layer_ignores_tokens_outside_its_window(tmp_path: Path) -> None:
+    """In a one-layer (local) gemma3, the last logits do not change when a token further back than
+    the window changes, but do when a token inside it changes."""
+    path = write_model(tiny_arch("gemma3", n_layers=1, sliding_window=4), tmp_path)[0]
+    runtime, model = open_model(path)
+    try:
+        with torch.inference_mode():
+            base = model(TOKENS[:1])
+            far, near = TOKENS[:1].clone(), TOKENS[:1].clone()
+            far[0, 2] = 77  # position 2: outside the window of position 9 (6..9)
+            near[0, 7] = 77
+            assert torch.equal(model(far)[0, -1], base[0, -1])
+            assert not torch.equal(model(near)[0, -1], base[0, -1])
+    finally:
+        runtime.close()
+
+
+def test_gemma3_reads_rope_scaling_and_refuses_unknown_kinds() -> None:
+    """Linear rope scaling sets the global layers' frequency scale; other kinds are refused."""
+    config = ModelConfig.from_metadata(
+        _gemma_md(**{"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0})
+    )
+    assert config.rope_freq_scale == 0.125
+    with pytest.raises(ModelConfigError, match="yarn"):
+        ModelConfig.from_metadata(
+            _gemma_md(**{"gemma3.rope.scaling.type": "yarn", "gemma3.rope.scaling.factor": 4.0})
+        )
+    md = _gemma_md()
+    del md["gemma3.attention.sliding_window"]
+    with pytest.raises(ModelConfigError, match="sliding_window"):
+        ModelConfig.from_metadata(md)
+
+
+def test_final_logit_softcapping_bounds_the_logits() -> None:
+    """With final_logit_softcapping c every logit lies in [-c, c]; without it they exceed c."""
+    capped = ModelConfig.from_metadata(_gemma_md(**{"gemma3.final_logit_softcapping": 0.5}))
+    g = torch.Generator().manual_seed(0)
+    weights = {
+        name: torch.randn(*shape, generator=g) * 3
+        for name, shape in Gemma3Transformer(capped, _Shapes(), check_shapes=False).required.items()
+    }
+    plain = ModelConfig.from_metadata(_gemma_md())
+    with torch.inference_mode():
+        out = Gemma3Transformer(capped, DictWeightProvider(weights))(TOKENS[:, :4])
+        raw = Gemma3Transformer(plain, DictWeightProvider(weights))(TOKENS[:, :4])
+    assert out.abs().max() <= 0.5
+    assert raw.abs().max() > 0.5
+    assert torch.equal(out, torch.tanh(raw / 0.5) * 0.5)
+
+
+class _Shapes:
+    """A provider that has every tensor (used only to list what a model reads)."""
+
+    def has(self, name: str) -> bool:
+        return name != "output.weight" and not name.endswith(".bias")  # tied head, no biases
+
+    def weight(self, name: str) -> torch.Tensor:
+        raise AssertionError(f"{name} read while listing shapes")
+
+
+def _gemma_md(n_layer: int = 1, **extra: object) -> dict[str, object]:
+    md: dict[str, object] = {
+        "general.architecture": "gemma3",
+        "gemma3.block_count": n_layer,
+        "gemma3.embedding_length": 64,
+        "gemma3.feed_forward_length": 128,
+        "gemma3.attention.head_count": 4,
+        "gemma3.attention.head_count_kv": 1,
+        "gemma3.attention.key_length": 32,
+        "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
+        "gemma3.rope.freq_base": 1e6,
+        "gemma3.context_length": 64,
+        "gemma3.attention.sliding_window": 4,
+        "gemma3.vocab_size": 300,
+    }
+    md.update(extra)
+    return md
