@@ -65,7 +65,9 @@ class HotSwapRuntime:
         self._queue: queue.Queue[object] = queue.Queue()
         self._staged: collections.deque[tuple[PlanTicket, StagedPlan]] = collections.deque()
         self._commit_lock = threading.Lock()
+        self._submit_lock = threading.Lock()  # one submit at a time: a plan id is applied once
         self._cond = threading.Condition()
+        self._closed = False  # set under _cond by close(); the stager then stages nothing more
         self._in_flight = 0  # queued or staged, not yet final
         self._tickets: collections.OrderedDict[str, PlanTicket] = collections.OrderedDict()
         self._on_commit: list[CommitCallback] = []
@@ -161,11 +163,18 @@ class HotSwapRuntime:
         Re-submitting a plan id that is already known returns the existing ticket: a plan is
         applied at most once.
         """
+        with self._submit_lock:
+            return self._submit(plan)
+
+    def _submit(self, plan: Plan) -> PlanTicket:
         known = self._tickets.get(plan.plan_id)
         if known is not None and known.state is not PlanState.REJECTED:
             return known
         ticket = PlanTicket(plan)
         self._remember(ticket)
+        if self._closed:
+            self._finish_rejected(ticket, [Reason("*", "the runtime is closed")], stale=True)
+            return ticket
         reasons = validate_plan(plan, self.store, allowed_roots=self.allowed_roots)
         if plan.model and plan.model != self.model_name:
             reasons.append(
@@ -245,6 +254,10 @@ class HotSwapRuntime:
             self._stage_one(item)
 
     def _stage_one(self, ticket: PlanTicket) -> None:
+        if self._closed:  # taken off the queue just before close() drained it
+            self._finish_rejected(ticket, [Reason("*", "runtime shutting down")], stale=True)
+            self._settled(1)
+            return
         ticket.move(PlanState.STAGING)
         started = time.monotonic()
         try:
@@ -266,8 +279,15 @@ class HotSwapRuntime:
         ticket.bytes_read = staged.bytes_read
         ticket.move(PlanState.STAGED)
         with self._cond:
-            self._staged.append((ticket, staged))
-            self._cond.notify_all()
+            closing = self._closed
+            if not closing:
+                self._staged.append((ticket, staged))
+                self._cond.notify_all()
+        if closing:  # close() ran while this plan was staging: it will never be committed
+            staged.discard()
+            self._finish_rejected(ticket, [Reason("*", "runtime shutting down")], stale=True)
+            self._settled(1)
+            return
         self._emit("plan.staged", plan_id=ticket.plan_id, stage_ms=round(ticket.stage_s * 1e3, 3))
         # One plan in flight: the next is staged against the buffers this one leaves behind.
         ticket.wait()
@@ -368,6 +388,10 @@ class HotSwapRuntime:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the stager; queued and staged plans are rejected (nothing half-applied)."""
         shutting_down = [Reason("*", "runtime shutting down")]
+        with self._commit_lock, self._cond:
+            self._closed = True
+            staged_plans = list(self._staged)
+            self._staged.clear()
         while True:
             try:
                 item = self._queue.get_nowait()
@@ -377,8 +401,7 @@ class HotSwapRuntime:
                 self._finish_rejected(item, shutting_down, stale=True)
                 self._settled(1)
         self._queue.put(_STOP)
-        while self._staged:
-            ticket, staged = self._staged.popleft()
+        for ticket, staged in staged_plans:
             staged.discard()
             self._finish_rejected(ticket, shutting_down, stale=True)
             self._settled(1)
