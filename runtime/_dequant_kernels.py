@@ -2,9 +2,10 @@
 
 A kernel has two halves. ``prepare(blocks)`` computes the per-block float32 scales of the whole
 tensor (``blocks`` is ``[n, type_size]`` uint8, one GGUF block per row). ``body(blocks, out,
-*scales)`` then dequantizes one chunk of blocks into ``out`` (``[c, block_size]`` float32,
-contiguous), given the matching rows of the scales; the driver keeps chunks small enough to stay
-in the last-level cache between passes.
+arena, *scales)`` then dequantizes one chunk of blocks into ``out`` (``[c, block_size]`` float32,
+contiguous), given the matching rows of the scales. The driver keeps chunks small enough to stay
+in the last-level cache between passes, and ``arena`` hands out temporaries that are reused from
+chunk to chunk (fresh allocations would pay page faults on every chunk).
 
 Bit-exactness with ``gguf.quants``: every scale product there is exact in float32 (an fp16 scale
 has 11 significant bits and the integer factors at most 13 together), so the only rounding step is
@@ -12,9 +13,10 @@ the final add or subtract of the min term, done exactly once here too. Products 
 are exact as well, which lets the integer stage fold a bias into the sign bit (``16 * (q - 8)`` is
 ``(q ^ 8) << 4`` read as int8) and the scale absorb the factor (``d / 16``).
 
-Speed: torch's elementwise loops pay a few nanoseconds per contiguous run, so bit operations run
-over the whole chunk's bytes at once (header bytes included, then ignored), and only the
-int8->float32 conversion and the scaling walk the block structure.
+Speed: torch's elementwise loops pay a few nanoseconds per contiguous run and do not vectorize
+uint8 shifts, so bit operations run as SWAR on int64 words over the whole chunk's bytes (header
+bytes included, then ignored); the int8->float32 conversion is one contiguous pass; only the
+scaling walks the block structure, writing each output element once.
 """
 
 from __future__ import annotations
@@ -41,6 +43,53 @@ class Kernel:
     body: Body
 
 
+class Arena:
+    """Named scratch buffers for one dequantization call, reused across its chunks."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` elements (uninitialised); the same memory on every call."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = -(-nbytes // 8) * 8
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+            self._buffers[name] = buf
+        return buf[:nbytes].view(dtype)[:numel]
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def _i64(value: int) -> int:
+    """A 64-bit pattern as the signed integer torch's int64 scalars take."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _rep(byte: int) -> int:
+    """``byte`` repeated in all 8 bytes of an int64 (a SWAR mask)."""
+    return _i64(byte * 0x0101010101010101)
+
+
+def _words(flat: torch.Tensor, arena: Arena) -> torch.Tensor:
+    """``flat`` (uint8) as int64 words for byte-wise SWAR ops, zero-padded to whole words.
+
+    A shift of a word followed by a per-byte mask is a per-byte shift, done at an eighth of the
+    element count (torch does not vectorize uint8 shifts).
+    """
+    n = flat.numel()
+    if n % 8 == 0 and flat.data_ptr() % 8 == 0:
+        return flat.view(torch.int64)
+    words = arena.take("words", -(-n // 8), torch.int64)
+    padded = words.view(torch.uint8)
+    padded[n:].zero_()
+    padded[:n].copy_(flat)
+    return words
+
+
 def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     """The fp16 field at byte ``offset`` of every block, as float32 ``[n, 1]``."""
     return blocks[:, offset : offset + 2].view(torch.float16).to(torch.float32)
@@ -50,14 +99,21 @@ def _no_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return ()
 
 
-def _byte_rows(flat: torch.Tensor, type_size: int, start: int, stop: int) -> torch.Tensor:
-    """Bytes ``start:stop`` of every block of the flat chunk ``flat``: ``[c, stop - start]``."""
-    return flat.view(-1, type_size)[:, start:stop]
+def _to_float(src: torch.Tensor, arena: Arena, name: str = "f") -> torch.Tensor:
+    """Contiguous int->float32 conversion of ``src`` into a reused buffer of the same shape."""
+    f = arena.take(name, src.numel(), torch.float32).view(src.shape)
+    f.copy_(src)
+    return f
+
+
+def _rows(f: torch.Tensor, c: int, size: int, start: int, stop: int) -> torch.Tensor:
+    """Columns ``start:stop`` of the first ``c * size`` elements of ``f`` seen as ``[c, size]``."""
+    return f[: c * size].view(c, size)[:, start:stop]
 
 
 @lru_cache(maxsize=64)
 def _bit_lut(device: torch.device, bits: int, scale: int, bias: int, xor: int) -> torch.Tensor:
-    """Packed table: byte ``v`` -> int8 lanes ``(((v >> bits*i) & mask) * scale + bias) ^ xor``.
+    """Packed table: byte ``v`` -> uint8 lanes ``(((v >> bits*i) & mask) * scale + bias) ^ xor``.
 
     Looking a byte up yields all the lanes it encodes in one gather, in element order.
     """
@@ -72,12 +128,6 @@ def _bit_lut(device: torch.device, bits: int, scale: int, bias: int, xor: int) -
     return packed.reshape(256).to(device)
 
 
-def _lookup(lut: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Gather ``lut[idx]`` and view the packed lanes as uint8: ``[*idx.shape, lanes]``."""
-    flat = torch.index_select(lut, 0, idx.to(torch.int32).reshape(-1))
-    return flat.view(torch.uint8).view(*idx.shape, -1)
-
-
 @lru_cache(maxsize=16)
 def _pair_lut(device: torch.device, values: tuple[int, ...]) -> torch.Tensor:
     """int16 table: byte ``v`` -> int8 lanes ``(values[v & 15], values[v >> 4])``."""
@@ -88,15 +138,15 @@ def _pair_lut(device: torch.device, values: tuple[int, ...]) -> torch.Tensor:
 # --- plain float types ------------------------------------------------------------------------
 
 
-def _f32(blocks: torch.Tensor, out: torch.Tensor) -> None:
+def _f32(blocks: torch.Tensor, out: torch.Tensor, arena: Arena) -> None:
     out.view(torch.uint8).copy_(blocks)
 
 
-def _f16_body(blocks: torch.Tensor, out: torch.Tensor) -> None:
+def _f16_body(blocks: torch.Tensor, out: torch.Tensor, arena: Arena) -> None:
     out.copy_(blocks.view(torch.float16))
 
 
-def _bf16(blocks: torch.Tensor, out: torch.Tensor) -> None:
+def _bf16(blocks: torch.Tensor, out: torch.Tensor, arena: Arena) -> None:
     # bf16 -> f32 is the bit shift `x << 16` (gguf: int16 -> int32 << 16), NaN payloads included.
     out.copy_(blocks.view(torch.bfloat16))
 
@@ -118,61 +168,102 @@ def _d_m(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return _f16(blocks, 0), _f16(blocks, 2)
 
 
-def _q4_0(blocks: torch.Tensor, out: torch.Tensor, d16: torch.Tensor) -> None:
+def _nibbles(w: torch.Tensor, arena: Arena, *, bias8: bool = False) -> torch.Tensor:
+    """``[2, 8 * len(w)]`` bytes: the low and the high nibble of every byte of the words ``w``.
+
+    With ``bias8`` the bytes are ``(nibble ^ 8) << 4``, which read as int8 are
+    ``16 * (nibble - 8)``, for the offset-8 types.
+    """
+    nib = arena.take("nibbles", 2 * w.numel(), torch.int64).view(2, -1)
+    if bias8:
+        t = torch.bitwise_xor(w, _rep(0x88), out=arena.take("t", w.numel(), torch.int64))
+        torch.bitwise_left_shift(t, 4, out=nib[0])
+        torch.bitwise_and(t, _rep(0xF0), out=nib[1])
+        nib[0].bitwise_and_(_rep(0xF0))
+    else:
+        torch.bitwise_and(w, _rep(0x0F), out=nib[0])
+        torch.bitwise_right_shift(w, 4, out=nib[1])
+        nib[1].bitwise_and_(_rep(0x0F))
+    return nib.view(torch.uint8)
+
+
+def _q4_0(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d16: torch.Tensor) -> None:
     # block: d f16 | qs[16]; x = d * ((q & 15) - 8) = (d / 16) * int8((q ^ 8) << 4)
-    c = blocks.shape[0]
-    t = torch.bitwise_xor(blocks.reshape(-1), 0x88)
-    high = torch.bitwise_and(t, 0xF0).view(torch.int8)
-    low = t.bitwise_left_shift_(4).view(torch.int8)
+    c, size = blocks.shape
+    nib = _nibbles(_words(blocks.reshape(-1), arena), arena, bias8=True)
+    f = _to_float(nib.view(torch.int8), arena)
     o = out.view(c, 2, 16)
-    o[:, 0].copy_(_byte_rows(low, 18, 2, 18))
-    o[:, 1].copy_(_byte_rows(high, 18, 2, 18))
-    out.mul_(d16)
+    for h in range(2):
+        torch.mul(_rows(f[h], c, size, 2, size), d16, out=o[:, h])
 
 
-def _q4_1(blocks: torch.Tensor, out: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+def _q4_1(
+    blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tensor, m: torch.Tensor
+) -> None:
     # block: d f16 | m f16 | qs[16]; x = d * q + m
-    c = blocks.shape[0]
-    flat = blocks.reshape(-1)
+    c, size = blocks.shape
+    f = _to_float(_nibbles(_words(blocks.reshape(-1), arena), arena), arena)
     o = out.view(c, 2, 16)
-    o[:, 0].copy_(_byte_rows(torch.bitwise_and(flat, 0x0F), 20, 4, 20))
-    o[:, 1].copy_(_byte_rows(torch.bitwise_right_shift(flat, 4), 20, 4, 20))
-    out.mul_(d).add_(m)
+    for h in range(2):
+        torch.mul(_rows(f[h], c, size, 4, size), d, out=o[:, h])
+    out.add_(m)
 
 
-def _q5_0(blocks: torch.Tensor, out: torch.Tensor, d8: torch.Tensor) -> None:
+def _spread_bits(qh: torch.Tensor, lut: torch.Tensor, arena: Arena) -> torch.Tensor:
+    """32-bit masks ``qh [c, 1]`` (int64) -> ``[c, 32]`` uint8; element ``j`` from bit ``j``."""
+    c = qh.shape[0]
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=qh.device)
+    idx = arena.take("idx", 4 * c, torch.int64).view(c, 4)
+    torch.bitwise_right_shift(qh, shifts, out=idx).bitwise_and_(0xFF)
+    bits = arena.take("bits", 4 * c, torch.int64)
+    torch.index_select(lut, 0, idx.view(-1), out=bits)
+    return bits.view(torch.uint8).view(c, 32)
+
+
+def _q5_combine(
+    blocks: torch.Tensor, nib: torch.Tensor, qh: torch.Tensor, lut: torch.Tensor, arena: Arena
+) -> torch.Tensor:
+    """``[c, 32]`` uint8 elements: the nibbles of the qs field (last 16 bytes) OR the hbits."""
+    c, size = blocks.shape
+    bits = _spread_bits(qh, lut, arena).view(c, 2, 16)
+    q = arena.take("q", 32 * c, torch.uint8).view(c, 2, 16)
+    for h in range(2):
+        torch.bitwise_or(_rows(nib[h], c, size, size - 16, size), bits[:, h], out=q[:, h])
+    return q.view(c, 32)
+
+
+def _q5_0(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d8: torch.Tensor) -> None:
     # block: d f16 | qh u32 | qs[16]; x = d * ((q | hbit << 4) - 16)
     #      = (d / 8) * int8((q << 3) | (1 - hbit) << 7)
-    c = blocks.shape[0]
-    flat = blocks.reshape(-1)
-    low = torch.bitwise_and(flat, 0x0F).bitwise_left_shift_(3)
-    high = torch.bitwise_right_shift(flat, 1).bitwise_and_(0x78)
-    sign = _lookup(_bit_lut(blocks.device, 1, 0x80, 0, 0x80), blocks[:, 2:6]).view(c, 2, 16)
-    q = torch.empty(c, 2, 16, dtype=torch.uint8, device=blocks.device)
-    torch.bitwise_or(_byte_rows(low, 22, 6, 22), sign[:, 0], out=q[:, 0])
-    torch.bitwise_or(_byte_rows(high, 22, 6, 22), sign[:, 1], out=q[:, 1])
-    out.view(-1).copy_(q.view(-1).view(torch.int8))
+    w = _words(blocks.reshape(-1), arena)
+    nib = arena.take("nibbles", 2 * w.numel(), torch.int64).view(2, -1)
+    torch.bitwise_left_shift(w, 3, out=nib[0]).bitwise_and_(_rep(0x78))
+    torch.bitwise_right_shift(w, 1, out=nib[1]).bitwise_and_(_rep(0x78))
+    lo16 = blocks[:, 2:4].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
+    hi16 = blocks[:, 4:6].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
+    qh = lo16.bitwise_or_(hi16.bitwise_left_shift_(16))
+    lut = _bit_lut(blocks.device, 1, 0x80, 0, 0x80)
+    q = _q5_combine(blocks, nib.view(torch.uint8), qh, lut, arena)
+    out.copy_(q.view(torch.int8))
     out.mul_(d8)
 
 
-def _q5_1(blocks: torch.Tensor, out: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+def _q5_1(
+    blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tensor, m: torch.Tensor
+) -> None:
     # block: d f16 | m f16 | qh u32 | qs[16]; x = d * (q | hbit << 4) + m
-    c = blocks.shape[0]
-    flat = blocks.reshape(-1)
-    low = torch.bitwise_and(flat, 0x0F)
-    high = torch.bitwise_right_shift(flat, 4)
-    hbit = _lookup(_bit_lut(blocks.device, 1, 16, 0, 0), blocks[:, 4:8]).view(c, 2, 16)
-    q = torch.empty(c, 2, 16, dtype=torch.uint8, device=blocks.device)
-    torch.bitwise_or(_byte_rows(low, 24, 8, 24), hbit[:, 0], out=q[:, 0])
-    torch.bitwise_or(_byte_rows(high, 24, 8, 24), hbit[:, 1], out=q[:, 1])
-    out.view(-1).copy_(q.view(-1))
+    nib = _nibbles(_words(blocks.reshape(-1), arena), arena)
+    qh = blocks.view(torch.int32)[:, 1:2].to(torch.int64).bitwise_and_(0xFFFFFFFF)
+    q = _q5_combine(blocks, nib, qh, _bit_lut(blocks.device, 1, 16, 0, 0), arena)
+    out.copy_(q)
     out.mul_(d).add_(m)
 
 
-def _q8_0(blocks: torch.Tensor, out: torch.Tensor, d: torch.Tensor) -> None:
+def _q8_0(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tensor) -> None:
     # block: d f16 | qs int8[32]; x = q * d
-    out.copy_(blocks[:, 2:].view(torch.int8))
-    out.mul_(d)
+    c, size = blocks.shape
+    f = _to_float(blocks.reshape(-1).view(torch.int8), arena)
+    torch.mul(_rows(f, c, size, 2, size), d, out=out)
 
 
 # --- k-quants (256-element super-blocks) ------------------------------------------------------
@@ -185,17 +276,28 @@ def _q2_k_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return dl.unsqueeze(-1), ml.unsqueeze(-1)
 
 
-def _q2_k(blocks: torch.Tensor, out: torch.Tensor, dl: torch.Tensor, ml: torch.Tensor) -> None:
+def _crumbs(w: torch.Tensor, arena: Arena) -> torch.Tensor:
+    """``[4, 8 * len(w)]`` bytes: bit pairs ``(byte >> 2k) & 3`` of every byte, for k = 0..3."""
+    planes = arena.take("crumbs", 4 * w.numel(), torch.int64).view(4, -1)
+    planes[0].copy_(w)
+    for k in range(1, 4):
+        torch.bitwise_right_shift(w, 2 * k, out=planes[k])
+    planes.bitwise_and_(_rep(0x03))
+    return planes.view(torch.uint8)
+
+
+def _q2_k(
+    blocks: torch.Tensor, out: torch.Tensor, arena: Arena, dl: torch.Tensor, ml: torch.Tensor
+) -> None:
     # block: scales[16] | qs[64] | d f16 | dmin f16; x = d*(sc & 15) * q - dmin*(sc >> 4)
-    c = blocks.shape[0]
-    flat = blocks.reshape(-1)
-    o = out.view(c, 2, 4, 32)
+    c, size = blocks.shape
+    f = _to_float(_crumbs(_words(blocks.reshape(-1), arena), arena), arena)
+    o = out.view(c, 2, 4, 2, 16)  # [c, half, k, group-in-k, 16]
+    scale = dl.view(c, 2, 4, 2, 1)
     for k in range(4):
-        part = torch.bitwise_right_shift(flat, 2 * k) if k else flat
-        part = torch.bitwise_and(part, 0x03)
-        o[:, :, k].copy_(_byte_rows(part, 84, 16, 80).view(c, 2, 32))
-    o16 = out.view(c, 16, 16)
-    o16.mul_(dl).sub_(ml)
+        src = _rows(f[k], c, size, 16, 80).view(c, 2, 2, 16)
+        torch.mul(src, scale[:, :, k], out=o[:, :, k])
+    out.view(c, 16, 16).sub_(ml)
 
 
 def _q3_k_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -210,22 +312,25 @@ def _q3_k_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (dl.unsqueeze(-1),)
 
 
-def _q3_k(blocks: torch.Tensor, out: torch.Tensor, dl: torch.Tensor) -> None:
+def _q3_k(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, dl: torch.Tensor) -> None:
     # block: hmask[32] | qs[64] | scales[12] | d f16; x = d*sc * ((q & 3) - 4 * (1 - hbit))
-    c = blocks.shape[0]
-    flat = blocks.reshape(-1)
-    q = torch.empty(c, 8, 32, dtype=torch.uint8, device=blocks.device)
-    qv = q.view(c, 2, 4, 32)
-    for k in range(4):
-        part = torch.bitwise_right_shift(flat, 2 * k) if k else flat
-        part = torch.bitwise_and(part, 0x03)
-        qv[:, :, k].copy_(_byte_rows(part, 110, 32, 96).view(c, 2, 32))
+    c, size = blocks.shape
+    w = _words(blocks.reshape(-1), arena)
+    low = _crumbs(w, arena)
+    # bit s of hmask[l], as -4 (clear) or 0 (set): ((~byte >> s) & 1) * 0xFC in each byte
+    high = arena.take("hbits", 8 * w.numel(), torch.int64).view(8, -1)
+    inv = torch.bitwise_not(w, out=arena.take("t", w.numel(), torch.int64))
     for s in range(8):
-        # -4 where the mask bit is clear, 0 where set (uint8 wrap-around, read back as int8)
-        bit = torch.bitwise_right_shift(flat, s) if s else flat
-        bit = torch.bitwise_and(bit, 0x01).sub_(1).bitwise_and_(0xFC)
-        q[:, s].add_(_byte_rows(bit, 110, 0, 32))
-    out.view(-1).copy_(q.view(-1).view(torch.int8))
+        torch.bitwise_right_shift(inv, s, out=high[s])
+    high.bitwise_and_(_rep(0x01)).mul_(0xFC)
+    hb = high.view(torch.uint8)
+    q = arena.take("q", 256 * c, torch.uint8).view(c, 2, 4, 32)
+    for k in range(4):
+        q[:, :, k].copy_(_rows(low[k], c, size, 32, 96).view(c, 2, 32))
+    qs = q.view(c, 8, 32)
+    for s in range(8):
+        qs[:, s].add_(_rows(hb[s], c, size, 0, 32))
+    out.copy_(q.view(c, 256).view(torch.int8))
     out.view(c, 16, 16).mul_(dl)
 
 
@@ -244,47 +349,56 @@ def _k_scale_min(blocks: torch.Tensor, d_off: int, dmin_off: int) -> tuple[torch
     torch.bitwise_and(m, 0x3F3F3F3F, out=packed[:, 2])
     torch.bitwise_or((md >> 4) & 0x0F0F0F0F, (m >> 2) & 0x30303030, out=packed[:, 3])
     sc_min = packed.view(torch.uint8).view(n, 2, 8).to(torch.float32)
-    dl = sc_min[:, 0].mul_(_f16(blocks, d_off))
-    ml = sc_min[:, 1].mul_(_f16(blocks, dmin_off))
-    return dl.unsqueeze(-1), ml.unsqueeze(-1)
+    dl = (sc_min[:, 0] * _f16(blocks, d_off)).unsqueeze(-1)
+    ml = (sc_min[:, 1] * _f16(blocks, dmin_off)).unsqueeze(-1)
+    return dl, ml
 
 
 def _q4_k_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return _k_scale_min(blocks, 0, 2)
 
 
-def _q4_k(blocks: torch.Tensor, out: torch.Tensor, dl: torch.Tensor, ml: torch.Tensor) -> None:
+def _q4_k(
+    blocks: torch.Tensor, out: torch.Tensor, arena: Arena, dl: torch.Tensor, ml: torch.Tensor
+) -> None:
     # block: d f16 | dmin f16 | scales[12] | qs[128]; x = d*sc * q - dmin*m
-    c = blocks.shape[0]
-    flat = blocks.reshape(-1)
-    o = out.view(c, 4, 2, 32)
-    o[:, :, 0].copy_(_byte_rows(torch.bitwise_and(flat, 0x0F), 144, 16, 144).view(c, 4, 32))
-    o[:, :, 1].copy_(_byte_rows(torch.bitwise_right_shift(flat, 4), 144, 16, 144).view(c, 4, 32))
-    o8 = out.view(c, 8, 32)
-    o8.mul_(dl).sub_(ml)
+    c, size = blocks.shape
+    nib = _nibbles(_words(blocks.reshape(-1), arena), arena)
+    f = arena.take("f", 2 * c * 128, torch.float32).view(2, c, 128)
+    for h in range(2):
+        f[h].copy_(_rows(nib[h], c, size, 16, size))
+    # every op below is 2-D ([rows, 32]), which torch's loops handle far faster than 3-D views
+    o = out.view(c * 4, 2, 32)
+    scale = dl.view(c * 4, 2)
+    for h in range(2):
+        torch.mul(f[h].view(c * 4, 32), scale[:, h : h + 1], out=o[:, h])
+    out.view(c * 8, 32).sub_(ml.view(c * 8, 1))
 
 
-def _q5_k(blocks: torch.Tensor, out: torch.Tensor, dl: torch.Tensor, ml: torch.Tensor) -> None:
+def _q5_k(
+    blocks: torch.Tensor, out: torch.Tensor, arena: Arena, dl: torch.Tensor, ml: torch.Tensor
+) -> None:
     # block: d f16 | dmin f16 | scales[12] | qh[32] | qs[128]; x = d*sc * (q | hbit << 4) - dmin*m
-    c = blocks.shape[0]
-    flat = blocks.reshape(-1)
-    q = torch.empty(c, 8, 32, dtype=torch.uint8, device=blocks.device)
-    qv = q.view(c, 4, 2, 32)
-    flat_tmp = torch.bitwise_and(flat, 0x0F)
-    qv[:, :, 0].copy_(_byte_rows(flat_tmp, 176, 48, 176).view(c, 4, 32))
-    torch.bitwise_right_shift(flat, 4, out=flat_tmp)
-    qv[:, :, 1].copy_(_byte_rows(flat_tmp, 176, 48, 176).view(c, 4, 32))
+    c, size = blocks.shape
+    w = _words(blocks.reshape(-1), arena)
+    nib = _nibbles(w, arena)
+    # bit g of qh[l] is bit 4 of element 32*g + l
+    hbits = arena.take("hbits", 8 * w.numel(), torch.int64).view(8, -1)
     for g in range(8):
-        # bit g of qh[l] is bit 4 of element 32*g + l
         if g <= 4:
-            torch.bitwise_left_shift(flat, 4 - g, out=flat_tmp)
+            torch.bitwise_left_shift(w, 4 - g, out=hbits[g])
         else:
-            torch.bitwise_right_shift(flat, g - 4, out=flat_tmp)
-        flat_tmp.bitwise_and_(0x10)
-        q[:, g].bitwise_or_(_byte_rows(flat_tmp, 176, 16, 48))
-    out.view(-1).copy_(q.view(-1))
-    o8 = out.view(c, 8, 32)
-    o8.mul_(dl).sub_(ml)
+            torch.bitwise_right_shift(w, g - 4, out=hbits[g])
+    hbits.bitwise_and_(_rep(0x10))
+    hb = hbits.view(torch.uint8)
+    q = arena.take("q", 256 * c, torch.uint8).view(c, 4, 2, 32)
+    for h in range(2):
+        q[:, :, h].copy_(_rows(nib[h], c, size, 48, size).view(c, 4, 32))
+    q8 = q.view(c, 8, 32)
+    for g in range(8):
+        q8[:, g].bitwise_or_(_rows(hb[g], c, size, 16, 48))
+    out.copy_(q.view(c, 256))
+    out.view(c, 8, 32).mul_(dl).sub_(ml)
 
 
 def _q6_k_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -294,40 +408,54 @@ def _q6_k_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (dl.unsqueeze(-1),)
 
 
-def _q6_k(blocks: torch.Tensor, out: torch.Tensor, dl4: torch.Tensor) -> None:
+def _q6_k(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, dl4: torch.Tensor) -> None:
     # block: ql[128] | qh[64] | scales int8[16] | d f16; x = d*sc * ((ql | qh2 << 4) - 32)
     #      = (d*sc / 4) * int8((ql << 2) | ((qh2 ^ 2) << 6))
     c = blocks.shape[0]
-    flat = blocks.reshape(-1)
-    low = torch.bitwise_left_shift(flat, 2).bitwise_and_(0x3C)
-    high = torch.bitwise_right_shift(flat, 2).bitwise_and_(0x3C)
-    t = torch.bitwise_xor(flat, 0xAA)
-    planes = torch.empty(4, flat.numel(), dtype=torch.uint8, device=flat.device)
-    torch.bitwise_left_shift(t, 6, out=planes[0])
-    torch.bitwise_left_shift(t, 4, out=planes[1])
-    torch.bitwise_left_shift(t, 2, out=planes[2])
-    planes[3].copy_(t)
-    planes[1:].bitwise_and_(0xC0)
-    # planes[p] byte (h*32 + l) of the qh field -> [c, h, p, l]
-    hi2 = planes.view(4, c, 210)[:, :, 128:192].view(4, c, 2, 32).permute(1, 2, 0, 3)
-    q = torch.empty(c, 2, 4, 32, dtype=torch.uint8, device=blocks.device)
-    low_rows = _byte_rows(low, 210, 0, 128).view(c, 2, 2, 32)
-    high_rows = _byte_rows(high, 210, 0, 128).view(c, 2, 2, 32)
-    torch.bitwise_or(low_rows, hi2[:, :, :2], out=q[:, :, :2])
-    torch.bitwise_or(high_rows, hi2[:, :, 2:], out=q[:, :, 2:])
-    out.view(-1).copy_(q.view(-1).view(torch.int8))
-    out.view(c, 16, 16).mul_(dl4)
+    # compact copies of the two fields, so that every later op is a 2-D, word-aligned one
+    ql = arena.take("ql", c * 128, torch.uint8).view(c, 128)
+    ql.copy_(blocks[:, :128])
+    qh = arena.take("qh", c * 64, torch.uint8).view(c, 64)
+    qh.copy_(blocks[:, 128:192])
+    wl = ql.view(-1).view(torch.int64)  # [c * 16]
+    nib = arena.take("nibbles", 2 * wl.numel(), torch.int64).view(2, -1)
+    torch.bitwise_left_shift(wl, 2, out=nib[0])
+    torch.bitwise_right_shift(wl, 2, out=nib[1])
+    nib.bitwise_and_(_rep(0x3C))
+    # high bit pairs: planes [c*2 (block, half), 4 (p), 4 words (32 bytes)], p-th pair at bits 6-7
+    t = torch.bitwise_xor(qh.view(-1).view(torch.int64), _rep(0xAA))
+    planes = arena.take("planes", 4 * t.numel(), torch.int64).view(c * 2, 4, 4)
+    tw = t.view(c * 2, 4)
+    for p in range(3):
+        torch.bitwise_left_shift(tw, 6 - 2 * p, out=planes[:, p])
+    planes[:, 3].copy_(tw)
+    planes.bitwise_and_(_rep(0xC0))
+    pb = planes.view(torch.uint8).view(c * 2, 128)  # [block-half, p*32 + l]
+    q = arena.take("q", 256 * c, torch.uint8).view(c * 2, 128)
+    nb = nib.view(torch.uint8).view(2, c * 2, 64)  # [low/high nibble, block-half, 64]
+    for h in range(2):
+        torch.bitwise_or(nb[h], pb[:, 64 * h : 64 * h + 64], out=q[:, 64 * h : 64 * h + 64])
+    out.copy_(q.view(c, 256).view(torch.int8))
+    out.view(c * 16, 16).mul_(dl4.view(c * 16, 1))
 
 
 # --- non-linear 4-bit -------------------------------------------------------------------------
 
 
-def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor, d: torch.Tensor) -> None:
+def _iq4_values(flat: torch.Tensor, arena: Arena) -> torch.Tensor:
+    """``[F, 2]`` float32: the grid values of the low and the high nibble of every byte."""
+    idx = arena.take("idx", flat.numel(), torch.int32)
+    idx.copy_(flat)
+    pairs = arena.take("pairs", flat.numel(), torch.int16)
+    torch.index_select(_pair_lut(flat.device, IQ4_KVALUES), 0, idx, out=pairs)
+    return _to_float(pairs.view(torch.int8).view(-1, 2), arena)
+
+
+def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tensor) -> None:
     # block: d f16 | qs[16]; x = d * kvalues[nibble]
-    c = blocks.shape[0]
-    pairs = _lookup(_pair_lut(blocks.device, IQ4_KVALUES), blocks[:, 2:]).view(torch.int8)
-    out.view(c, 2, 16).copy_(pairs.transpose(1, 2))
-    out.mul_(d)
+    c, size = blocks.shape
+    f = _iq4_values(blocks.reshape(-1), arena).view(c, size, 2)[:, 2:]
+    torch.mul(f.transpose(1, 2), d.unsqueeze(-1), out=out.view(c, 2, 16))
 
 
 def _iq4_xs_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -343,13 +471,11 @@ def _iq4_xs_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (dl.unsqueeze(-1),)
 
 
-def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor, dl: torch.Tensor) -> None:
+def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, dl: torch.Tensor) -> None:
     # block: d f16 | scales_h u16 | scales_l[4] | qs[128]; x = d*(sc - 32) * kvalues[nibble]
-    c = blocks.shape[0]
-    pairs = _lookup(_pair_lut(blocks.device, IQ4_KVALUES), blocks[:, 8:]).view(torch.int8)
-    o = out.view(c, 8, 32)
-    o.view(c, 8, 2, 16).copy_(pairs.view(c, 8, 16, 2).transpose(2, 3))
-    o.mul_(dl)
+    c, size = blocks.shape
+    f = _iq4_values(blocks.reshape(-1), arena).view(c, size, 2)[:, 8:].reshape(c, 8, 16, 2)
+    torch.mul(f.transpose(2, 3), dl.unsqueeze(-1), out=out.view(c, 8, 2, 16))
 
 
 KERNELS: dict[T, Kernel] = {

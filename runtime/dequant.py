@@ -16,7 +16,7 @@ import structlog
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ggufswap.runtime._dequant_kernels import KERNELS, Kernel
+from ggufswap.runtime._dequant_kernels import KERNELS, Arena, Kernel
 from ggufswap.runtime.errors import UnsupportedTypeError
 
 __all__ = ["KERNEL_TYPES", "dequantize", "has_kernel"]
@@ -67,8 +67,8 @@ def dequantize(
             raise UnsupportedTypeError(msg)
         return _fallback(raw, ggml_type, ne, dtype=dtype).reshape(shape)
     n_blocks = raw.numel() // type_size
-    if raw.data_ptr() % 4 != 0:
-        raw = raw.clone()  # fp16 fields are read through dtype views, which need alignment
+    if raw.data_ptr() % 8 != 0:
+        raw = raw.clone()  # fields are read through wider dtype views, which need alignment
     out = _run(kernel, raw.view(n_blocks, type_size), block_size=block_size, dtype=dtype)
     return out.view(shape)
 
@@ -123,6 +123,7 @@ def _run(
     scales = kernel.prepare(blocks)
     out = _empty(n_blocks * block_size, dtype, device)
     out_blocks = out.view(n_blocks, block_size)
+    arena = Arena(device)
     scratch = None
     if dtype != torch.float32:
         # compute each chunk in float32 scratch, then round it into the result
@@ -130,7 +131,7 @@ def _run(
     for start in range(0, n_blocks, chunk):
         stop = min(start + chunk, n_blocks)
         part = out_blocks[start:stop] if scratch is None else scratch[: stop - start]
-        kernel.body(blocks[start:stop], part, *(s[start:stop] for s in scales))
+        kernel.body(blocks[start:stop], part, arena, *(s[start:stop] for s in scales))
         if scratch is not None:
             out_blocks[start:stop].copy_(part)
     return out
