@@ -68,6 +68,9 @@ class HotSwapRuntime:
         self._submit_lock = threading.Lock()  # one submit at a time: a plan id is applied once
         self._cond = threading.Condition()
         self._closed = False  # set under _cond by close(); the stager then stages nothing more
+        # Buffers replaced by commits, already released from their pools' accounting: the stager
+        # thread drops these last references, so freeing 64 MiB is not part of the commit stall.
+        self._retired: list[Buffer] = []
         self._in_flight = 0  # queued or staged, not yet final
         self._tickets: collections.OrderedDict[str, PlanTicket] = collections.OrderedDict()
         self._on_commit: list[CommitCallback] = []
@@ -291,6 +294,7 @@ class HotSwapRuntime:
         self._emit("plan.staged", plan_id=ticket.plan_id, stage_ms=round(ticket.stage_s * 1e3, 3))
         # One plan in flight: the next is staged against the buffers this one leaves behind.
         ticket.wait()
+        self._drop_retired()
 
     # -- commit (inference thread) ---------------------------------------------------------
 
@@ -304,31 +308,21 @@ class HotSwapRuntime:
             return self.store.weight_version
         with self._commit_lock:
             started = time.perf_counter()
-            committed: list[tuple[PlanTicket, tuple[str, ...]]] = []
-            release: list[Buffer] = []
+            committed: list[PlanTicket] = []
+            retired: list[Buffer] = []
             while self._staged:
-                ticket, staged = self._staged.popleft()
-                changed = tuple(op.slot.name for op in staged.ops if op.content.encoded is not None)
-                moved = [
-                    op
-                    for op in staged.ops
-                    if op.new_buffer is not None or op.copy_into_original is not None
-                ]
-                release.extend(commit(self.store, staged))
-                if changed or staged.derived or moved:
-                    self.store.weight_version += 1
-                ticket.changed = changed
-                ticket.weight_version = self.store.weight_version
-                committed.append((ticket, changed))
-                self._tensor_events(staged)
+                committed.append(self._commit_one(*self._staged.popleft(), retired))
             version = self.store.weight_version
             for callback in self._on_commit:
-                callback(version, tuple(n for _, names in committed for n in names))
+                callback(version, tuple(n for t in committed for n in t.changed))
             stall = time.perf_counter() - started
-            for buffer in release:  # old buffers go only after the commit
+            for buffer in retired:  # old buffers go only after the commit: accounting now...
                 buffer.release()
+            with self._cond:  # ...memory later: the stager thread drops the last references
+                self._retired.extend(retired)
+            retired.clear()
             self.last_stall_s = stall
-        for ticket, _ in committed:
+        for ticket in committed:
             ticket.stall_s = stall
             self.bytes_reloaded += ticket.bytes_read
             self._outcomes["committed"] += 1
@@ -353,6 +347,28 @@ class HotSwapRuntime:
             )
         self._settled(len(committed))
         return version
+
+    def _commit_one(
+        self, ticket: PlanTicket, staged: StagedPlan, retired: list[Buffer]
+    ) -> PlanTicket:
+        """Apply one staged plan (the staged values stay referenced only by the stager)."""
+        changed = tuple(op.slot.name for op in staged.ops if op.content.encoded is not None)
+        moved = any(
+            op.new_buffer is not None or op.copy_into_original is not None for op in staged.ops
+        )
+        retired.extend(commit(self.store, staged))
+        if changed or staged.derived or moved:
+            self.store.weight_version += 1
+        ticket.changed = changed
+        ticket.weight_version = self.store.weight_version
+        self._tensor_events(staged)
+        return ticket
+
+    def _drop_retired(self) -> None:
+        """Free the memory of buffers that commits replaced (stager thread, off the loop)."""
+        with self._cond:
+            retired, self._retired = self._retired, []
+        del retired
 
     def _tensor_events(self, staged: StagedPlan) -> None:
         for op in staged.ops:
@@ -406,6 +422,7 @@ class HotSwapRuntime:
             self._finish_rejected(ticket, shutting_down, stale=True)
             self._settled(1)
         self._thread.join(timeout)
+        self._drop_retired()
 
     def __enter__(self) -> HotSwapRuntime:
         return self
