@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,17 +48,15 @@ _F16_FIELDS = {
 }
 
 
-def _best_pair(
-    baseline: Callable[[], object], ours: Callable[[], object], repeats: int
-) -> tuple[float, float]:
-    """Best-of-``repeats`` seconds of each, alternating so both see the same machine load."""
-    best = [float("inf"), float("inf")]
+def _best_of(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Best-of-``repeats`` seconds of each, interleaved so all see the same machine load."""
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        for i, fn in enumerate((baseline, ours)):
+        for i, fn in enumerate(fns):
             start = time.perf_counter()
             fn()
             best[i] = min(best[i], time.perf_counter() - start)
-    return best[0], best[1]
+    return best
 
 
 def _random_bytes(ggml_type: GGMLQuantizationType, rows: int, cols: int) -> np.ndarray:
@@ -75,11 +74,11 @@ def _random_bytes(ggml_type: GGMLQuantizationType, rows: int, cols: int) -> np.n
     return data
 
 
-def run(quick: bool, types: list[str] | None = None) -> list[dict[str, object]]:
+def run(quick: bool, types: list[str] | None = None) -> list[dict[str, Any]]:
     """Measure every kernel type (or those named in ``types``); one row per type."""
     rows, cols = (1024, 4096) if quick else (4096, 4096)
     repeats = 3 if quick else 9
-    results: list[dict[str, object]] = []
+    results: list[dict[str, Any]] = []
     for ggml_type in sorted(KERNEL_TYPES, key=lambda t: t.name):
         if types and ggml_type.name not in types:
             continue
@@ -87,11 +86,15 @@ def run(quick: bool, types: list[str] | None = None) -> list[dict[str, object]]:
         raw = torch.from_numpy(data.reshape(-1))
         ne = (cols, rows)
         dequantize(raw, ggml_type, ne)  # warm up lookup tables and the allocator
+        into = torch.empty(rows, cols)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            baseline_s, ours_s = _best_pair(
-                partial(quants.dequantize, data, ggml_type),
-                partial(dequantize, raw, ggml_type, ne),
+            baseline_s, ours_s, into_s = _best_of(
+                [
+                    partial(quants.dequantize, data, ggml_type),
+                    partial(dequantize, raw, ggml_type, ne),
+                    partial(dequantize, raw, ggml_type, ne, out=into),
+                ],
                 repeats,
             )
         results.append(
@@ -100,6 +103,8 @@ def run(quick: bool, types: list[str] | None = None) -> list[dict[str, object]]:
                 "baseline_s": baseline_s,
                 "ours_s": ours_s,
                 "ratio": baseline_s / ours_s,
+                "ours_into_s": into_s,
+                "ratio_into": baseline_s / into_s,
                 "target": TARGET_RATIO if ggml_type in TARGET_TYPES else None,
                 "mb_per_s": data.nbytes / ours_s / 1e6,
                 "elements_per_s": rows * cols / ours_s,
@@ -115,18 +120,20 @@ def main() -> int:
     args = parser.parse_args()
     results = run(args.quick, args.types)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("ratio: fresh output tensor (the target); into: dequantize(..., out=) into a reused one")
     header = f"{'type':<8} {'gguf ms':>9} {'ours ms':>9} {'MB/s in':>9} {'Melem/s':>9} {'ratio':>7}"
-    print(header + "  target")
+    print(header + f" {'into ms':>8} {'ratio':>7}  target")
     for row in results:
         target = row["target"]
         mark = ""
         if target is not None:
-            ok = float(row["ratio"]) >= float(target)  # type: ignore[arg-type]
+            ok = float(row["ratio"]) >= float(target)
             mark = f">= {target:.0f}x {'met' if ok else 'MISSED'}"
         print(
-            f"{str(row['name']).removeprefix('dequant.'):<8} {row['baseline_s'] * 1e3:>9.2f} "  # type: ignore[operator]
-            f"{row['ours_s'] * 1e3:>9.2f} {row['mb_per_s']:>9.0f} "  # type: ignore[operator]
-            f"{row['elements_per_s'] / 1e6:>9.0f} {row['ratio']:>6.1f}x  {mark}"  # type: ignore[operator]
+            f"{str(row['name']).removeprefix('dequant.'):<8} {row['baseline_s'] * 1e3:>9.2f} "
+            f"{row['ours_s'] * 1e3:>9.2f} {row['mb_per_s']:>9.0f} "
+            f"{row['elements_per_s'] / 1e6:>9.0f} {row['ratio']:>6.1f}x "
+            f"{row['ours_into_s'] * 1e3:>8.2f} {row['ratio_into']:>6.1f}x  {mark}"
         )
     return 0
 

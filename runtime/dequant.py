@@ -46,16 +46,22 @@ def dequantize(
     *,
     dtype: torch.dtype = torch.float32,
     strict: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dequantize one tensor's GGUF bytes.
 
     ``raw`` is a 1-D uint8 tensor holding exactly the tensor's bytes (rows of blocks) on any
     device; ``ne`` is the ggml-order shape (``ne[0]`` varies fastest). Returns a new tensor of
-    shape ``tuple(reversed(ne))`` and dtype ``dtype`` on ``raw``'s device.
+    shape ``tuple(reversed(ne))`` and dtype ``dtype`` on ``raw``'s device, or fills and returns
+    ``out`` (contiguous, that shape, dtype and device) when one is given: dequantizing into an
+    existing buffer skips the allocation, whose first-touch page faults are a large share of
+    the CPU cost.
     """
     ggml_type = GGMLQuantizationType(ggml_type)
     block_size, type_size = _check(raw, ggml_type, ne)
     shape = tuple(reversed(ne))
+    if out is not None:
+        _check_out(out, shape, dtype, raw.device)
     kernel = KERNELS.get(ggml_type)
     if kernel is None:
         if strict:
@@ -65,12 +71,37 @@ def dequantize(
                 f"the CPU fallback; supported types: {supported}"
             )
             raise UnsupportedTypeError(msg)
-        return _fallback(raw, ggml_type, ne, dtype=dtype).reshape(shape)
+        result = _fallback(raw, ggml_type, ne, dtype=dtype).reshape(shape)
+        return result if out is None else out.copy_(result)
     n_blocks = raw.numel() // type_size
     if raw.data_ptr() % 8 != 0:
         raw = raw.clone()  # fields are read through wider dtype views, which need alignment
-    out = _run(kernel, raw.view(n_blocks, type_size), block_size=block_size, dtype=dtype)
-    return out.view(shape)
+    flat = _run(
+        kernel,
+        raw.view(n_blocks, type_size),
+        block_size=block_size,
+        dtype=dtype,
+        out=None if out is None else out.view(-1),
+    )
+    return flat.view(shape) if out is None else out
+
+
+def _check_out(
+    out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> None:
+    """``out`` must be a contiguous tensor of exactly the result's shape, dtype and device."""
+    problems = []
+    if tuple(out.shape) != shape:
+        problems.append(f"shape {tuple(out.shape)} (expected {shape})")
+    if out.dtype != dtype:
+        problems.append(f"dtype {out.dtype} (expected {dtype})")
+    if out.device != device:
+        problems.append(f"device {out.device} (expected {device}, where raw is)")
+    if not out.is_contiguous():
+        problems.append("a non-contiguous layout (expected contiguous)")
+    if problems:
+        msg = "out tensor has " + ", ".join(problems)
+        raise ValueError(msg)
 
 
 def _check(
@@ -113,7 +144,12 @@ def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 def _run(
-    kernel: Kernel, blocks: torch.Tensor, *, block_size: int, dtype: torch.dtype
+    kernel: Kernel,
+    blocks: torch.Tensor,
+    *,
+    block_size: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
     """Apply ``kernel`` chunk by chunk over ``blocks [n, type_size]``; returns the flat result."""
     n_blocks = blocks.shape[0]
@@ -121,7 +157,8 @@ def _run(
     chunk_elems = _CPU_CHUNK_ELEMENTS if device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS
     chunk = max(1, chunk_elems // block_size)
     scales = kernel.prepare(blocks)
-    out = _empty(n_blocks * block_size, dtype, device)
+    if out is None:
+        out = _empty(n_blocks * block_size, dtype, device)
     out_blocks = out.view(n_blocks, block_size)
     arena = Arena(device)
     scratch = None

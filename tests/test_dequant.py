@@ -175,6 +175,25 @@ def test_any_shape_matches_gguf(
     assert_same_bits(ours, reference(data, ggml_type, ne))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_out_buffer_is_filled_in_place(dtype: torch.dtype) -> None:
+    """With out=, the given buffer is filled with the same values and returned itself."""
+    ne = (256, 9)
+    data = random_bytes(T.Q4_K, ne, seed=11)
+    out = torch.full((9, 256), 7.0, dtype=dtype)
+    raw = torch.from_numpy(data.reshape(-1).copy())
+    result = dequantize(raw, T.Q4_K, ne, dtype=dtype, out=out)
+    assert result is out
+    assert torch.equal(out, reference(data, T.Q4_K, ne).to(dtype))
+
+
+def test_out_buffer_of_wrong_shape_and_dtype_is_refused() -> None:
+    """An out= buffer that does not fit is refused, listing every mismatch."""
+    raw = torch.zeros(34 * 4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"shape \(4, 32\).*dtype torch\.float16"):
+        dequantize(raw, T.Q8_0, (64, 2), out=torch.empty(4, 32, dtype=torch.float16))
+
+
 def test_unaligned_raw_view_is_read_correctly() -> None:
     """Bytes that start at an odd offset inside a larger buffer still dequantize exactly."""
     ne = (256, 3)
