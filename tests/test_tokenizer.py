@@ -1,0 +1,202 @@
+"""Tokenizers built from GGUF tokenizer metadata: SentencePiece-style (``llama``) and byte-level
+BPE (``gpt2``), special tokens, BOS/EOS rules, and refusals that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ggufswap.runtime.tokenizer import (
+    SPACE,
+    GgufTokenizer,
+    TokenizerError,
+    TokenType,
+    Vocabulary,
+    spm_merges,
+)
+from ggufswap.shards.writer import tiny_dense, write_model
+
+pytest.importorskip("tokenizers", reason="the tokenizer needs `pip install tokenizers`")
+
+N, C, U, B = TokenType.NORMAL, TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.BYTE
+
+
+PIECES = [f"{SPACE}the", "he", f"{SPACE}t", "t", "h", "e", SPACE, "c", "a", "at", "ca", f"{SPACE}c"]
+
+
+def spm_md(**extra: Any) -> dict[str, Any]:
+    """A small SentencePiece vocabulary: specials, bytes, and pieces whose scores favour ``▁the``
+    over ``▁t`` + ``he``."""
+    pieces = [
+        ("<unk>", TokenType.UNKNOWN, 0.0),
+        ("<s>", C, 0.0),
+        ("</s>", C, 0.0),
+        ("<|turn|>", C, 0.0),
+        ("\n\n", U, 0.0),
+        *((f"<0x{i:02X}>", B, 0.0) for i in range(256)),
+        *(
+            (p, N, -float(i))
+            for i, p in enumerate(
+                [
+                    f"{SPACE}the",
+                    "he",
+                    f"{SPACE}t",
+                    "t",
+                    "h",
+                    "e",
+                    SPACE,
+                    "c",
+                    "a",
+                    "at",
+                    "ca",
+                    f"{SPACE}c",
+                ]
+            )
+        ),
+        (f"{SPACE}cat", N, -20.0),
+    ]
+    md: dict[str, Any] = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [p for p, _, _ in pieces],
+        "tokenizer.ggml.token_type": [int(t) for _, t, _ in pieces],
+        "tokenizer.ggml.scores": [s for _, _, s in pieces],
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+    md.update(extra)
+    return md
+
+
+def spm(**extra: Any) -> GgufTokenizer:
+    return GgufTokenizer(Vocabulary.from_metadata(spm_md(**extra)))
+
+
+def test_spm_merges_by_score_and_prefixes_a_space() -> None:
+    """`the cat` becomes ▁the ▁cat (merges ranked by the merged piece's score), after BOS."""
+    tok = spm()
+    ids = tok.encode("the cat")
+    assert [tok.token(i) for i in ids] == ["<s>", f"{SPACE}the", f"{SPACE}cat"]
+    assert tok.decode(ids) == "the cat"
+
+
+def test_spm_merge_order_follows_scores() -> None:
+    """Merges come best merged-score first; only splits into two vocabulary tokens count."""
+    merges = spm_merges(Vocabulary.from_metadata(spm_md()))
+    assert merges[0] == (f"{SPACE}t", "he")  # ▁the has the best score; ▁ + the is no split
+    assert (f"{SPACE}c", "at") in merges
+    assert ("c", "at") not in merges  # "cat" is no token
+    assert merges.index(("a", "t")) < merges.index(("c", "a"))
+
+
+def test_spm_unknown_characters_fall_back_to_byte_tokens_and_round_trip() -> None:
+    """Characters with no piece become their UTF-8 byte tokens and decode back."""
+    tok = spm()
+    ids = tok.encode("é!", add_bos=False)
+    assert [tok.token(i) for i in ids] == [SPACE, "<0xC3>", "<0xA9>", "<0x21>"]
+    assert tok.decode(ids) == "é!"
+
+
+def test_add_space_prefix_false_keeps_the_text_as_written() -> None:
+    """With add_space_prefix false (gemma) the first word gets no ▁ (and "at" outranks "ca")."""
+    tok = spm(**{"tokenizer.ggml.add_space_prefix": False})
+    assert [tok.token(i) for i in tok.encode("cat", add_bos=False)] == ["c", "at"]
+    assert tok.decode(tok.encode("the cat")) == "the cat"
+
+
+def test_control_tokens_need_parse_special_and_user_defined_are_always_whole() -> None:
+    """<|turn|> is one token only with parse_special; a user-defined token always is."""
+    tok = spm()
+    turn = tok.token_id("<|turn|>")
+    assert tok.encode("<|turn|>", add_bos=False, parse_special=True) == [turn]
+    assert turn not in tok.encode("<|turn|>", add_bos=False)
+    assert tok.token_id("\n\n") in tok.encode("the\n\ncat", add_bos=False)
+    assert tok.decode([turn, *tok.encode("the", add_bos=False)]) == "the"
+    assert tok.decode([turn], skip_special=False) == "<|turn|>"
+
+
+def test_bos_and_eos_follow_the_file_unless_overridden() -> None:
+    """add_bos_token / add_eos_token decide the defaults; arguments override them."""
+    tok = spm(**{"tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": True})
+    ids = tok.encode("the")
+    assert ids[0] != 1
+    assert ids[-1] == 2
+    assert tok.encode("the", add_bos=True, add_eos=False)[0] == 1
+
+
+def bpe_md(**extra: Any) -> dict[str, Any]:
+    """A byte-level BPE vocabulary: the 256 byte symbols plus merges for 'hello' and ' world'."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    symbols = sorted(ByteLevel.alphabet())
+    merged = ["he", "ll", "hell", "hello", "Ġw", "or", "Ġwor", "ld", "Ġworld"]
+    tokens = [*symbols, *merged, "<|endoftext|>"]
+    md: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [int(N)] * (len(tokens) - 1) + [int(C)],
+        "tokenizer.ggml.merges": [
+            "h e",
+            "l l",
+            "he ll",
+            "hell o",
+            "Ġ w",
+            "o r",
+            "Ġw or",
+            "l d",
+            "Ġwor ld",
+        ],
+        "tokenizer.ggml.eos_token_id": len(tokens) - 1,
+    }
+    md.update(extra)
+    return md
+
+
+def test_bpe_applies_the_file_merges_and_round_trips_bytes() -> None:
+    """'hello world' is two tokens; any text (accents, emoji) round-trips; no BOS by default."""
+    tok = GgufTokenizer(Vocabulary.from_metadata(bpe_md()))
+    ids = tok.encode("hello world")
+    assert [tok.token(i) for i in ids] == ["hello", "Ġworld"]
+    for text in ["hello  world\n", "naïve 🤖 123456", ""]:
+        assert tok.decode(tok.encode(text)) == text
+    eos = tok.eos_id
+    assert tok.encode("hello<|endoftext|>", parse_special=True)[-1] == eos
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tokenizer.ggml.model": "rwkv"}, "'rwkv' is not supported"),
+        ({"tokenizer.ggml.scores": None}, "needs 'tokenizer.ggml.scores'"),
+        ({"tokenizer.ggml.token_type": [1, 1]}, "token_type has 2 entries"),
+        ({"tokenizer.ggml.bos_token_id": 10_000}, "bos_token_id = 10000 is outside"),
+    ],
+)
+def test_bad_metadata_is_refused_naming_the_key(change: dict[str, Any], message: str) -> None:
+    """Unsupported kinds, missing scores, mismatched lengths and ids outside the vocabulary are
+    refused with the key in the message."""
+    md = {k: v for k, v in {**spm_md(), **change}.items() if v is not None}
+    with pytest.raises(TokenizerError, match=message):
+        Vocabulary.from_metadata(md)
+
+
+def test_bpe_with_an_unknown_pre_tokenizer_is_refused() -> None:
+    """A tokenizer.ggml.pre this module has no regex for is named, with the known ones."""
+    with pytest.raises(TokenizerError, match="'deepseek-coder' is not supported"):
+        Vocabulary.from_metadata(bpe_md(**{"tokenizer.ggml.pre": "deepseek-coder"}))
+
+
+def test_a_written_model_file_gives_its_tokenizer(tmp_path: Path) -> None:
+    """The writer's tiny model carries a SentencePiece vocabulary that builds: ids, specials and
+    byte tokens as written."""
+    path = write_model(tiny_dense(), tmp_path)[0]
+    tok = GgufTokenizer.from_file(path)
+    assert tok.n_vocab == 256
+    assert (tok.bos_id, tok.eos_id) == (1, 2)
+    ids = tok.encode("ab")
+    assert ids[0] == 1
+    assert [tok.token(i) for i in ids[-2:]] == ["<0x61>", "<0x62>"]
+    assert tok.decode(ids[-2:]) == "ab"
