@@ -65,7 +65,8 @@ class HotSwapRuntime:
         self._queue: queue.Queue[object] = queue.Queue()
         self._staged: collections.deque[tuple[PlanTicket, StagedPlan]] = collections.deque()
         self._commit_lock = threading.Lock()
-        self._submit_lock = threading.Lock()  # one submit at a time: a plan id is applied once
+        # One submit at a time, so a plan id is applied once (re-entrant: listeners may submit).
+        self._submit_lock = threading.RLock()
         self._cond = threading.Condition()
         self._closed = False  # set under _cond by close(); the stager then stages nothing more
         # Buffers replaced by commits, already released from their pools' accounting: the stager
@@ -140,7 +141,11 @@ class HotSwapRuntime:
     # -- callbacks -------------------------------------------------------------------------
 
     def on_commit(self, callback: CommitCallback) -> None:
-        """Call ``callback(weight_version, changed)`` in the inference thread after a commit."""
+        """Call ``callback(weight_version, changed)`` in the inference thread after a commit.
+
+        A callback that raises does not undo the commit: every callback still runs, and the first
+        exception is raised from :meth:`at_batch_boundary` once the plans are marked committed.
+        """
         self._on_commit.append(callback)
 
     def on_event(self, callback: EventCallback) -> None:
@@ -313,8 +318,16 @@ class HotSwapRuntime:
             while self._staged:
                 committed.append(self._commit_one(*self._staged.popleft(), retired))
             version = self.store.weight_version
+            # A failing callback must not leave the commit's bookkeeping undone (the stager
+            # would wait forever on a ticket never marked committed): the first error is
+            # raised to the caller once the plans are recorded as committed.
+            errors: list[Exception] = []
+            changed = tuple(n for t in committed for n in t.changed)
             for callback in self._on_commit:
-                callback(version, tuple(n for t in committed for n in t.changed))
+                try:
+                    callback(version, changed)
+                except Exception as exc:  # noqa: BLE001 (re-raised below)
+                    errors.append(exc)
             stall = time.perf_counter() - started
             for buffer in retired:  # old buffers go only after the commit: accounting now...
                 buffer.release()
@@ -346,6 +359,9 @@ class HotSwapRuntime:
                 changed=list(ticket.changed),
             )
         self._settled(len(committed))
+        if errors:
+            log.error("commit.callback_failed", weight_version=version, errors=len(errors))
+            raise errors[0]
         return version
 
     def _commit_one(

@@ -266,10 +266,10 @@ class Stager:
     def _allocate(
         self, pool: Pool, record: TensorRecord, staged: StagedPlan, credit: dict[Pool, int]
     ) -> Buffer:
+        # ``credit`` is every byte this plan's commit releases in ``pool``; ``pool.used`` already
+        # counts what staging allocated, so the credit is not spent by an allocation.
         numel, dtype = self.store.buffer_spec(record)
         buffer = pool.allocate(numel, dtype, credit=credit.get(pool, 0))
-        used = min(credit.get(pool, 0), buffer.nbytes)
-        credit[pool] = credit.get(pool, 0) - used
         staged.allocated.append(buffer)
         return buffer
 
@@ -305,6 +305,8 @@ class Stager:
                 try:
                     op.new_buffer = self._allocate(slot.home, content.record, staged, credit)
                     op.new_buffer.tensor.copy_(source)
+                    # The buffer it replaces is released by the commit.
+                    credit[slot.home] = credit.get(slot.home, 0) + slot.original.nbytes
                 except PoolFull:  # no headroom for a swap: copy in place at commit instead
                     op.copy_into_original = source.clone()
             return op

@@ -159,3 +159,34 @@ def test_close_while_staging_rejects_the_plan_and_frees_its_buffers(tmp_path: Pa
     assert "closed" in late.reasons[0].reason
     assert runtime.at_batch_boundary() == 0
     assert torch.equal(logits(model), baseline)
+
+
+def test_failing_commit_callback_is_raised_after_the_commit_is_recorded(tmp_path: Path) -> None:
+    """An on_commit callback that raises surfaces from at_batch_boundary, but the plan is
+    committed, every callback ran, and the runtime goes on committing later plans."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    runtime, model = open_runtime(model_dir.first, storage=Storage.DEQUANTIZED)
+    calls: list[int] = []
+
+    def broken(version: int, changed: tuple[str, ...]) -> None:
+        calls.append(version)
+        if version == 1:
+            raise RuntimeError("cache invalidation failed")
+
+    runtime.on_commit(broken)
+    runtime.on_commit(lambda version, changed: calls.append(-version))
+    try:
+        model_dir.put(DOWN0, model_dir.variant(DOWN0, Q.Q4_0, tmp_path / "variants"))
+        ticket = runtime.submit(model_dir.plan("a", [DOWN0]))
+        assert runtime.wait_staged(timeout=WAIT_S)
+        with pytest.raises(RuntimeError, match="cache invalidation"):
+            runtime.at_batch_boundary()
+        assert ticket.state is PlanState.COMMITTED
+        assert calls == [1, -1]
+        model_dir.put(GATE1, model_dir.variant(GATE1, Q.Q8_0, tmp_path / "variants"))
+        assert runtime.apply(model_dir.plan("b", [GATE1])).weight_version == 2
+        assert torch.equal(
+            logits(model), fresh_logits(model_dir.first, storage=Storage.DEQUANTIZED)
+        )
+    finally:
+        runtime.close()

@@ -152,3 +152,28 @@ def test_plan_of_several_families_fits_via_fallback(tmp_path: Path) -> None:
         assert torch.equal(logits(model), baseline)
     finally:
         runtime.close()
+
+
+def test_memory_freed_by_a_plan_is_credit_for_all_its_allocations(tmp_path: Path) -> None:
+    """Bytes a plan frees count for every allocation of that plan: after a reattachment frees
+    8 KiB, two 4 KiB growths both fit at home (neither falls back)."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    a, b, c = (f"blk.{i}.attn_k.weight" for i in range(3))  # Q4_1 (64, 32): 1280 bytes
+    pools = cpu_pools(loaded_bytes(model_dir.first, Storage.NATIVE) + 8192 + 100)
+    saved = model_dir.save(a, tmp_path / "saved")
+    runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE, pools=pools)
+    try:
+        usage = runtime.store.pools.usage()
+        model_dir.put(a, model_dir.variant(a, Q.F32, tmp_path / "variants"))  # 8192 bytes
+        runtime.apply(model_dir.plan("a-grows", [a]))
+        assert runtime.store.slots[a].state is SlotState.DETACHED
+        model_dir.put(a, saved)
+        for name in (b, c):
+            model_dir.put(name, model_dir.variant(name, Q.F16, tmp_path / "variants"))  # 4096
+        runtime.apply(model_dir.plan("swap-room", [a, b, c]))
+        assert states(runtime, (a,)) == {SlotState.ON_ORIGINAL}
+        assert states(runtime, (b, c)) == {SlotState.DETACHED}
+        assert runtime.store.pools.usage() == {"dev": usage["dev"] + 8192, "host": 0}
+        assert torch.equal(logits(model), fresh_logits(model_dir.first, storage=Storage.NATIVE))
+    finally:
+        runtime.close()
