@@ -1,11 +1,11 @@
 """Torch dequantization kernels, one per GGML block type.
 
-A kernel has two halves. ``prepare(blocks)`` computes the per-block float32 scales of the whole
-tensor (``blocks`` is ``[n, type_size]`` uint8, one GGUF block per row). ``body(blocks, out,
-arena, *scales)`` then dequantizes one chunk of blocks into ``out`` (``[c, block_size]`` float32,
-contiguous), given the matching rows of the scales. The driver keeps chunks small enough to stay
-in the last-level cache between passes, and ``arena`` hands out temporaries that are reused from
-chunk to chunk (fresh allocations would pay page faults on every chunk).
+A kernel has two halves, both run per chunk of blocks (``blocks`` is ``[c, type_size]`` uint8, one
+GGUF block per row): ``prepare(blocks, arena)`` computes the per-block float32 scales, and
+``body(blocks, out, arena, *scales)`` dequantizes into ``out`` (``[c, block_size]`` float32,
+contiguous). The driver keeps chunks small enough to stay in the last-level cache between passes,
+and ``arena`` hands out temporaries that are reused from chunk to chunk and call to call (fresh
+allocations pay a page fault per 4 KiB, which costs as much as the arithmetic).
 
 Bit-exactness with ``gguf.quants``: every scale product there is exact in float32 (an fp16 scale
 has 11 significant bits and the integer factors at most 13 together), so the only rounding step is
@@ -28,7 +28,7 @@ from functools import lru_cache
 import torch
 from gguf import GGMLQuantizationType as T
 
-Prepare = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+Prepare = Callable[[torch.Tensor, "Arena"], tuple[torch.Tensor, ...]]
 Body = Callable[..., None]
 
 # IQ4_NL / IQ4_XS non-linear 4-bit grid (gguf.quants.IQ4_NL.kvalues).
@@ -90,12 +90,13 @@ def _words(flat: torch.Tensor, arena: Arena) -> torch.Tensor:
     return words
 
 
-def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+def _f16(blocks: torch.Tensor, offset: int, arena: Arena) -> torch.Tensor:
     """The fp16 field at byte ``offset`` of every block, as float32 ``[n, 1]``."""
-    return blocks[:, offset : offset + 2].view(torch.float16).to(torch.float32)
+    d = arena.take(f"f16@{offset}", blocks.shape[0], torch.float32).view(-1, 1)
+    return d.copy_(blocks[:, offset : offset + 2].view(torch.float16))
 
 
-def _no_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _no_scales(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
     return ()
 
 
@@ -157,15 +158,15 @@ def _bf16(blocks: torch.Tensor, out: torch.Tensor, arena: Arena) -> None:
 def _d(offset: int, divisor: float = 1.0) -> Prepare:
     """Prepare the single fp16 scale at ``offset``, divided by a power of two (exact)."""
 
-    def prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        d = _f16(blocks, offset)
+    def prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
+        d = _f16(blocks, offset, arena)
         return (d if divisor == 1.0 else d.mul_(1.0 / divisor),)
 
     return prepare
 
 
-def _d_m(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return _f16(blocks, 0), _f16(blocks, 2)
+def _d_m(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
+    return _f16(blocks, 0, arena), _f16(blocks, 2, arena)
 
 
 def _nibbles(w: torch.Tensor, arena: Arena, *, bias8: bool = False) -> torch.Tensor:
@@ -269,10 +270,10 @@ def _q8_0(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tensor
 # --- k-quants (256-element super-blocks) ------------------------------------------------------
 
 
-def _q2_k_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _q2_k_prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
     scales = blocks[:, :16]
-    dl = _f16(blocks, 80) * torch.bitwise_and(scales, 0x0F).to(torch.float32)
-    ml = _f16(blocks, 82) * torch.bitwise_right_shift(scales, 4).to(torch.float32)
+    dl = _f16(blocks, 80, arena) * torch.bitwise_and(scales, 0x0F).to(torch.float32)
+    ml = _f16(blocks, 82, arena) * torch.bitwise_right_shift(scales, 4).to(torch.float32)
     return dl.unsqueeze(-1), ml.unsqueeze(-1)
 
 
@@ -300,7 +301,7 @@ def _q2_k(
     out.view(c, 16, 16).sub_(ml)
 
 
-def _q3_k_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _q3_k_prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
     n = blocks.shape[0]
     scales = blocks[:, 96:108]
     low = torch.empty(n, 2, 8, dtype=torch.uint8, device=blocks.device)
@@ -308,7 +309,7 @@ def _q3_k_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     torch.bitwise_right_shift(scales[:, :8], 4, out=low[:, 1])
     high = torch.stack([scales[:, 8:12] >> s for s in (0, 2, 4, 6)], dim=1)  # [n, 4, 4]
     sc = low.view(n, 16) | ((high.view(n, 16) & 0x03) << 4)
-    dl = _f16(blocks, 108) * (sc.view(torch.int8) - 32).to(torch.float32)
+    dl = _f16(blocks, 108, arena) * (sc.view(torch.int8) - 32).to(torch.float32)
     return (dl.unsqueeze(-1),)
 
 
@@ -334,7 +335,7 @@ def _q3_k(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, dl: torch.Tenso
     out.view(c, 16, 16).mul_(dl)
 
 
-def _k_scale_min(blocks: torch.Tensor, d_off: int, dmin_off: int) -> tuple[torch.Tensor, ...]:
+def _k_scale_min(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
     """Q4_K/Q5_K: ``d * sc`` and ``dmin * m`` per 32-element group, as ``[n, 8, 1]``.
 
     The 12 scale bytes at offset 4 are three little-endian words ``d``, ``m``, ``md`` holding,
@@ -348,14 +349,17 @@ def _k_scale_min(blocks: torch.Tensor, d_off: int, dmin_off: int) -> tuple[torch
     torch.bitwise_or(md & 0x0F0F0F0F, (d >> 2) & 0x30303030, out=packed[:, 1])
     torch.bitwise_and(m, 0x3F3F3F3F, out=packed[:, 2])
     torch.bitwise_or((md >> 4) & 0x0F0F0F0F, (m >> 2) & 0x30303030, out=packed[:, 3])
-    sc_min = packed.view(torch.uint8).view(n, 2, 8).to(torch.float32)
-    dl = (sc_min[:, 0] * _f16(blocks, d_off)).unsqueeze(-1)
-    ml = (sc_min[:, 1] * _f16(blocks, dmin_off)).unsqueeze(-1)
-    return dl, ml
+    sc_min = arena.take("sc_min", n * 16, torch.float32).view(n, 2, 8)
+    sc_min.copy_(packed.view(torch.uint8).view(n, 2, 8))
+    dl = arena.take("dl", n * 8, torch.float32).view(n, 8)
+    ml = arena.take("ml", n * 8, torch.float32).view(n, 8)
+    torch.mul(sc_min[:, 0], _f16(blocks, 0, arena), out=dl)
+    torch.mul(sc_min[:, 1], _f16(blocks, 2, arena), out=ml)
+    return dl.unsqueeze(-1), ml.unsqueeze(-1)
 
 
-def _q4_k_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return _k_scale_min(blocks, 0, 2)
+def _q4_k_prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
+    return _k_scale_min(blocks, arena)
 
 
 def _q4_k(
@@ -401,10 +405,12 @@ def _q5_k(
     out.view(c, 8, 32).mul_(dl).sub_(ml)
 
 
-def _q6_k_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _q6_k_prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
     # scales are exact small integers; d * sc is exact, and so is the /4 for the int8 encoding
-    sc = blocks[:, 192:208].view(torch.int8).to(torch.float32)
-    dl = sc.mul_(_f16(blocks, 208).mul_(0.25))
+    n = blocks.shape[0]
+    dl = arena.take("dl", n * 16, torch.float32).view(n, 16)
+    dl.copy_(blocks[:, 192:208].view(torch.int8))
+    dl.mul_(_f16(blocks, 208, arena).mul_(0.25))
     return (dl.unsqueeze(-1),)
 
 
@@ -458,7 +464,7 @@ def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tens
     torch.mul(f.transpose(1, 2), d.unsqueeze(-1), out=out.view(c, 2, 16))
 
 
-def _iq4_xs_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _iq4_xs_prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
     n = blocks.shape[0]
     low = torch.empty(n, 4, 2, dtype=torch.uint8, device=blocks.device)
     torch.bitwise_and(blocks[:, 4:8], 0x0F, out=low[:, :, 0])
@@ -467,7 +473,7 @@ def _iq4_xs_prepare(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     shifts = torch.arange(0, 16, 2, dtype=torch.int32, device=blocks.device)
     high = ((scales_h >> shifts) & 0x03).to(torch.uint8)  # [n, 8]
     sc = (low.view(n, 8) | (high << 4)).view(torch.int8) - 32
-    dl = _f16(blocks, 0) * sc.to(torch.float32)  # [n, 8]
+    dl = _f16(blocks, 0, arena) * sc.to(torch.float32)  # [n, 8]
     return (dl.unsqueeze(-1),)
 
 

@@ -30,6 +30,10 @@ KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset(KERNELS)
 _CPU_CHUNK_ELEMENTS = 1 << 20
 _DEVICE_CHUNK_ELEMENTS = 1 << 26
 
+# Scratch buffers per thread and device, sized by the chunk (a few MiB), kept between calls so
+# that their pages are faulted in once rather than on every call.
+_scratch = threading.local()
+
 _warned_lock = threading.Lock()
 _warned_types: set[GGMLQuantizationType] = set()
 
@@ -134,6 +138,18 @@ def _check(
     return block_size, type_size
 
 
+def _arena(device: torch.device) -> Arena:
+    """This thread's scratch arena for ``device``."""
+    arenas: dict[torch.device, Arena] | None = getattr(_scratch, "arenas", None)
+    if arenas is None:
+        arenas = {}
+        _scratch.arenas = arenas
+    arena = arenas.get(device)
+    if arena is None:
+        arena = arenas[device] = Arena(device)
+    return arena
+
+
 def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised 1-D tensor; on the CPU backed by numpy, whose allocator asks the kernel
     for transparent huge pages (first-touch page faults otherwise dominate the kernels' time)."""
@@ -156,19 +172,20 @@ def _run(
     device = blocks.device
     chunk_elems = _CPU_CHUNK_ELEMENTS if device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS
     chunk = max(1, chunk_elems // block_size)
-    scales = kernel.prepare(blocks)
     if out is None:
         out = _empty(n_blocks * block_size, dtype, device)
     out_blocks = out.view(n_blocks, block_size)
-    arena = Arena(device)
+    arena = _arena(device)
     scratch = None
     if dtype != torch.float32:
         # compute each chunk in float32 scratch, then round it into the result
-        scratch = torch.empty(min(chunk, n_blocks), block_size, dtype=torch.float32, device=device)
+        scratch_elems = min(chunk, n_blocks) * block_size
+        scratch = arena.take("chunk_f32", scratch_elems, torch.float32).view(-1, block_size)
     for start in range(0, n_blocks, chunk):
         stop = min(start + chunk, n_blocks)
         part = out_blocks[start:stop] if scratch is None else scratch[: stop - start]
-        kernel.body(blocks[start:stop], part, arena, *(s[start:stop] for s in scales))
+        chunk_blocks = blocks[start:stop]
+        kernel.body(chunk_blocks, part, arena, *kernel.prepare(chunk_blocks, arena))
         if scratch is not None:
             out_blocks[start:stop].copy_(part)
     return out
