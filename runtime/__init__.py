@@ -5,6 +5,7 @@ Importing this package imports torch; the agent never does.
 
 from __future__ import annotations
 
+from ggufswap.runtime.architectures import Decoder, build_model
 from ggufswap.runtime.dequant import KERNEL_TYPES, dequantize, has_kernel
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.errors import PlanRejected, Reason, RuntimeLibraryError, UnsupportedTypeError
@@ -20,13 +21,16 @@ from ggufswap.runtime.perplexity import NllStats, evaluate_batches, make_eval_to
 from ggufswap.runtime.plans import PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolFull, PoolSet
 from ggufswap.runtime.store import Placement, Slot, SlotState, Storage, TensorStore
+from ggufswap.runtime.tokenizer import GgufTokenizer, TokenizerError
 
 __all__ = [
     "KERNEL_TYPES",
     "Arch",
     "Buffer",
+    "Decoder",
     "DerivedTensor",
     "DictWeightProvider",
+    "GgufTokenizer",
     "HotSwapRuntime",
     "MissingWeightError",
     "ModelConfig",
@@ -46,9 +50,11 @@ __all__ = [
     "SlotState",
     "Storage",
     "TensorStore",
+    "TokenizerError",
     "Transformer",
     "UnsupportedTypeError",
     "WeightProvider",
+    "build_model",
     "dequantize",
     "evaluate_batches",
     "family_of",

@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
-from torch import nn
-
 from ggufswap.runtime.model import MissingWeightError, Transformer, WeightProvider
 from ggufswap.runtime.model_config import Arch, ModelConfig
 from ggufswap.runtime.model_gemma3 import Gemma3Transformer
@@ -25,6 +23,7 @@ from ggufswap.runtime.model_gemma3 import Gemma3Transformer
 if TYPE_CHECKING:
     from ggufswap.runtime.store import TensorStore
 
+Decoder = Transformer | Gemma3Transformer  # what build_model returns
 ModelClass = type[Transformer] | type[Gemma3Transformer]
 
 DECODERS: Final[Mapping[Arch, ModelClass]] = {
@@ -39,7 +38,7 @@ DECODERS: Final[Mapping[Arch, ModelClass]] = {
 
 def build_model(
     config: ModelConfig, weights: WeightProvider, *, store: TensorStore | None = None
-) -> nn.Module:
+) -> Decoder:
     """The decoder for ``config.arch`` over ``weights`` (the store itself when serving)."""
     model = DECODERS[config.arch](config, weights)
     if store is not None:

@@ -18,9 +18,9 @@ import torch
 from ggufswap.config import Config
 from ggufswap.ipc import CurveKeys
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
+from ggufswap.runtime.architectures import build_model
 from ggufswap.runtime.control import ControlServer
 from ggufswap.runtime.engine import HotSwapRuntime
-from ggufswap.runtime.model import Transformer
 from ggufswap.runtime.model_config import ModelConfig
 from ggufswap.runtime.pools import Pool
 from ggufswap.runtime.serve import ServeLoop, ServeOptions
@@ -71,7 +71,7 @@ def run(config: Config, *, options: ServeOptions, stop: threading.Event) -> int:
     try:
         assert runtime.shards is not None, "open() always records the shard set"
         model_config = ModelConfig.from_metadata(runtime.shards.metadata)
-        model = Transformer(model_config, runtime.store)
+        model = build_model(model_config, runtime.store, store=runtime.store)
         loop = ServeLoop(runtime, model, options=options)
         control = ControlServer(
             runtime,

@@ -23,8 +23,8 @@ from typing import Any, Final
 
 import torch
 
+from ggufswap.runtime.architectures import Decoder
 from ggufswap.runtime.engine import HotSwapRuntime
-from ggufswap.runtime.model import Transformer
 from ggufswap.runtime.perplexity import NllStats, batch_nll, make_eval_tokens, token_windows
 from ggufswap.shards import fingerprint_bytes
 
@@ -63,9 +63,7 @@ def logits_digest(logits: torch.Tensor) -> str:
 class ServeLoop:
     """Runs batches until ``stop`` is set; thread-safe ``status()`` for the control server."""
 
-    def __init__(
-        self, runtime: HotSwapRuntime, model: Transformer, *, options: ServeOptions
-    ) -> None:
+    def __init__(self, runtime: HotSwapRuntime, model: Decoder, *, options: ServeOptions) -> None:
         self.runtime = runtime
         self.model = model
         self.options = options
