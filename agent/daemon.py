@@ -142,6 +142,7 @@ class AgentDaemon:
         self._status_text = ""
         self._pending_count = 0
         self._forced_at = 0.0
+        self._rewatch: set[str] = set()
         self._reloads: dict[str, Any] = {"ok": 0, "failed": 0, "last_error": None}
         self.iterations = 0
 
@@ -293,9 +294,11 @@ class AgentDaemon:
         """Re-watch directories that vanished, appeared or were replaced (inode changed)."""
         changed = False
         for directory, entry in list(self._watches.items()):
-            if _dir_identity(directory) != entry.identity:
+            if _dir_identity(directory) != entry.identity or directory in self._rewatch:
                 changed = True
                 log.info("watch.directory_changed", directory=directory)
+                self._unwatch(directory)
+        self._rewatch.clear()
         for slot in self._models.values():
             roots = {r.directory for r in slot.index.watch_roots()}
             if not roots <= set(self._watches):
@@ -349,7 +352,11 @@ class AgentDaemon:
             self._route(path, now)
         for request in rescans:
             self._request_full_scan(request.reason, request.detail)
-        self._debouncer.due(now)
+        for key in self._debouncer.due(now):
+            # Settled: a scan that ran while it was pending skipped it (and held its tensors).
+            for slot in self._models.values():
+                if slot.index.concerns(key):
+                    slot.dirty = True
         if now >= self._next_rescan:
             self._next_rescan = now + self.config.agent.rescan_interval_s
             self._request_full_scan(RescanReason.PERIODIC, "rescan_interval_s")
@@ -374,8 +381,14 @@ class AgentDaemon:
                 settle_s = max(settle_s or 0.0, slot.config.settle_ms / 1000)
         if settle_s is not None:
             self._debouncer.touch(path, now, settle_s)
-        if path in self._watches:
-            self._next_root_check = now  # a watched directory itself changed
+        entry = self._watches.get(path)
+        if entry is not None:
+            # An event on a watched directory itself: inotify reports its deletion or move (the
+            # watch is gone then, even if a new directory reuses the inode). Polling reports
+            # every change of the directory's mtime, which needs no new watch.
+            if entry.kind is not WatchBackend.POLLING:
+                self._rewatch.add(path)
+            self._next_root_check = now
 
     def _request_full_scan(self, reason: RescanReason, detail: str) -> None:
         self._rescans[reason.value] = self._rescans.get(reason.value, 0) + 1

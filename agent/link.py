@@ -172,6 +172,7 @@ class RuntimeLink:
         self._in_flight: _InFlight | None = None
         self._timers = _Timers()
         self._last_key: tuple[int, int] | None = None
+        self._reconciled_generation = 0
         self._refused: dict[str, tuple[TensorRecord, str]] = {}
         self._blocked: tuple[Blocked, ...] = ()
         self._not_loaded = 0
@@ -224,6 +225,7 @@ class RuntimeLink:
                 "pending_plan": flight.record.as_dict() if flight else None,
                 "last_plans": [r.as_dict() for r in self._history],
                 "plans_sent": self.plans_sent,
+                "reconciled_generation": self._reconciled_generation,
                 "blocked": [{"tensor": b.tensor, "reason": b.reason} for b in self._blocked[:50]],
                 "blocked_count": len(self._blocked),
                 "not_loaded_count": self._not_loaded,
@@ -517,6 +519,8 @@ class RuntimeLink:
         if key == self._last_key:
             return
         self._last_key = key
+        with self._lock:
+            self._reconciled_generation = desired.generation
         result = reconcile(
             desired.desired,
             self._actual_by_name,

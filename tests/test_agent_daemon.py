@@ -55,6 +55,7 @@ class Agent:
                 status["pending_paths"] == 0
                 and link["state"] == "idle"
                 and link["weight_version"] == self.runtime.weight_version
+                and link["reconciled_generation"] == status["models"]["m"]["generation"]
             )
 
         wait_until(settled, timeout_s, "the agent to be idle and in sync")
