@@ -182,7 +182,9 @@ class Stager:
             content = self._content_of(slot, contents)
             if fallback and slot.home is not self.store.pools.fallback:
                 targets[slot.name] = Target.PRIVATE_FALLBACK
-            elif self.store.buffer_nbytes(content.record) == slot.original.nbytes:
+            elif self.store.buffer_nbytes(content.record) <= slot.original.nbytes:
+                # Content that fits the buffer it was loaded into stays there (a smaller type
+                # in native storage too): no allocation, and the buffer keeps its size.
                 targets[slot.name] = Target.ORIGINAL
             else:
                 targets[slot.name] = Target.PRIVATE_HOME
@@ -264,11 +266,15 @@ class Stager:
         )
 
     def _allocate(
-        self, pool: Pool, record: TensorRecord, staged: StagedPlan, credit: dict[Pool, int]
+        self,
+        pool: Pool,
+        spec: tuple[int, torch.dtype],
+        staged: StagedPlan,
+        credit: dict[Pool, int],
     ) -> Buffer:
         # ``credit`` is every byte this plan's commit releases in ``pool``; ``pool.used`` already
         # counts what staging allocated, so the credit is not spent by an allocation.
-        numel, dtype = self.store.buffer_spec(record)
+        numel, dtype = spec
         buffer = pool.allocate(numel, dtype, credit=credit.get(pool, 0))
         staged.allocated.append(buffer)
         return buffer
@@ -283,8 +289,10 @@ class Stager:
     ) -> StagedOp | None:
         current = _STATE_TARGET[slot.state]
         changed = content.encoded is not None
-        # New bytes, or the slot's current buffer when only the placement changes.
-        source = content.encoded if content.encoded is not None else slot.active.tensor
+        spec = self.store.buffer_spec(content.record)
+        # New bytes, or the slot's current contents when only the placement changes (a buffer
+        # may be larger than the content it holds: a smaller type in its original buffer).
+        source = content.encoded if content.encoded is not None else slot.active.tensor[: spec[0]]
         if target is current and not changed:
             if content.record != slot.record:  # same bytes, now found elsewhere
                 return StagedOp(slot, content, target)
@@ -303,8 +311,13 @@ class Stager:
                 op.copy_into_original = source.to(slot.home.device, copy=True)
             else:
                 try:
-                    op.new_buffer = self._allocate(slot.home, content.record, staged, credit)
-                    op.new_buffer.tensor.copy_(source)
+                    # The swapped-in buffer keeps the original's size: returning to the original
+                    # content must always fit, and memory stays at its baseline.
+                    original = slot.original.tensor
+                    op.new_buffer = self._allocate(
+                        slot.home, (original.numel(), original.dtype), staged, credit
+                    )
+                    op.new_buffer.tensor[: spec[0]].copy_(source)
                     # The buffer it replaces is released by the commit.
                     credit[slot.home] = credit.get(slot.home, 0) + slot.original.nbytes
                 except PoolFull:  # no headroom for a swap: copy in place at commit instead
@@ -312,7 +325,7 @@ class Stager:
             return op
         pool = self._pool_for(slot, target)
         try:
-            op.new_buffer = self._allocate(pool, content.record, staged, credit)
+            op.new_buffer = self._allocate(pool, spec, staged, credit)
         except PoolFull as exc:
             raise Unplaceable(Reason(slot.name, str(exc))) from None
         op.new_buffer.tensor.copy_(source)
@@ -348,7 +361,8 @@ def commit(store: TensorStore, staged: StagedPlan) -> list[Buffer]:
                 slot.original = op.new_buffer
                 slot.held = (op.content.fingerprint, op.content.record.ggml_type)
             elif op.copy_into_original is not None:
-                slot.original.tensor.copy_(op.copy_into_original)
+                src = op.copy_into_original
+                slot.original.tensor[: src.numel()].copy_(src)
                 slot.held = (op.content.fingerprint, op.content.record.ggml_type)
             slot.active = slot.original
         elif op.new_buffer is not None:

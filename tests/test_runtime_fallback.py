@@ -177,3 +177,33 @@ def test_memory_freed_by_a_plan_is_credit_for_all_its_allocations(tmp_path: Path
         assert torch.equal(logits(model), fresh_logits(model_dir.first, storage=Storage.NATIVE))
     finally:
         runtime.close()
+
+
+@pytest.mark.parametrize("stable", [False, True], ids=["swap", "stable"])
+def test_smaller_type_stays_in_its_full_pool_and_returns_exactly(
+    tmp_path: Path, stable: bool
+) -> None:
+    """On a full pool, a change to a smaller type stays in the original buffer (ON_ORIGINAL, no
+    fallback), equals a fresh load, and the way back restores the baseline memory and outputs."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    pools = cpu_pools(loaded_bytes(model_dir.first, Storage.NATIVE))  # no headroom at all
+    saved = model_dir.save(DOWN1, tmp_path / "saved")
+    small = model_dir.variant(DOWN1, Q.Q4_0, tmp_path / "variants")
+    runtime, model = open_runtime(
+        model_dir.first, storage=Storage.NATIVE, pools=pools, stable_pointers=stable
+    )
+    try:
+        baseline = logits(model)
+        usage = runtime.store.pools.usage()
+        for round_trip in range(3):
+            model_dir.put(DOWN1, small)
+            runtime.apply(model_dir.plan(f"small-{round_trip}", [DOWN1]))
+            assert states(runtime, FAMILY1) == {SlotState.ON_ORIGINAL}
+            assert runtime.store.pools.usage() == usage
+            assert torch.equal(logits(model), fresh_logits(model_dir.first, storage=Storage.NATIVE))
+            model_dir.put(DOWN1, saved)
+            runtime.apply(model_dir.plan(f"back-{round_trip}", [DOWN1]))
+            assert runtime.store.pools.usage() == usage
+            assert torch.equal(logits(model), baseline)
+    finally:
+        runtime.close()
