@@ -4,6 +4,11 @@ Every kernel reproduces ``gguf.quants.dequantize`` bit for bit in float32 (hot-s
 must equal a fresh load exactly); a requested ``bfloat16``/``float16`` result is converted from
 that float32 result. Types without a kernel fall back to gguf's numpy code on the CPU unless
 ``strict`` is set.
+
+CPU speed notes: the result is allocated through numpy, whose allocator asks for transparent huge
+pages (first-touch faults of a fresh 4 KiB-paged result cost more than the arithmetic); kernel
+temporaries live in a small per-thread arena kept between calls; ``out=`` skips the result
+allocation altogether.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ log = structlog.get_logger(__name__)
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset(KERNELS)
 
 # Output elements per kernel call on the CPU: a 4 MiB float32 chunk stays in the last-level cache
-# between the int->float conversion and the scaling pass. Accelerators take the whole tensor.
+# between the int->float conversion and the scaling pass. Accelerators take bigger chunks (their
+# per-op launch cost dominates); their scratch is transient, from the caching allocator.
 _CPU_CHUNK_ELEMENTS = 1 << 20
-_DEVICE_CHUNK_ELEMENTS = 1 << 26
+_DEVICE_CHUNK_ELEMENTS = 1 << 22
 
-# Scratch buffers per thread and device, sized by the chunk (a few MiB), kept between calls so
+# CPU scratch buffers per thread, sized by the chunk (a few MiB at most), kept between calls so
 # that their pages are faulted in once rather than on every call.
 _scratch = threading.local()
 
@@ -139,7 +145,9 @@ def _check(
 
 
 def _arena(device: torch.device) -> Arena:
-    """This thread's scratch arena for ``device``."""
+    """This thread's CPU scratch arena; a transient one for other devices."""
+    if device.type != "cpu":
+        return Arena(device)
     arenas: dict[torch.device, Arena] | None = getattr(_scratch, "arenas", None)
     if arenas is None:
         arenas = {}

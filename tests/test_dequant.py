@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -192,6 +193,32 @@ def test_out_buffer_of_wrong_shape_and_dtype_is_refused() -> None:
     raw = torch.zeros(34 * 4, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"shape \(4, 32\).*dtype torch\.float16"):
         dequantize(raw, T.Q8_0, (64, 2), out=torch.empty(4, 32, dtype=torch.float16))
+
+
+def test_concurrent_calls_from_two_threads_stay_exact() -> None:
+    """Two threads dequantizing different tensors at once each get gguf's bits."""
+    ne = (4096, 300)  # more than one CPU chunk, so scratch is reused while the other runs
+    cases = [
+        (T.Q4_K, random_bytes(T.Q4_K, ne, seed=12)),
+        (T.Q6_K, random_bytes(T.Q6_K, ne, seed=13)),
+    ]
+    results: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def work(i: int) -> None:
+        ggml_type, data = cases[i]
+        results[i].extend(run(data, ggml_type, ne) for _ in range(3))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "dequantize thread did not finish"
+    for i, (ggml_type, data) in enumerate(cases):
+        ref = reference(data, ggml_type, ne)
+        assert len(results[i]) == 3
+        for ours in results[i]:
+            assert_same_bits(ours, ref)
 
 
 def test_unaligned_raw_view_is_read_correctly() -> None:
