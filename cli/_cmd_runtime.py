@@ -24,13 +24,28 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
     parser.add_argument(
         "--mode",
-        choices=["probe", "perplexity"],
+        choices=["probe", "perplexity", "http"],
         default="probe",
         help="probe: a fixed batch, logits digest per weight version; "
-        "perplexity: evaluate a token stream, perplexity per weight version",
+        "perplexity: evaluate a token stream, perplexity per weight version; "
+        "http: serve OpenAI-style completions (docs/serving.md)",
     )
     parser.add_argument(
         "--batch-interval", type=float, default=0.01, metavar="S", help="pause between batches"
+    )
+    http = parser.add_argument_group("http mode")
+    http.add_argument("--http-host", default="127.0.0.1", metavar="HOST", help="bind address")
+    http.add_argument(
+        "--http-port", type=int, default=8000, metavar="N", help="port (0: any free port)"
+    )
+    http.add_argument(
+        "--max-batch", type=int, default=8, metavar="N", help="sequences decoded per batch"
+    )
+    http.add_argument(
+        "--max-queue", type=int, default=64, metavar="N", help="waiting requests before 503"
+    )
+    http.add_argument(
+        "--request-timeout", type=float, default=60.0, metavar="S", help="per-request limit"
     )
     parser.set_defaults(func=run)
 
@@ -43,8 +58,21 @@ def run(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_CONFIG
     from ggufswap.runtime import daemon  # torch is imported only by the runtime command
+    from ggufswap.runtime.http import ListenError
     from ggufswap.runtime.serve import Mode, ServeOptions
 
     signals = ProcessSignals().install()
-    options = ServeOptions(mode=Mode(args.mode), batch_interval_s=args.batch_interval)
-    return daemon.run(config, options=options, stop=signals.stop)
+    options = ServeOptions(
+        mode=Mode(args.mode),
+        batch_interval_s=args.batch_interval,
+        http_host=args.http_host,
+        http_port=args.http_port,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout,
+    )
+    try:
+        return daemon.run(config, options=options, stop=signals.stop)
+    except ListenError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_CONFIG

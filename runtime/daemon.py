@@ -1,6 +1,7 @@
 """``ggufswap runtime``: the reference inference process.
 
-Loads the configured model onto its pools, serves batches (probe or perplexity mode), answers
+Loads the configured model onto its pools, serves batches (probe or perplexity mode) or
+completions over HTTP (http mode), answers
 ``plan``/``state``/``status`` on its control endpoint and publishes events. Tells systemd it is
 ready after the model is loaded and the sockets are bound, and pings the watchdog from the
 inference loop, so a stuck loop gets the process restarted.
@@ -11,6 +12,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import structlog
 import torch
@@ -18,12 +21,12 @@ import torch
 from ggufswap.config import Config
 from ggufswap.ipc import CurveKeys
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
-from ggufswap.runtime.architectures import build_model
+from ggufswap.runtime.architectures import Decoder, build_model
 from ggufswap.runtime.control import ControlServer
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.model_config import ModelConfig
 from ggufswap.runtime.pools import Pool
-from ggufswap.runtime.serve import ServeLoop, ServeOptions
+from ggufswap.runtime.serve import Mode, ServeLoop, ServeOptions
 from ggufswap.runtime.store import Placement, Storage
 
 log = structlog.get_logger(__name__)
@@ -62,17 +65,56 @@ def open_runtime(config: Config) -> HotSwapRuntime:
     )
 
 
+class Service(Protocol):
+    """What the daemon serves: the probe/perplexity loop or completions over HTTP."""
+
+    @property
+    def batches(self) -> int: ...
+
+    def run(
+        self, stop: threading.Event, *, on_iteration: Callable[[], None] | None = None
+    ) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def build_service(runtime: HotSwapRuntime, model: Decoder, options: ServeOptions) -> Service:
+    """The serving loop of ``options.mode``; an HTTP service is already listening."""
+    if options.mode is not Mode.HTTP:
+        return ServeLoop(runtime, model, options=options)
+    from ggufswap.runtime.generate import BatcherOptions
+    from ggufswap.runtime.http import HttpOptions, HttpService
+    from ggufswap.runtime.tokenizer import GgufTokenizer
+
+    assert runtime.shards is not None, "open() always records the shard set"
+    tokenizer = GgufTokenizer.from_file(runtime.shards.first.path)
+    return HttpService(
+        runtime,
+        model,
+        tokenizer,
+        batcher=BatcherOptions(
+            max_batch=options.max_batch,
+            max_queue=options.max_queue,
+            request_timeout_s=options.request_timeout_s,
+        ),
+        http=HttpOptions(host=options.http_host, port=options.http_port),
+    ).start()
+
+
 def run(config: Config, *, options: ServeOptions, stop: threading.Event) -> int:
     """Serve until ``stop`` is set; return the process exit code."""
     rc = config.require_runtime()
     notifier = Notifier.from_env()
     started = time.monotonic()
     runtime = open_runtime(config)
+    loop: Service | None = None
     try:
         assert runtime.shards is not None, "open() always records the shard set"
         model_config = ModelConfig.from_metadata(runtime.shards.metadata)
         model = build_model(model_config, runtime.store, store=runtime.store)
-        loop = ServeLoop(runtime, model, options=options)
+        loop = build_service(runtime, model, options)
         control = ControlServer(
             runtime,
             control_endpoint=rc.control_endpoint,
@@ -83,6 +125,8 @@ def run(config: Config, *, options: ServeOptions, stop: threading.Event) -> int:
             extra_status=loop.status,
         ).start()
     except BaseException:
+        if loop is not None:
+            loop.close()
         runtime.close()
         raise
     if rc.metrics_port is not None:
@@ -113,6 +157,7 @@ def run(config: Config, *, options: ServeOptions, stop: threading.Event) -> int:
     finally:
         # Shutdown, bounded: stop answering, discard staged plans, let the stager go.
         notifier.stopping()
+        loop.close()
         control.close()
         runtime.close(timeout=SHUTDOWN_TIMEOUT_S)
         log.info("runtime.stopped", model=runtime.model_name, batches=loop.batches)

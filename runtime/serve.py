@@ -9,6 +9,9 @@ record what each ``weight_version`` produced:
 - ``perplexity``: batches walk a deterministic evaluation stream; a pass completed entirely on
   one version gives that version's perplexity (a pass interrupted by a commit starts over). This
   is the per-expert sweep's measurement.
+
+A third mode, ``http``, serves completions over HTTP instead of this loop (``runtime.generate``
+and ``runtime.http``); its options live here too so that the daemon takes one options record.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ RESULTS_KEPT: Final = 256
 class Mode(enum.Enum):
     PROBE = "probe"
     PERPLEXITY = "perplexity"
+    HTTP = "http"
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,12 @@ class ServeOptions:
     eval_ctx: int = 64
     eval_batch: int = 4
     seed: int = 0
+    # http mode
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000  # 0 picks a free port; status reports the bound one
+    max_batch: int = 8
+    max_queue: int = 64
+    request_timeout_s: float = 60.0
 
 
 def probe_tokens(n_vocab: int, *, batch: int, tokens: int) -> torch.Tensor:
@@ -122,6 +132,9 @@ class ServeLoop:
             self._results.move_to_end(version)
             while len(self._results) > RESULTS_KEPT:
                 self._results.popitem(last=False)
+
+    def close(self) -> None:
+        """Nothing to release (the daemon closes every serving mode the same way)."""
 
     def status(self) -> dict[str, Any]:
         with self._lock:

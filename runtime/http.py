@@ -1,0 +1,507 @@
+"""An OpenAI-compatible subset over HTTP, on the standard library's ``ThreadingHTTPServer``.
+
+Routes: ``POST /v1/completions`` (``stream`` as server-sent events), ``GET /v1/models``,
+``GET /health``. Every completion response and every streamed chunk carries the
+``weight_version`` it was generated on. Errors are OpenAI-shaped
+``{"error": {"message", "type", "code"}}`` with 400 (bad request), 404 (unknown route or model),
+405, 413, 500 (the model failed) and 503 (queue full, timed out, shutting down).
+
+One thread per connection parses and validates the request and hands it to the
+:class:`~ggufswap.runtime.generate.Batcher`; the inference thread generates; the connection thread
+writes what comes back. The server binds ``127.0.0.1`` unless told otherwise: it has no
+authentication.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Final
+
+import structlog
+
+from ggufswap.runtime.architectures import Decoder
+from ggufswap.runtime.engine import HotSwapRuntime
+from ggufswap.runtime.errors import RuntimeLibraryError
+from ggufswap.runtime.generate import (
+    Batcher,
+    BatcherOptions,
+    Closed,
+    Ended,
+    Event,
+    Failed,
+    FailureKind,
+    Finished,
+    InvalidRequest,
+    QueueFull,
+    Sampling,
+    Started,
+    TextDelta,
+)
+from ggufswap.runtime.tokenizer import GgufTokenizer
+
+log = structlog.get_logger(__name__)
+
+MAX_BODY_BYTES: Final = 1 << 20
+MAX_STOP_STRINGS: Final = 4  # as OpenAI's API
+DEFAULT_MAX_TOKENS: Final = 16  # as OpenAI's API
+DEFAULT_TEMPERATURE: Final = 1.0  # as OpenAI's API; 0 is greedy
+WAIT_GRACE_S: Final = 1.0  # the batcher enforces the deadline; the HTTP thread waits a bit more
+OBJECT_COMPLETION: Final = "text_completion"
+
+
+@dataclass(frozen=True, kw_only=True)
+class HttpOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 picks a free port (see CompletionServer.port)
+
+
+class ListenError(RuntimeLibraryError, OSError):
+    """The HTTP server cannot bind its address (in use, not local, no permission)."""
+
+
+class ApiError(Exception):
+    """An error response: HTTP status, OpenAI error type and message."""
+
+    def __init__(
+        self, status: HTTPStatus, message: str, *, kind: str, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "code": self.code}}
+
+
+def bad_request(message: str, code: str | None = None) -> ApiError:
+    return ApiError(HTTPStatus.BAD_REQUEST, message, kind="invalid_request_error", code=code)
+
+
+def unavailable(message: str, code: str) -> ApiError:
+    return ApiError(HTTPStatus.SERVICE_UNAVAILABLE, message, kind="server_error", code=code)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompts: tuple[str, ...]
+    sampling: Sampling
+    stream: bool
+    batched: bool  # prompt was a list (the response has one choice per prompt either way)
+
+
+def parse_completion(body: object, *, model_name: str) -> CompletionRequest:
+    """Validate a ``/v1/completions`` body; raise :class:`ApiError` listing every problem."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the body must be a JSON object, found {type(body).__name__}")
+    problems: list[str] = []
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(
+            HTTPStatus.NOT_FOUND,
+            f"model {model!r} is not served here; this server serves {model_name!r}",
+            kind="invalid_request_error",
+            code="model_not_found",
+        )
+    prompt = body.get("prompt")
+    prompts: tuple[str, ...] = ()
+    if isinstance(prompt, str):
+        prompts = (prompt,)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = tuple(prompt)
+    else:
+        problems.append("'prompt' must be a string or a non-empty list of strings")
+    max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    if not _is_int(max_tokens) or max_tokens < 1:
+        problems.append(f"'max_tokens' must be an integer >= 1, found {max_tokens!r}")
+    temperature = body.get("temperature", DEFAULT_TEMPERATURE)
+    if temperature is None:
+        temperature = DEFAULT_TEMPERATURE
+    if not _is_number(temperature) or temperature < 0:
+        problems.append(f"'temperature' must be a number >= 0, found {temperature!r}")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        problems.append(f"'seed' must be an integer, found {seed!r}")
+    stop = body.get("stop")
+    stops: tuple[str, ...] = ()
+    if isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    elif stop is not None:
+        problems.append(f"'stop' must be a string or a list of strings, found {stop!r}")
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        problems.append(f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        problems.append(f"'stream' must be true or false, found {stream!r}")
+    for key, default in (("n", 1), ("best_of", 1), ("echo", False), ("logprobs", None)):
+        if body.get(key, default) not in (default, None):
+            problems.append(f"'{key}' = {body[key]!r} is not supported by this server")
+    if problems:
+        raise bad_request("; ".join(problems))
+    sampling = Sampling(
+        max_tokens=int(max_tokens),
+        temperature=float(temperature),
+        seed=None if seed is None else int(seed),
+        stop=stops,
+    )
+    return CompletionRequest(prompts, sampling, bool(stream), isinstance(prompt, list))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+class CompletionServer:
+    """The HTTP face of a :class:`Batcher`; ``start()`` binds and serves on a thread."""
+
+    def __init__(self, batcher: Batcher, runtime: HotSwapRuntime, *, options: HttpOptions) -> None:
+        self.batcher = batcher
+        self.runtime = runtime
+        self.model_name = runtime.model_name
+        self.options = options
+        self.created = int(time.time())
+        self._responses = collections.Counter[int]()
+        self._lock = threading.Lock()
+        try:
+            self._httpd = _Server((options.host, options.port), _Handler)
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {options.host}:{options.port}: {exc}") from exc
+        self._httpd.app = self
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="ggufswap-http"
+        )
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    @property
+    def host(self) -> str:
+        return str(self._httpd.server_address[0])
+
+    def start(self) -> CompletionServer:
+        self._thread.start()
+        log.info("http.listening", host=self.host, port=self.port, model=self.model_name)
+        return self
+
+    def close(self) -> None:
+        """Stop accepting connections; connection threads still writing are daemon threads."""
+        self.batcher.close()
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+            self._thread.join(5.0)
+        self._httpd.server_close()
+
+    def counted(self, status: int) -> None:
+        with self._lock:
+            self._responses[status] += 1
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            responses = {str(k): v for k, v in sorted(self._responses.items())}
+        return {"http": {"host": self.host, "port": self.port, "responses": responses}}
+
+    # -- bodies ----------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": self.model_name,
+            "weight_version": self.runtime.weight_version,
+        }
+
+    def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "ggufswap",
+                    "weight_version": self.runtime.weight_version,
+                }
+            ],
+        }
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a stuck client never blocks shutdown
+    block_on_close = False
+    app: CompletionServer
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive for JSON responses; streams close when done
+    server: _Server
+    server_version = "ggufswap"
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def do_GET(self) -> None:
+        app = self.server.app
+        routes = {"/health": app.health, "/v1/models": app.models}
+        path = self.path.split("?", 1)[0]
+        try:
+            if path in routes:
+                self._json(HTTPStatus.OK, routes[path]())
+            elif path == "/v1/completions":
+                raise _not_allowed("GET", path)
+            else:
+                raise _not_found("GET", path)
+        except ApiError as exc:
+            self._error(exc)
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0]
+        try:
+            if path != "/v1/completions":
+                self._discard_body()
+                raise (_not_allowed if path in ("/health", "/v1/models") else _not_found)(
+                    "POST", path
+                )
+            self._completions()
+        except ApiError as exc:
+            self._error(exc)
+
+    # -- completions -----------------------------------------------------------------------
+
+    def _completions(self) -> None:
+        app = self.server.app
+        request = parse_completion(self._read_json(), model_name=app.model_name)
+        try:
+            generation = app.batcher.submit(list(request.prompts), request.sampling)
+        except InvalidRequest as exc:
+            raise bad_request(str(exc), "context_length_exceeded") from None
+        except QueueFull as exc:
+            raise unavailable(str(exc), "queue_full") from None
+        except Closed as exc:
+            raise unavailable(str(exc), "shutting_down") from None
+        reply = _Reply(
+            id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=app.model_name
+        )
+        try:
+            if request.stream:
+                self._stream(generation.events, reply, deadline=generation.deadline)
+            else:
+                self._complete(generation.events, reply, len(request.prompts), generation.deadline)
+        except (BrokenPipeError, ConnectionResetError):
+            log.info("http.client_gone", id=reply.id)
+            self.close_connection = True
+        finally:
+            generation.cancel()  # a no-op once it ended; frees the batch slot otherwise
+
+    def _complete(self, events: queue.Queue[Event], reply: _Reply, n: int, deadline: float) -> None:
+        texts = [""] * n
+        reasons: list[str | None] = [None] * n
+        ended: Ended | None = None
+        while ended is None:
+            event = _next(events, deadline)
+            if isinstance(event, TextDelta):
+                texts[event.index] += event.text
+            elif isinstance(event, Finished):
+                reasons[event.index] = event.reason.value
+            elif isinstance(event, Ended):
+                ended = event
+            elif isinstance(event, Failed):
+                raise _failure(event)
+        body = reply.body(
+            choices=[
+                {"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+            ],
+            weight_version=ended.weight_version,
+        )
+        body["usage"] = {
+            "prompt_tokens": ended.prompt_tokens,
+            "completion_tokens": ended.completion_tokens,
+            "total_tokens": ended.prompt_tokens + ended.completion_tokens,
+        }
+        self._json(HTTPStatus.OK, body)
+
+    def _stream(self, events: queue.Queue[Event], reply: _Reply, *, deadline: float) -> None:
+        first = _next(events, deadline)  # Started, or a failure still sent as an error status
+        if isinstance(first, Failed):
+            raise _failure(first)
+        assert isinstance(first, Started), f"the first event is Started, found {first!r}"
+        version = first.weight_version
+        self.close_connection = True
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.server.app.counted(HTTPStatus.OK)
+        while True:
+            try:
+                event = _next(events, deadline)
+            except ApiError as exc:
+                self._sse(exc.body())
+                return
+            if isinstance(event, TextDelta):
+                choice = {"index": event.index, "text": event.text, "finish_reason": None}
+            elif isinstance(event, Finished):
+                choice = {"index": event.index, "text": "", "finish_reason": event.reason.value}
+            elif isinstance(event, Failed):
+                self._sse(_failure(event).body())  # no [DONE]: the stream is incomplete
+                return
+            else:
+                break
+            self._sse(reply.body(choices=[{**choice, "logprobs": None}], weight_version=version))
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+    def _sse(self, body: dict[str, Any]) -> None:
+        self.wfile.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        self.wfile.flush()
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _read_json(self) -> object:
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            self.close_connection = True
+            raise bad_request("a JSON body with a Content-Length header is required")
+        if int(length) > MAX_BODY_BYTES:
+            self.close_connection = True
+            raise ApiError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"the body has {length} bytes; the limit is {MAX_BODY_BYTES}",
+                kind="invalid_request_error",
+            )
+        raw = self.rfile.read(int(length))
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise bad_request(f"the body is not valid JSON: {exc}", "invalid_json") from None
+
+    def _discard_body(self) -> None:
+        length = self.headers.get("Content-Length")
+        if length is not None and length.isdigit() and int(length) <= MAX_BODY_BYTES:
+            self.rfile.read(int(length))
+        else:
+            self.close_connection = True
+
+    def _json(self, status: HTTPStatus, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.server.app.counted(status)
+
+    def _error(self, exc: ApiError) -> None:
+        log.info("http.error", status=int(exc.status), code=exc.code, message=exc.message)
+        try:
+            self._json(exc.status, exc.body())
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("http.request", client=self.client_address[0], line=format % args)
+
+
+@dataclass(frozen=True)
+class _Reply:
+    id: str
+    created: int
+    model: str
+
+    def body(self, *, choices: list[dict[str, Any]], weight_version: int) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": OBJECT_COMPLETION,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "weight_version": weight_version,
+        }
+
+
+def _next(events: queue.Queue[Event], deadline: float) -> Event:
+    """The next event of a generation, or a 503 once its deadline (plus grace) has passed."""
+    try:
+        return events.get(timeout=max(0.0, deadline - time.monotonic()) + WAIT_GRACE_S)
+    except queue.Empty:
+        raise unavailable("the request timed out", "timeout") from None
+
+
+def _failure(event: Failed) -> ApiError:
+    if event.kind is FailureKind.ERROR:
+        return ApiError(
+            HTTPStatus.INTERNAL_SERVER_ERROR, event.message, kind="server_error", code="failed"
+        )
+    return unavailable(event.message, event.kind.value)
+
+
+def _not_found(method: str, path: str) -> ApiError:
+    return ApiError(
+        HTTPStatus.NOT_FOUND,
+        f"no route {method} {path}; routes: POST /v1/completions, GET /v1/models, GET /health",
+        kind="invalid_request_error",
+        code="not_found",
+    )
+
+
+def _not_allowed(method: str, path: str) -> ApiError:
+    return ApiError(
+        HTTPStatus.METHOD_NOT_ALLOWED,
+        f"{path} does not take {method}",
+        kind="invalid_request_error",
+        code="method_not_allowed",
+    )
+
+
+class HttpService:
+    """Completions over HTTP for the daemon: the batcher runs on the thread that calls
+    :meth:`run` (the inference thread), the HTTP server on its own threads."""
+
+    def __init__(
+        self,
+        runtime: HotSwapRuntime,
+        model: Decoder,
+        tokenizer: GgufTokenizer,
+        *,
+        batcher: BatcherOptions,
+        http: HttpOptions,
+    ) -> None:
+        self.batcher = Batcher(runtime, model, tokenizer, options=batcher)
+        self.server = CompletionServer(self.batcher, runtime, options=http)
+
+    def start(self) -> HttpService:
+        self.server.start()
+        return self
+
+    def run(self, stop: threading.Event, *, on_iteration: Callable[[], None] | None = None) -> None:
+        self.batcher.run(stop, on_iteration=on_iteration)
+
+    @property
+    def batches(self) -> int:
+        return self.batcher.rounds
+
+    def status(self) -> dict[str, Any]:
+        return {"serve": {"mode": "http", **self.batcher.status()}, **self.server.status()}
+
+    def close(self) -> None:
+        self.server.close()
