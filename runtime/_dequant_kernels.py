@@ -211,13 +211,17 @@ def _q4_1(
 
 
 def _spread_bits(qh: torch.Tensor, lut: torch.Tensor, arena: Arena) -> torch.Tensor:
-    """32-bit masks ``qh [c, 1]`` (int64) -> ``[c, 32]`` uint8; element ``j`` from bit ``j``."""
+    """The 4 qh bytes of each block (``[c, 4]`` view) -> ``[c, 32]`` uint8 from ``lut``.
+
+    Element ``j`` comes from bit ``j`` of the little-endian 32-bit mask.
+    """
     c = qh.shape[0]
-    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=qh.device)
-    idx = arena.take("idx", 4 * c, torch.int64).view(c, 4)
-    torch.bitwise_right_shift(qh, shifts, out=idx).bitwise_and_(0xFF)
+    compact = arena.take("qh", 4 * c, torch.uint8).view(c, 4)
+    compact.copy_(qh)  # one 2-D copy; column-wise int ops on strided views are far slower
+    idx = arena.take("idx", 4 * c, torch.int64)
+    idx.copy_(compact.view(-1))
     bits = arena.take("bits", 4 * c, torch.int64)
-    torch.index_select(lut, 0, idx.view(-1), out=bits)
+    torch.index_select(lut, 0, idx, out=bits)
     return bits.view(torch.uint8).view(c, 32)
 
 
@@ -240,11 +244,8 @@ def _q5_0(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d8: torch.Tenso
     nib = arena.take("nibbles", 2 * w.numel(), torch.int64).view(2, -1)
     torch.bitwise_left_shift(w, 3, out=nib[0]).bitwise_and_(_rep(0x78))
     torch.bitwise_right_shift(w, 1, out=nib[1]).bitwise_and_(_rep(0x78))
-    lo16 = blocks[:, 2:4].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
-    hi16 = blocks[:, 4:6].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
-    qh = lo16.bitwise_or_(hi16.bitwise_left_shift_(16))
     lut = _bit_lut(blocks.device, 1, 0x80, 0, 0x80)
-    q = _q5_combine(blocks, nib.view(torch.uint8), qh, lut, arena)
+    q = _q5_combine(blocks, nib.view(torch.uint8), blocks[:, 2:6], lut, arena)
     out.copy_(q.view(torch.int8))
     out.mul_(d8)
 
@@ -254,8 +255,8 @@ def _q5_1(
 ) -> None:
     # block: d f16 | m f16 | qh u32 | qs[16]; x = d * (q | hbit << 4) + m
     nib = _nibbles(_words(blocks.reshape(-1), arena), arena)
-    qh = blocks.view(torch.int32)[:, 1:2].to(torch.int64).bitwise_and_(0xFFFFFFFF)
-    q = _q5_combine(blocks, nib, qh, _bit_lut(blocks.device, 1, 16, 0, 0), arena)
+    lut = _bit_lut(blocks.device, 1, 16, 0, 0)
+    q = _q5_combine(blocks, nib, blocks[:, 4:8], lut, arena)
     out.copy_(q)
     out.mul_(d).add_(m)
 
@@ -428,19 +429,19 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, dl4: torch.Tens
     torch.bitwise_left_shift(wl, 2, out=nib[0])
     torch.bitwise_right_shift(wl, 2, out=nib[1])
     nib.bitwise_and_(_rep(0x3C))
-    # high bit pairs: planes [c*2 (block, half), 4 (p), 4 words (32 bytes)], p-th pair at bits 6-7
+    # high bit pairs: planes[p] holds pair p of every qh byte at bits 6-7 (flat 1-D ops)
     t = torch.bitwise_xor(qh.view(-1).view(torch.int64), _rep(0xAA))
-    planes = arena.take("planes", 4 * t.numel(), torch.int64).view(c * 2, 4, 4)
-    tw = t.view(c * 2, 4)
+    planes = arena.take("planes", 4 * t.numel(), torch.int64).view(4, -1)
     for p in range(3):
-        torch.bitwise_left_shift(tw, 6 - 2 * p, out=planes[:, p])
-    planes[:, 3].copy_(tw)
+        torch.bitwise_left_shift(t, 6 - 2 * p, out=planes[p])
+    planes[3].copy_(t)
     planes.bitwise_and_(_rep(0xC0))
-    pb = planes.view(torch.uint8).view(c * 2, 128)  # [block-half, p*32 + l]
-    q = arena.take("q", 256 * c, torch.uint8).view(c * 2, 128)
+    pb = planes.view(torch.uint8).view(4, c * 2, 32)  # [p, block-half, l]
+    q = arena.take("q", 256 * c, torch.uint8).view(c * 2, 128)  # [block-half, p*32 + l]
     nb = nib.view(torch.uint8).view(2, c * 2, 64)  # [low/high nibble, block-half, 64]
-    for h in range(2):
-        torch.bitwise_or(nb[h], pb[:, 64 * h : 64 * h + 64], out=q[:, 64 * h : 64 * h + 64])
+    for p in range(4):
+        low = nb[p // 2][:, 32 * (p % 2) : 32 * (p % 2) + 32]
+        torch.bitwise_or(low, pb[p], out=q[:, 32 * p : 32 * p + 32])
     out.copy_(q.view(c, 256).view(torch.int8))
     out.view(c * 16, 16).mul_(dl4.view(c * 16, 1))
 

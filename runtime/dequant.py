@@ -35,6 +35,8 @@ KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset(KERNELS)
 # per-op launch cost dominates); their scratch is transient, from the caching allocator.
 _CPU_CHUNK_ELEMENTS = 1 << 20
 _DEVICE_CHUNK_ELEMENTS = 1 << 22
+# Per-block scales are computed for this many chunks at a time.
+_CHUNKS_PER_SCALE_GROUP = 16
 
 # CPU scratch buffers per thread, sized by the chunk (a few MiB at most), kept between calls so
 # that their pages are faulted in once rather than on every call.
@@ -189,13 +191,18 @@ def _run(
         # compute each chunk in float32 scratch, then round it into the result
         scratch_elems = min(chunk, n_blocks) * block_size
         scratch = arena.take("chunk_f32", scratch_elems, torch.float32).view(-1, block_size)
-    for start in range(0, n_blocks, chunk):
-        stop = min(start + chunk, n_blocks)
-        part = out_blocks[start:stop] if scratch is None else scratch[: stop - start]
-        chunk_blocks = blocks[start:stop]
-        kernel.body(chunk_blocks, part, arena, *kernel.prepare(chunk_blocks, arena))
-        if scratch is not None:
-            out_blocks[start:stop].copy_(part)
+    group = chunk * _CHUNKS_PER_SCALE_GROUP
+    for group_start in range(0, n_blocks, group):
+        # scales for a group of chunks at once: fewer small ops, still bounded scratch
+        group_stop = min(group_start + group, n_blocks)
+        scales = kernel.prepare(blocks[group_start:group_stop], arena)
+        for start in range(group_start, group_stop, chunk):
+            stop = min(start + chunk, group_stop)
+            part = out_blocks[start:stop] if scratch is None else scratch[: stop - start]
+            rows = slice(start - group_start, stop - group_start)
+            kernel.body(blocks[start:stop], part, arena, *(s[rows] for s in scales))
+            if scratch is not None:
+                out_blocks[start:stop].copy_(part)
     return out
 
 

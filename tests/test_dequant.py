@@ -140,6 +140,18 @@ def test_tensor_spanning_several_chunks_matches_gguf(ggml_type: GGMLQuantization
     assert_same_bits(run(data, ggml_type, ne), reference(data, ggml_type, ne))
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_1, T.Q2_K])
+def test_scale_groups_of_chunks_are_exact_across_seams(
+    ggml_type: GGMLQuantizationType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With scales computed two chunks at a time, a five-chunk tensor is still exact."""
+    monkeypatch.setattr(dq, "_CHUNKS_PER_SCALE_GROUP", 2)
+    cols = 4096
+    ne = (cols, dq._CPU_CHUNK_ELEMENTS * 9 // 2 // cols + 1)
+    data = random_bytes(ggml_type, ne, seed=14)
+    assert_same_bits(run(data, ggml_type, ne), reference(data, ggml_type, ne))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q8_0, T.BF16])
 def test_half_output_is_the_rounded_float32_result(
