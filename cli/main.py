@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "ggufswap._cmd_status",
     "ggufswap._cmd_demo",
     "ggufswap._cmd_agent",
+    "ggufswap._cmd_perplexity",
 )
 
 EXIT_OK = 0

@@ -44,7 +44,7 @@ from ggufswap.runtime.tokenizer import GgufTokenizer
 
 log = structlog.get_logger(__name__)
 
-IDLE_WAIT_S: Final = 0.02  # an idle loop still wakes this often to commit staged plans
+IDLE_WAIT_S: Final = 0.1  # an idle loop wakes on a request or a staged plan, or this often
 REPLACEMENT: Final = "\ufffd"  # an incomplete UTF-8 sequence decodes to this; held back
 
 
@@ -216,6 +216,11 @@ class Batcher:
         self._counts = collections.Counter[str]()
         self.rounds = 0
         self.last_round_s: float | None = None
+        runtime.on_event(self._on_runtime_event)
+
+    def _on_runtime_event(self, topic: str, payload: dict[str, Any]) -> None:
+        if topic == "plan.staged":  # wake an idle loop: the plan can be committed right away
+            self._arrived.set()
 
     # -- any thread ------------------------------------------------------------------------
 

@@ -1,0 +1,234 @@
+"""``ggufswap perplexity --model FILE --text FILE``: perplexity of a GGUF model on a text file.
+
+The text is tokenized with the model's own tokenizer and cut into non-overlapping windows of
+``--ctx`` tokens; when the tokenizer adds BOS, each window is BOS followed by ``ctx - 1`` text
+tokens (llama.cpp's ``perplexity`` does the same). Every next-token prediction in a window is
+scored; the sums run in float64 in a fixed order, so the figure is reproducible bit for bit on CPU.
+
+With ``--hot-swap --config FILE`` the model is loaded as the config's runtime section says, the
+control endpoint takes plans like ``ggufswap runtime`` does, and the text is evaluated again after
+every committed plan. Plans are committed only between two evaluations, so each figure belongs to
+exactly one ``weight_version``; the figures are printed and reported in ``status``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+from ggufswap._signals import ProcessSignals
+from ggufswap.config import Config, ConfigError, load_config
+
+if TYPE_CHECKING:
+    from ggufswap.runtime import Decoder, GgufTokenizer, HotSwapRuntime
+
+EXIT_OK: Final = 0
+EXIT_USAGE: Final = 2
+DEFAULT_CTX: Final = 512
+WAKE_S: Final = 0.5  # the hot-swap loop re-checks the stop flag this often
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "perplexity",
+        help="perplexity of a GGUF model on a text file (re-evaluated after every hot-swap)",
+        description=(
+            "Evaluate perplexity on a text file with the model's own tokenizer. With --hot-swap, "
+            "serve the config's control endpoint and re-evaluate after every committed plan."
+        ),
+    )
+    parser.add_argument("--model", metavar="FILE", help="GGUF file (first shard of a split set)")
+    parser.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to evaluate")
+    parser.add_argument(
+        "--ctx", type=int, default=DEFAULT_CTX, metavar="N", help="tokens per window"
+    )
+    parser.add_argument("--batch", type=int, default=1, metavar="N", help="windows per forward")
+    parser.add_argument("--json", action="store_true", help="one JSON object per evaluation")
+    parser.add_argument(
+        "--hot-swap",
+        action="store_true",
+        help="serve the control endpoint of --config and re-evaluate after every committed plan",
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML configuration (runtime section)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    problems = _usage_problems(args)
+    config: Config | None = None
+    if args.config is not None:
+        try:
+            config = load_config(args.config)
+            rc = config.require_runtime()
+        except ConfigError as exc:
+            problems.append(str(exc))
+        else:
+            if args.model is not None and os.path.realpath(args.model) != os.path.realpath(
+                rc.model
+            ):
+                problems.append(
+                    f"--model {args.model} is not the config's runtime.model ({rc.model}); "
+                    "leave --model out with --config"
+                )
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        problems.append(f"cannot read --text {args.text}: {exc}")
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return EXIT_USAGE
+    return _evaluate(args, config, text)
+
+
+def _usage_problems(args: argparse.Namespace) -> list[str]:
+    problems = []
+    if args.model is None and args.config is None:
+        problems.append("give --model FILE (or --config FILE, whose runtime section names it)")
+    if args.hot_swap and args.config is None:
+        problems.append("--hot-swap needs --config FILE (its runtime section's control endpoint)")
+    if args.ctx < 2:
+        problems.append(f"--ctx must be >= 2, found {args.ctx}")
+    if args.batch < 1:
+        problems.append(f"--batch must be >= 1, found {args.batch}")
+    return problems
+
+
+def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int:
+    # torch is imported only by the commands that run a model
+    from ggufswap.runtime import GgufTokenizer, HotSwapRuntime, ModelConfig, build_model
+    from ggufswap.runtime.daemon import open_runtime
+
+    signals = ProcessSignals().install() if args.hot_swap else None
+    runtime = open_runtime(config) if config is not None else HotSwapRuntime.open(args.model)
+    try:
+        assert runtime.shards is not None, "open() always records the shard set"
+        model_config = ModelConfig.from_metadata(runtime.shards.metadata)
+        model = build_model(model_config, runtime.store, store=runtime.store)
+        tokenizer = GgufTokenizer.from_file(runtime.shards.first.path)
+        ctx = min(args.ctx, model_config.context_length)
+        windows = text_windows(tokenizer, text, ctx=ctx)
+        if not windows:
+            print(
+                f"{args.text} has too few tokens for one window of {ctx} (try a smaller --ctx)",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        evaluator = _Evaluator(model, windows, batch=args.batch, as_json=args.json, ctx=ctx)
+        if signals is None:
+            evaluator.evaluate(runtime.weight_version, plans=[])
+            return EXIT_OK
+        assert config is not None, "--hot-swap is refused without --config"
+        return _hot_swap(runtime, config, evaluator, signals.stop)
+    finally:
+        runtime.close()
+
+
+def text_windows(tokenizer: GgufTokenizer, text: str, *, ctx: int) -> list[list[int]]:
+    """The text's tokens in windows of ``ctx``: BOS + ``ctx - 1`` tokens when the tokenizer adds
+    BOS, else ``ctx`` tokens; a trailing partial window is dropped."""
+    ids = tokenizer.encode(text, add_bos=False, add_eos=False)
+    bos = [tokenizer.bos_id] if tokenizer.vocab.add_bos and tokenizer.bos_id is not None else []
+    step = ctx - len(bos)
+    return [bos + ids[i : i + step] for i in range(0, len(ids) - step + 1, step)]
+
+
+class _Evaluator:
+    """Evaluates the windows and keeps one result per weight version."""
+
+    def __init__(
+        self, model: Decoder, windows: list[list[int]], *, batch: int, as_json: bool, ctx: int
+    ) -> None:
+        import torch
+
+        self.model = model
+        tokens = torch.tensor(windows, dtype=torch.long)  # [W, ctx]
+        self.batches = list(tokens.split(batch))  # [<= batch, ctx] each
+        self.n_windows = len(windows)
+        self.ctx = ctx
+        self.as_json = as_json
+        self.results: dict[int, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def evaluate(self, version: int, *, plans: list[str]) -> dict[str, Any]:
+        from ggufswap.runtime.perplexity import NllStats, batch_nll
+
+        started = time.perf_counter()
+        total = NllStats()
+        for tokens in self.batches:
+            total = total + batch_nll(self.model, tokens)
+        result = {
+            "weight_version": version,
+            "perplexity": total.perplexity,
+            "mean_nll": total.mean_nll,
+            "tokens": total.n_tokens,
+            "windows": self.n_windows,
+            "ctx": self.ctx,
+            "plans": plans,
+            "eval_s": round(time.perf_counter() - started, 3),
+        }
+        with self._lock:
+            self.results[version] = result
+        if self.as_json:
+            print(json.dumps(result), flush=True)
+        else:
+            after = f" after {', '.join(plans)}" if plans else ""
+            print(
+                f"weight_version {version}{after}: perplexity {total.perplexity:.4f} "
+                f"over {total.n_tokens} tokens ({self.n_windows} windows of {self.ctx})",
+                flush=True,
+            )
+        return result
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            results = {str(v): dict(r) for v, r in self.results.items()}
+        return {"perplexity": {"results": results}}
+
+
+def _hot_swap(
+    runtime: HotSwapRuntime, config: Config, evaluator: _Evaluator, stop: threading.Event
+) -> int:
+    from ggufswap.runtime.control import ControlServer
+    from ggufswap.runtime.daemon import curve_keys
+
+    rc = config.require_runtime()
+    staged = threading.Event()
+    committed: list[str] = []  # plan ids committed since the last evaluation
+
+    def on_event(topic: str, payload: dict[str, Any]) -> None:
+        if topic == "plan.staged":
+            staged.set()
+        elif topic == "plan.committed":
+            committed.append(str(payload["plan_id"]))
+
+    runtime.on_event(on_event)
+    control = ControlServer(
+        runtime,
+        control_endpoint=rc.control_endpoint,
+        status_endpoint=rc.status_endpoint,
+        events_endpoint=rc.events_endpoint,
+        curve=curve_keys(config),
+        allow_insecure_tcp=config.security.allow_insecure_tcp,
+        extra_status=evaluator.status,
+    ).start()
+    try:
+        evaluator.evaluate(runtime.weight_version, plans=[])
+        version = runtime.weight_version
+        while not stop.is_set():
+            if not staged.wait(WAKE_S):
+                continue
+            staged.clear()
+            runtime.at_batch_boundary()  # between two evaluations: each runs on one version
+            if runtime.weight_version != version:
+                version = runtime.weight_version
+                plans, committed[:] = list(committed), []
+                evaluator.evaluate(version, plans=plans)
+    finally:
+        control.close()
+    return EXIT_OK
