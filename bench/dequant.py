@@ -1,10 +1,14 @@
 """Throughput of the torch dequantization kernels against gguf's numpy code, same bytes, same run.
 
-    python bench/dequant.py [--quick]
+    python bench/dequant.py [--quick] [--types Q8_0 Q4_K ...]
 
-Prints one row per type: MB/s of quantized input, elements/s, and the ratio of the baseline's best
-time to ours (best of N repeats each, torch's default thread count). Targets (ratio >= 10x on the
-CPU) are marked. ``run(quick)`` returns the rows for ``bench/run_all.py``.
+Prints one row per type (a 4096x4096-element tensor, random blocks with finite scales): MB/s of
+quantized input and elements/s of ``dequantize`` into a fresh tensor, the ratio of gguf's best time
+to ours, and the same for ``dequantize(..., out=)`` into a reused buffer. Best of N interleaved
+repeats, torch's default thread count. Targets (ratio >= 10x on the CPU) are marked. F32 has no
+meaningful ratio: gguf returns a view of the bytes, ours a copy. ``run(quick)`` returns the rows
+(name, baseline_s, ours_s, ratio, target, plus throughput and into-buffer figures) for
+``bench/run_all.py``.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def _random_bytes(ggml_type: GGMLQuantizationType, rows: int, cols: int) -> np.n
 def run(quick: bool, types: list[str] | None = None) -> list[dict[str, Any]]:
     """Measure every kernel type (or those named in ``types``); one row per type."""
     rows, cols = (1024, 4096) if quick else (4096, 4096)
-    repeats = 3 if quick else 9
+    repeats = 3 if quick else 15
     results: list[dict[str, Any]] = []
     for ggml_type in sorted(KERNEL_TYPES, key=lambda t: t.name):
         if types and ggml_type.name not in types:
