@@ -1,0 +1,321 @@
+"""The OpenAI-style HTTP server on the reference runtime: completions (plain and streamed),
+determinism, errors, back-pressure, and a 20-swap sweep under concurrent clients."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from processes import wait_for
+from runtime_helpers import ModelDir, Q, one_thread
+
+from ggufswap.runtime import GgufTokenizer, HotSwapRuntime, ModelConfig, PlanState, build_model
+from ggufswap.runtime.generate import Batcher, BatcherOptions
+from ggufswap.runtime.http import CompletionServer, HttpOptions
+from ggufswap.shards import tiny_dense
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+WAIT_S = 30.0
+PROMPT = "The cat sat on the mat."
+SWAPPED = ("blk.0.attn_q.weight", "blk.1.ffn_down.weight", "output.weight")
+
+
+def spec():  # type: ignore[no-untyped-def]
+    """A tiny dense model whose vocabulary is mostly plain pieces (" t17"), so generated text
+    tells tokens apart (the default 256-entry vocabulary is nearly all byte tokens)."""
+    return tiny_dense(n_vocab=2048, context_length=512)
+
+
+# -- HTTP client helpers -----------------------------------------------------------------------
+
+
+def call(
+    port: int, method: str, path: str, body: object = None, *, raw: bytes | None = None
+) -> tuple[int, dict[str, Any]]:
+    """One request on a fresh connection; the decoded JSON body."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def complete(port: int, **body: Any) -> dict[str, Any]:
+    status, reply = call(port, "POST", "/v1/completions", {"prompt": PROMPT, **body})
+    assert status == 200, reply
+    return reply
+
+
+def stream(port: int, **body: Any) -> list[dict[str, Any] | str]:
+    """The server-sent events of a streamed completion: decoded chunks, then "[DONE]"."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        payload = json.dumps({"prompt": PROMPT, "stream": True, **body})
+        conn.request("POST", "/v1/completions", body=payload)
+        response = conn.getresponse()
+        assert response.status == 200, response.read()
+        assert response.getheader("Content-Type") == "text/event-stream"
+        events: list[dict[str, Any] | str] = []
+        for block in response.read().decode().split("\n\n"):
+            if not block:
+                continue
+            assert block.startswith("data: "), block
+            data = block.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+        return events
+    finally:
+        conn.close()
+
+
+def streamed_texts(events: list[dict[str, Any] | str]) -> tuple[dict[int, str], dict[int, str]]:
+    """Concatenated text and finish reason per choice index of a stream."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for event in events[:-1]:
+        assert isinstance(event, dict), event
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            if choice["finish_reason"] is not None:
+                reasons[choice["index"]] = choice["finish_reason"]
+    return texts, reasons
+
+
+# -- an in-process server ----------------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    runtime: HotSwapRuntime
+    batcher: Batcher
+    server: CompletionServer
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> ModelDir:
+    return ModelDir.write(tmp_path_factory.mktemp("http") / "model", spec())
+
+
+def start_server(first: Path, *, run_loop: bool = True, **options: Any) -> Iterator[Served]:
+    runtime = HotSwapRuntime.open(first)
+    assert runtime.shards is not None, "open() keeps the shard set"
+    model = build_model(
+        ModelConfig.from_metadata(runtime.shards.metadata), runtime.store, store=runtime.store
+    )
+    batcher = Batcher(
+        runtime, model, GgufTokenizer.from_file(first), options=BatcherOptions(**options)
+    )
+    server = CompletionServer(batcher, runtime, options=HttpOptions(port=0)).start()
+    stop = threading.Event()
+    loop = threading.Thread(target=batcher.run, args=(stop,), name="test-inference")
+    if run_loop:
+        loop.start()
+    try:
+        yield Served(runtime, batcher, server)
+    finally:
+        stop.set()
+        if run_loop:
+            loop.join(WAIT_S)
+        server.close()
+        runtime.close()
+
+
+@pytest.fixture(scope="module")
+def served(model_dir: ModelDir) -> Iterator[Served]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the module's server runs tiny models: one thread (see one_thread)
+    try:
+        yield from start_server(model_dir.first)
+    finally:
+        torch.set_num_threads(before)
+
+
+# -- completions -------------------------------------------------------------------------------
+
+
+def test_greedy_completion_is_deterministic_and_openai_shaped(served: Served) -> None:
+    """The same greedy request twice gives the same text, in an OpenAI-shaped response that
+    names the weight version, with token usage."""
+    first = complete(served.port, max_tokens=12, temperature=0)
+    second = complete(served.port, max_tokens=12, temperature=0)
+    assert first["choices"] == second["choices"]
+    assert first["id"] != second["id"]
+    assert first["id"].startswith("cmpl-")
+    assert first["object"] == "text_completion"
+    assert first["model"] == served.runtime.model_name
+    assert first["weight_version"] == 0
+    (choice,) = first["choices"]
+    assert choice["index"] == 0
+    assert choice["finish_reason"] == "length"
+    assert choice["text"].strip(), "a greedy completion of 12 plain tokens is not empty"
+    usage = first["usage"]
+    n_prompt = len(served.batcher.tokenizer.encode(PROMPT))
+    assert usage == {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": 12,
+        "total_tokens": n_prompt + 12,
+    }
+
+
+def test_streamed_chunks_concatenate_to_the_plain_completion(served: Served) -> None:
+    """A streamed completion's chunks concatenate to the non-streamed text, every chunk names the
+    weight version, and the stream ends with [DONE]."""
+    plain = complete(served.port, max_tokens=10, temperature=0)["choices"][0]
+    events = stream(served.port, max_tokens=10, temperature=0)
+    assert events[-1] == "[DONE]"
+    assert len(events) > 3, "tokens arrive as separate chunks"
+    assert all(isinstance(e, dict) and e["weight_version"] == 0 for e in events[:-1])
+    texts, reasons = streamed_texts(events)
+    assert texts == {0: plain["text"]}
+    assert reasons == {0: plain["finish_reason"]}
+
+
+def test_a_prompt_list_gives_the_texts_of_single_prompts(served: Served) -> None:
+    """A list of prompts gives one choice per prompt, each the text that prompt gets alone: a
+    sequence's output does not depend on what shares its batch."""
+    prompts = [PROMPT, "A dog.", "Numbers 1 2 3"]
+    alone = [
+        complete(served.port, prompt=p, max_tokens=6, temperature=0)["choices"][0]["text"]
+        for p in prompts
+    ]
+    together = complete(served.port, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c["index"] for c in together["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in together["choices"]] == alone
+    texts, _ = streamed_texts(stream(served.port, prompt=prompts, max_tokens=6, temperature=0))
+    assert [texts[i] for i in range(3)] == alone
+
+
+def test_seeded_sampling_repeats(served: Served) -> None:
+    """Sampling with a temperature and a seed gives the same text for the same seed."""
+    a = complete(served.port, max_tokens=10, temperature=1.0, seed=7)["choices"][0]["text"]
+    b = complete(served.port, max_tokens=10, temperature=1.0, seed=7)["choices"][0]["text"]
+    assert a == b
+
+
+def test_a_stop_string_ends_the_completion_before_it(served: Served) -> None:
+    """A stop string cuts the text where it first appears (finish_reason "stop"), streamed or
+    not."""
+    full = complete(served.port, max_tokens=12, temperature=0)["choices"][0]["text"]
+    pieces = re.findall(r" t\d+", full)
+    assert len(pieces) > 2, full
+    stop = pieces[2]
+    cut = full[: full.find(stop)]
+    plain = complete(served.port, max_tokens=12, temperature=0, stop=[stop])["choices"][0]
+    assert (plain["text"], plain["finish_reason"]) == (cut, "stop")
+    texts, reasons = streamed_texts(stream(served.port, max_tokens=12, temperature=0, stop=stop))
+    assert (texts[0], reasons[0]) == (cut, "stop")
+
+
+def test_health_and_models_name_the_model_and_version(served: Served) -> None:
+    """/health and /v1/models name the served model and its current weight version."""
+    status, health = call(served.port, "GET", "/health")
+    assert status == 200
+    assert health == {"status": "ok", "model": served.runtime.model_name, "weight_version": 0}
+    status, models = call(served.port, "GET", "/v1/models")
+    assert status == 200
+    assert models["object"] == "list"
+    assert [(m["id"], m["object"], m["weight_version"]) for m in models["data"]] == [
+        (served.runtime.model_name, "model", 0)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "code"),
+    [
+        ("POST", "/v1/completions", b"{not json", 400, "invalid_json"),
+        ("POST", "/v1/completions", b'{"max_tokens": 4}', 400, None),
+        ("POST", "/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, None),
+        ("POST", "/v1/completions", b'{"prompt": "x", "temperature": -1}', 400, None),
+        ("POST", "/v1/completions", b'{"prompt": "x", "n": 2}', 400, None),
+        ("POST", "/v1/completions", b'["prompt"]', 400, None),
+        ("POST", "/v1/completions", b'{"prompt": "x", "max_tokens": 100000}', 400, None),
+        ("POST", "/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', 404, "model_not_found"),
+        ("GET", "/v1/nothing", None, 404, "not_found"),
+        ("GET", "/v1/completions", None, 405, "method_not_allowed"),
+    ],
+    ids=[
+        "bad-json",
+        "no-prompt",
+        "zero-tokens",
+        "negative-temperature",
+        "n",
+        "not-an-object",
+        "past-context",
+        "unknown-model",
+        "unknown-route",
+        "wrong-method",
+    ],
+)
+def test_bad_requests_get_openai_style_errors(
+    served: Served, method: str, path: str, body: bytes | None, status: int, code: str | None
+) -> None:
+    """A bad request gets its status and an OpenAI-style error body; the server keeps serving."""
+    got, reply = call(served.port, method, path, raw=body)
+    assert got == status, reply
+    assert set(reply) == {"error"}
+    assert reply["error"]["message"]
+    assert reply["error"]["type"] == "invalid_request_error"
+    if code is not None:
+        assert reply["error"]["code"] == code
+    assert complete(served.port, max_tokens=2, temperature=0)["weight_version"] == 0
+
+
+def test_a_full_queue_answers_503_and_a_stuck_request_times_out(model_dir: ModelDir) -> None:
+    """With the queue full the server answers 503 at once; a request never served answers 503
+    once its timeout has passed (no inference thread runs here)."""
+    for served in start_server(model_dir.first, run_loop=False, max_queue=1, request_timeout_s=0.5):
+        waiting: list[tuple[int, dict[str, Any]]] = []
+        first = threading.Thread(
+            target=lambda: waiting.append(
+                call(served.port, "POST", "/v1/completions", {"prompt": "a"})
+            )
+        )
+        first.start()
+        wait_for(lambda: served.batcher.status()["queued"] == 1, timeout=WAIT_S, what="queued")
+        status, reply = call(served.port, "POST", "/v1/completions", {"prompt": "b"})
+        assert (status, reply["error"]["code"]) == (503, "queue_full")
+        first.join(WAIT_S)
+        assert not first.is_alive()
+        ((status, reply),) = waiting
+        assert (status, reply["error"]["code"]) == (503, "timeout")
+
+
+def test_a_plan_commits_between_requests_and_responses_name_it(
+    tmp_path: Path,
+) -> None:
+    """A plan submitted while the server idles is committed before the next request, whose
+    response and /health name the new version; swapping back restores the original text."""
+    models = ModelDir.write(tmp_path / "model", spec())
+    name = SWAPPED[2]
+    saved = models.save(name, tmp_path / "saved")
+    for served in start_server(models.first):
+        before = complete(served.port, max_tokens=8, temperature=0)
+        assert before["weight_version"] == 0
+        models.put(name, models.variant(name, Q.Q4_0, tmp_path / "variants"))
+        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [name]))
+        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
+        after = complete(served.port, max_tokens=8, temperature=0)
+        assert after["weight_version"] == 1
+        assert call(served.port, "GET", "/health")[1]["weight_version"] == 1
+        models.put(name, saved)
+        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [name]))
+        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
+        restored = complete(served.port, max_tokens=8, temperature=0)
+        assert restored["weight_version"] == 2
+        assert restored["choices"] == before["choices"]
