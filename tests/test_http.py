@@ -6,7 +6,9 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import statistics
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,13 +17,15 @@ from typing import Any
 
 import pytest
 import torch
-from processes import wait_for
+from processes import Proc, status_of, wait_for
 from runtime_helpers import ModelDir, Q, one_thread
 
+from ggufswap.ipc import DealerClient, Fields, MessageType, make_message, plan_to_wire
+from ggufswap.ipc.plan import Plan
 from ggufswap.runtime import GgufTokenizer, HotSwapRuntime, ModelConfig, PlanState, build_model
 from ggufswap.runtime.generate import Batcher, BatcherOptions
 from ggufswap.runtime.http import CompletionServer, HttpOptions
-from ggufswap.shards import tiny_dense
+from ggufswap.shards import ModelSpec, tiny_dense
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -30,7 +34,7 @@ PROMPT = "The cat sat on the mat."
 SWAPPED = ("blk.0.attn_q.weight", "blk.1.ffn_down.weight", "output.weight")
 
 
-def spec():  # type: ignore[no-untyped-def]
+def spec() -> ModelSpec:
     """A tiny dense model whose vocabulary is mostly plain pieces (" t17"), so generated text
     tells tokens apart (the default 256-entry vocabulary is nearly all byte tokens)."""
     return tiny_dense(n_vocab=2048, context_length=512)
@@ -319,3 +323,128 @@ def test_a_plan_commits_between_requests_and_responses_name_it(
         restored = complete(served.port, max_tokens=8, temperature=0)
         assert restored["weight_version"] == 2
         assert restored["choices"] == before["choices"]
+
+
+# -- the runtime process under a sweep ---------------------------------------------------------
+
+
+def send_plan(control: str, plan: Plan) -> int:
+    """Send ``plan`` over the control socket; the weight version of its ``committed`` reply."""
+    with DealerClient(control) as client:
+        client.send(make_message(MessageType.PLAN, **plan_to_wire(plan)))
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            reply = client.poll(0.2)
+            if reply is None:
+                continue
+            kind = reply[Fields.TYPE]
+            assert kind != MessageType.REJECTED.value, reply
+            if kind == MessageType.COMMITTED.value:
+                version: int = reply[Fields.WEIGHT_VERSION]
+                return version
+    raise AssertionError(f"plan {plan.plan_id} not committed within {WAIT_S}s")
+
+
+@dataclass(frozen=True)
+class Answer:
+    prompt: str
+    streamed: bool
+    version: int
+    text: str
+    latency_s: float
+    done_at: float
+
+
+def client_loop(port: int, index: int, done: threading.Event, out: list[Answer | str]) -> None:
+    """Ask completions (plain and streamed, two prompts) until ``done``; record every answer or
+    failure."""
+    prompts = [PROMPT, f"Client {index} asks."]
+    n = 0
+    while not done.is_set() or n < 2:
+        prompt, streamed = prompts[n % 2], bool(n // 2 % 2)
+        n += 1
+        started = time.monotonic()
+        try:
+            if streamed:
+                events = stream(port, prompt=prompt, max_tokens=6, temperature=0)
+                assert events[-1] == "[DONE]", events
+                versions = {e["weight_version"] for e in events[:-1] if isinstance(e, dict)}
+                assert len(versions) == 1, versions
+                texts, _ = streamed_texts(events)
+                version, text = versions.pop(), texts[0]
+            else:
+                reply = complete(port, prompt=prompt, max_tokens=6, temperature=0)
+                version, text = reply["weight_version"], reply["choices"][0]["text"]
+        except Exception as exc:  # noqa: BLE001 (every failure is recorded and fails the test)
+            out.append(f"client {index}: {exc!r}")
+            continue
+        now = time.monotonic()
+        out.append(Answer(prompt, streamed, version, text, now - started, now))
+
+
+def test_concurrent_clients_get_answers_through_a_20_swap_sweep(tmp_path: Path) -> None:
+    """While 20 plans (re-quantized shards renamed into place, sent over the control socket) are
+    committed under a runtime serving HTTP, 4 concurrent clients get every answer; each names a
+    version that existed, and answers on one version to one prompt are identical."""
+    models = ModelDir.write(tmp_path / "model", spec())
+    saved = {name: models.save(name, tmp_path / "saved") for name in SWAPPED}
+    variants = {name: models.variant(name, Q.Q4_0, tmp_path / "variants") for name in SWAPPED}
+    run_dir = tmp_path / "run"
+    control = f"ipc://{run_dir}/rt.sock"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"runtime:\n  name: tiny\n  model: {models.first}\n  control_endpoint: {control}\n"
+    )
+    proc = Proc(
+        ["runtime", "--config", str(config), "--mode", "http", "--http-port", "0"],
+        log=tmp_path / "runtime.log",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    try:
+        status = wait_for(
+            lambda: (s := status_of(control)) is not None and "http" in s and s,
+            timeout=60,
+            what="the runtime to serve HTTP",
+        )
+        port = status["http"]["port"]
+        done = threading.Event()
+        answers: list[list[Answer | str]] = [[] for _ in range(4)]
+        clients = [
+            threading.Thread(target=client_loop, args=(port, i, done, answers[i])) for i in range(4)
+        ]
+        for c in clients:
+            c.start()
+        versions = [0]
+        sweep_started = time.monotonic()
+        try:
+            for i in range(20):
+                name = SWAPPED[i % len(SWAPPED)]
+                models.put(name, variants[name] if i // len(SWAPPED) % 2 == 0 else saved[name])
+                versions.append(send_plan(control, models.plan(f"sweep-{i}", [name])))
+        finally:
+            sweep_ended = time.monotonic()
+            done.set()
+            for c in clients:
+                c.join(WAIT_S)
+        assert not any(c.is_alive() for c in clients)
+    finally:
+        code = proc.stop()
+    assert code == 0, proc.log()
+    assert versions == list(range(21))
+    failures = [a for per_client in answers for a in per_client if isinstance(a, str)]
+    assert not failures, failures
+    served = [a for per_client in answers for a in per_client if isinstance(a, Answer)]
+    assert all(per_client for per_client in answers), "every client got answers"
+    assert {a.version for a in served} <= set(versions)
+    texts: dict[tuple[int, str], set[str]] = {}
+    for a in served:
+        texts.setdefault((a.version, a.prompt), set()).add(a.text)
+    assert all(len(t) == 1 for t in texts.values()), texts
+    during = [a for a in served if sweep_started <= a.done_at <= sweep_ended]
+    latencies = sorted(a.latency_s for a in served)
+    print(
+        f"\nsweep of 20 swaps in {sweep_ended - sweep_started:.2f}s: {len(served)} answers "
+        f"({len(during)} during the sweep) on {len({a.version for a in served})} versions, "
+        f"0 failures; latency p50 {statistics.median(latencies) * 1e3:.1f} ms, "
+        f"max {latencies[-1] * 1e3:.1f} ms"
+    )
