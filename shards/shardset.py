@@ -30,20 +30,27 @@ def split_path(prefix: str, split_no: int, split_count: int) -> str:
     return f"{prefix}-{split_no + 1:05d}-of-{split_count:05d}.gguf"
 
 
-def split_prefix(header: ShardHeader) -> str:
-    """The set's common path prefix, checked against what the header declares."""
-    match = _SPLIT_NAME.match(os.path.basename(header.path))
+def split_prefix(header: ShardHeader, named: str | None = None) -> str:
+    """The set's common path prefix, checked against what the header declares.
+
+    ``named`` is the path the caller used. In a Hugging Face cache that is the link in
+    ``snapshots/``, whose name follows the convention, while ``header.path`` is the blob it
+    resolves to (a content hash): siblings are then looked for beside the link. A link that does
+    not follow the convention (``current.gguf``) leads to siblings beside the real file.
+    """
     expected = split_path("PREFIX", header.split_no, header.split_count).removeprefix("PREFIX")
-    if match is None or (int(match["no"]), int(match["count"])) != (
-        header.split_no + 1,
-        header.split_count,
-    ):
-        raise ShardSetError(
-            header.path,
-            f"declares split {header.split_no + 1} of {header.split_count}, so its name must "
-            f"end in '{expected}' (the gguf-split naming convention)",
-        )
-    return os.path.join(os.path.dirname(header.path), match["prefix"])
+    declared = (header.split_no + 1, header.split_count)
+    for candidate in (named, header.path):
+        if candidate is None:
+            continue
+        match = _SPLIT_NAME.match(os.path.basename(candidate))
+        if match is not None and (int(match["no"]), int(match["count"])) == declared:
+            return os.path.join(os.path.dirname(candidate), match["prefix"])
+    raise ShardSetError(
+        named or header.path,
+        f"declares split {declared[0]} of {declared[1]}, so its name must end in "
+        f"'{expected}' (the gguf-split naming convention)",
+    )
 
 
 class HeaderCache:
@@ -156,7 +163,7 @@ def open_shard_set(path: str | os.PathLike[str], *, cache: HeaderCache | None = 
     header = cache.get(path)
     if header.split_count <= 1:
         return ShardSet.from_headers([header])
-    prefix = split_prefix(header)
+    prefix = split_prefix(header, os.path.abspath(path))
     headers: list[ShardHeader] = []
     missing: list[str] = []
     for n in range(header.split_count):

@@ -310,3 +310,23 @@ def test_cli_inspect_bad_file(tmp_path: Path) -> None:
     assert proc.stdout == ""
     assert "expected magic b'GGUF'" in proc.stderr
     assert str(path) in proc.stderr
+
+
+def test_split_set_behind_hugging_face_blob_links_opens(tmp_path: Path) -> None:
+    """A split model whose shards are links in snapshots/ to hash-named blobs opens from a link."""
+    from ggufswap.shards import Layout, tiny_moe, write_model
+
+    written = write_model(tiny_moe(), tmp_path / "built", layout=Layout.SPLIT)
+    blobs = tmp_path / "blobs"
+    snapshot = tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for i, path in enumerate(sorted(written)):
+        blob = blobs / f"{i:040x}"
+        path.rename(blob)
+        (snapshot / path.name).symlink_to(blob)
+    first = sorted(snapshot.iterdir())[0]
+    shard_set = open_shard_set(first)
+    assert len(shard_set.shards) == len(written)
+    assert {Path(s.path).parent for s in shard_set.shards} == {blobs}
+    assert open_shard_set(sorted(snapshot.iterdir())[-1]).tensors.keys() == shard_set.tensors.keys()
