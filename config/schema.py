@@ -18,7 +18,7 @@ from ggufswap.config.errors import ConfigProblem, MissingSectionError
 class WatchBackend(str, enum.Enum):
     """How the agent learns that files changed."""
 
-    AUTO = "auto"  # pyinotify or watchdog where available, else polling
+    AUTO = "auto"  # watchdog (inotify), or polling where the file system has no inotify
     WATCHDOG = "watchdog"
     PYINOTIFY = "pyinotify"
     POLLING = "polling"
