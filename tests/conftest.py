@@ -20,3 +20,10 @@ def gguf_file(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return write
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Write the reliability matrix rows recorded by this session (see tests/reliability.py)."""
+    import reliability
+
+    reliability.write()

@@ -1,0 +1,57 @@
+"""The reliability matrix: tests record every fault and bad input they tried, and the outcome.
+
+A test calls :func:`record` once per kind of fault after checking its invariants (so a recorded
+row is a passed check). At the end of the session ``conftest.py`` writes the rows to
+``build/reliability.json``; ``python tests/render_reliability.py`` turns that file into the table
+in ``docs/reliability.md``, so the published matrix is generated from a test run.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPORT = Path(__file__).resolve().parent.parent / "build" / "reliability.json"
+
+
+@dataclass(frozen=True)
+class Row:
+    area: str  # "faults", "bad input", "security", "soak", ...
+    fault: str  # what was done, in a few words
+    tries: int  # how many times (iterations, cases, frames...)
+    outcome: str  # what held: "nothing lost, model unchanged", "refused with a clear error", ...
+    test: str  # the test that checked it
+
+
+_rows: list[Row] = []
+_lock = threading.Lock()
+
+
+def record(area: str, fault: str, *, tries: int, outcome: str, test: str) -> None:
+    """Add a row; call it only after the test's invariants were checked."""
+    with _lock:
+        _rows.append(Row(area, fault, tries, outcome, test))
+
+
+def rows() -> list[Row]:
+    with _lock:
+        return list(_rows)
+
+
+def write(path: Path = REPORT) -> None:
+    """Merge this session's rows into ``path`` (rows of tests not run this time are kept)."""
+    current = rows()
+    if not current:
+        return
+    merged: dict[tuple[str, str], dict[str, object]] = {}
+    if path.exists():
+        for row in json.loads(path.read_text()):
+            merged[(row["test"], row["fault"])] = row
+    for row in current:
+        merged[(row.test, row.fault)] = asdict(row)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps(sorted(merged.values(), key=lambda r: (r["area"], r["fault"])), indent=1)
+    )
