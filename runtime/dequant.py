@@ -86,8 +86,9 @@ def dequantize(
         result = _fallback(raw, ggml_type, ne, dtype=dtype).reshape(shape)
         return result if out is None else out.copy_(result)
     n_blocks = raw.numel() // type_size
-    if raw.data_ptr() % 8 != 0:
-        raw = raw.clone()  # fields are read through wider dtype views, which need alignment
+    if raw.data_ptr() % 8 != 0 or not raw.is_contiguous():
+        # fields are read through wider dtype views, which need contiguous, aligned bytes
+        raw = raw.clone(memory_format=torch.contiguous_format)
     flat = _run(
         kernel,
         raw.view(n_blocks, type_size),

@@ -242,6 +242,15 @@ def test_unaligned_raw_view_is_read_correctly() -> None:
     assert_same_bits(dequantize(buf[1:], T.Q6_K, ne), reference(data, T.Q6_K, ne))
 
 
+def test_strided_raw_bytes_are_read_correctly() -> None:
+    """A non-contiguous 1-D byte view (every other byte) dequantizes like its contiguous copy."""
+    ne = (64, 3)
+    data = random_bytes(T.Q8_0, ne, seed=15)
+    spread = torch.zeros(2 * data.size, dtype=torch.uint8)
+    spread[::2] = torch.from_numpy(data.reshape(-1))
+    assert_same_bits(dequantize(spread[::2], T.Q8_0, ne), reference(data, T.Q8_0, ne))
+
+
 def test_result_does_not_alias_raw_bytes() -> None:
     """Overwriting the raw buffer afterwards leaves an F32 result unchanged."""
     raw = torch.from_numpy(np.arange(8, dtype=np.float32).view(np.uint8).copy())
