@@ -23,7 +23,7 @@ READ_CHUNK: Final = 8 << 20
 def open_verified(record: TensorRecord) -> Iterator[int]:
     """Open ``record.path`` and yield its fd if it is still the version the record was read from."""
     try:
-        fd = os.open(record.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(record.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise FileChangedError(
             record.path, f"cannot open for {record.name}: {exc.strerror}"

@@ -479,7 +479,9 @@ def read_header(path: str | os.PathLike[str]) -> ShardHeader:
     """
     real = os.path.realpath(path)
     try:
-        fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO named like a shard must not block the caller (the agent's loop)
+        # in open(); it is refused below as not a regular file. Regular files ignore the flag.
+        fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise ShardError(real, "no such file") from None
     except OSError as exc:
@@ -506,7 +508,7 @@ def read_array(header: ShardHeader, key: str) -> list[Any]:
     if not isinstance(value, ArrayRef):
         raise TypeError(f"{header.path}: metadata {key!r} is not an array")
     try:
-        fd = os.open(header.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(header.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:  # removed or made unreadable since the header was read
         raise FileChangedError(header.path, f"cannot open to read {key}: {exc.strerror}") from None
     try:

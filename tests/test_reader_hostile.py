@@ -6,6 +6,7 @@ expected and what was found. The paired tests at the end check that valid edge c
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -423,3 +424,21 @@ def test_struct_layout_matches_spec() -> None:
     """The builder's preamble is magic, version u32, n_tensors u64, n_kv u64 (24 bytes)."""
     data = build(kvs=[ARCH]).data
     assert struct.unpack_from("<4sIQQ", data) == (b"GGUF", 3, 0, 1)
+
+
+def test_fifo_named_like_a_shard_is_refused_without_blocking(tmp_path: Path) -> None:
+    """A named pipe called *.gguf is refused at once as not a regular file (open never blocks)."""
+    import concurrent.futures
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(read_header, fifo)
+        try:
+            exc = future.exception(timeout=5)
+        except concurrent.futures.TimeoutError:
+            with open(fifo, "wb"):  # unblock the reader so the test can end
+                pass
+            raise AssertionError("read_header blocked on a FIFO") from None
+    assert isinstance(exc, ShardError)
+    assert "not a regular file" in str(exc)
