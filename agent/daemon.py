@@ -185,6 +185,10 @@ class AgentDaemon:
             self.close()
             raise
         self._state = DaemonState.RUNNING
+        if self.config.agent.metrics_port is not None:
+            from ggufswap.agent.metrics import serve_metrics
+
+            serve_metrics(self.status, self.config.agent.metrics_port)
         self._publish()
         self._notifier.ready(status=status_line(self._published))
         log.info("agent.ready", models=sorted(self._models), status=self.status_endpoint)

@@ -179,6 +179,7 @@ class RuntimeLink:
         self._history: deque[PlanRecord] = deque(maxlen=HISTORY)
         self._last_error: str | None = None
         self.plans_sent = 0
+        self.outcomes: dict[str, int] = {}  # plans by outcome since start (for metrics)
         self.log = log.bind(model=model.name, endpoint=self.endpoint)
 
     # -- public, any thread ------------------------------------------------------------------
@@ -225,6 +226,7 @@ class RuntimeLink:
                 "pending_plan": flight.record.as_dict() if flight else None,
                 "last_plans": [r.as_dict() for r in self._history],
                 "plans_sent": self.plans_sent,
+                "plans_by_outcome": dict(self.outcomes),
                 "reconciled_generation": self._reconciled_generation,
                 "blocked": [{"tensor": b.tensor, "reason": b.reason} for b in self._blocked[:50]],
                 "blocked_count": len(self._blocked),
@@ -497,6 +499,7 @@ class RuntimeLink:
         with self._lock:
             self._in_flight = None
             self._history.append(record)
+            self.outcomes[outcome.value] = self.outcomes.get(outcome.value, 0) + 1
         # The canonical line of a plan: its outcome and timings.
         self.log.info(
             "plan",

@@ -57,3 +57,36 @@ def test_rejected_plan_counts_as_rejected(tmp_path: Path) -> None:
         reg = metrics.registry
         assert reg.get_sample_value("ggufswap_runtime_plans_total", {"outcome": "rejected"}) == 1
         assert reg.get_sample_value("ggufswap_runtime_weight_version") == 0
+
+
+def test_agent_metrics_reflect_its_status_over_http(tmp_path: Path) -> None:
+    """The agent's /metrics shows its scans and shard states, read from its status at scrape."""
+    from ggufswap.agent import AgentDaemon
+    from ggufswap.config import load_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    write_model(tiny_moe(), model, layout=Layout.PER_TENSOR)
+    port = free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"""
+agent:
+  status_endpoint: ipc://{tmp_path}/run/agent.sock
+  metrics_port: {port}
+models:
+  - name: m
+    runtime: ipc://{tmp_path}/run/none.sock
+    watch: [{{path: {model}}}]
+"""
+    )
+    agent = AgentDaemon(load_config(config), connect=False)
+    agent.start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            body = response.read().decode()
+    finally:
+        agent.close()
+    assert 'ggufswap_agent_shards{model="m",state="valid"} 51.0' in body
+    assert "ggufswap_agent_scans_total 1.0" in body
+    assert 'ggufswap_agent_runtime_connected{model="m"} 0.0' in body
