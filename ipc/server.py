@@ -8,6 +8,10 @@ timeout, so ``stop()`` is honoured within ``poll_interval_s`` even if the wake-u
 Every frame gets an answer or a logged reason why not: undecodable, oversized, wrongly versioned
 or unknown messages and handler exceptions are answered with ``error`` and the loop goes on.
 ``ping`` is answered by the server itself with ``pong``.
+
+With CURVE, a client refused during the handshake (no CURVE, a key not in the authorized
+directory, or the wrong server key) never reaches the handler; a socket monitor turns each
+refusal into an ``ipc.handshake_refused`` warning (at most one line per second, with a count).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import structlog
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ggufswap.ipc.codec import DEFAULT_MAX_MSG_SIZE, decode, encode
 from ggufswap.ipc.errors import (
@@ -56,6 +61,48 @@ log = structlog.get_logger(__name__)
 Handler = Callable[[bytes, dict[str, Any]], Mapping[str, Any] | None]
 
 _MAX_BATCH = 256  # frames handled per wake-up before the outbox and stop flag are looked at
+_HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+_HANDSHAKE_LOG_INTERVAL_S = 1.0  # refusals beyond one line per interval are counted, not logged
+_PROTOCOL_ERRORS = {
+    int(getattr(zmq, name)): name.removeprefix("PROTOCOL_ERROR_")
+    for name in dir(zmq)
+    if name.startswith("PROTOCOL_ERROR_")
+}
+
+
+def _handshake_reason(event: int, value: int) -> str:
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"client key not authorized (ZAP status {value})"
+    detail = _PROTOCOL_ERRORS.get(value, hex(value))
+    return f"handshake failed ({detail}): no CURVE, or the client expects another server key"
+
+
+class _HandshakeLog:
+    """Logs CURVE handshake refusals seen by a socket monitor, rate-limited."""
+
+    def __init__(self, monitor: zmq.Socket[bytes], log: Any) -> None:
+        self.monitor = monitor
+        self.log = log
+        self.refused = 0
+        self._suppressed = 0
+        self._last_logged = -_HANDSHAKE_LOG_INTERVAL_S
+
+    def drain(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._last_logged < _HANDSHAKE_LOG_INTERVAL_S:
+                self._suppressed += 1
+                continue
+            self.log.warning(
+                "ipc.handshake_refused",
+                reason=_handshake_reason(int(event["event"]), int(event["value"])),
+                endpoint=event["endpoint"].decode(errors="replace"),
+                suppressed_before=self._suppressed,
+            )
+            self._suppressed = 0
+            self._last_logged = now
 
 
 class ServerState(Enum):
@@ -100,6 +147,7 @@ class RequestServer:
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._socket: zmq.Socket[bytes] | None = None
         self._binding: Binding | None = None
+        self._handshakes: _HandshakeLog | None = None
         self._wake_r = -1
         self._wake_w = -1
         self._thread: threading.Thread | None = None
@@ -141,6 +189,8 @@ class RequestServer:
             context.term()
             raise
         self._context, self._socket = context, sock
+        if self._curve is not None and self._binding.authenticator is not None:
+            self._handshakes = _HandshakeLog(sock.get_monitor_socket(_HANDSHAKE_EVENTS), self.log)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -207,6 +257,9 @@ class RequestServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        handshakes = self._handshakes
+        if handshakes is not None:
+            poller.register(handshakes.monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(self._poll_ms))
@@ -214,8 +267,13 @@ class RequestServer:
                     self._drain_socket(sock)
                 if self._wake_r in ready:
                     self._drain_wakeups()
+                if handshakes is not None and handshakes.monitor in ready:
+                    handshakes.drain()
                 self._drain_outbox(sock)
         finally:
+            if handshakes is not None:
+                sock.disable_monitor()
+                handshakes.monitor.close(linger=0)
             sock.close(linger=self._linger_ms)
 
     def _drain_wakeups(self) -> None:

@@ -356,16 +356,25 @@ def test_curve_refuses_unauthenticated_and_wrong_key_clients(
     }
     for what, curve in attempts.items():
         assert curve_status(curve_runtime.control, curve, timeout=1.5) is None, what
+        wait_for(
+            lambda what=what: (
+                curve_runtime.proc.log().count("ipc.handshake_refused") > list(attempts).index(what)
+            ),
+            timeout=10,
+            what=f"a logged refusal of the client with {what}",
+        )
         reply = curve_status(curve_runtime.control, curve_runtime.good, timeout=REPLY_TIMEOUT_S)
         assert reply is not None, f"the authorized client is not served after: {what}"
         assert reply[Fields.TYPE] == MessageType.STATUS_REPLY.value
     assert curve_runtime.proc.popen.poll() is None
+    log = curve_runtime.proc.log()
+    assert "client key not authorized (ZAP status 400)" in log
     note(
         request,
         "security",
         "tcp clients without CURVE, with an unlisted key, or expecting another server key",
         tries=len(attempts),
-        outcome="no answer (handshake refused); the authorized key is served",
+        outcome="no answer; ipc.handshake_refused logged; the authorized key is served",
     )
 
 
