@@ -14,7 +14,15 @@ from ggufswap.ipc.plan import Plan
 from ggufswap.runtime.dequant import has_kernel
 from ggufswap.runtime.errors import Reason
 from ggufswap.runtime.store import TensorStore
-from ggufswap.shards import FileIdentity, tensor_nbytes, type_sizes
+from ggufswap.shards import (
+    FileChangedError,
+    ShardError,
+    ShardHeader,
+    TensorRecord,
+    read_header,
+    tensor_nbytes,
+    type_sizes,
+)
 
 
 def inside_roots(path: str, roots: Sequence[str]) -> bool:
@@ -48,6 +56,7 @@ def validate_plan(plan: Plan, store: TensorStore, *, allowed_roots: Sequence[str
     """Every reason the plan cannot be applied (empty when it can)."""
     reasons: list[Reason] = []
     seen: set[str] = set()
+    headers: dict[str, ShardHeader | ShardError] = {}  # one parse per file per plan
     for job in plan.jobs:
         rec = job.source
         name = rec.name
@@ -96,22 +105,9 @@ def validate_plan(plan: Plan, store: TensorStore, *, allowed_roots: Sequence[str
                 )
             )
             continue  # never stat a file outside the roots
-        try:
-            found = FileIdentity.of_path(rec.path)
-        except OSError as exc:
-            reasons.append(Reason(name, f"cannot stat {rec.path}: {exc.strerror}"))
-            continue
-        if found != rec.identity:
-            reasons.append(
-                Reason(name, f"stale: {rec.path} changed since the plan was made", stale=True)
-            )
-        elif rec.offset + rec.nbytes > found.size:
-            reasons.append(
-                Reason(
-                    name,
-                    f"data ends at {rec.offset + rec.nbytes}, past the file's {found.size} bytes",
-                )
-            )
+        reason = _check_against_header(rec, headers)
+        if reason is not None:
+            reasons.append(reason)
     for derived in store.derived_of(seen):
         if derived.rebuild is None:
             changed = sorted(seen.intersection(derived.sources))
@@ -124,6 +120,42 @@ def validate_plan(plan: Plan, store: TensorStore, *, allowed_roots: Sequence[str
                 for src in changed
             )
     return reasons
+
+
+def _check_against_header(
+    rec: TensorRecord, headers: dict[str, ShardHeader | ShardError]
+) -> Reason | None:
+    """The file must still be the version the plan names, and its own header must list this
+    tensor with the plan's type, dimensions, offset and size: a plan may name bytes only as the
+    file itself describes them (never the header's bytes, another tensor's or another type)."""
+    name = rec.name
+    header = headers.get(rec.path)
+    if header is None:
+        try:
+            header = read_header(rec.path)
+        except ShardError as exc:
+            header = exc
+        headers[rec.path] = header
+    if isinstance(header, FileChangedError):
+        return Reason(name, f"stale: {header.detail}", stale=True)
+    if isinstance(header, ShardError):
+        return Reason(name, f"cannot read the header of {rec.path}: {header.detail}")
+    if header.identity != rec.identity:
+        return Reason(name, f"stale: {rec.path} changed since the plan was made", stale=True)
+    on_disk = header.tensor_map().get(name)
+    if on_disk is None:
+        return Reason(
+            name, f"{rec.path} has no tensor of this name (its header lists {len(header.tensors)})"
+        )
+    planned = (rec.ggml_type.name, list(rec.ne), rec.offset, rec.nbytes)
+    described = (on_disk.ggml_type.name, list(on_disk.ne), on_disk.offset, on_disk.nbytes)
+    if planned != described:
+        return Reason(
+            name,
+            f"the plan's (type, ne, offset, nbytes) {planned} differ from what the header of "
+            f"{rec.path} says, {described}",
+        )
+    return None
 
 
 def all_stale(reasons: Sequence[Reason]) -> bool:

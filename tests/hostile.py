@@ -158,7 +158,9 @@ class RawPeer:
         """Up to ``want`` decoded replies (fewer only when ``timeout`` passes first)."""
         got: list[dict[str, Any]] = []
         while len(got) < want and self.sock.poll(int(timeout * 1000)):
-            got.append(decode(self.sock.recv(), max_size=1 << 26))
+            *envelope, body = self.sock.recv_multipart()
+            assert envelope in ([], [b""]), envelope  # a reply keeps a REQ-style delimiter
+            got.append(decode(body, max_size=1 << 26))
         return got
 
     def close(self) -> None:

@@ -555,3 +555,47 @@ def test_config_check_cli_refuses_python_tag(tmp_path: Path) -> None:
     assert done.returncode == 1, done
     assert f"{path}:2" in done.stdout + done.stderr
     assert not marker.exists()
+
+
+# --- plans whose records disagree with the file (found by test_fuzz_live) -------------------
+
+Q_ATTN = "blk.0.attn_q.weight"  # F16 in runtime_helpers.mixed_moe
+
+
+def test_plan_records_must_match_the_files_own_header(
+    served: tuple[ModelDir, HotSwapRuntime, Any], request: pytest.FixtureRequest
+) -> None:
+    """A plan naming bytes the file's header does not describe (an offset into the header,
+    another tensor's name, F16 bytes read as BF16) is refused naming both; nothing changes.
+
+    Regression: the runtime used to trust the plan's offset, name and type once the file identity
+    matched, so a mutated plan could load header bytes or reinterpret a tensor (fuzz found it).
+    """
+    model_dir, runtime, model = served
+    baseline = logits(model)
+    down = model_dir.record(TENSOR)
+    attn = model_dir.record(Q_ATTN)
+    assert attn.ggml_type is Q.F16
+    forged = {
+        "offset into the header": dataclasses.replace(down, offset=down.offset - 32),
+        "another tensor's name": dataclasses.replace(down, name="blk.0.ffn_down_exps.weight"),
+        "same bytes read as another type": dataclasses.replace(attn, ggml_type=Q.BF16),
+    }
+    for i, (what, record) in enumerate(forged.items()):
+        ticket = settle(runtime, Plan(f"forged-{i}", "", (Job(record),)))
+        assert ticket.state is PlanState.REJECTED, what
+        (reason,) = ticket.reasons
+        assert record.path in reason.reason, (what, reason)
+        assert "header" in reason.reason, (what, reason)
+        assert not reason.stale, what
+    assert runtime.weight_version == 0
+    assert torch.equal(logits(model), baseline)
+    ticket = settle(runtime, Plan("genuine", "", (Job(down), Job(attn))))
+    assert ticket.state is PlanState.COMMITTED  # paired: the header's own records are accepted
+    note(
+        request,
+        "bad input",
+        "plan records disagreeing with the file's header: offset, tensor name, type (F16→BF16)",
+        tries=len(forged),
+        outcome="rejected naming the file and both descriptions; model unchanged",
+    )
