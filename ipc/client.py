@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ggufswap.ipc.codec import DEFAULT_MAX_MSG_SIZE, decode, encode
 from ggufswap.ipc.errors import IpcError, PeerTimeout
@@ -113,6 +114,12 @@ def request(
     )
 
 
+def _close_monitored(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=0)
+
+
 class DealerClient:
     """A long-lived DEALER connection to a runtime with heartbeats.
 
@@ -122,6 +129,11 @@ class DealerClient:
     without one, ``connected`` turns False and the socket is re-created (queued messages are
     dropped; ``reconnects`` counts this so the caller can re-sync, e.g. ask ``state`` again).
     ``connected`` is False until the first message arrives.
+
+    A dropped connection (the peer process died or restarted) is treated the same way as soon
+    as ZeroMQ reports it on the socket's monitor: a peer restarted between two heartbeats
+    answers the next ping, so heartbeats alone would never tell the caller that the requests
+    it had in flight were lost with the old process.
     """
 
     def __init__(
@@ -163,13 +175,18 @@ class DealerClient:
             linger_ms=self._linger_ms,
             hwm=self._hwm,
         )
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             connect_endpoint(
                 sock, self.endpoint, curve=self._curve, allow_insecure_tcp=self._allow_insecure_tcp
             )
         except BaseException:
-            sock.close(linger=0)
+            _close_monitored(sock, monitor)
             raise
+        self._monitor = monitor
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
         return sock
 
     def _sock(self) -> zmq.Socket[bytes]:
@@ -200,12 +217,24 @@ class DealerClient:
                 self._heartbeat(now)
             wait_s = min(deadline, self._next_ping) - now
             sock = self._sock()
-            if sock.poll(_ms(max(0.0, wait_s)), zmq.POLLIN):
+            ready = dict(self._poller.poll(_ms(max(0.0, wait_s))))
+            if self._monitor in ready and self._dropped():
+                self._reconnect("connection dropped")
+                continue
+            if sock in ready:
                 msg = self._receive(sock)
                 if msg is not None:
                     return msg
             elif time.monotonic() >= deadline:
                 return None
+
+    def _dropped(self) -> bool:
+        """Whether the monitor reported a dropped connection (drains its events)."""
+        dropped = False
+        while self._monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(self._monitor)
+            dropped = dropped or event["event"] == zmq.EVENT_DISCONNECTED
+        return dropped
 
     def _receive(self, sock: zmq.Socket[bytes]) -> dict[str, Any] | None:
         frame = sock.recv()
@@ -227,22 +256,23 @@ class DealerClient:
         if self._awaiting_pong:
             self._missed += 1
             if self._missed >= self._liveness:
-                self._reconnect()
+                self._reconnect("no heartbeat reply")
         self._sock().send(encode(make_message(MessageType.PING)), zmq.NOBLOCK)
         self._awaiting_pong = True
         self._next_ping = now + self._interval_s
 
-    def _reconnect(self) -> None:
-        log.warning("ipc.peer_lost", endpoint=self.endpoint, missed=self._missed)
+    def _reconnect(self, why: str) -> None:
+        log.warning("ipc.peer_lost", endpoint=self.endpoint, why=why, missed=self._missed)
         self._connected = False
         self._missed = 0
-        self._sock().close(linger=0)
+        self._awaiting_pong = False
+        _close_monitored(self._sock(), self._monitor)
         self._socket = self._open()
         self.reconnects += 1
 
     def close(self) -> None:
         if self._socket is not None:
-            self._socket.close(linger=0)
+            _close_monitored(self._socket, self._monitor)
             self._socket = None
         self._connected = False
 

@@ -1,0 +1,401 @@
+"""Helpers for the fault tests: real agent and runtime processes that can be SIGKILLed cheaply,
+and the checks that prove nothing was lost, mixed or applied twice.
+
+A runtime restart normally pays ~2 s of ``import torch``; a 50-iteration kill loop cannot. The
+:class:`Zygote` is a helper process that imports the runtime once and then forks one child per
+``ggufswap runtime`` command: the child runs the very same ``ggufswap`` entry point (argument
+parsing, logging, signal handlers, model load, sockets, serve loop) without the interpreter start,
+so killing it is a real SIGKILL of a real runtime process. The agent (no torch, ~0.5 s to start)
+runs as an ordinary ``ggufswap agent`` subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from processes import GGUFSWAP, Proc, status_of, wait_for
+from runtime_helpers import ModelDir, loaded_bytes
+
+from ggufswap.ipc import MessageType, PeerTimeout, Subscriber, Topic, make_message, request
+from ggufswap.runtime import HotSwapRuntime, ModelConfig, Storage, Transformer
+from ggufswap.runtime.serve import logits_digest, probe_tokens
+from ggufswap.shards import Fingerprinter, open_shard_set, tiny_moe
+
+MODEL = "tiny-moe"
+WAIT_S = 60.0  # bound of every wait on the processes (a broken build fails, never hangs)
+
+_ZYGOTE = r"""
+import json, os, signal, sys, traceback
+from ggufswap.main import main
+import ggufswap.runtime.daemon  # torch and the runtime, imported once before any fork
+
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+sys.stdout.write("ready\n"); sys.stdout.flush()
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0); os.dup2(log, 1); os.dup2(log, 2); os.close(log); os.close(null)
+            code = main(req["args"])
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            with open(req["exit"], "w") as f:
+                f.write(str(code))
+            os._exit(code)
+    sys.stdout.write(f"{pid}\n"); sys.stdout.flush()
+"""
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+class Zygote:
+    """A process that has imported the runtime and forks ``ggufswap`` commands on request."""
+
+    def __init__(self) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, "-c", _ZYGOTE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            # One torch thread, as the tests' in-process fresh loads use: results are bit-exact
+            # only between equal thread counts (and 2 busy cores gain nothing from more).
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+        )
+        assert self.popen.stdout is not None
+        assert self.popen.stdin is not None
+        first = self.popen.stdout.readline().strip()
+        assert first == "ready", f"zygote did not start: {first!r}"
+
+    def spawn(self, args: list[str], *, log: Path) -> Child:
+        assert self.popen.stdin is not None
+        assert self.popen.stdout is not None
+        exit_file = log.with_suffix(".exit")
+        request_line = json.dumps({"args": args, "log": str(log), "exit": str(exit_file)})
+        self.popen.stdin.write(request_line + "\n")
+        self.popen.stdin.flush()
+        return Child(int(self.popen.stdout.readline()), log, exit_file)
+
+    def close(self) -> None:
+        if self.popen.stdin is not None:
+            self.popen.stdin.close()
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(10)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+
+
+@dataclass
+class Child:
+    """A forked ``ggufswap`` process (not our child: the zygote reaps it)."""
+
+    pid: int
+    log_path: Path
+    exit_path: Path
+
+    def alive(self) -> bool:
+        return not gone(self.pid)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL and wait until the process is gone."""
+        if not gone(self.pid):
+            os.kill(self.pid, signal.SIGKILL)
+        wait_for(lambda: gone(self.pid), timeout=10, what=f"pid {self.pid} to die", interval=0.005)
+
+    def stop(self, *, timeout: float = 15.0) -> int:
+        """SIGTERM, wait, return the exit code the process wrote."""
+        if not gone(self.pid):
+            os.kill(self.pid, signal.SIGTERM)
+            wait_for(lambda: gone(self.pid), timeout=timeout, what=f"pid {self.pid} to stop")
+        return int(self.exit_path.read_text() or "-1")
+
+
+def probe_digest_of_files(first: Path, *, storage: Storage) -> str:
+    """The digest the runtime's probe mode records, for a fresh load of the files as they are."""
+    with HotSwapRuntime.open(first, storage=storage) as runtime:
+        assert runtime.shards is not None, "open() keeps the shard set"
+        model = Transformer(ModelConfig.from_metadata(runtime.shards.metadata), runtime.store)
+        with torch.inference_mode():
+            return logits_digest(model(probe_tokens(model.config.n_vocab, batch=2, tokens=16)))
+
+
+def disk_fingerprints(first: Path, fingerprinter: Fingerprinter) -> dict[str, str]:
+    """Content fingerprint of every tensor as the files on disk hold it now."""
+    return {n: fingerprinter(r) for n, r in open_shard_set(first).tensors.items()}
+
+
+@dataclass
+class Rig:
+    """A model directory, a config, a runtime (forked by a zygote) and an agent (subprocess)."""
+
+    tmp: Path
+    model: ModelDir
+    config: Path
+    control: str
+    events: str
+    agent_status: str
+    zygote: Zygote
+    storage: Storage
+    batch_interval_s: float
+    runtime: Child | None = None
+    agent: Proc | Child | None = None
+    fingerprinter: Fingerprinter = field(default_factory=Fingerprinter)
+    _logs: int = 0
+
+    @classmethod
+    def create(
+        cls,
+        tmp: Path,
+        zygote: Zygote,
+        *,
+        model_dir: Path | None = None,
+        storage: Storage = Storage.NATIVE,
+        dev_headroom: int | None = None,
+        settle_ms: int = 30,
+        batch_interval_s: float = 0.01,
+        allowed_roots: list[Path] | None = None,
+    ) -> Rig:
+        model = ModelDir.write(model_dir or tmp / "model", tiny_moe())
+        run = tmp / "run"
+        run.mkdir()
+        roots = allowed_roots or [model.root]
+        budget = (
+            ""
+            if dev_headroom is None
+            else f", budget: {loaded_bytes(model.first, storage) + dev_headroom}"
+        )
+        config = tmp / "config.yaml"
+        config.write_text(
+            f"""
+agent:
+  status_endpoint: ipc://{run}/agent.sock
+  rescan_interval_s: 300
+models:
+  - name: {MODEL}
+    runtime: ipc://{run}/rt.sock
+    watch:
+      - path: {model.root}
+    settle_ms: {settle_ms}
+    verify: checksum
+    request_timeout_s: 2.0
+runtime:
+  name: {MODEL}
+  model: {model.first}
+  control_endpoint: ipc://{run}/rt.sock
+  events_endpoint: ipc://{run}/events.sock
+  allowed_roots: [{", ".join(str(r) for r in roots)}]
+  storage: {storage.value}
+  pools:
+    - {{name: dev, device: cpu{budget}}}
+    - {{name: host, device: cpu}}
+"""
+        )
+        return cls(
+            tmp=tmp,
+            model=model,
+            config=config,
+            control=f"ipc://{run}/rt.sock",
+            events=f"ipc://{run}/events.sock",
+            agent_status=f"ipc://{run}/agent.sock",
+            zygote=zygote,
+            storage=storage,
+            batch_interval_s=batch_interval_s,
+        )
+
+    def _log(self, name: str) -> Path:
+        self._logs += 1
+        return self.tmp / f"{name}-{self._logs}.log"
+
+    # -- processes -------------------------------------------------------------------------
+
+    def start_runtime(self) -> Child:
+        interval = str(self.batch_interval_s)
+        args = ["runtime", "--config", str(self.config), "--batch-interval", interval]
+        self.runtime = self.zygote.spawn(args, log=self._log("runtime"))
+        wait_for(
+            lambda: self.runtime_status_or_none() is not None or not self.runtime_alive(),
+            timeout=WAIT_S,
+            what="the runtime to answer",
+            interval=0.01,
+        )
+        assert self.runtime_alive(), f"runtime died on start:\n{self.runtime.log()}"
+        return self.runtime
+
+    def runtime_alive(self) -> bool:
+        return self.runtime is not None and self.runtime.alive()
+
+    def start_agent(self, *, synced: bool = True, forked: bool = True) -> Proc | Child:
+        """Start ``ggufswap agent``: forked by the zygote (~50 ms, for kill loops), or as a
+        fresh interpreter (``forked=False``: what measures the agent's own resources)."""
+        args = ["agent", "--config", str(self.config)]
+        log = self._log("agent")
+        self.agent = self.zygote.spawn(args, log=log) if forked else Proc(args, log=log)
+        if synced:
+            wait_for(self.agent_synced, timeout=WAIT_S, what="the agent to sync", interval=0.01)
+        return self.agent
+
+    def agent_pid(self) -> int:
+        assert self.agent is not None, "no agent"
+        return self.agent.pid if isinstance(self.agent, Child) else self.agent.popen.pid
+
+    def kill_agent(self) -> None:
+        assert self.agent is not None, "no agent"
+        self.agent.kill()
+
+    def stop(self) -> None:
+        if self.agent is not None:
+            self.agent.stop()
+        if self.runtime is not None and self.runtime.alive():
+            self.runtime.stop()
+
+    # -- observations ----------------------------------------------------------------------
+
+    def runtime_status_or_none(self) -> dict[str, Any] | None:
+        return status_of(self.control, timeout=2)
+
+    def runtime_status(self) -> dict[str, Any]:
+        status = self.runtime_status_or_none()
+        assert status is not None, "the runtime does not answer status"
+        return status
+
+    def agent_model(self) -> dict[str, Any] | None:
+        status = status_of(self.agent_status, timeout=2)
+        if status is None:
+            return None
+        body = status["models"].get(MODEL)
+        if body is not None:
+            body["pending_paths"] = status["pending_paths"]
+        return body
+
+    def agent_synced(self) -> bool:
+        model = self.agent_model()
+        if model is None:
+            return False
+        link = model.get("link") or {}
+        return (
+            link.get("state") == "idle"
+            and bool(link.get("connected"))
+            and not link.get("pending_plan")
+            and not model.get("pending_paths")
+        )
+
+    def loaded(self) -> dict[str, str]:
+        """What the runtime reports loaded: tensor -> content fingerprint."""
+        reply = request(self.control, make_message(MessageType.STATE), timeout_s=5)
+        return {name: str(entry["fingerprint"]) for name, entry in reply["tensors"].items()}
+
+    def on_disk(self) -> dict[str, str]:
+        return disk_fingerprints(self.model.first, self.fingerprinter)
+
+    def converged(self) -> bool:
+        """The runtime holds exactly what is on disk and the agent has nothing in flight."""
+        try:
+            return self.agent_synced() and self.loaded() == self.on_disk()
+        except PeerTimeout:
+            return False
+
+    def wait_converged(self, what: str = "convergence") -> None:
+        wait_for(self.converged, timeout=WAIT_S, what=what, interval=0.02)
+
+    def wait_version_above(self, version: int) -> int:
+        return int(
+            wait_for(
+                lambda: (v := self.runtime_status()["weight_version"]) > version and v,
+                timeout=WAIT_S,
+                what=f"weight_version above {version}",
+                interval=0.003,
+            )
+        )
+
+    def probe_digest(self, version: int) -> str:
+        """The digest of a batch the runtime served on ``version`` (waits for one)."""
+
+        def at() -> str | None:
+            result = self.runtime_status()["serve"]["results"].get(str(version))
+            return result.get("digest") if result else None
+
+        return str(wait_for(at, timeout=WAIT_S, what=f"a batch on version {version}"))
+
+    def fresh_digest(self) -> str:
+        return probe_digest_of_files(self.model.first, storage=self.storage)
+
+
+class CommitLog:
+    """Every ``plan.committed`` event of the runtime, from a SUB socket (reconnects by itself)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sub = Subscriber(endpoint, topics=[Topic.PLAN_COMMITTED])
+        self.events: list[dict[str, Any]] = []
+
+    def drain(self, timeout_s: float = 0.0) -> list[dict[str, Any]]:
+        """Collect events that arrived (waiting up to ``timeout_s`` for the first one)."""
+        got = self.sub.recv(timeout_s)
+        while got is not None:
+            self.events.append(got[1])
+            got = self.sub.recv(0)
+        return self.events
+
+    def changed(self, tensor: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if tensor in e.get("changed", [])]
+
+    def close(self) -> None:
+        self.sub.close()
+
+
+def proc_counts(pid: int | None = None) -> dict[str, int]:
+    """Resident bytes, open file descriptors, threads and inotify watches of a process."""
+    base = Path("/proc") / (str(pid) if pid else "self")
+    rss = 0
+    threads = 0
+    for line in (base / "status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) * 1024
+        elif line.startswith("Threads:"):
+            threads = int(line.split()[1])
+    fds = list(iter_fds(base))
+    watches = 0
+    for fd in fds:
+        try:
+            if os.readlink(base / "fd" / fd) == "anon_inode:inotify":
+                info = (base / "fdinfo" / fd).read_text()
+                watches += sum(1 for ln in info.splitlines() if ln.startswith("inotify wd:"))
+        except OSError:
+            continue  # closed meanwhile
+    return {"rss": rss, "fds": len(fds), "threads": threads, "inotify_watches": watches}
+
+
+def iter_fds(base: Path) -> Iterator[str]:
+    try:
+        yield from os.listdir(base / "fd")
+    except FileNotFoundError:
+        return
+
+
+__all__ = ["GGUFSWAP", "Child", "CommitLog", "Rig", "Zygote", "gone", "proc_counts"]
