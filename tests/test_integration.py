@@ -69,7 +69,8 @@ class Cluster:
 
     def agent_model(self) -> dict[str, Any] | None:
         status = status_of(self.agent_status)
-        return None if status is None else status["models"][MODEL]
+        # A starting agent answers status before its first scan has listed its models.
+        return None if status is None else status.get("models", {}).get(MODEL)
 
     def agent_synced(self) -> bool:
         model = self.agent_model()
