@@ -285,6 +285,9 @@ runtime:
         assert status is not None, "the runtime does not answer status"
         return status
 
+    def agent_status_body(self) -> dict[str, Any] | None:
+        return status_of(self.agent_status, timeout=2)
+
     def agent_model(self) -> dict[str, Any] | None:
         status = status_of(self.agent_status, timeout=2)
         if status is None:
