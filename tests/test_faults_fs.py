@@ -195,17 +195,26 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False, timeout=30)
 
 
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def write_forever(fd: int, chunk: bytes) -> None:
+    while True:
+        os.write(fd, chunk)
+
+
 def fill(directory: Path) -> Path:
     """Fill the file system of ``directory`` to the last byte (an ignored hidden file)."""
     filler = directory / ".filler"
     fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for chunk in (65536, 1):
-            try:
-                while True:
-                    os.write(fd, b"\0" * chunk)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC, exc
+            with pytest.raises(OSError) as full:
+                write_forever(fd, b"\0" * chunk)
+            assert full.value.errno == errno.ENOSPC, full.value
     finally:
         os.close(fd)
     return filler
@@ -234,9 +243,7 @@ def test_disk_full_while_writing_a_replacement_keeps_the_old_shard_serving(
         fd = os.open(shard, os.O_WRONLY | os.O_TRUNC)
         try:
             with pytest.raises(OSError) as in_place:
-                data = memoryview(big.read_bytes())
-                while data:
-                    data = data[os.write(fd, data) :]
+                write_all(fd, big.read_bytes())
         finally:
             os.close(fd)
         assert in_place.value.errno == errno.ENOSPC
