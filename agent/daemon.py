@@ -74,19 +74,6 @@ class _Watch:
     models: set[str] = field(default_factory=set)
 
 
-def curve_keys(config: Config) -> CurveKeys | None:
-    """The CURVE key files of ``security.curve`` (None when not configured)."""
-    curve = config.security.curve
-    if curve is None:
-        return None
-    return CurveKeys(
-        server_secret_key=curve.server_secret_key,
-        server_public_key=curve.server_public_key,
-        client_secret_key=curve.client_secret_key,
-        authorized_keys_dir=curve.authorized_keys_dir,
-    )
-
-
 def _dir_identity(path: str) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
@@ -176,7 +163,7 @@ class AgentDaemon:
             self.config.agent.status_endpoint,
             status_handler(self.status),
             name="agent",
-            curve=curve_keys(self.config),
+            curve=CurveKeys.of(self.config.security.curve),
             allow_insecure_tcp=self.config.security.allow_insecure_tcp,
         ).start()
         try:
@@ -209,7 +196,7 @@ class AgentDaemon:
                 slot.link = RuntimeLink(
                     slot.config,
                     fingerprinter=self._fingerprinter,
-                    curve=curve_keys(config),
+                    curve=CurveKeys.of(config.security.curve),
                     allow_insecure_tcp=config.security.allow_insecure_tcp,
                     heartbeat_interval_s=self._heartbeat_s,
                     state_refresh_s=config.agent.rescan_interval_s,

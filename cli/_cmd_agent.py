@@ -106,8 +106,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _dry_run(model: ModelConfig, config: Config, *, timeout_s: float | None) -> dict[str, Any]:
     from ggufswap.agent import ModelIndex, reconcile
-    from ggufswap.agent.daemon import curve_keys
     from ggufswap.ipc import (
+        CurveKeys,
         Fields,
         IpcError,
         MessageType,
@@ -128,7 +128,7 @@ def _dry_run(model: ModelConfig, config: Config, *, timeout_s: float | None) -> 
             make_message(MessageType.STATE),
             timeout_s=wait_s,
             retries=0,
-            curve=curve_keys(config),
+            curve=CurveKeys.of(config.security.curve),
             allow_insecure_tcp=config.security.allow_insecure_tcp,
         )
         if reply.get(Fields.TYPE) == MessageType.STATE_REPLY.value:

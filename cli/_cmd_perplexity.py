@@ -194,8 +194,8 @@ class _Evaluator:
 def _hot_swap(
     runtime: HotSwapRuntime, config: Config, evaluator: _Evaluator, stop: threading.Event
 ) -> int:
+    from ggufswap.ipc import CurveKeys
     from ggufswap.runtime.control import ControlServer
-    from ggufswap.runtime.daemon import curve_keys
 
     rc = config.require_runtime()
     staged = threading.Event()
@@ -213,7 +213,7 @@ def _hot_swap(
         control_endpoint=rc.control_endpoint,
         status_endpoint=rc.status_endpoint,
         events_endpoint=rc.events_endpoint,
-        curve=curve_keys(config),
+        curve=CurveKeys.of(config.security.curve),
         allow_insecure_tcp=config.security.allow_insecure_tcp,
         extra_status=evaluator.status,
     ).start()

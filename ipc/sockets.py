@@ -25,6 +25,7 @@ import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 import zmq
@@ -66,6 +67,31 @@ class CurveKeys:
     server_public_key: Path | None = None
     client_secret_key: Path | None = None
     authorized_keys_dir: Path | None = None
+
+    @classmethod
+    def of(cls, section: CurveSection | None) -> CurveKeys | None:
+        """The keys of a config's ``security.curve`` section (None when it is not configured)."""
+        if section is None:
+            return None
+        return cls(
+            server_secret_key=section.server_secret_key,
+            server_public_key=section.server_public_key,
+            client_secret_key=section.client_secret_key,
+            authorized_keys_dir=section.authorized_keys_dir,
+        )
+
+
+class CurveSection(Protocol):
+    """What :meth:`CurveKeys.of` reads: the shape of ``ggufswap.config.CurveConfig``."""
+
+    @property
+    def server_secret_key(self) -> Path | None: ...
+    @property
+    def server_public_key(self) -> Path | None: ...
+    @property
+    def client_secret_key(self) -> Path | None: ...
+    @property
+    def authorized_keys_dir(self) -> Path | None: ...
 
 
 def transport_limit(max_msg_size: int) -> int:

@@ -34,18 +34,6 @@ log = structlog.get_logger(__name__)
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
-def curve_keys(config: Config) -> CurveKeys | None:
-    curve = config.security.curve
-    if curve is None:
-        return None
-    return CurveKeys(
-        server_secret_key=curve.server_secret_key,
-        server_public_key=curve.server_public_key,
-        client_secret_key=curve.client_secret_key,
-        authorized_keys_dir=curve.authorized_keys_dir,
-    )
-
-
 def open_runtime(config: Config) -> HotSwapRuntime:
     """Load the configured model onto the configured pools."""
     rc = config.require_runtime()
@@ -120,7 +108,7 @@ def run(config: Config, *, options: ServeOptions, stop: threading.Event) -> int:
             control_endpoint=rc.control_endpoint,
             status_endpoint=rc.status_endpoint,
             events_endpoint=rc.events_endpoint,
-            curve=curve_keys(config),
+            curve=CurveKeys.of(config.security.curve),
             allow_insecure_tcp=config.security.allow_insecure_tcp,
             extra_status=loop.status,
         ).start()
@@ -164,4 +152,4 @@ def run(config: Config, *, options: ServeOptions, stop: threading.Event) -> int:
     return 0
 
 
-__all__ = ["curve_keys", "open_runtime", "run"]
+__all__ = ["open_runtime", "run"]
