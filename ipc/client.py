@@ -131,9 +131,9 @@ class DealerClient:
     ``connected`` is False until the first message arrives.
 
     A dropped connection (the peer process died or restarted) is treated the same way as soon
-    as ZeroMQ reports it on the socket's monitor: a peer restarted between two heartbeats
-    answers the next ping, so heartbeats alone would never tell the caller that the requests
-    it had in flight were lost with the old process.
+    as ZeroMQ reports it on the socket's monitor, once the peer had answered on that socket: a
+    peer restarted between two heartbeats answers the next ping, so heartbeats alone would
+    never tell the caller that the requests it had in flight were lost with the old process.
     """
 
     def __init__(
@@ -218,7 +218,9 @@ class DealerClient:
             wait_s = min(deadline, self._next_ping) - now
             sock = self._sock()
             ready = dict(self._poller.poll(_ms(max(0.0, wait_s))))
-            if self._monitor in ready and self._dropped():
+            # Only a connection that carried a message counts: a failing handshake (wrong CURVE
+            # key) drops every attempt, and the heartbeats already pace that case.
+            if self._monitor in ready and self._dropped() and self._connected:
                 self._reconnect("connection dropped")
                 continue
             if sock in ready:

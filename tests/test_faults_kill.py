@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import enum
 import os
+import socket
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -291,3 +293,40 @@ def test_dealer_client_notices_a_peer_restarted_between_heartbeats(tmp_path: Pat
         outcome="reported as a reconnect at once; the link re-syncs instead of waiting 30 s",
         test="test_faults_kill::test_dealer_client_notices_a_peer_restarted_between_heartbeats",
     )
+
+
+def test_dealer_client_does_not_spin_on_a_peer_that_drops_every_handshake(tmp_path: Path) -> None:
+    """A listener that accepts and closes every connection (a failing handshake) is not counted
+    as a stream of reconnects: only a connection that carried a message counts as dropped."""
+    path = tmp_path / "mute.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(64)
+    listener.settimeout(0.05)
+    accepted = 0
+    stop = threading.Event()
+
+    def drop_all() -> None:
+        nonlocal accepted
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            accepted += 1
+            conn.close()
+
+    thread = threading.Thread(target=drop_all, name="mute-peer")
+    thread.start()
+    client = DealerClient(f"ipc://{path}", heartbeat_interval_s=3600.0)
+    try:
+        client.send(make_message(MessageType.STATUS))
+        wait_for(lambda: accepted >= 3, timeout=WAIT_S, what="repeated connection attempts")
+        assert client.poll(0.3) is None
+        assert client.reconnects == 0
+        assert not client.connected
+    finally:
+        client.close()
+        stop.set()
+        thread.join(WAIT_S)
+        listener.close()
