@@ -1,9 +1,11 @@
 """Soak: tensors oscillating between types (detach, fallback, reattach) a thousand times; pool
 bytes, resident memory, file descriptors, threads and inotify watches return to their baseline.
 
-Tolerances, stated: pool bytes exactly; descriptors, threads and inotify watches exactly (after
-a warm-up); resident memory within ``RSS_TOLERANCE`` (a leaked buffer per swap would exceed it
-many times over: the oscillating tensors are 1.2-32 KiB each, x1000).
+Tolerances, stated: pool bytes exactly; threads and inotify watches exactly (after a warm-up);
+descriptors exactly in process, within ``FD_TOLERANCE`` for the agent and runtime processes (the
+test's own status requests are short-lived connections that the peer closes asynchronously; a
+leak per swap would be hundreds); resident memory within ``RSS_TOLERANCE`` (a leaked buffer per
+swap would exceed it many times over: the oscillating tensors are 1.2-32 KiB each).
 
 ``make test`` runs the in-process runtime soak in full (1,000 swaps) and the agent + runtime
 process soak over ``AGENT_SWAPS`` swaps; ``GGUFSWAP_SOAK=1`` (the ``slow`` tests) runs the
@@ -32,6 +34,7 @@ SWAPS = 1000
 WARMUP = 40
 AGENT_SWAPS = 120
 RSS_TOLERANCE = 8 << 20
+FD_TOLERANCE = 2
 HEADROOM = 12288  # dev bytes free after the load: an F16 expert tensor falls back with its family
 DOWN1 = "blk.1.ffn_down_exps.weight"  # Q8_0 -> F16: family to FALLBACK_CPU
 ATTN_K0 = "blk.0.attn_k.weight"  # Q4_1 -> F16: DETACHED in its pool
@@ -151,7 +154,7 @@ def process_soak(tmp_path: Path, zygote: Zygote, swaps: int) -> None:
         rig.stop()
     for proc in ("agent", "runtime"):
         b, a = before[proc], after[proc]
-        assert a["fds"] == b["fds"], (proc, b, a)
+        assert abs(a["fds"] - b["fds"]) <= FD_TOLERANCE, (proc, b, a)
         assert a["threads"] == b["threads"], (proc, b, a)
         assert a["inotify_watches"] == b["inotify_watches"], (proc, b, a)
         assert a["rss"] - b["rss"] < RSS_TOLERANCE, (proc, b, a)
@@ -163,7 +166,9 @@ def process_soak(tmp_path: Path, zygote: Zygote, swaps: int) -> None:
         "soak",
         f"{swaps} swaps through the agent and runtime processes (fallback, detach, reattach)",
         tries=swaps,
-        outcome="each committed once; fds, threads, inotify watches equal; "
+        outcome="each committed once; threads, inotify watches equal; fds "
+        + ", ".join(f"{p} {after[p]['fds'] - before[p]['fds']:+d}" for p in after)
+        + f" (tolerance {FD_TOLERANCE}); "
         f"{growth} (tolerance 8 MiB)",
         test="test_soak::test_process_soak",
     )
