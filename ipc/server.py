@@ -11,7 +11,7 @@ or unknown messages and handler exceptions are answered with ``error`` and the l
 
 With CURVE, a client refused during the handshake (no CURVE, a key not in the authorized
 directory, or the wrong server key) never reaches the handler; a socket monitor turns each
-refusal into an ``ipc.handshake_refused`` warning (at most one line per second, with a count).
+refusal into an ``ipc.handshake_refused`` warning (rate-limited per reason, with a count).
 """
 
 from __future__ import annotations
@@ -61,8 +61,13 @@ log = structlog.get_logger(__name__)
 Handler = Callable[[bytes, dict[str, Any]], Mapping[str, Any] | None]
 
 _MAX_BATCH = 256  # frames handled per wake-up before the outbox and stop flag are looked at
-_HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-_HANDSHAKE_LOG_INTERVAL_S = 1.0  # refusals beyond one line per interval are counted, not logged
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL  # e.g. a client without CURVE, depending on timing
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_HANDSHAKE_LOG_INTERVAL_S = 1.0
+_HANDSHAKE_LOG_BURST = 20  # lines per reason per interval; further refusals are counted, not logged
 _PROTOCOL_ERRORS = {
     int(getattr(zmq, name)): name.removeprefix("PROTOCOL_ERROR_")
     for name in dir(zmq)
@@ -73,36 +78,43 @@ _PROTOCOL_ERRORS = {
 def _handshake_reason(event: int, value: int) -> str:
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return f"client key not authorized (ZAP status {value})"
-    detail = _PROTOCOL_ERRORS.get(value, hex(value))
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        detail = f"errno {value}"
+    else:
+        detail = _PROTOCOL_ERRORS.get(value, hex(value))
     return f"handshake failed ({detail}): no CURVE, or the client expects another server key"
 
 
 class _HandshakeLog:
-    """Logs CURVE handshake refusals seen by a socket monitor, rate-limited."""
+    """Logs CURVE handshake refusals seen by a socket monitor: per reason, at most
+    ``_HANDSHAKE_LOG_BURST`` lines per second; the rest are counted in the next line."""
 
     def __init__(self, monitor: zmq.Socket[bytes], log: Any) -> None:
         self.monitor = monitor
         self.log = log
         self.refused = 0
-        self._suppressed = 0
-        self._last_logged = -_HANDSHAKE_LOG_INTERVAL_S
+        self._windows: dict[str, list[float]] = {}  # reason -> [window start, lines, suppressed]
 
     def drain(self) -> None:
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
             self.refused += 1
+            reason = _handshake_reason(int(event["event"]), int(event["value"]))
             now = time.monotonic()
-            if now - self._last_logged < _HANDSHAKE_LOG_INTERVAL_S:
-                self._suppressed += 1
+            window = self._windows.setdefault(reason, [now, 0, 0])
+            if now - window[0] >= _HANDSHAKE_LOG_INTERVAL_S:
+                window[0], window[1] = now, 0
+            if window[1] >= _HANDSHAKE_LOG_BURST:
+                window[2] += 1
                 continue
             self.log.warning(
                 "ipc.handshake_refused",
-                reason=_handshake_reason(int(event["event"]), int(event["value"])),
+                reason=reason,
                 endpoint=event["endpoint"].decode(errors="replace"),
-                suppressed_before=self._suppressed,
+                suppressed_before=int(window[2]),
             )
-            self._suppressed = 0
-            self._last_logged = now
+            window[1] += 1
+            window[2] = 0
 
 
 class ServerState(Enum):

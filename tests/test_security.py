@@ -354,21 +354,19 @@ def test_curve_refuses_unauthenticated_and_wrong_key_clients(
             server_public_key=keys / "intruder.key", client_secret_key=keys / "client.key_secret"
         ),
     }
+    proc = curve_runtime.proc
     for what, curve in attempts.items():
+        logged = proc.log().count("ipc.handshake_refused")
         assert curve_status(curve_runtime.control, curve, timeout=1.5) is None, what
         wait_for(
-            lambda what=what: (
-                curve_runtime.proc.log().count("ipc.handshake_refused") > list(attempts).index(what)
-            ),
+            lambda logged=logged: proc.log().count("ipc.handshake_refused") > logged,
             timeout=10,
             what=f"a logged refusal of the client with {what}",
         )
         reply = curve_status(curve_runtime.control, curve_runtime.good, timeout=REPLY_TIMEOUT_S)
         assert reply is not None, f"the authorized client is not served after: {what}"
         assert reply[Fields.TYPE] == MessageType.STATUS_REPLY.value
-    assert curve_runtime.proc.popen.poll() is None
-    log = curve_runtime.proc.log()
-    assert "client key not authorized (ZAP status 400)" in log
+    assert proc.popen.poll() is None
     note(
         request,
         "security",
