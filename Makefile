@@ -7,7 +7,7 @@ EXTRAS ?= runtime,pyinotify,metrics,dev
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ggufswap-installed
 
-.PHONY: test demo bench fuzz lint typecheck clean
+.PHONY: test demo bench fuzz soak lint typecheck clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ bench: $(STAMP)
 
 fuzz: $(STAMP)
 	GGUFSWAP_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest -q -m "not slow" tests -k fuzz
+
+# The 1,000-swap soak through real agent and runtime processes (make test runs 120 swaps).
+soak: $(STAMP)
+	GGUFSWAP_SOAK=1 $(BIN)/python -m pytest -q tests/test_soak.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -83,6 +83,7 @@ class ServeLoop:
         self._windows = token_windows(stream, ctx=options.eval_ctx, batch_size=options.eval_batch)
         self._lock = threading.Lock()
         self._results: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
+        self._digests: dict[int, set[str]] = {}
         self.batches = 0
         self.failed_batches = 0
         self.last_batch_s: float | None = None
@@ -127,11 +128,19 @@ class ServeLoop:
     def _record(self, version: int, **values: Any) -> None:
         with self._lock:
             entry = self._results.setdefault(version, {"batches": 0})
+            digest = values.get("digest")
+            if digest is not None:
+                # One version must always give the same output: more than one distinct digest
+                # for a version would mean a batch ran on a mix of weights.
+                seen = self._digests.setdefault(version, set())
+                seen.add(digest)
+                entry["distinct_digests"] = len(seen)
             entry.update(values)
             entry["batches"] += 1
             self._results.move_to_end(version)
             while len(self._results) > RESULTS_KEPT:
-                self._results.popitem(last=False)
+                old, _ = self._results.popitem(last=False)
+                self._digests.pop(old, None)
 
     def close(self) -> None:
         """Nothing to release (the daemon closes every serving mode the same way)."""

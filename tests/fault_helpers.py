@@ -338,13 +338,16 @@ runtime:
         )
 
     def probe_digest(self, version: int) -> str:
-        """The digest of a batch the runtime served on ``version`` (waits for one)."""
+        """The digest of the batches the runtime served on ``version`` (waits for one); every
+        batch on one version must have given the same digest (never a mix of weights)."""
 
-        def at() -> str | None:
+        def at() -> dict[str, Any] | None:
             result = self.runtime_status()["serve"]["results"].get(str(version))
-            return result.get("digest") if result else None
+            return result if result and "digest" in result else None
 
-        return str(wait_for(at, timeout=WAIT_S, what=f"a batch on version {version}"))
+        result = wait_for(at, timeout=WAIT_S, what=f"a batch on version {version}")
+        assert result["distinct_digests"] == 1, f"version {version} gave several outputs"
+        return str(result["digest"])
 
     def fresh_digest(self) -> str:
         return probe_digest_of_files(self.model.first, storage=self.storage)
