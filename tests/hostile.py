@@ -7,7 +7,6 @@ on plain DEALER sockets so that nothing in the project's client code filters the
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -22,7 +21,6 @@ from processes import Proc, status_of, wait_for
 from ggufswap.ipc import (
     DealerClient,
     Fields,
-    IpcError,
     Job,
     MessageType,
     Plan,
@@ -203,13 +201,6 @@ def plan_outcome(endpoint: str, msg: dict[str, Any], *, timeout: float = 30.0) -
         return dict(wait_for(reply, timeout=timeout, what="the plan's final reply"))
 
 
-def decoded(frame: bytes) -> dict[str, Any] | None:
-    try:
-        return decode(frame)
-    except IpcError:
-        return None
-
-
 def free_tcp_ports(n: int) -> list[int]:
     """``n`` distinct ports free right now on 127.0.0.1 (the kernel picks them)."""
     import socket
@@ -224,7 +215,3 @@ def free_tcp_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def log_has(path: Path, event: str) -> bool:
-    return event in path.read_text(errors="replace") if os.path.exists(path) else False

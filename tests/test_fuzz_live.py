@@ -30,7 +30,6 @@ from ggufswap.ipc import (
     make_message,
     request,
 )
-from ggufswap.ipc.messages import SUPPORTED_VERSIONS
 from ggufswap.shards import open_shard_set
 
 log = structlog.get_logger(__name__)
@@ -41,7 +40,8 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     database=None,  # the processes are fresh each session: replaying old cases proves nothing
 )
-FINAL = {MessageType.COMMITTED.value, MessageType.REJECTED.value, MessageType.ERROR.value}
+# About 15 ms per case on 2 cores; make fuzz (20,000 cases) needs far more than the default 120 s.
+LONG = pytest.mark.timeout(max(120, int(EXAMPLES * 0.1)))
 REPLIES = {t.value for t in MessageType}
 PLAN_TENSORS = ("blk.1.ffn_down_exps.weight", "blk.0.attn_k.weight", "token_embd.weight")
 MODEL_TENSORS = [
@@ -277,6 +277,7 @@ def check_both(live: Live, frames: list[bytes], tag: str) -> None:
 # --- the fuzzers ----------------------------------------------------------------------------
 
 
+@LONG
 @FUZZ
 @given(
     frames=st.lists(st.binary(max_size=256), min_size=1, max_size=3)
@@ -289,6 +290,7 @@ def test_fuzz_random_frames_to_both_processes(
     check_both(live, frames, "random")
 
 
+@LONG
 @FUZZ
 @given(
     kind=st.sampled_from(["plan", "plan", "plan", "state", "status", "ping"]),
@@ -342,7 +344,6 @@ def test_after_fuzzing_both_answer_and_the_model_is_unchanged(
     assert _culprits == [], f"fuzzed frames changed the model: {_culprits!r}"
     assert live.weight_version() == version
     assert live.digest() == digest
-    assert SUPPORTED_VERSIONS  # the protocol version the mutations moved away from
     outcome = "every frame answered; both processes up; weight_version and probe digest unchanged"
     if _counts.get("random"):
         note(
