@@ -368,7 +368,7 @@ class HotSwapRuntime:
         self, ticket: PlanTicket, staged: StagedPlan, retired: list[Buffer]
     ) -> PlanTicket:
         """Apply one staged plan (the staged values stay referenced only by the stager)."""
-        changed = tuple(op.slot.name for op in staged.ops if op.content.encoded is not None)
+        changed = tuple(op.slot.name for op in staged.ops if op.content.raw is not None)
         moved = any(
             op.new_buffer is not None or op.copy_into_original is not None for op in staged.ops
         )

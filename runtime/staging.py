@@ -52,7 +52,7 @@ class Content:
 
     record: TensorRecord
     fingerprint: str
-    encoded: torch.Tensor | None  # flat buffer contents; None = take them from the slot
+    raw: torch.Tensor | None  # the new bytes as read (uint8, CPU); None: the slot's own content
 
 
 @dataclass(eq=False)
@@ -111,7 +111,7 @@ def read_job(job: Job) -> Content:
                 stale=True,
             )
         )
-    return Content(record=record, fingerprint=digest, encoded=raw)
+    return Content(record=record, fingerprint=digest, raw=raw)
 
 
 class Stager:
@@ -134,18 +134,10 @@ class Stager:
                 continue
             content = read_job(job)
             staged.bytes_read += job.source.nbytes
-            assert content.encoded is not None, "read_job always returns bytes"
             if self._same_content(slot, content.record, content.fingerprint):
                 contents[job.name] = Content(content.record, content.fingerprint, None)
             else:
-                try:
-                    encoded = store.encode(content.encoded, content.record)
-                except (UnsupportedTypeError, ValueError) as exc:
-                    reason = Reason(
-                        job.name, f"cannot decode {content.record.ggml_type.name}: {exc}"
-                    )
-                    raise Unplaceable(reason) from None
-                contents[job.name] = Content(content.record, content.fingerprint, encoded)
+                contents[job.name] = content
         try:
             self._place(staged, contents)
             self._rebuild_derived(staged, contents)
@@ -199,7 +191,7 @@ class Stager:
         for slot in members:
             target = targets[slot.name]
             current = _STATE_TARGET[slot.state]
-            changed = slot.name in contents and contents[slot.name].encoded is not None
+            changed = slot.name in contents and contents[slot.name].raw is not None
             if target is current and not changed:
                 continue
             if current is not Target.ORIGINAL:
@@ -288,11 +280,8 @@ class Stager:
         credit: dict[Pool, int],
     ) -> StagedOp | None:
         current = _STATE_TARGET[slot.state]
-        changed = content.encoded is not None
+        changed = content.raw is not None
         spec = self.store.buffer_spec(content.record)
-        # New bytes, or the slot's current contents when only the placement changes (a buffer
-        # may be larger than the content it holds: a smaller type in its original buffer).
-        source = content.encoded if content.encoded is not None else slot.active.tensor[: spec[0]]
         if target is current and not changed:
             if content.record != slot.record:  # same bytes, now found elsewhere
                 return StagedOp(slot, content, target)
@@ -308,7 +297,7 @@ class Stager:
             if slot.held == (content.fingerprint, content.record.ggml_type):
                 return op  # the original buffer still holds this content: a pointer move
             if self.stable_pointers(slot.home):
-                op.copy_into_original = source.to(slot.home.device, copy=True)
+                op.copy_into_original = self._scratch(slot, content, spec)
             else:
                 try:
                     # The swapped-in buffer keeps the original's size: returning to the original
@@ -317,33 +306,54 @@ class Stager:
                     op.new_buffer = self._allocate(
                         slot.home, (original.numel(), original.dtype), staged, credit
                     )
-                    op.new_buffer.tensor[: spec[0]].copy_(source)
+                    self._fill(op.new_buffer.tensor[: spec[0]], slot, content)
                     # The buffer it replaces is released by the commit.
                     credit[slot.home] = credit.get(slot.home, 0) + slot.original.nbytes
                 except PoolFull:  # no headroom for a swap: copy in place at commit instead
-                    op.copy_into_original = source.clone()
+                    op.copy_into_original = self._scratch(slot, content, spec)
             return op
         pool = self._pool_for(slot, target)
         try:
             op.new_buffer = self._allocate(pool, spec, staged, credit)
         except PoolFull as exc:
             raise Unplaceable(Reason(slot.name, str(exc))) from None
-        op.new_buffer.tensor.copy_(source)
+        self._fill(op.new_buffer.tensor, slot, content)
         return op
+
+    def _fill(self, dest: torch.Tensor, slot: Slot, content: Content) -> None:
+        """Write ``content`` into ``dest``: new bytes decoded in place on ``dest``'s device, or
+        the slot's current contents (a placement change re-reads nothing)."""
+        if content.raw is None:
+            # A buffer may be larger than the content it holds (a smaller native type that
+            # stayed in its original buffer): copy the content's part.
+            dest.copy_(slot.active.tensor[: dest.numel()])
+            return
+        try:
+            self.store.encode_into(content.raw, content.record, dest)
+        except (UnsupportedTypeError, ValueError) as exc:
+            reason = Reason(slot.name, f"cannot decode {content.record.ggml_type.name}: {exc}")
+            raise Unplaceable(reason) from None
+
+    def _scratch(self, slot: Slot, content: Content, spec: tuple[int, torch.dtype]) -> torch.Tensor:
+        """Staged contents on the home device, copied into the original buffer at commit."""
+        scratch = torch.empty(spec[0], dtype=spec[1], device=slot.home.device)
+        self._fill(scratch, slot, content)
+        return scratch
 
     # -- derived tensors -------------------------------------------------------------------
 
     def _rebuild_derived(self, staged: StagedPlan, contents: dict[str, Content]) -> None:
         # Only sources whose bytes change: a job that finds the content it already has (a file
         # re-written identically, or moved) leaves its derived tensors as they are.
-        changed = [name for name, content in contents.items() if content.encoded is not None]
+        changed = [name for name, content in contents.items() if content.raw is not None]
         for derived in self.store.derived_of(changed):
             assert derived.rebuild is not None, "validation refuses unrebuildable derived tensors"
             inputs: dict[str, torch.Tensor] = {}
             for source in derived.sources:
                 content = contents.get(source)
-                if content is not None and content.encoded is not None:
-                    inputs[source] = self.store.materialize_flat(content.encoded, content.record)
+                if content is not None and content.raw is not None:
+                    flat = self.store.encode(content.raw, content.record)
+                    inputs[source] = self.store.materialize_flat(flat, content.record)
                 else:
                     inputs[source] = self.store.weight(source)
             staged.derived[derived.name] = derived.rebuild(inputs)

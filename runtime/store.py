@@ -141,14 +141,31 @@ class TensorStore:
         numel, dtype = self.buffer_spec(record)
         return numel * dtype.itemsize
 
-    def encode(self, raw: torch.Tensor, record: TensorRecord) -> torch.Tensor:
-        """Raw GGUF bytes (uint8, CPU) → the flat contents of a buffer in this storage mode."""
+    def encode_into(self, raw: torch.Tensor, record: TensorRecord, dest: torch.Tensor) -> None:
+        """Write raw GGUF bytes (uint8, CPU) into ``dest``, a flat buffer of this storage mode.
+
+        The bytes travel to ``dest``'s device as they are (a quarter of the float32 size or
+        less) and are dequantized there, straight into ``dest``: no temporary, no second copy.
+        """
         if self.storage is Storage.NATIVE:
-            return raw
-        values = dequantize(
-            raw, record.ggml_type, record.ne, dtype=self.compute_dtype, strict=self.strict
+            dest.copy_(raw)
+            return
+        on_device = raw.to(dest.device, non_blocking=True)
+        dequantize(
+            on_device,
+            record.ggml_type,
+            record.ne,
+            dtype=self.compute_dtype,
+            strict=self.strict,
+            out=dest.view(record.shape),
         )
-        return values.reshape(-1)
+
+    def encode(self, raw: torch.Tensor, record: TensorRecord) -> torch.Tensor:
+        """Raw GGUF bytes (uint8, CPU) → new flat contents of a buffer in this storage mode."""
+        numel, dtype = self.buffer_spec(record)
+        flat = torch.empty(numel, dtype=dtype)
+        self.encode_into(raw, record, flat)
+        return flat
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -208,14 +225,13 @@ class TensorStore:
             raw = torch.empty(record.nbytes, dtype=torch.uint8)
             read_tensor_bytes(record, raw.numpy().data)
             digest = fingerprint_bytes(raw.numpy().data)
-            contents = self.encode(raw, record)
             numel, dtype = self.buffer_spec(record)
             try:
                 buffer = home.allocate(numel, dtype)
             except PoolFull:
                 buffer = self.pools.fallback.allocate(numel, dtype)
                 home = self.pools.fallback
-            buffer.tensor.copy_(contents)
+            self.encode_into(raw, record, buffer.tensor)
             self.slots[record.name] = Slot(
                 name=record.name,
                 ne=record.ne,
