@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,3 +27,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     import reliability
 
     reliability.write()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A test marked ``reliability(area, fault, tries=, outcome=)`` records its row on a pass."""
+    outcome = yield
+    report = outcome.get_result()
+    marker = item.get_closest_marker("reliability")
+    if marker is None or report.when != "call" or not report.passed:
+        return
+    import reliability
+
+    area, fault = marker.args
+    reliability.record(
+        area,
+        fault,
+        tries=int(marker.kwargs["tries"]),
+        outcome=str(marker.kwargs["outcome"]),
+        test=item.nodeid,
+    )

@@ -9,6 +9,7 @@ in ``docs/reliability.md``, so the published matrix is generated from a test run
 from __future__ import annotations
 
 import json
+import os
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +28,11 @@ class Row:
 
 _rows: list[Row] = []
 _lock = threading.Lock()
+
+
+def current_test() -> str:
+    """The node id of the running test (for helpers shared by many tests)."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
 
 
 def record(area: str, fault: str, *, tries: int, outcome: str, test: str) -> None:

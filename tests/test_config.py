@@ -735,6 +735,12 @@ def mutated_configs(draw: st.DrawFn) -> str:
     return text
 
 
+@pytest.mark.reliability(
+    "bad input",
+    "mutated YAML configuration text, keys and values (hypothesis)",
+    tries=FUZZ_EXAMPLES,
+    outcome="a Config or a ConfigError listing problems with lines; nothing else",
+)
 @settings(
     max_examples=FUZZ_EXAMPLES,
     deadline=None,

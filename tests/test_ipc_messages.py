@@ -237,6 +237,12 @@ def test_encode_refuses_non_plain_values() -> None:
 _ALLOWED = (MalformedMessage, UnsupportedVersion, MessageTooLarge)
 
 
+@pytest.mark.reliability(
+    "bad input",
+    "arbitrary bytes to the frame decoder (hypothesis)",
+    tries=FUZZ_EXAMPLES,
+    outcome="a message or a protocol error; nothing else",
+)
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=512))
 def test_fuzz_decode_arbitrary_bytes(frame: bytes) -> None:
@@ -262,6 +268,12 @@ _plain = st.recursive(
 )
 
 
+@pytest.mark.reliability(
+    "bad input",
+    "structured but wrong messages to decode and validate (hypothesis)",
+    tries=FUZZ_EXAMPLES,
+    outcome="only protocol errors",
+)
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.dictionaries(

@@ -241,6 +241,12 @@ def test_base_file_is_valid() -> None:
         assert len(read_header(path).tensors) == len(_TENSORS)
 
 
+@pytest.mark.reliability(
+    "bad input",
+    "GGUF header with flipped bytes (hypothesis)",
+    tries=FUZZ_EXAMPLES,
+    outcome="only ShardError; bounded time and memory",
+)
 @pytest.mark.timeout(120)
 @FUZZ_SETTINGS
 @given(
@@ -256,6 +262,12 @@ def test_fuzz_byte_flips(fuzz_path: Path, flips: list[tuple[int, int]]) -> None:
     _parse_bounded(fuzz_path, bytes(data))
 
 
+@pytest.mark.reliability(
+    "bad input",
+    "GGUF file cut anywhere (hypothesis)",
+    tries=FUZZ_EXAMPLES,
+    outcome="only ShardError; bounded time and memory",
+)
 @pytest.mark.timeout(120)
 @FUZZ_SETTINGS
 @given(cut=st.integers(0, len(BASE.data)))
@@ -264,6 +276,12 @@ def test_fuzz_truncation(fuzz_path: Path, cut: int) -> None:
     _parse_bounded(fuzz_path, BASE.data[:cut])
 
 
+@pytest.mark.reliability(
+    "bad input",
+    "GGUF header with inserted bytes (hypothesis)",
+    tries=FUZZ_EXAMPLES,
+    outcome="only ShardError; bounded time and memory",
+)
 @pytest.mark.timeout(120)
 @FUZZ_SETTINGS
 @given(pos=st.integers(0, BASE.data_offset), blob=st.binary(min_size=1, max_size=64))
@@ -272,6 +290,12 @@ def test_fuzz_insertion(fuzz_path: Path, pos: int, blob: bytes) -> None:
     _parse_bounded(fuzz_path, BASE.data[:pos] + blob + BASE.data[pos:])
 
 
+@pytest.mark.reliability(
+    "bad input",
+    "GGUF count, length, dim and offset fields set to any u64 (hypothesis)",
+    tries=FUZZ_EXAMPLES,
+    outcome="only ShardError; bounded time and memory",
+)
 @pytest.mark.timeout(120)
 @FUZZ_SETTINGS
 @given(

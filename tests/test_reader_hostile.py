@@ -13,6 +13,7 @@ from pathlib import Path
 
 import ggufbytes as gb
 import pytest
+import reliability
 from ggufbytes import KV, TI, T, V, build, kv_array, kv_str, kv_u32
 
 from ggufswap.shards import (
@@ -43,6 +44,14 @@ def rejects(path: Path, cls: type[ShardError], *fragments: str) -> ShardError:
     assert str(path) in message
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
+    test = reliability.current_test()
+    reliability.record(
+        "bad input",
+        "hostile GGUF header: " + test.rsplit("::", 1)[-1].removeprefix("test_").replace("_", " "),
+        tries=1,
+        outcome=f"{cls.__name__} naming the file and expected vs found",
+        test=test,
+    )
     return err
 
 
