@@ -34,6 +34,7 @@ class AgentCollector:
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client import core
+
         status = self._status()
         scans = status.get("scans", {})
         yield core.CounterMetricFamily(
