@@ -16,7 +16,7 @@ import render_reliability
 
 
 def test_every_row_recorded_this_session_is_in_the_doc() -> None:
-    """Each (area, fault, outcome, test) recorded before this test appears in the doc's table."""
+    """Each (area, fault, test) recorded before this test appears in the doc's table."""
     rows = reliability.rows()
     if not rows:
         pytest.skip("no reliability rows were recorded earlier in this session")
