@@ -194,10 +194,8 @@ class _Evaluator:
 def _hot_swap(
     runtime: HotSwapRuntime, config: Config, evaluator: _Evaluator, stop: threading.Event
 ) -> int:
-    from ggufswap.ipc import CurveKeys
     from ggufswap.runtime.control import ControlServer
 
-    rc = config.require_runtime()
     staged = threading.Event()
     committed: list[str] = []  # plan ids committed since the last evaluation
 
@@ -208,15 +206,7 @@ def _hot_swap(
             committed.append(str(payload["plan_id"]))
 
     runtime.on_event(on_event)
-    control = ControlServer(
-        runtime,
-        control_endpoint=rc.control_endpoint,
-        status_endpoint=rc.status_endpoint,
-        events_endpoint=rc.events_endpoint,
-        curve=CurveKeys.of(config.security.curve),
-        allow_insecure_tcp=config.security.allow_insecure_tcp,
-        extra_status=evaluator.status,
-    ).start()
+    control = ControlServer.from_config(runtime, config, extra_status=evaluator.status).start()
     try:
         evaluator.evaluate(runtime.weight_version, plans=[])
         version = runtime.weight_version

@@ -14,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from ggufswap.config import Config
 from ggufswap.ipc import (
     CurveKeys,
     Fields,
@@ -80,6 +81,26 @@ class ControlServer:
             else None
         )
         runtime.on_event(self._on_event)
+
+    @classmethod
+    def from_config(
+        cls,
+        runtime: HotSwapRuntime,
+        config: Config,
+        *,
+        extra_status: Callable[[], dict[str, Any]] | None = None,
+    ) -> ControlServer:
+        """The control server of a config's ``runtime`` section, with its security settings."""
+        rc = config.require_runtime()
+        return cls(
+            runtime,
+            control_endpoint=rc.control_endpoint,
+            status_endpoint=rc.status_endpoint,
+            events_endpoint=rc.events_endpoint,
+            curve=CurveKeys.of(config.security.curve),
+            allow_insecure_tcp=config.security.allow_insecure_tcp,
+            extra_status=extra_status,
+        )
 
     def start(self) -> ControlServer:
         self.control.start()

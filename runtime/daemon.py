@@ -19,7 +19,6 @@ import structlog
 import torch
 
 from ggufswap.config import Config
-from ggufswap.ipc import CurveKeys
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
 from ggufswap.runtime.architectures import Decoder, build_model
 from ggufswap.runtime.control import ControlServer
@@ -103,15 +102,7 @@ def run(config: Config, *, options: ServeOptions, stop: threading.Event) -> int:
         model_config = ModelConfig.from_metadata(runtime.shards.metadata)
         model = build_model(model_config, runtime.store, store=runtime.store)
         loop = build_service(runtime, model, options)
-        control = ControlServer(
-            runtime,
-            control_endpoint=rc.control_endpoint,
-            status_endpoint=rc.status_endpoint,
-            events_endpoint=rc.events_endpoint,
-            curve=CurveKeys.of(config.security.curve),
-            allow_insecure_tcp=config.security.allow_insecure_tcp,
-            extra_status=loop.status,
-        ).start()
+        control = ControlServer.from_config(runtime, config, extra_status=loop.status).start()
     except BaseException:
         if loop is not None:
             loop.close()

@@ -26,22 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ggufswap.runtime.errors import RuntimeLibraryError
-from ggufswap.shards.keys import Keys
+from ggufswap.shards.keys import Arch, Keys
 
 
 class ModelConfigError(RuntimeLibraryError, ValueError):
     """GGUF metadata does not describe a model the reference decoder can run."""
-
-
-class Arch(str, enum.Enum):
-    """The ``general.architecture`` values the reference decoder implements."""
-
-    LLAMA = "llama"
-    QWEN2 = "qwen2"
-    QWEN2MOE = "qwen2moe"
-    QWEN3 = "qwen3"
-    QWEN3MOE = "qwen3moe"
-    GEMMA3 = "gemma3"
 
 
 class RopeType(enum.IntEnum):

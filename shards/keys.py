@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Final
+
+
+class Arch(str, enum.Enum):
+    """The ``general.architecture`` values the project writes and the reference runtime runs."""
+
+    LLAMA = "llama"
+    QWEN2 = "qwen2"
+    QWEN2MOE = "qwen2moe"
+    QWEN3 = "qwen3"
+    QWEN3MOE = "qwen3moe"
+    GEMMA3 = "gemma3"
 
 
 class Keys:

@@ -38,23 +38,13 @@ from ggufswap.shards._gguf_encode import (
     encode_metadata,
     write_gguf,
 )
+from ggufswap.shards.keys import Arch
 
 log = structlog.get_logger(__name__)
 
 Q = GGMLQuantizationType
 WRITABLE_TYPES: Final = _synth.WRITABLE_TYPES
 SHARD_NAME_FORMAT: Final = "{}-{:05d}-of-{:05d}.gguf"
-
-
-class Arch(str, Enum):
-    """Architectures the writer produces (``general.architecture`` values)."""
-
-    LLAMA = "llama"
-    QWEN2 = "qwen2"
-    QWEN2MOE = "qwen2moe"
-    QWEN3 = "qwen3"
-    QWEN3MOE = "qwen3moe"
-    GEMMA3 = "gemma3"
 
 
 QK_NORM_ARCHS: Final = frozenset({Arch.QWEN3, Arch.QWEN3MOE, Arch.GEMMA3})
