@@ -40,19 +40,6 @@ class RopeType(enum.IntEnum):
     NEOX = 2  # halves (x[i], x[i + n_rot/2])
 
 
-class ExtraKeys:
-    """Optional per-arch keys not (yet) in ``ggufswap.shards.Keys``; format with the arch."""
-
-    ROPE_DIMENSION_COUNT: Final = "{}.rope.dimension_count"
-    EXPERT_WEIGHTS_NORM: Final = "{}.expert_weights_norm"
-    EXPERT_WEIGHTS_SCALE: Final = "{}.expert_weights_scale"
-    EXPERT_GATING_FUNC: Final = "{}.expert_gating_func"
-    SLIDING_WINDOW: Final = "{}.attention.sliding_window"
-    ROPE_SCALING_TYPE: Final = "{}.rope.scaling.type"
-    ROPE_SCALING_FACTOR: Final = "{}.rope.scaling.factor"
-    FINAL_LOGIT_SOFTCAPPING: Final = "{}.final_logit_softcapping"
-
-
 class Activation(str, enum.Enum):
     """The gated FFN's activation: llama.cpp's LLM_FFN_SILU (SwiGLU) or LLM_FFN_GELU (GeGLU)."""
 
@@ -176,14 +163,14 @@ class ModelConfig:
             ) from None
         reader = _KeyReader(md, arch.value)
         n_head = reader.get_int(Keys.LLM.HEAD_COUNT)
-        gating = reader.get_int(ExtraKeys.EXPERT_GATING_FUNC, EXPERT_GATING_SOFTMAX)
+        gating = reader.get_int(Keys.LLM.EXPERT_GATING_FUNC, EXPERT_GATING_SOFTMAX)
         if gating != EXPERT_GATING_SOFTMAX:
             reader.problems.append(
-                f"{ExtraKeys.EXPERT_GATING_FUNC.format(arch.value)} = {gating}: only softmax "
+                f"{Keys.LLM.EXPERT_GATING_FUNC.format(arch.value)} = {gating}: only softmax "
                 f"gating ({EXPERT_GATING_SOFTMAX}) is implemented"
             )
-        scale = reader.get_float(ExtraKeys.EXPERT_WEIGHTS_SCALE, 1.0)
-        norm_key = ExtraKeys.EXPERT_WEIGHTS_NORM.format(arch.value)
+        scale = reader.get_float(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0)
+        norm_key = Keys.LLM.EXPERT_WEIGHTS_NORM.format(arch.value)
         kwargs: dict[str, Any] = {
             "n_layer": reader.get_int(Keys.LLM.BLOCK_COUNT),
             "n_embd": reader.get_int(Keys.LLM.EMBEDDING_LENGTH),
@@ -198,15 +185,15 @@ class ModelConfig:
             "n_expert_used": reader.get_int(Keys.LLM.EXPERT_USED_COUNT, 0),
             "n_ff_exp": reader.get_int(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, 0),
             "key_length": reader.get_optional_int(Keys.LLM.KEY_LENGTH),
-            "rope_dim": reader.get_optional_int(ExtraKeys.ROPE_DIMENSION_COUNT),
+            "rope_dim": reader.get_optional_int(Keys.LLM.ROPE_DIMENSION_COUNT),
             "expert_weights_norm": bool(md[norm_key]) if norm_key in md else None,
             "expert_weights_scale": scale if scale != 0.0 else 1.0,  # llama.cpp: 0 = unset
-            "final_logit_softcap": reader.get_float(ExtraKeys.FINAL_LOGIT_SOFTCAPPING, 0.0),
+            "final_logit_softcap": reader.get_float(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0),
             "rope_freq_scale": _rope_freq_scale(reader),
         }
         if arch is Arch.GEMMA3:
             kwargs.update(
-                sliding_window=reader.get_int(ExtraKeys.SLIDING_WINDOW),
+                sliding_window=reader.get_int(Keys.LLM.SLIDING_WINDOW),
                 swa_period=GEMMA3_SWA_PERIOD,
                 rope_base_local=GEMMA3_ROPE_BASE_LOCAL,
             )
@@ -221,13 +208,13 @@ _MISSING: Final = object()
 
 def _rope_freq_scale(reader: _KeyReader) -> float:
     """``1 / {arch}.rope.scaling.factor`` for linear scaling; 1.0 without scaling."""
-    kind = str(reader.md.get(ExtraKeys.ROPE_SCALING_TYPE.format(reader.arch), "none"))
-    factor = reader.get_float(ExtraKeys.ROPE_SCALING_FACTOR, 0.0)
+    kind = str(reader.md.get(Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch), "none"))
+    factor = reader.get_float(Keys.LLM.ROPE_SCALING_FACTOR, 0.0)
     if kind == "none" or factor in (0.0, 1.0):
         return 1.0
     if kind != ROPE_SCALING_LINEAR:
         reader.problems.append(
-            f"{ExtraKeys.ROPE_SCALING_TYPE.format(reader.arch)} = {kind!r}: only "
+            f"{Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch)} = {kind!r}: only "
             f"{ROPE_SCALING_LINEAR!r} RoPE scaling is implemented"
         )
         return 1.0

@@ -48,6 +48,14 @@ class Keys:
         KEY_LENGTH: Final = "{}.attention.key_length"
         RMS_EPS: Final = "{}.attention.layer_norm_rms_epsilon"
         ROPE_FREQ_BASE: Final = "{}.rope.freq_base"
+        ROPE_DIMENSION_COUNT: Final = "{}.rope.dimension_count"
+        ROPE_SCALING_TYPE: Final = "{}.rope.scaling.type"
+        ROPE_SCALING_FACTOR: Final = "{}.rope.scaling.factor"
+        EXPERT_WEIGHTS_NORM: Final = "{}.expert_weights_norm"
+        EXPERT_WEIGHTS_SCALE: Final = "{}.expert_weights_scale"
+        EXPERT_GATING_FUNC: Final = "{}.expert_gating_func"
+        SLIDING_WINDOW: Final = "{}.attention.sliding_window"
+        FINAL_LOGIT_SOFTCAPPING: Final = "{}.final_logit_softcapping"
 
     class Tokenizer:
         MODEL: Final = "tokenizer.ggml.model"
