@@ -9,100 +9,33 @@ in place when pointers must stay stable (CUDA graphs); then it releases the buff
 replaced. Every operation a commit performs was prepared and checked by staging, so a commit
 cannot fail half-way on bad input.
 
-A family split over pools by expert ranges (``split``) is placed as a unit too: its members keep
-the split they were loaded with while their contents fit it (new contents are copied into the
-original parts at commit), a member that grows gets private parts with the same ranges, and when
-those do not fit, the whole family moves to a new split computed for the new sizes (the fallback
-pool last), siblings copied from their current parts.
+Families split over pools by expert ranges are placed by ``split_staging``.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime.errors import Reason, UnsupportedTypeError
 from ggufswap.runtime.pools import Buffer, Pool, PoolFull
-from ggufswap.runtime.split import ExpertSplit, Part, copy_range, split_of
-from ggufswap.runtime.store import Slot, SlotState, TensorStore
+from ggufswap.runtime.split_staging import SplitPlacer, commit_split
+from ggufswap.runtime.staged import (
+    STATE_TARGET,
+    Content,
+    StagedOp,
+    StagedPlan,
+    StaleJob,
+    Target,
+    Unplaceable,
+    allocate,
+    content_of,
+)
+from ggufswap.runtime.store import Slot, TensorStore
 from ggufswap.shards import FileChangedError, ShardError, TensorRecord, fingerprint_bytes
 from ggufswap.shards.data import read_tensor_bytes
-
-
-class Target(enum.Enum):
-    """Where a tensor's content lives after the commit."""
-
-    ORIGINAL = "original"  # the buffer it was loaded into
-    PRIVATE_HOME = "private_home"  # a private buffer in its home pool
-    PRIVATE_FALLBACK = "private_fallback"  # a private buffer in the fallback pool
-
-    @property
-    def state(self) -> SlotState:
-        return _TARGET_STATE[self]
-
-
-_TARGET_STATE = {
-    Target.ORIGINAL: SlotState.ON_ORIGINAL,
-    Target.PRIVATE_HOME: SlotState.DETACHED,
-    Target.PRIVATE_FALLBACK: SlotState.FALLBACK_CPU,
-}
-_STATE_TARGET = {state: target for target, state in _TARGET_STATE.items()}
-
-
-@dataclass(frozen=True)
-class Content:
-    """What a tensor will hold: its source record and fingerprint, and staged bytes if read."""
-
-    record: TensorRecord
-    fingerprint: str
-    raw: torch.Tensor | None  # the new bytes as read (uint8, CPU); None: the slot's own content
-
-
-@dataclass(eq=False)
-class StagedOp:
-    """One slot's change, prepared: commit applies it with pointer moves or one copy."""
-
-    slot: Slot
-    content: Content
-    target: Target
-    new_buffer: Buffer | None = None  # becomes the active (and, for ORIGINAL, original) buffer
-    copy_into_original: torch.Tensor | None = None  # in-place source for stable pointers
-    reattach: bool = False
-    # A split slot's new active parts (its original parts, or new private ones), and the
-    # contents to copy into its original parts at commit, one per part.
-    parts: tuple[Part, ...] | None = None
-    part_copies: tuple[torch.Tensor, ...] = ()
-
-
-@dataclass(eq=False)
-class StagedPlan:
-    plan: Plan
-    ops: list[StagedOp]
-    derived: dict[str, torch.Tensor] = field(default_factory=dict)
-    allocated: list[Buffer] = field(default_factory=list)
-    bytes_read: int = 0
-
-    def discard(self) -> None:
-        """Free everything staging allocated (the plan will not be committed)."""
-        for buffer in self.allocated:
-            buffer.release()
-        self.allocated.clear()
-
-
-class StaleJob(Exception):
-    def __init__(self, reason: Reason) -> None:
-        self.reason = reason
-        super().__init__(str(reason))
-
-
-class Unplaceable(Exception):
-    def __init__(self, reason: Reason) -> None:
-        self.reason = reason
-        super().__init__(str(reason))
 
 
 def read_job(job: Job) -> Content:
@@ -131,6 +64,7 @@ class Stager:
     def __init__(self, store: TensorStore, *, stable_pointers: Callable[[Pool], bool]) -> None:
         self.store = store
         self.stable_pointers = stable_pointers
+        self._split = SplitPlacer(store)
 
     def stage(self, plan: Plan) -> StagedPlan:
         store = self.store
@@ -174,15 +108,12 @@ class Stager:
                 units[family] = self.store.families[family]
         return list(units.values())
 
-    def _content_of(self, slot: Slot, contents: dict[str, Content]) -> Content:
-        return contents.get(slot.name) or Content(slot.record, slot.fingerprint, None)
-
     def _targets(
         self, members: list[Slot], contents: dict[str, Content], fallback: bool
     ) -> dict[str, Target]:
         targets: dict[str, Target] = {}
         for slot in members:
-            content = self._content_of(slot, contents)
+            content = content_of(slot, contents)
             if fallback and slot.home is not self.store.pools.fallback:
                 targets[slot.name] = Target.PRIVATE_FALLBACK
             elif self.store.buffer_nbytes(content.record) <= slot.original.nbytes:
@@ -201,7 +132,7 @@ class Stager:
         credit: dict[Pool, int] = {}
         for slot in members:
             target = targets[slot.name]
-            current = _STATE_TARGET[slot.state]
+            current = STATE_TARGET[slot.state]
             changed = slot.name in contents and contents[slot.name].raw is not None
             if target is current and not changed:
                 continue
@@ -209,7 +140,7 @@ class Stager:
                 credit[slot.active.pool] = credit.get(slot.active.pool, 0) + slot.active.nbytes
             if target is not Target.ORIGINAL:
                 pool = self._pool_for(slot, target)
-                nbytes = self.store.buffer_nbytes(self._content_of(slot, contents).record)
+                nbytes = self.store.buffer_nbytes(content_of(slot, contents).record)
                 need[pool] = need.get(pool, 0) + nbytes
         return need, credit
 
@@ -222,7 +153,7 @@ class Stager:
         for names in units:
             members = [self.store.slots[n] for n in names]
             if members[0].is_split:
-                targets = self._split_targets(members, contents)
+                targets = self._split.targets(members, contents)
             else:
                 targets = self._targets(members, contents, fallback=False)
             plans.append((members, targets))
@@ -232,7 +163,7 @@ class Stager:
         credit: dict[Pool, int] = {}
         for members, home_targets in plans:
             if members[0].is_split:
-                self._place_split(members, contents, home_targets, staged, credit)
+                self._split.place(members, contents, home_targets, staged, credit)
                 continue
             targets = self._fit(members, contents, home_targets, credit)
             _, freed = self._needs(members, contents, targets)
@@ -240,7 +171,7 @@ class Stager:
                 credit[pool] = credit.get(pool, 0) + n
             for slot in members:
                 op = self._prepare(
-                    slot, self._content_of(slot, contents), targets[slot.name], staged, credit
+                    slot, content_of(slot, contents), targets[slot.name], staged, credit
                 )
                 if op is not None:
                     staged.ops.append(op)
@@ -274,20 +205,6 @@ class Stager:
             )
         )
 
-    def _allocate(
-        self,
-        pool: Pool,
-        spec: tuple[int, torch.dtype],
-        staged: StagedPlan,
-        credit: dict[Pool, int],
-    ) -> Buffer:
-        # ``credit`` is every byte this plan's commit releases in ``pool``; ``pool.used`` already
-        # counts what staging allocated, so the credit is not spent by an allocation.
-        numel, dtype = spec
-        buffer = pool.allocate(numel, dtype, credit=credit.get(pool, 0))
-        staged.allocated.append(buffer)
-        return buffer
-
     def _prepare(
         self,
         slot: Slot,
@@ -296,7 +213,7 @@ class Stager:
         staged: StagedPlan,
         credit: dict[Pool, int],
     ) -> StagedOp | None:
-        current = _STATE_TARGET[slot.state]
+        current = STATE_TARGET[slot.state]
         changed = content.raw is not None
         spec = self.store.buffer_spec(content.record)
         if target is current and not changed:
@@ -320,7 +237,7 @@ class Stager:
                     # The swapped-in buffer keeps the original's size: returning to the original
                     # content must always fit, and memory stays at its baseline.
                     original = slot.original.tensor
-                    op.new_buffer = self._allocate(
+                    op.new_buffer = allocate(
                         slot.home, (original.numel(), original.dtype), staged, credit
                     )
                     self._fill(op.new_buffer.tensor[: spec[0]], slot, content)
@@ -331,7 +248,7 @@ class Stager:
             return op
         pool = self._pool_for(slot, target)
         try:
-            op.new_buffer = self._allocate(pool, spec, staged, credit)
+            op.new_buffer = allocate(pool, spec, staged, credit)
         except PoolFull as exc:
             raise Unplaceable(Reason(slot.name, str(exc))) from None
         self._fill(op.new_buffer.tensor, slot, content)
@@ -356,191 +273,6 @@ class Stager:
         scratch = torch.empty(spec[0], dtype=spec[1], device=slot.home.device)
         self._fill(scratch, slot, content)
         return scratch
-
-    # -- split families --------------------------------------------------------------------
-
-    def _unit_bytes(self, content: Content) -> int:
-        """Buffer bytes per expert of ``content`` in the store's storage mode."""
-        return (
-            self.store.expert_unit(content.record)
-            * self.store.buffer_spec(content.record)[1].itemsize
-        )
-
-    def _split_targets(
-        self, members: list[Slot], contents: dict[str, Content]
-    ) -> dict[str, Target]:
-        """The split the family was loaded with: members whose content fits their original parts
-        stay there; a member that grew gets private parts with the same ranges."""
-        targets = {}
-        for slot in members:
-            per_expert = self._unit_bytes(self._content_of(slot, contents))
-            fits = all(
-                per_expert * (p.stop - p.start) <= p.buffer.nbytes for p in slot.original_parts
-            )
-            targets[slot.name] = Target.ORIGINAL if fits else Target.PRIVATE_HOME
-        return targets
-
-    def _split_needs(
-        self,
-        members: list[Slot],
-        contents: dict[str, Content],
-        split: ExpertSplit,
-        targets: dict[str, Target],
-    ) -> tuple[dict[Pool, int], dict[Pool, int]]:
-        """Bytes each pool must allocate for ``split``, and bytes the commit releases there."""
-        need: dict[Pool, int] = {}
-        credit: dict[Pool, int] = {}
-        for slot in members:
-            content = self._content_of(slot, contents)
-            if self._split_unchanged(slot, content, split, targets[slot.name]):
-                continue
-            if slot.parts is not slot.original_parts:
-                for part in slot.parts:
-                    credit[part.pool] = credit.get(part.pool, 0) + part.buffer.nbytes
-            if targets[slot.name] is not Target.ORIGINAL:
-                per_expert = self._unit_bytes(content)
-                for pool, start, stop in split.ranges:
-                    need[pool] = need.get(pool, 0) + per_expert * (stop - start)
-        return need, credit
-
-    @staticmethod
-    def _split_unchanged(slot: Slot, content: Content, split: ExpertSplit, target: Target) -> bool:
-        if content.raw is not None:
-            return False
-        if target is Target.ORIGINAL:
-            return slot.parts is slot.original_parts
-        return slot.parts is not slot.original_parts and split_of(slot.parts) == split
-
-    def _resplit(
-        self, members: list[Slot], contents: dict[str, Content], credit: dict[Pool, int]
-    ) -> ExpertSplit | None:
-        """A new expert split of the whole family for its new sizes: the pools of its original
-        split first, then the other pools, the fallback last; every member moves."""
-        pools = self.store.pools
-        home = split_of(members[0].original_parts)
-        order = list(dict.fromkeys(pool for pool, _, _ in home.ranges))
-        order += [p for p in pools.ordered() if p not in order]
-        order = [p for p in order if p is not pools.fallback] + [pools.fallback]
-        freed: dict[Pool, int] = {}
-        for slot in members:
-            if slot.parts is not slot.original_parts:
-                for part in slot.parts:
-                    freed[part.pool] = freed.get(part.pool, 0) + part.buffer.nbytes
-        per_expert = sum(self._unit_bytes(self._content_of(s, contents)) for s in members)
-
-        def room(pool: Pool) -> int | None:
-            free = pool.free
-            return None if free is None else free + credit.get(pool, 0) + freed.get(pool, 0)
-
-        return ExpertSplit.greedy(members[0].ne[-1], per_expert, order, room)
-
-    def _place_split(
-        self,
-        members: list[Slot],
-        contents: dict[str, Content],
-        home_targets: dict[str, Target],
-        staged: StagedPlan,
-        credit: dict[Pool, int],
-    ) -> None:
-        split, targets = split_of(members[0].original_parts), home_targets
-        need, freed = self._split_needs(members, contents, split, targets)
-        if not self._fits(need, freed, credit):
-            resplit = self._resplit(members, contents, credit)
-            if resplit is None:
-                raise Unplaceable(
-                    Reason(
-                        members[0].name,
-                        f"its family's experts fit no split over the pools "
-                        f"(loaded as {split.describe()}; a family moves as a whole)",
-                    )
-                )
-            fallback = resplit.pools() == {self.store.pools.fallback}
-            target = Target.PRIVATE_FALLBACK if fallback else Target.PRIVATE_HOME
-            split, targets = resplit, {slot.name: target for slot in members}
-            need, freed = self._split_needs(members, contents, split, targets)
-            assert self._fits(need, freed, credit), f"a new split must fit: {split.describe()}"
-        for pool, n in freed.items():
-            credit[pool] = credit.get(pool, 0) + n
-        for slot in members:
-            content = self._content_of(slot, contents)
-            op = self._prepare_split(
-                slot=slot,
-                content=content,
-                split=split,
-                target=targets[slot.name],
-                staged=staged,
-                credit=credit,
-            )
-            if op is not None:
-                staged.ops.append(op)
-
-    @staticmethod
-    def _fits(need: dict[Pool, int], freed: dict[Pool, int], credit: dict[Pool, int]) -> bool:
-        return all(
-            pool.fits(n, credit=credit.get(pool, 0) + freed.get(pool, 0))
-            for pool, n in need.items()
-        )
-
-    def _prepare_split(
-        self,
-        *,
-        slot: Slot,
-        content: Content,
-        split: ExpertSplit,
-        target: Target,
-        staged: StagedPlan,
-        credit: dict[Pool, int],
-    ) -> StagedOp | None:
-        if self._split_unchanged(slot, content, split, target):
-            if content.record != slot.record:  # same bytes, now found elsewhere
-                return StagedOp(slot, content, target, parts=slot.parts)
-            return None
-        op = StagedOp(
-            slot,
-            content,
-            target,
-            reattach=content.fingerprint == slot.original_fingerprint
-            and content.record.ggml_type == slot.original_type,
-            parts=slot.original_parts,
-        )
-        unit, dtype = (
-            self.store.expert_unit(content.record),
-            self.store.buffer_spec(content.record)[1],
-        )
-        if target is Target.ORIGINAL:
-            if slot.held != (content.fingerprint, content.record.ggml_type):
-                scratches = []
-                for part in slot.original_parts:
-                    n = (part.stop - part.start) * unit
-                    scratch = torch.empty(n, dtype=dtype, device=part.pool.device)
-                    self._fill_range(scratch, slot, content, part.start, part.stop)
-                    scratches.append(scratch)
-                op.part_copies = tuple(scratches)
-            return op
-        parts = []
-        for pool, start, stop in split.ranges:
-            try:
-                buffer = self._allocate(pool, ((stop - start) * unit, dtype), staged, credit)
-            except PoolFull as exc:
-                raise Unplaceable(Reason(slot.name, str(exc))) from None
-            self._fill_range(buffer.tensor, slot, content, start, stop)
-            parts.append(Part(buffer, start, stop))
-        op.parts = tuple(parts)
-        return op
-
-    def _fill_range(
-        self, dest: torch.Tensor, slot: Slot, content: Content, start: int, stop: int
-    ) -> None:
-        """Experts ``[start, stop)`` of ``content`` into ``dest``: new bytes decoded on
-        ``dest``'s device, or copied from the slot's current parts (nothing is re-read)."""
-        if content.raw is None:
-            copy_range(slot.parts, self.store.expert_unit(slot.record), start, stop, dest)
-            return
-        try:
-            self.store.encode_range_into(content.raw, content.record, start, stop, dest)
-        except (UnsupportedTypeError, ValueError) as exc:
-            reason = Reason(slot.name, f"cannot decode {content.record.ggml_type.name}: {exc}")
-            raise Unplaceable(reason) from None
 
     # -- derived tensors -------------------------------------------------------------------
 
@@ -567,7 +299,7 @@ def commit(store: TensorStore, staged: StagedPlan) -> list[Buffer]:
     for op in staged.ops:
         slot = op.slot
         if op.parts is not None:
-            release.extend(_commit_split(op))
+            release.extend(commit_split(op))
             continue
         previous, old_original = slot.active, slot.original
         if op.target is Target.ORIGINAL:
@@ -590,21 +322,3 @@ def commit(store: TensorStore, staged: StagedPlan) -> list[Buffer]:
     store.derived_values.update(staged.derived)
     staged.allocated.clear()  # now owned by the slots
     return release
-
-
-def _commit_split(op: StagedOp) -> list[Buffer]:
-    """Apply one split slot's op; returns the private parts it replaced."""
-    slot, parts = op.slot, op.parts
-    assert parts is not None, f"{slot.name}: not a split op"
-    if op.part_copies:
-        for part, src in zip(slot.original_parts, op.part_copies, strict=True):
-            part.buffer.tensor[: src.numel()].copy_(src)
-        slot.held = (op.content.fingerprint, op.content.record.ggml_type)
-    replaced = slot.parts
-    slot.parts = parts
-    slot.record = op.content.record
-    slot.fingerprint = op.content.fingerprint
-    slot.state = op.target.state
-    if replaced is slot.original_parts or replaced is parts:
-        return []
-    return [part.buffer for part in replaced]
