@@ -33,8 +33,6 @@ class SplitPlacer:
     def __init__(self, store: TensorStore) -> None:
         self.store = store
 
-    # -- split families --------------------------------------------------------------------
-
     def _unit_bytes(self, content: Content) -> int:
         """Buffer bytes per expert of ``content`` in the store's storage mode."""
         return (
