@@ -370,7 +370,8 @@ class HotSwapRuntime:
         """Apply one staged plan (the staged values stay referenced only by the stager)."""
         changed = tuple(op.slot.name for op in staged.ops if op.content.raw is not None)
         moved = any(
-            op.new_buffer is not None or op.copy_into_original is not None for op in staged.ops
+            op.new_buffer is not None or op.copy_into_original is not None or op.parts is not None
+            for op in staged.ops
         )
         retired.extend(commit(self.store, staged))
         if changed or staged.derived or moved:

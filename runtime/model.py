@@ -13,7 +13,7 @@ causal attention with scale ``1/sqrt(head_dim)``, SwiGLU FFNs, softmax top-k rou
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -32,11 +32,25 @@ class MissingWeightError(RuntimeLibraryError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class ExpertStack(Protocol):
+    """Stacked experts ``[E, ...]`` read one expert at a time: a tensor, or the store's view of
+    a stack whose expert ranges live on different devices."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def __getitem__(self, e: int, /) -> Tensor: ...
+
+
 class WeightProvider(Protocol):
     """Where the model reads its weights from at forward time (the runtime's tensor store)."""
 
     def weight(self, name: str) -> Tensor:
         """The tensor in logical torch shape (reversed ggml ``ne``), compute dtype, own device."""
+        ...
+
+    def experts(self, name: str) -> ExpertStack:
+        """A stacked expert tensor; ``[e]`` is expert ``e`` on the device that holds it."""
         ...
 
     def has(self, name: str) -> bool:
@@ -55,6 +69,9 @@ class DictWeightProvider:
             return self._tensors[name]
         except KeyError:
             raise MissingWeightError(f"no tensor named {name!r} in this provider") from None
+
+    def experts(self, name: str) -> Tensor:
+        return self.weight(name)
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -114,10 +131,15 @@ class _Spec:
 
     def __init__(self) -> None:
         self.required: dict[str, tuple[int, ...]] = {}
+        self.stacked: set[str] = set()  # read per expert, through ``experts``
 
     def need(self, name: str, shape: tuple[int, ...]) -> str:
         self.required[name] = shape
         return name
+
+    def need_experts(self, name: str, shape: tuple[int, ...]) -> str:
+        self.stacked.add(name)
+        return self.need(name, shape)
 
     def maybe(self, weights: WeightProvider, name: str, shape: tuple[int, ...]) -> str | None:
         return self.need(name, shape) if weights.has(name) else None
@@ -271,9 +293,9 @@ class MoEFeedForward(nn.Module):
         tn, d, n_exp = TensorNames, config.n_embd, config.n_expert
         ff = config.n_ff_exp or config.n_ff // config.n_expert_used
         self.router = spec.need(tn.FFN_GATE_INP.format(layer), (n_exp, d))
-        self.gate_exps = spec.need(tn.FFN_GATE_EXPS.format(layer), (n_exp, ff, d))
-        self.up_exps = spec.need(tn.FFN_UP_EXPS.format(layer), (n_exp, ff, d))
-        self.down_exps = spec.need(tn.FFN_DOWN_EXPS.format(layer), (n_exp, d, ff))
+        self.gate_exps = spec.need_experts(tn.FFN_GATE_EXPS.format(layer), (n_exp, ff, d))
+        self.up_exps = spec.need_experts(tn.FFN_UP_EXPS.format(layer), (n_exp, ff, d))
+        self.down_exps = spec.need_experts(tn.FFN_DOWN_EXPS.format(layer), (n_exp, d, ff))
         self.shared: tuple[str, str, str] | None = None
         self.shared_gate: str | None = None
         if weights.has(tn.FFN_UP_SHEXP.format(layer)):
@@ -297,7 +319,7 @@ class MoEFeedForward(nn.Module):
 
     def expert(self, x: Tensor, e: int) -> Tensor:
         """Expert ``e`` applied to rows ``x`` (the stacked tensors index by expert)."""
-        w = self.weights.weight
+        w = self.weights.experts
         return swiglu(x, w(self.gate_exps)[e], w(self.up_exps)[e], w(self.down_exps)[e])
 
     def forward(self, x: Tensor) -> Tensor:
@@ -366,7 +388,7 @@ class Transformer(nn.Module):
         )
         self.rope = RotaryEmbedding(config)
         self.required = dict(spec.required)  # every tensor a forward reads, with its shape
-        _check(weights, self.required, shapes=check_shapes)
+        _check(weights, self.required, shapes=check_shapes, stacked=spec.stacked)
 
     def forward(self, tokens: Tensor, *, start_pos: int = 0) -> Tensor:
         # tokens: [B, T] int64 -> logits: [B, T, V] float32
@@ -394,13 +416,18 @@ def lm_head(x: Tensor, output: Tensor, softcap: float = 0.0) -> Tensor:
 
 
 def _check(
-    weights: WeightProvider, required: Mapping[str, tuple[int, ...]], *, shapes: bool
+    weights: WeightProvider,
+    required: Mapping[str, tuple[int, ...]],
+    *,
+    shapes: bool,
+    stacked: Set[str] = frozenset(),
 ) -> None:
     """Raise one error listing every missing tensor and every shape mismatch."""
     problems = [f"{name}: missing" for name in required if not weights.has(name)]
     if shapes and not problems:
         for name, expected in required.items():
-            found = tuple(weights.weight(name).shape)
+            read = weights.experts if name in stacked else weights.weight
+            found = tuple(read(name).shape)
             if found != expected:
                 problems.append(f"{name}: expected shape {list(expected)}, found {list(found)}")
     if problems:

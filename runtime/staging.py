@@ -8,90 +8,34 @@ Committing (inference thread, at a batch boundary) only swaps pointers, or copie
 in place when pointers must stay stable (CUDA graphs); then it releases the buffers that the plan
 replaced. Every operation a commit performs was prepared and checked by staging, so a commit
 cannot fail half-way on bad input.
+
+Families split over pools by expert ranges are placed by ``split_staging``.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime.errors import Reason, UnsupportedTypeError
 from ggufswap.runtime.pools import Buffer, Pool, PoolFull
-from ggufswap.runtime.store import Slot, SlotState, TensorStore
+from ggufswap.runtime.split_staging import SplitPlacer, commit_split
+from ggufswap.runtime.staged import (
+    STATE_TARGET,
+    Content,
+    StagedOp,
+    StagedPlan,
+    StaleJob,
+    Target,
+    Unplaceable,
+    allocate,
+    content_of,
+)
+from ggufswap.runtime.store import Slot, TensorStore
 from ggufswap.shards import FileChangedError, ShardError, TensorRecord, fingerprint_bytes
 from ggufswap.shards.data import read_tensor_bytes
-
-
-class Target(enum.Enum):
-    """Where a tensor's content lives after the commit."""
-
-    ORIGINAL = "original"  # the buffer it was loaded into
-    PRIVATE_HOME = "private_home"  # a private buffer in its home pool
-    PRIVATE_FALLBACK = "private_fallback"  # a private buffer in the fallback pool
-
-    @property
-    def state(self) -> SlotState:
-        return _TARGET_STATE[self]
-
-
-_TARGET_STATE = {
-    Target.ORIGINAL: SlotState.ON_ORIGINAL,
-    Target.PRIVATE_HOME: SlotState.DETACHED,
-    Target.PRIVATE_FALLBACK: SlotState.FALLBACK_CPU,
-}
-_STATE_TARGET = {state: target for target, state in _TARGET_STATE.items()}
-
-
-@dataclass(frozen=True)
-class Content:
-    """What a tensor will hold: its source record and fingerprint, and staged bytes if read."""
-
-    record: TensorRecord
-    fingerprint: str
-    raw: torch.Tensor | None  # the new bytes as read (uint8, CPU); None: the slot's own content
-
-
-@dataclass(eq=False)
-class StagedOp:
-    """One slot's change, prepared: commit applies it with pointer moves or one copy."""
-
-    slot: Slot
-    content: Content
-    target: Target
-    new_buffer: Buffer | None = None  # becomes the active (and, for ORIGINAL, original) buffer
-    copy_into_original: torch.Tensor | None = None  # in-place source for stable pointers
-    reattach: bool = False
-
-
-@dataclass(eq=False)
-class StagedPlan:
-    plan: Plan
-    ops: list[StagedOp]
-    derived: dict[str, torch.Tensor] = field(default_factory=dict)
-    allocated: list[Buffer] = field(default_factory=list)
-    bytes_read: int = 0
-
-    def discard(self) -> None:
-        """Free everything staging allocated (the plan will not be committed)."""
-        for buffer in self.allocated:
-            buffer.release()
-        self.allocated.clear()
-
-
-class StaleJob(Exception):
-    def __init__(self, reason: Reason) -> None:
-        self.reason = reason
-        super().__init__(str(reason))
-
-
-class Unplaceable(Exception):
-    def __init__(self, reason: Reason) -> None:
-        self.reason = reason
-        super().__init__(str(reason))
 
 
 def read_job(job: Job) -> Content:
@@ -120,6 +64,7 @@ class Stager:
     def __init__(self, store: TensorStore, *, stable_pointers: Callable[[Pool], bool]) -> None:
         self.store = store
         self.stable_pointers = stable_pointers
+        self._split = SplitPlacer(store)
 
     def stage(self, plan: Plan) -> StagedPlan:
         store = self.store
@@ -163,15 +108,12 @@ class Stager:
                 units[family] = self.store.families[family]
         return list(units.values())
 
-    def _content_of(self, slot: Slot, contents: dict[str, Content]) -> Content:
-        return contents.get(slot.name) or Content(slot.record, slot.fingerprint, None)
-
     def _targets(
         self, members: list[Slot], contents: dict[str, Content], fallback: bool
     ) -> dict[str, Target]:
         targets: dict[str, Target] = {}
         for slot in members:
-            content = self._content_of(slot, contents)
+            content = content_of(slot, contents)
             if fallback and slot.home is not self.store.pools.fallback:
                 targets[slot.name] = Target.PRIVATE_FALLBACK
             elif self.store.buffer_nbytes(content.record) <= slot.original.nbytes:
@@ -190,7 +132,7 @@ class Stager:
         credit: dict[Pool, int] = {}
         for slot in members:
             target = targets[slot.name]
-            current = _STATE_TARGET[slot.state]
+            current = STATE_TARGET[slot.state]
             changed = slot.name in contents and contents[slot.name].raw is not None
             if target is current and not changed:
                 continue
@@ -198,7 +140,7 @@ class Stager:
                 credit[slot.active.pool] = credit.get(slot.active.pool, 0) + slot.active.nbytes
             if target is not Target.ORIGINAL:
                 pool = self._pool_for(slot, target)
-                nbytes = self.store.buffer_nbytes(self._content_of(slot, contents).record)
+                nbytes = self.store.buffer_nbytes(content_of(slot, contents).record)
                 need[pool] = need.get(pool, 0) + nbytes
         return need, credit
 
@@ -210,20 +152,26 @@ class Stager:
         plans: list[tuple[list[Slot], dict[str, Target]]] = []
         for names in units:
             members = [self.store.slots[n] for n in names]
-            targets = self._targets(members, contents, fallback=False)
+            if members[0].is_split:
+                targets = self._split.targets(members, contents)
+            else:
+                targets = self._targets(members, contents, fallback=False)
             plans.append((members, targets))
         # Units whose members all return to their original buffers go first: the memory they
         # free is credit for the allocations of the others.
         plans.sort(key=lambda mt: not all(t is Target.ORIGINAL for t in mt[1].values()))
         credit: dict[Pool, int] = {}
         for members, home_targets in plans:
+            if members[0].is_split:
+                self._split.place(members, contents, home_targets, staged, credit)
+                continue
             targets = self._fit(members, contents, home_targets, credit)
             _, freed = self._needs(members, contents, targets)
             for pool, n in freed.items():
                 credit[pool] = credit.get(pool, 0) + n
             for slot in members:
                 op = self._prepare(
-                    slot, self._content_of(slot, contents), targets[slot.name], staged, credit
+                    slot, content_of(slot, contents), targets[slot.name], staged, credit
                 )
                 if op is not None:
                     staged.ops.append(op)
@@ -257,20 +205,6 @@ class Stager:
             )
         )
 
-    def _allocate(
-        self,
-        pool: Pool,
-        spec: tuple[int, torch.dtype],
-        staged: StagedPlan,
-        credit: dict[Pool, int],
-    ) -> Buffer:
-        # ``credit`` is every byte this plan's commit releases in ``pool``; ``pool.used`` already
-        # counts what staging allocated, so the credit is not spent by an allocation.
-        numel, dtype = spec
-        buffer = pool.allocate(numel, dtype, credit=credit.get(pool, 0))
-        staged.allocated.append(buffer)
-        return buffer
-
     def _prepare(
         self,
         slot: Slot,
@@ -279,7 +213,7 @@ class Stager:
         staged: StagedPlan,
         credit: dict[Pool, int],
     ) -> StagedOp | None:
-        current = _STATE_TARGET[slot.state]
+        current = STATE_TARGET[slot.state]
         changed = content.raw is not None
         spec = self.store.buffer_spec(content.record)
         if target is current and not changed:
@@ -303,7 +237,7 @@ class Stager:
                     # The swapped-in buffer keeps the original's size: returning to the original
                     # content must always fit, and memory stays at its baseline.
                     original = slot.original.tensor
-                    op.new_buffer = self._allocate(
+                    op.new_buffer = allocate(
                         slot.home, (original.numel(), original.dtype), staged, credit
                     )
                     self._fill(op.new_buffer.tensor[: spec[0]], slot, content)
@@ -314,7 +248,7 @@ class Stager:
             return op
         pool = self._pool_for(slot, target)
         try:
-            op.new_buffer = self._allocate(pool, spec, staged, credit)
+            op.new_buffer = allocate(pool, spec, staged, credit)
         except PoolFull as exc:
             raise Unplaceable(Reason(slot.name, str(exc))) from None
         self._fill(op.new_buffer.tensor, slot, content)
@@ -364,6 +298,9 @@ def commit(store: TensorStore, staged: StagedPlan) -> list[Buffer]:
     release: list[Buffer] = []
     for op in staged.ops:
         slot = op.slot
+        if op.parts is not None:
+            release.extend(commit_split(op))
+            continue
         previous, old_original = slot.active, slot.original
         if op.target is Target.ORIGINAL:
             if op.new_buffer is not None:

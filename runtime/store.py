@@ -25,6 +25,13 @@ from gguf import GGMLQuantizationType
 from ggufswap.runtime.dequant import dequantize
 from ggufswap.runtime.families import DerivedTensor, block_of, family_of
 from ggufswap.runtime.pools import Buffer, Pool, PoolFull, PoolSet
+from ggufswap.runtime.split import (
+    ExpertSplit,
+    Part,
+    SplitTensor,
+    encode_range,
+    expert_numel,
+)
 from ggufswap.shards import ShardSet, TensorRecord, fingerprint_bytes, read_tensor_bytes
 
 log = structlog.get_logger(__name__)
@@ -47,11 +54,20 @@ class Placement:
 
     gpu_layers: int = -1  # blocks [0, gpu_layers) on the first pool; -1 = all
     experts_pool: str | None = None
+    # An MoE family that fits no single non-fallback pool is split into expert ranges over the
+    # pools in preference order (the fallback last), instead of going whole to the fallback.
+    split_experts: bool = False
 
 
 @dataclass(eq=False)
 class Slot:
-    """One tensor: its source, content fingerprint, buffers and state."""
+    """One tensor: its source, content fingerprint, buffers and state.
+
+    A split slot (an MoE family split over pools at load) holds its experts in ``parts``;
+    ``original_parts`` are the parts it was loaded into, reserved for its life (updated in place)
+    as ``original`` is for a whole slot. Its ``original`` and ``active`` name its first original
+    part, and only the split code paths read its buffers.
+    """
 
     name: str
     ne: tuple[int, ...]
@@ -67,6 +83,12 @@ class Slot:
     # (fingerprint, type) of the content in the original buffer: a detached tensor's original
     # buffer keeps the content it had, so returning to it needs no copy.
     held: tuple[str, GGMLQuantizationType] = ("", GGMLQuantizationType.F32)
+    original_parts: tuple[Part, ...] = ()
+    parts: tuple[Part, ...] = ()
+
+    @property
+    def is_split(self) -> bool:
+        return bool(self.original_parts)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -115,7 +137,20 @@ class TensorStore:
         if name in self.derived_values:
             return self.derived_values[name]
         slot = self.slots[name]
+        if slot.is_split:  # a copy on the host: per-expert readers use experts()
+            return self.split_view(slot).full(self.pools.fallback.device)
         return self.materialize_flat(slot.active.tensor, slot.record)
+
+    def experts(self, name: str) -> torch.Tensor | SplitTensor:
+        """A stacked expert tensor, indexable per expert (``[e]``) wherever its parts live."""
+        slot = self.slots.get(name)
+        if slot is not None and slot.is_split:
+            return self.split_view(slot)
+        return self.weight(name)
+
+    def split_view(self, slot: Slot) -> SplitTensor:
+        native = self.storage is Storage.NATIVE
+        return SplitTensor(slot.parts, slot.record, native=native, compute_dtype=self.compute_dtype)
 
     def materialize_flat(self, flat: torch.Tensor, record: TensorRecord) -> torch.Tensor:
         """The compute-dtype tensor that flat buffer contents holding ``record`` stand for."""
@@ -160,6 +195,17 @@ class TensorStore:
             out=dest.view(record.shape),
         )
 
+    def encode_range_into(
+        self, raw: torch.Tensor, record: TensorRecord, start: int, stop: int, dest: torch.Tensor
+    ) -> None:
+        """Like :meth:`encode_into`, for experts ``[start, stop)`` of ``record`` only."""
+        dtype = None if self.storage is Storage.NATIVE else self.compute_dtype
+        encode_range(raw, record, start, stop, dest, dtype=dtype, strict=self.strict)
+
+    def expert_unit(self, record: TensorRecord) -> int:
+        """Buffer elements per expert of ``record`` in this storage mode."""
+        return expert_numel(self.buffer_spec(record), record.ne[-1])
+
     def encode(self, raw: torch.Tensor, record: TensorRecord) -> torch.Tensor:
         """Raw GGUF bytes (uint8, CPU) → new flat contents of a buffer in this storage mode."""
         numel, dtype = self.buffer_spec(record)
@@ -171,15 +217,16 @@ class TensorStore:
 
     def plan_placement(
         self, records: Iterable[TensorRecord], placement: Placement, n_blocks: int
-    ) -> dict[str, Pool]:
-        """Choose a home pool for every tensor; a family lands in one pool as a unit."""
+    ) -> dict[str, Pool | ExpertSplit]:
+        """Choose a home pool for every tensor; a family lands in one pool as a unit, or, with
+        ``split_experts``, in the same expert ranges on several pools when no pool holds it."""
         ordered = self.pools.ordered()
-        primary = ordered[0]
+        primary, fallback = ordered[0], self.pools.fallback
         units: dict[str, list[TensorRecord]] = {}
         for record in records:
             units.setdefault(family_of(record.name) or record.name, []).append(record)
         tally: dict[str, int] = {p.name: 0 for p in ordered}
-        homes: dict[str, Pool] = {}
+        homes: dict[str, Pool | ExpertSplit] = {}
         for members in units.values():
             first = members[0].name
             block = block_of(first)
@@ -188,24 +235,51 @@ class TensorStore:
                 or (block is not None and block < placement.gpu_layers)
                 or (block is None and placement.gpu_layers > n_blocks)
             )
-            preferred = primary if on_primary else self.pools.fallback
+            preferred = primary if on_primary else fallback
             if placement.experts_pool is not None and family_of(first) is not None:
                 preferred = self.pools[placement.experts_pool]
             need = sum(self.buffer_nbytes(r) for r in members)
             candidates = [preferred, *(p for p in ordered if p is not preferred)]
-            chosen = next(
+            chosen: Pool | ExpertSplit = next(
                 (p for p in candidates if p.budget is None or tally[p.name] + need <= p.budget),
-                self.pools.fallback,
+                fallback,
             )
-            tally[chosen.name] += need
+            if chosen is fallback and preferred is not fallback and placement.split_experts:
+                chosen = self._split_at_load(members, candidates, tally) or chosen
+            if isinstance(chosen, ExpertSplit):
+                per_expert = need // chosen.n_expert
+                for pool, start, stop in chosen.ranges:
+                    tally[pool.name] += per_expert * (stop - start)
+            else:
+                tally[chosen.name] += need
             for record in members:
                 homes[record.name] = chosen
         return homes
 
+    def _split_at_load(
+        self, members: list[TensorRecord], candidates: list[Pool], tally: dict[str, int]
+    ) -> ExpertSplit | None:
+        """Expert ranges over ``candidates`` (the fallback last) for a family, or None when it
+        is not a stack of experts or would not be split."""
+        if family_of(members[0].name) is None:
+            return None
+        n_expert = members[0].ne[-1]
+        if n_expert < 2 or any(r.ne[-1] != n_expert for r in members):
+            return None
+        per_expert = sum(self.buffer_nbytes(r) for r in members) // n_expert
+        order = [p for p in candidates if p is not self.pools.fallback] + [self.pools.fallback]
+        split = ExpertSplit.greedy(
+            n_expert,
+            per_expert,
+            order,
+            lambda p: None if p.budget is None else p.budget - tally[p.name],
+        )
+        return split if split is not None and len(split.ranges) > 1 else None
+
     def load(
         self, shards: ShardSet, *, placement: Placement, n_blocks: int, progress: bool = False
     ) -> LoadReport:
-        """Read every tensor of ``shards`` into its home pool."""
+        """Read every tensor of ``shards`` into its home pool (or its expert split)."""
         records = list(shards.tensors.values())
         homes = self.plan_placement(records, placement, n_blocks)
         report = LoadReport()
@@ -221,22 +295,21 @@ class TensorStore:
                 leave=False,
             )
         for record in records:
-            home = homes[record.name]
             raw = torch.empty(record.nbytes, dtype=torch.uint8)
             read_tensor_bytes(record, raw.numpy().data)
             digest = fingerprint_bytes(raw.numpy().data)
-            numel, dtype = self.buffer_spec(record)
-            try:
-                buffer = home.allocate(numel, dtype)
-            except PoolFull:
-                buffer = self.pools.fallback.allocate(numel, dtype)
-                home = self.pools.fallback
-            self.encode_into(raw, record, buffer.tensor)
+            home = homes[record.name]
+            parts: tuple[Part, ...] = ()
+            if isinstance(home, ExpertSplit):
+                parts = self._load_parts(raw, record, home)
+                buffer = parts[0].buffer
+            else:
+                buffer = self._load_whole(raw, record, home)
             self.slots[record.name] = Slot(
                 name=record.name,
                 ne=record.ne,
                 family=family_of(record.name),
-                home=home,
+                home=buffer.pool,
                 original=buffer,
                 original_type=record.ggml_type,
                 original_fingerprint=digest,
@@ -244,10 +317,14 @@ class TensorStore:
                 fingerprint=digest,
                 active=buffer,
                 held=(digest, record.ggml_type),
+                original_parts=parts,
+                parts=parts,
             )
             report.tensors += 1
             report.bytes_read += record.nbytes
-            report.placed[home.name] = report.placed.get(home.name, 0) + buffer.nbytes
+            for held in [p.buffer for p in parts] or [buffer]:
+                name = held.pool.name
+                report.placed[name] = report.placed.get(name, 0) + held.nbytes
             if bar is not None:
                 bar.update(record.nbytes)
         if bar is not None:
@@ -258,6 +335,26 @@ class TensorStore:
                 self.families.setdefault(slot.family, ())
                 self.families[slot.family] = (*self.families[slot.family], slot.name)
         return report
+
+    def _load_whole(self, raw: torch.Tensor, record: TensorRecord, home: Pool) -> Buffer:
+        numel, dtype = self.buffer_spec(record)
+        try:
+            buffer = home.allocate(numel, dtype)
+        except PoolFull:
+            buffer = self.pools.fallback.allocate(numel, dtype)
+        self.encode_into(raw, record, buffer.tensor)
+        return buffer
+
+    def _load_parts(
+        self, raw: torch.Tensor, record: TensorRecord, split: ExpertSplit
+    ) -> tuple[Part, ...]:
+        unit, dtype = self.expert_unit(record), self.buffer_spec(record)[1]
+        parts = []
+        for pool, start, stop in split.ranges:
+            buffer = pool.allocate((stop - start) * unit, dtype)
+            self.encode_range_into(raw, record, start, stop, buffer.tensor)
+            parts.append(Part(buffer, start, stop))
+        return tuple(parts)
 
     # -- derived tensors -------------------------------------------------------------------
 

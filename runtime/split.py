@@ -1,0 +1,172 @@
+"""Expert splits: a family's stacked experts held as contiguous expert ranges on several pools.
+
+ggml stores experts in the slowest dimension (``ne[-1] = n_expert``), so each expert's bytes are
+contiguous, in the GGUF file and in a buffer of either storage mode. A family that fits no single
+pool can therefore be held as parts ``[start, stop)`` of experts, one buffer per part and pool,
+the same ranges for every member (an expert's gate, up and down live together). The model reads
+a split tensor one expert at a time through :class:`SplitTensor`, on that expert's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+
+from ggufswap.runtime.dequant import dequantize
+from ggufswap.runtime.pools import Buffer, Pool
+from ggufswap.shards import TensorRecord
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """Expert ranges ``[start, stop)`` per pool, contiguous and in pool preference order."""
+
+    ranges: tuple[tuple[Pool, int, int], ...]
+
+    def __post_init__(self) -> None:
+        stops = [0, *(stop for _, _, stop in self.ranges)]
+        starts = [start for _, start, _ in self.ranges]
+        assert starts == stops[:-1], f"expert ranges must be contiguous from 0: {self.describe()}"
+
+    @property
+    def n_expert(self) -> int:
+        return self.ranges[-1][2]
+
+    def pools(self) -> set[Pool]:
+        return {pool for pool, _, _ in self.ranges}
+
+    def describe(self) -> str:
+        return ", ".join(f"{pool.name}[{start}:{stop}]" for pool, start, stop in self.ranges)
+
+    @classmethod
+    def greedy(
+        cls,
+        n_expert: int,
+        per_expert: int,
+        pools: Sequence[Pool],
+        room: Callable[[Pool], int | None],
+    ) -> ExpertSplit | None:
+        """As many whole experts as fit on each pool in turn (``room``: free bytes, None =
+        unbounded); None when the experts do not all fit."""
+        ranges: list[tuple[Pool, int, int]] = []
+        start = 0
+        for pool in pools:
+            free = room(pool)
+            take = n_expert - start
+            if free is not None and per_expert > 0:
+                take = min(take, max(free, 0) // per_expert)
+            if take > 0:
+                ranges.append((pool, start, start + take))
+                start += take
+            if start == n_expert:
+                return cls(tuple(ranges))
+        return None
+
+
+@dataclass(frozen=True)
+class Part:
+    """Experts ``[start, stop)`` of one split tensor, in a buffer of their own."""
+
+    buffer: Buffer
+    start: int
+    stop: int
+
+    @property
+    def pool(self) -> Pool:
+        return self.buffer.pool
+
+
+def split_of(parts: Iterable[Part]) -> ExpertSplit:
+    return ExpertSplit(tuple((p.pool, p.start, p.stop) for p in parts))
+
+
+def expert_numel(spec: tuple[int, torch.dtype], n_expert: int) -> int:
+    """Buffer elements per expert for a buffer spec ``(numel, dtype)`` of the whole tensor."""
+    numel, _ = spec
+    assert numel % n_expert == 0, f"{numel} buffer elements do not divide into {n_expert} experts"
+    return numel // n_expert
+
+
+def range_ne(record: TensorRecord, start: int, stop: int) -> tuple[int, ...]:
+    """The ggml shape of experts ``[start, stop)`` of ``record``."""
+    return (*record.ne[:-1], stop - start)
+
+
+def encode_range(
+    raw: torch.Tensor,
+    record: TensorRecord,
+    start: int,
+    stop: int,
+    dest: torch.Tensor,
+    *,
+    dtype: torch.dtype | None,
+    strict: bool,
+) -> None:
+    """Write experts ``[start, stop)`` of raw GGUF bytes (the whole tensor, uint8, CPU) into the
+    flat ``dest``: as they are (``dtype=None``, native storage) or dequantized to ``dtype``."""
+    per_expert = record.nbytes // record.ne[-1]
+    piece = raw[start * per_expert : stop * per_expert]
+    if dtype is None:
+        dest[: piece.numel()].copy_(piece)
+        return
+    ne = range_ne(record, start, stop)
+    on_device = piece.to(dest.device, non_blocking=True)
+    out = dest.view(tuple(reversed(ne)))
+    dequantize(on_device, record.ggml_type, ne, dtype=dtype, strict=strict, out=out)
+
+
+def copy_range(parts: Sequence[Part], unit: int, start: int, stop: int, dest: torch.Tensor) -> None:
+    """Copy experts ``[start, stop)`` from ``parts`` (``unit`` buffer elements per expert) into
+    the flat ``dest``, whichever parts and devices they come from."""
+    for part in parts:
+        lo, hi = max(start, part.start), min(stop, part.stop)
+        if lo >= hi:
+            continue
+        src = part.buffer.tensor[(lo - part.start) * unit : (hi - part.start) * unit]
+        dest[(lo - start) * unit : (hi - start) * unit].copy_(src)
+
+
+class SplitTensor:
+    """A stacked expert tensor whose expert ranges live in different buffers (and devices).
+
+    ``t[e]`` is expert ``e`` in logical shape (``shape[1:]``), in the compute dtype, on the
+    device of the part that holds it; native storage dequantizes just that expert's bytes.
+    """
+
+    def __init__(
+        self,
+        parts: Sequence[Part],
+        record: TensorRecord,
+        *,
+        native: bool,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        self.parts = tuple(parts)
+        self.record = record
+        self.native = native
+        self.dtype = compute_dtype
+        self.shape = torch.Size(record.shape)
+        n_expert = record.ne[-1]
+        numel = record.nbytes if native else record.n_elements
+        self._unit = numel // n_expert
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, e: int, /) -> torch.Tensor:
+        if not 0 <= e < len(self):
+            raise IndexError(f"expert {e} out of range for {len(self)} experts")
+        part = next(p for p in self.parts if p.start <= e < p.stop)
+        offset = (e - part.start) * self._unit
+        flat = part.buffer.tensor[offset : offset + self._unit]
+        if not self.native:
+            return flat.view(self.shape[1:])
+        ggml_type = GGMLQuantizationType(self.record.ggml_type)
+        return dequantize(flat, ggml_type, self.record.ne[:-1], dtype=self.dtype, strict=False)
+
+    def full(self, device: torch.device) -> torch.Tensor:
+        """Every expert stacked into one tensor on ``device`` (a copy)."""
+        return torch.stack([self[e].to(device) for e in range(len(self))])
