@@ -73,7 +73,7 @@ RUNTIME_KEYS = (
     "log_level",
 )
 POOL_KEYS = ("name", "device", "budget")
-PLACEMENT_KEYS = ("gpu_layers", "experts_pool")
+PLACEMENT_KEYS = ("gpu_layers", "experts_pool", "split_experts")
 SECURITY_KEYS = ("curve", "allow_insecure_tcp")
 CURVE_KEYS = ("server_secret_key", "server_public_key", "client_secret_key", "authorized_keys_dir")
 
@@ -316,6 +316,7 @@ class _Builder:
         return PlacementConfig(
             gpu_layers=self.r.get(sec, "gpu_layers", self.v.integer(minimum=-1), -1),
             experts_pool=self.r.get(sec, "experts_pool", optional(self.v.name), None),
+            split_experts=self.r.get(sec, "split_experts", self.v.boolean, False),
         )
 
     # --- security --------------------------------------------------------------------------

@@ -135,6 +135,7 @@ class PlacementConfig:
 
     gpu_layers: int = -1  # first N blocks on the first pool, the rest on the next; -1: all
     experts_pool: str | None = None  # pool for MoE expert tensors, if not the layer's pool
+    split_experts: bool = False  # a family that fits no single pool is split by expert ranges
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,9 @@ def open_runtime(config: Config) -> HotSwapRuntime:
         compute_dtype=getattr(torch, rc.compute_dtype.value),
         strict=rc.strict_types,
         placement=Placement(
-            gpu_layers=rc.placement.gpu_layers, experts_pool=rc.placement.experts_pool
+            gpu_layers=rc.placement.gpu_layers,
+            experts_pool=rc.placement.experts_pool,
+            split_experts=rc.placement.split_experts,
         ),
         allowed_roots=[str(r) for r in rc.allowed_roots],
         model_name=rc.name,

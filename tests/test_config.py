@@ -72,6 +72,7 @@ runtime:
   placement:
     gpu_layers: 20
     experts_pool: host
+    split_experts: true
   metrics_port: 9102
   log_level: warning
 security:
@@ -138,6 +139,7 @@ def test_minimal_runtime_config_gets_defaults(tmp_path: Path) -> None:
     assert [(p.name, p.device, p.budget) for p in runtime.pools] == [("host", "cpu", None)]
     assert (runtime.storage, runtime.compute_dtype) == (Storage.DEQUANTIZED, ComputeDtype.FLOAT32)
     assert (runtime.placement.gpu_layers, runtime.placement.experts_pool) == (-1, None)
+    assert runtime.placement.split_experts is False
     assert runtime.strict_types is False
 
 
@@ -167,6 +169,7 @@ def test_full_config_keeps_every_value(tmp_path: Path) -> None:
         True,
     )
     assert (runtime.placement.gpu_layers, runtime.placement.experts_pool) == (20, "host")
+    assert runtime.placement.split_experts is True
     assert config.security.curve is not None
     assert config.security.curve.authorized_keys_dir == Path("/etc/ggufswap/authorized")
 
