@@ -227,3 +227,45 @@ def test_restarted_runtime_is_resynced_by_the_running_agent(cluster: Cluster) ->
     atomic_copy(saved, shard)  # back to the original: the new runtime must get it
     cluster.wait_version(1)
     assert cluster.probe_digest(1) == fresh_digest(cluster.first)
+
+
+def test_status_command_reports_both_processes(cluster: Cluster) -> None:
+    """``ggufswap status --config`` asks the agent and the runtime; --json for scripts, a table
+    for people; an unreachable endpoint exits 1 naming it."""
+    import json
+    import subprocess
+
+    from processes import GGUFSWAP
+
+    cluster.start_runtime()
+    cluster.start_agent()
+    out = subprocess.run(
+        [GGUFSWAP, "status", "--config", str(cluster.config), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    replies = json.loads(out.stdout)
+    processes = {reply["process"]: reply["status"] for reply in replies.values()}
+    assert processes["runtime"]["weight_version"] == 0
+    assert processes["agent"]["models"][MODEL]["shards"]["valid"] == 51
+    table = subprocess.run(
+        [GGUFSWAP, "status", cluster.control],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert f"== runtime at {cluster.control}" in table
+    assert "weight_version: 0" in table
+    gone = f"ipc://{cluster.tmp}/run/nobody.sock"
+    down = subprocess.run(
+        [GGUFSWAP, "status", gone, "--timeout", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert down.returncode == 1
+    assert gone in down.stdout
