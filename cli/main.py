@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from ggufswap import __version__
 from ggufswap._logsetup import configure_logging
 
-# Command modules, imported lazily so that ``ggufswap status`` never pays for torch.
+# Command modules. Each imports torch (and the runtime) only inside its handler, so building
+# the parser, and commands such as ``ggufswap status``, never pay for torch (tests/test_layout.py).
 COMMAND_MODULES = (
     "ggufswap._cmd_shards",
     "ggufswap._cmd_config",

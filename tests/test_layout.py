@@ -34,6 +34,13 @@ def test_agent_package_tree_does_not_import_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_command_line_parser_does_not_import_torch() -> None:
+    """Building the ``ggufswap`` parser (every subcommand registered) leaves torch unimported."""
+    code = "import sys, ggufswap.main as m; m.build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_installed_import_names_are_namespaced() -> None:
     """The distribution installs only ``ggufswap.*`` packages, never bare ``config``/``runtime``."""
     top = importlib.metadata.distribution("ggufswap").read_text("top_level.txt")
