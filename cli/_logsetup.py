@@ -9,6 +9,14 @@ from typing import TextIO
 import structlog
 
 
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+
+
 def configure_logging(*, level: str = "info", stream: TextIO | None = None) -> None:
     """JSON lines off a terminal (journald, files); the console renderer on one."""
     out = stream if stream is not None else sys.stderr
@@ -26,9 +34,7 @@ def configure_logging(*, level: str = "info", stream: TextIO | None = None) -> N
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]
-        ),
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level.lower()]),
         logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=True,
     )
