@@ -8,7 +8,6 @@ from typing import TextIO
 
 import structlog
 
-
 _LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
