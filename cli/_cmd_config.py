@@ -103,6 +103,8 @@ def summary_lines(config: Config) -> list[str]:
         placement = runtime.placement
         layers = "all" if placement.gpu_layers < 0 else str(placement.gpu_layers)
         experts = f", experts in {placement.experts_pool}" if placement.experts_pool else ""
+        if placement.split_experts:
+            experts += ", MoE families split across pools when they fit no single pool"
         lines.append(f"  placement: {layers} layer(s) on {runtime.pools[0].name}{experts}")
     security = config.security
     if security.curve is not None:
