@@ -15,11 +15,17 @@ request therefore comes from the version named in its :class:`Started` event, an
 token is never taken back. (Restarting interrupted requests instead would have to un-send
 streamed text.)
 
-**Determinism.** Each sequence runs its own forward (``[1, T]``, no KV cache): CPU matmul results
-can depend on the batch shape, so a sequence's logits must not depend on which other requests
-share its round. Greedy decoding (temperature 0) takes the first maximal logit; sampling uses a
-``torch.Generator`` seeded from the request's ``seed``. Same prompt, same version, same options:
-same text.
+**KV cache.** Each sequence has its own :class:`KVCache`: its first forward runs the whole prompt
+(prefill), every later one only the token picked last. The cache holds activations of one weight
+version, and that is sound only because of the rule above: no plan is committed while a sequence
+is in flight, so a cache is created and dropped within one version (``_decode_one`` asserts it).
+
+**Determinism.** Each sequence runs its own forwards (``[1, T]`` prefill, then ``[1, 1]`` steps,
+never stacked with other requests): CPU matmul results can depend on the batch shape, so a
+sequence's logits must not depend on which other requests share its round. The shapes of a
+sequence's forwards depend only on its own prompt. Greedy decoding (temperature 0) takes the first
+maximal logit; sampling uses a ``torch.Generator`` seeded from the request's ``seed``. Same
+prompt, same version, same options: same text.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import torch
 from ggufswap.runtime.architectures import Decoder
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.errors import RuntimeLibraryError
+from ggufswap.runtime.kv_cache import KVCache
 from ggufswap.runtime.tokenizer import GgufTokenizer
 
 log = structlog.get_logger(__name__)
@@ -182,6 +189,7 @@ class _Sequence:
     ids: list[int]
     n_prompt: int
     generator: torch.Generator | None
+    cache: KVCache  # keys and values of ids[: cache.length], all from the request's version
     sent: int = 0  # characters of the completion already sent
     finished: bool = False
 
@@ -330,6 +338,9 @@ class Batcher:
                         ids=list(ids),
                         n_prompt=len(ids),
                         generator=_generator(generation.sampling, index),
+                        cache=self.model.new_cache(
+                            max_len=len(ids) + generation.sampling.max_tokens
+                        ),
                     )
                 )
 
@@ -354,9 +365,14 @@ class Batcher:
         self._active = [s for s in self._active if not s.finished]
 
     def _decode_one(self, seq: _Sequence) -> None:
-        sampling = seq.owner.sampling
+        sampling, cache = seq.owner.sampling, seq.cache
+        assert seq.owner.weight_version == self.runtime.weight_version, (
+            f"a plan was committed while a request was in flight (version "
+            f"{seq.owner.weight_version} -> {self.runtime.weight_version}): its KV cache is stale"
+        )
+        new = torch.tensor([seq.ids[cache.length :]], dtype=torch.long)  # [1, T]: prompt, then 1
         with torch.inference_mode():
-            logits = self.model(torch.tensor([seq.ids], dtype=torch.long))[0, -1]  # [V]
+            logits = self.model(new, start_pos=cache.length, cache=cache)[0, -1]  # [V]
         next_id = _pick(logits, sampling.temperature, seq.generator)
         eos = next_id == self.tokenizer.eos_id
         if not eos:

@@ -22,6 +22,7 @@ import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
 from ggufswap.runtime.errors import RuntimeLibraryError
+from ggufswap.runtime.kv_cache import KVCache, attention_mask
 from ggufswap.runtime.model_config import Activation, ModelConfig, RopeType
 
 
@@ -212,7 +213,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, weights: WeightProvider, layer: int, spec: _Spec):
         super().__init__()
-        self.config, self.weights = config, weights
+        self.config, self.weights, self.layer = config, weights, layer
         d, hd = config.n_embd, config.head_dim
         q_dim, kv_dim = config.n_head * hd, config.n_head_kv * hd
         tn = TensorNames
@@ -233,8 +234,15 @@ class Attention(nn.Module):
     def _norm(self, x: Tensor, name: str | None) -> Tensor:
         return x if name is None else rms_norm(x, self.weights.weight(name), self.config.norm_eps)
 
-    def forward(self, x: Tensor, rope: RopeTables, mask: Tensor | None = None) -> Tensor:
-        """Causal attention, or attention under ``mask`` ([T, T] bool, True = may attend)."""
+    def forward(
+        self,
+        x: Tensor,
+        rope: RopeTables,
+        mask: Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        """Causal attention, or attention under ``mask`` ([T, S] bool, True = may attend). With
+        ``cache`` the keys are the cached ones then this forward's (S = cache.length + T)."""
         # x: [B, T, D]
         c, (bsz, seq, _) = self.config, x.shape
         q = self._proj(x, self.wq, self.bq).view(bsz, seq, c.n_head, c.head_dim)  # [B, T, H, hd]
@@ -242,8 +250,9 @@ class Attention(nn.Module):
         v = self._proj(x, self.wv, self.bv).view(bsz, seq, c.n_head_kv, c.head_dim)
         q = rope.rotate(self._norm(q, self.q_norm))
         k = rope.rotate(self._norm(k, self.k_norm))
-        # A KV cache would append k, v here (the rope tables already carry start_pos).
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H(kv), T, hd]
+        if cache is not None:  # the rope tables already carry start_pos = cache.length
+            k, v = cache.update(self.layer, k, v)  # [B, Hkv, S, hd]
         k = k.repeat_interleave(c.q_per_kv, dim=1)  # query head h reads kv head h // q_per_kv
         v = v.repeat_interleave(c.q_per_kv, dim=1)
         y = F.scaled_dot_product_attention(
@@ -358,10 +367,12 @@ class TransformerBlock(nn.Module):
         ffn_cls = MoEFeedForward if moe else FeedForward
         self.feed_forward: nn.Module = ffn_cls(config, weights, layer, spec)
 
-    def forward(self, x: Tensor, rope: RopeTables) -> Tensor:
+    def forward(
+        self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
+    ) -> Tensor:
         # x: [B, T, D]
         w, eps = self.weights.weight, self.config.norm_eps
-        h = x + self.attention(rms_norm(x, w(self.attn_norm), eps), rope)
+        h = x + self.attention(rms_norm(x, w(self.attn_norm), eps), rope, mask, cache)
         return h + self.feed_forward(rms_norm(h, w(self.ffn_norm), eps))
 
 
@@ -390,15 +401,29 @@ class Transformer(nn.Module):
         self.required = dict(spec.required)  # every tensor a forward reads, with its shape
         _check(weights, self.required, shapes=check_shapes, stacked=spec.stacked)
 
-    def forward(self, tokens: Tensor, *, start_pos: int = 0) -> Tensor:
+    def forward(
+        self, tokens: Tensor, *, start_pos: int = 0, cache: KVCache | None = None
+    ) -> Tensor:
+        """Logits of ``tokens`` at positions ``start_pos ..``; with ``cache`` they also attend to
+        the cached positions (``start_pos`` must be ``cache.length``) and are appended to it."""
         # tokens: [B, T] int64 -> logits: [B, T, V] float32
-        w = self.weights.weight
+        w, seq = self.weights.weight, tokens.shape[1]
         x = embed(tokens, w(self.tok_embd), self.config.embed_scale)  # [B, T, D]
-        rope = self.rope(start_pos, tokens.shape[1], tokens.device)
+        rope = self.rope(start_pos, seq, tokens.device)
+        mask = None  # without a cache: causal attention within this forward
+        if cache is not None:
+            cache.check_continues(start_pos, seq)
+            mask = attention_mask(start_pos, seq, device=tokens.device)
         for layer in self.layers:
-            x = layer(x, rope)
+            x = layer(x, rope, mask, cache)
+        if cache is not None:
+            cache.advance(seq)
         x = rms_norm(x, w(self.norm), self.config.norm_eps)
         return lm_head(x, w(self.output), self.config.final_logit_softcap)  # [B, T, V]
+
+    def new_cache(self, *, max_len: int) -> KVCache:
+        """An empty cache for one sequence of up to ``max_len`` positions (it grows past them)."""
+        return KVCache(n_layer=self.config.n_layer, max_len=max_len)
 
 
 def embed(tokens: Tensor, emb: Tensor, scale: float = 1.0) -> Tensor:

@@ -22,6 +22,7 @@ from typing import Final
 import torch
 from torch import Tensor, nn
 
+from ggufswap.runtime.kv_cache import KVCache, attention_mask
 from ggufswap.runtime.model import (
     Attention,
     FeedForward,
@@ -63,10 +64,12 @@ class Gemma3Block(nn.Module):
         self.attention = Attention(config, weights, layer, spec)
         self.feed_forward = FeedForward(config, weights, layer, spec)
 
-    def forward(self, x: Tensor, rope: RopeTables, mask: Tensor | None) -> Tensor:
+    def forward(
+        self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
+    ) -> Tensor:
         # x: [B, T, D]
         w, eps = self.weights.weight, self.config.norm_eps
-        a = self.attention(rms_norm(x, w(self.attn_norm), eps), rope, mask)
+        a = self.attention(rms_norm(x, w(self.attn_norm), eps), rope, mask, cache)
         h = x + rms_norm(a, w(self.post_attn_norm), eps)
         f = self.feed_forward(rms_norm(h, w(self.ffn_norm), eps))
         return h + rms_norm(f, w(self.post_ffw_norm), eps)
@@ -95,20 +98,43 @@ class Gemma3Transformer(nn.Module):
         self.required = dict(spec.required)  # every tensor a forward reads, with its shape
         _check(weights, self.required, shapes=check_shapes)
 
-    def forward(self, tokens: Tensor, *, start_pos: int = 0) -> Tensor:
+    def forward(
+        self, tokens: Tensor, *, start_pos: int = 0, cache: KVCache | None = None
+    ) -> Tensor:
+        """Logits of ``tokens`` at positions ``start_pos ..``; with ``cache`` they also attend to
+        the cached positions (``start_pos`` must be ``cache.length``) and are appended to it."""
         # tokens: [B, T] int64 -> logits: [B, T, V] float32
         c, w, seq = self.config, self.weights.weight, tokens.shape[1]
         x = embed(tokens, w(self.tok_embd), c.embed_scale)  # [B, T, D]
         rope_global = self.rope_global(start_pos, seq, tokens.device)
         rope_local = self.rope_local(start_pos, seq, tokens.device)
-        # Without a KV cache every key is in this forward: the window depends on T only.
-        local_mask = (
-            sliding_window_mask(seq, c.sliding_window, tokens.device)
-            if seq > c.sliding_window
-            else None  # the window covers the whole sequence: plain causal attention
-        )
+        local_mask, global_mask = self._masks(start_pos, seq, tokens.device, cache)
         for layer in self.layers:
             assert isinstance(layer, Gemma3Block), "layers holds Gemma3Blocks only"
-            x = layer(x, rope_local, local_mask) if layer.local else layer(x, rope_global, None)
+            if layer.local:
+                x = layer(x, rope_local, local_mask, cache)
+            else:
+                x = layer(x, rope_global, global_mask, cache)
+        if cache is not None:
+            cache.advance(seq)
         x = rms_norm(x, w(self.norm), c.norm_eps)
         return lm_head(x, w(self.output), c.final_logit_softcap)  # [B, T, V]
+
+    def _masks(
+        self, start_pos: int, seq: int, device: torch.device, cache: KVCache | None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The local (sliding-window) and global layers' masks; None is plain causal."""
+        window = self.config.sliding_window
+        if cache is None:
+            # Every key is in this forward: the window depends on T only.
+            if seq <= window:
+                return None, None  # the window covers the whole sequence: plain causal attention
+            return sliding_window_mask(seq, window, device), None
+        cache.check_continues(start_pos, seq)
+        # The keys are the cached positions then this forward's: queries sit at start_pos ...
+        local = attention_mask(start_pos, seq, window=window, device=device)
+        return local, attention_mask(start_pos, seq, device=device)
+
+    def new_cache(self, *, max_len: int) -> KVCache:
+        """An empty cache for one sequence of up to ``max_len`` positions (it grows past them)."""
+        return KVCache(n_layer=self.config.n_layer, max_len=max_len)

@@ -1,0 +1,100 @@
+"""Per-sequence key/value cache for incremental decoding with the reference decoders.
+
+``model(prompt, cache=cache)`` runs the prompt and keeps every layer's keys and values;
+``model(new_tokens, start_pos=cache.length, cache=cache)`` then runs only the new tokens, their
+queries attending to the cached keys and to each other. The logits equal those of one forward
+over the whole sequence (to float rounding: the same products, summed over differently shaped
+matmuls).
+
+A cache holds activations computed from the weights of the forwards that filled it, so it is
+valid for one weight version only: the server keeps one cache per request and commits plans only
+between requests (``runtime.generate``); anyone else who commits a plan must drop the caches
+filled before it.
+
+Storage: per layer, ``k`` and ``v`` of shape ``[B, n_head_kv, capacity, head_dim]`` in the dtype
+and on the device of the first keys written, allocated on the first forward with room for
+``max_len`` positions and doubled when a forward runs past it. Sliding-window layers keep every
+position too (the mask limits what they see), so one position index serves every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ggufswap.runtime.errors import RuntimeLibraryError
+
+
+class KVCacheError(RuntimeLibraryError, ValueError):
+    """A forward does not continue the sequence its cache holds."""
+
+
+class KVCache:
+    """Keys and values of the ``length`` positions a sequence has run through, for every layer."""
+
+    def __init__(self, *, n_layer: int, max_len: int = 256) -> None:
+        if n_layer < 1 or max_len < 1:
+            raise KVCacheError(
+                f"a cache needs n_layer >= 1 and max_len >= 1, found {n_layer}, {max_len}"
+            )
+        self.n_layer, self.max_len = n_layer, max_len
+        self.length = 0  # positions stored (in every layer once a forward has finished)
+        self._k: list[Tensor | None] = [None] * n_layer  # [B, Hkv, capacity, hd]
+        self._v: list[Tensor | None] = [None] * n_layer
+
+    def check_continues(self, start_pos: int, n_new: int) -> None:
+        """Raise unless a forward of ``n_new`` tokens at ``start_pos`` extends this cache."""
+        if start_pos != self.length or n_new < 1:
+            raise KVCacheError(
+                f"a forward with a cache must start where the cache ends: the cache holds "
+                f"{self.length} positions, the forward starts at {start_pos} with {n_new} tokens "
+                f"(pass start_pos=cache.length, at least one token, or a new KVCache)"
+            )
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store this forward's keys and values of ``layer`` after the cached ones; return all of
+        them, ``[B, Hkv, length + T, hd]`` each."""
+        # k, v: [B, Hkv, T, hd]
+        end = self.length + k.shape[2]
+        cache_k, cache_v = self._k[layer], self._v[layer]
+        if cache_k is None or cache_v is None:
+            cache_k, cache_v = (
+                t.new_zeros(*t.shape[:2], max(self.max_len, end), t.shape[3]) for t in (k, v)
+            )
+        elif end > cache_k.shape[2]:
+            cache_k, cache_v = (_grown(t, 2 * end) for t in (cache_k, cache_v))
+        cache_k[:, :, self.length : end] = k
+        cache_v[:, :, self.length : end] = v
+        self._k[layer], self._v[layer] = cache_k, cache_v
+        return cache_k[:, :, :end], cache_v[:, :, :end]
+
+    def advance(self, n_new: int) -> None:
+        """Mark ``n_new`` more positions as stored (the model calls this after its last layer)."""
+        self.length += n_new
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the allocated buffers."""
+        return sum(t.nbytes for t in (*self._k, *self._v) if t is not None)
+
+
+def _grown(t: Tensor, capacity: int) -> Tensor:
+    out = t.new_zeros(*t.shape[:2], capacity, t.shape[3])
+    out[:, :, : t.shape[2]] = t
+    return out
+
+
+def attention_mask(
+    start: int, length: int, *, window: int = 0, device: torch.device
+) -> Tensor | None:
+    """``[T, start + T]`` bool, True where the query at position ``start + i`` may attend the key
+    at position ``j``: ``0 <= start + i - j`` and, with a window, ``< window``. None when plain
+    causal attention over this forward's own tokens is the same (``start == 0``, window covering
+    the forward)."""
+    if start == 0 and (window <= 0 or length <= window):
+        return None
+    query = torch.arange(start, start + length, device=device)
+    key = torch.arange(start + length, device=device)
+    dist = query[:, None] - key[None, :]  # [T, S]: i - j
+    allowed = dist >= 0
+    return allowed & (dist < window) if window > 0 else allowed

@@ -1,0 +1,200 @@
+"""Incremental decoding with a KV cache gives the logits of a full forward, for every
+architecture, and the server's cached greedy decoding gives the text of uncached decoding."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import one_thread
+
+from ggufswap.runtime import GgufTokenizer, HotSwapRuntime, ModelConfig, build_model
+from ggufswap.runtime.architectures import Decoder
+from ggufswap.runtime.generate import Batcher, BatcherOptions, Ended, Event, Sampling, TextDelta
+from ggufswap.runtime.kv_cache import KVCache, KVCacheError, attention_mask
+from ggufswap.runtime.model_gemma3 import sliding_window_mask
+from ggufswap.shards.writer import ModelSpec, tiny_arch, tiny_dense, tiny_moe, write_model
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+WAIT_ROUNDS = 1000  # upper bound of batcher rounds in one test: a broken loop fails, never hangs
+ATOL = 1e-5
+
+# Every architecture (gemma3's window of 4 is shorter than the sequences), llama as MoE too.
+SPECS = {
+    "llama": tiny_dense(),
+    "llama-moe": tiny_arch("llama", n_expert=4, n_expert_used=2),
+    "qwen2": tiny_arch("qwen2"),
+    "qwen3": tiny_arch("qwen3"),
+    "qwen2moe": tiny_arch("qwen2moe"),
+    "qwen3moe": tiny_moe(),
+    "gemma3": tiny_arch("gemma3"),
+    "gemma3-q4": tiny_arch("gemma3").with_types(attn_q="q4_0", ffn_down="q4_0"),
+}
+
+
+def open_model(spec: ModelSpec, root: Path) -> Iterator[tuple[HotSwapRuntime, Decoder]]:
+    """A runtime over ``spec`` written into ``root`` (``root/<name>.gguf``), and its decoder."""
+    runtime = HotSwapRuntime.open(write_model(spec, root)[0])
+    assert runtime.shards is not None, "open() keeps the shard set"
+    config = ModelConfig.from_metadata(runtime.shards.metadata)
+    try:
+        yield runtime, build_model(config, runtime.store, store=runtime.store)
+    finally:
+        runtime.close()
+
+
+@pytest.fixture(params=list(SPECS))
+def model(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Decoder]:
+    for _, decoder in open_model(SPECS[request.param], tmp_path):
+        yield decoder
+
+
+def random_tokens(model: Decoder, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.n_vocab, (batch, length), generator=g)
+
+
+def greedy(model: Decoder, prompt: list[int], n_new: int, *, cached: bool) -> list[int]:
+    """Greedy continuation: a full forward per token, or a prefill and one-token steps."""
+    ids = list(prompt)
+    cache = model.new_cache(max_len=len(prompt) + n_new) if cached else None
+    with torch.inference_mode():
+        for _ in range(n_new):
+            if cache is None:
+                logits = model(torch.tensor([ids]))[0, -1]
+            else:
+                new = torch.tensor([ids[cache.length :]])
+                logits = model(new, start_pos=cache.length, cache=cache)[0, -1]
+            ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt) :]
+
+
+def test_prefill_and_steps_give_the_logits_of_a_full_forward(model: Decoder) -> None:
+    """A prefill of 7 tokens, a 3-token chunk and ten one-token steps give the logits of one
+    forward over all 20 tokens (batch of 2), to float rounding."""
+    tokens = random_tokens(model, batch=2, length=20)
+    cache = model.new_cache(max_len=8)  # grows twice on the way
+    with torch.inference_mode():
+        full = model(tokens)
+        parts = [
+            model(tokens[:, :7], cache=cache),
+            model(tokens[:, 7:10], start_pos=7, cache=cache),
+        ]
+        parts += [model(tokens[:, i : i + 1], start_pos=i, cache=cache) for i in range(10, 20)]
+    assert cache.length == 20
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=ATOL, rtol=0)
+
+
+def test_greedy_decoding_with_the_cache_picks_the_tokens_of_full_forwards(model: Decoder) -> None:
+    """Greedy decoding of 24 tokens with the cache gives the tokens of decoding without it."""
+    prompt = random_tokens(model, batch=1, length=5, seed=1)[0].tolist()
+    assert greedy(model, prompt, 24, cached=True) == greedy(model, prompt, 24, cached=False)
+
+
+def test_cached_decoding_is_deterministic(model: Decoder) -> None:
+    """The same prompt decoded twice with fresh caches gives bit-identical logits."""
+    tokens = random_tokens(model, batch=1, length=12, seed=2)
+    runs = []
+    for _ in range(2):
+        cache = model.new_cache(max_len=12)
+        with torch.inference_mode():
+            steps = [model(tokens[:, :4], cache=cache)[:, -1]]
+            steps += [
+                model(tokens[:, i : i + 1], start_pos=i, cache=cache)[:, -1] for i in range(4, 12)
+            ]
+        runs.append(torch.cat(steps))
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_a_forward_that_does_not_continue_the_cache_is_refused(tmp_path: Path) -> None:
+    """A cached forward at a position other than the cache's length raises, naming both, and
+    leaves the cache as it was."""
+    for _, model in open_model(tiny_dense(), tmp_path):
+        tokens = random_tokens(model, batch=1, length=6)
+        cache = model.new_cache(max_len=6)
+        with torch.inference_mode():
+            model(tokens[:, :4], cache=cache)
+            with pytest.raises(KVCacheError, match="holds 4 positions, the forward starts at 5"):
+                model(tokens[:, 5:6], start_pos=5, cache=cache)
+            with pytest.raises(KVCacheError, match="holds 4 positions, the forward starts at 0"):
+                model(tokens[:, :1], cache=cache)
+        assert cache.length == 4
+
+
+def test_the_cache_grows_past_its_initial_length() -> None:
+    """Writing past ``max_len`` keeps every earlier position and returns all of them."""
+    cache = KVCache(n_layer=1, max_len=2)
+    k = torch.arange(5 * 3, dtype=torch.float32).view(1, 1, 5, 3)
+    for i in range(5):
+        all_k, all_v = cache.update(0, k[:, :, i : i + 1], -k[:, :, i : i + 1])
+        cache.advance(1)
+        assert torch.equal(all_k, k[:, :, : i + 1])
+        assert torch.equal(all_v, -k[:, :, : i + 1])
+
+
+def test_attention_mask_with_a_cache_keeps_causality_and_the_window() -> None:
+    """Queries at positions 5..7 see keys up to their own position, and with a window of 3 only
+    the last 3; from position 0 it is the sliding-window mask (or None: plain causal)."""
+    mask = attention_mask(5, 3, window=3, device=torch.device("cpu"))
+    assert mask is not None
+    assert [[j for j in range(8) if mask[i, j]] for i in range(3)] == [
+        [3, 4, 5],
+        [4, 5, 6],
+        [5, 6, 7],
+    ]
+    causal = attention_mask(5, 1, device=torch.device("cpu"))
+    assert causal is not None
+    assert bool(causal.all())
+    assert causal.shape == (1, 6)
+    assert attention_mask(0, 4, device=torch.device("cpu")) is None
+    assert attention_mask(0, 3, window=3, device=torch.device("cpu")) is None
+    windowed = attention_mask(0, 6, window=3, device=torch.device("cpu"))
+    assert windowed is not None
+    assert torch.equal(windowed, sliding_window_mask(6, 3, torch.device("cpu")))
+
+
+def served_text(batcher: Batcher, prompt: str, sampling: Sampling) -> str:
+    """Submit one prompt and run the batcher's rounds on this thread until it ends."""
+    generation = batcher.submit([prompt], sampling)
+    text = ""
+    for _ in range(WAIT_ROUNDS):
+        batcher.step()
+        try:
+            while True:
+                event: Event = generation.events.get_nowait()
+                if isinstance(event, TextDelta):
+                    text += event.text
+                elif isinstance(event, Ended):
+                    return text
+        except queue.Empty:
+            pass
+    raise AssertionError(f"no end after {WAIT_ROUNDS} rounds: {text!r}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_batcher_decodes_with_the_cache_as_full_forwards_would(
+    arch: str, tmp_path: Path
+) -> None:
+    """The batcher's greedy completion (prefill, then one token per step) is the text of greedy
+    decoding without a cache, and the same prompt twice gives the same text."""
+    spec = tiny_arch(arch, n_vocab=2048, context_length=512)
+    for runtime, model in open_model(spec, tmp_path):
+        [path] = tmp_path.glob("*.gguf")
+        tokenizer = GgufTokenizer.from_file(path)
+        batcher = Batcher(runtime, model, tokenizer, options=BatcherOptions())
+        sampling = Sampling(max_tokens=12, temperature=0.0)
+        # Its completion is plain pieces: text streamed from byte tokens can differ from the final
+        # decode of the same tokens (an invalid UTF-8 run decodes differently once it grows).
+        prompt = "Monday, Tuesday,"
+        text = served_text(batcher, prompt, sampling)
+        assert served_text(batcher, prompt, sampling) == text
+        ids = tokenizer.encode(prompt)
+        uncached = greedy(model, ids, 12, cached=False)
+        if tokenizer.eos_id in uncached:
+            uncached = uncached[: uncached.index(tokenizer.eos_id)]
+        assert "\ufffd" not in tokenizer.decode(uncached), "pick a prompt without byte tokens"
+        assert text == tokenizer.decode(uncached)
