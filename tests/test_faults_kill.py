@@ -108,12 +108,20 @@ def finish_write(f: object, path: Path, source: Path, rig: Rig, name: str) -> No
         os.replace(path, dest)
 
 
-def wait_agent_plan(rig: Rig) -> bool:
-    def seen() -> bool:
-        model = rig.agent_model()
-        return bool(model and (model.get("link") or {}).get("pending_plan"))
+def wait_agent_plan(rig: Rig, version: int) -> str:
+    """Wait until the agent shows a plan in flight (returns "IN_FLIGHT") or the runtime has
+    committed past ``version`` (returns "COMMITTED": on a fast run the plan can be sent and
+    committed between two polls, and that iteration is then a kill after the commit)."""
 
-    return bool(wait_for(seen, timeout=WAIT_S, what="a plan in flight", interval=0.003))
+    def seen() -> str | None:
+        model = rig.agent_model()
+        if model and (model.get("link") or {}).get("pending_plan"):
+            return "IN_FLIGHT"
+        if rig.runtime_status()["weight_version"] > version:
+            return "COMMITTED"
+        return None
+
+    return str(wait_for(seen, timeout=WAIT_S, what="a plan in flight", interval=0.003))
 
 
 def wait_runtime_plan(rig: Rig, version: int) -> str:
@@ -155,8 +163,8 @@ def test_agent_sigkill_at_every_point_loses_nothing_and_applies_nothing_twice(ri
             else:
                 rig.model.put(name, source)
                 if point is KillPoint.PLAN_IN_FLIGHT:
-                    wait_agent_plan(rig)
-                    hit[point.name] += 1
+                    seen = wait_agent_plan(rig, i)
+                    hit[point.name if seen == "IN_FLIGHT" else KillPoint.AFTER_COMMIT.name] += 1
                 elif point is KillPoint.STAGED:
                     seen = wait_runtime_plan(rig, i)
                     hit[point.name if seen == "STAGED" else KillPoint.AFTER_COMMIT.name] += 1
@@ -227,7 +235,8 @@ def test_runtime_sigkill_at_every_point_converges_and_applies_each_update_once(r
         else:
             rig.model.put(name, source)
             if point is RuntimeKill.PLAN_IN_FLIGHT:
-                wait_agent_plan(rig)
+                seen = wait_agent_plan(rig, base + 1)
+                point = point if seen == "IN_FLIGHT" else RuntimeKill.AFTER_COMMIT
             elif point is RuntimeKill.STAGED:
                 seen = wait_runtime_plan(rig, base + 1)
                 point = point if seen == "STAGED" else RuntimeKill.AFTER_COMMIT
