@@ -386,7 +386,8 @@ class Batcher:
         elif len(seq.completion) >= sampling.max_tokens:
             self._finish(seq, text, FinishReason.LENGTH)
         else:
-            self._send(seq, text[: _safe_end(text, sampling.stop, sent=seq.sent)])
+            end = sendable_end(self.tokenizer, seq.completion, text, sampling.stop, sent=seq.sent)
+            self._send(seq, text[:end])
 
     def _send(self, seq: _Sequence, text: str) -> None:
         if len(text) > seq.sent:
@@ -474,6 +475,25 @@ def _first_stop(text: str, stops: Sequence[str], *, since: int) -> int | None:
     never holds a whole stop string: ``_safe_end`` keeps the tail that could start one)."""
     found = [i for s in stops if (i := text.find(s, since)) >= 0]
     return min(found) if found else None
+
+
+def sendable_end(
+    tokenizer: GgufTokenizer,
+    completion: Sequence[int],
+    text: str,
+    stops: Sequence[str],
+    *,
+    sent: int,
+) -> int:
+    """How much of ``text`` (the decode of ``completion``) can be streamed now, so that what is
+    streamed is always a prefix of the final text: not a tail that could start a stop string, not
+    an incomplete UTF-8 sequence, and not the text of a trailing run of byte-fallback tokens."""
+    end = _safe_end(text, stops, sent=sent)
+    run = tokenizer.trailing_byte_tokens(completion)
+    if run:
+        settled = tokenizer.decode(completion[: len(completion) - run])
+        end = min(end, len(settled) if text.startswith(settled) else sent)
+    return max(end, sent)
 
 
 def _safe_end(text: str, stops: Sequence[str], *, sent: int) -> int:

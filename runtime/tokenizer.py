@@ -279,6 +279,18 @@ class GgufTokenizer:
         text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special)
         return text
 
+    def trailing_byte_tokens(self, ids: Sequence[int]) -> int:
+        """How many of the last ``ids`` are byte-fallback tokens (``<0xXX>``). They decode as one
+        group, and a group that is not valid UTF-8 becomes U+FFFD for *every* byte, so their
+        text (even an ASCII byte's) may still change when the next token arrives."""
+        types = self.vocab.token_types
+        run = 0
+        for token_id in reversed(ids):
+            if not 0 <= token_id < len(types) or types[token_id] != TokenType.BYTE:
+                break
+            run += 1
+        return run
+
     def token(self, token_id: int) -> str:
         """The vocabulary entry of ``token_id`` (``▁``-spaced for SPM, byte-level for BPE)."""
         return self.vocab.tokens[token_id]

@@ -200,3 +200,26 @@ def test_a_written_model_file_gives_its_tokenizer(tmp_path: Path) -> None:
     assert ids[0] == 1
     assert [tok.token(i) for i in ids[-2:]] == ["<0x61>", "<0x62>"]
     assert tok.decode(ids[-2:]) == "ab"
+
+
+def test_streamed_text_is_always_a_prefix_of_the_final_text() -> None:
+    """A trailing run of byte tokens is held back: <0x79> decodes to 'y' alone, but with <0x80>
+    the group is invalid UTF-8 and both bytes become U+FFFD, so 'y' must not be streamed early."""
+    from ggufswap.runtime.generate import sendable_end
+
+    tok = spm()
+    y, cont, cat = (tok.token_id(t) for t in ("<0x79>", "<0x80>", f"{SPACE}cat"))
+    assert y is not None
+    assert cont is not None
+    assert cat is not None
+    completion = [cat, y, cont, cat]
+    assert tok.decode(completion[:2]).endswith("y")
+    assert tok.trailing_byte_tokens(completion[:3]) == 2
+    assert tok.trailing_byte_tokens(completion) == 0
+    final = tok.decode(completion)
+    sent = 0
+    for n in range(1, len(completion) + 1):
+        text = tok.decode(completion[:n])
+        sent = sendable_end(tok, completion[:n], text, (), sent=sent)
+        assert final.startswith(text[:sent]), (n, text[:sent], final)
+    assert "y" not in final
