@@ -26,28 +26,12 @@ from typing import Any, Final
 
 from ggufswap.runtime.errors import RuntimeLibraryError
 from ggufswap.shards import read_header
+from ggufswap.shards.keys import Keys
 from ggufswap.shards.reader import read_array
 
 
 class TokenizerError(RuntimeLibraryError, ValueError):
     """The GGUF's tokenizer metadata is missing, inconsistent or of an unsupported kind."""
-
-
-class TokenizerKeys:
-    """``tokenizer.ggml.*`` keys (gguf-py's ``Keys.Tokenizer``)."""
-
-    MODEL: Final = "tokenizer.ggml.model"
-    PRE: Final = "tokenizer.ggml.pre"
-    TOKENS: Final = "tokenizer.ggml.tokens"
-    SCORES: Final = "tokenizer.ggml.scores"
-    TOKEN_TYPE: Final = "tokenizer.ggml.token_type"  # noqa: S105 (a key name, not a password)
-    MERGES: Final = "tokenizer.ggml.merges"
-    BOS_ID: Final = "tokenizer.ggml.bos_token_id"
-    EOS_ID: Final = "tokenizer.ggml.eos_token_id"
-    UNK_ID: Final = "tokenizer.ggml.unknown_token_id"
-    ADD_BOS: Final = "tokenizer.ggml.add_bos_token"
-    ADD_EOS: Final = "tokenizer.ggml.add_eos_token"
-    ADD_SPACE_PREFIX: Final = "tokenizer.ggml.add_space_prefix"
 
 
 class TokenizerKind(str, enum.Enum):
@@ -111,7 +95,7 @@ class Vocabulary:
         cls, md: Mapping[str, Any], array: Callable[[str], list[Any]] | None = None
     ) -> Vocabulary:
         """Read ``tokenizer.ggml.*``; ``array(key)`` decodes arrays left on disk (read_array)."""
-        k = TokenizerKeys
+        k = Keys.Tokenizer
 
         def arr(key: str) -> list[Any] | None:
             if key not in md:

@@ -65,6 +65,11 @@ class Keys:
         MERGES: Final = "tokenizer.ggml.merges"
         BOS_ID: Final = "tokenizer.ggml.bos_token_id"
         EOS_ID: Final = "tokenizer.ggml.eos_token_id"
+        PRE: Final = "tokenizer.ggml.pre"
+        UNK_ID: Final = "tokenizer.ggml.unknown_token_id"
+        ADD_BOS: Final = "tokenizer.ggml.add_bos_token"
+        ADD_EOS: Final = "tokenizer.ggml.add_eos_token"
+        ADD_SPACE_PREFIX: Final = "tokenizer.ggml.add_space_prefix"
 
 
 GGUF_MAGIC: Final = 0x46554747  # b"GGUF" read as a little-endian uint32
