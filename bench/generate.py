@@ -29,6 +29,7 @@ import torch
 
 from ggufswap.runtime import GgufTokenizer, HotSwapRuntime, ModelConfig, build_model
 from ggufswap.runtime.architectures import Decoder
+from ggufswap.runtime.generate import greedy_continuation
 from ggufswap.shards.writer import tiny_arch, write_model
 
 PROMPT: Final = (
@@ -49,32 +50,18 @@ def _opened(path: Path) -> Iterator[tuple[Decoder, GgufTokenizer]]:
         runtime.close()
 
 
-def _decode(model: Decoder, prompt: list[int], n_new: int, *, cached: bool) -> list[int]:
-    ids = list(prompt)
-    cache = model.new_cache(max_len=len(ids) + n_new) if cached else None
-    with torch.inference_mode():
-        for _ in range(n_new):
-            if cache is None:
-                logits = model(torch.tensor([ids]))[0, -1]
-            else:
-                new = torch.tensor([ids[cache.length :]])
-                logits = model(new, start_pos=cache.length, cache=cache)[0, -1]
-            ids.append(int(torch.argmax(logits)))
-    return ids[len(prompt) :]
-
-
 def _timed(
     model: Decoder, prompt: list[int], n_new: int, *, cached: bool
 ) -> tuple[float, list[int]]:
     started = time.perf_counter()
-    tokens = _decode(model, prompt, n_new, cached=cached)
+    tokens = greedy_continuation(model, prompt, n_new, cached=cached)
     return time.perf_counter() - started, tokens
 
 
 def _row(name: str, path: Path, *, n_new: int, repeats: int) -> dict[str, object]:
     with _opened(path) as (model, tokenizer):
         prompt = tokenizer.encode(PROMPT)
-        _decode(model, prompt, 2, cached=True)  # warm up kernels and tables
+        greedy_continuation(model, prompt, 2, cached=True)  # warm up kernels and tables
         base = [_timed(model, prompt, n_new, cached=False) for _ in range(repeats)]
         ours = [_timed(model, prompt, n_new, cached=True) for _ in range(repeats)]
     base_s = min(s for s, _ in base) / n_new

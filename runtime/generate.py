@@ -461,6 +461,24 @@ def _generator(sampling: Sampling, index: int) -> torch.Generator | None:
     return generator
 
 
+def greedy_continuation(
+    model: Decoder, prompt: list[int], n_new: int, *, cached: bool
+) -> list[int]:
+    """The greedy continuation of ``prompt``: a full forward per token, or (``cached``) one
+    prefill and then one-token steps through a KV cache. The reference both ways agree on."""
+    ids = list(prompt)
+    cache = model.new_cache(max_len=len(prompt) + n_new) if cached else None
+    with torch.inference_mode():
+        for _ in range(n_new):
+            if cache is None:
+                logits = model(torch.tensor([ids]))[0, -1]  # [V]
+            else:
+                new = torch.tensor([ids[cache.length :]])  # [1, T]
+                logits = model(new, start_pos=cache.length, cache=cache)[0, -1]
+            ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt) :]
+
+
 def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
     """The next token: the first maximal logit when greedy, else a seeded sample."""
     # logits: [V] float32

@@ -13,7 +13,15 @@ from runtime_helpers import one_thread
 
 from ggufswap.runtime import GgufTokenizer, HotSwapRuntime, ModelConfig, build_model
 from ggufswap.runtime.architectures import Decoder
-from ggufswap.runtime.generate import Batcher, BatcherOptions, Ended, Event, Sampling, TextDelta
+from ggufswap.runtime.generate import (
+    Batcher,
+    BatcherOptions,
+    Ended,
+    Event,
+    Sampling,
+    TextDelta,
+    greedy_continuation,
+)
 from ggufswap.runtime.kv_cache import KVCache, KVCacheError, attention_mask
 from ggufswap.runtime.model_gemma3 import sliding_window_mask
 from ggufswap.shards.writer import ModelSpec, tiny_arch, tiny_dense, tiny_moe, write_model
@@ -58,21 +66,6 @@ def random_tokens(model: Decoder, batch: int, length: int, seed: int = 0) -> tor
     return torch.randint(0, model.config.n_vocab, (batch, length), generator=g)
 
 
-def greedy(model: Decoder, prompt: list[int], n_new: int, *, cached: bool) -> list[int]:
-    """Greedy continuation: a full forward per token, or a prefill and one-token steps."""
-    ids = list(prompt)
-    cache = model.new_cache(max_len=len(prompt) + n_new) if cached else None
-    with torch.inference_mode():
-        for _ in range(n_new):
-            if cache is None:
-                logits = model(torch.tensor([ids]))[0, -1]
-            else:
-                new = torch.tensor([ids[cache.length :]])
-                logits = model(new, start_pos=cache.length, cache=cache)[0, -1]
-            ids.append(int(torch.argmax(logits)))
-    return ids[len(prompt) :]
-
-
 def test_prefill_and_steps_give_the_logits_of_a_full_forward(model: Decoder) -> None:
     """A prefill of 7 tokens, a 3-token chunk and ten one-token steps give the logits of one
     forward over all 20 tokens (batch of 2), to float rounding."""
@@ -92,7 +85,8 @@ def test_prefill_and_steps_give_the_logits_of_a_full_forward(model: Decoder) -> 
 def test_greedy_decoding_with_the_cache_picks_the_tokens_of_full_forwards(model: Decoder) -> None:
     """Greedy decoding of 24 tokens with the cache gives the tokens of decoding without it."""
     prompt = random_tokens(model, batch=1, length=5, seed=1)[0].tolist()
-    assert greedy(model, prompt, 24, cached=True) == greedy(model, prompt, 24, cached=False)
+    with_cache = greedy_continuation(model, prompt, 24, cached=True)
+    assert with_cache == greedy_continuation(model, prompt, 24, cached=False)
 
 
 def test_cached_decoding_is_deterministic(model: Decoder) -> None:
@@ -193,7 +187,7 @@ def test_the_batcher_decodes_with_the_cache_as_full_forwards_would(
         text = served_text(batcher, prompt, sampling)
         assert served_text(batcher, prompt, sampling) == text
         ids = tokenizer.encode(prompt)
-        uncached = greedy(model, ids, 12, cached=False)
+        uncached = greedy_continuation(model, ids, 12, cached=False)
         if tokenizer.eos_id in uncached:
             uncached = uncached[: uncached.index(tokenizer.eos_id)]
         assert "\ufffd" not in tokenizer.decode(uncached), "pick a prompt without byte tokens"
