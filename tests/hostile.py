@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import zmq
-from processes import Proc, status_of, wait_for
+from processes import Proc, status_of, wait_for, write_config
 
 from ggufswap.ipc import (
     DealerClient,
@@ -80,34 +80,6 @@ class Live:
             assert proc.popen.poll() is None, f"the {name} exited:\n{proc.log()[-4000:]}"
 
 
-def write_config(tmp: Path, *, model_dir: Path, first: Path, run_dir: Path) -> Path:
-    config = tmp / "config.yaml"
-    config.write_text(
-        f"""
-agent:
-  status_endpoint: ipc://{run_dir}/agent.sock
-  rescan_interval_s: 300
-models:
-  - name: {MODEL}
-    runtime: ipc://{run_dir}/rt.sock
-    watch:
-      - path: {model_dir}
-    settle_ms: 100
-    verify: checksum
-runtime:
-  name: {MODEL}
-  model: {first}
-  control_endpoint: ipc://{run_dir}/rt.sock
-  status_endpoint: ipc://{run_dir}/rt.status.sock
-  events_endpoint: ipc://{run_dir}/rt.events.sock
-  pools:
-    - {{name: dev, device: cpu, budget: 1MiB}}
-    - {{name: host, device: cpu}}
-"""
-    )
-    return config
-
-
 @contextmanager
 def live_processes(tmp: Path) -> Iterator[Live]:
     """Start a runtime and an agent on a fresh tiny model; stop both (bounded) afterwards."""
@@ -115,7 +87,7 @@ def live_processes(tmp: Path) -> Iterator[Live]:
     model_dir.mkdir()
     first = Path(write_model(tiny_moe(), model_dir, layout=Layout.PER_TENSOR)[0])
     run_dir = tmp / "run"
-    config = write_config(tmp, model_dir=model_dir, first=first, run_dir=run_dir)
+    config = write_config(tmp, model_dir=model_dir, first=first, run_dir=run_dir, model=MODEL)
     control = f"ipc://{run_dir}/rt.sock"
     runtime = Proc(["runtime", "--config", str(config)], log=tmp / "runtime.log")
     agent: Proc | None = None

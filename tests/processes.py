@@ -81,3 +81,35 @@ class Proc:
             self.popen.kill()
             self.popen.wait(10)
         self._log.close()
+
+
+def write_config(
+    tmp: Path, *, model_dir: Path, first: Path, run_dir: Path, model: str = "tiny-moe"
+) -> Path:
+    """A config for an agent watching ``model_dir`` and a runtime serving ``first`` (small dev
+    pool, host fallback), with ipc endpoints in ``run_dir``."""
+    config = tmp / "config.yaml"
+    config.write_text(
+        f"""
+agent:
+  status_endpoint: ipc://{run_dir}/agent.sock
+  rescan_interval_s: 300
+models:
+  - name: {model}
+    runtime: ipc://{run_dir}/rt.sock
+    watch:
+      - path: {model_dir}
+    settle_ms: 100
+    verify: checksum
+runtime:
+  name: {model}
+  model: {first}
+  control_endpoint: ipc://{run_dir}/rt.sock
+  status_endpoint: ipc://{run_dir}/rt.status.sock
+  events_endpoint: ipc://{run_dir}/rt.events.sock
+  pools:
+    - {{name: dev, device: cpu, budget: 1MiB}}
+    - {{name: host, device: cpu}}
+"""
+    )
+    return config

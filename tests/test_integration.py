@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from processes import Proc, status_of, wait_for
+from processes import Proc, status_of, wait_for, write_config
 
 from ggufswap.runtime import HotSwapRuntime, ModelConfig, Transformer
 from ggufswap.runtime.serve import logits_digest, probe_tokens
@@ -119,27 +119,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     model_dir.mkdir()
     paths = write_model(tiny_moe(), model_dir, layout=Layout.PER_TENSOR)
     run_dir = tmp_path / "run"
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        f"""
-agent:
-  status_endpoint: ipc://{run_dir}/agent.sock
-  rescan_interval_s: 300
-models:
-  - name: {MODEL}
-    runtime: ipc://{run_dir}/rt.sock
-    watch:
-      - path: {model_dir}
-    settle_ms: 100
-    verify: checksum
-runtime:
-  name: {MODEL}
-  model: {paths[0]}
-  control_endpoint: ipc://{run_dir}/rt.sock
-  pools:
-    - {{name: dev, device: cpu, budget: 1MiB}}
-    - {{name: host, device: cpu}}
-"""
+    config = write_config(
+        tmp_path, model_dir=model_dir, first=paths[0], run_dir=run_dir, model=MODEL
     )
     c = Cluster(
         tmp_path, paths[0], config, f"ipc://{run_dir}/rt.sock", f"ipc://{run_dir}/agent.sock"
