@@ -6,13 +6,24 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= runtime,pyinotify,metrics,dev
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ggufswap-installed
+# The editable install is strict: setuptools links every module into a real ggufswap/ tree
+# (build/__editable__.*), which mypy and import-graph tools read like any installed package. A
+# new or removed module changes this list and so re-runs the (quick) install.
+MODULES := $(VENV)/.ggufswap-modules
+MODULE_LIST := $(sort $(wildcard cli/*.py shards/*.py config/*.py ipc/*.py agent/*.py runtime/*.py runtime/*/*.py))
 
-.PHONY: test demo bench fuzz soak lint typecheck clean
+.PHONY: test demo bench fuzz soak lint typecheck clean FORCE
 
-$(STAMP): pyproject.toml Makefile
+$(MODULES): FORCE
+	@mkdir -p $(VENV)
+	@echo "$(MODULE_LIST)" | cmp -s - $@ || echo "$(MODULE_LIST)" > $@
+
+$(STAMP): pyproject.toml Makefile $(MODULES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
+	rm -rf build/__editable__.*
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
+		--config-settings editable_mode=strict -e ".[$(EXTRAS)]"
 	touch $@
 
 lint: $(STAMP)
@@ -20,9 +31,6 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	rm -rf build/typecheck && mkdir -p build/typecheck/ggufswap
-	ln -s $(CURDIR)/cli/* build/typecheck/ggufswap/
-	for p in shards config ipc agent runtime; do ln -s $(CURDIR)/$$p build/typecheck/ggufswap/$$p; done
 	$(BIN)/mypy
 
 test: lint typecheck

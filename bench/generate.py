@@ -27,9 +27,11 @@ from typing import Final
 import structlog
 import torch
 
-from ggufswap.runtime import GgufTokenizer, HotSwapRuntime, ModelConfig, build_model
-from ggufswap.runtime.architectures import Decoder
-from ggufswap.runtime.generate import greedy_continuation
+from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.models.registry import Decoder
+from ggufswap.runtime.serving import GgufTokenizer
+from ggufswap.runtime.serving.generate import greedy_continuation
 from ggufswap.shards.writer import tiny_arch, write_model
 
 PROMPT: Final = (
@@ -44,7 +46,7 @@ def _opened(path: Path) -> Iterator[tuple[Decoder, GgufTokenizer]]:
     runtime = HotSwapRuntime.open(path)
     try:
         assert runtime.shards is not None, "open() keeps the shard set"
-        config = ModelConfig.from_metadata(runtime.shards.metadata)
+        config = HParams.from_metadata(runtime.shards.metadata)
         yield build_model(config, runtime.store, store=runtime.store), GgufTokenizer.from_file(path)
     finally:
         runtime.close()

@@ -25,7 +25,9 @@ from ggufswap._signals import ProcessSignals
 from ggufswap.config import Config, ConfigError, load_config
 
 if TYPE_CHECKING:
-    from ggufswap.runtime import Decoder, GgufTokenizer, HotSwapRuntime
+    from ggufswap.runtime import HotSwapRuntime
+    from ggufswap.runtime.models import Decoder
+    from ggufswap.runtime.serving import GgufTokenizer
 
 EXIT_OK: Final = 0
 EXIT_USAGE: Final = 2
@@ -101,17 +103,19 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
 
 def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int:
     # torch is imported only by the commands that run a model
-    from ggufswap.runtime import GgufTokenizer, HotSwapRuntime, ModelConfig, build_model
-    from ggufswap.runtime.daemon import open_runtime
+    from ggufswap.runtime import HotSwapRuntime
+    from ggufswap.runtime.models import HParams, build_model
+    from ggufswap.runtime.serving import GgufTokenizer
+    from ggufswap.runtime.serving.daemon import open_runtime
 
     signals = ProcessSignals().install() if args.hot_swap else None
     runtime = open_runtime(config) if config is not None else HotSwapRuntime.open(args.model)
     try:
         assert runtime.shards is not None, "open() always records the shard set"
-        model_config = ModelConfig.from_metadata(runtime.shards.metadata)
-        model = build_model(model_config, runtime.store, store=runtime.store)
+        hparams = HParams.from_metadata(runtime.shards.metadata)
+        model = build_model(hparams, runtime.store, store=runtime.store)
         tokenizer = GgufTokenizer.from_file(runtime.shards.first.path)
-        ctx = min(args.ctx, model_config.context_length)
+        ctx = min(args.ctx, hparams.context_length)
         windows = text_windows(tokenizer, text, ctx=ctx)
         if not windows:
             print(
@@ -156,7 +160,7 @@ class _Evaluator:
         self._lock = threading.Lock()
 
     def evaluate(self, version: int, *, plans: list[str]) -> dict[str, Any]:
-        from ggufswap.runtime.perplexity import NllStats, batch_nll
+        from ggufswap.runtime.serving.perplexity import NllStats, batch_nll
 
         started = time.perf_counter()
         total = NllStats()

@@ -57,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_CONFIG
-    from ggufswap.runtime import daemon  # torch is imported only by the runtime command
-    from ggufswap.runtime.http import ListenError
-    from ggufswap.runtime.serve import Mode, ServeOptions
+    from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
+    from ggufswap.runtime.serving.errors import ListenError
+    from ggufswap.runtime.serving.serve import Mode, ServeOptions
 
     signals = ProcessSignals().install()
     options = ServeOptions(

@@ -26,8 +26,9 @@ from processes import GGUFSWAP, Proc, status_of, wait_for
 from runtime_helpers import ModelDir, loaded_bytes
 
 from ggufswap.ipc import MessageType, PeerTimeout, Subscriber, Topic, make_message, request
-from ggufswap.runtime import HotSwapRuntime, ModelConfig, Storage, Transformer
-from ggufswap.runtime.serve import logits_digest, probe_tokens
+from ggufswap.runtime import HotSwapRuntime, Storage
+from ggufswap.runtime.models import HParams, Transformer
+from ggufswap.runtime.serving.serve import logits_digest, probe_tokens
 from ggufswap.shards import Fingerprinter, open_shard_set, tiny_moe
 
 MODEL = "tiny-moe"
@@ -36,7 +37,7 @@ WAIT_S = 60.0  # bound of every wait on the processes (a broken build fails, nev
 _ZYGOTE = r"""
 import json, os, signal, sys, traceback
 from ggufswap.main import main
-import ggufswap.runtime.daemon  # torch and the runtime, imported once before any fork
+import ggufswap.runtime.serving.daemon  # torch and the runtime, imported once before any fork
 
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
 sys.stdout.write("ready\n"); sys.stdout.flush()
@@ -141,7 +142,7 @@ def probe_digest_of_files(first: Path, *, storage: Storage) -> str:
     """The digest the runtime's probe mode records, for a fresh load of the files as they are."""
     with HotSwapRuntime.open(first, storage=storage) as runtime:
         assert runtime.shards is not None, "open() keeps the shard set"
-        model = Transformer(ModelConfig.from_metadata(runtime.shards.metadata), runtime.store)
+        model = Transformer(HParams.from_metadata(runtime.shards.metadata), runtime.store)
         with torch.inference_mode():
             return logits_digest(model(probe_tokens(model.config.n_vocab, batch=2, tokens=16)))
 

@@ -14,8 +14,9 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ggufswap.ipc.plan import Job, Plan
-from ggufswap.runtime import HotSwapRuntime, Pool, Storage, Transformer
-from ggufswap.runtime.model_config import ModelConfig
+from ggufswap.runtime import HotSwapRuntime, Pool, Storage
+from ggufswap.runtime.models import Transformer
+from ggufswap.runtime.models.hparams import HParams
 from ggufswap.shards import (
     Layout,
     ModelSpec,
@@ -146,7 +147,7 @@ def open_runtime(
         **options,  # type: ignore[arg-type]
     )
     assert runtime.shards is not None, "open() keeps the shard set"
-    model = Transformer(ModelConfig.from_metadata(runtime.shards.metadata), runtime.store)
+    model = Transformer(HParams.from_metadata(runtime.shards.metadata), runtime.store)
     return runtime, model
 
 

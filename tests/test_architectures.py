@@ -10,10 +10,11 @@ import torch
 
 from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime import HotSwapRuntime
-from ggufswap.runtime.architectures import DECODERS, build_model
-from ggufswap.runtime.model import DictWeightProvider
-from ggufswap.runtime.model_config import Arch, ModelConfig, ModelConfigError
-from ggufswap.runtime.model_gemma3 import Gemma3Transformer, sliding_window_mask
+from ggufswap.runtime.models.errors import HParamsError
+from ggufswap.runtime.models.gemma3 import Gemma3Transformer, sliding_window_mask
+from ggufswap.runtime.models.hparams import Arch, HParams
+from ggufswap.runtime.models.llama import DictWeightProvider
+from ggufswap.runtime.models.registry import DECODERS, build_model
 from ggufswap.shards import read_header, requantize
 from ggufswap.shards.writer import ModelSpec, tiny_arch, write_model
 
@@ -41,7 +42,7 @@ def spec_for(case: str) -> ModelSpec:
 def open_model(path: Path) -> tuple[HotSwapRuntime, torch.nn.Module]:
     runtime = HotSwapRuntime.open(path)
     assert runtime.shards is not None, "open() keeps the shard set"
-    config = ModelConfig.from_metadata(runtime.shards.metadata)
+    config = HParams.from_metadata(runtime.shards.metadata)
     return runtime, build_model(config, runtime.store, store=runtime.store)
 
 
@@ -111,7 +112,7 @@ def test_gemma3_tied_head_follows_a_swapped_embedding(tmp_path: Path) -> None:
 def test_gemma3_layers_alternate_five_local_then_one_global() -> None:
     """Layers 0-4 and 6-10 slide, layers 5 and 11 are global (llama.cpp's pattern of 6)."""
     md = _gemma_md(n_layer=12)
-    config = ModelConfig.from_metadata(md)
+    config = HParams.from_metadata(md)
     assert [config.is_local_layer(i) for i in range(12)] == [True] * 5 + [False] + [True] * 5 + [
         False
     ]
@@ -146,29 +147,29 @@ def test_gemma3_local_layer_ignores_tokens_outside_its_window(tmp_path: Path) ->
 
 def test_gemma3_reads_rope_scaling_and_refuses_unknown_kinds() -> None:
     """Linear rope scaling sets the global layers' frequency scale; other kinds are refused."""
-    config = ModelConfig.from_metadata(
+    config = HParams.from_metadata(
         _gemma_md(**{"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0})
     )
     assert config.rope_freq_scale == 0.125
-    with pytest.raises(ModelConfigError, match="yarn"):
-        ModelConfig.from_metadata(
+    with pytest.raises(HParamsError, match="yarn"):
+        HParams.from_metadata(
             _gemma_md(**{"gemma3.rope.scaling.type": "yarn", "gemma3.rope.scaling.factor": 4.0})
         )
     md = _gemma_md()
     del md["gemma3.attention.sliding_window"]
-    with pytest.raises(ModelConfigError, match="sliding_window"):
-        ModelConfig.from_metadata(md)
+    with pytest.raises(HParamsError, match="sliding_window"):
+        HParams.from_metadata(md)
 
 
 def test_final_logit_softcapping_bounds_the_logits() -> None:
     """With final_logit_softcapping c every logit lies in [-c, c]; without it they exceed c."""
-    capped = ModelConfig.from_metadata(_gemma_md(**{"gemma3.final_logit_softcapping": 0.5}))
+    capped = HParams.from_metadata(_gemma_md(**{"gemma3.final_logit_softcapping": 0.5}))
     g = torch.Generator().manual_seed(0)
     weights = {
         name: torch.randn(*shape, generator=g) * 3
         for name, shape in Gemma3Transformer(capped, _Shapes(), check_shapes=False).required.items()
     }
-    plain = ModelConfig.from_metadata(_gemma_md())
+    plain = HParams.from_metadata(_gemma_md())
     with torch.inference_mode():
         out = Gemma3Transformer(capped, DictWeightProvider(weights))(TOKENS[:, :4])
         raw = Gemma3Transformer(plain, DictWeightProvider(weights))(TOKENS[:, :4])

@@ -26,7 +26,7 @@ from runtime_helpers import (
 
 from ggufswap.runtime import HotSwapRuntime, PlanState, Pool, SlotState, Storage
 from ggufswap.runtime.pools import Buffer
-from ggufswap.runtime.serve import logits_digest
+from ggufswap.runtime.serving.serve import logits_digest
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 

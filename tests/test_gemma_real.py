@@ -23,9 +23,9 @@ import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime import HotSwapRuntime
-from ggufswap.runtime.architectures import build_model
-from ggufswap.runtime.model_config import Arch, ModelConfig
-from ggufswap.runtime.tokenizer import SPACE, GgufTokenizer, TokenType
+from ggufswap.runtime.models.hparams import Arch, HParams
+from ggufswap.runtime.models.registry import build_model
+from ggufswap.runtime.serving.tokenizer import SPACE, GgufTokenizer, TokenType
 from ggufswap.shards import read_header, requantize
 
 pytestmark = pytest.mark.real_model
@@ -53,7 +53,7 @@ def gguf_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Loaded:
     runtime: HotSwapRuntime
     model: torch.nn.Module
-    config: ModelConfig
+    config: HParams
     tokenizer: GgufTokenizer
 
 
@@ -61,7 +61,7 @@ class Loaded:
 def gemma(gguf_path: Path) -> Iterator[Loaded]:
     runtime = HotSwapRuntime.open(gguf_path)
     assert runtime.shards is not None, "open() keeps the shard set"
-    config = ModelConfig.from_metadata(runtime.shards.metadata)
+    config = HParams.from_metadata(runtime.shards.metadata)
     model = build_model(config, runtime.store, store=runtime.store)
     try:
         yield Loaded(runtime, model, config, GgufTokenizer.from_file(gguf_path))

@@ -24,9 +24,11 @@ from runtime_helpers import ModelDir, Q, one_thread
 
 from ggufswap.ipc import DealerClient, Fields, MessageType, make_message, plan_to_wire
 from ggufswap.ipc.plan import Job, Plan
-from ggufswap.runtime import GgufTokenizer, HotSwapRuntime, ModelConfig, PlanState, build_model
-from ggufswap.runtime.generate import Batcher, BatcherOptions
-from ggufswap.runtime.http import CompletionServer, HttpOptions
+from ggufswap.runtime import HotSwapRuntime, PlanState
+from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.serving import GgufTokenizer
+from ggufswap.runtime.serving.generate import Batcher, BatcherOptions
+from ggufswap.runtime.serving.http import CompletionServer, HttpOptions
 from ggufswap.shards import ModelSpec, read_header, requantize, tiny_dense
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -122,7 +124,7 @@ def start_server(first: Path, *, run_loop: bool = True, **options: Any) -> Itera
     runtime = HotSwapRuntime.open(first)
     assert runtime.shards is not None, "open() keeps the shard set"
     model = build_model(
-        ModelConfig.from_metadata(runtime.shards.metadata), runtime.store, store=runtime.store
+        HParams.from_metadata(runtime.shards.metadata), runtime.store, store=runtime.store
     )
     batcher = Batcher(
         runtime, model, GgufTokenizer.from_file(first), options=BatcherOptions(**options)

@@ -15,8 +15,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from processes import Proc, status_of, wait_for, write_config
 
-from ggufswap.runtime import HotSwapRuntime, ModelConfig, Transformer
-from ggufswap.runtime.serve import logits_digest, probe_tokens
+from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime.models import HParams, Transformer
+from ggufswap.runtime.serving.serve import logits_digest, probe_tokens
 from ggufswap.shards import (
     Fingerprinter,
     Layout,
@@ -35,7 +36,7 @@ def fresh_digest(first_shard: Path) -> str:
     """Digest of the probe batch's logits on a fresh load of the files as they are now."""
     with HotSwapRuntime.open(first_shard) as runtime:
         assert runtime.shards is not None
-        model = Transformer(ModelConfig.from_metadata(runtime.shards.metadata), runtime.store)
+        model = Transformer(HParams.from_metadata(runtime.shards.metadata), runtime.store)
         with torch.inference_mode():
             return logits_digest(model(probe_tokens(model.config.n_vocab, batch=2, tokens=16)))
 

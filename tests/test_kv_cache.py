@@ -11,9 +11,14 @@ import pytest
 import torch
 from runtime_helpers import one_thread
 
-from ggufswap.runtime import GgufTokenizer, HotSwapRuntime, ModelConfig, build_model
-from ggufswap.runtime.architectures import Decoder
-from ggufswap.runtime.generate import (
+from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.models.errors import KVCacheError
+from ggufswap.runtime.models.gemma3 import sliding_window_mask
+from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
+from ggufswap.runtime.models.registry import Decoder
+from ggufswap.runtime.serving import GgufTokenizer
+from ggufswap.runtime.serving.generate import (
     Batcher,
     BatcherOptions,
     Ended,
@@ -22,8 +27,6 @@ from ggufswap.runtime.generate import (
     TextDelta,
     greedy_continuation,
 )
-from ggufswap.runtime.kv_cache import KVCache, KVCacheError, attention_mask
-from ggufswap.runtime.model_gemma3 import sliding_window_mask
 from ggufswap.shards.writer import ModelSpec, tiny_arch, tiny_dense, tiny_moe, write_model
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -48,7 +51,7 @@ def open_model(spec: ModelSpec, root: Path) -> Iterator[tuple[HotSwapRuntime, De
     """A runtime over ``spec`` written into ``root`` (``root/<name>.gguf``), and its decoder."""
     runtime = HotSwapRuntime.open(write_model(spec, root)[0])
     assert runtime.shards is not None, "open() keeps the shard set"
-    config = ModelConfig.from_metadata(runtime.shards.metadata)
+    config = HParams.from_metadata(runtime.shards.metadata)
     try:
         yield runtime, build_model(config, runtime.store, store=runtime.store)
     finally:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
+import os
 import subprocess
 import sys
+from pathlib import Path
 
+import layout_rules
 import pytest
+import tomllib
+
+REPO = Path(__file__).resolve().parent.parent
 
 TORCH_FREE = ["ggufswap", "ggufswap.shards", "ggufswap.config", "ggufswap.ipc", "ggufswap.agent"]
 
@@ -41,14 +46,135 @@ def test_command_line_parser_does_not_import_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_installed_import_names_are_namespaced() -> None:
+def test_installed_import_names_are_namespaced(tmp_path: Path) -> None:
     """The distribution installs only ``ggufswap.*`` packages, never bare ``config``/``runtime``."""
     top = importlib.metadata.distribution("ggufswap").read_text("top_level.txt")
     names = set((top or "ggufswap").split())
     assert names <= {"ggufswap"}, names
-    for bare in ("config", "runtime", "agent", "ipc", "shards"):
-        spec = importlib.util.find_spec(bare)
-        assert spec is None or "site-packages" not in str(spec.origin), bare
+    # Outside the checkout (the repository root is not on sys.path there), a bare folder name
+    # must not import: only the ggufswap tree is installed.
+    code = (
+        "import importlib.util\n"
+        "for bare in ('config', 'runtime', 'agent', 'ipc', 'shards', 'cli'):\n"
+        "    print(bare, importlib.util.find_spec(bare) is not None)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    importable = [line.split()[0] for line in out.stdout.splitlines() if line.endswith("True")]
+    assert importable == [], f"bare package names importable: {importable}"
+
+
+def test_folders_map_to_the_installed_packages() -> None:
+    """pyproject's package map is the one the layout checks copy (folder -> ggufswap.<name>)."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["package-dir"] == {
+        name: folder for name, folder in layout_rules.FOLDERS.items() if "/" not in folder
+    }
+    for name, folder in layout_rules.FOLDERS.items():
+        assert (REPO / folder / "__init__.py").is_file(), folder
+        assert name in config["packages"], name
+
+
+def test_import_graph_tool_reads_the_real_graph() -> None:
+    """grimp sees every module of every folder, and real edges between them."""
+    graph = layout_rules.build_graph()
+    on_disk = set(layout_rules.modules_on_disk(REPO))
+    assert on_disk <= graph.modules, sorted(on_disk - graph.modules)
+    assert len(on_disk) > 80
+    assert graph.direct_import_exists(
+        importer="ggufswap.runtime.engine", imported="ggufswap.runtime.staging"
+    )
+    assert graph.direct_import_exists(
+        importer="ggufswap.runtime.serving.daemon", imported="ggufswap.runtime.models.registry"
+    )
+    assert "torch" in graph.find_upstream_modules("ggufswap.runtime.store")
+
+
+def test_package_map_rules_hold() -> None:
+    """Every one-way rule of the package map holds in the checkout."""
+    broken = layout_rules.check(layout_rules.build_graph())
+    assert broken == [], "\n".join(broken)
+
+
+PLANTED = [
+    ("agent/watch.py", "import torch", "the agent side never imports torch"),
+    ("ipc/codec.py", "import ggufswap.agent.link", "shards, config and ipc never import"),
+    ("agent/index.py", "import ggufswap.runtime", "the agent never imports the runtime"),
+    (
+        "runtime/staging.py",
+        "from ggufswap.runtime.serving import http",
+        "the core never imports the models or serving",
+    ),
+    (
+        "runtime/store.py",
+        "from ggufswap.runtime.models import registry",
+        "the core never imports the models or serving",
+    ),
+    (
+        "runtime/models/kv_cache.py",
+        "import ggufswap.runtime.serving.errors",
+        "the models never import serving",
+    ),
+    (
+        "runtime/models/gemma3.py",
+        "from ggufswap.runtime.store import TensorStore",
+        "the models use only the core's public names",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "statement", "rule"), PLANTED, ids=[p[0] for p in PLANTED])
+def test_a_planted_violation_is_caught(
+    tmp_path: Path, path: str, statement: str, rule: str
+) -> None:
+    """A copy of the tree with one forbidden import (inside a function, as lazy imports are)
+    fails the rule it breaks, naming the module chain."""
+    root = tmp_path / "site"
+    layout_rules.copy_installed_layout(REPO, root)
+    target = root / layout_rules.installed_path(path)
+    target.write_text(
+        target.read_text() + f"\n\ndef _planted() -> None:\n    {statement}  # noqa\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "layout_rules.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.startswith(rule) for line in lines), lines
+    assert len(lines) >= 1
+
+
+def test_the_untouched_copy_passes(tmp_path: Path) -> None:
+    """Paired with the planted violations: the copy itself breaks no rule (the checks read it)."""
+    root = tmp_path / "site"
+    layout_rules.copy_installed_layout(REPO, root)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    code = "import ggufswap, sys; print(ggufswap.__file__)"
+    where = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=True,
+    )
+    assert where.stdout.strip().startswith(str(root)), where.stdout
+    out = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "layout_rules.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_one_console_script() -> None:

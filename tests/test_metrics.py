@@ -13,7 +13,7 @@ pytest.importorskip("prometheus_client")
 
 from ggufswap.ipc import Job, Plan
 from ggufswap.runtime import HotSwapRuntime
-from ggufswap.runtime.metrics import RuntimeMetrics
+from ggufswap.runtime.serving.metrics import RuntimeMetrics
 from ggufswap.shards import Layout, open_shard_set, requantize, tiny_moe, write_model
 
 TENSOR = "blk.0.ffn_down_exps.weight"

@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
-from ggufswap.runtime.model import (
+from ggufswap.runtime.models.errors import HParamsError, MissingWeightError
+from ggufswap.runtime.models.hparams import Arch, HParams, RopeType
+from ggufswap.runtime.models.llama import (
     DictWeightProvider,
-    MissingWeightError,
     MoEFeedForward,
     RotaryEmbedding,
     Transformer,
 )
-from ggufswap.runtime.model_config import Arch, ModelConfig, ModelConfigError, RopeType
-from ggufswap.runtime.perplexity import (
+from ggufswap.runtime.serving.perplexity import (
     NllStats,
     evaluate_batches,
     make_eval_tokens,
@@ -31,7 +31,7 @@ from ggufswap.runtime.perplexity import (
 V = 61  # vocab: odd on purpose, so no shape coincides with another
 
 
-def tiny_config(arch: Arch = Arch.LLAMA, **kw: Any) -> ModelConfig:
+def tiny_config(arch: Arch = Arch.LLAMA, **kw: Any) -> HParams:
     base: dict[str, Any] = {
         "n_layer": 2,
         "n_embd": 32,
@@ -44,11 +44,11 @@ def tiny_config(arch: Arch = Arch.LLAMA, **kw: Any) -> ModelConfig:
     if arch is not Arch.LLAMA or kw.get("n_expert"):
         base.update(n_expert=4, n_expert_used=2, n_ff_exp=24)
     base.update(kw)
-    return ModelConfig(arch=arch, **base)
+    return HParams(arch=arch, **base)
 
 
 def random_weights(
-    c: ModelConfig,
+    c: HParams,
     *,
     seed: int = 0,
     shared_expert: bool = False,
@@ -344,12 +344,10 @@ MOE_KEYS = {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_leng
 
 def test_config_reads_each_architecture_with_its_rope_and_routing() -> None:
     """llama is NORM rope with renormalised top-k, qwen2moe NEOX without, qwen3moe NEOX with."""
-    llama = ModelConfig.from_metadata(metadata("llama"))
-    mixtral = ModelConfig.from_metadata(metadata("llama", **MOE_KEYS))
-    qwen2 = ModelConfig.from_metadata(metadata("qwen2moe", **MOE_KEYS))
-    qwen3 = ModelConfig.from_metadata(
-        metadata("qwen3moe", **MOE_KEYS, **{"attention.key_length": 16})
-    )
+    llama = HParams.from_metadata(metadata("llama"))
+    mixtral = HParams.from_metadata(metadata("llama", **MOE_KEYS))
+    qwen2 = HParams.from_metadata(metadata("qwen2moe", **MOE_KEYS))
+    qwen3 = HParams.from_metadata(metadata("qwen3moe", **MOE_KEYS, **{"attention.key_length": 16}))
     assert (llama.rope_type, llama.is_moe, llama.head_dim, llama.n_ff) == (
         RopeType.NORM,
         False,
@@ -366,20 +364,20 @@ def test_config_vocab_falls_back_to_the_tokenizer_then_to_the_argument() -> None
     """Without {arch}.vocab_size, n_vocab comes from the token list, else from n_vocab=."""
     md = metadata("llama")
     del md["llama.vocab_size"]
-    assert ModelConfig.from_metadata(md, n_vocab=77).n_vocab == 77
+    assert HParams.from_metadata(md, n_vocab=77).n_vocab == 77
     md["tokenizer.ggml.tokens"] = ["a"] * 9
-    assert ModelConfig.from_metadata(md, n_vocab=77).n_vocab == 9
+    assert HParams.from_metadata(md, n_vocab=77).n_vocab == 9
     del md["tokenizer.ggml.tokens"]
-    with pytest.raises(ModelConfigError, match=r"llama\.vocab_size"):
-        ModelConfig.from_metadata(md)
+    with pytest.raises(HParamsError, match=r"llama\.vocab_size"):
+        HParams.from_metadata(md)
 
 
 def test_config_names_every_missing_key() -> None:
     """A metadata map missing several keys gets one error listing all of them."""
     md = metadata("qwen3moe", **MOE_KEYS)
     del md["qwen3moe.block_count"], md["qwen3moe.attention.layer_norm_rms_epsilon"]
-    with pytest.raises(ModelConfigError) as exc:
-        ModelConfig.from_metadata(md)
+    with pytest.raises(HParamsError) as exc:
+        HParams.from_metadata(md)
     assert "'qwen3moe.block_count'" in str(exc.value)
     assert "'qwen3moe.attention.layer_norm_rms_epsilon'" in str(exc.value)
 
@@ -387,19 +385,19 @@ def test_config_names_every_missing_key() -> None:
 def test_config_rejects_an_unsupported_architecture_by_name() -> None:
     """An unimplemented architecture is refused, naming it and the supported ones."""
     with pytest.raises(
-        ModelConfigError, match=r"'mamba'.*llama, qwen2, qwen2moe, qwen3, qwen3moe, gemma3"
+        HParamsError, match=r"'mamba'.*llama, qwen2, qwen2moe, qwen3, qwen3moe, gemma3"
     ):
-        ModelConfig.from_metadata(metadata("mamba"))
-    with pytest.raises(ModelConfigError, match=r"general\.architecture"):
-        ModelConfig.from_metadata({})
+        HParams.from_metadata(metadata("mamba"))
+    with pytest.raises(HParamsError, match=r"general\.architecture"):
+        HParams.from_metadata({})
 
 
 def test_config_rejects_inconsistent_dimensions() -> None:
     """Head counts that do not divide, or an MoE arch without experts, are refused."""
-    with pytest.raises(ModelConfigError, match="multiple of n_head_kv"):
+    with pytest.raises(HParamsError, match="multiple of n_head_kv"):
         tiny_config(Arch.LLAMA, n_head_kv=3)
-    with pytest.raises(ModelConfigError, match="needs expert_count"):
-        ModelConfig.from_metadata(metadata("qwen3moe"))
+    with pytest.raises(HParamsError, match="needs expert_count"):
+        HParams.from_metadata(metadata("qwen3moe"))
 
 
 # --- perplexity ----------------------------------------------------------------------------------
@@ -515,7 +513,7 @@ def test_a_written_gguf_model_runs(preset: str, tmp_path: Path) -> None:
     spec = getattr(writer, preset)()
     path = writer.write_model(spec, tmp_path)[0]
     md, provider = load_gguf(path)
-    config = ModelConfig.from_metadata(md)
+    config = HParams.from_metadata(md)
     assert config.arch.value == md["general.architecture"]
     model = Transformer(config, provider)
     stream = make_eval_tokens(config.n_vocab, 256, seed=0)

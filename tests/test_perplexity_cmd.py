@@ -18,8 +18,10 @@ from runtime_helpers import ModelDir, Q, one_thread
 from ggufswap._cmd_perplexity import text_windows
 from ggufswap.ipc import DealerClient, Fields, MessageType, make_message, plan_to_wire
 from ggufswap.ipc.plan import Plan
-from ggufswap.runtime import GgufTokenizer, HotSwapRuntime, ModelConfig, build_model
-from ggufswap.runtime.perplexity import NllStats, batch_nll
+from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.serving import GgufTokenizer
+from ggufswap.runtime.serving.perplexity import NllStats, batch_nll
 from ggufswap.shards import tiny_dense
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -53,7 +55,7 @@ def reference(first: Path, text: Path, *, ctx: int = CTX, batch: int = BATCH) ->
     try:
         assert runtime.shards is not None, "open() keeps the shard set"
         model = build_model(
-            ModelConfig.from_metadata(runtime.shards.metadata), runtime.store, store=runtime.store
+            HParams.from_metadata(runtime.shards.metadata), runtime.store, store=runtime.store
         )
         windows = text_windows(GgufTokenizer.from_file(first), text.read_text(), ctx=ctx)
         total = NllStats()

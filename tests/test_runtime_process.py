@@ -23,8 +23,9 @@ from ggufswap.ipc import (
     plan_to_wire,
     request,
 )
-from ggufswap.runtime import HotSwapRuntime, ModelConfig, Transformer
-from ggufswap.runtime.serve import logits_digest, probe_tokens
+from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime.models import HParams, Transformer
+from ggufswap.runtime.serving.serve import logits_digest, probe_tokens
 from ggufswap.shards import Layout, open_shard_set, requantize, tiny_moe, write_model
 
 TENSOR = "blk.1.ffn_down_exps.weight"
@@ -34,7 +35,7 @@ def fresh_digest(first_shard: Path) -> str:
     """Digest of the probe batch's logits on a fresh load of the files as they are now."""
     with HotSwapRuntime.open(first_shard) as runtime:
         assert runtime.shards is not None
-        model = Transformer(ModelConfig.from_metadata(runtime.shards.metadata), runtime.store)
+        model = Transformer(HParams.from_metadata(runtime.shards.metadata), runtime.store)
         with torch.inference_mode():
             return logits_digest(model(probe_tokens(model.config.n_vocab, batch=2, tokens=16)))
 

@@ -28,8 +28,8 @@ from ggufswap.runtime import (
     PlanState,
     PlanTicket,
     Storage,
-    Transformer,
 )
+from ggufswap.runtime.models import Transformer
 from ggufswap.shards import TensorRecord, read_header
 from ggufswap.shards.writer import RawTensor, write_gguf
 

@@ -11,15 +11,9 @@ import torch
 from runtime_helpers import WAIT_S, ModelDir, Q, one_thread, open_runtime
 
 from ggufswap.ipc.plan import Plan
-from ggufswap.runtime import (
-    HotSwapRuntime,
-    PlanState,
-    Storage,
-    evaluate_batches,
-    make_eval_tokens,
-    perplexity,
-)
-from ggufswap.runtime.perplexity import token_windows
+from ggufswap.runtime import HotSwapRuntime, PlanState, Storage
+from ggufswap.runtime.serving import evaluate_batches, make_eval_tokens, perplexity
+from ggufswap.runtime.serving.perplexity import token_windows
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 

@@ -13,7 +13,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ggufswap.ipc import Job, Plan
-from ggufswap.runtime import HotSwapRuntime, ModelConfig, PlanState, Transformer
+from ggufswap.runtime import HotSwapRuntime, PlanState
+from ggufswap.runtime.models import HParams, Transformer
 from ggufswap.shards import Layout, open_shard_set, requantize, tiny_moe, write_model
 
 
@@ -26,7 +27,7 @@ def main() -> None:
     assert runtime.shards is not None
 
     # 2. Your model reads its weights from runtime.store at forward time (no private copies).
-    model = Transformer(ModelConfig.from_metadata(runtime.shards.metadata), runtime.store)
+    model = Transformer(HParams.from_metadata(runtime.shards.metadata), runtime.store)
 
     # 3. Invalidate whatever you cache per weight version (CUDA graphs, KV caches of old weights).
     runtime.on_commit(lambda version, names: print(f"committed v{version}: {', '.join(names)}"))

@@ -22,11 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ggufswap.runtime.errors import RuntimeLibraryError
-
-
-class KVCacheError(RuntimeLibraryError, ValueError):
-    """A forward does not continue the sequence its cache holds."""
+from ggufswap.runtime.models.errors import KVCacheError
 
 
 class KVCache:

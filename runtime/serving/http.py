@@ -7,9 +7,9 @@ Routes: ``POST /v1/completions`` (``stream`` as server-sent events), ``GET /v1/m
 405, 413, 500 (the model failed) and 503 (queue full, timed out, shutting down).
 
 One thread per connection parses and validates the request and hands it to the
-:class:`~ggufswap.runtime.generate.Batcher`; the inference thread generates; the connection thread
-writes what comes back. The server binds ``127.0.0.1`` unless told otherwise: it has no
-authentication.
+:class:`~ggufswap.runtime.serving.generate.Batcher`; the inference thread generates; the
+connection thread writes what comes back. The server binds ``127.0.0.1`` unless told
+otherwise: it has no authentication.
 """
 
 from __future__ import annotations
@@ -28,25 +28,22 @@ from typing import Any, Final
 
 import structlog
 
-from ggufswap.runtime.architectures import Decoder
 from ggufswap.runtime.engine import HotSwapRuntime
-from ggufswap.runtime.errors import RuntimeLibraryError
-from ggufswap.runtime.generate import (
+from ggufswap.runtime.models.registry import Decoder
+from ggufswap.runtime.serving.errors import ApiError, Closed, InvalidRequest, ListenError, QueueFull
+from ggufswap.runtime.serving.generate import (
     Batcher,
     BatcherOptions,
-    Closed,
     Ended,
     Event,
     Failed,
     FailureKind,
     Finished,
-    InvalidRequest,
-    QueueFull,
     Sampling,
     Started,
     TextDelta,
 )
-from ggufswap.runtime.tokenizer import GgufTokenizer
+from ggufswap.runtime.serving.tokenizer import GgufTokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -62,26 +59,6 @@ OBJECT_COMPLETION: Final = "text_completion"
 class HttpOptions:
     host: str = "127.0.0.1"
     port: int = 8000  # 0 picks a free port (see CompletionServer.port)
-
-
-class ListenError(RuntimeLibraryError, OSError):
-    """The HTTP server cannot bind its address (in use, not local, no permission)."""
-
-
-class ApiError(Exception):
-    """An error response: HTTP status, OpenAI error type and message."""
-
-    def __init__(
-        self, status: HTTPStatus, message: str, *, kind: str, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "code": self.code}}
 
 
 def bad_request(message: str, code: str | None = None) -> ApiError:

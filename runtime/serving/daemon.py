@@ -20,12 +20,12 @@ import torch
 
 from ggufswap.config import Config
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
-from ggufswap.runtime.architectures import Decoder, build_model
 from ggufswap.runtime.control import ControlServer
 from ggufswap.runtime.engine import HotSwapRuntime
-from ggufswap.runtime.model_config import ModelConfig
+from ggufswap.runtime.models.hparams import HParams
+from ggufswap.runtime.models.registry import Decoder, build_model
 from ggufswap.runtime.pools import Pool
-from ggufswap.runtime.serve import Mode, ServeLoop, ServeOptions
+from ggufswap.runtime.serving.serve import Mode, ServeLoop, ServeOptions
 from ggufswap.runtime.store import Placement, Storage
 
 log = structlog.get_logger(__name__)
@@ -73,9 +73,9 @@ def build_service(runtime: HotSwapRuntime, model: Decoder, options: ServeOptions
     """The serving loop of ``options.mode``; an HTTP service is already listening."""
     if options.mode is not Mode.HTTP:
         return ServeLoop(runtime, model, options=options)
-    from ggufswap.runtime.generate import BatcherOptions
-    from ggufswap.runtime.http import HttpOptions, HttpService
-    from ggufswap.runtime.tokenizer import GgufTokenizer
+    from ggufswap.runtime.serving.generate import BatcherOptions
+    from ggufswap.runtime.serving.http import HttpOptions, HttpService
+    from ggufswap.runtime.serving.tokenizer import GgufTokenizer
 
     assert runtime.shards is not None, "open() always records the shard set"
     tokenizer = GgufTokenizer.from_file(runtime.shards.first.path)
@@ -101,8 +101,8 @@ def run(config: Config, *, options: ServeOptions, stop: threading.Event) -> int:
     loop: Service | None = None
     try:
         assert runtime.shards is not None, "open() always records the shard set"
-        model_config = ModelConfig.from_metadata(runtime.shards.metadata)
-        model = build_model(model_config, runtime.store, store=runtime.store)
+        hparams = HParams.from_metadata(runtime.shards.metadata)
+        model = build_model(hparams, runtime.store, store=runtime.store)
         loop = build_service(runtime, model, options)
         control = ControlServer.from_config(runtime, config, extra_status=loop.status).start()
     except BaseException:
@@ -111,7 +111,7 @@ def run(config: Config, *, options: ServeOptions, stop: threading.Event) -> int:
         runtime.close()
         raise
     if rc.metrics_port is not None:
-        from ggufswap.runtime.metrics import RuntimeMetrics
+        from ggufswap.runtime.serving.metrics import RuntimeMetrics
 
         RuntimeMetrics(runtime).serve(rc.metrics_port)
     log.info(

@@ -25,12 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ggufswap.runtime.errors import RuntimeLibraryError
+from ggufswap.runtime.models.errors import HParamsError
 from ggufswap.shards.keys import Arch, Keys
-
-
-class ModelConfigError(RuntimeLibraryError, ValueError):
-    """GGUF metadata does not describe a model the reference decoder can run."""
 
 
 class RopeType(enum.IntEnum):
@@ -62,7 +58,7 @@ ROPE_SCALING_LINEAR: Final = "linear"
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class HParams:
     """What the decoder needs to know about a model; derived fields are set in ``__post_init__``."""
 
     arch: Arch
@@ -105,7 +101,7 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0, found {getattr(self, name)}")
         if problems:
-            raise ModelConfigError(f"{self.arch.value}: " + "; ".join(problems))
+            raise HParamsError(f"{self.arch.value}: " + "; ".join(problems))
         head_dim = self.key_length if self.key_length is not None else self.n_embd // self.n_head
         if self.key_length is None and self.n_embd % self.n_head:
             problems.append(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
@@ -126,7 +122,7 @@ class ModelConfig:
         if not is_moe and self.n_ff <= 0:
             problems.append(f"dense model needs feed_forward_length > 0, found {self.n_ff}")
         if problems:
-            raise ModelConfigError(f"{self.arch.value}: " + "; ".join(problems))
+            raise HParamsError(f"{self.arch.value}: " + "; ".join(problems))
         norm = self.expert_weights_norm
         object.__setattr__(self, "head_dim", head_dim)
         object.__setattr__(self, "n_rot", n_rot)
@@ -146,18 +142,18 @@ class ModelConfig:
         return self.swa_period > 0 and layer % self.swa_period < self.swa_period - 1
 
     @classmethod
-    def from_metadata(cls, md: Mapping[str, Any], *, n_vocab: int | None = None) -> ModelConfig:
+    def from_metadata(cls, md: Mapping[str, Any], *, n_vocab: int | None = None) -> HParams:
         """Read ``general.architecture`` and its ``{arch}.*`` keys; ``n_vocab`` is the fallback
         (e.g. ``token_embd.weight``'s row count) when neither ``{arch}.vocab_size`` nor the
         tokenizer's token list is present."""
         arch_name = md.get(Keys.General.ARCHITECTURE)
         if arch_name is None:
-            raise ModelConfigError(f"metadata has no {Keys.General.ARCHITECTURE!r} key")
+            raise HParamsError(f"metadata has no {Keys.General.ARCHITECTURE!r} key")
         try:
             arch = Arch(str(arch_name))
         except ValueError:
             supported = ", ".join(a.value for a in Arch)
-            raise ModelConfigError(
+            raise HParamsError(
                 f"unsupported architecture {arch_name!r} ({Keys.General.ARCHITECTURE}); "
                 f"the reference decoder implements: {supported}"
             ) from None
@@ -199,7 +195,7 @@ class ModelConfig:
             )
         if reader.problems:
             lines = "\n  ".join(reader.problems)
-            raise ModelConfigError(f"cannot build a {arch.value} model config:\n  {lines}")
+            raise HParamsError(f"cannot build a {arch.value} model config:\n  {lines}")
         return cls(arch=arch, **kwargs)
 
 

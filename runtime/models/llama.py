@@ -6,7 +6,7 @@ different devices (mixed pools); activations move to a weight's device for each 
 back (llama.cpp's hybrid CPU/GPU style). The residual stream is float32 on the device of the input
 tokens; matmuls run in the weight's dtype.
 
-The maths follows llama.cpp's graph for each architecture (see ``model_config``): RMS norms,
+The maths follows llama.cpp's graph for each architecture (see ``hparams``): RMS norms,
 RoPE NORM (adjacent pairs) for ``llama`` and NEOX (halves) for the qwen MoE families, grouped-query
 causal attention with scale ``1/sqrt(head_dim)``, SwiGLU FFNs, softmax top-k routing.
 """
@@ -21,16 +21,9 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
-from ggufswap.runtime.errors import RuntimeLibraryError
-from ggufswap.runtime.kv_cache import KVCache, attention_mask
-from ggufswap.runtime.model_config import Activation, ModelConfig, RopeType
-
-
-class MissingWeightError(RuntimeLibraryError, KeyError):
-    """The provider lacks tensors the model needs, or holds them with the wrong shape."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else ""
+from ggufswap.runtime.models.errors import MissingWeightError
+from ggufswap.runtime.models.hparams import Activation, HParams, RopeType
+from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
 
 
 class ExpertStack(Protocol):
@@ -177,7 +170,7 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, *, base: float | None = None, freq_scale: float = 1.0
+        self, config: HParams, *, base: float | None = None, freq_scale: float = 1.0
     ) -> None:
         super().__init__()
         self.n_rot, self.rope_type = config.n_rot, config.rope_type
@@ -211,7 +204,7 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     """Grouped-query causal self-attention with optional Q/K biases and per-head Q/K norms."""
 
-    def __init__(self, config: ModelConfig, weights: WeightProvider, layer: int, spec: _Spec):
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
         super().__init__()
         self.config, self.weights, self.layer = config, weights, layer
         d, hd = config.n_embd, config.head_dim
@@ -278,7 +271,7 @@ GATED_FFN: Final = {Activation.SILU: swiglu, Activation.GELU_TANH: geglu}
 class FeedForward(nn.Module):
     """Dense gated FFN (SwiGLU, or GeGLU for gemma)."""
 
-    def __init__(self, config: ModelConfig, weights: WeightProvider, layer: int, spec: _Spec):
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
         super().__init__()
         self.weights = weights
         self.act = GATED_FFN[config.activation]
@@ -296,7 +289,7 @@ class FeedForward(nn.Module):
 class MoEFeedForward(nn.Module):
     """Router -> top-k experts (each run over the tokens routed to it) + optional shared expert."""
 
-    def __init__(self, config: ModelConfig, weights: WeightProvider, layer: int, spec: _Spec):
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
         super().__init__()
         self.config, self.weights = config, weights
         tn, d, n_exp = TensorNames, config.n_embd, config.n_expert
@@ -356,7 +349,7 @@ class MoEFeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm attention and FFN with residuals."""
 
-    def __init__(self, config: ModelConfig, weights: WeightProvider, layer: int, spec: _Spec):
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
         super().__init__()
         self.config, self.weights = config, weights
         self.attn_norm = spec.need(TensorNames.ATTN_NORM.format(layer), (config.n_embd,))
@@ -380,7 +373,7 @@ class Transformer(nn.Module):
     """The decoder. ``forward(tokens [B, T]) -> logits [B, T, V]`` (float32)."""
 
     def __init__(
-        self, config: ModelConfig, weights: WeightProvider, *, check_shapes: bool = True
+        self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
     ) -> None:
         super().__init__()
         self.config, self.weights = config, weights

@@ -22,8 +22,10 @@ from typing import Final
 import torch
 from torch import Tensor, nn
 
-from ggufswap.runtime.kv_cache import KVCache, attention_mask
-from ggufswap.runtime.model import (
+from ggufswap.runtime.models.errors import HParamsError
+from ggufswap.runtime.models.hparams import Arch, HParams
+from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
+from ggufswap.runtime.models.llama import (
     Attention,
     FeedForward,
     RopeTables,
@@ -36,7 +38,6 @@ from ggufswap.runtime.model import (
     lm_head,
     rms_norm,
 )
-from ggufswap.runtime.model_config import Arch, ModelConfig, ModelConfigError
 
 POST_ATTN_NORM: Final = "blk.{}.post_attention_norm.weight"
 POST_FFW_NORM: Final = "blk.{}.post_ffw_norm.weight"
@@ -52,7 +53,7 @@ def sliding_window_mask(length: int, window: int, device: torch.device) -> Tenso
 class Gemma3Block(nn.Module):
     """Pre- and post-normed attention and GeGLU FFN, each with a residual."""
 
-    def __init__(self, config: ModelConfig, weights: WeightProvider, layer: int, spec: _Spec):
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
         super().__init__()
         self.config, self.weights = config, weights
         d = (config.n_embd,)
@@ -79,11 +80,11 @@ class Gemma3Transformer(nn.Module):
     """The gemma3 decoder. ``forward(tokens [B, T]) -> logits [B, T, V]`` (float32)."""
 
     def __init__(
-        self, config: ModelConfig, weights: WeightProvider, *, check_shapes: bool = True
+        self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
     ) -> None:
         super().__init__()
         if config.arch is not Arch.GEMMA3:
-            raise ModelConfigError(f"Gemma3Transformer runs gemma3, not {config.arch.value}")
+            raise HParamsError(f"Gemma3Transformer runs gemma3, not {config.arch.value}")
         self.config, self.weights = config, weights
         spec = _Spec()
         self.tok_embd = spec.need(TensorNames.TOKEN_EMBD, (config.n_vocab, config.n_embd))

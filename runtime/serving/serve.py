@@ -26,9 +26,9 @@ from typing import Any, Final
 
 import torch
 
-from ggufswap.runtime.architectures import Decoder
 from ggufswap.runtime.engine import HotSwapRuntime
-from ggufswap.runtime.perplexity import NllStats, batch_nll, make_eval_tokens, token_windows
+from ggufswap.runtime.models.registry import Decoder
+from ggufswap.runtime.serving.perplexity import NllStats, batch_nll, make_eval_tokens, token_windows
 from ggufswap.shards import fingerprint_bytes
 
 RESULTS_KEPT: Final = 256

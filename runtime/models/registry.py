@@ -1,8 +1,8 @@
 """Which decoder runs which ``general.architecture``: ``build_model(config, weights, store=...)``.
 
-- ``llama``, ``qwen2``, ``qwen3``, ``qwen2moe``, ``qwen3moe``: ``model.Transformer`` (pre-norm
+- ``llama``, ``qwen2``, ``qwen3``, ``qwen2moe``, ``qwen3moe``: ``llama.Transformer`` (pre-norm
   blocks, SwiGLU, dense or MoE FFNs per block);
-- ``gemma3``: ``model_gemma3.Gemma3Transformer``.
+- ``gemma3``: ``gemma3.Gemma3Transformer``.
 
 Both read every weight through the provider at forward time. A tied output head is read from
 ``token_embd.weight``'s own slot rather than copied, so a swap of the embedding is the head's swap
@@ -16,12 +16,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
-from ggufswap.runtime.model import MissingWeightError, Transformer, WeightProvider
-from ggufswap.runtime.model_config import Arch, ModelConfig
-from ggufswap.runtime.model_gemma3 import Gemma3Transformer
+from ggufswap.runtime.models.errors import MissingWeightError
+from ggufswap.runtime.models.gemma3 import Gemma3Transformer
+from ggufswap.runtime.models.hparams import Arch, HParams
+from ggufswap.runtime.models.llama import Transformer, WeightProvider
 
 if TYPE_CHECKING:
-    from ggufswap.runtime.store import TensorStore
+    from ggufswap.runtime import TensorStore
 
 Decoder = Transformer | Gemma3Transformer  # what build_model returns
 ModelClass = type[Transformer] | type[Gemma3Transformer]
@@ -37,7 +38,7 @@ DECODERS: Final[Mapping[Arch, ModelClass]] = {
 
 
 def build_model(
-    config: ModelConfig, weights: WeightProvider, *, store: TensorStore | None = None
+    config: HParams, weights: WeightProvider, *, store: TensorStore | None = None
 ) -> Decoder:
     """The decoder for ``config.arch`` over ``weights`` (the store itself when serving)."""
     model = DECODERS[config.arch](config, weights)

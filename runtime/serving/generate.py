@@ -43,32 +43,16 @@ from typing import Any, Final
 import structlog
 import torch
 
-from ggufswap.runtime.architectures import Decoder
 from ggufswap.runtime.engine import HotSwapRuntime
-from ggufswap.runtime.errors import RuntimeLibraryError
-from ggufswap.runtime.kv_cache import KVCache
-from ggufswap.runtime.tokenizer import GgufTokenizer
+from ggufswap.runtime.models.kv_cache import KVCache
+from ggufswap.runtime.models.registry import Decoder
+from ggufswap.runtime.serving.errors import Closed, InvalidRequest, QueueFull
+from ggufswap.runtime.serving.tokenizer import GgufTokenizer
 
 log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S: Final = 0.1  # an idle loop wakes on a request or a staged plan, or this often
 REPLACEMENT: Final = "\ufffd"  # an incomplete UTF-8 sequence decodes to this; held back
-
-
-class GenerateError(RuntimeLibraryError):
-    """A generation request could not be queued."""
-
-
-class InvalidRequest(GenerateError, ValueError):
-    """The request cannot be served as asked (too long for the context, empty prompt...)."""
-
-
-class QueueFull(GenerateError):
-    """The bounded request queue is full: the caller should retry later."""
-
-
-class Closed(GenerateError):
-    """The batcher is shutting down and takes no new requests."""
 
 
 class FinishReason(str, enum.Enum):

@@ -24,14 +24,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ggufswap.runtime.errors import RuntimeLibraryError
+from ggufswap.runtime.serving.errors import TokenizerError
 from ggufswap.shards import read_header
 from ggufswap.shards.keys import Keys
 from ggufswap.shards.reader import read_array
-
-
-class TokenizerError(RuntimeLibraryError, ValueError):
-    """The GGUF's tokenizer metadata is missing, inconsistent or of an unsupported kind."""
 
 
 class TokenizerKind(str, enum.Enum):

@@ -1,0 +1,38 @@
+"""ggufswap.runtime.models: model configs and decoders per architecture family.
+
+Every decoder reads its weights through a :class:`WeightProvider` (the core's tensor store when
+serving) at forward time, so a committed swap is what the next forward computes with. This
+package imports torch, the GGUF keys of :mod:`ggufswap.shards` and the core's public names only.
+"""
+
+from __future__ import annotations
+
+from ggufswap.runtime.models.errors import (
+    HParamsError,
+    KVCacheError,
+    MissingWeightError,
+    ModelError,
+)
+from ggufswap.runtime.models.gemma3 import Gemma3Transformer
+from ggufswap.runtime.models.hparams import Arch, HParams, RopeType
+from ggufswap.runtime.models.kv_cache import KVCache
+from ggufswap.runtime.models.llama import DictWeightProvider, Transformer, WeightProvider
+from ggufswap.runtime.models.registry import DECODERS, Decoder, build_model
+
+__all__ = [
+    "DECODERS",
+    "Arch",
+    "Decoder",
+    "DictWeightProvider",
+    "Gemma3Transformer",
+    "HParams",
+    "HParamsError",
+    "KVCache",
+    "KVCacheError",
+    "MissingWeightError",
+    "ModelError",
+    "RopeType",
+    "Transformer",
+    "WeightProvider",
+    "build_model",
+]

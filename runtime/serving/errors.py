@@ -1,0 +1,52 @@
+"""Errors raised by the reference server: every one is a :class:`ServingError`."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+from ggufswap.runtime.errors import RuntimeLibraryError
+
+
+class ServingError(RuntimeLibraryError):
+    """Base class of every error the serving package raises."""
+
+
+class TokenizerError(ServingError, ValueError):
+    """The GGUF's tokenizer metadata is missing, inconsistent or of an unsupported kind."""
+
+
+class GenerateError(ServingError):
+    """A generation request could not be queued."""
+
+
+class InvalidRequest(GenerateError, ValueError):
+    """The request cannot be served as asked (too long for the context, empty prompt...)."""
+
+
+class QueueFull(GenerateError):
+    """The bounded request queue is full: the caller should retry later."""
+
+
+class Closed(GenerateError):
+    """The batcher is shutting down and takes no new requests."""
+
+
+class ListenError(ServingError, OSError):
+    """The HTTP server cannot bind its address (in use, not local, no permission)."""
+
+
+class ApiError(ServingError):
+    """An error response: HTTP status, OpenAI error type and message."""
+
+    def __init__(
+        self, status: HTTPStatus, message: str, *, kind: str, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "code": self.code}}
