@@ -44,9 +44,10 @@ from ggufswap.shards import (
     write_model,
 )
 from ggufswap.shards.atomic import temp_path_for
+from ggufswap.shards.keys import TensorNames
 
 AGENT_COMMAND_MODULE: Final = "ggufswap._cmd_agent"
-SWEPT_TENSOR: Final = "blk.{}.ffn_down_exps.weight"
+SWEPT_TENSOR: Final = TensorNames.FFN_DOWN_EXPS
 EXPERT_PATTERN: Final = r"^blk\.\d+\.ffn_(gate|up|down)_exps\.weight$"
 IPC_PATH_MAX: Final = 107
 SETTLE_MS: Final = 100

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from typing import Final
 
+from gguf.constants import MODEL_TENSOR, TENSOR_NAMES
+
 
 class Arch(str, enum.Enum):
     """The ``general.architecture`` values the project writes and the reference runtime runs."""
@@ -70,6 +72,43 @@ class Keys:
         ADD_BOS: Final = "tokenizer.ggml.add_bos_token"
         ADD_EOS: Final = "tokenizer.ggml.add_eos_token"
         ADD_SPACE_PREFIX: Final = "tokenizer.ggml.add_space_prefix"
+
+
+def tensor_template(tensor: MODEL_TENSOR, suffix: str = "weight") -> str:
+    """llama.cpp's name of ``tensor`` (gguf-py's ``TENSOR_NAMES``) as a positional template:
+    ``blk.{}.ffn_up_exps.weight``, formatted with the block index (and a ``{}`` suffix when
+    ``suffix="{}"``, for tensors that come as ``weight`` and ``bias``)."""
+    return TENSOR_NAMES[tensor].replace("{bid}", "{}") + "." + suffix
+
+
+class TensorNames:
+    """llama.cpp tensor names; per-layer templates are formatted with the block index."""
+
+    TOKEN_EMBD: Final = tensor_template(MODEL_TENSOR.TOKEN_EMBD)
+    OUTPUT_NORM: Final = tensor_template(MODEL_TENSOR.OUTPUT_NORM)
+    OUTPUT: Final = tensor_template(MODEL_TENSOR.OUTPUT)
+    ROPE_FREQS: Final = tensor_template(MODEL_TENSOR.ROPE_FREQS)
+    ATTN_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_NORM)
+    ATTN_Q: Final = tensor_template(MODEL_TENSOR.ATTN_Q, "{}")  # second field: weight or bias
+    ATTN_K: Final = tensor_template(MODEL_TENSOR.ATTN_K, "{}")
+    ATTN_V: Final = tensor_template(MODEL_TENSOR.ATTN_V, "{}")
+    ATTN_OUT: Final = tensor_template(MODEL_TENSOR.ATTN_OUT, "{}")
+    ATTN_Q_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_Q_NORM)
+    ATTN_K_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_K_NORM)
+    ATTN_POST_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_POST_NORM)  # gemma3
+    FFN_NORM: Final = tensor_template(MODEL_TENSOR.FFN_NORM)
+    FFN_POST_NORM: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM)  # gemma3
+    FFN_GATE: Final = tensor_template(MODEL_TENSOR.FFN_GATE)
+    FFN_UP: Final = tensor_template(MODEL_TENSOR.FFN_UP)
+    FFN_DOWN: Final = tensor_template(MODEL_TENSOR.FFN_DOWN)
+    FFN_GATE_INP: Final = tensor_template(MODEL_TENSOR.FFN_GATE_INP)
+    FFN_GATE_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_GATE_EXP)
+    FFN_UP_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_UP_EXP)
+    FFN_DOWN_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_EXP)
+    FFN_GATE_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_GATE_SHEXP)
+    FFN_UP_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_UP_SHEXP)
+    FFN_DOWN_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_SHEXP)
+    FFN_GATE_INP_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_GATE_INP_SHEXP)
 
 
 GGUF_MAGIC: Final = 0x46554747  # b"GGUF" read as a little-endian uint32

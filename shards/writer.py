@@ -24,7 +24,6 @@ from gguf import (
     GGML_QUANT_SIZES,
     GGML_QUANT_VERSION,
     MODEL_TENSOR,
-    TENSOR_NAMES,
     GGMLQuantizationType,
     GGUFValueType,
     Keys,
@@ -38,7 +37,7 @@ from ggufswap.shards._gguf_encode import (
     encode_metadata,
     write_gguf,
 )
-from ggufswap.shards.keys import Arch
+from ggufswap.shards.keys import Arch, tensor_template
 
 log = structlog.get_logger(__name__)
 
@@ -90,7 +89,7 @@ class Role(Enum):
 
     def tensor_name(self, block: int | None = None) -> str:
         """The llama.cpp tensor name, e.g. ``blk.3.ffn_up_exps.weight``."""
-        return TENSOR_NAMES[self.value].format(bid=block) + ".weight"
+        return tensor_template(self.value).format(block)
 
 
 NORM_ROLES: Final = frozenset(

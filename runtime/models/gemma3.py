@@ -17,8 +17,6 @@ the plain ``x * w`` RMS norm.
 
 from __future__ import annotations
 
-from typing import Final
-
 import torch
 from torch import Tensor, nn
 
@@ -30,7 +28,6 @@ from ggufswap.runtime.models.llama import (
     FeedForward,
     RopeTables,
     RotaryEmbedding,
-    TensorNames,
     WeightProvider,
     _check,
     _Spec,
@@ -38,9 +35,7 @@ from ggufswap.runtime.models.llama import (
     lm_head,
     rms_norm,
 )
-
-POST_ATTN_NORM: Final = "blk.{}.post_attention_norm.weight"
-POST_FFW_NORM: Final = "blk.{}.post_ffw_norm.weight"
+from ggufswap.shards.keys import TensorNames
 
 
 def sliding_window_mask(length: int, window: int, device: torch.device) -> Tensor:
@@ -59,9 +54,9 @@ class Gemma3Block(nn.Module):
         d = (config.n_embd,)
         self.local = config.is_local_layer(layer)
         self.attn_norm = spec.need(TensorNames.ATTN_NORM.format(layer), d)
-        self.post_attn_norm = spec.need(POST_ATTN_NORM.format(layer), d)
+        self.post_attn_norm = spec.need(TensorNames.ATTN_POST_NORM.format(layer), d)
         self.ffn_norm = spec.need(TensorNames.FFN_NORM.format(layer), d)
-        self.post_ffw_norm = spec.need(POST_FFW_NORM.format(layer), d)
+        self.post_ffw_norm = spec.need(TensorNames.FFN_POST_NORM.format(layer), d)
         self.attention = Attention(config, weights, layer, spec)
         self.feed_forward = FeedForward(config, weights, layer, spec)
 

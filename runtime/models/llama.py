@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from ggufswap.runtime.models.errors import MissingWeightError
 from ggufswap.runtime.models.hparams import Activation, HParams, RopeType
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
+from ggufswap.shards.keys import TensorNames
 
 
 class ExpertStack(Protocol):
@@ -76,34 +77,6 @@ class DictWeightProvider:
 
     def names(self) -> Iterator[str]:
         return iter(self._tensors)
-
-
-class TensorNames:
-    """llama.cpp tensor names; per-layer templates are formatted with the block index."""
-
-    TOKEN_EMBD: Final = "token_embd.weight"  # noqa: S105 (a tensor name, not a secret)
-    OUTPUT_NORM: Final = "output_norm.weight"
-    OUTPUT: Final = "output.weight"
-    ROPE_FREQS: Final = "rope_freqs.weight"
-    ATTN_NORM: Final = "blk.{}.attn_norm.weight"
-    ATTN_Q: Final = "blk.{}.attn_q.{}"  # second field: "weight" or "bias"
-    ATTN_K: Final = "blk.{}.attn_k.{}"
-    ATTN_V: Final = "blk.{}.attn_v.{}"
-    ATTN_OUT: Final = "blk.{}.attn_output.{}"
-    ATTN_Q_NORM: Final = "blk.{}.attn_q_norm.weight"
-    ATTN_K_NORM: Final = "blk.{}.attn_k_norm.weight"
-    FFN_NORM: Final = "blk.{}.ffn_norm.weight"
-    FFN_GATE: Final = "blk.{}.ffn_gate.weight"
-    FFN_UP: Final = "blk.{}.ffn_up.weight"
-    FFN_DOWN: Final = "blk.{}.ffn_down.weight"
-    FFN_GATE_INP: Final = "blk.{}.ffn_gate_inp.weight"
-    FFN_GATE_EXPS: Final = "blk.{}.ffn_gate_exps.weight"
-    FFN_UP_EXPS: Final = "blk.{}.ffn_up_exps.weight"
-    FFN_DOWN_EXPS: Final = "blk.{}.ffn_down_exps.weight"
-    FFN_GATE_SHEXP: Final = "blk.{}.ffn_gate_shexp.weight"
-    FFN_UP_SHEXP: Final = "blk.{}.ffn_up_shexp.weight"
-    FFN_DOWN_SHEXP: Final = "blk.{}.ffn_down_shexp.weight"
-    FFN_GATE_INP_SHEXP: Final = "blk.{}.ffn_gate_inp_shexp.weight"
 
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
