@@ -12,8 +12,9 @@ from typing import TypeVar
 
 from yaml.nodes import Node
 
-from ggufswap.config._nodes import Converter, Invalid, NodeReader
+from ggufswap.config._nodes import Converter, NodeReader
 from ggufswap.config.endpoints import check_endpoint
+from ggufswap.config.errors import Invalid
 from ggufswap.config.units import parse_size
 
 T = TypeVar("T")

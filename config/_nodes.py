@@ -15,7 +15,7 @@ from typing import TypeVar
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from ggufswap.config.errors import ConfigProblem
+from ggufswap.config.errors import ConfigProblem, Invalid
 
 T = TypeVar("T")
 
@@ -50,15 +50,6 @@ _KIND_NAMES = {
     Tags.STR: "a string",
     Tags.TIMESTAMP: "a date",
 }
-
-
-class Invalid(Exception):
-    """Raised by a converter; the reader records it as a problem at ``node`` (or the value)."""
-
-    def __init__(self, message: str, node: Node | None = None):
-        super().__init__(message)
-        self.message = message
-        self.node = node
 
 
 def short_tag(tag: str) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import yaml
+
 
 @dataclass(frozen=True, slots=True)
 class ConfigProblem:
@@ -47,3 +49,16 @@ class ConfigError(Exception):
 
 class MissingSectionError(ConfigError, LookupError):
     """A command needs a section (``models`` or ``runtime``) that the file does not have."""
+
+
+class Invalid(Exception):
+    """Raised by a converter; the reader records it as a problem at ``node`` (or the value).
+
+    It never leaves the loader: every ``Invalid`` becomes a :class:`ConfigProblem` of the
+    :class:`ConfigError` the loader raises, which is why it is not a ``ConfigError`` itself.
+    """
+
+    def __init__(self, message: str, node: yaml.Node | None = None):
+        super().__init__(message)
+        self.message = message
+        self.node = node

@@ -11,7 +11,7 @@ from yaml.nodes import Node
 
 from ggufswap.config._checks import cross_check
 from ggufswap.config._convert import PathKind, Values, optional
-from ggufswap.config._nodes import Invalid, NodeReader, Section
+from ggufswap.config._nodes import NodeReader, Section
 from ggufswap.config.endpoints import (
     Transport,
     check_endpoint,
@@ -20,7 +20,7 @@ from ggufswap.config.endpoints import (
     sibling_endpoint,
     transport_of,
 )
-from ggufswap.config.errors import ConfigError, ConfigProblem
+from ggufswap.config.errors import ConfigError, ConfigProblem, Invalid
 from ggufswap.config.schema import (
     DEFAULT_IGNORE,
     AgentConfig,

@@ -58,3 +58,7 @@ class InsecureEndpoint(IpcError):
 
 class EndpointInUse(IpcError):
     """An ``ipc://`` socket file is held by a live process."""
+
+
+class NotifySocketError(IpcError, ValueError):
+    """``NOTIFY_SOCKET`` does not name a socket the sd_notify client can send to."""

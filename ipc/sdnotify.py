@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 
 import structlog
 
-from ggufswap.ipc.errors import IpcError
+from ggufswap.ipc.errors import NotifySocketError
 
 log = structlog.get_logger(__name__)
 
@@ -55,14 +55,6 @@ _ABSTRACT_PREFIX = "@"
 _SEND_TIMEOUT_S = 1.0
 _FIELD_NAME = re.compile(r"[A-Z][A-Z0-9_]*\Z")
 _USEC_PER_S = 1_000_000
-
-
-class NotifySocketError(IpcError, ValueError):
-    """``NOTIFY_SOCKET`` does not name a socket this module can send to.
-
-    Defined here rather than in ``errors.py`` because nothing else raises it; it is still an
-    :class:`~ggufswap.ipc.errors.IpcError`.
-    """
 
 
 class Field:

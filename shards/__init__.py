@@ -9,6 +9,7 @@ from ggufswap.shards.errors import (
     CorruptHeaderError,
     FileChangedError,
     NotGGUFError,
+    RequantError,
     ShardError,
     ShardSetError,
     TensorLayoutError,
@@ -19,7 +20,7 @@ from ggufswap.shards.fingerprint import Fingerprinter, fingerprint, fingerprint_
 from ggufswap.shards.keys import Arch, Keys
 from ggufswap.shards.reader import ShardHeader, read_array, read_header
 from ggufswap.shards.records import ArrayRef, FileIdentity, TensorRecord, tensor_nbytes, type_sizes
-from ggufswap.shards.requant import SUPPORTED_TARGETS, RequantError, requantize, restore
+from ggufswap.shards.requant import SUPPORTED_TARGETS, requantize, restore
 from ggufswap.shards.shardset import HeaderCache, ShardSet, open_shard_set
 from ggufswap.shards.writer import (
     WRITABLE_TYPES,

@@ -46,3 +46,7 @@ class ShardSetError(ShardError):
 
 class FileChangedError(ShardError):
     """The file changed identity while it was being read."""
+
+
+class RequantError(ShardError, ValueError):
+    """A requantization request cannot be carried out (unknown tensor, unsupported type...)."""

@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ggufswap.shards import _synth
 from ggufswap.shards.atomic import atomic_copy
-from ggufswap.shards.errors import FileChangedError, ShardError
+from ggufswap.shards.errors import FileChangedError, RequantError
 from ggufswap.shards.reader import read_header
 from ggufswap.shards.records import FileIdentity
 from ggufswap.shards.writer import RawTensor, parse_type, write_gguf
@@ -41,10 +41,6 @@ _SCALAR_SIZES: Final = {
     GGUFValueType.INT64: 8,
     GGUFValueType.FLOAT64: 8,
 }
-
-
-class RequantError(ShardError, ValueError):
-    """A requantization request cannot be carried out (unknown tensor, unsupported type...)."""
 
 
 def _skip_value(blob: bytes, pos: int, vtype: GGUFValueType) -> int:
