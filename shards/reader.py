@@ -35,6 +35,7 @@ from typing import Any, Final, TypeAlias
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from ggufswap.shards._cursor import U32, U64, Cursor
 from ggufswap.shards.errors import (
     CorruptHeaderError,
     FileChangedError,
@@ -63,9 +64,6 @@ MAX_ELEMENTS: Final = (1 << 63) - 1
 # Arrays up to this many elements are decoded into the header; longer ones stay on disk.
 INLINE_ARRAY_MAX: Final = 64
 
-_CHUNK: Final = 1 << 20
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
 _PREAMBLE = struct.Struct("<IIQQ")
 
 # Fixed-size metadata value types: struct format per type.
@@ -122,111 +120,7 @@ class ShardHeader:
         return {t.name: t for t in self.tensors}
 
 
-class _Cursor:
-    """Sequential reads over a file descriptor with a chunked buffer and bounds checks."""
-
-    __slots__ = ("buf", "buf_start", "fd", "path", "pos", "size")
-
-    def __init__(self, fd: int, path: str, size: int) -> None:
-        self.fd = fd
-        self.path = path
-        self.size = size
-        self.pos = 0
-        self.buf = b""
-        self.buf_start = 0
-
-    def remaining(self) -> int:
-        return self.size - self.pos
-
-    def _fill(self, n: int, what: str) -> int:
-        """Make ``n`` bytes at ``pos`` available in ``buf``; return their index into ``buf``."""
-        start = self.pos - self.buf_start
-        if start >= 0 and start + n <= len(self.buf):
-            return start
-        if self.pos + n > self.size:
-            raise TruncatedError(
-                self.path,
-                f"{what}: needs {n} bytes but the file ends after {self.size - self.pos}",
-                pos=self.pos,
-            )
-        want = min(max(n, _CHUNK), self.size - self.pos)
-        data = os.pread(self.fd, want, self.pos)
-        if len(data) < n:  # the file shrank since fstat: it is being rewritten
-            raise TruncatedError(
-                self.path, f"{what}: short read ({len(data)} of {n} bytes)", pos=self.pos
-            )
-        self.buf = data
-        self.buf_start = self.pos
-        return 0
-
-    def unpack(self, fmt: struct.Struct, what: str) -> Any:
-        i = self._fill(fmt.size, what)
-        self.pos += fmt.size
-        return fmt.unpack_from(self.buf, i)[0]
-
-    def u32(self, what: str) -> int:
-        value: int = self.unpack(_U32, what)
-        return value
-
-    def u64(self, what: str) -> int:
-        value: int = self.unpack(_U64, what)
-        return value
-
-    def raw(self, n: int, what: str) -> bytes:
-        i = self._fill(n, what)
-        self.pos += n
-        return self.buf[i : i + n]
-
-    def string(self, what: str, *, max_len: int | None = None) -> bytes:
-        at = self.pos
-        n = self.u64(f"{what} length")
-        if max_len is not None and n > max_len:
-            raise CorruptHeaderError(
-                self.path, f"{what}: length {n} exceeds the limit of {max_len} bytes", pos=at
-            )
-        if n > self.remaining():
-            raise TruncatedError(
-                self.path,
-                f"{what}: declares {n} bytes but only {self.remaining()} remain in the file",
-                pos=at,
-            )
-        return self.raw(n, what)
-
-    def skip(self, n: int, what: str) -> None:
-        if n > self.remaining():
-            raise TruncatedError(
-                self.path,
-                f"{what}: declares {n} bytes but only {self.remaining()} remain in the file",
-                pos=self.pos,
-            )
-        self.pos += n
-
-    def skip_strings(self, count: int, what: str) -> None:
-        """Walk ``count`` length-prefixed strings without decoding them (the vocabulary case)."""
-        # The hot loop of a header parse: locals only, one add per string, and the bounds check
-        # only where the buffer runs out (a length past the end lands there too).
-        unpack_len = _U64.unpack_from
-        i = self._fill(0, what)  # before taking self.buf: _fill may replace the buffer
-        buf, base = self.buf, self.buf_start
-        limit = len(buf) - 8
-        for index in range(count):
-            if i > limit:
-                self._seek_checked(base + i, f"{what}[{index}]")
-                i = self._fill(8, f"{what}[{index}] length")
-                buf, base = self.buf, self.buf_start
-                limit = len(buf) - 8
-            i += 8 + unpack_len(buf, i)[0]
-        self._seek_checked(base + i, f"{what}[{count - 1}]")
-
-    def _seek_checked(self, pos: int, what: str) -> None:
-        if pos > self.size:
-            raise TruncatedError(
-                self.path, f"{what}: string runs {pos - self.size} bytes past the end of the file"
-            )
-        self.pos = pos
-
-
-def _value_type(cur: _Cursor, code: int, what: str, at: int) -> GGUFValueType:
+def _value_type(cur: Cursor, code: int, what: str, at: int) -> GGUFValueType:
     vtype = _VALUE_TYPES.get(code)
     if vtype is None:
         raise CorruptHeaderError(
@@ -237,14 +131,14 @@ def _value_type(cur: _Cursor, code: int, what: str, at: int) -> GGUFValueType:
     return vtype
 
 
-def _decode(raw: bytes, cur: _Cursor, what: str, at: int) -> str:
+def _decode(raw: bytes, cur: Cursor, what: str, at: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CorruptHeaderError(cur.path, f"{what}: not valid UTF-8 ({exc})", pos=at) from None
 
 
-def _read_array(cur: _Cursor, key: str) -> MetaValue:
+def _read_array(cur: Cursor, key: str) -> MetaValue:
     at = cur.pos
     elem_type = _value_type(cur, cur.u32(f"{key}: array type"), f"{key}: array element", at)
     count_at = cur.pos
@@ -282,7 +176,7 @@ def _read_array(cur: _Cursor, key: str) -> MetaValue:
     return ArrayRef(elem_type.value, count, start, nbytes)
 
 
-def _read_kv(cur: _Cursor, n_kv: int) -> tuple[dict[str, MetaValue], dict[str, GGUFValueType]]:
+def _read_kv(cur: Cursor, n_kv: int) -> tuple[dict[str, MetaValue], dict[str, GGUFValueType]]:
     metadata: dict[str, MetaValue] = {}
     types: dict[str, GGUFValueType] = {}
     for index in range(n_kv):
@@ -329,7 +223,7 @@ def _alignment(
 
 
 def _read_tensor_info(
-    cur: _Cursor, index: int
+    cur: Cursor, index: int
 ) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int, int]:
     at = cur.pos
     name = _decode(
@@ -393,7 +287,7 @@ def _check_layout(path: str, tensors: list[TensorRecord], size: int) -> None:
 
 
 def _parse(fd: int, path: str, identity: FileIdentity) -> ShardHeader:
-    cur = _Cursor(fd, path, identity.size)
+    cur = Cursor(fd, path, identity.size)
     if identity.size < _PREAMBLE.size:
         if identity.size >= 4 and cur.u32("magic") != GGUF_MAGIC:
             raise NotGGUFError(path, "missing GGUF magic", pos=0)
@@ -402,10 +296,10 @@ def _parse(fd: int, path: str, identity: FileIdentity) -> ShardHeader:
         )
     magic = cur.u32("magic")
     if magic != GGUF_MAGIC:
-        raise NotGGUFError(path, f"expected magic b'GGUF', found {_U32.pack(magic)!r}", pos=0)
+        raise NotGGUFError(path, f"expected magic b'GGUF', found {U32.pack(magic)!r}", pos=0)
     version = cur.u32("version")
     if version not in GGUF_SUPPORTED_VERSIONS:
-        swapped = int.from_bytes(_U32.pack(version), "big")
+        swapped = int.from_bytes(U32.pack(version), "big")
         hint = (
             " (this is a big-endian file; only little-endian GGUF is supported)"
             if swapped in GGUF_SUPPORTED_VERSIONS
@@ -526,7 +420,7 @@ def read_array(header: ShardHeader, key: str) -> list[Any]:
     out: list[Any] = []
     pos = 0
     for _ in range(value.count):
-        n = _U64.unpack_from(data, pos)[0]
+        n = U64.unpack_from(data, pos)[0]
         out.append(data[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"))
         pos += 8 + n
     return out
