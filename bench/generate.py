@@ -32,7 +32,8 @@ from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.models.registry import Decoder
 from ggufswap.runtime.serving import GgufTokenizer
 from ggufswap.runtime.serving.generate import greedy_continuation
-from ggufswap.shards.writer import tiny_arch, write_model
+from ggufswap.shards.presets import tiny_arch
+from ggufswap.shards.writer import write_model
 
 PROMPT: Final = (
     "The history of the Python language began in the late 1980s, when Guido van Rossum started "

@@ -107,7 +107,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from ggufswap.shards.writer import Layout, demo_moe, tiny_dense, tiny_moe, write_model
+    from ggufswap.shards.presets import demo_moe, tiny_dense, tiny_moe
+    from ggufswap.shards.writer import Layout, write_model
 
     presets = {"tiny-dense": tiny_dense, "tiny-moe": tiny_moe, "demo-moe": demo_moe}
     preset = args.preset or ("tiny-moe" if args.arch == "qwen3moe" else "tiny-dense")

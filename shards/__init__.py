@@ -18,6 +18,7 @@ from ggufswap.shards.errors import (
 )
 from ggufswap.shards.fingerprint import Fingerprinter, fingerprint, fingerprint_bytes
 from ggufswap.shards.keys import Arch, Keys
+from ggufswap.shards.presets import demo_moe, tiny_arch, tiny_dense, tiny_moe
 from ggufswap.shards.reader import ShardHeader, read_array, read_header
 from ggufswap.shards.records import ArrayRef, FileIdentity, TensorRecord, tensor_nbytes, type_sizes
 from ggufswap.shards.requant import SUPPORTED_TARGETS, requantize, restore
@@ -27,10 +28,7 @@ from ggufswap.shards.writer import (
     Layout,
     ModelSpec,
     Role,
-    demo_moe,
     plan_tensors,
-    tiny_dense,
-    tiny_moe,
     write_model,
 )
 
@@ -79,6 +77,7 @@ __all__ = [
     "requantize",
     "restore",
     "tensor_nbytes",
+    "tiny_arch",
     "tiny_dense",
     "tiny_moe",
     "type_sizes",

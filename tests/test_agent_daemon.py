@@ -27,7 +27,8 @@ from ggufswap.agent import AgentDaemon
 from ggufswap.config import WatchBackend, load_config
 from ggufswap.ipc import Fields, MessageType, make_message, request
 from ggufswap.shards import fingerprint, requantize
-from ggufswap.shards.writer import tiny_dense, write_model
+from ggufswap.shards.presets import tiny_dense
+from ggufswap.shards.writer import write_model
 
 
 @dataclass

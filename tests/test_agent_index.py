@@ -19,7 +19,8 @@ from ggufswap.agent import Health, ModelIndex, plan_id_for, reconcile
 from ggufswap.config import ModelConfig, TensorFilter, VerifyMode, WatchConfig
 from ggufswap.ipc import SlotState, TensorEntry
 from ggufswap.shards import Fingerprinter, HeaderCache, fingerprint, requantize
-from ggufswap.shards.writer import tiny_dense, write_model
+from ggufswap.shards.presets import tiny_dense
+from ggufswap.shards.writer import write_model
 
 
 def model_config(directory: Path, **overrides: object) -> ModelConfig:

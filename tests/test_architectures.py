@@ -16,7 +16,8 @@ from ggufswap.runtime.models.hparams import Arch, HParams
 from ggufswap.runtime.models.llama import DictWeightProvider
 from ggufswap.runtime.models.registry import DECODERS, build_model
 from ggufswap.shards import read_header, requantize
-from ggufswap.shards.writer import ModelSpec, tiny_arch, write_model
+from ggufswap.shards.presets import tiny_arch
+from ggufswap.shards.writer import ModelSpec, write_model
 
 TOKENS = torch.tensor(
     [[1, 17, 33, 250, 4, 99, 7, 128, 5, 60], [200, 3, 45, 45, 12, 0, 255, 64, 9, 9]]

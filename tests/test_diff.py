@@ -26,7 +26,8 @@ from ggufswap.shards import (
     read_header,
     tensor_nbytes,
 )
-from ggufswap.shards.writer import Layout, tiny_moe, write_model
+from ggufswap.shards.presets import tiny_moe
+from ggufswap.shards.writer import Layout, write_model
 
 Q = GGMLQuantizationType
 ID_A = FileIdentity(1, 10, 1 << 20, 100, 100)

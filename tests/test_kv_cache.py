@@ -27,7 +27,8 @@ from ggufswap.runtime.serving.generate import (
     TextDelta,
     greedy_continuation,
 )
-from ggufswap.shards.writer import ModelSpec, tiny_arch, tiny_dense, tiny_moe, write_model
+from ggufswap.shards.presets import tiny_arch, tiny_dense, tiny_moe
+from ggufswap.shards.writer import ModelSpec, write_model
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 

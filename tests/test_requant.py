@@ -13,9 +13,10 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from ggufswap.shards.errors import ShardError
+from ggufswap.shards.presets import demo_moe, tiny_moe
 from ggufswap.shards.reader import read_header
 from ggufswap.shards.requant import SUPPORTED_TARGETS, RequantError, requantize, restore
-from ggufswap.shards.writer import Layout, demo_moe, tiny_moe, write_model
+from ggufswap.shards.writer import Layout, write_model
 
 UP = "blk.1.ffn_up_exps.weight"
 

@@ -25,8 +25,9 @@ from ggufswap.shards import (
     open_shard_set,
     read_header,
 )
+from ggufswap.shards.presets import tiny_moe
 from ggufswap.shards.shardset import split_path
-from ggufswap.shards.writer import Layout, tiny_moe, write_model
+from ggufswap.shards.writer import Layout, write_model
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ from ggufswap.runtime.serving.tokenizer import (
     Vocabulary,
     spm_merges,
 )
-from ggufswap.shards.writer import tiny_dense, write_model
+from ggufswap.shards.presets import tiny_dense
+from ggufswap.shards.writer import write_model
 
 pytest.importorskip("tokenizers", reason="the tokenizer needs `pip install tokenizers`")
 

@@ -16,6 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from ggufswap.shards.atomic import atomic_copy, atomic_replace, atomic_write, is_temp_name
+from ggufswap.shards.presets import demo_moe, tiny_dense, tiny_moe
 from ggufswap.shards.reader import read_header
 from ggufswap.shards.writer import (
     NORM_ROLES,
@@ -24,10 +25,7 @@ from ggufswap.shards.writer import (
     Layout,
     ModelSpec,
     Role,
-    demo_moe,
     plan_tensors,
-    tiny_dense,
-    tiny_moe,
     write_model,
 )
 

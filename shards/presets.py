@@ -1,0 +1,72 @@
+"""Preset model specs: the tiny models the tests use and the demo's model.
+
+Each returns a :class:`~ggufswap.shards.writer.ModelSpec`; keyword overrides replace any field
+(``tiny_moe(n_layers=2)``). ``ggufswap make-model --preset NAME`` writes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from ggufswap.shards.keys import Arch
+from ggufswap.shards.writer import ModelSpec
+
+
+def tiny_dense(**overrides: Any) -> ModelSpec:
+    """A 2-block dense llama (n_embd 64, vocab 256): the smallest realistic model."""
+    return replace(ModelSpec(arch=Arch.LLAMA, name="tiny-dense"), **overrides)
+
+
+def tiny_moe(**overrides: Any) -> ModelSpec:
+    """A 4-block qwen3moe with 4 experts, 2 used (n_embd 64, vocab 256)."""
+    base = ModelSpec(
+        arch=Arch.QWEN3MOE,
+        name="tiny-moe",
+        n_layers=4,
+        n_ff=128,
+        n_expert=4,
+        n_expert_used=2,
+        n_ff_expert=64,
+    )
+    return replace(base, **overrides)
+
+
+def tiny_arch(arch: Arch | str, **overrides: Any) -> ModelSpec:
+    """A tiny model of ``arch``: dense, or 4 experts (2 used) for the MoE-only archs (qwen2moe
+    with a shared expert). gemma3 gets six blocks (five sliding-window layers, then a global one)
+    and a window of 4.
+    """
+    arch = Arch(arch)
+    if arch is Arch.QWEN3MOE:
+        return tiny_moe(**overrides)
+    if arch is Arch.QWEN2MOE:
+        return tiny_moe(
+            **{"arch": arch, "name": "tiny-qwen2moe", "shared_expert": True, **overrides}
+        )
+    n_layers = 6 if arch is Arch.GEMMA3 else 2
+    base = ModelSpec(arch=arch, name=f"tiny-{arch.value}", n_layers=n_layers)
+    return replace(base, **overrides)
+
+
+def demo_moe(**overrides: Any) -> ModelSpec:
+    """The demo model: a 4-block qwen3moe, 8 experts (2 used), n_embd 256, vocab 512.
+
+    Rows of 256 elements let every tensor but the norms and routers take any writable type,
+    K-quants and IQ4_XS included.
+    """
+    base = ModelSpec(
+        arch=Arch.QWEN3MOE,
+        name="demo-moe",
+        n_layers=4,
+        n_embd=256,
+        n_head=8,
+        n_head_kv=4,
+        n_ff=512,
+        n_vocab=512,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_expert=256,
+        context_length=512,
+    )
+    return replace(base, **overrides)
