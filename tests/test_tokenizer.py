@@ -206,7 +206,7 @@ def test_a_written_model_file_gives_its_tokenizer(tmp_path: Path) -> None:
 def test_streamed_text_is_always_a_prefix_of_the_final_text() -> None:
     """A trailing run of byte tokens is held back: <0x79> decodes to 'y' alone, but with <0x80>
     the group is invalid UTF-8 and both bytes become U+FFFD, so 'y' must not be streamed early."""
-    from ggufswap.runtime.serving.generate import sendable_end
+    from ggufswap.runtime.serving.streaming import sendable_end
 
     tok = spm()
     y, cont, cat = (tok.token_id(t) for t in ("<0x79>", "<0x80>", f"{SPACE}cat"))

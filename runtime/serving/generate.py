@@ -47,12 +47,12 @@ from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.runtime.models.registry import Decoder
 from ggufswap.runtime.serving.errors import Closed, InvalidRequest, QueueFull
+from ggufswap.runtime.serving.streaming import first_stop, sendable_end
 from ggufswap.runtime.serving.tokenizer import GgufTokenizer
 
 log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S: Final = 0.1  # an idle loop wakes on a request or a staged plan, or this often
-REPLACEMENT: Final = "\ufffd"  # an incomplete UTF-8 sequence decodes to this; held back
 
 
 class FinishReason(str, enum.Enum):
@@ -362,7 +362,7 @@ class Batcher:
         if not eos:
             seq.ids.append(next_id)
         text = self.tokenizer.decode(seq.completion)
-        cut = _first_stop(text, sampling.stop, since=seq.sent)
+        cut = first_stop(text, sampling.stop, since=seq.sent)
         if cut is not None:
             self._finish(seq, text[:cut], FinishReason.STOP)
         elif eos:
@@ -470,40 +470,3 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator |
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def _first_stop(text: str, stops: Sequence[str], *, since: int) -> int | None:
-    """Where the earliest stop string starts in ``text`` at or after ``since`` (text already sent
-    never holds a whole stop string: ``_safe_end`` keeps the tail that could start one)."""
-    found = [i for s in stops if (i := text.find(s, since)) >= 0]
-    return min(found) if found else None
-
-
-def sendable_end(
-    tokenizer: GgufTokenizer,
-    completion: Sequence[int],
-    text: str,
-    stops: Sequence[str],
-    *,
-    sent: int,
-) -> int:
-    """How much of ``text`` (the decode of ``completion``) can be streamed now, so that what is
-    streamed is always a prefix of the final text: not a tail that could start a stop string, not
-    an incomplete UTF-8 sequence, and not the text of a trailing run of byte-fallback tokens."""
-    end = _safe_end(text, stops, sent=sent)
-    run = tokenizer.trailing_byte_tokens(completion)
-    if run:
-        settled = tokenizer.decode(completion[: len(completion) - run])
-        end = min(end, len(settled) if text.startswith(settled) else sent)
-    return max(end, sent)
-
-
-def _safe_end(text: str, stops: Sequence[str], *, sent: int) -> int:
-    """How much of ``text`` may be sent: not a tail that could start a stop string, nor an
-    incomplete UTF-8 sequence (decoded as U+FFFD until its last byte arrives)."""
-    end = len(text)
-    if stops:
-        end = max(sent, end - (max(len(s) for s in stops) - 1))
-    while end > sent and text[end - 1] == REPLACEMENT:
-        end -= 1
-    return end
