@@ -17,6 +17,10 @@ Speed: torch's elementwise loops pay a few nanoseconds per contiguous run and do
 uint8 shifts, so bit operations run as SWAR on int64 words over the whole chunk's bytes (header
 bytes included, then ignored); the int8->float32 conversion is one contiguous pass; only the
 scaling walks the block structure, writing each output element once.
+
+Size: one kernel per GGML type plus the SWAR helpers they share, ending in the one ``KERNELS``
+table; at ~500 lines it stays one module so the table and every kernel it names read together
+(issue 13's new types belong in a second kernel module with its own table).
 """
 
 from __future__ import annotations
