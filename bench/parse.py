@@ -17,7 +17,7 @@ from typing import Any
 
 from gguf import GGUFReader
 
-from ggufswap.shards import read_header
+from ggufswap.shards import Keys, read_header
 from ggufswap.shards.writer import Arch, ModelSpec, write_model
 
 TARGET_RATIO = 100.0
@@ -64,7 +64,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
         (path,) = write_model(bench_spec(), Path(tmp))
         header = read_header(path)  # warm the page cache and check the file
         n_tensors = len(header.tensors)
-        vocab = header.metadata["tokenizer.ggml.tokens"]
+        vocab = header.metadata[Keys.Tokenizer.TOKENS]
         assert n_tensors >= 1000, n_tensors
         assert getattr(vocab, "count", 0) == VOCAB, vocab
         ours = best_of(3 if quick else 5, lambda: read_header(path))
