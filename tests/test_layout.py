@@ -124,6 +124,18 @@ PLANTED = [
 ]
 
 
+def _run_in_copy(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run Python with ``root`` (a copied ggufswap tree) first on its import path."""
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        cwd=root.parent,
+        check=False,
+    )
+
+
 @pytest.mark.parametrize(("path", "statement", "rule"), PLANTED, ids=[p[0] for p in PLANTED])
 def test_a_planted_violation_is_caught(
     tmp_path: Path, path: str, statement: str, rule: str
@@ -136,44 +148,18 @@ def test_a_planted_violation_is_caught(
     target.write_text(
         target.read_text() + f"\n\ndef _planted() -> None:\n    {statement}  # noqa\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "layout_rules.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        check=False,
-    )
+    out = _run_in_copy(root, str(REPO / "tests" / "layout_rules.py"))
     assert out.returncode == 1, out.stdout + out.stderr
-    lines = out.stdout.splitlines()
-    assert any(line.startswith(rule) for line in lines), lines
-    assert len(lines) >= 1
+    assert any(line.startswith(rule) for line in out.stdout.splitlines()), out.stdout
 
 
 def test_the_untouched_copy_passes(tmp_path: Path) -> None:
     """Paired with the planted violations: the copy itself breaks no rule (the checks read it)."""
     root = tmp_path / "site"
     layout_rules.copy_installed_layout(REPO, root)
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    code = "import ggufswap, sys; print(ggufswap.__file__)"
-    where = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        check=True,
-    )
-    assert where.stdout.strip().startswith(str(root)), where.stdout
-    out = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "layout_rules.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        check=False,
-    )
+    where = _run_in_copy(root, "-c", "import ggufswap; print(ggufswap.__file__)")
+    assert where.stdout.strip().startswith(str(root)), where.stdout + where.stderr
+    out = _run_in_copy(root, str(REPO / "tests" / "layout_rules.py"))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
