@@ -14,7 +14,8 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 PRESETS = ("tiny-dense", "tiny-moe", "demo-moe")
-ARCHES = ("llama", "qwen3moe")
+ARCHES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3")  # shards.keys.Arch values
+MOE_ONLY_ARCHES = ("qwen2moe", "qwen3moe")  # default preset tiny-moe (qwen2moe: shared expert)
 LAYOUTS = ("single", "split", "per-tensor")  # ggufswap.shards.writer.Layout values
 
 
@@ -23,19 +24,25 @@ def register(subparsers: Any) -> None:
         "make-model",
         help="write a small deterministic GGUF model (tests, demo)",
         description=(
-            "Write a small llama.cpp-compatible GGUF model with seeded weights; prints the "
+            "Write a small GGUF model with seeded weights that llama.cpp loads as the "
+            "architecture it names (options llama.cpp would refuse, such as a shared expert for "
+            "qwen3moe or a tied output for qwen2moe, are refused with the reason); prints the "
             "written files, the file to load first. Same options, byte-identical files."
         ),
     )
     make.add_argument("out_dir", metavar="OUT_DIR")
     make.add_argument(
-        "--preset", choices=PRESETS, help="base model (default: tiny-dense, tiny-moe for qwen3moe)"
+        "--preset",
+        choices=PRESETS,
+        help="base model (default: tiny-moe for qwen2moe/qwen3moe, else tiny-dense)",
     )
     make.add_argument("--arch", choices=ARCHES)
     make.add_argument("--layers", type=int, metavar="N", help="number of blocks")
     make.add_argument("--experts", type=int, metavar="N", help="experts per MoE block (0: dense)")
     make.add_argument("--experts-used", type=int, metavar="N", help="experts used per token")
-    make.add_argument("--shared-expert", action="store_true", help="add ffn_*_shexp tensors")
+    make.add_argument(
+        "--shared-expert", action="store_true", help="add ffn_*_shexp tensors (qwen2moe: always)"
+    )
     make.add_argument("--tied-output", action="store_true", help="no output.weight")
     make.add_argument("--layout", choices=LAYOUTS, default="single")
     make.add_argument("--max-tensors-per-shard", type=int, metavar="N", help="for --layout split")
@@ -77,6 +84,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if args.arch is not None:
         out["arch"] = Arch(args.arch)
+        if args.arch == Arch.QWEN2MOE.value:
+            out["shared_expert"] = True  # llama.cpp's qwen2moe requires it
     if args.layers is not None:
         out["n_layers"] = args.layers
     if args.experts is not None:
@@ -111,7 +120,7 @@ def run_make_model(args: argparse.Namespace) -> int:
     from ggufswap.shards.writer import Layout, write_model
 
     presets = {"tiny-dense": tiny_dense, "tiny-moe": tiny_moe, "demo-moe": demo_moe}
-    preset = args.preset or ("tiny-moe" if args.arch == "qwen3moe" else "tiny-dense")
+    preset = args.preset or ("tiny-moe" if args.arch in MOE_ONLY_ARCHES else "tiny-dense")
     try:
         spec = presets[preset](**_overrides(args))
         paths = write_model(

@@ -48,15 +48,19 @@ class Keys:
         HEAD_COUNT: Final = "{}.attention.head_count"
         HEAD_COUNT_KV: Final = "{}.attention.head_count_kv"
         KEY_LENGTH: Final = "{}.attention.key_length"
+        VALUE_LENGTH: Final = "{}.attention.value_length"
         RMS_EPS: Final = "{}.attention.layer_norm_rms_epsilon"
         ROPE_FREQ_BASE: Final = "{}.rope.freq_base"
         ROPE_DIMENSION_COUNT: Final = "{}.rope.dimension_count"
         ROPE_SCALING_TYPE: Final = "{}.rope.scaling.type"
         ROPE_SCALING_FACTOR: Final = "{}.rope.scaling.factor"
+        ROPE_SCALE_LINEAR: Final = "{}.rope.scale_linear"  # the old name of scaling.factor
+        ROPE_FREQ_BASE_SWA: Final = "{}.rope.freq_base_swa"
         EXPERT_WEIGHTS_NORM: Final = "{}.expert_weights_norm"
         EXPERT_WEIGHTS_SCALE: Final = "{}.expert_weights_scale"
         EXPERT_GATING_FUNC: Final = "{}.expert_gating_func"
         SLIDING_WINDOW: Final = "{}.attention.sliding_window"
+        SLIDING_WINDOW_PATTERN: Final = "{}.attention.sliding_window_pattern"
         FINAL_LOGIT_SOFTCAPPING: Final = "{}.final_logit_softcapping"
 
     class Tokenizer:

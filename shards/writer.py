@@ -6,6 +6,12 @@ A ``ModelSpec`` describes a tiny ``llama`` (dense, or Mixtral-style MoE), ``qwen
 Tensor names and metadata keys are llama.cpp's (taken from gguf-py's constants), weights are
 seeded per tensor name, and the encoder embeds no timestamps: the same spec always gives
 byte-identical files. Every file is written atomically (``shards.atomic``).
+
+Every file written is one llama.cpp loads as the architecture it names: a spec that llama.cpp's
+loader would refuse (``shards.archs``: qwen3moe with a shared expert, qwen2moe without one or
+with a tied output, llama with experts in some blocks only, ...) is refused by ``ModelSpec``
+with the reason, and llama MoE files take llama.cpp's (Mixtral) form: ``feed_forward_length`` is
+the per-expert width and there is no ``expert_feed_forward_length``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from ggufswap.shards._gguf_encode import (
     encode_metadata,
     write_gguf,
 )
+from ggufswap.shards.archs import Experts, ExpertWidth, SharedExpert, rules_of
 from ggufswap.shards.keys import Arch, tensor_template
 
 log = structlog.get_logger(__name__)
@@ -44,11 +51,6 @@ log = structlog.get_logger(__name__)
 Q = GGMLQuantizationType
 WRITABLE_TYPES: Final = _synth.WRITABLE_TYPES
 SHARD_NAME_FORMAT: Final = "{}-{:05d}-of-{:05d}.gguf"
-
-
-QK_NORM_ARCHS: Final = frozenset({Arch.QWEN3, Arch.QWEN3MOE, Arch.GEMMA3})
-DENSE_ONLY_ARCHS: Final = frozenset({Arch.QWEN2, Arch.QWEN3, Arch.GEMMA3})
-MOE_ONLY_ARCHS: Final = frozenset({Arch.QWEN2MOE, Arch.QWEN3MOE})
 
 
 class Layout(Enum):
@@ -145,7 +147,7 @@ class ModelSpec:
     n_head: int = 4
     n_head_kv: int = 2
     head_dim: int | None = None  # None = n_embd // n_head (see n_embd_head)
-    n_ff: int = 128  # dense FFN width (dense layers only)
+    n_ff: int = 128  # dense FFN width (dense layers only; llama MoE writes n_ff_expert instead)
     n_vocab: int = 256
     n_expert: int = 0  # 0 = dense model
     n_expert_used: int = 0
@@ -160,7 +162,9 @@ class ModelSpec:
     context_length: int = 256
     seed: int = 0
     types: Mapping[Role, GGMLQuantizationType] = field(default_factory=dict, hash=False)
-    extra_vocab_strings: int = 0  # extra tokenizer entries (the header-parse benchmark)
+    # Extra vocabulary entries (the header-parse benchmark): llama.cpp sizes token_embd and output
+    # by the tokenizer's token list, so each is a real token with its rows (see vocab_size).
+    extra_vocab_strings: int = 0
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -186,6 +190,11 @@ class ModelSpec:
         if self.head_dim is not None:
             return self.head_dim
         return self.n_embd // self.n_head if self.n_head > 0 else 0
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens in the vocabulary, extras included: the rows of token_embd and output."""
+        return self.n_vocab + self.extra_vocab_strings
 
     @property
     def moe_blocks(self) -> tuple[int, ...]:
@@ -222,12 +231,7 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
     bad = [b for b in spec.moe_blocks if not 0 <= b < spec.n_layers]
     if bad:
         errors.append(f"moe_layers {bad} outside 0..{spec.n_layers - 1}")
-    if spec.arch in MOE_ONLY_ARCHS and len(spec.moe_blocks) != spec.n_layers:
-        errors.append(
-            f"{spec.arch_name} needs n_expert > 0 and every block MoE (llama.cpp requires it)"
-        )
-    if spec.arch in DENSE_ONLY_ARCHS and spec.n_expert:
-        errors.append(f"{spec.arch_name} is dense: n_expert must be 0, found {spec.n_expert}")
+    errors += _llama_cpp_errors(spec)
     if spec.sliding_window <= 0:
         errors.append(f"sliding_window must be > 0, found {spec.sliding_window}")
     if spec.extra_vocab_strings < 0:
@@ -254,6 +258,38 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
     return errors
 
 
+def _llama_cpp_errors(spec: ModelSpec) -> list[str]:
+    """What llama.cpp's loader would refuse in a file of this spec (``shards.archs``)."""
+    rules, a = rules_of(spec.arch), spec.arch_name
+    why = f"(llama.cpp: {rules.source})"
+    errors = []
+    if rules.experts is Experts.NONE and spec.n_expert:
+        errors.append(f"{a} is dense: n_expert must be 0, found {spec.n_expert} {why}")
+    if rules.experts is Experts.ALL and spec.n_expert <= 0:
+        errors.append(f"{a} needs n_expert > 0: every {a} block is MoE {why}")
+    if spec.n_expert > 0 and len(spec.moe_blocks) != spec.n_layers:
+        errors.append(
+            f"{a} has experts in every block or in none: moe_layers {list(spec.moe_blocks)} "
+            f"of {spec.n_layers} blocks would be refused {why}"
+        )
+    if spec.n_expert > 0 and rules.shared_expert is SharedExpert.NONE and spec.shared_expert:
+        errors.append(
+            f"{a} has no shared expert: llama.cpp refuses the ffn_*_shexp tensors "
+            f"(wrong number of tensors) {why}"
+        )
+    if rules.shared_expert is SharedExpert.REQUIRED and not spec.shared_expert:
+        errors.append(f"{a} needs shared_expert: llama.cpp requires ffn_*_shexp tensors {why}")
+    if spec.tied_output and not rules.tied_output:
+        errors.append(f"{a} cannot tie its output: llama.cpp requires output.weight {why}")
+    fixed_head = spec.n_head > 0 and not rules.free_head_dim
+    if fixed_head and (spec.n_embd % spec.n_head or spec.n_embd_head * spec.n_head != spec.n_embd):
+        errors.append(
+            f"{a} needs head_dim = n_embd / n_head ({spec.n_embd} / {spec.n_head}): llama.cpp "
+            f"sizes attn_q as {{n_embd, n_embd}}, found head_dim {spec.n_embd_head} {why}"
+        )
+    return errors
+
+
 @dataclass(frozen=True, slots=True)
 class PlannedTensor:
     """One tensor the spec implies: llama.cpp name, role, type, ``ne`` (ggml order)."""
@@ -276,23 +312,23 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
         errors = _spec_errors(spec)
         if errors:
             raise ValueError(f"invalid ModelSpec {spec.name!r}:\n  " + "\n  ".join(errors))
-    e, hd = spec.n_embd, spec.n_embd_head
+    e, hd, rules = spec.n_embd, spec.n_embd_head, rules_of(spec.arch)
     out: list[PlannedTensor] = []
 
     def add(role: Role, ne: tuple[int, ...], block: int | None = None) -> None:
         out.append(PlannedTensor(role.tensor_name(block), role, spec.type_of(role), ne, block))
 
-    add(Role.TOKEN_EMBD, (e, spec.n_vocab))
+    add(Role.TOKEN_EMBD, (e, spec.vocab_size))
     for b in range(spec.n_layers):
         add(Role.ATTN_NORM, (e,), b)
         add(Role.ATTN_Q, (e, spec.n_head * hd), b)
         add(Role.ATTN_K, (e, spec.n_head_kv * hd), b)
         add(Role.ATTN_V, (e, spec.n_head_kv * hd), b)
         add(Role.ATTN_O, (spec.n_head * hd, e), b)
-        if spec.arch in QK_NORM_ARCHS:
+        if rules.qk_norm:
             add(Role.ATTN_Q_NORM, (hd,), b)
             add(Role.ATTN_K_NORM, (hd,), b)
-        if spec.arch is Arch.GEMMA3:
+        if rules.post_norms:
             add(Role.ATTN_POST_NORM, (e,), b)
             add(Role.FFN_POST_NORM, (e,), b)
         add(Role.FFN_NORM, (e,), b)
@@ -314,7 +350,7 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
             add(Role.FFN_DOWN, (spec.n_ff, e), b)
     add(Role.OUTPUT_NORM, (e,))
     if not spec.tied_output:
-        add(Role.OUTPUT, (e, spec.n_vocab))
+        add(Role.OUTPUT, (e, spec.vocab_size))
     return tuple(out)
 
 
@@ -350,6 +386,15 @@ def _file_type(tensors: Sequence[PlannedTensor]) -> int:
     return int(LlamaFileType.ALL_F32)
 
 
+def _feed_forward_length(spec: ModelSpec) -> int:
+    """``{arch}.feed_forward_length``: the dense width, or for an MoE architecture whose experts
+    are sized by it (llama, as llama.cpp's converter writes Mixtral) the per-expert width."""
+    rules = rules_of(spec.arch)
+    if spec.n_expert > 0 and rules.expert_width is ExpertWidth.FEED_FORWARD_LENGTH:
+        return spec.n_ff_expert
+    return spec.n_ff
+
+
 def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
     """The key/value metadata of ``spec``, in file order (llama.cpp's keys)."""
     a = spec.arch_name
@@ -365,23 +410,25 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
         (LLM.BLOCK_COUNT.format(arch=a), _u32(spec.n_layers)),
         (LLM.CONTEXT_LENGTH.format(arch=a), _u32(spec.context_length)),
         (LLM.EMBEDDING_LENGTH.format(arch=a), _u32(spec.n_embd)),
-        (LLM.FEED_FORWARD_LENGTH.format(arch=a), _u32(spec.n_ff)),
+        (LLM.FEED_FORWARD_LENGTH.format(arch=a), _u32(_feed_forward_length(spec))),
         (ATT.HEAD_COUNT.format(arch=a), _u32(spec.n_head)),
         (ATT.HEAD_COUNT_KV.format(arch=a), _u32(spec.n_head_kv)),
         (ATT.KEY_LENGTH.format(arch=a), _u32(spec.n_embd_head)),
         (ATT.VALUE_LENGTH.format(arch=a), _u32(spec.n_embd_head)),
         (ATT.LAYERNORM_RMS_EPS.format(arch=a), _f32(spec.rms_eps)),
         (Keys.Rope.FREQ_BASE.format(arch=a), _f32(spec.rope_freq_base)),
-        (LLM.VOCAB_SIZE.format(arch=a), _u32(spec.n_vocab)),
+        (LLM.VOCAB_SIZE.format(arch=a), _u32(spec.vocab_size)),
     ]
     if spec.arch is Arch.GEMMA3:
         kv.append((ATT.SLIDING_WINDOW.format(arch=a), _u32(spec.sliding_window)))
+    rules = rules_of(spec.arch)
     if spec.n_expert > 0:
         kv += [
             (LLM.EXPERT_COUNT.format(arch=a), _u32(spec.n_expert)),
             (LLM.EXPERT_USED_COUNT.format(arch=a), _u32(spec.n_expert_used)),
-            (LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=a), _u32(spec.n_ff_expert)),
         ]
+        if rules.expert_width is ExpertWidth.EXPERT_KEY_OR_SPLIT:
+            kv.append((LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=a), _u32(spec.n_ff_expert)))
         if spec.shared_expert:
             key = LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a)
             kv.append((key, _u32(spec.n_ff_shexp)))

@@ -156,10 +156,34 @@ def test_gemma3_reads_rope_scaling_and_refuses_unknown_kinds() -> None:
         HParams.from_metadata(
             _gemma_md(**{"gemma3.rope.scaling.type": "yarn", "gemma3.rope.scaling.factor": 4.0})
         )
-    md = _gemma_md()
+
+
+def test_gemma3_without_a_sliding_window_has_only_global_layers() -> None:
+    """No (or a zero) attention.sliding_window means no local layers, as in llama.cpp."""
+    md = _gemma_md(n_layer=6)
     del md["gemma3.attention.sliding_window"]
-    with pytest.raises(HParamsError, match="sliding_window"):
-        HParams.from_metadata(md)
+    for config in (
+        HParams.from_metadata(md),
+        HParams.from_metadata(_gemma_md(n_layer=6, **{"gemma3.attention.sliding_window": 0})),
+    ):
+        assert not any(config.is_local_layer(i) for i in range(6))
+
+
+def test_gemma3_reads_the_sliding_window_pattern_and_local_rope_base() -> None:
+    """attention.sliding_window_pattern (a period or per-layer flags) and rope.freq_base_swa are
+    read as llama.cpp's load_swa_pattern and gemma3 hparams read them."""
+    period = HParams.from_metadata(
+        _gemma_md(
+            n_layer=4,
+            **{"gemma3.attention.sliding_window_pattern": 2, "gemma3.rope.freq_base_swa": 5e4},
+        )
+    )
+    assert [period.is_local_layer(i) for i in range(4)] == [True, False, True, False]
+    assert period.rope_base_local == 5e4
+    flags = HParams.from_metadata(
+        _gemma_md(n_layer=3, **{"gemma3.attention.sliding_window_pattern": (False, True, True)})
+    )
+    assert [flags.is_local_layer(i) for i in range(3)] == [False, True, True]
 
 
 def test_final_logit_softcapping_bounds_the_logits() -> None:
@@ -198,6 +222,7 @@ def _gemma_md(n_layer: int = 1, **extra: object) -> dict[str, object]:
         "gemma3.attention.head_count": 4,
         "gemma3.attention.head_count_kv": 1,
         "gemma3.attention.key_length": 32,
+        "gemma3.attention.value_length": 32,
         "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
         "gemma3.rope.freq_base": 1e6,
         "gemma3.context_length": 64,

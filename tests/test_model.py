@@ -92,9 +92,10 @@ def random_weights(
             mat(p + "ffn_up_exps.weight", e, f, d)
             mat(p + "ffn_down_exps.weight", e, d, f)
             if shared_expert:
-                mat(p + "ffn_gate_shexp.weight", 40, d)
-                mat(p + "ffn_up_shexp.weight", 40, d)
-                mat(p + "ffn_down_shexp.weight", d, 40)
+                sh = c.n_ff_shexp  # qwen2moe: expert_shared_feed_forward_length, else n_ff
+                mat(p + "ffn_gate_shexp.weight", sh, d)
+                mat(p + "ffn_up_shexp.weight", sh, d)
+                mat(p + "ffn_down_shexp.weight", d, sh)
                 mat(p + "ffn_gate_inp_shexp.weight", d)
         else:
             mat(p + "ffn_gate.weight", c.n_ff, d)
@@ -347,7 +348,8 @@ def test_config_reads_each_architecture_with_its_rope_and_routing() -> None:
     llama = HParams.from_metadata(metadata("llama"))
     mixtral = HParams.from_metadata(metadata("llama", **MOE_KEYS))
     qwen2 = HParams.from_metadata(metadata("qwen2moe", **MOE_KEYS))
-    qwen3 = HParams.from_metadata(metadata("qwen3moe", **MOE_KEYS, **{"attention.key_length": 16}))
+    head16 = {"attention.key_length": 16, "attention.value_length": 16}
+    qwen3 = HParams.from_metadata(metadata("qwen3moe", **MOE_KEYS, **head16))
     assert (llama.rope_type, llama.is_moe, llama.head_dim, llama.n_ff) == (
         RopeType.NORM,
         False,

@@ -28,17 +28,17 @@ from ggufswap.shards.writer import WRITABLE_TYPES, Layout, ModelSpec, Role, writ
 FUZZ_EXAMPLES = int(os.environ.get("GGUFSWAP_FUZZ_EXAMPLES", "300"))
 ALLOC_SLACK = 4 << 20  # bytes a parse may allocate beyond the file size
 
-# A model whose quantizable roles use every writable type: a dense block 0 and an MoE block 1
-# with shared experts, 256-wide so that K-quant rows fill whole blocks.
+# A model whose roles use every writable type: a qwen2moe (routed and shared experts, the most
+# roles of any architecture llama.cpp accepts from the writer) with its routers quantized too,
+# 256-wide so that K-quant rows fill whole blocks; the norms are the F32 tensors.
 _ROLES = (
     Role.TOKEN_EMBD,
     Role.ATTN_Q,
     Role.ATTN_K,
     Role.ATTN_V,
     Role.ATTN_O,
-    Role.FFN_GATE,
-    Role.FFN_UP,
-    Role.FFN_DOWN,
+    Role.FFN_GATE_INP,
+    Role.FFN_GATE_INP_SHEXP,
     Role.FFN_GATE_EXPS,
     Role.FFN_UP_EXPS,
     Role.FFN_DOWN_EXPS,
@@ -49,6 +49,7 @@ _ROLES = (
 )
 _NON_F32 = [t for t in WRITABLE_TYPES if t.name != "F32"]
 ALL_TYPES_SPEC = ModelSpec(
+    arch="qwen2moe",
     name="alltypes",
     n_layers=2,
     n_embd=256,
@@ -59,7 +60,6 @@ ALL_TYPES_SPEC = ModelSpec(
     n_expert=2,
     n_expert_used=1,
     n_ff_expert=256,
-    moe_layers=(1,),
     shared_expert=True,
     n_ff_shexp=256,
     types={role: _NON_F32[i % len(_NON_F32)] for i, role in enumerate(_ROLES)},

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import re
 import stat
-import subprocess
-import sys
 from pathlib import Path
 from typing import BinaryIO
 
@@ -14,9 +12,10 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from processes import run_ggufswap
 
 from ggufswap.shards.atomic import atomic_copy, atomic_replace, atomic_write, is_temp_name
-from ggufswap.shards.presets import demo_moe, tiny_dense, tiny_moe
+from ggufswap.shards.presets import demo_moe, tiny_arch, tiny_dense, tiny_moe
 from ggufswap.shards.reader import read_header
 from ggufswap.shards.writer import (
     NORM_ROLES,
@@ -43,9 +42,10 @@ def _tensors(paths: list[Path]) -> dict[str, gguf.ReaderTensor]:
 
 
 def _wide_spec(ggml_type: Q) -> ModelSpec:
-    """A one-block MoE llama with rows of 256, every matrix role set to ``ggml_type``."""
+    """A one-block qwen2moe (routed and shared experts) with rows of 256, every matrix role set
+    to ``ggml_type``."""
     spec = ModelSpec(
-        arch=Arch.LLAMA,
+        arch=Arch.QWEN2MOE,
         name="wide",
         n_layers=1,
         n_embd=256,
@@ -58,7 +58,6 @@ def _wide_spec(ggml_type: Q) -> ModelSpec:
         n_ff_expert=256,
         n_ff_shexp=256,
         shared_expert=True,
-        moe_layers=(0,),
     )
     return spec.with_types(**{r.name: ggml_type for r in Role if r not in F32_ROLES})
 
@@ -130,7 +129,7 @@ def test_split_respects_max_tensors_per_shard(tmp_path: Path) -> None:
 
 def test_moe_tensors_have_llama_cpp_shapes_and_metadata(tmp_path: Path) -> None:
     """A qwen3moe model has llama.cpp's expert shapes, router, q/k norms and expert keys."""
-    spec = tiny_moe(shared_expert=True, n_ff_shexp=32)
+    spec = tiny_moe()
     (path,) = write_model(spec, tmp_path)
     reader = gguf.GGUFReader(path)
     shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
@@ -140,31 +139,105 @@ def test_moe_tensors_have_llama_cpp_shapes_and_metadata(tmp_path: Path) -> None:
     assert shapes["blk.2.ffn_up_exps.weight"] == (e, f, x)
     assert shapes["blk.2.ffn_down_exps.weight"] == (f, e, x)
     assert shapes["blk.2.attn_q_norm.weight"] == (hd,)
-    assert shapes["blk.2.ffn_gate_inp_shexp.weight"] == (e,)
-    assert shapes["blk.2.ffn_down_shexp.weight"] == (32, e)
     assert shapes["output.weight"] == (e, spec.n_vocab)
     assert "blk.0.ffn_up.weight" not in shapes
+    assert not any("shexp" in name for name in shapes)
     fields = _fields(reader)
     assert fields["qwen3moe.expert_count"] == 4
     assert fields["qwen3moe.expert_used_count"] == 2
     assert fields["qwen3moe.expert_feed_forward_length"] == f
-    assert fields["qwen3moe.expert_shared_feed_forward_length"] == 32
+    assert "qwen3moe.expert_shared_feed_forward_length" not in fields
     assert fields["qwen3moe.attention.head_count_kv"] == spec.n_head_kv
     assert fields["tokenizer.ggml.model"] == "llama"
     assert len(fields["tokenizer.ggml.tokens"]) == spec.n_vocab  # type: ignore[arg-type]
     assert len(fields["tokenizer.ggml.scores"]) == spec.n_vocab  # type: ignore[arg-type]
 
 
-def test_mixed_dense_and_moe_blocks_and_tied_output(tmp_path: Path) -> None:
-    """moe_layers picks which llama blocks have experts; tied_output drops output.weight."""
-    spec = tiny_dense(n_layers=3, n_expert=4, n_expert_used=2, moe_layers=(1,), tied_output=True)
+def test_qwen2moe_has_its_shared_expert_in_every_block(tmp_path: Path) -> None:
+    """qwen2moe gets ffn_*_shexp and the sigmoid gate in every block, sized by its own key."""
+    spec = tiny_arch("qwen2moe", n_ff_shexp=32)
+    reader = gguf.GGUFReader(write_model(spec, tmp_path)[0])
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+    e = spec.n_embd
+    for b in range(spec.n_layers):
+        assert shapes[f"blk.{b}.ffn_gate_inp_shexp.weight"] == (e,)
+        assert shapes[f"blk.{b}.ffn_up_shexp.weight"] == (e, 32)
+        assert shapes[f"blk.{b}.ffn_down_shexp.weight"] == (32, e)
+    assert _fields(reader)["qwen2moe.expert_shared_feed_forward_length"] == 32
+
+
+def test_llama_moe_is_written_in_mixtral_form(tmp_path: Path) -> None:
+    """llama with experts: feed_forward_length is the per-expert width and there is no
+    expert_feed_forward_length (llama.cpp sizes llama's expert tensors by feed_forward_length)."""
+    spec = tiny_moe(arch="llama")
+    assert spec.n_ff != spec.n_ff_expert
+    reader = gguf.GGUFReader(write_model(spec, tmp_path)[0])
+    fields = _fields(reader)
+    assert fields["llama.feed_forward_length"] == spec.n_ff_expert
+    assert "llama.expert_feed_forward_length" not in fields
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+    assert shapes["blk.0.ffn_up_exps.weight"] == (spec.n_embd, spec.n_ff_expert, spec.n_expert)
+
+
+def test_tied_output_drops_output_weight(tmp_path: Path) -> None:
+    """tied_output writes no output.weight (the head reads token_embd.weight)."""
+    spec = tiny_dense(tied_output=True)
     names = {t.name for t in gguf.GGUFReader(write_model(spec, tmp_path)[0]).tensors}
-    assert "blk.1.ffn_up_exps.weight" in names
-    assert "blk.1.ffn_up.weight" not in names
-    assert "blk.0.ffn_up.weight" in names
-    assert "blk.2.ffn_up.weight" in names
     assert "output.weight" not in names
     assert "token_embd.weight" in names
+
+
+REFUSED = {
+    "qwen3moe + shared expert": (
+        lambda: tiny_moe(shared_expert=True),
+        r"qwen3moe has no shared expert.*qwen3moe\.cpp",
+    ),
+    "llama + shared expert": (
+        lambda: tiny_moe(arch="llama", shared_expert=True),
+        r"llama has no shared expert.*models/llama\.cpp",
+    ),
+    "qwen2moe + tied output": (
+        lambda: tiny_arch("qwen2moe", tied_output=True),
+        r"qwen2moe cannot tie its output: llama\.cpp requires output\.weight",
+    ),
+    "qwen2moe without shared expert": (
+        lambda: tiny_arch("qwen2moe", shared_expert=False),
+        r"qwen2moe needs shared_expert",
+    ),
+    "llama with experts in some blocks": (
+        lambda: tiny_dense(n_layers=3, n_expert=4, n_expert_used=2, moe_layers=(1,)),
+        r"llama has experts in every block or in none: moe_layers \[1\] of 3",
+    ),
+    "qwen2 with its own head width": (
+        lambda: tiny_arch("qwen2", head_dim=32),
+        r"qwen2 needs head_dim = n_embd / n_head",
+    ),
+    "dense arch with experts": (
+        lambda: tiny_arch("gemma3", n_expert=4, n_expert_used=2),
+        r"gemma3 is dense",
+    ),
+}
+
+
+@pytest.mark.parametrize("combination", list(REFUSED))
+def test_specs_llama_cpp_would_refuse_are_refused_with_the_reason(combination: str) -> None:
+    """A writer option combination llama.cpp's loader rejects is refused, saying why."""
+    build, reason = REFUSED[combination]
+    with pytest.raises(ValueError, match=reason):
+        build()
+
+
+def test_every_allowed_combination_is_accepted() -> None:
+    """The paired check: each architecture's allowed options (dense/MoE, tied output where the
+    loader allows it, qwen2moe's shared expert) are accepted."""
+    for arch in ("llama", "qwen2", "qwen3", "gemma3"):
+        tiny_arch(arch)
+        tiny_arch(arch, tied_output=True)
+    tiny_moe(arch="llama")
+    tiny_moe(arch="llama", tied_output=True)
+    tiny_moe(tied_output=True)
+    tiny_arch("qwen2moe")
+    tiny_dense(n_layers=3, n_expert=4, n_expert_used=2, moe_layers=(0, 1, 2))
 
 
 def test_same_spec_gives_byte_identical_files(tmp_path: Path) -> None:
@@ -205,11 +278,14 @@ def test_inconsistent_specs_list_every_problem() -> None:
 
 
 def test_long_vocabulary_arrays(tmp_path: Path) -> None:
-    """extra_vocab_strings=256000 writes three 256256-entry tokenizer arrays the reader accepts."""
-    spec = tiny_dense(extra_vocab_strings=256_000)
+    """extra_vocab_strings=256000 writes three 256256-entry tokenizer arrays the reader accepts,
+    and (as llama.cpp sizes them by the token list) a token_embd of 256256 rows."""
+    spec = tiny_dense(extra_vocab_strings=256_000, tied_output=True)
     header = read_header(write_model(spec, tmp_path)[0])
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
         assert header.metadata[key].count == 256 + 256_000  # type: ignore[union-attr]
+    assert header.tensor_map()["token_embd.weight"].ne == (spec.n_embd, 256 + 256_000)
+    assert header.metadata["llama.vocab_size"] == 256 + 256_000
 
 
 # --- atomic ------------------------------------------------------------------------------------
@@ -270,22 +346,12 @@ def test_atomic_copy_and_replace(tmp_path: Path) -> None:
 # --- command line ------------------------------------------------------------------------------
 
 
-def _ggufswap(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ggufswap", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def test_make_model_command_prints_deterministic_files(tmp_path: Path) -> None:
     """make-model prints the written files, first the one to load; reruns are byte-identical."""
     args = ["--arch", "qwen3moe", "--layers", "2", "--experts", "4", "--layout", "split"]
     args += ["--type", "ffn_up_exps=q4_0", "--seed", "7", "--name", "m"]
-    first = _ggufswap("make-model", str(tmp_path / "a"), *args)
-    again = _ggufswap("make-model", str(tmp_path / "b"), *args)
+    first = run_ggufswap("make-model", str(tmp_path / "a"), *args)
+    again = run_ggufswap("make-model", str(tmp_path / "b"), *args)
     assert first.returncode == 0, first.stderr
     paths = [Path(line) for line in first.stdout.splitlines()]
     assert paths[0].name == "m-00001-of-00004.gguf"
@@ -300,11 +366,27 @@ def test_make_model_command_prints_deterministic_files(tmp_path: Path) -> None:
 
 def test_make_model_command_reports_bad_options(tmp_path: Path) -> None:
     """make-model exits 2 and names the problem for a bad --type, writing nothing."""
-    bad_role = _ggufswap("make-model", str(tmp_path), "--type", "ffn_upp=q8_0")
+    bad_role = run_ggufswap("make-model", str(tmp_path), "--type", "ffn_upp=q8_0")
     assert bad_role.returncode == 2
     assert "unknown tensor role 'ffn_upp'" in bad_role.stderr
-    bad_block = _ggufswap("make-model", str(tmp_path), "--type", "attn_q=q6_k")
+    bad_block = run_ggufswap("make-model", str(tmp_path), "--type", "attn_q=q6_k")
     assert bad_block.returncode == 2
     assert "blk.0.attn_q.weight" in bad_block.stderr
     assert "256" in bad_block.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_make_model_refuses_what_llama_cpp_would_refuse(tmp_path: Path) -> None:
+    """make-model exits 2 with llama.cpp's reason for qwen3moe + --shared-expert and qwen2moe +
+    --tied-output, writing nothing; qwen2moe alone gets its required shared expert."""
+    shexp = run_ggufswap("make-model", str(tmp_path), "--arch", "qwen3moe", "--shared-expert")
+    assert shexp.returncode == 2
+    assert "qwen3moe has no shared expert" in shexp.stderr
+    tied = run_ggufswap("make-model", str(tmp_path), "--arch", "qwen2moe", "--tied-output")
+    assert tied.returncode == 2
+    assert "qwen2moe cannot tie its output" in tied.stderr
+    assert not list(tmp_path.iterdir())
+    ok = run_ggufswap("make-model", str(tmp_path / "q2"), "--arch", "qwen2moe")
+    assert ok.returncode == 0, ok.stderr
+    names = {t.name for t in read_header(Path(ok.stdout.split()[0])).tensors}
+    assert "blk.0.ffn_gate_inp_shexp.weight" in names

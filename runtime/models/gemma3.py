@@ -33,6 +33,7 @@ from ggufswap.runtime.models.llama import (
     _Spec,
     embed,
     lm_head,
+    output_name,
     rms_norm,
 )
 from ggufswap.shards.keys import TensorNames
@@ -84,15 +85,14 @@ class Gemma3Transformer(nn.Module):
         spec = _Spec()
         self.tok_embd = spec.need(TensorNames.TOKEN_EMBD, (config.n_vocab, config.n_embd))
         self.norm = spec.need(TensorNames.OUTPUT_NORM, (config.n_embd,))
-        out = TensorNames.OUTPUT if weights.has(TensorNames.OUTPUT) else TensorNames.TOKEN_EMBD
-        self.output = spec.need(out, (config.n_vocab, config.n_embd))  # tied when absent
+        self.output = spec.need(output_name(config, weights), (config.n_vocab, config.n_embd))
         self.layers = nn.ModuleList(
             Gemma3Block(config, weights, i, spec) for i in range(config.n_layer)
         )
         self.rope_global = RotaryEmbedding(config, freq_scale=config.rope_freq_scale)
         self.rope_local = RotaryEmbedding(config, base=config.rope_base_local)
         self.required = dict(spec.required)  # every tensor a forward reads, with its shape
-        _check(weights, self.required, shapes=check_shapes)
+        _check(weights, spec, shapes=check_shapes)
 
     def forward(
         self, tokens: Tensor, *, start_pos: int = 0, cache: KVCache | None = None
@@ -122,6 +122,8 @@ class Gemma3Transformer(nn.Module):
         """The local (sliding-window) and global layers' masks; None is plain causal."""
         window = self.config.sliding_window
         if cache is None:
+            if window <= 0:  # no sliding window in the file: every layer is global (llama.cpp)
+                return None, None
             # Every key is in this forward: the window depends on T only.
             if seq <= window:
                 return None, None  # the window covers the whole sequence: plain causal attention

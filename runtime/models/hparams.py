@@ -1,18 +1,27 @@
 """Hyper-parameters of the reference decoder, read from GGUF metadata the way llama.cpp reads them.
 
+Every rule is llama.cpp's (llama-cpp-python 0.3.36's vendored copy): the shared keys as
+``llama_model_base::load_hparams`` (``src/llama-model.cpp``) reads them, each architecture's own
+as its ``load_arch_hparams`` / ``load_arch_tensors`` (``src/models/<arch>.cpp``) do, and what a
+file must hold from ``shards.archs`` (the table the writer obeys too). Where the project's old
+rule differed (for example llama MoE expert width), llama.cpp's wins, so files laid out as
+llama.cpp's converter writes them load.
+
 Supported architectures (``general.architecture``):
 
-- ``llama``: dense, or Mixtral-style MoE when ``llama.expert_count`` > 0 (softmax over the top-k
-  router logits, which equals softmax over all then renormalising the top-k). RoPE type NORM.
+- ``llama``: dense, or Mixtral-style MoE in every block when ``llama.expert_count`` > 0, experts
+  sized by ``feed_forward_length`` (softmax over all experts, top-k, renormalised). RoPE NORM.
 - ``qwen2moe``: softmax over all experts then top-k, *not* renormalised; a shared expert with a
-  sigmoid gate. RoPE type NEOX.
-- ``qwen3moe``: softmax over all experts then top-k, renormalised (``expert_weights_norm``);
-  per-head RMS norms on Q and K. RoPE type NEOX.
-- ``qwen2`` / ``qwen3``: the dense qwen decoders (Q/K/V biases for qwen2, per-head Q/K norms for
-  qwen3, both read when the file has them). RoPE type NEOX.
+  sigmoid gate in every block. RoPE NEOX.
+- ``qwen3moe``: softmax over all experts then top-k, renormalised; per-head RMS norms on Q and
+  K; no shared expert. RoPE NEOX.
+- ``qwen2`` / ``qwen3``: the dense qwen decoders (Q/K/V biases when the file has them for qwen2,
+  per-head Q/K norms for qwen3). RoPE NEOX.
 - ``gemma3``: GeGLU (tanh GELU), Q/K norms, post-attention and post-FFN norms, embeddings scaled
-  by ``sqrt(n_embd)``, sliding-window attention on five layers of every six (local RoPE base
-  10000, global layers use ``rope.freq_base`` and linear ``rope.scaling.factor``). RoPE NEOX.
+  by ``sqrt(n_embd)``; with ``attention.sliding_window`` > 0, sliding-window attention on the
+  layers of llama.cpp's pattern (five of every six by default; local RoPE base
+  ``rope.freq_base_swa``, 10000 by default), the others global with ``rope.freq_base`` and linear
+  ``rope.scaling.factor``. RoPE NEOX.
 
 ``docs/models.md`` lists every key and tensor each architecture reads.
 """
@@ -26,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ggufswap.runtime.models.errors import HParamsError
+from ggufswap.shards.archs import ArchRules, Experts, ExpertWidth, SharedExpert, rules_of
 from ggufswap.shards.keys import Arch, Keys
 
 
@@ -43,23 +53,30 @@ class Activation(str, enum.Enum):
     GELU_TANH = "gelu_tanh"
 
 
-EXPERT_GATING_SOFTMAX: Final = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
-
+# llama_model_rope_type (src/llama-model.cpp): NORM for llama, NEOX for the qwen and gemma families.
 _ROPE_TYPE: Final = {arch: RopeType.NORM if arch is Arch.LLAMA else RopeType.NEOX for arch in Arch}
-# Whether the top-k routing weights are renormalised to sum to one (llama.cpp's ``norm_w``).
+# build_moe_ffn's norm_w argument in each graph: whether the top-k routing weights are
+# renormalised to sum to one (llama and qwen3moe pass true, qwen2moe false).
 _NORM_TOPK: Final = {arch: arch is not Arch.QWEN2MOE for arch in Arch}
-_MOE_ONLY: Final = frozenset({Arch.QWEN2MOE, Arch.QWEN3MOE})
-_DENSE_ONLY: Final = frozenset({Arch.QWEN2, Arch.QWEN3, Arch.GEMMA3})
-# gemma3 (llama.cpp's hparams for LLM_ARCH_GEMMA3): every 6th layer is global, the others slide;
-# local layers use RoPE base 10000 without scaling.
+# gemma3 (llama_model_gemma3::load_arch_hparams): load_swa_pattern(ml, 6), so by default every 6th
+# layer is global and the others slide; local layers use rope.freq_base_swa (default 10000,
+# llama_hparams::rope_freq_base_train_swa) without scaling.
 GEMMA3_SWA_PERIOD: Final = 6
 GEMMA3_ROPE_BASE_LOCAL: Final = 10000.0
+# gemma3's attention scale is 1/sqrt(n_embd / n_head) for its 27B size (62 blocks), else
+# 1/sqrt(key_length) (llama_model_gemma3::load_arch_hparams).
+GEMMA3_27B_LAYERS: Final = 62
 ROPE_SCALING_LINEAR: Final = "linear"
+ROPE_SCALING_NONE: Final = "none"
 
 
 @dataclass(frozen=True)
 class HParams:
-    """What the decoder needs to know about a model; derived fields are set in ``__post_init__``."""
+    """What the decoder needs to know about a model; derived fields are set in ``__post_init__``.
+
+    ``from_metadata`` applies llama.cpp's rules; built directly, 0 / None fields fall back to the
+    same rules (``n_ff_exp`` and ``n_ff_shexp`` through the architecture's ``shards.archs`` row).
+    """
 
     arch: Arch
     n_layer: int
@@ -67,30 +84,35 @@ class HParams:
     n_head: int
     n_head_kv: int
     n_vocab: int
-    n_ff: int = 0  # dense FFN width; 0 for MoE-only models
+    n_ff: int = 0  # {arch}.feed_forward_length (llama MoE: the per-expert width)
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
     context_length: int = 2048
     n_expert: int = 0
     n_expert_used: int = 0
-    n_ff_exp: int = 0  # expert FFN width; 0 = llama.cpp's default n_ff / n_expert_used
+    n_ff_exp: int = 0  # routed expert width; 0 = the architecture's rule (see expert_width)
+    n_ff_shexp: int = 0  # shared expert width (qwen2moe); 0 = the architecture's rule
     key_length: int | None = None  # per-head dim when it is not n_embd / n_head (qwen3)
     rope_dim: int | None = None  # rotated dims per head; None = the whole head
     expert_weights_norm: bool | None = None  # None = the architecture's default
     expert_weights_scale: float = 1.0
     sliding_window: int = 0  # tokens a local layer sees (itself included); 0 = no local layers
-    swa_period: int = 0  # layer i is local iff i % swa_period < swa_period - 1; 0 = none
+    swa_period: int = 0  # llama.cpp's n_pattern: layer i is local iff i % n < n - 1 (0 = all)
+    swa_layers: tuple[bool, ...] | None = None  # an explicit per-layer pattern (overrides period)
     rope_base_local: float | None = None  # RoPE base of local layers; None = rope_base
-    rope_freq_scale: float = 1.0  # linear RoPE scaling of global layers (1 / scaling.factor)
+    rope_freq_scale: float = 1.0  # linear RoPE scaling (1 / scaling.factor); local layers: none
     final_logit_softcap: float = 0.0  # 0 = none; else logits = c * tanh(logits / c)
+    attention_scale: float | None = None  # softmax scale of Q.K; None = 1/sqrt(head_dim)
 
     # Derived.
+    rules: ArchRules = field(init=False)
     head_dim: int = field(init=False)
     n_rot: int = field(init=False)
     rope_type: RopeType = field(init=False)
     norm_topk: bool = field(init=False)
     q_per_kv: int = field(init=False)
     is_moe: bool = field(init=False)
+    has_shared_expert: bool = field(init=False)
     attn_scale: float = field(init=False)  # softmax scale of Q.K
     embed_scale: float = field(init=False)  # token embeddings are multiplied by this
     activation: Activation = field(init=False)
@@ -102,50 +124,82 @@ class HParams:
                 problems.append(f"{name} must be > 0, found {getattr(self, name)}")
         if problems:
             raise HParamsError(f"{self.arch.value}: " + "; ".join(problems))
+        rules = rules_of(self.arch)
         head_dim = self.key_length if self.key_length is not None else self.n_embd // self.n_head
         if self.key_length is None and self.n_embd % self.n_head:
             problems.append(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
+        if not rules.free_head_dim and head_dim * self.n_head != self.n_embd:
+            problems.append(
+                f"attention.key_length {head_dim} must be n_embd / n_head: llama.cpp's "
+                f"{self.arch.value} sizes attn_q as {{n_embd, n_embd}} ({rules.source})"
+            )
         if self.n_head % self.n_head_kv:
             problems.append(f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
         n_rot = self.rope_dim if self.rope_dim is not None else head_dim
         if n_rot % 2 or not 0 < n_rot <= head_dim:
             problems.append(f"rope dims {n_rot} must be even and in (0, head_dim={head_dim}]")
+        if rules.rope_dims_equal_head and n_rot != head_dim:
+            problems.append(f"invalid n_rot: {n_rot}, expected {head_dim} (llama.cpp's llama)")
         is_moe = self.n_expert > 0
         if is_moe and not 0 < self.n_expert_used <= self.n_expert:
             problems.append(f"expert_used_count {self.n_expert_used} not in [1, {self.n_expert}]")
-        if self.arch in _MOE_ONLY and not is_moe:
+        if rules.experts is Experts.ALL and not is_moe:
             problems.append(f"{self.arch.value} needs expert_count > 0")
-        if self.arch in _DENSE_ONLY and is_moe:
+        if rules.experts is Experts.NONE and is_moe:
             problems.append(f"{self.arch.value} is dense; found expert_count {self.n_expert}")
-        if self.swa_period and self.sliding_window <= 0:
-            problems.append(f"sliding_window must be > 0, found {self.sliding_window}")
         if not is_moe and self.n_ff <= 0:
             problems.append(f"dense model needs feed_forward_length > 0, found {self.n_ff}")
+        shared = is_moe and rules.shared_expert is SharedExpert.REQUIRED
+        n_ff_exp = self.n_ff_exp or (
+            expert_width(rules, self.n_ff, self.n_expert_used) if is_moe else 0
+        )
+        n_ff_shexp = self.n_ff_shexp or (self.n_ff if shared else 0)
+        if is_moe and n_ff_exp <= 0:
+            problems.append(
+                f"the expert width must be > 0 ({rules.expert_width}), found {n_ff_exp}"
+            )
+        if shared and n_ff_shexp <= 0:
+            problems.append(f"the shared expert width must be > 0, found {n_ff_shexp}")
+        if self.swa_layers is not None and len(self.swa_layers) != self.n_layer:
+            problems.append(
+                f"swa_layers has {len(self.swa_layers)} entries for {self.n_layer} layers"
+            )
         if problems:
             raise HParamsError(f"{self.arch.value}: " + "; ".join(problems))
         norm = self.expert_weights_norm
-        object.__setattr__(self, "head_dim", head_dim)
-        object.__setattr__(self, "n_rot", n_rot)
-        object.__setattr__(self, "rope_type", _ROPE_TYPE[self.arch])
-        object.__setattr__(self, "norm_topk", _NORM_TOPK[self.arch] if norm is None else norm)
-        object.__setattr__(self, "q_per_kv", self.n_head // self.n_head_kv)
-        object.__setattr__(self, "is_moe", is_moe)
-        # llama.cpp scales by 1/sqrt(n_embd_head_k) for gemma3 too (all sizes but 27B, whose
-        # query_pre_attn_scalar is n_embd / n_head: key_length covers both).
-        object.__setattr__(self, "attn_scale", head_dim**-0.5)
+        put = object.__setattr__
+        put(self, "rules", rules)
+        put(self, "n_ff_exp", n_ff_exp)
+        put(self, "n_ff_shexp", n_ff_shexp)
+        put(self, "head_dim", head_dim)
+        put(self, "n_rot", n_rot)
+        put(self, "rope_type", _ROPE_TYPE[self.arch])
+        put(self, "norm_topk", _NORM_TOPK[self.arch] if norm is None else norm)
+        put(self, "q_per_kv", self.n_head // self.n_head_kv)
+        put(self, "is_moe", is_moe)
+        put(self, "has_shared_expert", shared)
+        scale = self.attention_scale
+        put(self, "attn_scale", head_dim**-0.5 if scale is None else scale)
         gemma = self.arch is Arch.GEMMA3
-        object.__setattr__(self, "embed_scale", math.sqrt(self.n_embd) if gemma else 1.0)
-        object.__setattr__(self, "activation", Activation.GELU_TANH if gemma else Activation.SILU)
+        put(self, "embed_scale", math.sqrt(self.n_embd) if gemma else 1.0)
+        put(self, "activation", Activation.GELU_TANH if gemma else Activation.SILU)
 
     def is_local_layer(self, layer: int) -> bool:
-        """Whether ``layer`` uses sliding-window attention (and the local RoPE base)."""
-        return self.swa_period > 0 and layer % self.swa_period < self.swa_period - 1
+        """Whether ``layer`` uses sliding-window attention (and the local RoPE base):
+        llama.cpp's ``set_swa_pattern`` (``n_pattern == 0 || il % n_pattern < n_pattern - 1``)
+        or the file's explicit per-layer pattern."""
+        if self.sliding_window <= 0:
+            return False
+        if self.swa_layers is not None:
+            return self.swa_layers[layer]
+        n = self.swa_period
+        return n == 0 or layer % n < n - 1
 
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any], *, n_vocab: int | None = None) -> HParams:
-        """Read ``general.architecture`` and its ``{arch}.*`` keys; ``n_vocab`` is the fallback
-        (e.g. ``token_embd.weight``'s row count) when neither ``{arch}.vocab_size`` nor the
-        tokenizer's token list is present."""
+        """Read ``general.architecture`` and its ``{arch}.*`` keys as llama.cpp does; ``n_vocab``
+        is the fallback (e.g. ``token_embd.weight``'s row count) when neither the tokenizer's
+        token list nor ``{arch}.vocab_size`` is present."""
         arch_name = md.get(Keys.General.ARCHITECTURE)
         if arch_name is None:
             raise HParamsError(f"metadata has no {Keys.General.ARCHITECTURE!r} key")
@@ -157,56 +211,98 @@ class HParams:
                 f"unsupported architecture {arch_name!r} ({Keys.General.ARCHITECTURE}); "
                 f"the reference decoder implements: {supported}"
             ) from None
+        rules = rules_of(arch)
         reader = _KeyReader(md, arch.value)
+        # llama_model_base::load_hparams: the keys every architecture shares. feed_forward_length,
+        # head_count(_kv) and expert_used_count may be per-layer arrays (get_key_or_arr).
+        n_embd = reader.get_int(Keys.LLM.EMBEDDING_LENGTH)
         n_head = reader.get_int(Keys.LLM.HEAD_COUNT)
-        gating = reader.get_int(Keys.LLM.EXPERT_GATING_FUNC, EXPERT_GATING_SOFTMAX)
-        if gating != EXPERT_GATING_SOFTMAX:
+        n_ff = reader.get_int(Keys.LLM.FEED_FORWARD_LENGTH, 0)
+        n_expert = reader.get_int(Keys.LLM.EXPERT_COUNT, 0)
+        n_used = reader.get_int(Keys.LLM.EXPERT_USED_COUNT, 0)
+        default_head = n_embd // n_head if n_head > 0 else 0
+        key_length = reader.get_int(Keys.LLM.KEY_LENGTH, default_head)
+        value_length = reader.get_int(Keys.LLM.VALUE_LENGTH, default_head)
+        if value_length != key_length:
             reader.problems.append(
-                f"{Keys.LLM.EXPERT_GATING_FUNC.format(arch.value)} = {gating}: only softmax "
-                f"gating ({EXPERT_GATING_SOFTMAX}) is implemented"
+                f"{Keys.LLM.VALUE_LENGTH.format(arch.value)} = {value_length} differs from the key "
+                f"length {key_length}: the reference decoder needs equal head widths"
             )
-        scale = reader.get_float(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0)
-        norm_key = Keys.LLM.EXPERT_WEIGHTS_NORM.format(arch.value)
         kwargs: dict[str, Any] = {
             "n_layer": reader.get_int(Keys.LLM.BLOCK_COUNT),
-            "n_embd": reader.get_int(Keys.LLM.EMBEDDING_LENGTH),
+            "n_embd": n_embd,
             "n_head": n_head,
             "n_head_kv": reader.get_int(Keys.LLM.HEAD_COUNT_KV, n_head),
             "n_vocab": reader.vocab(n_vocab),
-            "n_ff": reader.get_int(Keys.LLM.FEED_FORWARD_LENGTH, 0),
+            "n_ff": n_ff,
             "norm_eps": reader.get_float(Keys.LLM.RMS_EPS),
             "rope_base": reader.get_float(Keys.LLM.ROPE_FREQ_BASE, 10000.0),
             "context_length": reader.get_int(Keys.LLM.CONTEXT_LENGTH),
-            "n_expert": reader.get_int(Keys.LLM.EXPERT_COUNT, 0),
-            "n_expert_used": reader.get_int(Keys.LLM.EXPERT_USED_COUNT, 0),
-            "n_ff_exp": reader.get_int(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, 0),
-            "key_length": reader.get_optional_int(Keys.LLM.KEY_LENGTH),
+            "n_expert": n_expert,
+            "n_expert_used": n_used,
+            "key_length": key_length if key_length != default_head else None,
             "rope_dim": reader.get_optional_int(Keys.LLM.ROPE_DIMENSION_COUNT),
-            "expert_weights_norm": bool(md[norm_key]) if norm_key in md else None,
-            "expert_weights_scale": scale if scale != 0.0 else 1.0,  # llama.cpp: 0 = unset
-            "final_logit_softcap": reader.get_float(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0),
             "rope_freq_scale": _rope_freq_scale(reader),
         }
+        # Expert widths: each architecture's load_arch_hparams / load_arch_tensors. The
+        # expert_weights_* and expert_gating_func keys are read by none of these architectures'
+        # loaders (their graphs pass softmax gating, a fixed norm_w and no scale), so not here.
+        if n_expert > 0 and rules.expert_width is ExpertWidth.EXPERT_KEY_OR_SPLIT:
+            kwargs["n_ff_exp"] = reader.get_int(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, 0)
+        if n_expert > 0 and rules.shared_expert is SharedExpert.REQUIRED:
+            kwargs["n_ff_shexp"] = reader.get_int(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)
         if arch is Arch.GEMMA3:
-            kwargs.update(
-                sliding_window=reader.get_int(Keys.LLM.SLIDING_WINDOW),
-                swa_period=GEMMA3_SWA_PERIOD,
-                rope_base_local=GEMMA3_ROPE_BASE_LOCAL,
-            )
+            kwargs.update(_gemma3_kwargs(reader, n_layer=kwargs["n_layer"], n_embd=n_embd))
         if reader.problems:
             lines = "\n  ".join(reader.problems)
             raise HParamsError(f"cannot build a {arch.value} model config:\n  {lines}")
         return cls(arch=arch, **kwargs)
 
 
+def expert_width(rules: ArchRules, n_ff: int, n_expert_used: int) -> int:
+    """The routed experts' width when the file has no ``expert_feed_forward_length``: llama's
+    ``feed_forward_length`` (llama_model_llama::load_arch_tensors), else the qwen MoE loaders'
+    ``n_ff / n_expert_used``."""
+    if rules.expert_width is ExpertWidth.FEED_FORWARD_LENGTH:
+        return n_ff
+    return n_ff // n_expert_used if n_expert_used > 0 else 0
+
+
+def _gemma3_kwargs(reader: _KeyReader, *, n_layer: int, n_embd: int) -> dict[str, Any]:
+    """llama_model_gemma3::load_arch_hparams: sliding window (absent or 0 = every layer global),
+    its pattern, the local RoPE base, soft-capping and the attention scale."""
+    n_head = reader.get_int(Keys.LLM.HEAD_COUNT, 0)
+    out: dict[str, Any] = {
+        "sliding_window": reader.get_int(Keys.LLM.SLIDING_WINDOW, 0),
+        "final_logit_softcap": reader.get_float(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0),
+    }
+    if out["sliding_window"] > 0:
+        key = Keys.LLM.SLIDING_WINDOW_PATTERN.format(reader.arch)
+        pattern = reader.md.get(key, GEMMA3_SWA_PERIOD)
+        if isinstance(pattern, (list, tuple)):
+            out["swa_layers"] = tuple(bool(v) for v in pattern)[:n_layer]
+        else:
+            out["swa_period"] = reader.get_int(Keys.LLM.SLIDING_WINDOW_PATTERN, GEMMA3_SWA_PERIOD)
+        out["rope_base_local"] = reader.get_float(
+            Keys.LLM.ROPE_FREQ_BASE_SWA, GEMMA3_ROPE_BASE_LOCAL
+        )
+    if n_layer == GEMMA3_27B_LAYERS and n_head > 0:
+        out["attention_scale"] = float(n_embd // n_head) ** -0.5  # uint32 division in llama.cpp
+    return out
+
+
 _MISSING: Final = object()
 
 
 def _rope_freq_scale(reader: _KeyReader) -> float:
-    """``1 / {arch}.rope.scaling.factor`` for linear scaling; 1.0 without scaling."""
-    kind = str(reader.md.get(Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch), "none"))
-    factor = reader.get_float(Keys.LLM.ROPE_SCALING_FACTOR, 0.0)
-    if kind == "none" or factor in (0.0, 1.0):
+    """llama_model_base::load_hparams: ``rope.scaling.type`` defaults to ``linear``; the factor is
+    ``rope.scaling.factor`` (or the old ``rope.scale_linear``), 0 meaning none, and the frequency
+    scale its inverse; type ``none`` never scales (llama_context). Other types are refused."""
+    kind = str(reader.md.get(Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch), ROPE_SCALING_LINEAR))
+    has_factor = Keys.LLM.ROPE_SCALING_FACTOR.format(reader.arch) in reader.md
+    factor_key = Keys.LLM.ROPE_SCALING_FACTOR if has_factor else Keys.LLM.ROPE_SCALE_LINEAR
+    factor = reader.get_float(factor_key, 0.0)
+    if kind == ROPE_SCALING_NONE or factor in (0.0, 1.0):
         return 1.0
     if kind != ROPE_SCALING_LINEAR:
         reader.problems.append(
@@ -237,6 +333,14 @@ class _KeyReader:
         value = self._get(template, default)
         if value is _MISSING:
             return 0
+        if isinstance(value, (list, tuple)):  # a per-layer array (llama.cpp's get_key_or_arr)
+            if len(set(value)) > 1:
+                self.problems.append(
+                    f"{template.format(self.arch)}: per-layer values {list(value)} differ; the "
+                    "reference decoder implements one value for every layer"
+                )
+                return 0
+            value = value[0] if value else 0
         try:
             return int(value)  # type: ignore[call-overload]
         except (TypeError, ValueError):
@@ -261,19 +365,22 @@ class _KeyReader:
             return 0.0
 
     def vocab(self, fallback: int | None) -> int:
+        """llama.cpp sizes token_embd and output by the tokenizer's token list
+        (``vocab.n_tokens()``; ``{arch}.vocab_size`` only names the model size), so the list
+        comes first, then ``{arch}.vocab_size``, then ``fallback``."""
         key = Keys.LLM.VOCAB_SIZE.format(self.arch)
-        if key in self.md:
-            return self.get_int(Keys.LLM.VOCAB_SIZE)
         tokens = self.md.get(Keys.Tokenizer.TOKENS)
         if tokens is not None and hasattr(tokens, "__len__"):
             return len(tokens)
         count = getattr(tokens, "count", None)  # an array the header left on disk (ArrayRef)
         if isinstance(count, int):
             return count
+        if key in self.md:
+            return self.get_int(Keys.LLM.VOCAB_SIZE)
         if fallback is not None:
             return fallback
         self.problems.append(
-            f"missing {key!r} and {Keys.Tokenizer.TOKENS!r}; pass n_vocab= "
+            f"missing {Keys.Tokenizer.TOKENS!r} and {key!r}; pass n_vocab= "
             "(the row count of token_embd.weight)"
         )
         return 0

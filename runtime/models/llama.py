@@ -13,7 +13,7 @@ causal attention with scale ``1/sqrt(head_dim)``, SwiGLU FFNs, softmax top-k rou
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Set
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -99,6 +99,7 @@ class _Spec:
     def __init__(self) -> None:
         self.required: dict[str, tuple[int, ...]] = {}
         self.stacked: set[str] = set()  # read per expert, through ``experts``
+        self.unexpected: list[str] = []  # tensors the architecture does not have
 
     def need(self, name: str, shape: tuple[int, ...]) -> str:
         self.required[name] = shape
@@ -110,6 +111,14 @@ class _Spec:
 
     def maybe(self, weights: WeightProvider, name: str, shape: tuple[int, ...]) -> str | None:
         return self.need(name, shape) if weights.has(name) else None
+
+    def refuse(self, weights: WeightProvider, names: Iterable[str], reason: str) -> None:
+        """Record tensors present that llama.cpp's loader would refuse for this architecture."""
+        self.unexpected += [
+            f"{name}: {reason} (llama.cpp refuses the file: wrong number of tensors)"
+            for name in names
+            if weights.has(name)
+        ]
 
 
 @dataclass(frozen=True)
@@ -239,6 +248,12 @@ def geglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
 
 
 GATED_FFN: Final = {Activation.SILU: swiglu, Activation.GELU_TANH: geglu}
+SHARED_EXPERT_TENSORS: Final = (
+    TensorNames.FFN_GATE_SHEXP,
+    TensorNames.FFN_UP_SHEXP,
+    TensorNames.FFN_DOWN_SHEXP,
+    TensorNames.FFN_GATE_INP_SHEXP,
+)
 
 
 class FeedForward(nn.Module):
@@ -265,22 +280,24 @@ class MoEFeedForward(nn.Module):
     def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
         super().__init__()
         self.config, self.weights = config, weights
-        tn, d, n_exp = TensorNames, config.n_embd, config.n_expert
-        ff = config.n_ff_exp or config.n_ff // config.n_expert_used
+        tn, d, n_exp, ff = TensorNames, config.n_embd, config.n_expert, config.n_ff_exp
         self.router = spec.need(tn.FFN_GATE_INP.format(layer), (n_exp, d))
         self.gate_exps = spec.need_experts(tn.FFN_GATE_EXPS.format(layer), (n_exp, ff, d))
         self.up_exps = spec.need_experts(tn.FFN_UP_EXPS.format(layer), (n_exp, ff, d))
         self.down_exps = spec.need_experts(tn.FFN_DOWN_EXPS.format(layer), (n_exp, d, ff))
         self.shared: tuple[str, str, str] | None = None
         self.shared_gate: str | None = None
-        if weights.has(tn.FFN_UP_SHEXP.format(layer)):
-            ff_sh = weights.weight(tn.FFN_UP_SHEXP.format(layer)).shape[0]
+        names = [t.format(layer) for t in SHARED_EXPERT_TENSORS]
+        if config.has_shared_expert:  # qwen2moe: all four in every block, as llama.cpp loads them
+            sh = config.n_ff_shexp
             self.shared = (
-                spec.need(tn.FFN_GATE_SHEXP.format(layer), (ff_sh, d)),
-                spec.need(tn.FFN_UP_SHEXP.format(layer), (ff_sh, d)),
-                spec.need(tn.FFN_DOWN_SHEXP.format(layer), (d, ff_sh)),
+                spec.need(names[0], (sh, d)),
+                spec.need(names[1], (sh, d)),
+                spec.need(names[2], (d, sh)),
             )
-            self.shared_gate = spec.maybe(weights, tn.FFN_GATE_INP_SHEXP.format(layer), (d,))
+            self.shared_gate = spec.need(names[3], (d,))
+        else:
+            spec.refuse(weights, names, f"{config.arch.value} has no shared expert")
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Top-k expert weights and ids per token: ``([N, k] float32, [N, k] int64)``."""
@@ -314,8 +331,7 @@ class MoEFeedForward(nn.Module):
             return 0.0
         w = self.weights.weight
         y = swiglu(x, *(w(name) for name in self.shared))  # [N, D]
-        if self.shared_gate is None:
-            return y
+        assert self.shared_gate is not None, "a shared expert always has its gate (qwen2moe)"
         return y * torch.sigmoid(linear(x, w(self.shared_gate).unsqueeze(0)))  # gate: [N, 1]
 
 
@@ -328,9 +344,8 @@ class TransformerBlock(nn.Module):
         self.attn_norm = spec.need(TensorNames.ATTN_NORM.format(layer), (config.n_embd,))
         self.ffn_norm = spec.need(TensorNames.FFN_NORM.format(layer), (config.n_embd,))
         self.attention = Attention(config, weights, layer, spec)
-        # A model may mix dense and MoE blocks: a block with a router is an MoE block.
-        moe = config.is_moe and weights.has(TensorNames.FFN_GATE_INP.format(layer))
-        ffn_cls = MoEFeedForward if moe else FeedForward
+        # llama.cpp's loaders of these architectures give experts to every block or to none.
+        ffn_cls = MoEFeedForward if config.is_moe else FeedForward
         self.feed_forward: nn.Module = ffn_cls(config, weights, layer, spec)
 
     def forward(
@@ -358,14 +373,13 @@ class Transformer(nn.Module):
         spec = _Spec()
         self.tok_embd = spec.need(TensorNames.TOKEN_EMBD, (config.n_vocab, config.n_embd))
         self.norm = spec.need(TensorNames.OUTPUT_NORM, (config.n_embd,))
-        out = TensorNames.OUTPUT if weights.has(TensorNames.OUTPUT) else TensorNames.TOKEN_EMBD
-        self.output = spec.need(out, (config.n_vocab, config.n_embd))  # tied when absent
+        self.output = spec.need(output_name(config, weights), (config.n_vocab, config.n_embd))
         self.layers = nn.ModuleList(
             TransformerBlock(config, weights, i, spec) for i in range(config.n_layer)
         )
-        self.rope = RotaryEmbedding(config)
+        self.rope = RotaryEmbedding(config, freq_scale=config.rope_freq_scale)
         self.required = dict(spec.required)  # every tensor a forward reads, with its shape
-        _check(weights, self.required, shapes=check_shapes, stacked=spec.stacked)
+        _check(weights, spec, shapes=check_shapes)
 
     def forward(
         self, tokens: Tensor, *, start_pos: int = 0, cache: KVCache | None = None
@@ -406,18 +420,21 @@ def lm_head(x: Tensor, output: Tensor, softcap: float = 0.0) -> Tensor:
     return logits if not softcap else torch.tanh(logits / softcap) * softcap
 
 
-def _check(
-    weights: WeightProvider,
-    required: Mapping[str, tuple[int, ...]],
-    *,
-    shapes: bool,
-    stacked: Set[str] = frozenset(),
-) -> None:
-    """Raise one error listing every missing tensor and every shape mismatch."""
-    problems = [f"{name}: missing" for name in required if not weights.has(name)]
+def output_name(config: HParams, weights: WeightProvider) -> str:
+    """``output.weight``, or ``token_embd.weight`` (a tied head) when the file has no output and
+    the architecture's loader allows that (not qwen2moe: there output.weight is required)."""
+    if weights.has(TensorNames.OUTPUT) or not config.rules.tied_output:
+        return TensorNames.OUTPUT
+    return TensorNames.TOKEN_EMBD
+
+
+def _check(weights: WeightProvider, spec: _Spec, *, shapes: bool) -> None:
+    """Raise one error listing every missing, misshapen and unexpected tensor."""
+    problems = [f"{name}: missing" for name in spec.required if not weights.has(name)]
+    problems += spec.unexpected
     if shapes and not problems:
-        for name, expected in required.items():
-            read = weights.experts if name in stacked else weights.weight
+        for name, expected in spec.required.items():
+            read = weights.experts if name in spec.stacked else weights.weight
             found = tuple(read(name).shape)
             if found != expected:
                 problems.append(f"{name}: expected shape {list(expected)}, found {list(found)}")
