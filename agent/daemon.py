@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 
 from ggufswap.agent.debounce import Debouncer
-from ggufswap.agent.errors import AgentError, WatchError, WatchLimitError
+from ggufswap.agent.errors import AgentError, DaemonStateError, WatchError, WatchLimitError
 from ggufswap.agent.index import Health, ModelIndex, ModelSnapshot, WatchRoot
 from ggufswap.agent.link import RuntimeLink
 from ggufswap.agent.status import status_handler, status_line
@@ -56,6 +56,15 @@ class DaemonState(str, enum.Enum):
     STOPPED = "stopped"
 
 
+_ALLOWED: dict[DaemonState, frozenset[DaemonState]] = {
+    # STOPPING straight from CREATED: a start() that failed half-way closes what it opened.
+    DaemonState.CREATED: frozenset({DaemonState.RUNNING, DaemonState.STOPPING}),
+    DaemonState.RUNNING: frozenset({DaemonState.STOPPING}),
+    DaemonState.STOPPING: frozenset({DaemonState.STOPPED}),
+    DaemonState.STOPPED: frozenset(),
+}
+
+
 @dataclass
 class _Model:
     config: ModelConfig
@@ -84,6 +93,9 @@ def _dir_identity(path: str) -> tuple[int, int] | None:
 
 class AgentDaemon:
     """The agent. ``start()`` (binds, first scan, READY), ``run()`` until stopped, ``close()``.
+
+    Its lifecycle, ``CREATED → RUNNING → STOPPING → STOPPED``, moves only through ``_move``,
+    guarded by ``_ALLOWED`` as a link's is (a second ``start()`` raises ``DaemonStateError``).
 
     ``request_stop`` and ``request_reload`` only set flags: they are what signal handlers call.
     ``connect=False`` runs without runtime links (scans and status only).
@@ -145,6 +157,14 @@ class AgentDaemon:
     def state(self) -> DaemonState:
         return self._state
 
+    def _move(self, to: DaemonState) -> None:
+        self._check_move(to)
+        self._state = to
+
+    def _check_move(self, to: DaemonState) -> None:
+        if to not in _ALLOWED[self._state]:
+            raise DaemonStateError(f"agent: cannot go from {self._state.value} to {to.value}")
+
     def watchers(self) -> dict[WatchBackend, Watcher]:
         """The running backend instances (for diagnostics and tests)."""
         return dict(self._watchers)
@@ -157,8 +177,7 @@ class AgentDaemon:
 
     def start(self) -> None:
         """Bind the status socket, watch, scan every model, connect; then READY=1."""
-        if self._state is not DaemonState.CREATED:
-            raise AgentError(f"agent: start() in state {self._state.value}")
+        self._check_move(DaemonState.RUNNING)
         self._server = RequestServer(
             self.config.agent.status_endpoint,
             status_handler(self.status),
@@ -171,7 +190,7 @@ class AgentDaemon:
         except BaseException:
             self.close()
             raise
-        self._state = DaemonState.RUNNING
+        self._move(DaemonState.RUNNING)
         if self.config.agent.metrics_port is not None:
             from ggufswap.agent.metrics import serve_metrics
 
@@ -540,7 +559,8 @@ class AgentDaemon:
         """Bounded shutdown: links, then watchers, then the status socket."""
         if self._state is DaemonState.STOPPED:
             return
-        self._state = DaemonState.STOPPING
+        if self._state is not DaemonState.STOPPING:  # STOPPING: a close that failed, again
+            self._move(DaemonState.STOPPING)
         self._notifier.stopping()
         log.info("agent.stopping")
         # 1. links: each stops within STOP_STEP_TIMEOUT_S; plans in flight stay with the runtime.
@@ -555,5 +575,5 @@ class AgentDaemon:
         # 3. the status socket (removes the ipc socket file).
         if self._server is not None:
             self._server.stop(STOP_STEP_TIMEOUT_S)
-        self._state = DaemonState.STOPPED
+        self._move(DaemonState.STOPPED)
         log.info("agent.stopped")

@@ -24,3 +24,7 @@ class WatchLimitError(WatchError):
 
 class LinkStateError(AgentError, RuntimeError):
     """An illegal transition of a runtime link's state machine: a bug, never an input problem."""
+
+
+class DaemonStateError(AgentError, RuntimeError):
+    """An illegal transition of the daemon's lifecycle (``start()`` twice, for one)."""
