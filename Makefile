@@ -12,7 +12,7 @@ STAMP := $(VENV)/.ggufswap-installed
 MODULES := $(VENV)/.ggufswap-modules
 MODULE_LIST := $(sort $(wildcard cli/*.py shards/*.py config/*.py ipc/*.py agent/*.py runtime/*.py runtime/*/*.py))
 
-.PHONY: test demo bench fuzz soak lint typecheck clean FORCE
+.PHONY: test demo bench fuzz soak lint typecheck crosscheck clean FORCE
 
 $(MODULES): FORCE
 	@mkdir -p $(VENV)
@@ -48,6 +48,23 @@ fuzz: $(STAMP)
 # The 1,000-swap soak through real agent and runtime processes (make test runs 120 swaps).
 soak: $(STAMP)
 	GGUFSWAP_SOAK=1 $(BIN)/python -m pytest -q tests/test_soak.py
+
+# The cross-check against llama.cpp (docs/models.md#cross-check): llama-cpp-python built from
+# source into its own venv (a one-time 15-25 min build; pip caches the wheel), never part of make
+# test. It rewrites tests/fixtures/crosscheck, the golden data make test checks without llama.cpp.
+XCHECK_VENV ?= .venv-crosscheck
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+# llama.cpp's AMX matmul crashed on the first forward on this project's x86 machines.
+NO_AMX := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-int8 -mno-amx-tile -mno-amx-bf16)
+
+$(XCHECK_VENV)/.llama-cpp-installed:
+	test -x $(XCHECK_VENV)/bin/python || $(PYTHON) -m venv $(XCHECK_VENV)
+	CMAKE_BUILD_PARALLEL_LEVEL=2 CFLAGS="$(NO_AMX)" CXXFLAGS="$(NO_AMX)" \
+		$(XCHECK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "$(LLAMA_CPP_SPEC)"
+	touch $@
+
+crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed
+	$(BIN)/python crosscheck/run.py --llama-python $(XCHECK_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

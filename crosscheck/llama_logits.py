@@ -1,0 +1,86 @@
+"""llama.cpp's full-sequence logits for a list of GGUF files; runs in the cross-check venv.
+
+``python llama_logits.py JOBS.json OUT.npz``: JOBS is ``{"tokens": [...], "models": {case: path}}``.
+Each model is loaded with llama-cpp-python as reference-builds.md says (one thread, no extra
+buffer types, every position's logits), the tokens are evaluated in one batch, and OUT gets one
+``[T, V]`` float32 array per case. A model llama.cpp refuses gets no array; its load log's tail
+is printed under the case name on stdout as JSON (``{"refused": {case: log}}``).
+
+Imports only numpy and llama_cpp: this venv does not have the project installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+from llama_cpp import Llama
+
+LOG_TAIL_CHARS = 2000
+GGML_TYPE_F32 = 0  # the KV cache's default here: see the jobs' kv_type
+
+
+def logits_of(path: str, tokens: list[int], *, kv_type: int) -> np.ndarray:
+    """``[T, V]`` logits of ``tokens`` evaluated in one batch, K and V cached as ``kv_type``."""
+    llm = Llama(
+        type_k=kv_type,
+        type_v=kv_type,
+        model_path=path,
+        n_ctx=max(64, len(tokens)),
+        n_batch=len(tokens),
+        n_ubatch=len(tokens),
+        logits_all=True,
+        n_threads=1,
+        n_threads_batch=1,
+        verbose=False,
+        use_extra_bufts=False,
+    )
+    try:
+        llm.eval(tokens)
+        return np.array(llm.scores[: len(tokens)], dtype=np.float32)
+    finally:
+        llm.close()
+
+
+def load_log(path: str, tokens: list[int]) -> str:
+    """What llama.cpp logs while refusing ``path`` (it writes to fd 2 from C)."""
+    with tempfile.TemporaryFile() as log:
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            Llama(model_path=path, n_ctx=64, verbose=True, use_extra_bufts=False)
+        except (ValueError, RuntimeError):
+            pass
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        return log.read().decode(errors="replace")[-LOG_TAIL_CHARS:]
+
+
+def main(argv: list[str]) -> int:
+    jobs = json.loads(Path(argv[1]).read_text())
+    tokens = [int(t) for t in jobs["tokens"]]
+    kv_type = int(jobs.get("kv_type", GGML_TYPE_F32))
+    out: dict[str, np.ndarray] = {}
+    refused: dict[str, str] = {}
+    for case, path in jobs["models"].items():
+        try:
+            out[case] = logits_of(path, tokens, kv_type=kv_type)
+        except (ValueError, RuntimeError) as exc:
+            refused[case] = f"{exc}\n{load_log(path, tokens)}"
+    arrays: dict[str, Any] = {f"case{i}": out[c] for i, c in enumerate(out)}
+    np.savez(argv[2], **arrays)
+    report = {"version": llama_cpp.__version__, "cases": list(out), "refused": refused}
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
