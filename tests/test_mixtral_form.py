@@ -1,0 +1,118 @@
+"""A llama MoE file in Mixtral's form, as llama.cpp's converter writes it, loads, serves and
+hot-swaps: ``llama.feed_forward_length`` is the per-expert width and there is no
+``llama.expert_feed_forward_length`` (llama.cpp sizes llama's expert tensors by the former)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import ModelDir, Q, fresh_logits, logits, one_thread, open_runtime
+from test_http import WAIT_S, complete, start_server
+
+from ggufswap.runtime import PlanState, Storage
+from ggufswap.runtime.models import HParams, MissingWeightError, Transformer
+from ggufswap.runtime.models.llama import DictWeightProvider
+from ggufswap.shards import ModelSpec, read_header, tiny_moe
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+EXPERT = "blk.1.ffn_down_exps.weight"
+
+
+def mixtral(**overrides: object) -> ModelSpec:
+    """``make-model --preset tiny-moe --arch llama``: 4 blocks, 4 experts of width 64, 2 used;
+    plain-piece tokens so that completions are text."""
+    return tiny_moe(arch="llama", n_vocab=1024, context_length=512, **overrides)
+
+
+def test_the_file_is_in_the_converters_form(tmp_path: Path) -> None:
+    """The metadata is the converter's Mixtral form, and the config sizes experts from it."""
+    spec = mixtral()
+    assert spec.n_ff != spec.n_ff_expert, "a dense width that differs would be ignored"
+    first = ModelDir.write(tmp_path / "model", spec).first
+    md = read_header(first).metadata
+    assert md["llama.feed_forward_length"] == spec.n_ff_expert
+    assert "llama.expert_feed_forward_length" not in md
+    config = HParams.from_metadata(md)
+    assert (config.n_ff_exp, config.n_expert, config.n_expert_used) == (64, 4, 2)
+    assert not config.has_shared_expert
+
+
+def test_llama_ignores_expert_feed_forward_length_as_llama_cpp_does() -> None:
+    """An expert_feed_forward_length in a llama file does not size its experts (llama.cpp never
+    reads it for llama), so the project's old layout, experts narrower than feed_forward_length,
+    is refused naming the expert tensors, as llama.cpp refuses it."""
+    md = {
+        "general.architecture": "llama",
+        "llama.block_count": 1,
+        "llama.embedding_length": 32,
+        "llama.feed_forward_length": 48,
+        "llama.expert_feed_forward_length": 16,
+        "llama.expert_count": 4,
+        "llama.expert_used_count": 2,
+        "llama.attention.head_count": 4,
+        "llama.attention.layer_norm_rms_epsilon": 1e-6,
+        "llama.context_length": 64,
+        "llama.vocab_size": 8,
+    }
+    config = HParams.from_metadata(md)
+    assert config.n_ff_exp == 48
+    weights = {
+        "token_embd.weight": torch.zeros(8, 32),
+        "output_norm.weight": torch.ones(32),
+        "blk.0.attn_norm.weight": torch.ones(32),
+        "blk.0.ffn_norm.weight": torch.ones(32),
+        "blk.0.ffn_gate_inp.weight": torch.zeros(4, 32),
+        **{f"blk.0.attn_{p}.weight": torch.zeros(32, 32) for p in ("q", "k", "v", "output")},
+        **{f"blk.0.ffn_{p}_exps.weight": torch.zeros(4, 16, 32) for p in ("gate", "up")},
+        "blk.0.ffn_down_exps.weight": torch.zeros(4, 32, 16),
+    }
+    with pytest.raises(MissingWeightError, match=r"blk\.0\.ffn_up_exps\.weight: expected shape"):
+        Transformer(config, DictWeightProvider(weights))
+
+
+@pytest.mark.parametrize("storage", [Storage.DEQUANTIZED, Storage.NATIVE], ids=lambda s: s.value)
+def test_an_expert_swap_equals_a_fresh_load_and_restores(tmp_path: Path, storage: Storage) -> None:
+    """Through HotSwapRuntime: re-quantizing one stacked expert tensor and committing its plan
+    gives a fresh load's logits bit for bit; the original file back gives the first logits."""
+    model_dir = ModelDir.write(tmp_path / "model", mixtral())
+    saved = model_dir.save(EXPERT, tmp_path / "saved")
+    runtime, model = open_runtime(model_dir.first, storage=storage)
+    try:
+        before = logits(model)
+        assert torch.isfinite(before).all()
+        model_dir.put(EXPERT, model_dir.variant(EXPERT, Q.Q4_0, tmp_path / "variants"))
+        ticket = runtime.apply(model_dir.plan("down", [EXPERT]))
+        assert ticket.state is PlanState.COMMITTED, ticket.summary()
+        swapped = logits(model)
+        assert not torch.equal(swapped, before), "the expert swap changed nothing"
+        assert torch.equal(swapped, fresh_logits(model_dir.first, storage=storage))
+        model_dir.put(EXPERT, saved)
+        ticket = runtime.apply(model_dir.plan("back", [EXPERT]))
+        assert ticket.state is PlanState.COMMITTED, ticket.summary()
+        assert torch.equal(logits(model), before)
+    finally:
+        runtime.close()
+
+
+def test_the_server_answers_across_an_expert_swap(tmp_path: Path) -> None:
+    """The HTTP server runs the file; a committed expert swap is named by the next response, and
+    swapping back gives the first completion again."""
+    models = ModelDir.write(tmp_path / "model", mixtral())
+    saved = models.save(EXPERT, tmp_path / "saved")
+    for served in start_server(models.first):
+        before = complete(served.port, max_tokens=8, temperature=0)
+        assert before["weight_version"] == 0
+        models.put(EXPERT, models.variant(EXPERT, Q.Q4_0, tmp_path / "variants"))
+        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [EXPERT]))
+        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
+        assert complete(served.port, max_tokens=8, temperature=0)["weight_version"] == 1
+        models.put(EXPERT, saved)
+        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [EXPERT]))
+        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
+        restored = complete(served.port, max_tokens=8, temperature=0)
+        assert restored["weight_version"] == 2
+        assert restored["choices"] == before["choices"]
