@@ -7,13 +7,28 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ggufswap.ipc import Fields, MessageType, PeerTimeout, make_message, request
 
 GGUFSWAP = str(Path(sys.executable).with_name("ggufswap"))
+
+
+def run_ggufswap(
+    *args: str | os.PathLike[str], timeout: float = 60.0, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``ggufswap ARGS`` to the end (killed after ``timeout``); its exit code and text output,
+    with ``env`` added to this process's environment."""
+    return subprocess.run(
+        [GGUFSWAP, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
 
 
 def wait_for(

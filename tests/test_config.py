@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from processes import run_ggufswap
 
 from ggufswap.config import (
     ComputeDtype,
@@ -629,13 +628,6 @@ def test_load_config_text_without_source() -> None:
 # --- the command ----------------------------------------------------------------------------
 
 
-def ggufswap(*args: str) -> subprocess.CompletedProcess[str]:
-    exe = Path(sys.executable).parent / "ggufswap"
-    return subprocess.run(
-        [str(exe), *args], capture_output=True, text=True, timeout=60, check=False
-    )
-
-
 def test_check_config_summarizes_a_valid_file(tmp_path: Path) -> None:
     """check-config exits 0 and lists the models, watch paths with backends and pools."""
     (tmp_path / "models").mkdir()
@@ -646,12 +638,12 @@ def test_check_config_summarizes_a_valid_file(tmp_path: Path) -> None:
         "runtime:\n  model: models/m.gguf\n"
         "  pools: [{name: gpu0, device: 'cuda:1', budget: 2GiB}]\n"
     )
-    result = ggufswap("check-config", str(path))
+    result = run_ggufswap("check-config", str(path))
     assert result.returncode == 0, result.stderr
     assert "model mymodel" in result.stdout
     assert f"watch {tmp_path / 'models'} *.gguf (backend polling" in result.stdout
     assert "pool gpu0 on cuda:1, budget 2.0 GiB" in result.stdout
-    as_json = ggufswap("check-config", "--json", str(path))
+    as_json = run_ggufswap("check-config", "--json", str(path))
     data = json.loads(as_json.stdout)
     assert as_json.returncode == 0
     assert data["ok"] is True
@@ -662,13 +654,13 @@ def test_check_config_lists_problems_and_exits_1(tmp_path: Path) -> None:
     """check-config exits 1 and prints every problem as FILE:LINE: key: message, paths too."""
     path = tmp_path / "c.yaml"
     path.write_text("models:\n  - name: m\n    watch: [{path: nowhere, backend: inotfy}]\n")
-    result = ggufswap("check-config", str(path))
+    result = run_ggufswap("check-config", str(path))
     assert result.returncode == 1
     assert f"{path}:3: models[0].watch[0].path: directory '{tmp_path / 'nowhere'}'" in (
         result.stderr
     )
     assert f"{path}:3: models[0].watch[0].backend: expected one of" in result.stderr
-    as_json = ggufswap("check-config", "--json", str(path))
+    as_json = run_ggufswap("check-config", "--json", str(path))
     data = json.loads(as_json.stdout)
     assert as_json.returncode == 1
     assert data["ok"] is False

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -14,6 +12,7 @@ from gguf import GGMLQuantizationType
 from ggufbytes import TI
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from processes import run_ggufswap
 
 from ggufswap.shards import (
     ChangeKind,
@@ -315,14 +314,6 @@ def test_prop_same_content_moves_are_unchanged(
 
 # --- ggufswap diff (a real subprocess) ---------------------------------------------------------
 
-GGUFSWAP = Path(sys.executable).with_name("ggufswap")
-
-
-def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(GGUFSWAP), *map(str, args)], capture_output=True, text=True, timeout=60, check=False
-    )
-
 
 def _models(tmp_path: Path) -> tuple[Path, Path, Path]:
     """A model, a requantized copy (ffn_up_exps Q4_0) and the original as a split set."""
@@ -336,7 +327,7 @@ def _models(tmp_path: Path) -> tuple[Path, Path, Path]:
 def test_cli_diff_types(tmp_path: Path) -> None:
     """`ggufswap diff A B --json` reports exactly the requantized tensors as type changes."""
     base, requant, _ = _models(tmp_path)
-    proc = run_cli("diff", base, requant, "--json")
+    proc = run_ggufswap("diff", base, requant, "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     changed = [c for c in doc["changes"] if not c["relocated_only"]]
@@ -352,7 +343,7 @@ def test_cli_diff_types(tmp_path: Path) -> None:
 def test_cli_diff_text(tmp_path: Path) -> None:
     """The text form lists each change with its description and a summary line."""
     base, requant, _ = _models(tmp_path)
-    proc = run_cli("diff", base, requant)
+    proc = run_ggufswap("diff", base, requant)
     assert proc.returncode == 0, proc.stderr
     assert "MODIFIED      blk.2.ffn_up_exps.weight: type Q8_0 -> Q4_0" in proc.stdout
     assert "4 change(s): 0 added, 0 removed, 4 modified, 0 shape changed" in proc.stdout
@@ -361,9 +352,9 @@ def test_cli_diff_text(tmp_path: Path) -> None:
 def test_cli_diff_checksum_single_vs_split(tmp_path: Path) -> None:
     """With --checksum, the same model as one file and as a split set has no changes at all."""
     base, _, split_member = _models(tmp_path)
-    plain = json.loads(run_cli("diff", base, split_member, "--json").stdout)
+    plain = json.loads(run_ggufswap("diff", base, split_member, "--json").stdout)
     assert plain["counts"]["relocated_only"] == plain["counts"]["common"] > 0
-    proc = run_cli("diff", base, split_member, "--json", "--checksum")
+    proc = run_ggufswap("diff", base, split_member, "--json", "--checksum")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["changes"] == []
@@ -376,7 +367,7 @@ def test_cli_diff_checksum_detects_content(tmp_path: Path) -> None:
     spec = tiny_moe()
     (a,) = write_model(spec, tmp_path / "a")
     (b,) = write_model(dataclasses.replace(spec, seed=1), tmp_path / "b")
-    doc = json.loads(run_cli("diff", a, b, "--json", "--checksum").stdout)
+    doc = json.loads(run_ggufswap("diff", a, b, "--json", "--checksum").stdout)
     assert doc["counts"]["modified"] == doc["counts"]["common"]
     assert all("content" in c["fields"] for c in doc["changes"])
 
@@ -384,6 +375,6 @@ def test_cli_diff_checksum_detects_content(tmp_path: Path) -> None:
 def test_cli_diff_missing_file(tmp_path: Path) -> None:
     """A missing model exits 1 naming the path."""
     base, _, _ = _models(tmp_path)
-    proc = run_cli("diff", base, tmp_path / "gone.gguf")
+    proc = run_ggufswap("diff", base, tmp_path / "gone.gguf")
     assert proc.returncode == 1
     assert "gone.gguf: no such file" in proc.stderr

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from processes import run_ggufswap
 
 from ggufswap.shards.errors import ShardError
 from ggufswap.shards.presets import demo_moe, tiny_moe
@@ -131,23 +130,13 @@ def test_unsupported_target_type_lists_the_supported_ones(tmp_path: Path) -> Non
         requantize(src, UP, "not_a_type")
 
 
-def _ggufswap(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ggufswap", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def test_requant_command(tmp_path: Path) -> None:
     """`ggufswap requant` prints the written shard; an unknown tensor exits 1 with near names."""
     (src,) = write_model(tiny_moe(), tmp_path)
-    done = _ggufswap("requant", str(src), UP, "q8_0", "--out", str(tmp_path / "o.gguf"))
+    done = run_ggufswap("requant", str(src), UP, "q8_0", "--out", str(tmp_path / "o.gguf"))
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip()) == tmp_path / "o.gguf"
     _assert_only_changed(src, tmp_path / "o.gguf", UP, Q.Q8_0)
-    bad = _ggufswap("requant", str(src), "blk.1.ffn_upexps.weight", "q8_0")
+    bad = run_ggufswap("requant", str(src), "blk.1.ffn_upexps.weight", "q8_0")
     assert bad.returncode == 1
     assert "blk.1.ffn_up_exps.weight" in bad.stderr

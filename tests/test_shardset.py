@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import ggufbytes as gb
 import pytest
 from ggufbytes import KV, TI, V, kv_str
+from processes import run_ggufswap
 
 from ggufswap.shards import (
     HeaderCache,
@@ -257,19 +256,11 @@ def test_cache_forgets_removed_file(tmp_path: Path) -> None:
 
 # --- ggufswap inspect (a real subprocess) ------------------------------------------------------
 
-GGUFSWAP = Path(sys.executable).with_name("ggufswap")
-
-
-def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(GGUFSWAP), *map(str, args)], capture_output=True, text=True, timeout=60, check=False
-    )
-
 
 def test_cli_inspect_json_split_set(layouts: dict[Layout, list[Path]]) -> None:
     """`ggufswap inspect SHARD --json` lists every shard, every tensor and per-type totals."""
     paths = layouts[Layout.SPLIT]
-    proc = run_cli("inspect", paths[1], "--json")
+    proc = run_ggufswap("inspect", paths[1], "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     expected = open_shard_set(paths[0])
@@ -294,7 +285,7 @@ def test_cli_inspect_json_split_set(layouts: dict[Layout, list[Path]]) -> None:
 
 def test_cli_inspect_text(layouts: dict[Layout, list[Path]]) -> None:
     """The text form shows the shard list, metadata, the tensor table and totals by type."""
-    proc = run_cli("inspect", layouts[Layout.SINGLE][0])
+    proc = run_ggufswap("inspect", layouts[Layout.SINGLE][0])
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for fragment in ("metadata:", "general.architecture = 'qwen3moe'", "totals by type:"):
@@ -306,7 +297,7 @@ def test_cli_inspect_bad_file(tmp_path: Path) -> None:
     """A file that is not GGUF exits 1 with the reader's message on stderr."""
     path = tmp_path / "notes.gguf"
     path.write_bytes(b"hello, this is not a model at all")
-    proc = run_cli("inspect", path, "--json")
+    proc = run_ggufswap("inspect", path, "--json")
     assert proc.returncode == 1
     assert proc.stdout == ""
     assert "expected magic b'GGUF'" in proc.stderr
