@@ -5,8 +5,9 @@ type) this writes the model with the project's writer, has llama.cpp compute the
 ``xcheck.TOKENS`` (``llama_logits.py``, run by the cross-check venv's Python, which has
 llama-cpp-python and not this project), computes the same with the project's decoder through the
 tensor store, and prints the figures: top-1 agreement, mean and max KL divergence, max
-|delta logit| / std. Unless ``--only`` narrows the run, it then rewrites the golden fixtures
-(``tests/fixtures/crosscheck``) that ``tests/test_crosscheck.py`` checks without llama.cpp.
+|delta logit| / std. Unless ``--only`` narrows the run, it then checks the other layouts and
+writable types (``extra_checks``) and rewrites the golden fixtures (``tests/fixtures/crosscheck``)
+that ``tests/test_crosscheck.py`` checks without llama.cpp.
 
 Exit status 1 when llama.cpp refuses a file or a case misses its threshold.
 """
@@ -160,6 +161,42 @@ def check_case(
     return entry, failures
 
 
+def extra_checks(python: str, cases: dict[str, Any], tmp: Path) -> list[str]:
+    """The layouts and the other writable types (``xcheck.LAYOUTS``, ``other_type_specs``): every
+    file loads in llama.cpp, a split or per-tensor model gives its single file's logits exactly,
+    and each other type agrees within the 4-bit threshold. Returns the failures."""
+    paths: dict[str, Path] = {}
+    single = cases[xcheck.LAYOUT_CASE]
+    for layout in xcheck.LAYOUTS:
+        name = f"{xcheck.LAYOUT_CASE}@{layout.value}"
+        paths[name] = xcheck.write_layout(single, tmp / "layouts" / layout.value, layout)
+    paths[xcheck.LAYOUT_CASE] = xcheck.write_case(single, tmp / "layouts" / "single")[0]
+    others = xcheck.other_type_specs()
+    for name, spec in others.items():
+        paths[name] = xcheck.write_case(spec, tmp / name.replace("/", "-"))[0]
+    reference, report = llama_cpp_logits(python, paths, tmp / "layouts")
+    failures = [f"{n}: llama.cpp refused the file:\n{log}" for n, log in report["refused"].items()]
+    for layout in xcheck.LAYOUTS:
+        name = f"{xcheck.LAYOUT_CASE}@{layout.value}"
+        same = name in reference and np.array_equal(reference[name], reference[xcheck.LAYOUT_CASE])
+        print(f"{name:28s} llama.cpp logits {'equal' if same else 'DIFFER from'} the single file's")
+        if not same:
+            failures.append(f"{name}: llama.cpp's logits differ from the single file's")
+    limit = xcheck.Threshold(1e-2, exact_top1=False)
+    for name in others:
+        if name not in reference:
+            continue
+        f = xcheck.compare(reference[name], xcheck.project_logits(paths[name]))
+        misses = f.meets(limit)
+        failures += [f"{name}: {m}" for m in misses]
+        print(
+            f"{name:28s} top1 {f.top1:5.0%}  mean KLD {_fmt(f.mean_kld)}  "
+            f"max KLD {_fmt(f.max_kld)}  max dlogit/std {f.max_dlogit_std:.3f}"
+            + ("  FAIL" if misses else "")
+        )
+    return failures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-python", required=True, help="Python with llama-cpp-python")
@@ -202,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
             failures += missed
             spec_json = xcheck.spec_to_json(spec)
             manifest["cases"][name] = {"spec": spec_json, "sha256": hashes[name], **entry}
+        if not args.only and not args.emulate_ggml_activations:
+            print()
+            failures += extra_checks(args.llama_python, cases, tmp)
     print("\n" + summary_table(figures, manifest["cases"]))
     if args.details:
         print("\n" + detail_table(figures))

@@ -27,7 +27,15 @@ from gguf import GGMLQuantizationType
 
 from ggufswap.shards.keys import Arch
 from ggufswap.shards.presets import demo_moe, tiny_arch, tiny_dense, tiny_moe
-from ggufswap.shards.writer import DEFAULT_TYPES, F32_ROLES, ModelSpec, Role, write_model
+from ggufswap.shards.writer import (
+    DEFAULT_TYPES,
+    F32_ROLES,
+    WRITABLE_TYPES,
+    Layout,
+    ModelSpec,
+    Role,
+    write_model,
+)
 
 Q = GGMLQuantizationType
 REPO: Final = Path(__file__).resolve().parents[1]
@@ -120,6 +128,25 @@ def all_cases() -> dict[str, ModelSpec]:
     return {case_name(v, t): case_spec(v, t) for v in VARIANTS for t in CHECK_TYPES}
 
 
+# Beyond the cases: the other layouts make-model writes (the same tensors over several files) and
+# the writable types the cases do not cover, each on the widened dense llama.
+LAYOUT_CASE: Final = "tiny-moe/Q8_0"
+LAYOUTS: Final = (Layout.SPLIT, Layout.PER_TENSOR)
+
+
+def other_type_specs() -> dict[str, ModelSpec]:
+    """``tiny-dense`` (rows of 256) with every matrix role in each writable type not in
+    ``CHECK_TYPES``: llama.cpp must load them, and agree within the 4-bit threshold."""
+    out = {}
+    for t in WRITABLE_TYPES:
+        if t in CHECK_TYPES:
+            continue
+        types = {role.name: t for role in Role if role not in F32_ROLES}
+        name = f"xc-types-{t.name.lower()}"
+        out[f"tiny-dense-wide/{t.name}"] = tiny_dense(name=name, **WIDE).with_types(**types)
+    return out
+
+
 # --- specs as JSON --------------------------------------------------------------------------
 
 
@@ -161,6 +188,11 @@ def write_case(spec: ModelSpec, out_dir: Path) -> tuple[Path, str]:
     """Write ``spec`` as one file; returns it and the SHA-256 of its bytes."""
     (path,) = write_model(spec, out_dir)
     return path, hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_layout(spec: ModelSpec, out_dir: Path, layout: Layout) -> Path:
+    """Write ``spec`` in ``layout``; returns the file to load (the first shard)."""
+    return write_model(spec, out_dir, layout=layout)[0]
 
 
 # --- metrics --------------------------------------------------------------------------------
