@@ -14,7 +14,8 @@ class HParamsError(ModelError, ValueError):
 
 
 class MissingWeightError(ModelError, KeyError):
-    """The provider lacks tensors the model needs, or holds them with the wrong shape."""
+    """The provider lacks tensors the model needs, holds them with the wrong shape, or holds
+    tensors the architecture does not have (which llama.cpp's loader refuses)."""
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
