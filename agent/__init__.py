@@ -20,7 +20,7 @@ from ggufswap.agent.errors import (
 )
 from ggufswap.agent.index import Health, ModelIndex, ModelSnapshot, ShardStatus, WatchRoot
 from ggufswap.agent.link import LinkState, Outcome, PlanRecord, RuntimeLink
-from ggufswap.agent.reconcile import Blocked, Reconciliation, plan_id_for, reconcile
+from ggufswap.agent.reconcile import Reconciliation, plan_id_for, reconcile
 from ggufswap.agent.status import status_handler, status_line
 from ggufswap.agent.watch import (
     BackendChoice,
@@ -37,7 +37,6 @@ __all__ = [
     "AgentError",
     "BackendChoice",
     "BackendUnavailable",
-    "Blocked",
     "ChangeQueue",
     "DaemonState",
     "Debouncer",

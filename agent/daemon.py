@@ -38,7 +38,7 @@ from ggufswap.agent.watch import (
     make_watcher,
 )
 from ggufswap.config import Config, ConfigError, ModelConfig, WatchBackend, load_config
-from ggufswap.ipc import CurveKeys, RequestServer
+from ggufswap.ipc import RequestServer, SocketOptions
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
 from ggufswap.shards import Fingerprinter, HeaderCache
 
@@ -128,6 +128,8 @@ class AgentDaemon:
         self._watches: dict[str, _Watch] = {}
         self._models: dict[str, _Model] = {}
         self._server: RequestServer | None = None
+        self._metrics_http: Any = None  # the /metrics HTTP server, when metrics_port is set
+        self._options = SocketOptions.of(config.security)  # of the current config
         self._state = DaemonState.CREATED
         self._stop_flag = stop if stop is not None else threading.Event()
         self._reload_flag = reload if reload is not None else threading.Event()
@@ -182,8 +184,7 @@ class AgentDaemon:
             self.config.agent.status_endpoint,
             status_handler(self.status),
             name="agent",
-            curve=CurveKeys.of(self.config.security.curve),
-            allow_insecure_tcp=self.config.security.allow_insecure_tcp,
+            options=self._options,
         ).start()
         try:
             self._build(self.config)
@@ -194,7 +195,7 @@ class AgentDaemon:
         if self.config.agent.metrics_port is not None:
             from ggufswap.agent.metrics import serve_metrics
 
-            serve_metrics(self.status, self.config.agent.metrics_port)
+            self._metrics_http = serve_metrics(self.status, self.config.agent.metrics_port)
         self._publish()
         self._notifier.ready(status=status_line(self._published))
         log.info("agent.ready", models=sorted(self._models), status=self.status_endpoint)
@@ -215,8 +216,7 @@ class AgentDaemon:
                 slot.link = RuntimeLink(
                     slot.config,
                     fingerprinter=self._fingerprinter,
-                    curve=CurveKeys.of(config.security.curve),
-                    allow_insecure_tcp=config.security.allow_insecure_tcp,
+                    options=self._options,
                     heartbeat_interval_s=self._heartbeat_s,
                     state_refresh_s=config.agent.rescan_interval_s,
                     on_stale=self._on_stale,
@@ -540,7 +540,8 @@ class AgentDaemon:
         log.info("agent.reloading", config=str(self._config_path))
         self._teardown_models()
         self.config = new
-        self._build(new)
+        self._options = SocketOptions.of(new.security)  # for the new links; the status
+        self._build(new)  # socket keeps its own until the agent restarts
         self._request_full_scan(RescanReason.RELOAD, str(self._config_path))
         self._reloads["ok"] += 1
         self._publish()
@@ -575,5 +576,10 @@ class AgentDaemon:
         # 3. the status socket (removes the ipc socket file).
         if self._server is not None:
             self._server.stop(STOP_STEP_TIMEOUT_S)
+        # 4. the /metrics HTTP server.
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+            self._metrics_http = None
         self._move(DaemonState.STOPPED)
         log.info("agent.stopped")

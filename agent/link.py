@@ -32,16 +32,17 @@ import structlog
 
 from ggufswap.agent.errors import LinkStateError
 from ggufswap.agent.index import ModelSnapshot
-from ggufswap.agent.reconcile import Blocked, reconcile
+from ggufswap.agent.reconcile import reconcile
 from ggufswap.config import ModelConfig
 from ggufswap.ipc import (
-    CurveKeys,
     DealerClient,
     Fields,
     IpcError,
     MessageType,
     Plan,
+    Reason,
     RuntimeState,
+    SocketOptions,
     TensorEntry,
     committed_from_wire,
     error_from_wire,
@@ -143,8 +144,7 @@ class RuntimeLink:
         model: ModelConfig,
         *,
         fingerprinter: Fingerprinter | None = None,
-        curve: CurveKeys | None = None,
-        allow_insecure_tcp: bool = False,
+        options: SocketOptions | None = None,
         heartbeat_interval_s: float = 1.0,
         state_refresh_s: float = 300.0,
         on_stale: Callable[[str], None] | None = None,
@@ -152,8 +152,7 @@ class RuntimeLink:
         self.model = model
         self.endpoint = model.runtime
         self._fingerprinter = fingerprinter if fingerprinter is not None else Fingerprinter()
-        self._curve = curve
-        self._allow_insecure_tcp = allow_insecure_tcp
+        self._options = options if options is not None else SocketOptions()
         self._heartbeat_s = heartbeat_interval_s
         self._state_refresh_s = state_refresh_s
         self._on_stale = on_stale
@@ -174,7 +173,7 @@ class RuntimeLink:
         self._last_key: tuple[int, int] | None = None
         self._reconciled_generation = 0
         self._refused: dict[str, tuple[TensorRecord, str]] = {}
-        self._blocked: tuple[Blocked, ...] = ()
+        self._blocked: tuple[Reason, ...] = ()
         self._not_loaded = 0
         self._history: deque[PlanRecord] = deque(maxlen=HISTORY)
         self._last_error: str | None = None
@@ -253,10 +252,7 @@ class RuntimeLink:
         if self._client is not None:
             self._client.close()
         self._client = DealerClient(
-            self.endpoint,
-            curve=self._curve,
-            allow_insecure_tcp=self._allow_insecure_tcp,
-            heartbeat_interval_s=self._heartbeat_s,
+            self.endpoint, options=self._options, heartbeat_interval_s=self._heartbeat_s
         )
         self._reconnects_seen = 0
         return self._client

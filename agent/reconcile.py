@@ -32,24 +32,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ggufswap.config import VerifyMode
-from ggufswap.ipc import Job, Plan, SlotState, TensorEntry
+from ggufswap.ipc import Job, Plan, Reason, SlotState, TensorEntry
 from ggufswap.shards import ShardError, TensorRecord
 
 PLAN_ID_BYTES = 16
 
 
 @dataclass(frozen=True, slots=True)
-class Blocked:
-    """A desired change that is not planned, and why."""
-
-    tensor: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
 class Reconciliation:
     plan: Plan | None  # None when nothing is to be done
-    blocked: tuple[Blocked, ...] = ()
+    blocked: tuple[Reason, ...] = ()  # desired changes that are not planned, and why
     not_loaded: tuple[str, ...] = ()  # desired tensors the runtime does not report
     unchanged: int = 0
     why: Mapping[str, str] = field(default_factory=dict)  # job name -> what differs
@@ -119,7 +111,7 @@ def reconcile(
     """
     refused = refused or {}
     jobs: list[tuple[tuple[int, int, str], Job]] = []
-    blocked: list[Blocked] = []
+    blocked: list[Reason] = []
     not_loaded: list[str] = []
     why: dict[str, str] = {}
     unchanged = 0
@@ -129,7 +121,7 @@ def reconcile(
         entry = actual.get(name)
         prior = refused.get(name)
         if prior is not None and prior[0] == record:
-            blocked.append(Blocked(name, f"refused by the runtime: {prior[1]}"))
+            blocked.append(Reason(name, f"refused by the runtime: {prior[1]}"))
             continue
         if entry is None:
             if not plan_unloaded:
@@ -144,7 +136,7 @@ def reconcile(
         old = entry.record
         if old.shape != record.shape:
             blocked.append(
-                Blocked(
+                Reason(
                     name,
                     f"logical shape {list(old.shape)} -> {list(record.shape)} in {record.path}: "
                     "the runtime cannot change a shape live; restart it to load this file",
@@ -181,10 +173,10 @@ def reconcile(
 
 
 def _fingerprint_or_none(
-    record: TensorRecord, fingerprint: Callable[[TensorRecord], str], blocked: list[Blocked]
+    record: TensorRecord, fingerprint: Callable[[TensorRecord], str], blocked: list[Reason]
 ) -> str | None:
     try:
         return fingerprint(record)
     except (ShardError, OSError) as exc:
-        blocked.append(Blocked(record.name, f"cannot hash (file changed?): {exc}"))
+        blocked.append(Reason(record.name, f"cannot hash (file changed?): {exc}"))
         return None

@@ -28,6 +28,7 @@ from ggufswap.ipc import (
     Handler,
     MessageType,
     Process,
+    Request,
     make_error,
     make_reply,
 )
@@ -36,15 +37,15 @@ from ggufswap.ipc import (
 def status_handler(build: Callable[[], dict[str, Any]]) -> Handler:
     """A ``RequestServer`` handler answering ``status`` with ``build()``; others get an error."""
 
-    def handle(peer: bytes, msg: dict[str, Any]) -> Mapping[str, Any] | None:
-        if msg.get(Fields.TYPE) == MessageType.STATUS.value:
+    def handle(request: Request) -> Mapping[str, Any] | None:
+        if request.type is MessageType.STATUS:
             return make_reply(
-                msg, MessageType.STATUS_REPLY, process=Process.AGENT.value, status=build()
+                request.msg, MessageType.STATUS_REPLY, process=Process.AGENT.value, status=build()
             )
         return make_error(
-            msg.get(Fields.ID),
+            request.msg.get(Fields.ID),
             ErrorCode.UNKNOWN_TYPE,
-            f"the agent answers 'status' and 'ping', not {msg.get(Fields.TYPE)!r}; plans go to "
+            f"the agent answers 'status' and 'ping', not {request.type.value!r}; plans go to "
             "a runtime's control endpoint",
         )
 

@@ -107,10 +107,10 @@ def run_plan(args: argparse.Namespace) -> int:
 def _dry_run(model: ModelConfig, config: Config, *, timeout_s: float | None) -> dict[str, Any]:
     from ggufswap.agent import ModelIndex, reconcile
     from ggufswap.ipc import (
-        CurveKeys,
         Fields,
         IpcError,
         MessageType,
+        SocketOptions,
         make_message,
         plan_to_wire,
         request,
@@ -128,8 +128,7 @@ def _dry_run(model: ModelConfig, config: Config, *, timeout_s: float | None) -> 
             make_message(MessageType.STATE),
             timeout_s=wait_s,
             retries=0,
-            curve=CurveKeys.of(config.security.curve),
-            allow_insecure_tcp=config.security.allow_insecure_tcp,
+            options=SocketOptions.of(config.security),
         )
         if reply.get(Fields.TYPE) == MessageType.STATE_REPLY.value:
             actual = state_from_wire(reply)

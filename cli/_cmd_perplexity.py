@@ -198,16 +198,17 @@ class _Evaluator:
 def _hot_swap(
     runtime: HotSwapRuntime, config: Config, evaluator: _Evaluator, stop: threading.Event
 ) -> int:
+    from ggufswap.ipc import Event, PlanCommittedEvent, PlanStagedEvent
     from ggufswap.runtime.control import ControlServer
 
     staged = threading.Event()
     committed: list[str] = []  # plan ids committed since the last evaluation
 
-    def on_event(topic: str, payload: dict[str, Any]) -> None:
-        if topic == "plan.staged":
+    def on_event(event: Event) -> None:
+        if isinstance(event, PlanStagedEvent):
             staged.set()
-        elif topic == "plan.committed":
-            committed.append(str(payload["plan_id"]))
+        elif isinstance(event, PlanCommittedEvent):
+            committed.append(event.plan_id)
 
     runtime.on_event(on_event)
     control = ControlServer.from_config(runtime, config, extra_status=evaluator.status).start()

@@ -17,6 +17,19 @@ from ggufswap.ipc.errors import (
     UnknownMessageType,
     UnsupportedVersion,
 )
+from ggufswap.ipc.events import (
+    Event,
+    PlanAcceptedEvent,
+    PlanCommittedEvent,
+    PlanRejectedEvent,
+    PlanStagedEvent,
+    ShardInvalidEvent,
+    TensorFallbackEvent,
+    TensorReattachedEvent,
+    event_from_wire,
+    event_message,
+    event_to_wire,
+)
 from ggufswap.ipc.messages import (
     PROTOCOL_VERSION,
     Committed,
@@ -25,8 +38,8 @@ from ggufswap.ipc.messages import (
     Fields,
     MessageType,
     Process,
+    Reason,
     Rejected,
-    RejectReason,
     RuntimeState,
     SlotState,
     TensorEntry,
@@ -50,11 +63,17 @@ from ggufswap.ipc.messages import (
     rejected_to_wire,
     state_from_wire,
     state_to_wire,
-    validate_message,
 )
 from ggufswap.ipc.plan import Job, Plan
-from ggufswap.ipc.server import Handler, Publisher, RequestServer, ServerState
-from ggufswap.ipc.sockets import CurveKeys, bind_endpoint, connect_endpoint, make_socket
+from ggufswap.ipc.schema import parse_message, validate_message
+from ggufswap.ipc.server import Handler, Publisher, Request, RequestServer, ServerState
+from ggufswap.ipc.sockets import (
+    CurveKeys,
+    SocketOptions,
+    bind_endpoint,
+    connect_endpoint,
+    make_socket,
+)
 
 __all__ = [
     "DEFAULT_MAX_MSG_SIZE",
@@ -65,6 +84,7 @@ __all__ = [
     "EndpointInUse",
     "ErrorCode",
     "ErrorReply",
+    "Event",
     "Fields",
     "Handler",
     "InsecureEndpoint",
@@ -75,16 +95,25 @@ __all__ = [
     "MessageType",
     "PeerTimeout",
     "Plan",
+    "PlanAcceptedEvent",
+    "PlanCommittedEvent",
+    "PlanRejectedEvent",
+    "PlanStagedEvent",
     "Process",
     "Publisher",
-    "RejectReason",
+    "Reason",
     "Rejected",
+    "Request",
     "RequestServer",
     "RuntimeState",
     "ServerState",
+    "ShardInvalidEvent",
     "SlotState",
+    "SocketOptions",
     "Subscriber",
     "TensorEntry",
+    "TensorFallbackEvent",
+    "TensorReattachedEvent",
     "Topic",
     "UnknownMessageType",
     "UnsupportedVersion",
@@ -95,6 +124,9 @@ __all__ = [
     "decode",
     "encode",
     "error_from_wire",
+    "event_from_wire",
+    "event_message",
+    "event_to_wire",
     "job_from_wire",
     "job_to_wire",
     "make_error",
@@ -104,6 +136,7 @@ __all__ = [
     "make_socket",
     "message_from",
     "new_id",
+    "parse_message",
     "plan_from_wire",
     "plan_to_wire",
     "record_from_wire",

@@ -15,6 +15,7 @@ socket.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -23,16 +24,10 @@ import structlog
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ggufswap.ipc.codec import DEFAULT_MAX_MSG_SIZE, decode, encode
+from ggufswap.ipc.codec import decode, encode
 from ggufswap.ipc.errors import IpcError, PeerTimeout
 from ggufswap.ipc.messages import Fields, MessageType, Topic, make_message
-from ggufswap.ipc.sockets import (
-    DEFAULT_HWM,
-    DEFAULT_LINGER_MS,
-    CurveKeys,
-    connect_endpoint,
-    make_socket,
-)
+from ggufswap.ipc.sockets import DEFAULT_OPTIONS, SocketOptions, connect_endpoint, make_socket
 
 log = structlog.get_logger(__name__)
 
@@ -73,27 +68,31 @@ def request(
     *,
     timeout_s: float,
     retries: int = 2,
-    curve: CurveKeys | None = None,
-    allow_insecure_tcp: bool = False,
-    max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
+    options: SocketOptions = DEFAULT_OPTIONS,
     context: zmq.Context[zmq.Socket[bytes]] | None = None,
 ) -> dict[str, Any]:
     """Send ``msg`` and return its reply (an ``error`` reply is returned, not raised).
 
     Tries ``1 + retries`` times, each on a fresh socket waiting ``timeout_s``; raises
-    ``PeerTimeout`` when no attempt got a reply.
+    ``PeerTimeout`` when no attempt got a reply. Sockets close with LINGER 0 whatever
+    ``options`` says: a request that timed out is dropped with its socket.
     """
     data = encode(msg)
     msg_id = str(msg[Fields.ID])
     ctx = context if context is not None else zmq.Context.instance()
     attempts = 1 + max(0, retries)
+    options = dataclasses.replace(options, linger_ms=0)
     for attempt in range(1, attempts + 1):
-        sock = make_socket(ctx, zmq.DEALER, max_msg_size=max_msg_size, linger_ms=0)
+        sock = make_socket(ctx, zmq.DEALER, options)
         try:
-            connect_endpoint(sock, endpoint, curve=curve, allow_insecure_tcp=allow_insecure_tcp)
+            connect_endpoint(sock, endpoint, options)
             sock.send(data, zmq.NOBLOCK)
             reply = _await_reply(
-                sock, msg_id, timeout_s=timeout_s, max_msg_size=max_msg_size, endpoint=endpoint
+                sock,
+                msg_id,
+                timeout_s=timeout_s,
+                max_msg_size=options.max_msg_size,
+                endpoint=endpoint,
             )
         except zmq.Again:
             reply = None
@@ -140,25 +139,18 @@ class DealerClient:
         self,
         endpoint: str,
         *,
-        curve: CurveKeys | None = None,
-        allow_insecure_tcp: bool = False,
+        options: SocketOptions = DEFAULT_OPTIONS,
         heartbeat_interval_s: float = 1.0,
         heartbeat_liveness: int = 3,
-        max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
-        linger_ms: int = DEFAULT_LINGER_MS,
-        hwm: int = DEFAULT_HWM,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ):
         if heartbeat_interval_s <= 0 or heartbeat_liveness < 1:
             raise ValueError("heartbeat_interval_s must be > 0 and heartbeat_liveness >= 1")
         self.endpoint = endpoint
-        self._curve = curve
-        self._allow_insecure_tcp = allow_insecure_tcp
+        self._options = options
         self._interval_s = heartbeat_interval_s
         self._liveness = heartbeat_liveness
-        self._max_msg_size = max_msg_size
-        self._linger_ms = linger_ms
-        self._hwm = hwm
+        self._max_msg_size = options.max_msg_size
         self._context = context if context is not None else zmq.Context.instance()
         self._connected = False
         self._missed = 0
@@ -168,18 +160,10 @@ class DealerClient:
         self._socket: zmq.Socket[bytes] | None = self._open()
 
     def _open(self) -> zmq.Socket[bytes]:
-        sock = make_socket(
-            self._context,
-            zmq.DEALER,
-            max_msg_size=self._max_msg_size,
-            linger_ms=self._linger_ms,
-            hwm=self._hwm,
-        )
+        sock = make_socket(self._context, zmq.DEALER, self._options)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
-            connect_endpoint(
-                sock, self.endpoint, curve=self._curve, allow_insecure_tcp=self._allow_insecure_tcp
-            )
+            connect_endpoint(sock, self.endpoint, self._options)
         except BaseException:
             _close_monitored(sock, monitor)
             raise
@@ -205,7 +189,7 @@ class DealerClient:
             self._sock().send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             raise IpcError(
-                f"{self.endpoint}: send queue full ({self._hwm} messages); peer not reading"
+                f"{self.endpoint}: send queue full ({self._options.hwm} messages); peer not reading"
             ) from None
 
     def poll(self, timeout_s: float) -> dict[str, Any] | None:
@@ -293,21 +277,18 @@ class Subscriber:
         endpoint: str,
         *,
         topics: Iterable[Topic | str] = ("",),
-        curve: CurveKeys | None = None,
-        allow_insecure_tcp: bool = False,
-        max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
+        options: SocketOptions = DEFAULT_OPTIONS,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ):
         ctx = context if context is not None else zmq.Context.instance()
-        self._max_msg_size = max_msg_size
-        self._socket = make_socket(ctx, zmq.SUB, max_msg_size=max_msg_size, linger_ms=0)
+        options = dataclasses.replace(options, linger_ms=0)
+        self._max_msg_size = options.max_msg_size
+        self._socket = make_socket(ctx, zmq.SUB, options)
         try:
             for topic in topics:
                 value = topic.value if isinstance(topic, Topic) else topic
                 self._socket.setsockopt(zmq.SUBSCRIBE, value.encode())
-            connect_endpoint(
-                self._socket, endpoint, curve=curve, allow_insecure_tcp=allow_insecure_tcp
-            )
+            connect_endpoint(self._socket, endpoint, options)
         except BaseException:
             self._socket.close(linger=0)
             raise

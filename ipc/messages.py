@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Any
@@ -59,6 +59,7 @@ class Topic(str, Enum):
     """First frame of an event published on the PUB socket (subscribers filter on its prefix)."""
 
     PLAN_ACCEPTED = "plan.accepted"
+    PLAN_STAGED = "plan.staged"
     PLAN_COMMITTED = "plan.committed"
     PLAN_REJECTED = "plan.rejected"
     TENSOR_FALLBACK = "tensor.fallback"
@@ -99,6 +100,8 @@ class Fields:
     PLAN_ID = "plan_id"
     JOBS = "jobs"
     STALL_MS = "stall_ms"
+    STAGE_MS = "stage_ms"
+    CHANGED = "changed"
     STALE = "stale"
     REASONS = "reasons"
     CODE = "code"
@@ -385,11 +388,21 @@ def state_from_wire(d: object) -> RuntimeState:
 
 
 @dataclass(frozen=True, slots=True)
-class RejectReason:
-    """Why one tensor of a plan cannot be applied."""
+class Reason:
+    """Why one tensor cannot be applied (by the runtime) or planned (by the agent).
+
+    ``tensor`` is the tensor's name, or ``*`` for the plan as a whole. ``stale``: the tensor's
+    source file changed under the plan, so re-planning will fix it. The wire carries it once per
+    plan (``rejected.stale``: every reason is stale), so a reason read from the wire is stale
+    exactly when its plan was.
+    """
 
     tensor: str
     reason: str
+    stale: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.tensor}: {self.reason}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,7 +420,7 @@ class Rejected:
 
     plan_id: str
     stale: bool
-    reasons: tuple[RejectReason, ...]
+    reasons: tuple[Reason, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,30 +451,42 @@ def committed_from_wire(d: object) -> Committed:
     )
 
 
+def reasons_to_wire(reasons: Iterable[Reason]) -> list[dict[str, Any]]:
+    """``reasons`` as ``[{tensor, reason}]`` (the per-plan ``stale`` flag travels beside them)."""
+    return [{Fields.TENSOR: r.tensor, Fields.REASON: r.reason} for r in reasons]
+
+
+def reasons_from_wire(d: Mapping[str, Any], *, stale: bool) -> tuple[Reason, ...]:
+    """The ``reasons`` of a map, each ``stale`` as its plan is."""
+    reasons = []
+    for i, raw in enumerate(c.as_list(c.get(d, Fields.REASONS, ""), Fields.REASONS)):
+        where = c.field_path(Fields.REASONS, i)
+        r = c.require_map(raw, where)
+        reasons.append(
+            Reason(
+                tensor=c.as_str(c.get(r, Fields.TENSOR, where), c.field_path(where, Fields.TENSOR)),
+                reason=c.as_str(c.get(r, Fields.REASON, where), c.field_path(where, Fields.REASON)),
+                stale=stale,
+            )
+        )
+    return tuple(reasons)
+
+
 def rejected_to_wire(body: Rejected) -> dict[str, Any]:
     return {
         Fields.PLAN_ID: body.plan_id,
         Fields.STALE: body.stale,
-        Fields.REASONS: [{Fields.TENSOR: r.tensor, Fields.REASON: r.reason} for r in body.reasons],
+        Fields.REASONS: reasons_to_wire(body.reasons),
     }
 
 
 def rejected_from_wire(d: object) -> Rejected:
     m = c.require_map(d, "rejected")
-    reasons = []
-    for i, raw in enumerate(c.as_list(c.get(m, Fields.REASONS, ""), Fields.REASONS)):
-        where = c.field_path(Fields.REASONS, i)
-        r = c.require_map(raw, where)
-        reasons.append(
-            RejectReason(
-                tensor=c.as_str(c.get(r, Fields.TENSOR, where), c.field_path(where, Fields.TENSOR)),
-                reason=c.as_str(c.get(r, Fields.REASON, where), c.field_path(where, Fields.REASON)),
-            )
-        )
+    stale = c.as_bool(c.get(m, Fields.STALE, ""), Fields.STALE)
     return Rejected(
         plan_id=c.as_str(c.get(m, Fields.PLAN_ID, ""), Fields.PLAN_ID, nonempty=True),
-        stale=c.as_bool(c.get(m, Fields.STALE, ""), Fields.STALE),
-        reasons=tuple(reasons),
+        stale=stale,
+        reasons=reasons_from_wire(m, stale=stale),
     )
 
 
@@ -477,65 +502,3 @@ def error_from_wire(d: object) -> ErrorReply:
         code=error_code,
         message=c.as_str(c.get(m, Fields.MESSAGE, ""), Fields.MESSAGE),
     )
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _nonneg_number(value: object, where: str) -> object:
-    return c.as_number(value, where, minimum=0.0)
-
-
-def _nonneg_int(value: object, where: str) -> object:
-    return c.as_int(value, where, minimum=0)
-
-
-def _nonempty_str(value: object, where: str) -> object:
-    return c.as_str(value, where, nonempty=True)
-
-
-def _process(value: object, where: str) -> object:
-    return c.as_choice(value, where, tuple(p.value for p in Process))
-
-
-_Check = Callable[[object, str], object]
-_PLAN_REPLY: tuple[tuple[str, _Check], ...] = (
-    (Fields.PLAN_ID, _nonempty_str),
-    (Fields.IN_REPLY_TO, c.as_opt_str),
-)
-
-# Top-level fields each type must carry; deep structure is checked by the *_from_wire readers.
-SCHEMA: dict[MessageType, tuple[tuple[str, _Check], ...]] = {
-    MessageType.PING: (),
-    MessageType.PONG: ((Fields.PROCESS, c.as_str), (Fields.UPTIME_S, _nonneg_number)),
-    MessageType.STATUS: (),
-    MessageType.STATUS_REPLY: ((Fields.PROCESS, _process), (Fields.STATUS, c.require_map)),
-    MessageType.STATE: (),
-    MessageType.STATE_REPLY: (),
-    MessageType.PLAN: (),
-    MessageType.ACCEPTED: _PLAN_REPLY,
-    MessageType.STAGED: _PLAN_REPLY,
-    MessageType.COMMITTED: _PLAN_REPLY,
-    MessageType.REJECTED: _PLAN_REPLY,
-    MessageType.ERROR: ((Fields.CODE, c.as_int), (Fields.MESSAGE, c.as_str)),
-    MessageType.EVENT: ((Fields.TOPIC, _nonempty_str),),
-}
-
-_DEEP: dict[MessageType, Callable[[object], object]] = {
-    MessageType.STATE_REPLY: state_from_wire,
-    MessageType.PLAN: plan_from_wire,
-    MessageType.COMMITTED: committed_from_wire,
-    MessageType.REJECTED: rejected_from_wire,
-    MessageType.ERROR: error_from_wire,
-}
-
-
-def validate_message(msg: Mapping[str, Any]) -> MessageType:
-    """Check an envelope-checked message's fields against its type's schema; return the type."""
-    msg_type = message_type(msg)
-    for key, check in SCHEMA[msg_type]:
-        check(c.get(msg, key, ""), key)
-    deep = _DEEP.get(msg_type)
-    if deep is not None:
-        deep(msg)
-    return msg_type

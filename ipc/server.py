@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -29,7 +30,7 @@ import structlog
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ggufswap.ipc.codec import DEFAULT_MAX_MSG_SIZE, decode, encode
+from ggufswap.ipc.codec import decode, encode
 from ggufswap.ipc.errors import (
     IpcError,
     MalformedMessage,
@@ -37,28 +38,26 @@ from ggufswap.ipc.errors import (
     UnknownMessageType,
     UnsupportedVersion,
 )
-from ggufswap.ipc.messages import (
-    ErrorCode,
-    Fields,
-    MessageType,
-    Topic,
-    make_error,
-    make_event,
-    make_reply,
-    validate_message,
-)
-from ggufswap.ipc.sockets import (
-    DEFAULT_HWM,
-    DEFAULT_LINGER_MS,
-    Binding,
-    CurveKeys,
-    bind_endpoint,
-    make_socket,
-)
+from ggufswap.ipc.events import Event, event_message
+from ggufswap.ipc.messages import ErrorCode, Fields, MessageType, make_error, make_reply
+from ggufswap.ipc.schema import parse_message
+from ggufswap.ipc.sockets import DEFAULT_OPTIONS, Binding, SocketOptions, bind_endpoint, make_socket
 
 log = structlog.get_logger(__name__)
 
-Handler = Callable[[bytes, dict[str, Any]], Mapping[str, Any] | None]
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A request that passed validation: who sent it, the message, its type and its body as
+    the one parse read it (a ``Plan`` for ``plan``; None for types without a typed body)."""
+
+    peer: bytes
+    msg: Mapping[str, Any]
+    type: MessageType
+    body: object
+
+
+Handler = Callable[[Request], Mapping[str, Any] | None]
 
 _MAX_BATCH = 256  # frames handled per wake-up before the outbox and stop flag are looked at
 _HANDSHAKE_EVENTS = (
@@ -124,11 +123,13 @@ class ServerState(Enum):
 
 
 class RequestServer:
-    """Serve requests on ``endpoint``: ``handler(peer_id, msg)`` returns the reply or None.
+    """Serve requests on ``endpoint``: ``handler(request)`` returns the reply or None.
 
-    A handler that returns None may answer later (or several times) with ``send_to(peer_id,
-    reply)`` from any thread. Handler exceptions are logged and answered with ``error``:
-    ``MalformedMessage`` → MALFORMED, ``UnknownMessageType`` → UNKNOWN_TYPE, others → INTERNAL.
+    Each message is validated once, and the handler receives what that read
+    (:class:`Request`). A handler may also answer later (or several times) with
+    ``send_to(peer_id, reply)`` from any thread: every frame still leaves from the server's
+    thread. Handler exceptions are logged and answered with ``error``: ``MalformedMessage`` →
+    MALFORMED, ``UnknownMessageType`` → UNKNOWN_TYPE, others → INTERNAL.
     """
 
     def __init__(
@@ -137,21 +138,14 @@ class RequestServer:
         handler: Handler,
         *,
         name: str,
-        max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
-        linger_ms: int = DEFAULT_LINGER_MS,
-        hwm: int = DEFAULT_HWM,
-        curve: CurveKeys | None = None,
-        allow_insecure_tcp: bool = False,
+        options: SocketOptions = DEFAULT_OPTIONS,
         poll_interval_s: float = 0.1,
     ):
         self._requested_endpoint = endpoint
         self._handler = handler
         self.name = name
-        self._max_msg_size = max_msg_size
-        self._linger_ms = linger_ms
-        self._hwm = hwm
-        self._curve = curve
-        self._allow_insecure_tcp = allow_insecure_tcp
+        self._options = options
+        self._max_msg_size = options.max_msg_size
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._state = ServerState.CREATED
         self._stop = threading.Event()
@@ -182,26 +176,15 @@ class RequestServer:
         if self._state is not ServerState.CREATED:
             raise IpcError(f"server {self.name}: start() in state {self._state.name}")
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        sock = make_socket(
-            context,
-            zmq.ROUTER,
-            max_msg_size=self._max_msg_size,
-            linger_ms=self._linger_ms,
-            hwm=self._hwm,
-        )
+        sock = make_socket(context, zmq.ROUTER, self._options)
         try:
-            self._binding = bind_endpoint(
-                sock,
-                self._requested_endpoint,
-                curve=self._curve,
-                allow_insecure_tcp=self._allow_insecure_tcp,
-            )
+            self._binding = bind_endpoint(sock, self._requested_endpoint, self._options)
         except BaseException:
             sock.close(linger=0)
             context.term()
             raise
         self._context, self._socket = context, sock
-        if self._curve is not None and self._binding.authenticator is not None:
+        if self._options.curve is not None and self._binding.authenticator is not None:
             self._handshakes = _HandshakeLog(sock.get_monitor_socket(_HANDSHAKE_EVENTS), self.log)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -286,7 +269,7 @@ class RequestServer:
             if handshakes is not None:
                 sock.disable_monitor()
                 handshakes.monitor.close(linger=0)
-            sock.close(linger=self._linger_ms)
+            sock.close(linger=self._options.linger_ms)
 
     def _drain_wakeups(self) -> None:
         try:
@@ -365,10 +348,10 @@ class RequestServer:
             return make_error(exc.msg_id, ErrorCode.MALFORMED, str(exc))
         msg_id = msg[Fields.ID]
         try:
-            msg_type = validate_message(msg)
+            msg_type, body = parse_message(msg)
             if msg_type is MessageType.PING:
                 return make_reply(msg, MessageType.PONG, process=self.name, uptime_s=self.uptime_s)
-            return self._handler(peer, msg)
+            return self._handler(Request(peer, msg, msg_type, body))
         except UnknownMessageType as exc:
             self.log.warning("ipc.unknown_type", peer=peer.hex(), type=msg.get(Fields.TYPE))
             return make_error(msg_id, ErrorCode.UNKNOWN_TYPE, str(exc))
@@ -383,25 +366,12 @@ class RequestServer:
 class Publisher:
     """A PUB socket for events: frames ``[topic, msgpack map]``; ``publish`` is thread-safe."""
 
-    def __init__(
-        self,
-        endpoint: str,
-        *,
-        max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
-        linger_ms: int = DEFAULT_LINGER_MS,
-        hwm: int = DEFAULT_HWM,
-        curve: CurveKeys | None = None,
-        allow_insecure_tcp: bool = False,
-    ):
+    def __init__(self, endpoint: str, options: SocketOptions = DEFAULT_OPTIONS):
         self._lock = threading.Lock()
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._socket: zmq.Socket[bytes] | None = make_socket(
-            self._context, zmq.PUB, max_msg_size=max_msg_size, linger_ms=linger_ms, hwm=hwm
-        )
+        self._socket: zmq.Socket[bytes] | None = make_socket(self._context, zmq.PUB, options)
         try:
-            self._binding = bind_endpoint(
-                self._socket, endpoint, curve=curve, allow_insecure_tcp=allow_insecure_tcp
-            )
+            self._binding = bind_endpoint(self._socket, endpoint, options)
         except BaseException:
             self._socket.close(linger=0)
             self._context.term()
@@ -411,15 +381,16 @@ class Publisher:
     def endpoint(self) -> str:
         return self._binding.endpoint
 
-    def publish(self, topic: Topic, **fields: Any) -> dict[str, Any]:
-        """Publish one event (dropped by libzmq for subscribers over their HWM); returns it."""
-        event = make_event(topic, **fields)
-        data = encode(event)
+    def publish(self, event: Event) -> dict[str, Any]:
+        """Publish one event (dropped by libzmq for subscribers over their HWM); returns its
+        payload."""
+        payload = event_message(event)
+        data = encode(payload)
         with self._lock:
             if self._socket is None:
                 raise IpcError(f"publisher {self.endpoint}: publish() after close()")
-            self._socket.send_multipart([topic.value.encode(), data])
-        return event
+            self._socket.send_multipart([event.topic.value.encode(), data])
+        return payload
 
     def close(self) -> None:
         with self._lock:

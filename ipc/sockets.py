@@ -1,15 +1,16 @@
 """Socket construction with the production options, and secure bind/connect of endpoints.
 
-Every socket gets an explicit ``LINGER``, high-water marks and a transport size cap
-(``MAXMSGSIZE``); a ROUTER also gets ``ROUTER_MANDATORY`` so that a reply to a vanished peer is
-an error rather than a silent drop. Endpoints:
+One :class:`SocketOptions` record carries everything a socket owner needs. Every socket gets
+an explicit ``LINGER``, high-water marks and a transport size cap (``MAXMSGSIZE``); a ROUTER
+also gets ``ROUTER_MANDATORY`` so that a reply to a vanished peer is an error rather than a
+silent drop. Endpoints:
 
 - ``ipc://PATH``: the parent directory is created with mode 0700, an existing one must not be
   writable by group or others, the socket file is created under umask 0o077 (mode 0600), and a
   stale socket file left by a dead process is removed (a live one raises ``EndpointInUse``).
 - ``tcp://HOST:PORT``: requires CURVE (server: its secret key plus a ZAP authenticator that only
   admits the public keys found in an authorized-keys directory) unless the operator explicitly
-  passes ``allow_insecure_tcp=True``; otherwise ``InsecureEndpoint``.
+  sets ``allow_insecure_tcp``; otherwise ``InsecureEndpoint``.
 - ``inproc://NAME``: in-process only, no checks.
 
 Only one ZAP authenticator can serve a context, so a socket bound with CURVE should have a
@@ -25,7 +26,7 @@ import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Final, Protocol
 
 import structlog
 import zmq
@@ -94,6 +95,42 @@ class CurveSection(Protocol):
     def authorized_keys_dir(self) -> Path | None: ...
 
 
+class SecuritySection(Protocol):
+    """What :meth:`SocketOptions.of` reads: the shape of ``ggufswap.config.SecurityConfig``."""
+
+    @property
+    def curve(self) -> CurveSection | None: ...
+    @property
+    def allow_insecure_tcp(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SocketOptions:
+    """How a socket owner opens its sockets: transport security and the ZeroMQ settings.
+
+    Every owner (``RequestServer``, ``Publisher``, ``request``, ``DealerClient``,
+    ``Subscriber``, and through them the control server and the agent's links) takes one of
+    these; a process builds it once from its config with :meth:`of`. ``max_msg_size`` is the
+    protocol cap (``MAXMSGSIZE`` is set a little above it, see :func:`transport_limit`).
+    """
+
+    curve: CurveKeys | None = None
+    allow_insecure_tcp: bool = False
+    max_msg_size: int = DEFAULT_MAX_MSG_SIZE
+    linger_ms: int = DEFAULT_LINGER_MS
+    hwm: int = DEFAULT_HWM
+
+    @classmethod
+    def of(cls, security: SecuritySection) -> SocketOptions:
+        """The options of a config's ``security`` section (the other settings at defaults)."""
+        return cls(
+            curve=CurveKeys.of(security.curve), allow_insecure_tcp=security.allow_insecure_tcp
+        )
+
+
+DEFAULT_OPTIONS: Final = SocketOptions()
+
+
 def transport_limit(max_msg_size: int) -> int:
     """The ``MAXMSGSIZE`` set on sockets whose protocol cap is ``max_msg_size``."""
     return max_msg_size + TRANSPORT_SLACK_BYTES
@@ -102,17 +139,14 @@ def transport_limit(max_msg_size: int) -> int:
 def make_socket(
     context: zmq.Context[zmq.Socket[bytes]],
     socket_type: int,
-    *,
-    max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
-    linger_ms: int = DEFAULT_LINGER_MS,
-    hwm: int = DEFAULT_HWM,
+    options: SocketOptions = DEFAULT_OPTIONS,
 ) -> zmq.Socket[bytes]:
     """A socket of ``socket_type`` with LINGER, MAXMSGSIZE, SNDHWM/RCVHWM (and ROUTER_MANDATORY)."""
     sock = context.socket(socket_type)
-    sock.setsockopt(zmq.LINGER, linger_ms)
-    sock.setsockopt(zmq.MAXMSGSIZE, transport_limit(max_msg_size))
-    sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.LINGER, options.linger_ms)
+    sock.setsockopt(zmq.MAXMSGSIZE, transport_limit(options.max_msg_size))
+    sock.setsockopt(zmq.SNDHWM, options.hwm)
+    sock.setsockopt(zmq.RCVHWM, options.hwm)
     if socket_type == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     return sock
@@ -203,13 +237,10 @@ def _last_endpoint(sock: zmq.Socket[bytes], fallback: str) -> str:
 
 
 def bind_endpoint(
-    sock: zmq.Socket[bytes],
-    endpoint: str,
-    *,
-    curve: CurveKeys | None = None,
-    allow_insecure_tcp: bool = False,
+    sock: zmq.Socket[bytes], endpoint: str, options: SocketOptions = DEFAULT_OPTIONS
 ) -> Binding:
     """Bind ``sock`` to ``endpoint`` with the protections described in the module docstring."""
+    curve = options.curve
     if endpoint.startswith(IPC_SCHEME):
         path = endpoint[len(IPC_SCHEME) :]
         if path.startswith("@"):  # Linux abstract namespace: no file, no directory
@@ -229,7 +260,7 @@ def bind_endpoint(
         authenticator = None
         if curve is not None:
             authenticator = _start_curve_server(sock, curve)
-        elif not allow_insecure_tcp:
+        elif not options.allow_insecure_tcp:
             raise InsecureEndpoint(
                 f"{endpoint}: tcp endpoints require CURVE keys (security.curve); set "
                 f"allow_insecure_tcp only on a trusted network"
@@ -266,13 +297,10 @@ def _start_curve_server(sock: zmq.Socket[bytes], curve: CurveKeys) -> ThreadAuth
 
 
 def connect_endpoint(
-    sock: zmq.Socket[bytes],
-    endpoint: str,
-    *,
-    curve: CurveKeys | None = None,
-    allow_insecure_tcp: bool = False,
+    sock: zmq.Socket[bytes], endpoint: str, options: SocketOptions = DEFAULT_OPTIONS
 ) -> None:
     """Connect ``sock`` to ``endpoint``; tcp needs CURVE client keys unless explicitly insecure."""
+    curve = options.curve
     if endpoint.startswith(TCP_SCHEME):
         if curve is not None:
             public, secret = _load_key(curve.client_secret_key, role="client secret", secret=True)
@@ -282,7 +310,7 @@ def connect_endpoint(
             sock.curve_secretkey = secret
             sock.curve_publickey = public
             sock.curve_serverkey = server_public
-        elif not allow_insecure_tcp:
+        elif not options.allow_insecure_tcp:
             raise InsecureEndpoint(
                 f"{endpoint}: tcp endpoints require CURVE keys (security.curve); set "
                 f"allow_insecure_tcp only on a trusted network"

@@ -1,33 +1,42 @@
 """The runtime's control server: the ZeroMQ face of :class:`HotSwapRuntime`.
 
-A thin layer: ``plan`` messages go to :meth:`HotSwapRuntime.submit`; the runtime's plan events
-become the replies ``staged``, ``committed`` and ``rejected`` sent to every peer that sent the
-plan, and are published on the PUB socket. ``state`` reports the loaded table, ``status`` the
-runtime's health. The wire format is in docs/protocol.md.
+A thin layer. The request server validates each message once and hands the handler what that
+read (a ``plan`` arrives as a :class:`~ggufswap.ipc.Plan`). A plan goes to
+:meth:`HotSwapRuntime.submit`, which has the plan's ticket followed by an :class:`_Answer` for
+the peer that sent it: the answer's first reply (``accepted``, or the outcome of a plan already
+decided) is the handler's return, and each later move of the ticket (``staged``, then
+``committed`` or ``rejected``) is queued with ``send_to``. Either way every frame leaves from
+the request server's thread, the only one that touches its socket. The runtime's events are
+published on the PUB socket. ``state`` reports the loaded table, ``status`` the runtime's
+health. The wire format is in docs/protocol.md.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
 
 from ggufswap.config import Config
 from ggufswap.ipc import (
-    CurveKeys,
+    Committed,
+    Event,
     Fields,
+    IpcError,
     MessageType,
+    Plan,
     Process,
     Publisher,
+    Rejected,
+    Request,
     RequestServer,
     RuntimeState,
-    SlotState,
+    SocketOptions,
     TensorEntry,
-    Topic,
+    committed_to_wire,
     make_reply,
-    plan_from_wire,
+    rejected_to_wire,
     state_to_wire,
 )
 from ggufswap.ipc.errors import UnknownMessageType
@@ -36,7 +45,7 @@ from ggufswap.runtime.plans import PlanState, PlanTicket
 
 log = structlog.get_logger(__name__)
 
-_PUBLISHED = {t.value: t for t in Topic}
+Reply = Mapping[str, Any]
 
 
 class ControlServer:
@@ -49,38 +58,24 @@ class ControlServer:
         control_endpoint: str,
         status_endpoint: str | None = None,
         events_endpoint: str | None = None,
-        curve: CurveKeys | None = None,
-        allow_insecure_tcp: bool = False,
+        options: SocketOptions | None = None,
         extra_status: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        options = options if options is not None else SocketOptions()
         self.runtime = runtime
         self._extra_status = extra_status
-        self._waiting: dict[str, list[tuple[bytes, str]]] = {}  # plan_id -> (peer, request id)
-        self._lock = threading.Lock()
         self.control = RequestServer(
-            control_endpoint,
-            self._handle,
-            name="runtime",
-            curve=curve,
-            allow_insecure_tcp=allow_insecure_tcp,
+            control_endpoint, self._handle, name="runtime", options=options
         )
         self.status_server = (
             RequestServer(
-                status_endpoint,
-                self._handle_status,
-                name="runtime-status",
-                curve=curve,
-                allow_insecure_tcp=allow_insecure_tcp,
+                status_endpoint, self._handle_status, name="runtime-status", options=options
             )
             if status_endpoint and status_endpoint != control_endpoint
             else None
         )
-        self.publisher = (
-            Publisher(events_endpoint, curve=curve, allow_insecure_tcp=allow_insecure_tcp)
-            if events_endpoint
-            else None
-        )
-        runtime.on_event(self._on_event)
+        self.publisher = Publisher(events_endpoint, options) if events_endpoint else None
+        runtime.on_event(self._publish)
 
     @classmethod
     def from_config(
@@ -97,8 +92,7 @@ class ControlServer:
             control_endpoint=rc.control_endpoint,
             status_endpoint=rc.status_endpoint,
             events_endpoint=rc.events_endpoint,
-            curve=CurveKeys.of(config.security.curve),
-            allow_insecure_tcp=config.security.allow_insecure_tcp,
+            options=SocketOptions.of(config.security),
             extra_status=extra_status,
         )
 
@@ -115,91 +109,46 @@ class ControlServer:
         if self.publisher is not None:
             self.publisher.close()
 
-    # -- requests --------------------------------------------------------------------------
+    # -- requests (the request server's thread) --------------------------------------------
 
-    def _handle(self, peer: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
-        kind = MessageType(msg[Fields.TYPE])
-        if kind is MessageType.PLAN:
-            return self._plan(peer, msg)
-        if kind is MessageType.STATE:
-            return make_reply(msg, MessageType.STATE_REPLY, **state_to_wire(self.state()))
-        if kind is MessageType.STATUS:
-            return self._status_reply(msg)
-        raise UnknownMessageType(f"the runtime does not serve {kind.value!r} requests")
+    def _handle(self, request: Request) -> Reply | None:
+        if request.type is MessageType.PLAN:
+            return self._plan(request)
+        if request.type is MessageType.STATE:
+            return make_reply(request.msg, MessageType.STATE_REPLY, **state_to_wire(self.state()))
+        if request.type is MessageType.STATUS:
+            return self._status_reply(request.msg)
+        raise UnknownMessageType(f"the runtime does not serve {request.type.value!r} requests")
 
-    def _handle_status(self, peer: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
-        if MessageType(msg[Fields.TYPE]) is MessageType.STATUS:
-            return self._status_reply(msg)
+    def _handle_status(self, request: Request) -> Reply | None:
+        if request.type is MessageType.STATUS:
+            return self._status_reply(request.msg)
         raise UnknownMessageType("this endpoint serves only status; send plans to the control one")
 
-    def _status_reply(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _status_reply(self, msg: Mapping[str, Any]) -> Reply:
         return make_reply(
             msg, MessageType.STATUS_REPLY, process=Process.RUNTIME.value, status=self.status()
         )
 
-    def _plan(self, peer: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
-        plan = plan_from_wire(msg)
-        known = self.runtime.ticket(plan.plan_id)
-        if known is not None and known.state.final and known.state is not PlanState.REJECTED:
-            return self._final_reply(known, msg[Fields.ID])  # already applied: say so again
-        with self._lock:
-            self._waiting.setdefault(plan.plan_id, []).append((peer, msg[Fields.ID]))
-        ticket = self.runtime.submit(plan)
-        if ticket.state is PlanState.REJECTED:
-            return None  # the plan.rejected event has answered every waiting peer
-        return make_reply(msg, MessageType.ACCEPTED, plan_id=plan.plan_id)
-
-    def _final_reply(self, ticket: PlanTicket, request_id: str) -> dict[str, Any]:
-        request = {Fields.ID: request_id}
-        if ticket.state is PlanState.COMMITTED:
-            return make_reply(
-                request,
-                MessageType.COMMITTED,
-                plan_id=ticket.plan_id,
-                weight_version=ticket.weight_version or 0,
-                stall_ms=round((ticket.stall_s or 0.0) * 1e3, 3),
-            )
-        return make_reply(
-            request,
-            MessageType.REJECTED,
-            plan_id=ticket.plan_id,
-            stale=ticket.stale,
-            reasons=[{Fields.TENSOR: r.tensor, Fields.REASON: r.reason} for r in ticket.reasons],
-        )
+    def _plan(self, request: Request) -> Reply:
+        plan = request.body
+        assert isinstance(plan, Plan), "the request server parses a plan message into a Plan"
+        answer = _Answer(self.control, request.peer, str(request.msg[Fields.ID]))
+        self.runtime.submit(plan, follow=answer)
+        assert answer.first is not None, "submit follows the ticket, which answers at once"
+        return answer.first
 
     # -- events ----------------------------------------------------------------------------
 
-    def _on_event(self, topic: str, payload: dict[str, Any]) -> None:
-        plan_id = payload.get("plan_id")
-        if isinstance(plan_id, str) and topic in ("plan.staged", "plan.committed", "plan.rejected"):
-            self._answer_waiting(topic, plan_id)
-        published = _PUBLISHED.get(topic)
-        if published is not None and self.publisher is not None:
-            self.publisher.publish(published, **payload)
-
-    def _answer_waiting(self, topic: str, plan_id: str) -> None:
-        final = topic != "plan.staged"
-        with self._lock:
-            peers = (
-                self._waiting.pop(plan_id, []) if final else list(self._waiting.get(plan_id, []))
-            )
-        ticket = self.runtime.ticket(plan_id)
-        if ticket is None:
-            return
-        for peer, request_id in peers:
-            if final:
-                reply = self._final_reply(ticket, request_id)
-            else:
-                reply = make_reply({Fields.ID: request_id}, MessageType.STAGED, plan_id=plan_id)
-            self.control.send_to(peer, reply)
+    def _publish(self, event: Event) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(event)
 
     # -- reports ---------------------------------------------------------------------------
 
     def state(self) -> RuntimeState:
         entries = tuple(
-            TensorEntry(
-                record=slot.record, fingerprint=slot.fingerprint, slot=SlotState(slot.state.value)
-            )
+            TensorEntry(record=slot.record, fingerprint=slot.fingerprint, slot=slot.state)
             for slot in self.runtime.slots().values()
         )
         return RuntimeState(
@@ -213,3 +162,46 @@ class ControlServer:
         if self._extra_status is not None:
             status.update(self._extra_status())
         return status
+
+
+class _Answer:
+    """Answers one ``plan`` request by following the plan's ticket.
+
+    The first call (when ``submit`` starts following) builds the reply the handler returns:
+    ``accepted`` while the plan is in flight (a re-sent plan that is already staged too), or
+    the outcome of a plan already decided. Each later call is a move of the ticket: ``staged``,
+    ``committed`` or ``rejected``, queued for the request server's thread with ``send_to``
+    (which sends it after the handler's reply).
+    """
+
+    def __init__(self, server: RequestServer, peer: bytes, request_id: str) -> None:
+        self._server = server
+        self._peer = peer
+        self._request_id = request_id
+        self.first: Reply | None = None
+
+    def __call__(self, ticket: PlanTicket) -> None:
+        if self.first is None:
+            self.first = self._reply(ticket, MessageType.ACCEPTED)
+            return
+        if ticket.state is PlanState.STAGING:
+            return  # ``accepted`` said so already
+        try:
+            self._server.send_to(self._peer, self._reply(ticket, MessageType.STAGED))
+        except IpcError as exc:  # the server stopped: the peer re-plans from ``state``
+            log.info("control.reply_dropped", plan_id=ticket.plan_id, error=str(exc))
+
+    def _reply(self, ticket: PlanTicket, in_flight: MessageType) -> Reply:
+        """The reply for the ticket's state; ``in_flight`` for a plan not yet decided."""
+        request = {Fields.ID: self._request_id}
+        if ticket.state is PlanState.COMMITTED:
+            body = Committed(
+                plan_id=ticket.plan_id,
+                weight_version=ticket.weight_version or 0,
+                stall_ms=round((ticket.stall_s or 0.0) * 1e3, 3),
+            )
+            return make_reply(request, MessageType.COMMITTED, **committed_to_wire(body))
+        if ticket.state is PlanState.REJECTED:
+            outcome = Rejected(plan_id=ticket.plan_id, stale=ticket.stale, reasons=ticket.reasons)
+            return make_reply(request, MessageType.REJECTED, **rejected_to_wire(outcome))
+        return make_reply(request, in_flight, **{Fields.PLAN_ID: ticket.plan_id})

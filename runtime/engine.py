@@ -28,22 +28,34 @@ from typing import Any, Final
 import structlog
 import torch
 
-from ggufswap.ipc.plan import Plan
-from ggufswap.runtime.errors import PlanRejected, Reason
-from ggufswap.runtime.plans import PlanState, PlanTicket
+from ggufswap.config import Storage
+from ggufswap.ipc import (
+    Event,
+    Plan,
+    PlanAcceptedEvent,
+    PlanCommittedEvent,
+    PlanRejectedEvent,
+    PlanStagedEvent,
+    Reason,
+)
+from ggufswap.runtime.commit import commit
+from ggufswap.runtime.errors import PlanRejected, StagingFailed
+from ggufswap.runtime.plans import Follower, PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
-from ggufswap.runtime.staging import StagedPlan, Stager, StaleJob, Unplaceable, commit
-from ggufswap.runtime.store import Placement, Slot, SlotState, Storage, TensorStore
-from ggufswap.runtime.validate import all_stale, validate_plan
+from ggufswap.runtime.staging import StagedPlan, Stager
+from ggufswap.runtime.store import Placement, Slot, TensorStore
+from ggufswap.runtime.validate import validate_plan
 from ggufswap.shards import HeaderCache, ShardSet, open_shard_set
 
 log = structlog.get_logger(__name__)
 
 CommitCallback = Callable[[int, tuple[str, ...]], None]
-EventCallback = Callable[[str, dict[str, Any]], None]
+EventCallback = Callable[[Event], None]
 
 HISTORY: Final = 64
 _STOP: Final = object()
+# Plans that never ran because the runtime stopped: stale, so the agent plans them again.
+_SHUTTING_DOWN: Final = Reason("*", "runtime shutting down", stale=True)
 
 
 class HotSwapRuntime:
@@ -149,15 +161,16 @@ class HotSwapRuntime:
         self._on_commit.append(callback)
 
     def on_event(self, callback: EventCallback) -> None:
-        """Call ``callback(topic, payload)`` for plan and tensor events (any thread)."""
+        """Call ``callback(event)`` for plan and tensor events, each a record of
+        :mod:`ggufswap.ipc.events` with its ``topic`` (in the thread that caused it)."""
         self._on_event.append(callback)
 
-    def _emit(self, topic: str, **payload: Any) -> None:
+    def _emit(self, event: Event) -> None:
         for callback in self._on_event:
             try:
-                callback(topic, payload)
+                callback(event)
             except Exception:  # a listener must not break the runtime
-                log.exception("event.listener_failed", topic=topic)
+                log.exception("event.listener_failed", topic=event.topic.value)
 
     # -- plans -----------------------------------------------------------------------------
 
@@ -165,23 +178,29 @@ class HotSwapRuntime:
     def weight_version(self) -> int:
         return self.store.weight_version
 
-    def submit(self, plan: Plan) -> PlanTicket:
+    def submit(self, plan: Plan, *, follow: Follower | None = None) -> PlanTicket:
         """Validate ``plan`` and queue it for staging; a refused plan is returned REJECTED.
 
         Re-submitting a plan id that is already known returns the existing ticket: a plan is
-        applied at most once.
+        applied at most once. ``follow`` follows the ticket (:meth:`PlanTicket.follow`) from
+        the state validation leaves it in (RECEIVED, or REJECTED) before the stager can move
+        it, or from the current state of a known ticket.
         """
         with self._submit_lock:
-            return self._submit(plan)
+            return self._submit(plan, follow)
 
-    def _submit(self, plan: Plan) -> PlanTicket:
+    def _submit(self, plan: Plan, follow: Follower | None) -> PlanTicket:
         known = self._tickets.get(plan.plan_id)
         if known is not None and known.state is not PlanState.REJECTED:
+            if follow is not None:
+                known.follow(follow)
             return known
         ticket = PlanTicket(plan)
         self._remember(ticket)
         if self._closed:
-            self._finish_rejected(ticket, [Reason("*", "the runtime is closed")], stale=True)
+            self._finish_rejected(ticket, [Reason("*", "the runtime is closed", stale=True)])
+            if follow is not None:
+                ticket.follow(follow)
             return ticket
         reasons = validate_plan(plan, self.store, allowed_roots=self.allowed_roots)
         if plan.model and plan.model != self.model_name:
@@ -192,9 +211,12 @@ class HotSwapRuntime:
                 )
             )
         if reasons:
-            self._finish_rejected(ticket, reasons, stale=all_stale(reasons))
+            self._finish_rejected(ticket, reasons)
+        if follow is not None:
+            ticket.follow(follow)
+        if reasons:
             return ticket
-        self._emit("plan.accepted", plan_id=plan.plan_id, tensors=len(plan.jobs))
+        self._emit(PlanAcceptedEvent(plan_id=plan.plan_id, tensors=len(plan.jobs)))
         with self._cond:
             self._in_flight += 1
         self._queue.put(ticket)
@@ -233,8 +255,9 @@ class HotSwapRuntime:
         while len(self._tickets) > HISTORY:
             self._tickets.popitem(last=False)
 
-    def _finish_rejected(self, ticket: PlanTicket, reasons: list[Reason], *, stale: bool) -> None:
-        ticket.reject(reasons, stale=stale)
+    def _finish_rejected(self, ticket: PlanTicket, reasons: list[Reason]) -> None:
+        ticket.reject(reasons)
+        stale = ticket.stale
         self._outcomes["stale" if stale else "rejected"] += 1
         log.warning(
             "plan",
@@ -244,12 +267,7 @@ class HotSwapRuntime:
             reasons=[str(r) for r in reasons],
             tensors=len(ticket.plan.jobs),
         )
-        self._emit(
-            "plan.rejected",
-            plan_id=ticket.plan_id,
-            stale=stale,
-            reasons=[{"tensor": r.tensor, "reason": r.reason} for r in reasons],
-        )
+        self._emit(PlanRejectedEvent(plan_id=ticket.plan_id, stale=stale, reasons=ticket.reasons))
 
     # -- staging (background thread) -------------------------------------------------------
 
@@ -263,24 +281,20 @@ class HotSwapRuntime:
 
     def _stage_one(self, ticket: PlanTicket) -> None:
         if self._closed:  # taken off the queue just before close() drained it
-            self._finish_rejected(ticket, [Reason("*", "runtime shutting down")], stale=True)
+            self._finish_rejected(ticket, [_SHUTTING_DOWN])
             self._settled(1)
             return
         ticket.move(PlanState.STAGING)
         started = time.monotonic()
         try:
             staged = self._stager.stage(ticket.plan)
-        except StaleJob as exc:
-            self._finish_rejected(ticket, [exc.reason], stale=True)
-            self._settled(1)
-            return
-        except Unplaceable as exc:
-            self._finish_rejected(ticket, [exc.reason], stale=False)
+        except StagingFailed as exc:  # a stale job, or a tensor that cannot be placed
+            self._finish_rejected(ticket, [exc.reason])
             self._settled(1)
             return
         except Exception as exc:  # a bug or a device error: the model stays as it was
             log.exception("plan.staging_failed", plan_id=ticket.plan_id)
-            self._finish_rejected(ticket, [Reason("*", f"staging failed: {exc!r}")], stale=False)
+            self._finish_rejected(ticket, [Reason("*", f"staging failed: {exc!r}")])
             self._settled(1)
             return
         ticket.stage_s = time.monotonic() - started
@@ -293,10 +307,10 @@ class HotSwapRuntime:
                 self._cond.notify_all()
         if closing:  # close() ran while this plan was staging: it will never be committed
             staged.discard()
-            self._finish_rejected(ticket, [Reason("*", "runtime shutting down")], stale=True)
+            self._finish_rejected(ticket, [_SHUTTING_DOWN])
             self._settled(1)
             return
-        self._emit("plan.staged", plan_id=ticket.plan_id, stage_ms=round(ticket.stage_s * 1e3, 3))
+        self._emit(PlanStagedEvent(plan_id=ticket.plan_id, stage_ms=round(ticket.stage_s * 1e3, 3)))
         # One plan in flight: the next is staged against the buffers this one leaves behind.
         ticket.wait()
         self._drop_retired()
@@ -352,11 +366,12 @@ class HotSwapRuntime:
                 stall_ms=round(stall * 1e3, 3),
             )
             self._emit(
-                "plan.committed",
-                plan_id=ticket.plan_id,
-                weight_version=version,
-                stall_ms=round(stall * 1e3, 3),
-                changed=list(ticket.changed),
+                PlanCommittedEvent(
+                    plan_id=ticket.plan_id,
+                    weight_version=version,
+                    stall_ms=round(stall * 1e3, 3),
+                    changed=ticket.changed,
+                )
             )
         self._settled(len(committed))
         if errors:
@@ -368,17 +383,12 @@ class HotSwapRuntime:
         self, ticket: PlanTicket, staged: StagedPlan, retired: list[Buffer]
     ) -> PlanTicket:
         """Apply one staged plan (the staged values stay referenced only by the stager)."""
-        changed = tuple(op.slot.name for op in staged.ops if op.content.raw is not None)
-        moved = any(
-            op.new_buffer is not None or op.copy_into_original is not None or op.parts is not None
-            for op in staged.ops
-        )
-        retired.extend(commit(self.store, staged))
-        if changed or staged.derived or moved:
-            self.store.weight_version += 1
-        ticket.changed = changed
-        ticket.weight_version = self.store.weight_version
-        self._tensor_events(staged)
+        applied = commit(self.store, staged)
+        retired.extend(applied.retired)
+        ticket.changed = applied.changed
+        ticket.weight_version = applied.weight_version
+        for event in applied.events:
+            self._emit(event)
         return ticket
 
     def _drop_retired(self) -> None:
@@ -386,15 +396,6 @@ class HotSwapRuntime:
         with self._cond:
             retired, self._retired = self._retired, []
         del retired
-
-    def _tensor_events(self, staged: StagedPlan) -> None:
-        for op in staged.ops:
-            if op.target.state is SlotState.FALLBACK_CPU:
-                self._emit(
-                    "tensor.fallback", tensor=op.slot.name, pool=self.store.pools.fallback.name
-                )
-            elif op.reattach and op.target.state is SlotState.ON_ORIGINAL:
-                self._emit("tensor.reattached", tensor=op.slot.name)
 
     # -- reporting -------------------------------------------------------------------------
 
@@ -420,7 +421,6 @@ class HotSwapRuntime:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the stager; queued and staged plans are rejected (nothing half-applied)."""
-        shutting_down = [Reason("*", "runtime shutting down")]
         with self._commit_lock, self._cond:
             self._closed = True
             staged_plans = list(self._staged)
@@ -431,12 +431,12 @@ class HotSwapRuntime:
             except queue.Empty:
                 break
             if isinstance(item, PlanTicket):
-                self._finish_rejected(item, shutting_down, stale=True)
+                self._finish_rejected(item, [_SHUTTING_DOWN])
                 self._settled(1)
         self._queue.put(_STOP)
         for ticket, staged in staged_plans:
             staged.discard()
-            self._finish_rejected(ticket, shutting_down, stale=True)
+            self._finish_rejected(ticket, [_SHUTTING_DOWN])
             self._settled(1)
         self._thread.join(timeout)
         self._drop_retired()

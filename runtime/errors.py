@@ -1,8 +1,12 @@
-"""Errors raised by the inference-side runtime."""
+"""Errors raised by the inference-side runtime: every one is a :class:`RuntimeLibraryError`.
+
+Why a tensor of a plan cannot be applied is a :class:`~ggufswap.ipc.Reason`, the record the wire
+carries (re-exported here and as ``ggufswap.runtime.Reason``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ggufswap.ipc.messages import Reason
 
 
 class RuntimeLibraryError(Exception):
@@ -11,18 +15,6 @@ class RuntimeLibraryError(Exception):
 
 class UnsupportedTypeError(RuntimeLibraryError, TypeError):
     """A GGML type has no torch kernel and strict mode forbids the CPU fallback."""
-
-
-@dataclass(frozen=True, slots=True)
-class Reason:
-    """Why one tensor of a plan cannot be applied."""
-
-    tensor: str
-    reason: str
-    stale: bool = False  # the file changed under the plan: re-planning will fix it
-
-    def __str__(self) -> str:
-        return f"{self.tensor}: {self.reason}"
 
 
 class PlanRejected(RuntimeLibraryError):
@@ -35,3 +27,52 @@ class PlanRejected(RuntimeLibraryError):
         kind = "stale" if stale else "rejected"
         lines = "\n  ".join(str(r) for r in self.reasons)
         super().__init__(f"plan {plan_id} {kind}:\n  {lines}")
+
+
+class PoolFull(RuntimeLibraryError):
+    """A pool cannot hold an allocation (budget, or the device itself is out of memory)."""
+
+    def __init__(self, pool: str, nbytes: int, free: int) -> None:
+        self.pool = pool
+        self.nbytes = nbytes
+        self.free = free
+        super().__init__(f"pool {pool!r}: {nbytes} bytes requested, {free} free")
+
+
+class StagingFailed(RuntimeLibraryError):
+    """Staging a plan stopped at one tensor; ``reason`` says which and why."""
+
+    def __init__(self, reason: Reason) -> None:
+        self.reason = reason
+        super().__init__(str(reason))
+
+
+class StaleJob(StagingFailed):
+    """A job's file or content changed under the plan: re-planning will fix it."""
+
+
+class Unplaceable(StagingFailed):
+    """A tensor (or its family) fits no pool, or its new bytes cannot be decoded."""
+
+
+class PlanStateError(RuntimeLibraryError, RuntimeError):
+    """An illegal plan lifecycle transition: a bug in the runtime, never an input problem."""
+
+
+class SlotStateError(RuntimeLibraryError, RuntimeError):
+    """A commit would put a slot in a state its buffers do not match: a bug, never an input
+    problem. Raised before the commit changes anything."""
+
+
+__all__ = [
+    "PlanRejected",
+    "PlanStateError",
+    "PoolFull",
+    "Reason",
+    "RuntimeLibraryError",
+    "SlotStateError",
+    "StagingFailed",
+    "StaleJob",
+    "Unplaceable",
+    "UnsupportedTypeError",
+]

@@ -1,14 +1,25 @@
-"""Plan lifecycle: ``RECEIVED → STAGING → STAGED → COMMITTED | REJECTED``, with guarded moves."""
+"""Plan lifecycle: ``RECEIVED → STAGING → STAGED → COMMITTED | REJECTED``, with guarded moves.
+
+A ticket is the one record of a plan in the runtime: whoever waits for a plan's outcome waits
+on its ticket (:meth:`PlanTicket.wait`), or follows its moves (:meth:`PlanTicket.follow`, how
+the control server answers the peers that sent the plan).
+"""
 
 from __future__ import annotations
 
 import enum
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ggufswap.ipc.plan import Plan
-from ggufswap.runtime.errors import Reason
+import structlog
+
+from ggufswap.ipc import Plan, Reason
+from ggufswap.ipc.messages import reasons_to_wire
+from ggufswap.runtime.errors import PlanStateError
+
+log = structlog.get_logger(__name__)
 
 
 class PlanState(enum.Enum):
@@ -32,13 +43,16 @@ _ALLOWED: dict[PlanState, frozenset[PlanState]] = {
 }
 
 
-class PlanStateError(RuntimeError):
-    """An illegal lifecycle transition: a bug in the runtime, never an input problem."""
+Follower = Callable[["PlanTicket"], None]
 
 
 @dataclass(eq=False)
 class PlanTicket:
-    """The runtime's record of one plan; ``wait()`` blocks until it is committed or rejected."""
+    """The runtime's record of one plan; ``wait()`` blocks until it is committed or rejected.
+
+    ``stale`` is True when every reason of a rejection is stale (a source file changed under
+    the plan: re-planning fixes it).
+    """
 
     plan: Plan
     state: PlanState = PlanState.RECEIVED
@@ -51,23 +65,43 @@ class PlanTicket:
     stage_s: float | None = None
     stall_s: float | None = None
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    # Moves and follows are serialized, so a follower sees each state once, in order.
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    _followers: list[Follower] = field(default_factory=list, repr=False)
 
     @property
     def plan_id(self) -> str:
         return self.plan.plan_id
 
     def move(self, to: PlanState) -> None:
-        if to not in _ALLOWED[self.state]:
-            raise PlanStateError(
-                f"plan {self.plan_id}: cannot go from {self.state.name} to {to.name}"
-            )
-        self.state = to
-        if to.final:
-            self._done.set()
+        with self._lock:
+            if to not in _ALLOWED[self.state]:
+                raise PlanStateError(
+                    f"plan {self.plan_id}: cannot go from {self.state.name} to {to.name}"
+                )
+            self.state = to
+            for follower in self._followers:
+                try:
+                    follower(self)
+                except Exception:  # a follower must not break the runtime
+                    log.exception("plan.follower_failed", plan_id=self.plan_id, state=to.name)
+            if to.final:
+                self._followers.clear()
+                self._done.set()
 
-    def reject(self, reasons: list[Reason], *, stale: bool = False) -> None:
+    def follow(self, follower: Follower) -> None:
+        """Call ``follower(ticket)`` now, then after each move until a final state, in the
+        thread that moves the ticket (its fields already set). Calls are serialized with the
+        moves: no state is missed or seen twice, and each call sees ``ticket.state`` as the
+        state it is called for."""
+        with self._lock:
+            if not self.state.final:
+                self._followers.append(follower)
+            follower(self)
+
+    def reject(self, reasons: list[Reason]) -> None:
         self.reasons = tuple(reasons)
-        self.stale = stale
+        self.stale = bool(reasons) and all(r.stale for r in reasons)
         self.move(PlanState.REJECTED)
 
     def wait(self, timeout: float | None = None) -> PlanState:
@@ -83,7 +117,7 @@ class PlanTicket:
             "changed": list(self.changed),
             "weight_version": self.weight_version,
             "stale": self.stale,
-            "reasons": [{"tensor": r.tensor, "reason": r.reason} for r in self.reasons],
+            "reasons": reasons_to_wire(self.reasons),
             "stage_ms": None if self.stage_s is None else round(self.stage_s * 1e3, 3),
             "stall_ms": None if self.stall_s is None else round(self.stall_s * 1e3, 3),
         }

@@ -13,15 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-class PoolFull(Exception):
-    """A pool cannot hold an allocation (budget, or the device itself is out of memory)."""
-
-    def __init__(self, pool: str, nbytes: int, free: int) -> None:
-        self.pool = pool
-        self.nbytes = nbytes
-        self.free = free
-        super().__init__(f"pool {pool!r}: {nbytes} bytes requested, {free} free")
+from ggufswap.runtime.errors import PoolFull
 
 
 @dataclass(eq=False)

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from ggufswap.runtime.errors import Reason, UnsupportedTypeError
-from ggufswap.runtime.pools import Buffer, Pool, PoolFull
+from ggufswap.ipc import Reason
+from ggufswap.runtime.errors import PoolFull, Unplaceable, UnsupportedTypeError
+from ggufswap.runtime.pools import Pool
 from ggufswap.runtime.split import ExpertSplit, Part, copy_range, split_of
 from ggufswap.runtime.staged import (
     Content,
     StagedOp,
     StagedPlan,
     Target,
-    Unplaceable,
     allocate,
     content_of,
 )
@@ -213,21 +213,3 @@ class SplitPlacer:
         except (UnsupportedTypeError, ValueError) as exc:
             reason = Reason(slot.name, f"cannot decode {content.record.ggml_type.name}: {exc}")
             raise Unplaceable(reason) from None
-
-
-def commit_split(op: StagedOp) -> list[Buffer]:
-    """Apply one split slot's op; returns the private parts it replaced."""
-    slot, parts = op.slot, op.parts
-    assert parts is not None, f"{slot.name}: not a split op"
-    if op.part_copies:
-        for part, src in zip(slot.original_parts, op.part_copies, strict=True):
-            part.buffer.tensor[: src.numel()].copy_(src)
-        slot.held = (op.content.fingerprint, op.content.record.ggml_type)
-    replaced = slot.parts
-    slot.parts = parts
-    slot.record = op.content.record
-    slot.fingerprint = op.content.fingerprint
-    slot.state = op.target.state
-    if replaced is slot.original_parts or replaced is parts:
-        return []
-    return [part.buffer for part in replaced]

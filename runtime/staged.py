@@ -1,6 +1,7 @@
 """What staging prepares and a commit applies: targets, contents, staged operations and plans.
 
-Shared by the stager (``staging``) and the placement of split families (``split_staging``).
+Shared by the stager (``staging``), the placement of split families (``split_staging``) and
+the commit (``commit``).
 """
 
 from __future__ import annotations
@@ -10,11 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ggufswap.ipc.plan import Plan
-from ggufswap.runtime.errors import Reason
+from ggufswap.ipc import Plan, SlotState
 from ggufswap.runtime.pools import Buffer, Pool
 from ggufswap.runtime.split import Part
-from ggufswap.runtime.store import Slot, SlotState
+from ggufswap.runtime.store import Slot
 from ggufswap.shards import TensorRecord
 
 
@@ -76,18 +76,6 @@ class StagedPlan:
         for buffer in self.allocated:
             buffer.release()
         self.allocated.clear()
-
-
-class StaleJob(Exception):
-    def __init__(self, reason: Reason) -> None:
-        self.reason = reason
-        super().__init__(str(reason))
-
-
-class Unplaceable(Exception):
-    def __init__(self, reason: Reason) -> None:
-        self.reason = reason
-        super().__init__(str(reason))
 
 
 def content_of(slot: Slot, contents: dict[str, Content]) -> Content:

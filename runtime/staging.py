@@ -1,13 +1,9 @@
-"""Staging a plan off the critical path, and committing it between two batches.
+"""Staging a plan off the critical path, for a commit between two batches.
 
 Staging (background worker) reads each job's bytes with identity checks, verifies the content
 fingerprint, encodes the bytes for the storage mode, decides where every affected tensor will live
-(its family included) and fills new buffers. Nothing the model reads is touched.
-
-Committing (inference thread, at a batch boundary) only swaps pointers, or copies staged contents
-in place when pointers must stay stable (CUDA graphs); then it releases the buffers that the plan
-replaced. Every operation a commit performs was prepared and checked by staging, so a commit
-cannot fail half-way on bad input.
+(its family included) and fills new buffers. Nothing the model reads is touched: the result, a
+:class:`StagedPlan`, is applied by ``commit`` at a batch boundary.
 
 Families split over pools by expert ranges are placed by ``split_staging``.
 """
@@ -18,18 +14,16 @@ from collections.abc import Callable
 
 import torch
 
-from ggufswap.ipc.plan import Job, Plan
-from ggufswap.runtime.errors import Reason, UnsupportedTypeError
-from ggufswap.runtime.pools import Buffer, Pool, PoolFull
-from ggufswap.runtime.split_staging import SplitPlacer, commit_split
+from ggufswap.ipc import Job, Plan, Reason
+from ggufswap.runtime.errors import PoolFull, StaleJob, Unplaceable, UnsupportedTypeError
+from ggufswap.runtime.pools import Pool
+from ggufswap.runtime.split_staging import SplitPlacer
 from ggufswap.runtime.staged import (
     STATE_TARGET,
     Content,
     StagedOp,
     StagedPlan,
-    StaleJob,
     Target,
-    Unplaceable,
     allocate,
     content_of,
 )
@@ -291,34 +285,3 @@ class Stager:
                 else:
                     inputs[source] = self.store.weight(source)
             staged.derived[derived.name] = derived.rebuild(inputs)
-
-
-def commit(store: TensorStore, staged: StagedPlan) -> list[Buffer]:
-    """Apply a staged plan (inference thread). Returns the buffers to release afterwards."""
-    release: list[Buffer] = []
-    for op in staged.ops:
-        slot = op.slot
-        if op.parts is not None:
-            release.extend(commit_split(op))
-            continue
-        previous, old_original = slot.active, slot.original
-        if op.target is Target.ORIGINAL:
-            if op.new_buffer is not None:
-                release.append(old_original)
-                slot.original = op.new_buffer
-                slot.held = (op.content.fingerprint, op.content.record.ggml_type)
-            elif op.copy_into_original is not None:
-                src = op.copy_into_original
-                slot.original.tensor[: src.numel()].copy_(src)
-                slot.held = (op.content.fingerprint, op.content.record.ggml_type)
-            slot.active = slot.original
-        elif op.new_buffer is not None:
-            slot.active = op.new_buffer
-        if previous is not old_original and previous is not slot.active:
-            release.append(previous)
-        slot.record = op.content.record
-        slot.fingerprint = op.content.fingerprint
-        slot.state = op.target.state
-    store.derived_values.update(staged.derived)
-    staged.allocated.clear()  # now owned by the slots
-    return release

@@ -14,7 +14,6 @@ Storage modes:
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -22,9 +21,12 @@ import structlog
 import torch
 from gguf import GGMLQuantizationType
 
+from ggufswap.config import Storage
+from ggufswap.ipc import SlotState
 from ggufswap.runtime.dequant import dequantize
+from ggufswap.runtime.errors import PoolFull
 from ggufswap.runtime.families import DerivedTensor, block_of, family_of
-from ggufswap.runtime.pools import Buffer, Pool, PoolFull, PoolSet
+from ggufswap.runtime.pools import Buffer, Pool, PoolSet
 from ggufswap.runtime.split import (
     ExpertSplit,
     Part,
@@ -35,17 +37,6 @@ from ggufswap.runtime.split import (
 from ggufswap.shards import ShardSet, TensorRecord, fingerprint_bytes, read_tensor_bytes
 
 log = structlog.get_logger(__name__)
-
-
-class Storage(enum.Enum):
-    DEQUANTIZED = "dequantized"
-    NATIVE = "native"
-
-
-class SlotState(enum.Enum):
-    ON_ORIGINAL = "ON_ORIGINAL"  # in the buffer it was loaded into
-    DETACHED = "DETACHED"  # in a private buffer in its home pool (its byte size changed)
-    FALLBACK_CPU = "FALLBACK_CPU"  # in a private buffer in the fallback pool
 
 
 @dataclass(frozen=True)
@@ -62,6 +53,12 @@ class Placement:
 @dataclass(eq=False)
 class Slot:
     """One tensor: its source, content fingerprint, buffers and state.
+
+    The store's load creates slots; after that only :mod:`ggufswap.runtime.commit` changes
+    them, moving ``state`` through its guarded transition. ``state`` is one of
+    ``ON_ORIGINAL`` (in the buffer it was loaded into), ``DETACHED`` (a private buffer in its
+    home pool: its byte size changed) or ``FALLBACK_CPU`` (a private buffer in the fallback
+    pool, its home being full).
 
     A split slot (an MoE family split over pools at load) holds its experts in ``parts``;
     ``original_parts`` are the parts it was loaded into, reserved for its life (updated in place)

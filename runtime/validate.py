@@ -10,9 +10,8 @@ from collections.abc import Sequence
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ggufswap.ipc.plan import Plan
+from ggufswap.ipc import Plan, Reason
 from ggufswap.runtime.dequant import has_kernel
-from ggufswap.runtime.errors import Reason
 from ggufswap.runtime.store import TensorStore
 from ggufswap.shards import (
     FileChangedError,
@@ -156,7 +155,3 @@ def _check_against_header(
             f"{rec.path} says, {described}",
         )
     return None
-
-
-def all_stale(reasons: Sequence[Reason]) -> bool:
-    return bool(reasons) and all(r.stale for r in reasons)

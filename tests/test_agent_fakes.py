@@ -25,6 +25,7 @@ from ggufswap.ipc import (
     Job,
     MessageType,
     Plan,
+    Request,
     RequestServer,
     RuntimeState,
     SlotState,
@@ -148,7 +149,8 @@ class FakeRuntime:
     def endpoint(self) -> str:
         return self.server.endpoint
 
-    def _handle(self, peer: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def _handle(self, request: Request) -> dict[str, Any] | None:
+        peer, msg = request.peer, dict(request.msg)
         kind = msg[Fields.TYPE]
         if kind == MessageType.STATE.value:
             with self._cond:

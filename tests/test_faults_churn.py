@@ -100,7 +100,7 @@ def test_serving_never_fails_and_matches_fresh_loads_through_200_swaps(tmp_path:
     }
     runtime, model = open_runtime(model_dir.first, storage=storage, pools=pools)
     events: Counter[str] = Counter()
-    runtime.on_event(lambda topic, payload: events.update([topic]))
+    runtime.on_event(lambda event: events.update([event.topic.value]))
     baseline_usage = runtime.store.pools.usage()
     rng = random.Random(6)
     current = dict.fromkeys(CHOICES, SAVED)

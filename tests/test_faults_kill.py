@@ -19,7 +19,14 @@ from processes import wait_for
 from reliability import record
 from runtime_helpers import Q, one_thread
 
-from ggufswap.ipc import DealerClient, MessageType, RequestServer, make_message, make_reply
+from ggufswap.ipc import (
+    DealerClient,
+    MessageType,
+    Request,
+    RequestServer,
+    make_message,
+    make_reply,
+)
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -275,8 +282,8 @@ def test_dealer_client_notices_a_peer_restarted_between_heartbeats(tmp_path: Pat
     learnt that its plan in flight died with the old runtime, and waited 30 s to re-send it)."""
     endpoint = f"ipc://{tmp_path}/peer.sock"
 
-    def echo(peer: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        return make_reply(msg, MessageType.STATUS_REPLY, process="runtime", status={})
+    def echo(request: Request) -> dict[str, Any]:
+        return make_reply(request.msg, MessageType.STATUS_REPLY, process="runtime", status={})
 
     server = RequestServer(endpoint, echo, name="first").start()
     client = DealerClient(endpoint, heartbeat_interval_s=3600.0)  # heartbeats cannot tell

@@ -25,8 +25,8 @@ from ggufswap.ipc import (
     MessageTooLarge,
     MessageType,
     Plan,
+    Reason,
     Rejected,
-    RejectReason,
     RuntimeState,
     SlotState,
     TensorEntry,
@@ -114,7 +114,7 @@ def test_state_committed_rejected_roundtrip(record: TensorRecord) -> None:
         committed_from_wire(_through_codec(committed_to_wire(committed), MessageType.COMMITTED))
         == committed
     )
-    rejected = Rejected("p1", True, (RejectReason(record.name, "file changed"),))
+    rejected = Rejected("p1", True, (Reason(record.name, "file changed", stale=True),))
     assert (
         rejected_from_wire(_through_codec(rejected_to_wire(rejected), MessageType.REJECTED))
         == rejected

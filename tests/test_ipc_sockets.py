@@ -8,7 +8,7 @@ import random
 import socket
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,20 +29,23 @@ from ggufswap.ipc import (
     MessageType,
     PeerTimeout,
     Plan,
+    PlanCommittedEvent,
     Process,
     Publisher,
+    Request,
     RequestServer,
     RuntimeState,
     SlotState,
+    SocketOptions,
     Subscriber,
     TensorEntry,
-    Topic,
+    TensorFallbackEvent,
     committed_from_wire,
     decode,
     encode,
+    event_from_wire,
     make_message,
     make_reply,
-    plan_from_wire,
     plan_to_wire,
     request,
     state_from_wire,
@@ -53,6 +56,7 @@ from ggufswap.shards import FileIdentity, TensorRecord
 
 CAP = 64 * 1024  # a small protocol cap keeps the oversized-frame tests fast
 WAIT_S = 5.0
+INSECURE = SocketOptions(allow_insecure_tcp=True)
 
 
 @pytest.fixture(autouse=True)
@@ -97,8 +101,8 @@ class FakeRuntime:
         self.server: RequestServer | None = None
         self.workers: list[threading.Thread] = []
 
-    def __call__(self, peer: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
-        msg_type = MessageType(msg[Fields.TYPE])
+    def __call__(self, request: Request) -> dict[str, Any] | None:
+        msg, msg_type = request.msg, request.type
         if msg_type is MessageType.STATUS:
             return make_reply(
                 msg,
@@ -109,7 +113,8 @@ class FakeRuntime:
         if msg_type is MessageType.STATE:
             return make_reply(msg, MessageType.STATE_REPLY, **state_to_wire(self.state))
         if msg_type is MessageType.PLAN:
-            plan = plan_from_wire(msg)
+            plan = request.body
+            assert isinstance(plan, Plan), "the server hands the handler the parsed plan"
             if plan.model != self.state.model:
                 return make_reply(
                     msg,
@@ -118,7 +123,7 @@ class FakeRuntime:
                     stale=False,
                     reasons=[{"tensor": j.name, "reason": "unknown model"} for j in plan.jobs],
                 )
-            worker = threading.Thread(target=self._apply, args=(peer, msg, plan))
+            worker = threading.Thread(target=self._apply, args=(request.peer, msg, plan))
             self.workers.append(worker)
             worker.start()
             return make_reply(msg, MessageType.ACCEPTED, plan_id=plan.plan_id)
@@ -126,7 +131,7 @@ class FakeRuntime:
             raise RuntimeError("handler bug")
         raise ValueError(f"not served: {msg_type}")
 
-    def _apply(self, peer: bytes, msg: dict[str, Any], plan: Plan) -> None:
+    def _apply(self, peer: bytes, msg: Mapping[str, Any], plan: Plan) -> None:
         assert self.server is not None
         self.server.send_to(peer, make_reply(msg, MessageType.STAGED, plan_id=plan.plan_id))
         self.server.send_to(
@@ -144,7 +149,9 @@ class FakeRuntime:
 @pytest.fixture
 def runtime(sockdir: Path, state: RuntimeState) -> Iterator[tuple[RequestServer, FakeRuntime]]:
     handler = FakeRuntime(state)
-    server = RequestServer(f"ipc://{sockdir}/rt.sock", handler, name="runtime", max_msg_size=CAP)
+    server = RequestServer(
+        f"ipc://{sockdir}/rt.sock", handler, name="runtime", options=SocketOptions(max_msg_size=CAP)
+    )
     handler.server = server
     with server:
         yield server, handler
@@ -155,7 +162,7 @@ def _raw_exchange(
     endpoint: str, frames: list[bytes], *, timeout_s: float = WAIT_S
 ) -> dict[str, Any] | None:
     ctx = zmq.Context.instance()
-    sock = make_socket(ctx, zmq.DEALER, max_msg_size=4 * CAP, linger_ms=0)
+    sock = make_socket(ctx, zmq.DEALER, SocketOptions(max_msg_size=4 * CAP, linger_ms=0))
     try:
         sock.connect(endpoint)
         sock.send_multipart(frames)
@@ -305,12 +312,12 @@ def test_req_peer_is_answered(runtime: tuple[RequestServer, FakeRuntime]) -> Non
 def test_lazy_pirate_timeout_then_recovery(sockdir: Path) -> None:
     """request retries on fresh sockets, raises PeerTimeout naming the endpoint, then recovers."""
     endpoint = f"ipc://{sockdir}/lp.sock"
-    silent = RequestServer(endpoint, lambda peer, msg: None, name="silent")
+    silent = RequestServer(endpoint, lambda request: None, name="silent")
     with silent, pytest.raises(PeerTimeout, match=str(sockdir)):
         request(endpoint, make_message(MessageType.STATUS), timeout_s=0.2, retries=1)
     # A dead server that swallows the first attempt, then a live one: the retry gets through.
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    dead = make_socket(ctx, zmq.ROUTER, linger_ms=0)
+    dead = make_socket(ctx, zmq.ROUTER, SocketOptions(linger_ms=0))
     bind_endpoint(dead, endpoint)
     result: dict[str, Any] = {}
     msg = make_message(MessageType.PING)
@@ -322,7 +329,7 @@ def test_lazy_pirate_timeout_then_recovery(sockdir: Path) -> None:
         assert dead.poll(int(WAIT_S * 1000)), "first attempt never arrived"
         dead.close(linger=0)
         ctx.term()  # waits until libzmq has torn the listener down
-        with RequestServer(endpoint, lambda peer, m: None, name="back"):
+        with RequestServer(endpoint, lambda request: None, name="back"):
             caller.join(WAIT_S)
     finally:
         caller.join(WAIT_S)
@@ -334,7 +341,7 @@ def test_dealer_heartbeat_loss_and_reconnect(sockdir: Path) -> None:
     """connected turns False after missed heartbeats, the socket is re-created, then True again."""
     endpoint = f"ipc://{sockdir}/hb.sock"
     with DealerClient(endpoint, heartbeat_interval_s=0.05, heartbeat_liveness=2) as client:
-        with RequestServer(endpoint, lambda peer, msg: None, name="hb"):
+        with RequestServer(endpoint, lambda request: None, name="hb"):
             for _ in range(100):
                 if client.connected:
                     break
@@ -346,7 +353,7 @@ def test_dealer_heartbeat_loss_and_reconnect(sockdir: Path) -> None:
             client.poll(0.05)
         assert not client.connected
         assert client.reconnects >= 1
-        with RequestServer(endpoint, lambda peer, msg: None, name="hb2"):
+        with RequestServer(endpoint, lambda request: None, name="hb2"):
             for _ in range(100):
                 if client.connected:
                     break
@@ -362,8 +369,8 @@ def test_publisher_events_reach_subscriber(sockdir: Path) -> None:
     ):
         got = None
         for _ in range(100):  # PUB drops until the subscription has propagated
-            pub.publish(Topic.TENSOR_FALLBACK, tensor="x", pool="cpu")
-            pub.publish(Topic.PLAN_COMMITTED, plan_id="p", weight_version=2, stall_ms=1.0)
+            pub.publish(TensorFallbackEvent(tensor="x", pool="cpu"))
+            pub.publish(PlanCommittedEvent(plan_id="p", weight_version=2, stall_ms=1.0))
             got = sub.recv(0.05)
             if got is not None:
                 break
@@ -375,20 +382,21 @@ def test_publisher_events_reach_subscriber(sockdir: Path) -> None:
             topic,
             "p",
         )
+        assert event_from_wire(event) == PlanCommittedEvent("p", 2, 1.0)
 
 
 def test_tcp_requires_curve_unless_opted_out() -> None:
     """A tcp endpoint without CURVE is refused on both sides unless allow_insecure_tcp is set."""
     with pytest.raises(InsecureEndpoint, match="CURVE"):
-        RequestServer("tcp://127.0.0.1:*", lambda p, m: None, name="t").start()
+        RequestServer("tcp://127.0.0.1:*", lambda request: None, name="t").start()
     with pytest.raises(InsecureEndpoint):
         request("tcp://127.0.0.1:9", make_message(MessageType.PING), timeout_s=0.1)
     with RequestServer(
-        "tcp://127.0.0.1:*", lambda p, m: None, name="t", allow_insecure_tcp=True
+        "tcp://127.0.0.1:*", lambda request: None, name="t", options=INSECURE
     ) as server:
         assert server.endpoint.startswith("tcp://127.0.0.1:")
         assert not server.endpoint.endswith("*")
-        _ping_ok(server.endpoint, allow_insecure_tcp=True)
+        _ping_ok(server.endpoint, options=INSECURE)
 
 
 def _certs(tmp_path: Path) -> tuple[CurveKeys, CurveKeys, CurveKeys]:
@@ -409,12 +417,16 @@ def test_curve_authorized_key_works_unknown_key_ignored(tmp_path: Path) -> None:
     """With CURVE an authorized client key is answered; an unknown key gets no answer at all."""
     server_keys, good, bad = _certs(tmp_path)
     with RequestServer(
-        "tcp://127.0.0.1:*", lambda p, m: None, name="c", curve=server_keys
+        "tcp://127.0.0.1:*", lambda request: None, name="c", options=SocketOptions(server_keys)
     ) as server:
-        _ping_ok(server.endpoint, curve=good)
+        _ping_ok(server.endpoint, options=SocketOptions(good))
         with pytest.raises(PeerTimeout):
             request(
-                server.endpoint, make_message(MessageType.PING), timeout_s=0.3, retries=0, curve=bad
+                server.endpoint,
+                make_message(MessageType.PING),
+                timeout_s=0.3,
+                retries=0,
+                options=SocketOptions(bad),
             )
         with pytest.raises(PeerTimeout):  # and plain text is not answered either
             request(
@@ -422,14 +434,14 @@ def test_curve_authorized_key_works_unknown_key_ignored(tmp_path: Path) -> None:
                 make_message(MessageType.PING),
                 timeout_s=0.3,
                 retries=0,
-                allow_insecure_tcp=True,
+                options=INSECURE,
             )
 
 
 def test_ipc_dir_private_and_socket_0600(sockdir: Path) -> None:
     """bind creates the socket directory 0700 and the socket file 0600."""
     path = sockdir / "run" / "ggufswap" / "a.sock"
-    with RequestServer(f"ipc://{path}", lambda p, m: None, name="perm") as server:
+    with RequestServer(f"ipc://{path}", lambda request: None, name="perm") as server:
         assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         _ping_ok(server.endpoint)
@@ -442,9 +454,9 @@ def test_ipc_open_dir_refused(sockdir: Path) -> None:
     shared.mkdir()
     shared.chmod(0o777)
     with pytest.raises(InsecureEndpoint, match="0777"):
-        RequestServer(f"ipc://{shared}/x.sock", lambda p, m: None, name="open").start()
+        RequestServer(f"ipc://{shared}/x.sock", lambda request: None, name="open").start()
     shared.chmod(0o700)
-    with RequestServer(f"ipc://{shared}/x.sock", lambda p, m: None, name="ok") as server:
+    with RequestServer(f"ipc://{shared}/x.sock", lambda request: None, name="ok") as server:
         _ping_ok(server.endpoint)
 
 
@@ -454,7 +466,7 @@ def test_ipc_stale_socket_removed_live_one_refused(sockdir: Path) -> None:
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(path))
     stale.close()  # the file stays, nobody listens
-    with RequestServer(f"ipc://{path}", lambda p, m: None, name="new") as server:
+    with RequestServer(f"ipc://{path}", lambda request: None, name="new") as server:
         _ping_ok(server.endpoint)
         with pytest.raises(EndpointInUse):
-            RequestServer(f"ipc://{path}", lambda p, m: None, name="twin").start()
+            RequestServer(f"ipc://{path}", lambda request: None, name="twin").start()

@@ -19,6 +19,7 @@ from runtime_helpers import (
     open_runtime,
 )
 
+from ggufswap.ipc import PlanRejectedEvent
 from ggufswap.runtime import DerivedTensor, PlanState, Storage
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -139,7 +140,7 @@ def test_close_while_staging_rejects_the_plan_and_frees_its_buffers(tmp_path: Pa
 
     runtime.store.register_derived(DerivedTensor("down0.summed", (DOWN0,), slow_rebuild))
     runtime.on_event(
-        lambda topic, p: release.set() if (topic, p["plan_id"]) == ("plan.rejected", "b") else None
+        lambda e: release.set() if isinstance(e, PlanRejectedEvent) and e.plan_id == "b" else None
     )
     model_dir.put(DOWN0, model_dir.variant(DOWN0, Q.Q4_0, tmp_path / "variants"))
     ticket_a = runtime.submit(model_dir.plan("a", [DOWN0]))

@@ -20,6 +20,7 @@ from runtime_helpers import (
     open_runtime,
 )
 
+from ggufswap.ipc import Event, TensorFallbackEvent, TensorReattachedEvent
 from ggufswap.runtime import PlanState, SlotState, Storage
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -47,8 +48,8 @@ def test_family_falls_back_and_oscillation_returns_to_baseline(
     runtime, model = open_runtime(
         model_dir.first, storage=Storage.NATIVE, pools=pools, stable_pointers=stable
     )
-    events: list[tuple[str, str]] = []
-    runtime.on_event(lambda topic, p: events.append((topic, p.get("tensor", ""))))
+    events: list[Event] = []
+    runtime.on_event(events.append)
     try:
         baseline = logits(model)
         usage = runtime.store.pools.usage()
@@ -59,14 +60,14 @@ def test_family_falls_back_and_oscillation_returns_to_baseline(
         runtime.apply(model_dir.plan("big-0", [DOWN1]))
         assert states(runtime, FAMILY1) == {SlotState.FALLBACK_CPU}
         assert states(runtime, others) == {SlotState.ON_ORIGINAL}
-        assert {n for topic, n in events if topic == "tensor.fallback"} == set(FAMILY1)
+        assert {e.tensor for e in events if isinstance(e, TensorFallbackEvent)} == set(FAMILY1)
         assert torch.equal(logits(model), fresh_logits(model_dir.first, storage=Storage.NATIVE))
         assert runtime.store.pools.usage()["dev"] == usage["dev"]  # originals stay reserved
         assert runtime.store.pools.usage()["host"] > 0
 
         model_dir.put(DOWN1, saved)
         runtime.apply(model_dir.plan("orig-0", [DOWN1]))
-        assert {n for topic, n in events if topic == "tensor.reattached"} == set(FAMILY1)
+        assert {e.tensor for e in events if isinstance(e, TensorReattachedEvent)} == set(FAMILY1)
         for i in range(1, 100):
             model_dir.put(DOWN1, big)
             runtime.apply(model_dir.plan(f"big-{i}", [DOWN1]))

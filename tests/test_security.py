@@ -50,6 +50,7 @@ from ggufswap.ipc import (
     MessageType,
     PeerTimeout,
     Plan,
+    SocketOptions,
     encode,
     make_message,
     message_from,
@@ -332,8 +333,7 @@ def curve_status(
             make_message(MessageType.STATUS),
             timeout_s=timeout,
             retries=0,
-            curve=curve,
-            allow_insecure_tcp=curve is None,
+            options=SocketOptions(curve=curve, allow_insecure_tcp=curve is None),
         )
     except PeerTimeout:
         return None

@@ -26,7 +26,7 @@ from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.models.registry import Decoder, build_model
 from ggufswap.runtime.pools import Pool
 from ggufswap.runtime.serving.serve import Mode, ServeLoop, ServeOptions
-from ggufswap.runtime.store import Placement, Storage
+from ggufswap.runtime.store import Placement
 
 log = structlog.get_logger(__name__)
 
@@ -40,7 +40,7 @@ def open_runtime(config: Config) -> HotSwapRuntime:
     return HotSwapRuntime.open(
         rc.model,
         pools=pools,
-        storage=Storage(rc.storage.value),
+        storage=rc.storage,
         compute_dtype=getattr(torch, rc.compute_dtype.value),
         strict=rc.strict_types,
         placement=Placement(

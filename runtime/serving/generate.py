@@ -43,6 +43,7 @@ from typing import Any, Final
 import structlog
 import torch
 
+from ggufswap import ipc
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.runtime.models.registry import Decoder
@@ -210,8 +211,8 @@ class Batcher:
         self.last_round_s: float | None = None
         runtime.on_event(self._on_runtime_event)
 
-    def _on_runtime_event(self, topic: str, payload: dict[str, Any]) -> None:
-        if topic == "plan.staged":  # wake an idle loop: the plan can be committed right away
+    def _on_runtime_event(self, event: ipc.Event) -> None:
+        if isinstance(event, ipc.PlanStagedEvent):  # wake an idle loop: commit the plan right away
             self._arrived.set()
 
     # -- any thread ------------------------------------------------------------------------

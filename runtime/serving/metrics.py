@@ -6,10 +6,10 @@ A thin adapter over the runtime's plan events; prometheus-client is an optional 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ggufswap.ipc import Event, PlanCommittedEvent, PlanRejectedEvent, SlotState
 from ggufswap.runtime.engine import HotSwapRuntime
-from ggufswap.runtime.store import SlotState
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -61,12 +61,12 @@ class RuntimeMetrics:
         runtime.on_event(self._on_event)
         self.refresh()
 
-    def _on_event(self, topic: str, payload: dict[str, Any]) -> None:
-        if topic == "plan.committed":
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, PlanCommittedEvent):
             self.plans.labels("committed").inc()
-            self.stall.observe(float(payload.get("stall_ms", 0.0)) / 1e3)
-        elif topic == "plan.rejected":
-            self.plans.labels("stale" if payload.get("stale") else "rejected").inc()
+            self.stall.observe(event.stall_ms / 1e3)
+        elif isinstance(event, PlanRejectedEvent):
+            self.plans.labels("stale" if event.stale else "rejected").inc()
         self.refresh()
 
     def refresh(self) -> None:

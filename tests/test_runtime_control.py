@@ -1,0 +1,106 @@
+"""The control server in-process: one parse per plan, replies that follow the plan's ticket, and
+the runtime's typed events published on the PUB socket."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from runtime_helpers import WAIT_S, ModelDir, Q, open_runtime
+
+from ggufswap.ipc import (
+    DealerClient,
+    Fields,
+    MessageType,
+    PlanAcceptedEvent,
+    PlanCommittedEvent,
+    PlanStagedEvent,
+    Subscriber,
+    TensorReattachedEvent,
+    Topic,
+    event_from_wire,
+    message_from,
+    plan_to_wire,
+)
+from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime.control import ControlServer
+
+OUTPUT = "output.weight"
+
+
+def _replies(
+    client: DealerClient, runtime: HotSwapRuntime, until: set[str]
+) -> list[dict[str, Any]]:
+    """Replies received while acting as the inference loop, up to one whose type is in
+    ``until``."""
+    replies: list[dict[str, Any]] = []
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        runtime.at_batch_boundary()
+        reply = client.poll(0.02)
+        if reply is not None:
+            replies.append(reply)
+            if reply[Fields.TYPE] in until:
+                return replies
+    raise AssertionError(f"no {sorted(until)} within {WAIT_S}s; got {replies}")
+
+
+def test_plan_replies_follow_the_ticket_and_events_are_published(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A plan gets accepted, staged and committed, each naming its request; re-sent, it gets its
+    outcome again; every plan event is published once, reading back as its typed record."""
+    sockdir = tmp_path_factory.mktemp("s")  # short: a socket path holds at most 107 bytes
+    model_dir = ModelDir.write(tmp_path / "m")
+    runtime, _ = open_runtime(model_dir.first)
+    model_dir.put(OUTPUT, model_dir.variant(OUTPUT, Q.Q8_0, tmp_path / "variants"))
+    control = ControlServer(
+        runtime,
+        control_endpoint=f"ipc://{sockdir}/control.sock",
+        events_endpoint=f"ipc://{sockdir}/events.sock",
+    ).start()
+    publisher = control.publisher
+    assert publisher is not None
+    try:
+        with (
+            Subscriber(publisher.endpoint) as sub,
+            DealerClient(control.control.endpoint) as client,
+        ):
+            for _ in range(200):  # PUB drops events until the subscription has propagated
+                publisher.publish(TensorReattachedEvent(tensor="probe"))
+                if sub.recv(0.02) is not None:
+                    break
+            plan = model_dir.plan("p1", [OUTPUT])
+            msg = message_from(MessageType.PLAN, plan_to_wire(plan))
+            client.send(msg)
+            replies = _replies(client, runtime, {"committed", "rejected"})
+            assert [r[Fields.TYPE] for r in replies] == ["accepted", "staged", "committed"]
+            assert {r[Fields.IN_REPLY_TO] for r in replies} == {msg[Fields.ID]}
+            assert {r[Fields.PLAN_ID] for r in replies} == {"p1"}
+            version = replies[-1][Fields.WEIGHT_VERSION]
+            assert version == runtime.weight_version == 1
+
+            again = message_from(MessageType.PLAN, plan_to_wire(plan))
+            client.send(again)
+            (outcome,) = _replies(client, runtime, {"committed", "rejected"})
+            assert (outcome[Fields.TYPE], outcome[Fields.IN_REPLY_TO]) == (
+                "committed",
+                again[Fields.ID],
+            )
+            assert outcome[Fields.WEIGHT_VERSION] == version
+
+            events = []
+            while (got := sub.recv(0.2)) is not None:
+                topic, payload = got
+                if topic.startswith("plan."):
+                    events.append(event_from_wire(payload))
+                    assert events[-1].topic is Topic(topic)
+    finally:
+        control.close()
+        runtime.close()
+    assert [type(e) for e in events] == [PlanAcceptedEvent, PlanStagedEvent, PlanCommittedEvent]
+    committed = events[-1]
+    assert isinstance(committed, PlanCommittedEvent)
+    assert (committed.plan_id, committed.weight_version, committed.changed) == ("p1", 1, (OUTPUT,))
