@@ -60,6 +60,11 @@ def doc_keys(text: str) -> set[Key]:
     return keys
 
 
+def missing_from_doc(rows: Iterable[Mapping[str, object]], doc: str) -> list[Key]:
+    """The keys of ``rows`` that the generated table in the text ``doc`` lacks, sorted."""
+    return sorted({key_of(r) for r in rows} - doc_keys(doc))
+
+
 def rewrite(doc: str, rows: Iterable[Mapping[str, object]]) -> str:
     if BEGIN not in doc or END not in doc:
         raise SystemExit(f"{DOC}: the markers {BEGIN!r} and {END!r} are missing")
