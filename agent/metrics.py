@@ -75,9 +75,10 @@ class AgentCollector:
 def serve_metrics(
     status: Callable[[], dict[str, Any]], port: int, *, addr: str = "127.0.0.1"
 ) -> Any:
-    """Serve ``/metrics`` for ``status`` on ``addr:port`` from a daemon thread; the registry."""
+    """Serve ``/metrics`` for ``status`` on ``addr:port`` from a daemon thread; the HTTP server
+    (``shutdown()`` then ``server_close()`` stop it)."""
     prom = _require_prometheus()
     registry = prom.CollectorRegistry()
     registry.register(AgentCollector(status))
-    prom.start_http_server(port, addr=addr, registry=registry)
-    return registry
+    server, _thread = prom.start_http_server(port, addr=addr, registry=registry)
+    return server

@@ -40,8 +40,11 @@ def test_committed_plan_updates_metrics_and_http_serves_them(tmp_path: Path) -> 
         assert reg.get_sample_value("ggufswap_runtime_tensors", {"state": "ON_ORIGINAL"}) == 51
         port = free_port()
         metrics.serve(port)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            body = response.read().decode()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                body = response.read().decode()
+        finally:
+            metrics.close()
         assert "ggufswap_runtime_weight_version 1.0" in body
 
 

@@ -12,6 +12,8 @@ from ggufswap.ipc import Event, PlanCommittedEvent, PlanRejectedEvent, SlotState
 from ggufswap.runtime.engine import HotSwapRuntime
 
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
     from prometheus_client import CollectorRegistry
 
 # Commit stalls are sub-millisecond to tens of milliseconds; buckets in seconds.
@@ -58,6 +60,7 @@ class RuntimeMetrics:
         self.pool_used = prom.Gauge(
             "ggufswap_runtime_pool_used_bytes", "Bytes used per pool", ["pool"], registry=r
         )
+        self._http: WSGIServer | None = None  # the /metrics HTTP server while serving
         runtime.on_event(self._on_event)
         self.refresh()
 
@@ -79,8 +82,15 @@ class RuntimeMetrics:
             self.pool_used.labels(name).set(used)
 
     def serve(self, port: int, *, addr: str = "127.0.0.1") -> None:
-        """Serve ``/metrics`` on ``addr:port`` from a daemon thread."""
-        self._prom.start_http_server(port, addr=addr, registry=self.registry)
+        """Serve ``/metrics`` on ``addr:port`` from a daemon thread, until :meth:`close`."""
+        self._http, _thread = self._prom.start_http_server(port, addr=addr, registry=self.registry)
+
+    def close(self) -> None:
+        """Stop serving ``/metrics``: the thread ends and the port is released."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
 
     def exposition(self) -> bytes:
         return bytes(self._prom.generate_latest(self.registry))
