@@ -21,14 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from processes import GGUFSWAP, Proc, status_of, wait_for
-from runtime_helpers import ModelDir, loaded_bytes
+from runtime_helpers import ModelDir, fresh_digest, loaded_bytes
 
 from ggufswap.ipc import MessageType, PeerTimeout, Subscriber, Topic, make_message, request
-from ggufswap.runtime import HotSwapRuntime, Storage
-from ggufswap.runtime.models import HParams, Transformer
-from ggufswap.runtime.serving.serve import logits_digest, probe_tokens
+from ggufswap.runtime import Storage
 from ggufswap.shards import Fingerprinter, open_shard_set, tiny_moe
 
 MODEL = "tiny-moe"
@@ -136,15 +133,6 @@ class Child:
             os.kill(self.pid, signal.SIGTERM)
             wait_for(lambda: gone(self.pid), timeout=timeout, what=f"pid {self.pid} to stop")
         return int(self.exit_path.read_text() or "-1")
-
-
-def probe_digest_of_files(first: Path, *, storage: Storage) -> str:
-    """The digest the runtime's probe mode records, for a fresh load of the files as they are."""
-    with HotSwapRuntime.open(first, storage=storage) as runtime:
-        assert runtime.shards is not None, "open() keeps the shard set"
-        model = Transformer(HParams.from_metadata(runtime.shards.metadata), runtime.store)
-        with torch.inference_mode():
-            return logits_digest(model(probe_tokens(model.config.n_vocab, batch=2, tokens=16)))
 
 
 def disk_fingerprints(first: Path, fingerprinter: Fingerprinter) -> dict[str, str]:
@@ -351,7 +339,7 @@ runtime:
         return str(result["digest"])
 
     def fresh_digest(self) -> str:
-        return probe_digest_of_files(self.model.first, storage=self.storage)
+        return fresh_digest(self.model.first, storage=self.storage)
 
 
 class CommitLog:

@@ -14,9 +14,10 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ggufswap.ipc.plan import Job, Plan
-from ggufswap.runtime import HotSwapRuntime, Pool, Storage
+from ggufswap.runtime import HotSwapRuntime, Pool, SlotState, Storage
 from ggufswap.runtime.models import Transformer
 from ggufswap.runtime.models.hparams import HParams
+from ggufswap.runtime.serving.serve import logits_digest, probe_tokens
 from ggufswap.shards import (
     Layout,
     ModelSpec,
@@ -163,6 +164,21 @@ def fresh_logits(first: Path, *, storage: Storage, tokens: torch.Tensor = TOKENS
         return logits(model, tokens)
     finally:
         runtime.close()
+
+
+def fresh_digest(first: Path, *, storage: Storage = Storage.DEQUANTIZED) -> str:
+    """The digest of the probe batch's logits (what a runtime in probe mode records) on a fresh
+    load of the files as they are now."""
+    with HotSwapRuntime.open(first, storage=storage) as runtime:
+        assert runtime.shards is not None, "open() keeps the shard set"
+        model = Transformer(HParams.from_metadata(runtime.shards.metadata), runtime.store)
+        with torch.inference_mode():
+            return logits_digest(model(probe_tokens(model.config.n_vocab, batch=2, tokens=16)))
+
+
+def slot_states(runtime: HotSwapRuntime, names: Iterable[str]) -> set[SlotState]:
+    """The states the slots of ``names`` are in (one element when they all agree)."""
+    return {runtime.store.slots[n].state for n in names}
 
 
 def cpu_pools(dev_budget: int | None, host_budget: int | None = None) -> list[Pool]:

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_agent_fakes import wait_until
+from processes import wait_for
 
 from ggufswap.agent import ChangeQueue, RescanReason, backend_available, choose_backend
 from ggufswap.agent._fstype import fs_info, mountinfo_fstype
@@ -38,7 +38,7 @@ def test_each_backend_reports_an_atomic_rename(tmp_path: Path, kind: WatchBacken
             seen.update(queue.drain()[0])
             return str(target) in seen
 
-        wait_until(reported, 10, f"{kind.value} to report {target}")
+        wait_for(reported, timeout=10, what=f"{kind.value} to report {target}")
     finally:
         watcher.stop()
 
@@ -51,7 +51,11 @@ def test_overflow_path_asks_for_a_full_rescan(tmp_path: Path, kind: WatchBackend
         pytest.skip(why)
     queue = ChangeQueue()
     watcher = make_watcher(kind, queue)
-    watcher.on_overflow()
+    watcher.start()  # stop() releases what the backend holds (an inotify descriptor, a pipe)
+    try:
+        watcher.on_overflow()
+    finally:
+        watcher.stop()
     paths, rescans = queue.drain()
     assert paths == []
     assert [r.reason for r in rescans] == [RescanReason.OVERFLOW]

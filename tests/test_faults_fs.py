@@ -26,24 +26,6 @@ DOWN1 = "blk.1.ffn_down_exps.weight"
 ATTN_Q2 = "blk.2.attn_q.weight"
 
 
-@pytest.fixture(scope="module")
-def zygote() -> Iterator[Zygote]:
-    z = Zygote()
-    try:
-        yield z
-    finally:
-        z.close()
-
-
-@pytest.fixture
-def rig(tmp_path: Path, zygote: Zygote) -> Iterator[Rig]:
-    r = Rig.create(tmp_path, zygote, settle_ms=30)
-    try:
-        yield r
-    finally:
-        r.stop()
-
-
 def check_version(rig: Rig, commits: CommitLog, version: int, changed: list[str]) -> None:
     """The runtime is at ``version``, its last commit changed exactly ``changed``, and a batch
     on that version equals a fresh load of the files."""

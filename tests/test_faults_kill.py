@@ -9,12 +9,11 @@ import os
 import socket
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fault_helpers import WAIT_S, CommitLog, Rig, Zygote
+from fault_helpers import WAIT_S, CommitLog, Rig
 from processes import wait_for
 from reliability import record
 from runtime_helpers import Q, one_thread
@@ -28,8 +27,6 @@ from ggufswap.ipc import (
     make_reply,
 )
 
-pytestmark = pytest.mark.usefixtures(one_thread.__name__)
-
 ITERATIONS = int(os.environ.get("GGUFSWAP_KILL_ITERATIONS", "50"))
 BATCH_INTERVAL_S = 0.15  # a staged plan waits up to this long for its commit: observable
 # Tensors the loops update, and the types each cycles through (consecutive ones always differ,
@@ -42,6 +39,11 @@ TENSORS = (
 )
 CYCLE = (Q.Q4_0, Q.F16, None, Q.Q5_1)  # None: the original file
 
+pytestmark = [
+    pytest.mark.usefixtures(one_thread.__name__),
+    pytest.mark.rig(dev_headroom=4096, batch_interval_s=BATCH_INTERVAL_S),
+]
+
 
 class KillPoint(enum.Enum):
     MID_WRITE_TEMP = "while the replacement's temp file is half written"
@@ -50,26 +52,6 @@ class KillPoint(enum.Enum):
     PLAN_IN_FLIGHT = "while a plan is in flight (the agent shows pending_plan)"
     STAGED = "right before the commit (the runtime shows the plan STAGED)"
     AFTER_COMMIT = "right after the commit (weight_version advanced)"
-
-
-@pytest.fixture(scope="module")
-def zygote() -> Iterator[Zygote]:
-    z = Zygote()
-    try:
-        yield z
-    finally:
-        z.close()
-
-
-@pytest.fixture
-def rig(tmp_path: Path, zygote: Zygote) -> Iterator[Rig]:
-    r = Rig.create(
-        tmp_path, zygote, dev_headroom=4096, settle_ms=30, batch_interval_s=BATCH_INTERVAL_S
-    )
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 class Updates:

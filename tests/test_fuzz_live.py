@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
 import pytest
 import structlog
 from gguf import GGMLQuantizationType
-from hostile import MODEL, REPLY_TIMEOUT_S, Live, RawPeer, live_processes, note
+from hostile import MODEL, REPLY_TIMEOUT_S, Live, RawPeer, note
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -53,13 +52,6 @@ MODEL_TENSORS = [
 _counts: dict[str, int] = {}
 _culprits: list[list[bytes]] = []  # frames that changed the model (reported at the end too)
 _outcomes: dict[str, int] = {}  # the runtime's last reply type per fuzz case (for the log)
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    """A runtime and an agent on a tiny model, shared by this module's fuzzers."""
-    with live_processes(tmp_path_factory.mktemp("fuzz-live")) as processes:
-        yield processes
 
 
 @pytest.fixture(scope="module")

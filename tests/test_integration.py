@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from gguf import GGMLQuantizationType as Q
 from processes import Proc, status_of, wait_for, write_config
+from runtime_helpers import fresh_digest
 
-from ggufswap.runtime import HotSwapRuntime
-from ggufswap.runtime.models import HParams, Transformer
-from ggufswap.runtime.serving.serve import logits_digest, probe_tokens
 from ggufswap.shards import (
     Fingerprinter,
     Layout,
@@ -30,15 +26,6 @@ from ggufswap.shards import (
 
 MODEL = "tiny-moe"
 TENSOR = "blk.1.ffn_down_exps.weight"
-
-
-def fresh_digest(first_shard: Path) -> str:
-    """Digest of the probe batch's logits on a fresh load of the files as they are now."""
-    with HotSwapRuntime.open(first_shard) as runtime:
-        assert runtime.shards is not None
-        model = Transformer(HParams.from_metadata(runtime.shards.metadata), runtime.store)
-        with torch.inference_mode():
-            return logits_digest(model(probe_tokens(model.config.n_vocab, batch=2, tokens=16)))
 
 
 @dataclass
@@ -181,8 +168,7 @@ def test_agent_killed_mid_plan_loses_no_update_and_applies_none_twice(cluster: C
     shard = shard_of(cluster.first, TENSOR)
     requantize(shard, TENSOR, Q.Q5_0)
     assert cluster.agent is not None
-    cluster.agent.popen.send_signal(signal.SIGKILL)
-    cluster.agent.popen.wait(10)
+    cluster.agent.kill()  # SIGKILL, and its log file closed
     cluster.start_agent()
     cluster.wait_version(1)
     wait_for(cluster.agent_synced, timeout=30, what="the restarted agent to settle")

@@ -59,24 +59,6 @@ WAIT_S = 5.0
 INSECURE = SocketOptions(allow_insecure_tcp=True)
 
 
-@pytest.fixture(autouse=True)
-def no_thread_leaks() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    leaked = [t for t in threading.enumerate() if t not in before]
-    for thread in leaked:
-        thread.join(timeout=2.0)
-    alive = [t.name for t in leaked if t.is_alive()]
-    if alive:
-        pytest.fail(f"test leaked threads: {alive}")
-
-
-@pytest.fixture
-def sockdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Short paths: ipc:// socket paths are limited to ~107 bytes.
-    return tmp_path_factory.mktemp("s")
-
-
 @pytest.fixture
 def state(tmp_path: Path) -> RuntimeState:
     shard = tmp_path / "m.gguf"

@@ -4,7 +4,6 @@ its MoE family, outputs stay exact, and returning to the original gives the memo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from runtime_helpers import (
     logits,
     one_thread,
     open_runtime,
+    slot_states,
 )
 
 from ggufswap.ipc import Event, TensorFallbackEvent, TensorReattachedEvent
@@ -29,10 +29,6 @@ DOWN1 = "blk.1.ffn_down_exps.weight"  # Q8_0: 17408 bytes native, 32768 as F16
 DOWN2 = "blk.2.ffn_down_exps.weight"
 FAMILY1 = ("blk.1.ffn_down_exps.weight", "blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight")
 HEADROOM = 4096  # dev pool bytes left free after the load: less than any F16 expert tensor
-
-
-def states(runtime: Any, names: tuple[str, ...]) -> set[SlotState]:
-    return {runtime.store.slots[n].state for n in names}
 
 
 @pytest.mark.parametrize("stable", [False, True], ids=["swap", "stable"])
@@ -58,8 +54,8 @@ def test_family_falls_back_and_oscillation_returns_to_baseline(
 
         model_dir.put(DOWN1, big)
         runtime.apply(model_dir.plan("big-0", [DOWN1]))
-        assert states(runtime, FAMILY1) == {SlotState.FALLBACK_CPU}
-        assert states(runtime, others) == {SlotState.ON_ORIGINAL}
+        assert slot_states(runtime, FAMILY1) == {SlotState.FALLBACK_CPU}
+        assert slot_states(runtime, others) == {SlotState.ON_ORIGINAL}
         assert {e.tensor for e in events if isinstance(e, TensorFallbackEvent)} == set(FAMILY1)
         assert torch.equal(logits(model), fresh_logits(model_dir.first, storage=Storage.NATIVE))
         assert runtime.store.pools.usage()["dev"] == usage["dev"]  # originals stay reserved
@@ -74,7 +70,7 @@ def test_family_falls_back_and_oscillation_returns_to_baseline(
             model_dir.put(DOWN1, saved)
             runtime.apply(model_dir.plan(f"orig-{i}", [DOWN1]))
         assert runtime.store.pools.usage() == usage
-        assert states(runtime, tuple(runtime.store.slots)) == {SlotState.ON_ORIGINAL}
+        assert slot_states(runtime, tuple(runtime.store.slots)) == {SlotState.ON_ORIGINAL}
         assert torch.equal(logits(model), baseline)
         assert runtime.weight_version == 200
     finally:
@@ -93,7 +89,7 @@ def test_growth_that_fits_detaches_alone(tmp_path: Path) -> None:
         model_dir.put(DOWN1, model_dir.variant(DOWN1, Q.F16, tmp_path / "variants"))
         runtime.apply(model_dir.plan("grow", [DOWN1]))
         assert runtime.store.slots[DOWN1].state is SlotState.DETACHED
-        assert states(runtime, FAMILY1[1:]) == {SlotState.ON_ORIGINAL}
+        assert slot_states(runtime, FAMILY1[1:]) == {SlotState.ON_ORIGINAL}
         assert runtime.store.pools.usage() == {"dev": usage["dev"] + 32768, "host": 0}
         assert torch.equal(logits(model), fresh_logits(model_dir.first, storage=Storage.NATIVE))
         model_dir.put(DOWN1, saved)
@@ -123,11 +119,11 @@ def test_plan_that_runs_out_of_memory_midway_is_rejected_whole(tmp_path: Path) -
         assert not ticket.stale
         assert "host" in " ".join(r.reason for r in ticket.reasons)
         assert runtime.store.pools.usage() == usage
-        assert states(runtime, tuple(runtime.store.slots)) == {SlotState.ON_ORIGINAL}
+        assert slot_states(runtime, tuple(runtime.store.slots)) == {SlotState.ON_ORIGINAL}
         assert runtime.weight_version == 0
         assert torch.equal(logits(model), baseline)
         ticket = runtime.apply(model_dir.plan("one", [DOWN1]))  # one family alone does fit
-        assert states(runtime, FAMILY1) == {SlotState.FALLBACK_CPU}
+        assert slot_states(runtime, FAMILY1) == {SlotState.FALLBACK_CPU}
     finally:
         runtime.close()
 
@@ -172,8 +168,8 @@ def test_memory_freed_by_a_plan_is_credit_for_all_its_allocations(tmp_path: Path
         for name in (b, c):
             model_dir.put(name, model_dir.variant(name, Q.F16, tmp_path / "variants"))  # 4096
         runtime.apply(model_dir.plan("swap-room", [a, b, c]))
-        assert states(runtime, (a,)) == {SlotState.ON_ORIGINAL}
-        assert states(runtime, (b, c)) == {SlotState.DETACHED}
+        assert slot_states(runtime, (a,)) == {SlotState.ON_ORIGINAL}
+        assert slot_states(runtime, (b, c)) == {SlotState.DETACHED}
         assert runtime.store.pools.usage() == {"dev": usage["dev"] + 8192, "host": 0}
         assert torch.equal(logits(model), fresh_logits(model_dir.first, storage=Storage.NATIVE))
     finally:
@@ -199,7 +195,7 @@ def test_smaller_type_stays_in_its_full_pool_and_returns_exactly(
         for round_trip in range(3):
             model_dir.put(DOWN1, small)
             runtime.apply(model_dir.plan(f"small-{round_trip}", [DOWN1]))
-            assert states(runtime, FAMILY1) == {SlotState.ON_ORIGINAL}
+            assert slot_states(runtime, FAMILY1) == {SlotState.ON_ORIGINAL}
             assert runtime.store.pools.usage() == usage
             assert torch.equal(logits(model), fresh_logits(model_dir.first, storage=Storage.NATIVE))
             model_dir.put(DOWN1, saved)

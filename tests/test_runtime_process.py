@@ -8,10 +8,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 import zmq
 from gguf import GGMLQuantizationType as Q
 from processes import Proc, status_of, wait_for
+from runtime_helpers import fresh_digest
 
 from ggufswap.ipc import (
     DealerClient,
@@ -23,21 +23,9 @@ from ggufswap.ipc import (
     plan_to_wire,
     request,
 )
-from ggufswap.runtime import HotSwapRuntime
-from ggufswap.runtime.models import HParams, Transformer
-from ggufswap.runtime.serving.serve import logits_digest, probe_tokens
 from ggufswap.shards import Layout, open_shard_set, requantize, tiny_moe, write_model
 
 TENSOR = "blk.1.ffn_down_exps.weight"
-
-
-def fresh_digest(first_shard: Path) -> str:
-    """Digest of the probe batch's logits on a fresh load of the files as they are now."""
-    with HotSwapRuntime.open(first_shard) as runtime:
-        assert runtime.shards is not None
-        model = Transformer(HParams.from_metadata(runtime.shards.metadata), runtime.store)
-        with torch.inference_mode():
-            return logits_digest(model(probe_tokens(model.config.n_vocab, batch=2, tokens=16)))
 
 
 @pytest.fixture

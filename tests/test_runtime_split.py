@@ -18,6 +18,7 @@ from runtime_helpers import (
     logits,
     one_thread,
     open_runtime,
+    slot_states,
 )
 
 from ggufswap.runtime import Placement, PlanState, SlotState, Storage
@@ -48,10 +49,6 @@ def dev_budget(model_dir: ModelDir, storage: Storage, *, experts_on_dev: int) ->
 
 def splits(runtime: Any, names: tuple[str, ...] = FAMILY3) -> set[ExpertSplit]:
     return {split_of(runtime.store.slots[n].parts) for n in names}
-
-
-def states(runtime: Any, names: tuple[str, ...] = FAMILY3) -> set[SlotState]:
-    return {runtime.store.slots[n].state for n in names}
 
 
 def part_bytes(runtime: Any) -> dict[str, int]:
@@ -108,7 +105,7 @@ def test_dequantized_type_change_updates_the_parts_in_place(tmp_path: Path) -> N
         model_dir.put(DOWN3, model_dir.variant(DOWN3, Q.Q4_0, tmp_path / "variants"))
         runtime.apply(model_dir.plan("q4", [DOWN3]))
         assert splits(runtime) == loaded
-        assert states(runtime) == {SlotState.ON_ORIGINAL}
+        assert slot_states(runtime, FAMILY3) == {SlotState.ON_ORIGINAL}
         assert runtime.store.pools.usage() == usage
         assert torch.equal(
             logits(model), fresh_logits(model_dir.first, storage=Storage.DEQUANTIZED)
@@ -143,7 +140,7 @@ def test_type_changes_keep_the_family_on_one_split_and_return_to_baseline(tmp_pa
         model_dir.put(DOWN3, model_dir.variant(DOWN3, Q.Q4_0, variants))  # smaller
         runtime.apply(model_dir.plan("small", [DOWN3]))
         assert splits(runtime) == {loaded}
-        assert states(runtime) == {SlotState.ON_ORIGINAL}
+        assert slot_states(runtime, FAMILY3) == {SlotState.ON_ORIGINAL}
         assert runtime.store.pools.usage() == usage
         assert torch.equal(logits(model), fresh())
 
@@ -151,14 +148,14 @@ def test_type_changes_keep_the_family_on_one_split_and_return_to_baseline(tmp_pa
         runtime.apply(model_dir.plan("grow", [DOWN3]))
         assert splits(runtime) == {loaded}
         assert runtime.store.slots[DOWN3].state is SlotState.DETACHED
-        assert states(runtime, FAMILY3[1:]) == {SlotState.ON_ORIGINAL}
+        assert slot_states(runtime, FAMILY3[1:]) == {SlotState.ON_ORIGINAL}
         assert torch.equal(logits(model), fresh())
 
         model_dir.put(GATE3, model_dir.variant(GATE3, Q.F16, variants))  # no room: all move
         runtime.apply(model_dir.plan("grow-more", [GATE3]))
         (moved,) = splits(runtime)
         assert [(p.name, a, b) for p, a, b in moved.ranges] == [("host", 0, 4)]
-        assert states(runtime) == {SlotState.FALLBACK_CPU}
+        assert slot_states(runtime, FAMILY3) == {SlotState.FALLBACK_CPU}
         assert part_bytes(runtime) == runtime.store.pools.usage()
         assert torch.equal(logits(model), fresh())
 
@@ -181,7 +178,7 @@ def test_type_changes_keep_the_family_on_one_split_and_return_to_baseline(tmp_pa
                 model_dir.put(name, path)
             runtime.apply(model_dir.plan(f"orig-{i}", list(big)))
         assert splits(runtime) == {loaded}
-        assert states(runtime, tuple(runtime.store.slots)) == {SlotState.ON_ORIGINAL}
+        assert slot_states(runtime, tuple(runtime.store.slots)) == {SlotState.ON_ORIGINAL}
         assert runtime.store.pools.usage() == usage
         assert torch.equal(logits(model), baseline)
     finally:
@@ -218,7 +215,7 @@ def test_plan_that_cannot_be_placed_is_rejected_whole(tmp_path: Path) -> None:
         assert any(r.tensor in FAMILY3 for r in ticket.reasons)
         assert runtime.store.pools.usage() == usage
         assert splits(runtime) == loaded
-        assert states(runtime, tuple(runtime.store.slots)) == {SlotState.ON_ORIGINAL}
+        assert slot_states(runtime, tuple(runtime.store.slots)) == {SlotState.ON_ORIGINAL}
         assert runtime.weight_version == 0
         assert torch.equal(logits(model), baseline)
     finally:

@@ -31,7 +31,6 @@ from hostile import (
     Live,
     RawPeer,
     current_jobs,
-    live_processes,
     note,
     plan_message,
     plan_outcome,
@@ -62,13 +61,6 @@ from ggufswap.shards import open_shard_set, read_header, requantize
 OUTSIDE = "outside the allowed roots"
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)  # torch on one thread (steadier)
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    """One runtime and one agent process for the socket attacks of this module."""
-    with live_processes(tmp_path_factory.mktemp("security")) as processes:
-        yield processes
 
 
 def endpoints(live: Live) -> dict[str, str]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import gc
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -105,15 +104,6 @@ def test_thousand_in_process_swaps_return_memory_fds_and_threads_to_baseline(
         f"RSS {(after['rss'] - before['rss']) / 2**20:+.1f} MiB (tolerance 8 MiB)",
         test="test_soak::test_thousand_in_process_swaps_return_to_baseline",
     )
-
-
-@pytest.fixture(scope="module")
-def zygote() -> Iterator[Zygote]:
-    z = Zygote()
-    try:
-        yield z
-    finally:
-        z.close()
 
 
 def process_soak(tmp_path: Path, zygote: Zygote, swaps: int) -> None:
