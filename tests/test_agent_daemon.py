@@ -1,9 +1,10 @@
-"""The agent end to end: real inotify, real sockets, a fake runtime (see test_agent_fakes)."""
+"""The agent end to end: real inotify, real sockets, a fake runtime (see agent_fakes)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,21 +12,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from test_agent_fakes import (
+from agent_fakes import (
     FakeRuntime,
-    gguf_bytes,
     replace_shard,
-    shard_bytes,
     shard_name,
-    socket_dir,
     tensor_data,
-    wait_until,
+    write_f32_gguf,
     write_per_tensor_model,
+    write_shard,
 )
+from processes import wait_for
 
 from ggufswap.agent import AgentDaemon
 from ggufswap.config import WatchBackend, load_config
-from ggufswap.ipc import Fields, MessageType, make_message, request
+from ggufswap.ipc import (
+    Fields,
+    Job,
+    MessageType,
+    Plan,
+    make_message,
+    plan_to_wire,
+    request,
+    state_from_wire,
+)
 from ggufswap.shards import fingerprint, requantize
 from ggufswap.shards.presets import tiny_dense
 from ggufswap.shards.writer import write_model
@@ -51,6 +60,10 @@ class Agent:
     def scans(self) -> int:
         return int(self.status()["scans"]["count"])
 
+    def wait_scan_after(self, scans: int, what: str) -> None:
+        """Wait until the agent has scanned more than ``scans`` times."""
+        wait_for(lambda: self.scans() > scans, timeout=10, what=what)
+
     def wait_in_sync(self, timeout_s: float = 10.0) -> None:
         """Wait until nothing is pending and the link is idle at the runtime's version."""
 
@@ -64,7 +77,7 @@ class Agent:
                 and link["reconciled_generation"] == status["models"]["m"]["generation"]
             )
 
-        wait_until(settled, timeout_s, "the agent to be idle and in sync")
+        wait_for(settled, timeout=timeout_s, what="the agent to be idle and in sync")
 
 
 def write_config(
@@ -111,34 +124,53 @@ def running_agent(
     poll_interval_s: float = 0.05,
     start_loop: bool = True,
 ) -> Iterator[Agent]:
-    sockets = socket_dir()
-    config = load_config(
-        write_config(
-            tmp_path,
-            watch,
-            sockets,
-            backend=backend,
-            settle_ms=settle_ms,
-            verify=verify,
-            poll_interval_s=poll_interval_s,
+    # A short directory: a socket path holds at most 107 bytes; tmp_path is named after the test.
+    with tempfile.TemporaryDirectory(prefix="gsa-") as sockets:
+        config = load_config(
+            write_config(
+                tmp_path,
+                watch,
+                sockets,
+                backend=backend,
+                settle_ms=settle_ms,
+                verify=verify,
+                poll_interval_s=poll_interval_s,
+            )
         )
-    )
-    with FakeRuntime(f"ipc://{sockets}/rt.sock", loaded) as runtime:
-        daemon = AgentDaemon(config, heartbeat_interval_s=0.5)
-        daemon.start()
-        thread = threading.Thread(target=daemon.run, name="test-agent")
-        agent = Agent(daemon, runtime, f"ipc://{sockets}/agent.sock", thread)
-        if start_loop:
-            agent.start_loop()
-        try:
-            agent.wait_in_sync()
-            yield agent
-        finally:
-            daemon.request_stop()
-            agent.start_loop()  # run() does the bounded shutdown
-            thread.join(20)
-            assert not thread.is_alive(), "the agent did not stop within 20 s"
-    shutil.rmtree(sockets, ignore_errors=True)
+        with FakeRuntime(f"ipc://{sockets}/rt.sock", loaded) as runtime:
+            daemon = AgentDaemon(config, heartbeat_interval_s=0.5)
+            daemon.start()
+            thread = threading.Thread(target=daemon.run, name="test-agent")
+            agent = Agent(daemon, runtime, f"ipc://{sockets}/agent.sock", thread)
+            if start_loop:
+                agent.start_loop()
+            try:
+                agent.wait_in_sync()
+                yield agent
+            finally:
+                daemon.request_stop()
+                agent.start_loop()  # run() does the bounded shutdown
+                thread.join(20)
+                assert not thread.is_alive(), "the agent did not stop within 20 s"
+
+
+def test_fake_runtime_answers_state_and_plan_like_the_runtime(
+    tmp_path: Path, sockdir: Path
+) -> None:
+    """The fake runtime reports its tensors, commits a valid plan once and dedups its id."""
+    paths = write_per_tensor_model(tmp_path / "m", 2)
+    endpoint = f"ipc://{sockdir}/rt.sock"
+    with FakeRuntime(endpoint, paths[0]) as rt:
+        reply = request(endpoint, make_message(MessageType.STATE), timeout_s=5)
+        state = state_from_wire(reply)
+        assert sorted(state.by_name()) == ["t.0", "t.1"]
+        entry = state.by_name()["t.1"]
+        plan = Plan("p1", "m", (Job(entry.record, None),))
+        msg = make_message(MessageType.PLAN, **plan_to_wire(plan))
+        assert request(endpoint, msg, timeout_s=5)[Fields.TYPE] == "accepted"
+        assert request(endpoint, dict(msg, id="again"), timeout_s=5)[Fields.TYPE] == "committed"
+        assert len(rt.plans) == 1
+        assert rt.weight_version == 1
 
 
 def test_atomic_rename_of_one_changed_tensor_gives_one_plan_with_that_tensor(
@@ -166,7 +198,7 @@ def test_shard_copied_in_place_in_slow_chunks_is_planned_only_once_complete(
     until the copy is complete and settled; then exactly its tensor is planned."""
     paths = write_per_tensor_model(tmp_path / "m", 3)
     target = paths[1]
-    new = shard_bytes("m", 1, 3, "t.1", tensor_data(1000))
+    new = write_shard(tmp_path / "staged" / target.name, 1, 3, seed=1000).read_bytes()
     chunks = [new[:40], new[40 : len(new) - 64], new[len(new) - 64 :]]
     with running_agent(tmp_path, target.parent, paths[0]) as agent:
         with open(target, "wb") as f:  # truncates: the shard is now incomplete
@@ -174,7 +206,7 @@ def test_shard_copied_in_place_in_slow_chunks_is_planned_only_once_complete(
                 scans = agent.scans()
                 f.write(chunk)
                 f.flush()
-                wait_until(lambda s=scans: agent.scans() > s, what="a scan of the partial file")
+                agent.wait_scan_after(scans, "a scan of the partial file")
                 agent.wait_in_sync()
                 shard = agent.status()["models"]["m"]["invalid_shards"]
                 assert [s["path"] for s in shard] == [str(target)]
@@ -194,11 +226,11 @@ def test_truncated_shard_is_reported_invalid_and_never_planned_until_fixed(
     """A truncated replacement shows as invalid on the status endpoint and sends nothing; a valid
     file at the same path then leads to a plan."""
     paths = write_per_tensor_model(tmp_path / "m", 3)
-    new = shard_bytes("m", 2, 3, "t.2", tensor_data(77))
+    new = write_shard(tmp_path / "staged" / paths[2].name, 2, 3, seed=77).read_bytes()
     with running_agent(tmp_path, paths[0].parent, paths[0]) as agent:
         scans = agent.scans()
         replace_shard(paths[2], new[: len(new) - 20])
-        wait_until(lambda: agent.scans() > scans, what="a scan of the truncated shard")
+        agent.wait_scan_after(scans, "a scan of the truncated shard")
         agent.wait_in_sync()
         reply = request(agent.status_endpoint, make_message(MessageType.STATUS), timeout_s=5)
         assert reply[Fields.TYPE] == MessageType.STATUS_REPLY.value
@@ -232,10 +264,12 @@ def test_burst_of_ten_thousand_events_is_coalesced_into_at_most_two_plans(
         for i in range(1500):
             no = 1 + i % (count - 1)
             (directory / f"junk-{i % 7}.incomplete").write_bytes(b"x")  # ignored
-            replace_shard(paths[no], shard_bytes("m", no, count, f"t.{no}", tensor_data(i)))
-        wait_until(lambda: agent.daemon.queue.events - events_before >= 10_000, what="events")
+            write_shard(paths[no], no, count, seed=i)
+        wait_for(
+            lambda: agent.daemon.queue.events - events_before >= 10_000, timeout=10, what="events"
+        )
         agent.start_loop()
-        wait_until(lambda: len(agent.runtime.plans) >= 1, what="a plan after the burst")
+        wait_for(lambda: len(agent.runtime.plans) >= 1, timeout=10, what="a plan after the burst")
         agent.wait_in_sync(timeout_s=20)
         assert agent.daemon.queue.events - events_before >= 10_000
         assert 1 <= len(agent.runtime.plans) <= 2
@@ -254,9 +288,7 @@ def test_symlinked_model_directory_and_snapshot_links_into_blobs(tmp_path: Path)
     snapshot.mkdir(parents=True)
 
     def blob(name: str, seed: int) -> Path:
-        path = blobs / name
-        path.write_bytes(gguf_bytes([], [("t.0", tensor_data(0)), ("t.1", tensor_data(seed))]))
-        return path
+        return write_f32_gguf(blobs / name, [("t.0", tensor_data(0)), ("t.1", tensor_data(seed))])
 
     (snapshot / "m.gguf").symlink_to(os.path.relpath(blob("blob-a", 1), snapshot))
     link_dir = tmp_path / "model-link"
@@ -283,14 +315,12 @@ def test_deleted_and_recreated_directory_is_watched_again(tmp_path: Path) -> Non
         shutil.rmtree(directory)
         directory.mkdir()
         write_per_tensor_model(directory, 2)
-        (directory / shard_name("m", 1, 2)).write_bytes(
-            shard_bytes("m", 1, 2, "t.1", tensor_data(5))
-        )
+        write_shard(directory / shard_name("m", 1, 2), 1, 2, seed=5)
         first = agent.runtime.wait_plans(1)[-1]
         assert "t.1" in first.names()
         agent.wait_in_sync()
         n = len(agent.runtime.plans)
-        replace_shard(paths[1], shard_bytes("m", 1, 2, "t.1", tensor_data(6)))
+        write_shard(paths[1], 1, 2, seed=6)
         plan = agent.runtime.wait_plans(n + 1)[-1]
         assert plan.names() == ("t.1",)
 
@@ -302,7 +332,7 @@ def test_overflow_triggers_a_full_rescan_that_finds_unreported_changes(tmp_path:
     with running_agent(
         tmp_path, paths[0].parent, paths[0], backend="polling", poll_interval_s=3600
     ) as agent:
-        replace_shard(paths[1], shard_bytes("m", 1, 2, "t.1", tensor_data(9)))
+        write_shard(paths[1], 1, 2, seed=9)
         watcher = agent.daemon.watchers()[WatchBackend.POLLING]
         watcher.on_overflow()
         [plan] = agent.runtime.wait_plans(1)
@@ -328,8 +358,12 @@ def test_runtime_restart_converges_without_losing_the_update(tmp_path: Path) -> 
     with running_agent(tmp_path, paths[0].parent, paths[0], settle_ms=0) as agent:
         endpoint = agent.runtime.endpoint
         agent.runtime.server.stop()
-        replace_shard(paths[1], shard_bytes("m", 1, 2, "t.1", tensor_data(31)))
-        wait_until(lambda: agent.link()["state"] in ("unreachable", "syncing", "plan_sent"))
+        write_shard(paths[1], 1, 2, seed=31)
+        wait_for(
+            lambda: agent.link()["state"] in ("unreachable", "syncing", "plan_sent"),
+            timeout=10,
+            what="the agent to notice the runtime is gone",
+        )
         with FakeRuntime(endpoint, paths[0]) as second:
             # The second runtime loaded the old t.0 record; t.1 is the old version too.
             second.tensors["t.1"] = agent.runtime.tensors["t.1"]

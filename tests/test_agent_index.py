@@ -7,13 +7,7 @@ import re
 import time
 from pathlib import Path
 
-from test_agent_fakes import (
-    replace_shard,
-    shard_bytes,
-    shard_name,
-    tensor_data,
-    write_per_tensor_model,
-)
+from agent_fakes import replace_shard, shard_name, write_per_tensor_model, write_shard
 
 from ggufswap.agent import Health, ModelIndex, plan_id_for, reconcile
 from ggufswap.config import ModelConfig, TensorFilter, VerifyMode, WatchConfig
@@ -56,7 +50,7 @@ def test_thousand_shard_per_tensor_model_is_scanned_completely(tmp_path: Path) -
     assert all(s.health is Health.VALID for s in snap.shards)
     assert snap.problems == ()
     unchanged = cache.get(paths[10])
-    replace_shard(paths[500], shard_bytes("m", 500, 1000, "t.500", tensor_data(9)))
+    write_shard(paths[500], 500, 1000, seed=9)
     again = index.scan()
     assert again.generation == snap.generation + 1
     assert cache.get(paths[10]) is unchanged, "an unchanged shard is not parsed again"
@@ -166,9 +160,9 @@ def test_reconcile_blocks_shape_changes_and_unloaded_tensors(tmp_path: Path) -> 
     actual = loaded(index)
     del actual["t.2"]
     actual["t.0"] = TensorEntry(actual["t.0"].record, actual["t.0"].fingerprint, SlotState.DETACHED)
-    replace_shard(paths[0], shard_bytes("m", 0, 3, "t.0", tensor_data(3)))
-    replace_shard(paths[1], shard_bytes("m", 1, 3, "t.1", tensor_data(4, n=64)))
-    replace_shard(paths[2], shard_bytes("m", 2, 3, "t.2", tensor_data(5)))
+    write_shard(paths[0], 0, 3, seed=3)
+    write_shard(paths[1], 1, 3, seed=4, n=64)
+    write_shard(paths[2], 2, 3, seed=5)
     snap = index.scan()
     result = reconcile(
         snap.desired,

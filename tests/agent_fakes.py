@@ -1,4 +1,5 @@
-"""Test doubles for the agent tests: a fake runtime and a fast per-tensor model writer.
+"""Test doubles for the agent tests: a fake runtime, and per-tensor models written with the
+project's own GGUF writer (``ggufswap.shards.writer``).
 
 ``FakeRuntime`` is a real ROUTER server (``ggufswap.ipc.RequestServer``) that answers ``state`` and
 ``plan`` the way the runtime does: ``state_reply`` with what it "loaded" (records with content
@@ -11,10 +12,8 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ from gguf import GGMLQuantizationType, GGUFValueType
 
 from ggufswap.ipc import (
     Fields,
-    Job,
     MessageType,
     Plan,
     Request,
@@ -30,60 +28,48 @@ from ggufswap.ipc import (
     RuntimeState,
     SlotState,
     TensorEntry,
-    make_message,
     make_reply,
     plan_from_wire,
-    plan_to_wire,
-    request,
-    state_from_wire,
     state_to_wire,
 )
 from ggufswap.shards import FileIdentity, fingerprint, open_shard_set
 from ggufswap.shards.keys import Keys
-from ggufswap.shards.writer import TypedValue, encode_metadata
+from ggufswap.shards.writer import (
+    SHARD_NAME_FORMAT,
+    RawTensor,
+    TypedValue,
+    encode_metadata,
+    write_gguf,
+)
 
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
-    """Poll ``predicate`` until true; fail the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}")
-        time.sleep(0.01)
-
-
-def socket_dir() -> str:
-    """A short private directory for ipc:// sockets (sun_path is 107 bytes)."""
-    return tempfile.mkdtemp(prefix="gsa-")
-
-
-# --------------------------------------------------------------------------- fast model writer
-
-
-def _pad(n: int, alignment: int = 32) -> int:
-    return (n + alignment - 1) // alignment * alignment
-
-
-def gguf_bytes(kv: list[tuple[str, TypedValue]], tensors: list[tuple[str, bytes]]) -> bytes:
-    """A GGUF v3 file of F32 1-D tensors (name, raw float32 bytes)."""
-    infos, offset = b"", 0
-    for name, data in tensors:
-        raw = name.encode()
-        infos += struct.pack("<Q", len(raw)) + raw
-        infos += struct.pack("<IQIQ", 1, len(data) // 4, int(GGMLQuantizationType.F32), offset)
-        offset = _pad(offset + len(data))
-    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)) + encode_metadata(kv) + infos
-    out = bytearray(head + bytes(_pad(len(head)) - len(head)))
-    for _name, data in tensors:
-        out += data + bytes(_pad(len(data)) - len(data))
-    return bytes(out)
+# --------------------------------------------------------------------------- per-tensor model
 
 
 def tensor_data(seed: int, n: int = 32) -> bytes:
+    """``n`` float32 values (raw bytes) that differ for each ``seed``."""
     return struct.pack(f"<{n}f", *[(seed * 31 + i) % 97 / 7.0 for i in range(n)])
 
 
-def shard_bytes(prefix: str, no: int, count: int, name: str, data: bytes) -> bytes:
+def write_f32_gguf(
+    path: Path,
+    tensors: Sequence[tuple[str, bytes]],
+    kv: Sequence[tuple[str, TypedValue]] = (),
+) -> Path:
+    """Write a GGUF file of 1-D F32 tensors (name, raw float32 bytes) with the project's writer
+    (atomically: temp file and rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f32 = GGMLQuantizationType.F32
+    raws = [RawTensor(name, f32, (len(data) // 4,), data) for name, data in tensors]
+    return write_gguf(path, n_kv=len(kv), kv_bytes=encode_metadata(kv), tensors=raws)
+
+
+def shard_name(prefix: str, no: int, count: int) -> str:
+    return SHARD_NAME_FORMAT.format(prefix, no + 1, count)
+
+
+def write_shard(path: Path, no: int, count: int, *, seed: int, n: int = 32) -> Path:
+    """Write shard ``no`` of a ``count``-shard per-tensor model: its one tensor ``t.<no>`` holds
+    ``tensor_data(seed, n)``; the first shard also names the architecture."""
     kv = [
         (Keys.Split.NO, TypedValue(GGUFValueType.UINT16, no)),
         (Keys.Split.COUNT, TypedValue(GGUFValueType.UINT16, count)),
@@ -91,22 +77,16 @@ def shard_bytes(prefix: str, no: int, count: int, name: str, data: bytes) -> byt
     ]
     if no == 0:
         kv.insert(0, (Keys.General.ARCHITECTURE, TypedValue(GGUFValueType.STRING, "llama")))
-    return gguf_bytes(kv, [(name, data)])
-
-
-def shard_name(prefix: str, no: int, count: int) -> str:
-    return f"{prefix}-{no + 1:05d}-of-{count:05d}.gguf"
+    return write_f32_gguf(path, [(f"t.{no}", tensor_data(seed, n))], kv)
 
 
 def write_per_tensor_model(directory: Path, count: int, *, prefix: str = "m") -> list[Path]:
-    """``count`` one-tensor shards (``t.0`` ... ``t.N``), plain writes (no fsync: test setup)."""
+    """``count`` one-tensor shards (``t.0`` ... ``t.N``, tensor ``t.k`` seeded with ``k``)."""
     directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for no in range(count):
-        path = directory / shard_name(prefix, no, count)
-        path.write_bytes(shard_bytes(prefix, no, count, f"t.{no}", tensor_data(no)))
-        paths.append(path)
-    return paths
+    return [
+        write_shard(directory / shard_name(prefix, no, count), no, count, seed=no)
+        for no in range(count)
+    ]
 
 
 def replace_shard(path: Path, data: bytes) -> None:
@@ -218,20 +198,3 @@ class FakeRuntime:
         with self._cond:
             ok = self._cond.wait_for(lambda: self.state_requests >= n, timeout_s)
         assert ok, f"expected {n} state request(s) within {timeout_s}s"
-
-
-def test_fake_runtime_answers_state_and_plan_like_the_runtime(tmp_path: Path) -> None:
-    """The fake runtime reports its tensors, commits a valid plan once and dedups its id."""
-    paths = write_per_tensor_model(tmp_path / "m", 2)
-    endpoint = f"ipc://{socket_dir()}/rt.sock"
-    with FakeRuntime(endpoint, paths[0]) as rt:
-        reply = request(endpoint, make_message(MessageType.STATE), timeout_s=5)
-        state = state_from_wire(reply)
-        assert sorted(state.by_name()) == ["t.0", "t.1"]
-        entry = state.by_name()["t.1"]
-        plan = Plan("p1", "m", (Job(entry.record, None),))
-        msg = make_message(MessageType.PLAN, **plan_to_wire(plan))
-        assert request(endpoint, msg, timeout_s=5)[Fields.TYPE] == "accepted"
-        assert request(endpoint, dict(msg, id="again"), timeout_s=5)[Fields.TYPE] == "committed"
-        assert len(rt.plans) == 1
-        assert rt.weight_version == 1
