@@ -45,7 +45,7 @@ from ggufswap.runtime.pools import Buffer, Pool, PoolSet
 from ggufswap.runtime.staging import StagedPlan, Stager
 from ggufswap.runtime.store import Placement, Slot, TensorStore
 from ggufswap.runtime.validate import validate_plan
-from ggufswap.shards import HeaderCache, ShardSet, open_shard_set
+from ggufswap.shards import HeaderCache, Keys, ShardSet, open_shard_set
 
 log = structlog.get_logger(__name__)
 
@@ -130,7 +130,7 @@ class HotSwapRuntime:
             else [os.path.dirname(shards.first.path)]
         )
         name = model_name or str(
-            shards.metadata.get("general.name") or os.path.basename(shards.first.path)
+            shards.metadata.get(Keys.General.NAME) or os.path.basename(shards.first.path)
         )
         log.info(
             "model.loaded",
@@ -449,6 +449,7 @@ class HotSwapRuntime:
 
 
 def _block_count(shards: ShardSet) -> int:
-    arch = shards.metadata.get("general.architecture")
-    value = shards.metadata.get(f"{arch}.block_count") if isinstance(arch, str) else None
+    arch = shards.metadata.get(Keys.General.ARCHITECTURE)
+    key = Keys.LLM.BLOCK_COUNT.format(arch) if isinstance(arch, str) else None
+    value = shards.metadata.get(key) if key is not None else None
     return value if isinstance(value, int) else 0
