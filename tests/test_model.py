@@ -27,6 +27,8 @@ from ggufswap.runtime.serving.perplexity import (
     perplexity,
     token_windows,
 )
+from ggufswap.shards.presets import tiny_dense, tiny_moe
+from ggufswap.shards.writer import ModelSpec, write_model
 
 V = 61  # vocab: odd on purpose, so no shape coincides with another
 
@@ -506,14 +508,10 @@ def load_gguf(path: Path) -> tuple[dict[str, Any], DictWeightProvider]:
     return md, DictWeightProvider(weights)
 
 
-@pytest.mark.parametrize("preset", ["tiny_moe", "tiny_dense"])
-def test_a_written_gguf_model_runs(preset: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("preset", [tiny_moe, tiny_dense], ids=["tiny_moe", "tiny_dense"])
+def test_a_written_gguf_model_runs(preset: Callable[[], ModelSpec], tmp_path: Path) -> None:
     """A model written by shards.writer loads through gguf-py and gives a finite perplexity."""
-    writer = pytest.importorskip(
-        "ggufswap.shards.writer", reason="shards/writer.py (the test-model writer) is not there yet"
-    )
-    spec = getattr(writer, preset)()
-    path = writer.write_model(spec, tmp_path)[0]
+    path = write_model(preset(), tmp_path)[0]
     md, provider = load_gguf(path)
     config = HParams.from_metadata(md)
     assert config.arch.value == md["general.architecture"]
