@@ -64,6 +64,14 @@ def as_str(value: object, where: str, *, nonempty: bool = False) -> str:
     return value
 
 
+def as_path(value: object, where: str) -> str:
+    """A file path: a non-empty string without NUL (no file system accepts one)."""
+    text = as_str(value, where, nonempty=True)
+    if "\x00" in text:
+        raise MalformedMessage(f"field {where!r}: a path cannot contain a NUL character")
+    return text
+
+
 def as_opt_str(value: object, where: str) -> str | None:
     return None if value is None else as_str(value, where)
 

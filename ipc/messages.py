@@ -280,7 +280,7 @@ def record_from_wire(d: object, *, where: str = "record", name: str | None = Non
         ne=ne,
         offset=c.as_int(c.get(m, t.OFFSET, where), c.field_path(where, t.OFFSET), minimum=0),
         nbytes=c.as_int(c.get(m, t.NBYTES, where), c.field_path(where, t.NBYTES), minimum=0),
-        path=c.as_str(c.get(m, t.PATH, where), c.field_path(where, t.PATH), nonempty=True),
+        path=c.as_path(c.get(m, t.PATH, where), c.field_path(where, t.PATH)),
         identity=_identity_from_wire(c.get(m, t.IDENTITY, where), c.field_path(where, t.IDENTITY)),
     )
 

@@ -202,7 +202,11 @@ class HotSwapRuntime:
             if follow is not None:
                 ticket.follow(follow)
             return ticket
-        reasons = validate_plan(plan, self.store, allowed_roots=self.allowed_roots)
+        try:
+            reasons = validate_plan(plan, self.store, allowed_roots=self.allowed_roots)
+        except Exception as exc:  # a bug in validation must not leave a ticket that never ends
+            log.exception("plan.validation_failed", plan_id=plan.plan_id)
+            reasons = [Reason("*", f"validation failed: {exc!r}")]
         if plan.model and plan.model != self.model_name:
             reasons.append(
                 Reason(

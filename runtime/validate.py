@@ -25,13 +25,25 @@ from ggufswap.shards import (
 
 
 def inside_roots(path: str, roots: Sequence[str]) -> bool:
-    """Whether the real path of ``path`` lies under one of ``roots`` (real paths too)."""
-    real = os.path.realpath(path)
+    """Whether the real path of ``path`` lies under one of ``roots`` (real paths too); a path
+    that cannot name a file (an embedded NUL) lies under none."""
+    try:
+        real = os.path.realpath(path)
+    except (ValueError, OSError):
+        return False
     for root in roots:
         base = os.path.realpath(root)
         if os.path.commonpath([real, base]) == base:
             return True
     return False
+
+
+def _resolved(path: str) -> str:
+    """How a refused path resolves, for the reason: ``PATH resolves to REAL``."""
+    try:
+        return f"{path} resolves to {os.path.realpath(path)}"
+    except (ValueError, OSError) as exc:
+        return f"{path!r} names no file ({exc})"
 
 
 @functools.cache
@@ -99,8 +111,7 @@ def validate_plan(plan: Plan, store: TensorStore, *, allowed_roots: Sequence[str
             reasons.append(
                 Reason(
                     name,
-                    f"{rec.path} resolves to {os.path.realpath(rec.path)}, outside the allowed "
-                    f"roots {list(allowed_roots)}",
+                    f"{_resolved(rec.path)}, outside the allowed roots {list(allowed_roots)}",
                 )
             )
             continue  # never stat a file outside the roots

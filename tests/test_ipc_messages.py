@@ -122,6 +122,7 @@ def test_state_committed_rejected_roundtrip(record: TensorRecord) -> None:
         ("identity", [1, 2, 3], "jobs[0].identity"),
         ("fingerprint", 5, "jobs[0].fingerprint"),
         ("path", "", "jobs[0].path"),
+        ("path", "/srv/m/model.gguf\x00", "jobs[0].path"),
     ],
 )
 def test_plan_bad_job_field_named(

@@ -149,6 +149,22 @@ def test_path_outside_allowed_roots_is_refused(served: Served, tmp_path: Path) -
     assert_unchanged(runtime, model, baseline)
 
 
+def test_path_that_names_no_file_is_refused_and_the_plan_ends(served: Served) -> None:
+    """A path with an embedded NUL (which no file can have) is refused with a reason, and the
+    plan's ticket is final: resending the same plan id gets the same refusal, never a plan that
+    stays accepted forever; a valid plan still commits afterwards."""
+    model_dir, runtime, model, baseline = served
+    record = lone_tensor_file(model_dir.root / "k.gguf", ATTN_K0, Q.Q8_0, (64, 32))
+    nul = dataclasses.replace(record, path=record.path + "\x00")
+    plan = Plan("nul-path", "", (Job(nul),))
+    ticket = rejected(runtime, plan)
+    assert "names no file" in reasons_for(ticket)[ATTN_K0]
+    again = runtime.submit(plan)
+    assert again.state is PlanState.REJECTED
+    assert_unchanged(runtime, model, baseline)
+    assert runtime.apply(Plan("valid", "", (Job(record),))).state is PlanState.COMMITTED
+
+
 def test_file_replaced_before_submit_is_stale(served: Served, tmp_path: Path) -> None:
     """A plan whose file was replaced after planning is rejected as stale at submit."""
     model_dir, runtime, model, baseline = served
