@@ -333,6 +333,8 @@ def validated(body: dict[str, Any]) -> MessageType | None:
 
 _count = st.integers(0, 2**63 - 1)
 _name = st.text(min_size=1, max_size=12)
+# A path is any non-empty text but NUL, which no file system accepts (the wire refuses it).
+_path = st.text(st.characters(blacklist_characters="\x00"), min_size=1, max_size=12)
 _records = st.builds(
     TensorRecord,
     name=_name,
@@ -340,7 +342,7 @@ _records = st.builds(
     ne=st.lists(st.integers(0, 2**40), min_size=1, max_size=4).map(tuple),
     offset=_count,
     nbytes=_count,
-    path=_name,
+    path=_path,
     identity=st.builds(FileIdentity, _count, _count, _count, _count, _count),
 )
 _fingerprints = st.none() | st.text(alphabet="0123456789abcdef", min_size=32, max_size=32)
