@@ -304,6 +304,9 @@ class HotSwapRuntime:
         ticket.stage_s = time.monotonic() - started
         ticket.bytes_read = staged.bytes_read
         ticket.move(PlanState.STAGED)
+        # Published before the plan is queued: once queued, the inference thread may commit it
+        # and publish ``plan.committed`` before this thread runs again.
+        self._emit(PlanStagedEvent(plan_id=ticket.plan_id, stage_ms=round(ticket.stage_s * 1e3, 3)))
         with self._cond:
             closing = self._closed
             if not closing:
@@ -314,7 +317,6 @@ class HotSwapRuntime:
             self._finish_rejected(ticket, [_SHUTTING_DOWN])
             self._settled(1)
             return
-        self._emit(PlanStagedEvent(plan_id=ticket.plan_id, stage_ms=round(ticket.stage_s * 1e3, 3)))
         # One plan in flight: the next is staged against the buffers this one leaves behind.
         ticket.wait()
         self._drop_retired()

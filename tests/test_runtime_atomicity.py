@@ -19,7 +19,12 @@ from runtime_helpers import (
     open_runtime,
 )
 
-from ggufswap.ipc import PlanRejectedEvent
+from ggufswap.ipc import (
+    PlanAcceptedEvent,
+    PlanCommittedEvent,
+    PlanRejectedEvent,
+    PlanStagedEvent,
+)
 from ggufswap.runtime import DerivedTensor, PlanState, Storage
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -191,3 +196,26 @@ def test_failing_commit_callback_is_raised_after_the_commit_is_recorded(tmp_path
         )
     finally:
         runtime.close()
+
+
+def test_plan_events_keep_their_order_when_the_commit_comes_at_once(tmp_path: Path) -> None:
+    """``plan.staged`` is published before the plan can be committed: here the first event
+    callback commits the moment it can (the worst interleaving an inference thread can make),
+    and the second still sees accepted, staged, committed in that order."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    runtime, _ = open_runtime(model_dir.first, storage=Storage.DEQUANTIZED)
+    seen: list[type] = []
+    runtime.on_event(
+        lambda e: runtime.at_batch_boundary() if isinstance(e, PlanStagedEvent) else None
+    )
+    runtime.on_event(lambda e: seen.append(type(e)))
+    try:
+        model_dir.put(DOWN0, model_dir.variant(DOWN0, Q.Q4_0, tmp_path / "variants"))
+        ticket = runtime.submit(model_dir.plan("a", [DOWN0]))
+        if runtime.wait_staged(timeout=WAIT_S):  # the callback's commit found nothing queued
+            runtime.at_batch_boundary()
+        assert ticket.wait(WAIT_S) is PlanState.COMMITTED
+    finally:
+        runtime.close()
+    plan_events = [t for t in seen if t.__name__.startswith("Plan")]
+    assert plan_events == [PlanAcceptedEvent, PlanStagedEvent, PlanCommittedEvent]
