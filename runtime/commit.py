@@ -8,10 +8,14 @@ tensor or the store's ``weight_version`` after the load:
 1. every slot's move is checked first (:func:`check_move`): the state must be one the slot's
    state may go to (``_MOVES``), and the slot's buffers after the commit must be where that
    state says they are. A bug raises ``SlotStateError`` with the model as it was;
-2. pointer moves, or in-place copies of staged contents where pointers stay stable (CUDA
+2. every slot the plan touches is stamped ``changed_at = weight_version + 1`` (the version this
+   commit moves to, or would: a byte-identical source that only moved changes the slot's record
+   but no weight), before any of it changes, so a ``state`` read at the old version can tell it
+   missed the slot (the ``since`` delta of ``control.py``);
+3. pointer moves, or in-place copies of staged contents where pointers stay stable (CUDA
    graphs); each slot takes its new source record, fingerprint and state;
-3. derived tensors take the values staging rebuilt;
-4. ``weight_version + 1`` when anything the model reads changed.
+4. derived tensors take the values staging rebuilt;
+5. ``weight_version + 1`` when anything the model reads changed.
 
 Every operation was prepared and checked by staging, so a commit cannot fail half-way on bad
 input. The buffers the plan replaced are returned, for the caller to release after the commit.
@@ -70,6 +74,9 @@ def commit(store: TensorStore, staged: StagedPlan) -> Applied:
     fallback = store.pools.fallback
     for op in staged.ops:
         check_move(op, fallback)
+    stamp = store.weight_version + 1
+    for op in staged.ops:
+        op.slot.changed_at = stamp
     retired: list[Buffer] = []
     for op in staged.ops:
         retired.extend(_apply_split(op) if op.parts is not None else _apply_whole(op))

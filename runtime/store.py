@@ -82,6 +82,10 @@ class Slot:
     held: tuple[str, GGMLQuantizationType] = ("", GGMLQuantizationType.F32)
     original_parts: tuple[Part, ...] = ()
     parts: tuple[Part, ...] = ()
+    # Stamped by the commit that last changed the slot: the weight version it moves to (or would
+    # move to, when no weight changed); 0 since the load. A state read at weight version v misses
+    # at most the slots with ``changed_at > v`` (the ``state`` delta, ``control.py``).
+    changed_at: int = 0
 
     @property
     def is_split(self) -> bool:
