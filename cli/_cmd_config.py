@@ -12,6 +12,7 @@ from ggufswap.config import (
     ConfigError,
     config_to_dict,
     format_size,
+    format_threads,
     load_config,
 )
 
@@ -91,7 +92,8 @@ def summary_lines(config: Config) -> list[str]:
     if runtime is not None:
         lines.append(
             f"runtime {runtime.name}: {runtime.model} "
-            f"(storage {runtime.storage.value}, {runtime.compute_dtype.value})"
+            f"(storage {runtime.storage.value}, {runtime.compute_dtype.value}, "
+            f"threads {format_threads(runtime.threads)})"
         )
         lines.append(f"  control {runtime.control_endpoint}")
         lines.append(f"  status  {runtime.status_endpoint}")

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Final
 
+from ggufswap._cmd_runtime import add_threads_option
 from ggufswap._signals import ProcessSignals
 from ggufswap.config import Config, ConfigError, load_config
 
@@ -57,6 +58,7 @@ def register(subparsers: Any) -> None:
         help="serve the control endpoint of --config and re-evaluate after every committed plan",
     )
     parser.add_argument("--config", metavar="FILE", help="YAML configuration (runtime section)")
+    add_threads_option(parser)
     parser.set_defaults(func=run)
 
 
@@ -107,7 +109,10 @@ def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int
     from ggufswap.runtime.models import HParams, build_model
     from ggufswap.runtime.serving import GgufTokenizer
     from ggufswap.runtime.serving.daemon import open_runtime
+    from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
 
+    rc = config.runtime if config is not None else None
+    apply_thread_policy(resolve_threads(flag=args.threads, config=rc.threads if rc else None))
     signals = ProcessSignals().install() if args.hot_swap else None
     runtime = open_runtime(config) if config is not None else HotSwapRuntime.open(args.model)
     try:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Any
 
 from ggufswap._signals import ProcessSignals
-from ggufswap.config import ConfigError, load_config
+from ggufswap.config import AUTO_THREADS, MAX_THREADS, ConfigError, load_config, parse_threads
 
 EXIT_CONFIG = 2
 
@@ -33,6 +34,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--batch-interval", type=float, default=0.01, metavar="S", help="pause between batches"
     )
+    add_threads_option(parser)
     http = parser.add_argument_group("http mode")
     http.add_argument("--http-host", default="127.0.0.1", metavar="HOST", help="bind address")
     http.add_argument(
@@ -48,6 +50,31 @@ def register(subparsers: Any) -> None:
         "--request-timeout", type=float, default=60.0, metavar="S", help="per-request limit"
     )
     parser.set_defaults(func=run)
+
+
+def add_threads_option(parser: argparse.ArgumentParser) -> None:
+    """``--threads N``: torch's CPU thread count, overriding ``runtime.threads`` (``None``: not
+    given)."""
+    parser.add_argument(
+        "--threads",
+        type=_thread_count,
+        default=None,
+        metavar="N",
+        help="torch CPU threads, overriding runtime.threads (default: the config's value, else "
+        "one per CPU of this process's affinity; see docs/operations.md)",
+    )
+
+
+def _thread_count(text: str) -> int:
+    count = None
+    with contextlib.suppress(ValueError):
+        count = parse_threads(text)
+    if count is None:  # "auto" is what leaving the flag out means
+        raise argparse.ArgumentTypeError(
+            f"expected an integer between 1 and {MAX_THREADS}, found {text!r} "
+            f"(leave --threads out for {AUTO_THREADS})"
+        )
+    return count
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
     )
     try:
-        return daemon.run(config, options=options, stop=signals.stop)
+        return daemon.run(config, options=options, stop=signals.stop, threads=args.threads)
     except ListenError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_CONFIG

@@ -28,9 +28,18 @@ from ggufswap.config.schema import (
     WatchBackend,
     WatchConfig,
 )
-from ggufswap.config.units import format_size, parse_size
+from ggufswap.config.units import (
+    AUTO_THREADS,
+    MAX_THREADS,
+    format_size,
+    format_threads,
+    parse_size,
+    parse_threads,
+)
 
 __all__ = [
+    "AUTO_THREADS",
+    "MAX_THREADS",
     "SCHEMA_VERSION",
     "AgentConfig",
     "ComputeDtype",
@@ -54,8 +63,10 @@ __all__ = [
     "config_to_dict",
     "default_runtime_dir",
     "format_size",
+    "format_threads",
     "load_config",
     "load_config_text",
     "parse_size",
+    "parse_threads",
     "transport_of",
 ]

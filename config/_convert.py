@@ -15,7 +15,7 @@ from yaml.nodes import Node
 from ggufswap.config._nodes import Converter, NodeReader
 from ggufswap.config.endpoints import check_endpoint
 from ggufswap.config.errors import Invalid
-from ggufswap.config.units import parse_size
+from ggufswap.config.units import AUTO_THREADS, parse_size, parse_threads
 
 T = TypeVar("T")
 E = TypeVar("E", bound=enum.Enum)
@@ -94,6 +94,18 @@ class Values:
         if not math.isfinite(value) or value <= 0:
             raise Invalid(f"expected a number of seconds > 0, found {value}")
         return float(value)
+
+    def threads(self, node: Node, path: str) -> int | None:
+        """A thread count (``1..MAX_THREADS``) or ``auto`` (``None``)."""
+        del path
+        value = self.reader.scalar(node)
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            found = self.reader.describe(node)
+            raise Invalid(f"expected an integer >= 1 or '{AUTO_THREADS}', found {found}")
+        try:
+            return parse_threads(value)
+        except ValueError as exc:
+            raise Invalid(str(exc)) from None
 
     def choice(self, enum_type: type[E]) -> Converter[E]:
         options = [str(member.value) for member in enum_type]

@@ -71,6 +71,7 @@ RUNTIME_KEYS = (
     "placement",
     "metrics_port",
     "log_level",
+    "threads",
 )
 POOL_KEYS = ("name", "device", "budget")
 PLACEMENT_KEYS = ("gpu_layers", "experts_pool", "split_experts")
@@ -284,6 +285,7 @@ class _Builder:
             placement=self.placement(placement),
             metrics_port=self.r.get(sec, "metrics_port", optional(self.v.port), None),
             log_level=self.r.get(sec, "log_level", self.v.choice(LogLevel), LogLevel.INFO),
+            threads=self.r.get(sec, "threads", optional(self.v.threads), None),
         )
 
     def _sibling(self, sec: Section, key: str, control: str, *, role: str, port_offset: int) -> str:

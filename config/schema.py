@@ -36,6 +36,8 @@ class Storage(str, enum.Enum):
 
     DEQUANTIZED = "dequantized"  # in compute_dtype; quant changes are in-place copies
     NATIVE = "native"  # raw GGUF blocks, dequantized per use
+    # native for quantized tensors when their dequantized bytes would not fit the pools
+    AUTO = "auto"
 
 
 class ComputeDtype(str, enum.Enum):
@@ -155,6 +157,7 @@ class RuntimeConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     metrics_port: int | None = None
     log_level: LogLevel = LogLevel.INFO
+    threads: int | None = None  # torch's CPU threads; None: auto, from the process's CPU affinity
 
     def pool(self, name: str) -> PoolConfig:
         """The pool called ``name``; raises ``KeyError`` naming the pools that exist."""

@@ -1,4 +1,5 @@
-"""Byte sizes as operators write them: ``70GiB``, ``512MiB``, ``1.5GB``, ``1048576``."""
+"""Quantities as operators write them: byte sizes (``70GiB``, ``512MiB``, ``1.5GB``, ``1048576``)
+and thread counts (``4``, ``auto``)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,13 @@ _UNITS: dict[str, int] = {
     "pib": 1024**5,
 }
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
+_COUNT = re.compile(r"[0-9]{1,9}")
 _MAX_DIGITS = 30  # far beyond any memory size; keeps Decimal arithmetic cheap on hostile input
 
 UNIT_NAMES = ("B", "KB", "MB", "GB", "TB", "PB", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+AUTO_THREADS = "auto"  # the thread count follows the process's CPU affinity
+MAX_THREADS = 1024  # far beyond any host's cores; catches a typo before torch starts the threads
 
 
 def parse_size(text: str | int) -> int:
@@ -55,6 +60,29 @@ def parse_size(text: str | int) -> int:
     except InvalidOperation as exc:  # the pattern admits only digits; kept for safety
         raise ValueError(f"expected a size such as 70GiB, found {text!r}") from exc
     return int(value)
+
+
+def parse_threads(value: object) -> int | None:
+    """A thread count: an integer in ``1..MAX_THREADS`` (also as text), or ``None`` for ``auto``.
+
+    Raises ``ValueError`` saying what was expected and what was found.
+    """
+    if value == AUTO_THREADS:
+        return None
+    if isinstance(value, str) and _COUNT.fullmatch(value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer >= 1 or '{AUTO_THREADS}', found {value!r}")
+    if not 1 <= value <= MAX_THREADS:
+        raise ValueError(
+            f"expected an integer between 1 and {MAX_THREADS} or '{AUTO_THREADS}', found {value}"
+        )
+    return value
+
+
+def format_threads(threads: int | None) -> str:
+    """``threads`` as written in a configuration: the count, or ``auto`` for ``None``."""
+    return AUTO_THREADS if threads is None else str(threads)
 
 
 def format_size(nbytes: int) -> str:

@@ -27,6 +27,7 @@ from ggufswap.runtime.models.registry import Decoder, build_model
 from ggufswap.runtime.pools import Pool
 from ggufswap.runtime.serving.serve import Mode, ServeLoop, ServeOptions
 from ggufswap.runtime.store import Placement
+from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
 
 log = structlog.get_logger(__name__)
 
@@ -92,11 +93,18 @@ def build_service(runtime: HotSwapRuntime, model: Decoder, options: ServeOptions
     ).start()
 
 
-def run(config: Config, *, options: ServeOptions, stop: threading.Event) -> int:
-    """Serve until ``stop`` is set; return the process exit code."""
+def run(
+    config: Config, *, options: ServeOptions, stop: threading.Event, threads: int | None = None
+) -> int:
+    """Serve until ``stop`` is set; return the process exit code.
+
+    ``threads`` (``--threads``) overrides ``runtime.threads``; ``None`` leaves it to the config.
+    """
     rc = config.require_runtime()
     notifier = Notifier.from_env()
     started = time.monotonic()
+    # Once, before any torch work: the thread policy (runtime/threads.py), logged with its reason.
+    apply_thread_policy(resolve_threads(flag=threads, config=rc.threads))
     runtime = open_runtime(config)
     loop: Service | None = None
     try:
