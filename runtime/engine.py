@@ -138,6 +138,8 @@ class HotSwapRuntime:
             tensors=report.tensors,
             bytes=report.bytes_read,
             placed=report.placed,
+            seconds=round(report.seconds, 3),
+            gb_per_s=round(report.bytes_read / report.seconds / 1e9, 3) if report.seconds else None,
         )
         runtime = cls(store, model_name=name, allowed_roots=roots, stable_pointers=stable_pointers)
         runtime.shards = shards

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType
 
 from ggufswap.runtime.dequant import dequantize
 from ggufswap.runtime.pools import Buffer, Pool
+from ggufswap.runtime.resident import expert_scratch
 from ggufswap.shards import TensorRecord
 
 
@@ -133,7 +134,9 @@ class SplitTensor:
     """A stacked expert tensor whose expert ranges live in different buffers (and devices).
 
     ``t[e]`` is expert ``e`` in logical shape (``shape[1:]``), in the compute dtype, on the
-    device of the part that holds it; native storage dequantizes just that expert's bytes.
+    device of the part that holds it. Native storage dequantizes just that expert's bytes, into
+    this thread's scratch for the tensor's role: valid until the next expert of that role is read
+    (:func:`~ggufswap.runtime.resident.expert_scratch`). A whole native stack is the one-part case.
     """
 
     def __init__(
@@ -165,8 +168,14 @@ class SplitTensor:
         if not self.native:
             return flat.view(self.shape[1:])
         ggml_type = GGMLQuantizationType(self.record.ggml_type)
-        return dequantize(flat, ggml_type, self.record.ne[:-1], dtype=self.dtype, strict=False)
+        out = expert_scratch(self.record.name, tuple(self.shape[1:]), self.dtype, flat.device)
+        return dequantize(
+            flat, ggml_type, self.record.ne[:-1], dtype=self.dtype, strict=False, out=out
+        )
 
     def full(self, device: torch.device) -> torch.Tensor:
         """Every expert stacked into one tensor on ``device`` (a copy)."""
-        return torch.stack([self[e].to(device) for e in range(len(self))])
+        out = torch.empty(self.shape, dtype=self.dtype, device=device)
+        for e in range(len(self)):
+            out[e].copy_(self[e])
+        return out

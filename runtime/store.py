@@ -14,7 +14,8 @@ Storage modes:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import structlog
@@ -26,7 +27,9 @@ from ggufswap.ipc import SlotState
 from ggufswap.runtime.dequant import dequantize
 from ggufswap.runtime.errors import PoolFull
 from ggufswap.runtime.families import DerivedTensor, block_of, family_of
+from ggufswap.runtime.loading import Loader, LoadJob, Segment, trim_heap
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
+from ggufswap.runtime.resident import DecodedCache
 from ggufswap.runtime.split import (
     ExpertSplit,
     Part,
@@ -34,9 +37,18 @@ from ggufswap.runtime.split import (
     encode_range,
     expert_numel,
 )
-from ggufswap.shards import ShardSet, TensorRecord, fingerprint_bytes, read_tensor_bytes
+from ggufswap.shards import ShardSet, TensorRecord
 
 log = structlog.get_logger(__name__)
+
+# Native storage keeps up to this many bytes of decoded dense tensors by default (runtime config).
+DEFAULT_DECODED_CACHE = 1 << 30
+# GGML types whose bytes are already a torch dtype: read as a view when that is the compute dtype.
+_PLAIN_DTYPES = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
 
 
 @dataclass(frozen=True)
@@ -110,6 +122,7 @@ class Slot:
 class LoadReport:
     tensors: int = 0
     bytes_read: int = 0
+    seconds: float = 0.0  # reading and decoding, placement excluded
     placed: dict[str, int] = field(default_factory=dict)
 
 
@@ -117,7 +130,13 @@ class TensorStore:
     """A model's tensors in slots; implements the model's ``WeightProvider``."""
 
     def __init__(
-        self, *, pools: PoolSet, storage: Storage, compute_dtype: torch.dtype, strict: bool
+        self,
+        *,
+        pools: PoolSet,
+        storage: Storage,
+        compute_dtype: torch.dtype,
+        strict: bool,
+        decoded_cache: int = DEFAULT_DECODED_CACHE,
     ) -> None:
         self.pools = pools
         self.storage = storage
@@ -128,6 +147,8 @@ class TensorStore:
         self.derived: dict[str, DerivedTensor] = {}
         self.derived_values: dict[str, torch.Tensor] = {}
         self.weight_version = 0
+        # Native storage: dense tensors decoded on use, kept while they fit (see .resident).
+        self.decoded = DecodedCache(decoded_cache if storage is Storage.NATIVE else 0)
 
     # -- the model's view ------------------------------------------------------------------
 
@@ -140,13 +161,23 @@ class TensorStore:
         slot = self.slots[name]
         if slot.is_split:  # a copy on the host: per-expert readers use experts()
             return self.split_view(slot).full(self.pools.fallback.device)
-        return self.materialize_flat(slot.active.tensor, slot.record)
+        if self.storage is Storage.DEQUANTIZED:
+            return slot.active.tensor.view(slot.record.shape)
+        key = (name, slot.fingerprint, int(slot.record.ggml_type))
+        return self.decoded.get(key, lambda: self.materialize_flat(slot.active.tensor, slot.record))
 
     def experts(self, name: str) -> torch.Tensor | SplitTensor:
-        """A stacked expert tensor, indexable per expert (``[e]``) wherever its parts live."""
+        """A stacked expert tensor, indexable per expert (``[e]``) wherever its parts live.
+
+        In native storage ``[e]`` decodes only expert ``e``'s bytes (into reused scratch, see
+        :mod:`.resident`): a token costs the experts it is routed to, not the experts present.
+        """
         slot = self.slots.get(name)
         if slot is not None and slot.is_split:
             return self.split_view(slot)
+        if slot is not None and self.storage is Storage.NATIVE and len(slot.ne) == 3:
+            whole = (Part(slot.active, 0, slot.ne[-1]),)
+            return SplitTensor(whole, slot.record, native=True, compute_dtype=self.compute_dtype)
         return self.weight(name)
 
     def split_view(self, slot: Slot) -> SplitTensor:
@@ -154,9 +185,12 @@ class TensorStore:
         return SplitTensor(slot.parts, slot.record, native=native, compute_dtype=self.compute_dtype)
 
     def materialize_flat(self, flat: torch.Tensor, record: TensorRecord) -> torch.Tensor:
-        """The compute-dtype tensor that flat buffer contents holding ``record`` stand for."""
+        """The compute-dtype tensor that flat buffer contents holding ``record`` stand for (a
+        view where the bytes already are that dtype, else a new decoded tensor)."""
         if self.storage is Storage.DEQUANTIZED:
             return flat.view(record.shape)
+        if _PLAIN_DTYPES.get(record.ggml_type) == self.compute_dtype:
+            return flat[: record.nbytes].view(self.compute_dtype).view(record.shape)
         return dequantize(
             flat[: record.nbytes],
             record.ggml_type,
@@ -280,32 +314,33 @@ class TensorStore:
     def load(
         self, shards: ShardSet, *, placement: Placement, n_blocks: int, progress: bool = False
     ) -> LoadReport:
-        """Read every tensor of ``shards`` into its home pool (or its expert split)."""
+        """Read every tensor of ``shards`` into its home pool (or its expert split).
+
+        Each tensor is read once, in file order, straight into its buffer when that holds the
+        file's bytes on the CPU, and fingerprinted in the same pass (:mod:`.loading`).
+        """
         records = list(shards.tensors.values())
         homes = self.plan_placement(records, placement, n_blocks)
         report = LoadReport()
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=sum(r.nbytes for r in records),
-                unit="B",
-                unit_scale=True,
-                desc="loading",
-                leave=False,
-            )
+        held: dict[str, tuple[Buffer, tuple[Part, ...]]] = {}
+        jobs = []
         for record in records:
-            raw = torch.empty(record.nbytes, dtype=torch.uint8)
-            read_tensor_bytes(record, raw.numpy().data)
-            digest = fingerprint_bytes(raw.numpy().data)
-            home = homes[record.name]
-            parts: tuple[Part, ...] = ()
-            if isinstance(home, ExpertSplit):
-                parts = self._load_parts(raw, record, home)
-                buffer = parts[0].buffer
-            else:
-                buffer = self._load_whole(raw, record, home)
+            buffer, parts = self._allocate_home(record, homes[record.name])
+            held[record.name] = (buffer, parts)
+            jobs.append(LoadJob(record, self._segments(record, buffer, parts)))
+        total = sum(r.nbytes for r in records)
+        with _progress_bar(total, enabled=progress) as bar:
+            loader = Loader(
+                decode=self._decode_rows,
+                row_slice=self._row_slice,
+                direct=self._reads_directly,
+                on_bytes=bar,
+            )
+            digests = {r.name: d for r, d in loader.run(jobs)}
+        trim_heap()
+        for record in records:
+            buffer, parts = held[record.name]
+            digest = digests[record.name]
             self.slots[record.name] = Slot(
                 name=record.name,
                 ne=record.ne,
@@ -323,13 +358,10 @@ class TensorStore:
             )
             report.tensors += 1
             report.bytes_read += record.nbytes
-            for held in [p.buffer for p in parts] or [buffer]:
-                name = held.pool.name
-                report.placed[name] = report.placed.get(name, 0) + held.nbytes
-            if bar is not None:
-                bar.update(record.nbytes)
-        if bar is not None:
-            bar.close()
+            for kept in [p.buffer for p in parts] or [buffer]:
+                name = kept.pool.name
+                report.placed[name] = report.placed.get(name, 0) + kept.nbytes
+        report.seconds = loader.seconds
         self.families = {}
         for slot in self.slots.values():
             if slot.family is not None:
@@ -337,25 +369,61 @@ class TensorStore:
                 self.families[slot.family] = (*self.families[slot.family], slot.name)
         return report
 
-    def _load_whole(self, raw: torch.Tensor, record: TensorRecord, home: Pool) -> Buffer:
+    def _allocate_home(
+        self, record: TensorRecord, home: Pool | ExpertSplit
+    ) -> tuple[Buffer, tuple[Part, ...]]:
+        """The buffer (or expert-range parts) ``record`` is loaded into."""
         numel, dtype = self.buffer_spec(record)
+        if isinstance(home, ExpertSplit):
+            unit = self.expert_unit(record)
+            parts = tuple(
+                Part(pool.allocate((stop - start) * unit, dtype), start, stop)
+                for pool, start, stop in home.ranges
+            )
+            return parts[0].buffer, parts
         try:
-            buffer = home.allocate(numel, dtype)
+            return home.allocate(numel, dtype), ()
         except PoolFull:
-            buffer = self.pools.fallback.allocate(numel, dtype)
-        self.encode_into(raw, record, buffer.tensor)
-        return buffer
+            return self.pools.fallback.allocate(numel, dtype), ()
 
-    def _load_parts(
-        self, raw: torch.Tensor, record: TensorRecord, split: ExpertSplit
-    ) -> tuple[Part, ...]:
-        unit, dtype = self.expert_unit(record), self.buffer_spec(record)[1]
-        parts = []
-        for pool, start, stop in split.ranges:
-            buffer = pool.allocate((stop - start) * unit, dtype)
-            self.encode_range_into(raw, record, start, stop, buffer.tensor)
-            parts.append(Part(buffer, start, stop))
-        return tuple(parts)
+    def _segments(
+        self, record: TensorRecord, buffer: Buffer, parts: tuple[Part, ...]
+    ) -> tuple[Segment, ...]:
+        """The row ranges of ``record`` and the flat buffers that hold them."""
+        n_rows = record.n_elements // record.ne[0]
+        if not parts:
+            return (Segment(0, n_rows, buffer.tensor),)
+        rows_per_expert = n_rows // record.ne[-1]
+        return tuple(
+            Segment(p.start * rows_per_expert, p.stop * rows_per_expert, p.buffer.tensor)
+            for p in parts
+        )
+
+    def _row_slice(self, record: TensorRecord, segment: Segment, lo: int, hi: int) -> torch.Tensor:
+        """Where rows ``[lo, hi)`` of ``record`` live in ``segment``'s buffer."""
+        n_rows = record.n_elements // record.ne[0]
+        unit = record.nbytes // n_rows if self.storage is Storage.NATIVE else record.ne[0]
+        return segment.flat[(lo - segment.start) * unit : (hi - segment.start) * unit]
+
+    def _reads_directly(self, segment: Segment) -> bool:
+        return self.storage is Storage.NATIVE and segment.flat.device.type == "cpu"
+
+    def _decode_rows(
+        self, raw: torch.Tensor, record: TensorRecord, lo: int, hi: int, dest: torch.Tensor
+    ) -> None:
+        """Rows ``[lo, hi)`` of raw GGUF bytes (uint8, CPU) into their slice of a buffer."""
+        if self.storage is Storage.NATIVE:
+            dest.copy_(raw)
+            return
+        ne = (record.ne[0], hi - lo)
+        dequantize(
+            raw.to(dest.device, non_blocking=True),
+            record.ggml_type,
+            ne,
+            dtype=self.compute_dtype,
+            strict=self.strict,
+            out=dest.view(hi - lo, record.ne[0]),
+        )
 
     # -- derived tensors -------------------------------------------------------------------
 
@@ -385,3 +453,15 @@ class TensorStore:
 
     def loaded_table(self) -> Mapping[str, Slot]:
         return self.slots
+
+
+@contextmanager
+def _progress_bar(total: int, *, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    """A byte counter that shows GB/s and the time left (tqdm's rate and ETA) on a terminal."""
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False) as bar:
+        yield bar.update

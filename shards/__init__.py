@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from ggufswap.shards.atomic import atomic_copy, atomic_replace, atomic_write
-from ggufswap.shards.data import check_readable, open_verified, read_into, read_tensor_bytes
+from ggufswap.shards.data import (
+    check_readable,
+    open_verified,
+    read_into,
+    read_range,
+    read_tensor_bytes,
+)
 from ggufswap.shards.diff import ChangeKind, Field, TensorChange, diff_tables
 from ggufswap.shards.errors import (
     CorruptHeaderError,
@@ -73,6 +79,7 @@ __all__ = [
     "read_array",
     "read_header",
     "read_into",
+    "read_range",
     "read_tensor_bytes",
     "requantize",
     "restore",

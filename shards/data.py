@@ -74,15 +74,26 @@ def read_into(fd: int, record: TensorRecord, out: memoryview) -> None:
             f"{record.name}: buffer has {out.nbytes} bytes, the tensor has {record.nbytes}"
         )
     view = out.cast("B")
+    for done in range(0, record.nbytes, READ_CHUNK):
+        read_range(fd, record, done, view[done : done + READ_CHUNK])
+
+
+def read_range(fd: int, record: TensorRecord, start: int, out: memoryview) -> None:
+    """Fill ``out`` with the tensor's bytes ``[start, start + len(out))`` from ``fd``."""
+    view = out.cast("B") if out.format != "B" else out
+    if start < 0 or start + view.nbytes > record.nbytes:
+        raise ValueError(
+            f"{record.name}: bytes [{start}, {start + view.nbytes}) are outside the tensor's "
+            f"{record.nbytes}"
+        )
     done = 0
-    while done < record.nbytes:
-        chunk = view[done : done + READ_CHUNK]
-        n = os.preadv(fd, [chunk], record.offset + done)
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:]], record.offset + start + done)
         if n == 0:
             raise TruncatedError(
                 record.path,
                 f"{record.name}: file ends inside the tensor data",
-                pos=record.offset + done,
+                pos=record.offset + start + done,
             )
         done += n
 

@@ -1,0 +1,258 @@
+"""Loading a model at disk speed: each tensor read once, in file order, into where it will live.
+
+A tensor is a run of rows (``ne[0]`` elements each, a whole number of GGUF blocks), and its
+destination is one or more :class:`Segment` s: row ranges, each held in a flat buffer of the
+store's storage mode (one segment for a whole tensor, one per part for an expert split). The
+tensor is read in chunks of whole rows by a reader thread, which hashes each chunk while it is
+still in the cache (the content fingerprint costs no second pass over the data), and:
+
+- **direct**: when the destination holds the file's bytes on the CPU (native storage), the chunk
+  is read straight into it: no temporary, no copy.
+- **staged**: otherwise (dequantized storage, or an accelerator pool) the chunk is read into one
+  of a few reused chunk buffers and handed to the caller's thread, which decodes it into the
+  destination while the reader reads the next one.
+
+Memory: besides the destinations, loading holds at most ``RING`` chunk buffers (a few MiB);
+nothing grows with the model. After the load, :func:`trim_heap` hands memory freed by the
+allocator back to the system (glibc otherwise keeps it in its arenas).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import structlog
+import torch
+import xxhash
+
+from ggufswap.shards import TensorRecord, open_verified, read_range
+
+log = structlog.get_logger(__name__)
+
+CHUNK_BYTES: Final = 8 << 20  # per read: big enough for sequential I/O, small enough for cache
+RING: Final = 3  # staged chunk buffers: one being read, one being decoded, one spare
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``[start, stop)`` of a tensor, held from the first element of ``flat``."""
+
+    start: int
+    stop: int
+    flat: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """One tensor and where its rows go."""
+
+    record: TensorRecord
+    segments: tuple[Segment, ...]
+
+    def __post_init__(self) -> None:
+        bounds = [(s.start, s.stop) for s in self.segments]
+        starts = [0, *(stop for _, stop in bounds)]
+        covered = [a for a, _ in bounds] == starts[:-1] and starts[-1] == self.n_rows
+        assert covered, f"{self.record.name}: segments {bounds} do not cover [0, {self.n_rows})"
+
+    @property
+    def n_rows(self) -> int:
+        return self.record.n_elements // self.record.ne[0]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.record.nbytes // self.n_rows
+
+
+# Decodes raw rows [lo, hi) of a record (uint8, CPU) into the flat destination slice for them.
+DecodeRows = Callable[[torch.Tensor, TensorRecord, int, int, torch.Tensor], None]
+# Where rows [lo, hi) of a record go in a segment's flat buffer (a slice of ``segment.flat``).
+RowSlice = Callable[[TensorRecord, Segment, int, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    job: LoadJob
+    lo: int
+    hi: int
+    data: torch.Tensor | None  # staged bytes (None: read directly into the destination)
+    slot: int  # ring index to hand back (-1: direct)
+
+
+@dataclass(frozen=True)
+class _Done:
+    job: LoadJob
+    digest: str
+
+
+_END: Final = object()
+
+
+class Loader:
+    """Reads :class:`LoadJob` s in file order and yields ``(record, fingerprint)`` as each
+    tensor is complete in its destination."""
+
+    def __init__(
+        self,
+        *,
+        decode: DecodeRows,
+        row_slice: RowSlice,
+        direct: Callable[[Segment], bool],
+        chunk_bytes: int | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        self._decode = decode
+        self._row_slice = row_slice
+        self._direct = direct
+        self._chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        self._on_bytes = on_bytes
+        self.bytes_read = 0
+        self.seconds = 0.0
+
+    def run(self, jobs: Sequence[LoadJob]) -> Iterator[tuple[TensorRecord, str]]:
+        ordered = sorted(jobs, key=lambda j: (j.record.path, j.record.offset))
+        largest_row = max((j.row_bytes for j in ordered), default=1)
+        ring_bytes = max(self._chunk_bytes, largest_row)
+        ring = [torch.empty(ring_bytes, dtype=torch.uint8) for _ in range(RING)]
+        free: queue.Queue[int] = queue.Queue()
+        for i in range(RING):
+            free.put(i)
+        out: queue.Queue[object] = queue.Queue(maxsize=4 * RING)
+        stop = threading.Event()
+        reader = threading.Thread(
+            target=self._read_all,
+            args=(ordered, ring, free, out, stop),
+            name="ggufswap-loader",
+            daemon=True,
+        )
+        started = time.perf_counter()
+        reader.start()
+        try:
+            while True:
+                item = out.get()
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, _Chunk):
+                    assert item.data is not None, "only staged chunks are queued"
+                    self._scatter(item.job, item.lo, item.hi, item.data)
+                    free.put(item.slot)
+                    continue
+                assert isinstance(item, _Done)
+                yield item.job.record, item.digest
+        finally:
+            stop.set()
+            while reader.is_alive():  # unblock a reader waiting for a ring buffer or queue room
+                try:
+                    free.put_nowait(0)
+                    out.get_nowait()
+                except (queue.Full, queue.Empty):
+                    pass
+                reader.join(0.01)
+            self.seconds = time.perf_counter() - started
+
+    # -- reader thread ---------------------------------------------------------------------
+
+    def _read_all(
+        self,
+        jobs: Sequence[LoadJob],
+        ring: list[torch.Tensor],
+        free: queue.Queue[int],
+        out: queue.Queue[object],
+        stop: threading.Event,
+    ) -> None:
+        try:
+            for job in jobs:
+                if stop.is_set():
+                    return
+                digest = self._read_one(job, ring, free, out, stop)
+                if digest is None:
+                    return
+                out.put(_Done(job, digest))
+            out.put(_END)
+        except BaseException as exc:  # noqa: BLE001 (raised again in the caller's thread)
+            out.put(exc)
+
+    def _read_one(
+        self,
+        job: LoadJob,
+        ring: list[torch.Tensor],
+        free: queue.Queue[int],
+        out: queue.Queue[object],
+        stop: threading.Event,
+    ) -> str | None:
+        record, row_bytes = job.record, job.row_bytes
+        rows_per_chunk = max(1, self._chunk_bytes // row_bytes)
+        hasher = xxhash.xxh3_128()
+        with open_verified(record) as fd:
+            for lo, hi, segment in _chunks(job, rows_per_chunk):
+                if stop.is_set():
+                    return None
+                nbytes = (hi - lo) * row_bytes
+                if self._direct(segment):
+                    target = self._row_slice(record, segment, lo, hi)
+                    view = target.numpy().data.cast("B")
+                    read_range(fd, record, lo * row_bytes, view)
+                    hasher.update(view)
+                    self._count(nbytes)
+                    continue
+                slot = free.get()
+                if stop.is_set():
+                    return None
+                data = ring[slot][:nbytes]
+                view = data.numpy().data.cast("B")
+                read_range(fd, record, lo * row_bytes, view)
+                hasher.update(view)
+                self._count(nbytes)
+                out.put(_Chunk(job, lo, hi, data, slot))
+        return hasher.hexdigest()
+
+    def _count(self, nbytes: int) -> None:
+        self.bytes_read += nbytes
+        if self._on_bytes is not None:
+            self._on_bytes(nbytes)
+
+    # -- caller's thread ---------------------------------------------------------------------
+
+    def _scatter(self, job: LoadJob, lo: int, hi: int, data: torch.Tensor) -> None:
+        """Decode staged rows ``[lo, hi)`` into every segment they overlap."""
+        row_bytes = job.row_bytes
+        for segment in job.segments:
+            a, b = max(lo, segment.start), min(hi, segment.stop)
+            if a >= b:
+                continue
+            raw = data[(a - lo) * row_bytes : (b - lo) * row_bytes]
+            self._decode(raw, job.record, a, b, self._row_slice(job.record, segment, a, b))
+
+
+def _chunks(job: LoadJob, rows_per_chunk: int) -> Iterator[tuple[int, int, Segment]]:
+    """Row ranges of at most ``rows_per_chunk`` rows, cut at segment boundaries, each with the
+    one segment that holds it."""
+    for segment in job.segments:
+        for lo in range(segment.start, segment.stop, rows_per_chunk):
+            yield lo, min(lo + rows_per_chunk, segment.stop), segment
+
+
+def trim_heap() -> bool:
+    """Return the C heap's free memory to the system (glibc's ``malloc_trim``); False where
+    the C library has no such call."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True

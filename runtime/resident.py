@@ -1,0 +1,127 @@
+"""Quantized-resident execution: weights stay in their GGUF encoding, the model reads them decoded.
+
+In native storage the store holds each tensor's GGUF bytes; the model still asks for compute-dtype
+tensors. Two things keep that cheap:
+
+- **Experts** are decoded one at a time, only the experts a token is routed to, from that expert's
+  own bytes (ggml stores experts in the slowest dimension, so each is contiguous), into
+  :func:`expert_scratch`: one reused buffer per tensor role and thread. Decode cost follows the
+  experts used, not the experts present, and no allocation happens per token.
+- **Dense tensors** are decoded on first use and kept in a :class:`DecodedCache`, an LRU bounded in
+  bytes (``runtime.decoded_cache``), keyed by the tensor's content (fingerprint and type): a
+  committed swap changes the key, so a stale entry is never returned, and the entry it replaces
+  is dropped at once. A cache of 0 bytes decodes on every use.
+
+Decoding is deterministic, so a cached or scratch-decoded tensor is bit-identical to decoding again:
+the exactness guarantee (a swapped model computes what a fresh load computes) holds in this mode.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Final
+
+import torch
+
+__all__ = ["DecodedCache", "expert_scratch"]
+
+_BLOCK_PREFIX: Final = re.compile(r"^blk\.\d+\.")
+
+_local = threading.local()
+
+
+def expert_scratch(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """This thread's scratch for one expert of tensor ``name``, shared by every block.
+
+    The buffer is keyed by the tensor's role (``ffn_up_exps.weight`` for
+    ``blk.7.ffn_up_exps.weight``): an expert decoded into it stays valid until the next expert of
+    the same role is decoded on this thread, which is what a MoE layer needs (gate, up and down of
+    one expert at a time).
+    """
+    buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] | None = getattr(
+        _local, "buffers", None
+    )
+    if buffers is None:
+        buffers = _local.buffers = {}
+    key = (_BLOCK_PREFIX.sub("", name), dtype, device)
+    numel = 1
+    for n in shape:
+        numel *= n
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+            buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
+
+
+CacheKey = tuple[str, str, int]  # (name, content fingerprint, ggml type)
+
+
+class DecodedCache:
+    """Decoded dense tensors, least recently used first out, at most ``budget`` bytes.
+
+    Thread-safe: the inference thread reads through it, the stager reads derived tensors' sources.
+    One entry per tensor name: a tensor whose content changed is decoded again and its old entry
+    dropped. A tensor larger than the budget is decoded per use and never kept.
+    """
+
+    def __init__(self, budget: int) -> None:
+        if budget < 0:
+            raise ValueError(f"decoded cache budget must be >= 0 bytes, got {budget}")
+        self.budget = budget
+        self.used = 0
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[str, tuple[CacheKey, torch.Tensor]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: CacheKey, decode: Callable[[], torch.Tensor]) -> torch.Tensor:
+        name = key[0]
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is not None and entry[0] == key:
+                self._entries.move_to_end(name)
+                self.hits += 1
+                return entry[1]
+            self.misses += 1
+            if entry is not None:  # the content changed: the old decoding is dead
+                del self._entries[name]
+                self.used -= _nbytes(entry[1])
+        value = decode()
+        size = _nbytes(value)
+        if size > self.budget:
+            return value
+        with self._lock:
+            if name in self._entries:  # another thread decoded it meanwhile
+                _, old = self._entries.pop(name)
+                self.used -= _nbytes(old)
+            self._entries[name] = (key, value)
+            self.used += size
+            while self.used > self.budget:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self.used -= _nbytes(evicted)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.used = 0
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "budget": self.budget,
+                "used": self.used,
+                "entries": len(self._entries),
+                "hits": self.hits,
+                "misses": self.misses,
+            }
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

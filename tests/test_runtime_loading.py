@@ -1,0 +1,187 @@
+"""Loading at disk speed and quantized-resident reads: each tensor read once into its buffer and
+fingerprinted in the same pass, file changes during a load refused, experts decoded one at a
+time (only the routed ones), dense tensors decoded once into a bounded cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import ModelDir, Q, cpu_pools, logits, one_thread, open_runtime
+from test_runtime_split import dev_budget
+
+from ggufswap.runtime import HotSwapRuntime, Placement, Storage, loading
+from ggufswap.runtime import split as split_module
+from ggufswap.runtime.loading import Loader, LoadJob, Segment
+from ggufswap.runtime.models import HParams, Transformer
+from ggufswap.runtime.resident import DecodedCache, expert_scratch
+from ggufswap.shards import FileChangedError, open_shard_set
+from ggufswap.shards.fingerprint import fingerprint
+from ggufswap.shards.presets import tiny_moe
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+DOWN0 = "blk.0.ffn_down_exps.weight"
+
+
+@pytest.mark.parametrize("storage", [Storage.DEQUANTIZED, Storage.NATIVE], ids=lambda s: s.value)
+def test_load_fingerprints_every_tensor_as_a_separate_hash_of_the_file_would(
+    tmp_path: Path, storage: Storage
+) -> None:
+    """The fingerprint computed while loading equals the agent's (a separate read of the file),
+    and native slots hold exactly the file's bytes."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    runtime, _ = open_runtime(model_dir.first, storage=storage)
+    try:
+        for name, slot in runtime.store.slots.items():
+            assert slot.fingerprint == fingerprint(slot.record), name
+            if storage is Storage.NATIVE:
+                with open(slot.record.path, "rb") as f:
+                    f.seek(slot.record.offset)
+                    expected = f.read(slot.record.nbytes)
+                assert bytes(slot.active.tensor.numpy()[: slot.record.nbytes]) == expected, name
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("storage", [Storage.DEQUANTIZED, Storage.NATIVE], ids=lambda s: s.value)
+def test_chunked_split_load_computes_what_a_whole_load_does(
+    tmp_path: Path, storage: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tiny chunks (a row or two) cut at expert-range boundaries over two pools give the same
+    logits as one chunk per tensor on one pool."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    whole, model = open_runtime(model_dir.first, storage=storage)
+    try:
+        expected = logits(model)
+    finally:
+        whole.close()
+    monkeypatch.setattr(loading, "CHUNK_BYTES", 100)
+    split, model = open_runtime(
+        model_dir.first,
+        storage=storage,
+        pools=cpu_pools(dev_budget(model_dir, storage, experts_on_dev=2)),
+        placement=Placement(split_experts=True),
+    )
+    try:
+        assert any(slot.is_split for slot in split.store.slots.values()), "nothing was split"
+        assert torch.equal(logits(model), expected)
+    finally:
+        split.close()
+
+
+def test_a_file_replaced_during_the_load_is_refused_naming_it(tmp_path: Path) -> None:
+    """A shard replaced between reading the header and reading its data fails the load with
+    the file and tensor named; nothing is left running."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    shards = open_shard_set(model_dir.first)
+    record = shards.tensors[DOWN0]
+    model_dir.put(DOWN0, model_dir.variant(DOWN0, Q.Q4_0, tmp_path / "variants"))
+    loader = Loader(
+        decode=lambda raw, rec, lo, hi, dest: None,
+        row_slice=lambda rec, seg, lo, hi: seg.flat,
+        direct=lambda seg: False,
+    )
+    jobs = [
+        LoadJob(r, (Segment(0, r.n_elements // r.ne[0], torch.empty(0)),))
+        for r in shards.tensors.values()
+    ]
+    with pytest.raises(FileChangedError, match=DOWN0) as caught:
+        list(loader.run(jobs))
+    assert os.path.basename(record.path) in str(caught.value)
+
+
+def test_native_moe_decodes_only_the_routed_experts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In native storage a one-token forward decodes exactly n_expert_used experts of each of
+    gate, up and down per block, each from that expert's bytes alone, and computes what
+    dequantized storage computes."""
+    spec = tiny_moe(n_expert=16, n_expert_used=2)
+    model_dir = ModelDir.write(tmp_path / "model", spec)
+    expected_rt, expected_model = open_runtime(model_dir.first, storage=Storage.DEQUANTIZED)
+    token = torch.tensor([[3]])
+    try:
+        expected = logits(expected_model, token)
+    finally:
+        expected_rt.close()
+    runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE)
+    calls: list[tuple[int, ...]] = []
+    real = split_module.dequantize
+
+    def counting(raw: torch.Tensor, ggml_type: object, ne: tuple[int, ...], **kw: object) -> object:
+        calls.append(tuple(ne))
+        return real(raw, ggml_type, ne, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(split_module, "dequantize", counting)
+    try:
+        assert torch.equal(logits(model, token), expected)
+        assert len(calls) == spec.n_layers * spec.n_expert_used * 3
+        assert all(len(ne) == 2 for ne in calls), "a whole expert stack was decoded"
+    finally:
+        runtime.close()
+
+
+def test_native_dense_tensors_are_decoded_once_and_again_after_a_swap(tmp_path: Path) -> None:
+    """The second forward decodes no dense tensor; a committed swap of one tensor decodes that
+    one again, and the model computes what a fresh load of the new files computes."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE)
+    try:
+        logits(model)
+        cache = runtime.store.decoded
+        misses = cache.misses
+        logits(model)
+        assert cache.misses == misses
+        name = "blk.1.attn_q.weight"
+        model_dir.put(name, model_dir.variant(name, Q.Q8_0, tmp_path / "variants"))
+        runtime.apply(model_dir.plan("p", [name]))
+        swapped = logits(model)
+        assert cache.misses == misses + 1
+        with HotSwapRuntime.open(model_dir.first, storage=Storage.NATIVE) as fresh:
+            assert fresh.shards is not None
+            fresh_model = Transformer(HParams.from_metadata(fresh.shards.metadata), fresh.store)
+            assert torch.equal(swapped, logits(fresh_model))
+    finally:
+        runtime.close()
+
+
+def test_decoded_cache_keeps_at_most_its_budget() -> None:
+    """Least recently used out first; an entry bigger than the budget is never kept; a new
+    content for a name replaces its old entry; a negative budget is refused."""
+    cache = DecodedCache(budget=3 * 400)
+    made: list[str] = []
+
+    def decode(name: str, numel: int = 100) -> torch.Tensor:
+        made.append(name)
+        return torch.zeros(numel)
+
+    for name in ("a", "b", "c"):
+        cache.get((name, "f1", 8), lambda n=name: decode(n))  # type: ignore[misc]
+    cache.get(("a", "f1", 8), lambda: decode("a"))  # hit: a is now the most recent
+    cache.get(("d", "f1", 8), lambda: decode("d"))  # evicts b
+    assert made == ["a", "b", "c", "d"]
+    cache.get(("b", "f1", 8), lambda: decode("b"))
+    assert made[-1] == "b"
+    assert cache.used <= cache.budget
+    cache.get(("a", "f2", 8), lambda: decode("a"))  # new content for a
+    assert made[-1] == "a"
+    cache.get(("big", "f1", 8), lambda: decode("big", 1000))
+    cache.get(("big", "f1", 8), lambda: decode("big", 1000))
+    assert made[-2:] == ["big", "big"]
+    assert cache.snapshot()["entries"] == 3
+    with pytest.raises(ValueError, match=">= 0 bytes"):
+        DecodedCache(budget=-1)
+
+
+def test_expert_scratch_is_one_buffer_per_role_and_thread() -> None:
+    """Blocks share a role's buffer; roles do not share; it grows for a bigger shape."""
+    cpu = torch.device("cpu")
+    a = expert_scratch("blk.0.ffn_up_exps.weight", (4, 8), torch.float32, cpu)
+    b = expert_scratch("blk.5.ffn_up_exps.weight", (4, 8), torch.float32, cpu)
+    c = expert_scratch("blk.0.ffn_gate_exps.weight", (4, 8), torch.float32, cpu)
+    assert a.data_ptr() == b.data_ptr() != c.data_ptr()
+    big = expert_scratch("blk.0.ffn_up_exps.weight", (8, 8), torch.float32, cpu)
+    assert big.shape == (8, 8)
