@@ -43,7 +43,13 @@ from ggufswap.runtime.errors import PlanRejected, StagingFailed
 from ggufswap.runtime.plans import Follower, PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
 from ggufswap.runtime.staging import StagedPlan, Stager
-from ggufswap.runtime.store import Placement, Slot, TensorStore
+from ggufswap.runtime.store import (
+    DEFAULT_DECODED_CACHE,
+    Placement,
+    Slot,
+    TensorStore,
+    choose_storage,
+)
 from ggufswap.runtime.validate import validate_plan
 from ggufswap.shards import HeaderCache, Keys, ShardSet, open_shard_set
 
@@ -108,17 +114,29 @@ class HotSwapRuntime:
         storage: Storage = Storage.DEQUANTIZED,
         compute_dtype: torch.dtype = torch.float32,
         strict: bool = False,
+        decoded_cache: int = DEFAULT_DECODED_CACHE,
         placement: Placement | None = None,
         allowed_roots: Sequence[str] | None = None,
         stable_pointers: bool | None = None,
         model_name: str | None = None,
         progress: bool = False,
     ) -> HotSwapRuntime:
-        """Load the shard set containing ``model`` onto ``pools`` and start the stager."""
+        """Load the shard set containing ``model`` onto ``pools`` and start the stager.
+
+        ``storage=AUTO`` is resolved here (:func:`~ggufswap.runtime.store.choose_storage`);
+        ``decoded_cache`` bounds the decoded dense tensors native storage keeps (bytes).
+        """
         shards = open_shard_set(model, cache=HeaderCache())
         pool_set = PoolSet(pools or [], fallback=fallback_pool)
+        if storage is Storage.AUTO:
+            storage, why = choose_storage(shards.tensors.values(), pool_set, compute_dtype)
+            log.info("storage.chosen", storage=storage.value, why=why)
         store = TensorStore(
-            pools=pool_set, storage=storage, compute_dtype=compute_dtype, strict=strict
+            pools=pool_set,
+            storage=storage,
+            compute_dtype=compute_dtype,
+            strict=strict,
+            decoded_cache=decoded_cache,
         )
         n_blocks = _block_count(shards)
         report = store.load(

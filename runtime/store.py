@@ -14,6 +14,7 @@ Storage modes:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -118,6 +119,35 @@ class Slot:
         )
 
 
+def choose_storage(
+    records: Iterable[TensorRecord], pools: PoolSet, compute_dtype: torch.dtype
+) -> tuple[Storage, str]:
+    """``storage: auto``: dequantized when every tensor fits the pools in ``compute_dtype``,
+    else native (quantized tensors keep their GGUF bytes; float tensors are read as views).
+    Returns the choice and why, in numbers."""
+    need = sum(r.n_elements for r in records) * compute_dtype.itemsize
+    room = sum(_room(pool) for pool in pools)
+    if need <= room:
+        return Storage.DEQUANTIZED, f"{need} dequantized bytes fit the pools' {room}"
+    return Storage.NATIVE, f"{need} dequantized bytes exceed the pools' {room}"
+
+
+# Of the memory a device reports free, the share ``storage: auto`` counts on (the rest is for
+# activations, the KV cache and the process itself).
+_AUTO_HEADROOM = 0.8
+
+
+def _room(pool: Pool) -> int:
+    """Bytes a pool can take: its budget, or what its device has free."""
+    if pool.budget is not None:
+        return pool.budget - pool.used
+    if pool.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(pool.device)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(free * _AUTO_HEADROOM)
+
+
 @dataclass
 class LoadReport:
     tensors: int = 0
@@ -138,6 +168,8 @@ class TensorStore:
         strict: bool,
         decoded_cache: int = DEFAULT_DECODED_CACHE,
     ) -> None:
+        if storage is Storage.AUTO:
+            raise ValueError("storage 'auto' is resolved before the store (choose_storage)")
         self.pools = pools
         self.storage = storage
         self.compute_dtype = compute_dtype

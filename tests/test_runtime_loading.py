@@ -12,11 +12,12 @@ import torch
 from runtime_helpers import ModelDir, Q, cpu_pools, logits, one_thread, open_runtime
 from test_runtime_split import dev_budget
 
-from ggufswap.runtime import HotSwapRuntime, Placement, Storage, loading
+from ggufswap.runtime import HotSwapRuntime, Placement, Pool, PoolSet, Storage, loading
 from ggufswap.runtime import split as split_module
 from ggufswap.runtime.loading import Loader, LoadJob, Segment
 from ggufswap.runtime.models import HParams, Transformer
 from ggufswap.runtime.resident import DecodedCache, expert_scratch
+from ggufswap.runtime.store import TensorStore
 from ggufswap.shards import FileChangedError, open_shard_set
 from ggufswap.shards.fingerprint import fingerprint
 from ggufswap.shards.presets import tiny_moe
@@ -185,3 +186,25 @@ def test_expert_scratch_is_one_buffer_per_role_and_thread() -> None:
     assert a.data_ptr() == b.data_ptr() != c.data_ptr()
     big = expert_scratch("blk.0.ffn_up_exps.weight", (8, 8), torch.float32, cpu)
     assert big.shape == (8, 8)
+
+
+def test_storage_auto_goes_native_only_when_dequantized_bytes_do_not_fit(tmp_path: Path) -> None:
+    """``auto`` loads dequantized where the pools hold the float tensors, native where they do
+    not, and says which in the status; a store is never built with ``auto`` unresolved."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    shards = open_shard_set(model_dir.first)
+    float_bytes = sum(r.n_elements * 4 for r in shards.tensors.values())
+    file_bytes = sum(r.nbytes for r in shards.tensors.values())
+    assert file_bytes < float_bytes // 2
+    for budget, expected in ((float_bytes, Storage.DEQUANTIZED), (file_bytes, Storage.NATIVE)):
+        pools = [Pool("host", torch.device("cpu"), budget=budget)]
+        runtime, model = open_runtime(model_dir.first, storage=Storage.AUTO, pools=pools)
+        try:
+            assert runtime.status()["storage"] == expected.value
+            logits(model)
+        finally:
+            runtime.close()
+    with pytest.raises(ValueError, match="auto"):
+        TensorStore(
+            pools=PoolSet([]), storage=Storage.AUTO, compute_dtype=torch.float32, strict=False
+        )
