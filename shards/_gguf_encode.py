@@ -7,6 +7,7 @@ atomically (``shards.atomic``).
 from __future__ import annotations
 
 import math
+import os
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -75,6 +76,14 @@ def encode_metadata(kv: Iterable[tuple[str, TypedValue]]) -> bytes:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Hole:
+    """Tensor data left unwritten: a hole in a sparse file, read back as zeros (benchmarks of
+    models bigger than the disk)."""
+
+    nbytes: int
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class RawTensor:
     """A tensor ready to write: name, type, ``ne`` (ggml order) and its encoded bytes."""
@@ -82,7 +91,11 @@ class RawTensor:
     name: str
     ggml_type: GGMLQuantizationType
     ne: tuple[int, ...]
-    data: bytes | memoryview | np.ndarray
+    data: bytes | memoryview | np.ndarray | Hole
+
+
+def _nbytes(data: bytes | memoryview | np.ndarray | Hole) -> int:
+    return data.nbytes if isinstance(data, Hole) else _byte_view(data).nbytes
 
 
 def _byte_view(data: bytes | memoryview | np.ndarray) -> memoryview:
@@ -106,7 +119,7 @@ def write_gguf(
     """Atomically write a GGUF v3 file from an encoded KV section and raw tensors (in order)."""
     infos, offset = [], 0
     for t in tensors:
-        nbytes = _byte_view(t.data).nbytes
+        nbytes = _nbytes(t.data)
         block_size, type_size = GGML_QUANT_SIZES[t.ggml_type]
         expected = math.prod(t.ne) // block_size * type_size
         if t.ne[0] % block_size or nbytes != expected:
@@ -123,6 +136,10 @@ def write_gguf(
     def write(f: BinaryIO) -> None:
         f.write(head + bytes(_pad(len(head), alignment) - len(head)))
         for t in tensors:
+            if isinstance(t.data, Hole):
+                f.seek(_pad(t.data.nbytes, alignment), os.SEEK_CUR)
+                f.truncate()  # the file ends after the hole even when it is the last tensor
+                continue
             data = _byte_view(t.data)
             f.write(data)
             f.write(bytes(_pad(data.nbytes, alignment) - data.nbytes))

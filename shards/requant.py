@@ -22,7 +22,7 @@ from ggufswap.shards.atomic import atomic_copy
 from ggufswap.shards.errors import FileChangedError, RequantError
 from ggufswap.shards.reader import read_header
 from ggufswap.shards.records import FileIdentity
-from ggufswap.shards.writer import RawTensor, parse_type, write_gguf
+from ggufswap.shards.writer import Hole, RawTensor, parse_type, write_gguf
 
 SUPPORTED_TARGETS: Final = _synth.QUANTIZABLE_TYPES
 _PREAMBLE: Final = struct.Struct("<IIQQ")  # magic, version, n_tensors, n_kv
@@ -129,8 +129,10 @@ def requantize(
         os.close(fd)
 
     index = next(i for i, r in enumerate(raws) if r.name == tensor)
+    data = raws[index].data
+    assert not isinstance(data, Hole), "tensors read from a file are bytes"
     try:
-        values = _synth.decode_floats(raws[index].data, record.ggml_type, record.ne[0])
+        values = _synth.decode_floats(data, record.ggml_type, record.ne[0])
     except NotImplementedError:
         raise RequantError(
             path, f"{tensor}: gguf-py cannot dequantize its type {record.ggml_type.name}"

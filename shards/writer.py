@@ -38,6 +38,7 @@ from gguf import (
 
 from ggufswap.shards import _synth
 from ggufswap.shards._gguf_encode import (
+    Hole,
     RawTensor,
     TypedValue,
     encode_metadata,
@@ -514,3 +515,14 @@ def write_model(
         write_gguf(paths[i], n_kv=len(kv), kv_bytes=encode_metadata(kv), tensors=raws)
     log.info("model_written", model=spec.name, layout=layout.value, files=len(paths))
     return paths
+
+
+def write_sparse_model(spec: ModelSpec, out_dir: str | Path) -> Path:
+    """Write ``spec`` as one file whose tensor data is a hole: a real header for a model of any
+    size, taking only the header's space on disk (its data reads as zeros)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kv = model_metadata(spec)
+    raws = [RawTensor(t.name, t.ggml_type, t.ne, Hole(t.nbytes)) for t in plan_tensors(spec)]
+    (path,) = shard_paths(spec, out_dir, layout=Layout.SINGLE, n_shards=1)
+    return write_gguf(path, n_kv=len(kv), kv_bytes=encode_metadata(kv), tensors=raws)

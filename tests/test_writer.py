@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from processes import run_ggufswap
 
 from ggufswap.shards.atomic import atomic_copy, atomic_replace, atomic_write, is_temp_name
+from ggufswap.shards.data import read_tensor_bytes
 from ggufswap.shards.presets import demo_moe, tiny_arch, tiny_dense, tiny_moe
 from ggufswap.shards.reader import read_header
 from ggufswap.shards.writer import (
@@ -26,6 +27,7 @@ from ggufswap.shards.writer import (
     Role,
     plan_tensors,
     write_model,
+    write_sparse_model,
 )
 
 SPLIT_KEYS = {"split.no", "split.count", "split.tensors.count"}
@@ -390,3 +392,17 @@ def test_make_model_refuses_what_llama_cpp_would_refuse(tmp_path: Path) -> None:
     assert ok.returncode == 0, ok.stderr
     names = {t.name for t in read_header(Path(ok.stdout.split()[0])).tensors}
     assert "blk.0.ffn_gate_inp_shexp.weight" in names
+
+
+def test_sparse_model_has_a_real_header_and_no_data_on_disk(tmp_path: Path) -> None:
+    """A sparse model's header lists every tensor of its spec at its full size; the data is a
+    hole that reads back as zeros and takes (almost) no disk."""
+    spec = tiny_moe(n_embd=256, n_ff_expert=256, n_expert=64)
+    path = write_sparse_model(spec, tmp_path)
+    header = read_header(path)
+    planned = plan_tensors(spec)
+    assert [(t.name, t.ne) for t in header.tensors] == [(t.name, t.ne) for t in planned]
+    last = header.tensors[-1]
+    assert path.stat().st_size >= last.offset + last.nbytes
+    assert os.stat(path).st_blocks * 512 < path.stat().st_size // 4
+    assert bytes(read_tensor_bytes(header.tensor_map()[last.name])) == bytes(last.nbytes)

