@@ -11,13 +11,15 @@ Life of a link (explicit states, guarded transitions)::
 Only one plan is in flight per runtime. While it is, new scans only replace the desired state;
 the next plan is computed after the outcome, from the runtime's fresh ``state``, so a burst of
 changes becomes one or two plans. A ``committed`` or ``rejected`` (or a lost peer) always leads
-back through ``SYNCING``: the actual state is never guessed.
+back through ``SYNCING``: the actual state is never guessed. After an outcome the link asks only
+for what changed since the version it holds (``_actual.ActualState``); every other sync (the
+first, a new socket, an error, an abandoned plan, a model mismatch) asks for the full state.
 
 Requests are retried on a fresh socket after ``request_timeout_s`` (``retries`` times), which is
-safe because ``state`` only reads and a plan's id is its content: the runtime answers a known
-plan id with its outcome instead of applying it again.
+safe because ``state`` only reads (a retried one asks for the full state) and a plan's id is its
+content: the runtime answers a known plan id with its outcome instead of applying it again.
 
-Size: ~560 lines, kept in one module because the state table, the timers and the reply handlers
+Size: ~590 lines, kept in one module because the state table, the timers and the reply handlers
 all act on the one in-flight plan; the records it reports (``PlanRecord``, ``Outcome``) are the
 part that could move out next.
 """
@@ -34,6 +36,7 @@ from typing import Any
 
 import structlog
 
+from ggufswap.agent._actual import ActualState
 from ggufswap.agent.errors import LinkStateError
 from ggufswap.agent.index import ModelSnapshot
 from ggufswap.agent.reconcile import reconcile
@@ -47,7 +50,6 @@ from ggufswap.ipc import (
     Reason,
     RuntimeState,
     SocketOptions,
-    TensorEntry,
     committed_from_wire,
     error_from_wire,
     make_message,
@@ -57,6 +59,7 @@ from ggufswap.ipc import (
     rejected_from_wire,
     state_from_wire,
 )
+from ggufswap.ipc.messages import StateRequest, state_request_to_wire
 from ggufswap.shards import Fingerprinter, TensorRecord
 
 log = structlog.get_logger(__name__)
@@ -168,8 +171,8 @@ class RuntimeLink:
         self._reconnects_seen = 0
         self._state = LinkState.SYNCING
         self._desired: ModelSnapshot | None = None
-        self._actual: RuntimeState | None = None
-        self._actual_by_name: dict[str, TensorEntry] = {}
+        self._actual = ActualState()
+        self._asked = StateRequest()  # the outstanding (or last) state request
         self._request_id: str | None = None
         self._request: dict[str, Any] | None = None
         self._in_flight: _InFlight | None = None
@@ -217,7 +220,7 @@ class RuntimeLink:
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            actual = self._actual
+            actual = self._actual.state
             flight = self._in_flight
             return {
                 "endpoint": self.endpoint,
@@ -306,12 +309,24 @@ class RuntimeLink:
         except IpcError as exc:  # send queue full: treated as a timeout by the retry logic
             self._last_error = str(exc)
 
-    def _sync(self, *, first: bool = False) -> None:
+    def _sync(self, *, first: bool = False, delta: bool = False) -> None:
+        """Ask for the runtime's state: after a plan's outcome (``delta``) only what changed."""
         now = time.monotonic()
         if not first:
             self._move(LinkState.SYNCING)
         self._timers.attempt = 1
-        self._send(make_message(MessageType.STATE), now)
+        self._asked = self._actual.request(model=self.model.name, delta=delta)
+        self._send(message_from(MessageType.STATE, state_request_to_wire(self._asked)), now)
+
+    def _request_for_new_socket(self) -> dict[str, Any]:
+        """The outstanding request, to re-send on a new socket; a state request asks for the
+        full state there (whoever answers now may not be the runtime the delta was from)."""
+        if self._state is LinkState.SYNCING and self._asked.since is not None:
+            self._asked = StateRequest()
+            self._request = make_message(MessageType.STATE)
+            self._request_id = str(self._request[Fields.ID])
+        assert self._request is not None, "SYNCING and PLAN_SENT have a request outstanding"
+        return self._request
 
     def _check_timers(self, now: float) -> None:
         state = self._state
@@ -332,8 +347,7 @@ class RuntimeLink:
                     attempts=attempts,
                 )
                 self._new_client()  # Lazy Pirate: a fresh socket drops the old queue
-                assert self._request is not None, "a request is outstanding"
-                self._send(self._request, now)
+                self._send(self._request_for_new_socket(), now)
                 return
             self._unreachable(now)
             return
@@ -368,9 +382,8 @@ class RuntimeLink:
         if state in (LinkState.SYNCING, LinkState.PLAN_SENT):
             # Still inside the request's retry budget: re-send on the new socket.
             assert self._client is not None, "the link thread opens a client first"
-            assert self._request is not None, "SYNCING and PLAN_SENT have a request outstanding"
             try:
-                self._client.send(self._request)
+                self._client.send(self._request_for_new_socket())
             except IpcError as exc:
                 self._last_error = str(exc)
             return
@@ -400,15 +413,20 @@ class RuntimeLink:
     def _on_state(self, state: RuntimeState, now: float) -> None:
         if self._state is not LinkState.SYNCING:
             return
+        with self._lock:
+            refused = self._actual.take(state, self._asked)
+        if refused is not None:
+            self._last_error = f"state delta from {self.endpoint} does not apply: {refused}"
+            self.log.warning("link.delta_refused", why=refused)
+            if self._asked.since is not None:
+                self._sync()  # the full state; a delta to a full request waits for its timeout
+            return
         if state.model and state.model != self.model.name:
             self._last_error = (
                 f"{self.endpoint} serves model {state.model!r}, this agent's config names "
                 f"{self.model.name!r}; plans will be refused"
             )
             self.log.warning("link.model_mismatch", runtime_model=state.model)
-        with self._lock:
-            self._actual = state
-            self._actual_by_name = state.by_name()
         self._request_id = self._request = None
         self._timers.state_at = now
         self._move(LinkState.IDLE)
@@ -447,7 +465,7 @@ class RuntimeLink:
             body = committed_from_wire(msg)
             self._timers.stale_streak = 0
             self._finish(Outcome.COMMITTED, now, weight_version=body.weight_version)
-            self._sync()
+            self._sync(delta=True)
         elif msg_type == MessageType.REJECTED.value:
             self._on_rejected(flight, rejected_from_wire(msg), now)
 
@@ -473,7 +491,7 @@ class RuntimeLink:
                     self._refused.setdefault(name, (job.source, text))
             self._finish(Outcome.REJECTED, now, reasons=reasons)
         self._last_key = None
-        self._sync()
+        self._sync(delta=True)
 
     def _finish(
         self,
@@ -515,7 +533,7 @@ class RuntimeLink:
 
     def _maybe_plan(self, now: float) -> None:
         with self._lock:
-            desired, actual = self._desired, self._actual
+            desired, actual = self._desired, self._actual.state
         if desired is None or actual is None or now < self._timers.not_before:
             return
         key = (desired.generation, actual.weight_version)
@@ -526,7 +544,7 @@ class RuntimeLink:
             self._reconciled_generation = desired.generation
         result = reconcile(
             desired.desired,
-            self._actual_by_name,
+            self._actual.by_name,
             model=self.model.name,
             base_version=actual.weight_version,
             verify=self.model.verify,

@@ -2,8 +2,9 @@
 
 A server checks each message once with :func:`parse_message`: the top-level fields its type
 must carry (``SCHEMA``), then the deep structure, read into the type's record by its
-``*_from_wire`` reader (a ``plan`` becomes a :class:`~ggufswap.ipc.plan.Plan`). The handler
-gets that record, so nothing is parsed twice.
+``*_from_wire`` reader (a ``plan`` becomes a :class:`~ggufswap.ipc.plan.Plan`, a ``state`` a
+:class:`~ggufswap.ipc.messages.StateRequest`). The handler gets that record, so nothing is
+parsed twice.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ggufswap.ipc.messages import (
     plan_from_wire,
     rejected_from_wire,
     state_from_wire,
+    state_request_from_wire,
 )
 
 
@@ -65,6 +67,7 @@ SCHEMA: dict[MessageType, tuple[tuple[str, _Check], ...]] = {
 }
 
 _DEEP: dict[MessageType, Callable[[object], object]] = {
+    MessageType.STATE: state_request_from_wire,
     MessageType.STATE_REPLY: state_from_wire,
     MessageType.PLAN: plan_from_wire,
     MessageType.COMMITTED: committed_from_wire,

@@ -7,13 +7,14 @@ the peer that sent it: the answer's first reply (``accepted``, or the outcome of
 decided) is the handler's return, and each later move of the ticket (``staged``, then
 ``committed`` or ``rejected``) is queued with ``send_to``. Either way every frame leaves from
 the request server's thread, the only one that touches its socket. The runtime's events are
-published on the PUB socket. ``state`` reports the loaded table, ``status`` the runtime's
-health. The wire format is in docs/protocol.md.
+published on the PUB socket. ``state`` reports the loaded table (whole, or only the slots a
+commit stamped after the version the client holds: :meth:`ControlServer.state`), ``status`` the
+runtime's health. The wire format is in docs/protocol.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import structlog
@@ -36,12 +37,15 @@ from ggufswap.ipc import (
     TensorEntry,
     committed_to_wire,
     make_reply,
+    new_id,
     rejected_to_wire,
     state_to_wire,
 )
 from ggufswap.ipc.errors import UnknownMessageType
+from ggufswap.ipc.messages import StateRequest
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.plans import PlanState, PlanTicket
+from ggufswap.runtime.store import Slot
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +67,9 @@ class ControlServer:
     ) -> None:
         options = options if options is not None else SocketOptions()
         self.runtime = runtime
+        # Names this server's weight history on the wire: a client's ``since`` from another
+        # instance (a restarted runtime counts its versions from 0 again) gets the full state.
+        self.instance = new_id()
         self._extra_status = extra_status
         self.control = RequestServer(
             control_endpoint, self._handle, name="runtime", options=options
@@ -115,7 +122,10 @@ class ControlServer:
         if request.type is MessageType.PLAN:
             return self._plan(request)
         if request.type is MessageType.STATE:
-            return make_reply(request.msg, MessageType.STATE_REPLY, **state_to_wire(self.state()))
+            asked = request.body
+            assert isinstance(asked, StateRequest), "the request server parses a state message"
+            state = self.state(since=asked.since, instance=asked.instance)
+            return make_reply(request.msg, MessageType.STATE_REPLY, **state_to_wire(state))
         if request.type is MessageType.STATUS:
             return self._status_reply(request.msg)
         raise UnknownMessageType(f"the runtime does not serve {request.type.value!r} requests")
@@ -146,15 +156,29 @@ class ControlServer:
 
     # -- reports ---------------------------------------------------------------------------
 
-    def state(self) -> RuntimeState:
+    def state(self, *, since: int | None = None, instance: str | None = None) -> RuntimeState:
+        """The loaded table; with ``since`` (a weight version of this ``instance``, not past
+        the current one) a delta: only the slots stamped after it (``Slot.changed_at``).
+
+        The version is read before the slots: a commit that runs meanwhile stamps what it
+        changes with a later version, so the next delta from this reply's version has it.
+        """
+        version = self.runtime.weight_version
+        slots: Iterable[Slot] = self.runtime.slots().values()
+        if since is not None and instance == self.instance and since <= version:
+            slots = [slot for slot in slots if slot.changed_at > since]
+        else:
+            since = None  # not a version of this instance's history: the full state
         entries = tuple(
             TensorEntry(record=slot.record, fingerprint=slot.fingerprint, slot=slot.state)
-            for slot in self.runtime.slots().values()
+            for slot in slots
         )
         return RuntimeState(
             model=self.runtime.model_name,
-            weight_version=self.runtime.weight_version,
+            weight_version=version,
             tensors=entries,
+            instance=self.instance,
+            since=since,
         )
 
     def status(self) -> dict[str, Any]:

@@ -50,7 +50,12 @@ from ggufswap.ipc import (
     state_to_wire,
     validate_message,
 )
-from ggufswap.ipc.messages import MAX_ID_LENGTH
+from ggufswap.ipc.messages import (
+    MAX_ID_LENGTH,
+    StateRequest,
+    state_request_from_wire,
+    state_request_to_wire,
+)
 from ggufswap.shards import FileIdentity, TensorRecord
 
 FUZZ_EXAMPLES = int(os.environ.get("GGUFSWAP_FUZZ_EXAMPLES", "300"))
@@ -275,9 +280,15 @@ REQUIRED: dict[MessageType, tuple[str, ...]] = {
     MessageType.ERROR: ("in_reply_to", "code", "message"),
     MessageType.EVENT: ("topic",),
 }
+# Fields a type may carry (generated below; never added as unknown ones).
+OPTIONAL: dict[MessageType, tuple[str, ...]] = {
+    MessageType.STATE: ("since", "instance"),
+    MessageType.STATE_REPLY: ("since", "instance"),
+}
 # The typed reading of a body and its writer: a message that validates reads back the same.
 READERS: dict[MessageType, tuple[Callable[[Any], Any], Callable[[Any], dict[str, Any]]]] = {
     MessageType.PLAN: (plan_from_wire, plan_to_wire),
+    MessageType.STATE: (state_request_from_wire, state_request_to_wire),
     MessageType.STATE_REPLY: (state_from_wire, state_to_wire),
     MessageType.COMMITTED: (committed_from_wire, committed_to_wire),
     MessageType.REJECTED: (rejected_from_wire, rejected_to_wire),
@@ -367,8 +378,18 @@ def valid_messages(draw: st.DrawFn) -> dict[str, Any]:
                 max_size=3,
             )
         )
-        state = RuntimeState(draw(st.text(max_size=8)), draw(_count), tuple(entries))
+        instance, since = draw(st.none() | _name), draw(st.none() | _count)
+        state = RuntimeState(
+            draw(st.text(max_size=8)),
+            draw(_count),
+            tuple(entries),
+            instance=instance,
+            since=None if instance is None else since,  # a delta names its instance
+        )
         fields = state_to_wire(state)
+    elif kind is MessageType.STATE:
+        since = draw(st.none() | _count)
+        fields = state_request_to_wire(StateRequest(since, None if since is None else draw(_name)))
     elif kind is MessageType.PLAN:
         records = draw(st.lists(_records, max_size=3, unique_by=lambda r: r.name))
         jobs = tuple(Job(r, draw(_fingerprints)) for r in records)
@@ -396,7 +417,8 @@ def valid_messages(draw: st.DrawFn) -> dict[str, Any]:
             "code": draw(st.integers(-(2**31), 2**31)),
             "message": draw(st.text(max_size=12)),
         }
-    known = {"v", "type", "id", *fields, *(f for names in REQUIRED.values() for f in names)}
+    named = (f for table in (REQUIRED, OPTIONAL) for names in table.values() for f in names)
+    known = {"v", "type", "id", *fields, *named}
     extra = draw(st.dictionaries(_name.filter(lambda k: k not in known), _plain, max_size=2))
     return {"v": PROTOCOL_VERSION, "type": kind.value, "id": draw(_name), **fields, **extra}
 
@@ -413,7 +435,18 @@ def mutated_messages(draw: st.DrawFn) -> dict[str, Any]:
     return body
 
 
-_STRUCTURED_KEYS = ["v", "type", "id", "jobs", "plan_id", "model", "tensors", "x"]
+_STRUCTURED_KEYS = [
+    "v",
+    "type",
+    "id",
+    "jobs",
+    "plan_id",
+    "model",
+    "tensors",
+    "since",
+    "instance",
+    "x",
+]
 
 
 @st.composite
