@@ -14,8 +14,8 @@ Every figure is a ratio against a baseline measured in the same run, on the same
   (same layers, widths and types): cost must not follow the experts present (128 vs 8, target
   <= 1.3x, printed as 8-expert time / 128-expert time, target >= 0.77); and native against
   dequantized float32 decode of the same model (target >= 0.5).
-- **swap**: committing a re-quantized expert family (gate, up, down of one block) against a
-  cold load of the whole model.
+- **swap**: committing an expert family (gate, up, down of one block) re-quantized to Q8_0
+  against a cold load of the whole model.
 - **sparse header model**: a 100+ GB qwen3moe whose data is a hole (``ftruncate``): opening it
   and planning placement, against ``GGUFReader`` on the same file. Loading it would need its
   size in memory, so it is not loaded.
@@ -41,6 +41,7 @@ from typing import Any, Final
 
 import structlog
 import torch
+from gguf import GGMLQuantizationType
 
 from ggufswap.config import Storage
 from ggufswap.ipc.plan import Job, Plan
@@ -241,7 +242,7 @@ def swap_row(path: Path, root: Path) -> dict[str, Any]:
         for name in family:
             record = shards.tensors[name]
             out = variants / f"{name}.gguf"
-            requantize(Path(record.path), name, record.ggml_type, out=out)
+            requantize(Path(record.path), name, GGMLQuantizationType.Q8_0, out=out)
             jobs.append(Job(read_header(out).tensor_map()[name]))
         plan = Plan("swap", "", tuple(jobs))
         started = time.perf_counter()

@@ -22,6 +22,7 @@ from ggufswap.runtime.errors import (
 from ggufswap.runtime.families import DerivedTensor, family_of, group_families
 from ggufswap.runtime.plans import PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
+from ggufswap.runtime.qmatmul import QuantizedMatrix
 from ggufswap.runtime.store import Placement, Slot, TensorStore
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "Pool",
     "PoolFull",
     "PoolSet",
+    "QuantizedMatrix",
     "Reason",
     "RuntimeLibraryError",
     "Slot",

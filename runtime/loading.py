@@ -4,13 +4,14 @@ A tensor is a run of rows (``ne[0]`` elements each, a whole number of GGUF block
 destination is one or more :class:`Segment` s: row ranges, each held in a flat buffer of the
 store's storage mode (one segment for a whole tensor, one per part for an expert split). The
 tensor is read in chunks of whole rows by a reader thread, which hashes each chunk while it is
-still in the cache (the content fingerprint costs no second pass over the data), and:
+still in the cache (the content fingerprint costs no second pass over the data). The reader
+thread only reads (``preadv`` releases the GIL); the caller's thread hashes each chunk, and
+decodes it, while the reader reads the next one:
 
 - **direct**: when the destination holds the file's bytes on the CPU (native storage), the chunk
   is read straight into it: no temporary, no copy.
 - **staged**: otherwise (dequantized storage, or an accelerator pool) the chunk is read into one
-  of a few reused chunk buffers and handed to the caller's thread, which decodes it into the
-  destination while the reader reads the next one.
+  of a few reused chunk buffers, which the caller's thread decodes into the destination.
 
 Memory: besides the destinations, loading holds at most ``RING`` chunk buffers (a few MiB);
 nothing grows with the model. After the load, :func:`trim_heap` hands memory freed by the
@@ -82,14 +83,13 @@ class _Chunk:
     job: LoadJob
     lo: int
     hi: int
-    data: torch.Tensor | None  # staged bytes (None: read directly into the destination)
-    slot: int  # ring index to hand back (-1: direct)
+    data: memoryview  # the bytes read: in the destination (direct) or in a ring buffer
+    slot: int  # ring index to hand back once decoded (-1: direct, nothing to decode)
 
 
 @dataclass(frozen=True)
 class _Done:
     job: LoadJob
-    digest: str
 
 
 _END: Final = object()
@@ -134,6 +134,7 @@ class Loader:
         )
         started = time.perf_counter()
         reader.start()
+        hasher = xxhash.xxh3_128()
         try:
             while True:
                 item = out.get()
@@ -142,12 +143,14 @@ class Loader:
                 if isinstance(item, BaseException):
                     raise item
                 if isinstance(item, _Chunk):
-                    assert item.data is not None, "only staged chunks are queued"
-                    self._scatter(item.job, item.lo, item.hi, item.data)
-                    free.put(item.slot)
+                    hasher.update(item.data)
+                    if item.slot >= 0:
+                        self._scatter(item.job, item.lo, item.hi, ring[item.slot])
+                        free.put(item.slot)
                     continue
                 assert isinstance(item, _Done)
-                yield item.job.record, item.digest
+                yield item.job.record, hasher.hexdigest()
+                hasher.reset()
         finally:
             stop.set()
             while reader.is_alive():  # unblock a reader waiting for a ring buffer or queue room
@@ -173,10 +176,9 @@ class Loader:
             for job in jobs:
                 if stop.is_set():
                     return
-                digest = self._read_one(job, ring, free, out, stop)
-                if digest is None:
+                if not self._read_one(job, ring, free, out, stop):
                     return
-                out.put(_Done(job, digest))
+                out.put(_Done(job))
             out.put(_END)
         except BaseException as exc:  # noqa: BLE001 (raised again in the caller's thread)
             out.put(exc)
@@ -188,32 +190,25 @@ class Loader:
         free: queue.Queue[int],
         out: queue.Queue[object],
         stop: threading.Event,
-    ) -> str | None:
+    ) -> bool:
+        """Read one tensor's chunks and queue them; False when the load was stopped."""
         record, row_bytes = job.record, job.row_bytes
         rows_per_chunk = max(1, self._chunk_bytes // row_bytes)
-        hasher = xxhash.xxh3_128()
         with open_verified(record) as fd:
             for lo, hi, segment in _chunks(job, rows_per_chunk):
-                if stop.is_set():
-                    return None
                 nbytes = (hi - lo) * row_bytes
                 if self._direct(segment):
-                    target = self._row_slice(record, segment, lo, hi)
-                    view = target.numpy().data.cast("B")
-                    read_range(fd, record, lo * row_bytes, view)
-                    hasher.update(view)
-                    self._count(nbytes)
-                    continue
-                slot = free.get()
+                    slot, target = -1, self._row_slice(record, segment, lo, hi)
+                else:
+                    slot = free.get()
+                    target = ring[slot][:nbytes]
                 if stop.is_set():
-                    return None
-                data = ring[slot][:nbytes]
-                view = data.numpy().data.cast("B")
+                    return False
+                view = target.numpy().data.cast("B")
                 read_range(fd, record, lo * row_bytes, view)
-                hasher.update(view)
                 self._count(nbytes)
-                out.put(_Chunk(job, lo, hi, data, slot))
-        return hasher.hexdigest()
+                out.put(_Chunk(job, lo, hi, view, slot))
+        return True
 
     def _count(self, nbytes: int) -> None:
         self.bytes_read += nbytes
@@ -223,7 +218,8 @@ class Loader:
     # -- caller's thread ---------------------------------------------------------------------
 
     def _scatter(self, job: LoadJob, lo: int, hi: int, data: torch.Tensor) -> None:
-        """Decode staged rows ``[lo, hi)`` into every segment they overlap."""
+        """Decode staged rows ``[lo, hi)`` (at the start of ``data``) into every segment they
+        overlap."""
         row_bytes = job.row_bytes
         for segment in job.segments:
             a, b = max(lo, segment.start), min(hi, segment.stop)

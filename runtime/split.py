@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 
 from ggufswap.runtime.dequant import dequantize
 from ggufswap.runtime.pools import Buffer, Pool
-from ggufswap.runtime.resident import expert_scratch
+from ggufswap.runtime.qmatmul import QuantizedMatrix
 from ggufswap.shards import TensorRecord
 
 
@@ -134,9 +134,9 @@ class SplitTensor:
     """A stacked expert tensor whose expert ranges live in different buffers (and devices).
 
     ``t[e]`` is expert ``e`` in logical shape (``shape[1:]``), in the compute dtype, on the
-    device of the part that holds it. Native storage dequantizes just that expert's bytes, into
-    this thread's scratch for the tensor's role: valid until the next expert of that role is read
-    (:func:`~ggufswap.runtime.resident.expert_scratch`). A whole native stack is the one-part case.
+    device of the part that holds it; in native storage, that expert's blocks as a
+    :class:`~ggufswap.runtime.qmatmul.QuantizedMatrix`, which the model multiplies from without
+    decoding the stack. A whole native stack is the one-part case.
     """
 
     def __init__(
@@ -159,23 +159,32 @@ class SplitTensor:
     def __len__(self) -> int:
         return self.shape[0]
 
-    def __getitem__(self, e: int, /) -> torch.Tensor:
+    def __getitem__(self, e: int, /) -> torch.Tensor | QuantizedMatrix:
+        """Expert ``e``: a view of its values, or in native storage its blocks as a
+        :class:`QuantizedMatrix` (``linear`` multiplies from them; nothing is decoded here)."""
+        flat = self._flat(e)
+        if not self.native:
+            return flat.view(self.shape[1:])
+        rows, cols = self.shape[1], self.shape[2]
+        ggml_type = GGMLQuantizationType(self.record.ggml_type)
+        return QuantizedMatrix(flat, ggml_type, (rows, cols), self.record.name)
+
+    def _flat(self, e: int) -> torch.Tensor:
         if not 0 <= e < len(self):
             raise IndexError(f"expert {e} out of range for {len(self)} experts")
         part = next(p for p in self.parts if p.start <= e < p.stop)
         offset = (e - part.start) * self._unit
-        flat = part.buffer.tensor[offset : offset + self._unit]
-        if not self.native:
-            return flat.view(self.shape[1:])
-        ggml_type = GGMLQuantizationType(self.record.ggml_type)
-        out = expert_scratch(self.record.name, tuple(self.shape[1:]), self.dtype, flat.device)
-        return dequantize(
-            flat, ggml_type, self.record.ne[:-1], dtype=self.dtype, strict=False, out=out
-        )
+        return part.buffer.tensor[offset : offset + self._unit]
 
     def full(self, device: torch.device) -> torch.Tensor:
-        """Every expert stacked into one tensor on ``device`` (a copy)."""
+        """Every expert stacked into one tensor on ``device``, in the compute dtype (a copy)."""
         out = torch.empty(self.shape, dtype=self.dtype, device=device)
         for e in range(len(self)):
-            out[e].copy_(self[e])
+            flat = self._flat(e)
+            if not self.native:
+                out[e].copy_(flat.view(self.shape[1:]))
+                continue
+            ne = self.record.ne[:-1]
+            value = dequantize(flat, self.record.ggml_type, ne, dtype=self.dtype, strict=False)
+            out[e].copy_(value)
         return out

@@ -94,33 +94,42 @@ def test_a_file_replaced_during_the_load_is_refused_naming_it(tmp_path: Path) ->
     assert os.path.basename(record.path) in str(caught.value)
 
 
-def test_native_moe_decodes_only_the_routed_experts(
+def test_native_moe_reads_only_the_routed_experts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """In native storage a one-token forward decodes exactly n_expert_used experts of each of
-    gate, up and down per block, each from that expert's bytes alone, and computes what
-    dequantized storage computes."""
+    """In native storage a one-token forward reads exactly n_expert_used experts of each of
+    gate, up and down per block, each as that expert's blocks alone, and computes what
+    dequantized storage computes (to float32 rounding: the sums run in another order) and
+    exactly what a fresh native load computes."""
     spec = tiny_moe(n_expert=16, n_expert_used=2)
     model_dir = ModelDir.write(tmp_path / "model", spec)
-    expected_rt, expected_model = open_runtime(model_dir.first, storage=Storage.DEQUANTIZED)
     token = torch.tensor([[3]])
+    expected_rt, expected_model = open_runtime(model_dir.first, storage=Storage.DEQUANTIZED)
     try:
         expected = logits(expected_model, token)
     finally:
         expected_rt.close()
-    runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE)
-    calls: list[tuple[int, ...]] = []
-    real = split_module.dequantize
-
-    def counting(raw: torch.Tensor, ggml_type: object, ne: tuple[int, ...], **kw: object) -> object:
-        calls.append(tuple(ne))
-        return real(raw, ggml_type, ne, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(split_module, "dequantize", counting)
+    fresh_rt, fresh_model = open_runtime(model_dir.first, storage=Storage.NATIVE)
     try:
-        assert torch.equal(logits(model, token), expected)
-        assert len(calls) == spec.n_layers * spec.n_expert_used * 3
-        assert all(len(ne) == 2 for ne in calls), "a whole expert stack was decoded"
+        fresh = logits(fresh_model, token)
+    finally:
+        fresh_rt.close()
+    runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE)
+    read: list[tuple[str, tuple[int, int]]] = []
+    real = split_module.QuantizedMatrix
+
+    def counting(raw: torch.Tensor, ggml_type: Q, shape: tuple[int, int], name: str) -> object:
+        read.append((name, shape))
+        return real(raw, ggml_type, shape, name)
+
+    monkeypatch.setattr(split_module, "QuantizedMatrix", counting)
+    try:
+        got = logits(model, token)
+        assert torch.equal(got, fresh)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert len(read) == spec.n_layers * spec.n_expert_used * 3
+        per_expert = {(64, 64)}  # n_ff_expert x n_embd and back: one expert, never the stack
+        assert {shape for _, shape in read} == per_expert
     finally:
         runtime.close()
 

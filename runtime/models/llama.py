@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeAlias
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
+from ggufswap.runtime import QuantizedMatrix
 from ggufswap.runtime.models.errors import MissingWeightError
 from ggufswap.runtime.models.hparams import Activation, HParams, RopeType
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
@@ -29,12 +30,14 @@ from ggufswap.shards.keys import TensorNames
 
 class ExpertStack(Protocol):
     """Stacked experts ``[E, ...]`` read one expert at a time: a tensor, or the store's view of
-    a stack whose expert ranges live on different devices."""
+    a stack whose expert ranges live on different devices, or whose experts stay in their GGUF
+    blocks (``[e]`` is then a :class:`~ggufswap.runtime.QuantizedMatrix`, which ``linear``
+    multiplies from)."""
 
     @property
     def shape(self) -> torch.Size: ...
 
-    def __getitem__(self, e: int, /) -> Tensor: ...
+    def __getitem__(self, e: int, /) -> Tensor | QuantizedMatrix: ...
 
 
 class WeightProvider(Protocol):
@@ -79,8 +82,17 @@ class DictWeightProvider:
         return iter(self._tensors)
 
 
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """``x @ w.T (+ b)`` on ``w``'s device and dtype; the result returns to ``x``'s device/dtype."""
+def linear(x: Tensor, w: Tensor | QuantizedMatrix, b: Tensor | None = None) -> Tensor:
+    """``x @ w.T (+ b)`` on ``w``'s device and dtype; the result returns to ``x``'s device/dtype.
+
+    ``w`` may be a matrix still in its GGUF blocks (native storage's experts): it multiplies
+    from them (:class:`~ggufswap.runtime.QuantizedMatrix`).
+    """
+    if isinstance(w, QuantizedMatrix):
+        y = w.linear(x, dtype=x.dtype if x.is_floating_point() else torch.float32)
+        if b is not None:
+            y = y + b.to(device=y.device, dtype=y.dtype)
+        return y.to(device=x.device, dtype=x.dtype)
     xw = x.to(device=w.device, dtype=w.dtype)
     bw = None if b is None else b.to(device=w.device, dtype=w.dtype)
     return F.linear(xw, w, bw).to(device=x.device, dtype=x.dtype)
@@ -237,12 +249,15 @@ class Attention(nn.Module):
         return self._proj(y, self.wo, self.bo)  # [B, T, D]
 
 
-def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+Matrix: TypeAlias = "Tensor | QuantizedMatrix"
+
+
+def swiglu(x: Tensor, gate: Matrix, up: Matrix, down: Matrix) -> Tensor:
     """``down(silu(gate(x)) * up(x))``: llama.cpp's LLM_FFN_SILU + LLM_FFN_PAR."""
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
-def geglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+def geglu(x: Tensor, gate: Matrix, up: Matrix, down: Matrix) -> Tensor:
     """``down(gelu_tanh(gate(x)) * up(x))``: llama.cpp's LLM_FFN_GELU + LLM_FFN_PAR (gemma)."""
     return linear(F.gelu(linear(x, gate), approximate="tanh") * linear(x, up), down)
 

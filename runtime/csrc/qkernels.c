@@ -1,0 +1,416 @@
+/* Quantized matrix products straight from GGUF blocks (CPU), for native storage.
+ *
+ * y[n, r] = sum_k W[r, k] * x[n, k], where row r of W is a run of GGUF blocks. Each block is
+ * decoded into a small float buffer that stays in L1 (exactly the values gguf.quants.dequantize
+ * gives: the same float32 operations in the same order, no FMA contraction), then multiplied
+ * with every activation row: the float32 weights never exist in memory, so a product costs
+ * reading the quantized bytes once. The sum over k runs in 8 independent lanes (vectorised by the
+ * compiler without reassociation), added up in a fixed order at the end: for given inputs the
+ * result is always the same bits on one machine and build.
+ *
+ * Rows are split over `threads` POSIX threads; the GIL is released for the whole product.
+ *
+ * Python interface (pointers are the integer data_ptr() of contiguous tensors, checked by the
+ * caller, runtime/qmatmul.py):
+ *   matmul(w, type, rows, cols, x, n, y, threads) -> None
+ *   decode(w, type, n_values, out) -> None      (the block decoders alone: tests check them)
+ *   block_size(type) -> int                      (values per kernel block: plain types use 64)
+ *   types() -> tuple[int, ...]                   (GGML type ids handled here)
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+};
+
+#define LANES 8
+
+/* x86-64: an AVX2 build of the hot loops beside the baseline one, chosen at load time. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
+#define MAX_BLOCK 256
+
+static float fp16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while ((man & 0x400) == 0) {
+                man <<= 1;
+                exp--;
+            }
+            man &= 0x3ff;
+            bits = sign | (exp << 23) | (man << 13);
+        }
+    } else if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Every half-precision value as float32: exact, and a load instead of a branchy conversion. */
+static float F16_TABLE[1 << 16];
+
+static void init_f16_table(void) {
+    for (uint32_t h = 0; h < (1u << 16); h++) F16_TABLE[h] = fp16_to_f32((uint16_t)h);
+}
+
+static uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static float rdh(const uint8_t *p) { return F16_TABLE[rd16(p)]; }
+
+static inline __attribute__((always_inline)) void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Decoders: one block -> y[block_size] float32, as gguf.quants.dequantize. */
+
+/* The 32 4-bit codes of a 32-value block: low nibbles are values 0-15, high nibbles 16-31. */
+static inline __attribute__((always_inline)) void nibbles(const uint8_t *qs, int32_t *q) {
+    for (int j = 0; j < 16; j++) q[j] = qs[j] & 0xF;
+    for (int j = 0; j < 16; j++) q[j + 16] = qs[j] >> 4;
+}
+
+/* The 32 fifth bits of a Q5 block, as 0 or 16 per value. */
+static inline __attribute__((always_inline)) void q5_high(const uint8_t *p, int32_t *h) {
+    uint32_t qh;
+    memcpy(&qh, p, 4);
+    for (int j = 0; j < 32; j++) h[j] = (int32_t)((qh >> j) & 1u) << 4;
+}
+
+/* Plain types are decoded as "blocks" of PLAIN values (a multiple of LANES). */
+#define PLAIN 64
+
+static inline __attribute__((always_inline)) void dec_f32(const uint8_t *b, float *y) { memcpy(y, b, 4 * PLAIN); }
+static inline __attribute__((always_inline)) void dec_f16(const uint8_t *b, float *y) {
+    uint16_t h[PLAIN];
+    memcpy(h, b, sizeof h);
+    for (int i = 0; i < PLAIN; i++) y[i] = F16_TABLE[h[i]];
+}
+static inline __attribute__((always_inline)) void dec_bf16(const uint8_t *b, float *y) {
+    uint16_t h[PLAIN];
+    uint32_t bits[PLAIN];
+    memcpy(h, b, sizeof h);
+    for (int i = 0; i < PLAIN; i++) bits[i] = (uint32_t)h[i] << 16;
+    memcpy(y, bits, sizeof bits);
+}
+
+static inline __attribute__((always_inline)) void dec_q4_0(const uint8_t *b, float *y) {
+    float d = rdh(b);
+    int32_t q[32];
+    nibbles(b + 2, q);
+    for (int j = 0; j < 32; j++) y[j] = d * (float)(q[j] - 8);
+}
+
+static inline __attribute__((always_inline)) void dec_q4_1(const uint8_t *b, float *y) {
+    float d = rdh(b), m = rdh(b + 2);
+    int32_t q[32];
+    nibbles(b + 4, q);
+    for (int j = 0; j < 32; j++) y[j] = d * (float)q[j] + m;
+}
+
+static inline __attribute__((always_inline)) void dec_q5_0(const uint8_t *b, float *y) {
+    float d = rdh(b);
+    int32_t h[32];
+    q5_high(b + 2, h);
+    int32_t q[32];
+    nibbles(b + 6, q);
+    for (int j = 0; j < 32; j++) y[j] = d * (float)((q[j] | h[j]) - 16);
+}
+
+static inline __attribute__((always_inline)) void dec_q5_1(const uint8_t *b, float *y) {
+    float d = rdh(b), m = rdh(b + 2);
+    int32_t h[32];
+    q5_high(b + 4, h);
+    int32_t q[32];
+    nibbles(b + 8, q);
+    for (int j = 0; j < 32; j++) y[j] = d * (float)(q[j] | h[j]) + m;
+}
+
+static inline __attribute__((always_inline)) void dec_q8_0(const uint8_t *b, float *y) {
+    float d = rdh(b);
+    const int8_t *qs = (const int8_t *)(b + 2);
+    for (int j = 0; j < 32; j++) y[j] = d * (float)qs[j];
+}
+
+static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *b, float *y) {
+    float d = rdh(b), dmin = rdh(b + 2);
+    const uint8_t *scales = b + 4, *q = b + 16;
+    for (int j = 0, is = 0; j < 256; j += 64, is += 2) {
+        uint8_t sc, m;
+        scale_min_k4(is, scales, &sc, &m);
+        float d1 = d * sc, m1 = dmin * m;
+        scale_min_k4(is + 1, scales, &sc, &m);
+        float d2 = d * sc, m2 = dmin * m;
+        for (int l = 0; l < 32; l++) y[j + l] = d1 * (float)(q[l] & 0xF) - m1;
+        for (int l = 0; l < 32; l++) y[j + 32 + l] = d2 * (float)(q[l] >> 4) - m2;
+        q += 32;
+    }
+}
+
+static inline __attribute__((always_inline)) void dec_q5_k(const uint8_t *b, float *y) {
+    float d = rdh(b), dmin = rdh(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
+    uint8_t u1 = 1, u2 = 2;
+    for (int j = 0, is = 0; j < 256; j += 64, is += 2) {
+        uint8_t sc, m;
+        scale_min_k4(is, scales, &sc, &m);
+        float d1 = d * sc, m1 = dmin * m;
+        scale_min_k4(is + 1, scales, &sc, &m);
+        float d2 = d * sc, m2 = dmin * m;
+        for (int l = 0; l < 32; l++)
+            y[j + l] = d1 * (float)((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
+        for (int l = 0; l < 32; l++)
+            y[j + 32 + l] = d2 * (float)((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+        ql += 32;
+        u1 <<= 2;
+        u2 <<= 2;
+    }
+}
+
+static inline __attribute__((always_inline)) void dec_q6_k(const uint8_t *b, float *y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = rdh(b + 208);
+    for (int n = 0; n < 256; n += 128) {
+        float ds[8];
+        for (int k = 0; k < 8; k++) ds[k] = d * (float)sc[k];
+        for (int half = 0; half < 2; half++) { /* values l in [16 half, 16 half + 16): one scale */
+            int o = 16 * half;
+            for (int l = o; l < o + 16; l++) {
+                y[n + l] = ds[half] * (float)((int)((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
+                y[n + l + 32] =
+                    ds[half + 2] * (float)((int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                y[n + l + 64] = ds[half + 4] * (float)((int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                y[n + l + 96] =
+                    ds[half + 6] * (float)((int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
+        }
+        ql += 64;
+        qh += 32;
+        sc += 8;
+    }
+}
+
+typedef struct {
+    int type;
+    int block_size; /* values per kernel block */
+    int type_size;  /* bytes per kernel block */
+} qtype;
+
+static const qtype QTYPES[] = {
+    {T_F32, PLAIN, 4 * PLAIN}, {T_F16, PLAIN, 2 * PLAIN}, {T_BF16, PLAIN, 2 * PLAIN},
+    {T_Q4_0, 32, 18},          {T_Q4_1, 32, 20},          {T_Q5_0, 32, 22},
+    {T_Q5_1, 32, 24},          {T_Q8_0, 32, 34},          {T_Q4_K, 256, 144},
+    {T_Q5_K, 256, 176},        {T_Q6_K, 256, 210},
+};
+#define N_QTYPES (sizeof(QTYPES) / sizeof(QTYPES[0]))
+
+static const qtype *find_type(int type) {
+    for (size_t i = 0; i < N_QTYPES; i++)
+        if (QTYPES[i].type == type) return &QTYPES[i];
+    return NULL;
+}
+
+/* Decode `count` consecutive blocks. The switch names each decoder directly, so that they are
+ * inlined into (and vectorised with) each target clone of the caller. */
+static inline __attribute__((always_inline)) void decode_step(int type, const uint8_t *src,
+                                                              long count, float *dst) {
+#define STEP(fn, bs, ts)                                                                       \
+    for (long k = 0; k < count; k++) fn(src + (size_t)k * (ts), dst + k * (bs));              \
+    return;
+    switch (type) {
+    case T_F32: STEP(dec_f32, PLAIN, 4 * PLAIN)
+    case T_F16: STEP(dec_f16, PLAIN, 2 * PLAIN)
+    case T_BF16: STEP(dec_bf16, PLAIN, 2 * PLAIN)
+    case T_Q4_0: STEP(dec_q4_0, 32, 18)
+    case T_Q4_1: STEP(dec_q4_1, 32, 20)
+    case T_Q5_0: STEP(dec_q5_0, 32, 22)
+    case T_Q5_1: STEP(dec_q5_1, 32, 24)
+    case T_Q8_0: STEP(dec_q8_0, 32, 34)
+    case T_Q4_K: STEP(dec_q4_k, 256, 144)
+    case T_Q5_K: STEP(dec_q5_k, 256, 176)
+    case T_Q6_K: STEP(dec_q6_k, 256, 210)
+    default: return;
+    }
+#undef STEP
+}
+
+/* -- the product ------------------------------------------------------------------------- */
+
+typedef struct {
+    const qtype *t;
+    const uint8_t *w;
+    const float *x;
+    float *y;
+    long rows, cols, n, r0, r1;
+} job;
+
+/* Blocks decoded per step: MAX_BLOCK values, so that the dot loop runs long. */
+static int step_blocks(const qtype *t) { return MAX_BLOCK / t->block_size; }
+
+/* a[l] += sum over i = l (mod LANES) of w[i] * x[i], for len a multiple of LANES. */
+static inline void dot_lanes(const float *restrict w, const float *restrict x, long len,
+                             float *restrict acc) {
+    float a[LANES];
+    for (int l = 0; l < LANES; l++) a[l] = acc[l];
+    for (long i = 0; i < len; i += LANES)
+        for (int l = 0; l < LANES; l++) a[l] += w[i + l] * x[i + l];
+    for (int l = 0; l < LANES; l++) acc[l] = a[l];
+}
+
+CLONES static void *run_rows(void *arg) {
+    const job *j = (const job *)arg;
+    const qtype *t = j->t;
+    long nb = j->cols / t->block_size;
+    int per = step_blocks(t);
+    float wb[MAX_BLOCK];
+    float *acc = (float *)malloc(sizeof(float) * LANES * (size_t)j->n);
+    if (acc == NULL) return (void *)1;
+    size_t row_bytes = (size_t)nb * t->type_size;
+    for (long r = j->r0; r < j->r1; r++) {
+        const uint8_t *row = j->w + (size_t)r * row_bytes;
+        memset(acc, 0, sizeof(float) * LANES * (size_t)j->n);
+        for (long b = 0; b < nb; b += per) {
+            long take = nb - b < per ? nb - b : per;
+            decode_step(t->type, row + (size_t)b * t->type_size, take, wb);
+            long len = take * t->block_size;
+            const float *xk = j->x + b * t->block_size;
+            for (long n = 0; n < j->n; n++) /* every block size is a multiple of LANES */
+                dot_lanes(wb, xk + n * j->cols, len, acc + n * LANES);
+        }
+        for (long n = 0; n < j->n; n++) {
+            const float *an = acc + n * LANES;
+            float s = ((an[0] + an[1]) + (an[2] + an[3])) + ((an[4] + an[5]) + (an[6] + an[7]));
+            j->y[n * j->rows + r] = s;
+        }
+    }
+    free(acc);
+    return NULL;
+}
+
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long w, x, y;
+    int type, threads;
+    long rows, cols, n;
+    if (!PyArg_ParseTuple(args, "KillKlKi", &w, &type, &rows, &cols, &x, &n, &y, &threads))
+        return NULL;
+    const qtype *t = find_type(type);
+    if (t == NULL) return PyErr_Format(PyExc_ValueError, "no kernel for GGML type %d", type);
+    if (rows < 1 || cols < 1 || n < 1 || cols % t->block_size != 0 || t->block_size % LANES)
+        return PyErr_Format(PyExc_ValueError, "bad shape rows=%ld cols=%ld n=%ld", rows, cols, n);
+    if (threads < 1) threads = 1;
+    if (threads > rows) threads = (int)rows;
+    if (threads > 64) threads = 64;
+    job jobs[64];
+    pthread_t tids[64];
+    int started[64] = {0};
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < threads; i++) {
+        jobs[i] = (job){t, (const uint8_t *)(uintptr_t)w, (const float *)(uintptr_t)x,
+                        (float *)(uintptr_t)y, rows, cols, n,
+                        rows * i / threads, rows * (i + 1) / threads};
+    }
+    for (int i = 1; i < threads; i++)
+        started[i] = pthread_create(&tids[i], NULL, run_rows, &jobs[i]) == 0;
+    for (int i = 1; i < threads; i++)
+        if (!started[i]) failed |= run_rows(&jobs[i]) != NULL; /* no thread: run it here */
+    failed |= run_rows(&jobs[0]) != NULL;
+    for (int i = 1; i < threads; i++) {
+        void *ret = NULL;
+        if (started[i]) {
+            pthread_join(tids[i], &ret);
+            failed |= ret != NULL;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+CLONES static void decode_all(const qtype *t, const uint8_t *src, long n_blocks, float *dst) {
+    for (long b = 0; b < n_blocks; b++)
+        decode_step(t->type, src + (size_t)b * t->type_size, 1, dst + (size_t)b * t->block_size);
+}
+
+static PyObject *py_decode(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long w, out;
+    int type;
+    long n_values;
+    if (!PyArg_ParseTuple(args, "KilK", &w, &type, &n_values, &out)) return NULL;
+    const qtype *t = find_type(type);
+    if (t == NULL) return PyErr_Format(PyExc_ValueError, "no kernel for GGML type %d", type);
+    if (n_values < 0 || n_values % t->block_size != 0)
+        return PyErr_Format(PyExc_ValueError, "%ld values are not whole blocks of %d", n_values,
+                            t->block_size);
+    long n_blocks = n_values / t->block_size;
+    const uint8_t *src = (const uint8_t *)(uintptr_t)w;
+    float *dst = (float *)(uintptr_t)out;
+    Py_BEGIN_ALLOW_THREADS
+    decode_all(t, src, n_blocks, dst);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_block_size(PyObject *self, PyObject *args) {
+    (void)self;
+    int type;
+    if (!PyArg_ParseTuple(args, "i", &type)) return NULL;
+    const qtype *t = find_type(type);
+    if (t == NULL) return PyErr_Format(PyExc_ValueError, "no kernel for GGML type %d", type);
+    return PyLong_FromLong(t->block_size);
+}
+
+static PyObject *py_types(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    PyObject *out = PyTuple_New(N_QTYPES);
+    if (out == NULL) return NULL;
+    for (size_t i = 0; i < N_QTYPES; i++)
+        PyTuple_SET_ITEM(out, i, PyLong_FromLong(QTYPES[i].type));
+    return out;
+}
+
+static PyMethodDef METHODS[] = {
+    {"matmul", py_matmul, METH_VARARGS, "y[n, rows] = x[n, cols] @ W.T from GGUF blocks."},
+    {"decode", py_decode, METH_VARARGS, "Decode n_blocks GGUF blocks to float32."},
+    {"types", py_types, METH_NOARGS, "GGML type ids with a kernel here."},
+    {"block_size", py_block_size, METH_VARARGS, "Values per kernel block of a GGML type."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef MODULE = {
+    PyModuleDef_HEAD_INIT, "_qkernels", "Quantized products from GGUF blocks (CPU).", -1, METHODS,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__qkernels(void) {
+    init_f16_table();
+    return PyModule_Create(&MODULE);
+}

@@ -1,0 +1,122 @@
+"""Products with weights still in their GGUF blocks: the compiled kernels, or decode + matmul.
+
+A :class:`QuantizedMatrix` is a weight matrix as native storage holds it (its blocks, its type and
+its logical shape). ``linear`` multiplies activations by it:
+
+- on the CPU, for the types ``runtime/csrc/qkernels.c`` handles, with the compiled kernel: each
+  block is decoded into L1 and multiplied there, so the product reads the quantized bytes once and
+  never writes the float32 weights (float32 arithmetic, rows split over torch's thread count);
+- otherwise (no compiler at install, another device, another type) by decoding the matrix with
+  the torch kernels (:func:`~ggufswap.runtime.dequant.dequantize`) into a scratch buffer and
+  calling ``F.linear``.
+
+The decoded values are the same in both (``gguf.quants``' float32 values, bit for bit); the sums
+are taken in a different order, so the two paths agree to float32 rounding, not bit for bit.
+Which path runs depends only on the machine, the build and the tensor's type: a given process
+always computes the same bits for the same weights, which is what the exactness guarantee (a
+swapped model computes what a fresh load computes) needs. ``KERNELS`` names the path in status.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ggufswap.runtime.dequant import dequantize
+from ggufswap.runtime.resident import expert_scratch
+
+__all__ = ["KERNELS", "QuantizedMatrix", "compiled_types"]
+
+
+def _load() -> ModuleType | None:
+    try:
+        from ggufswap.runtime import _qkernels  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    module: ModuleType = _qkernels
+    return module
+
+
+_compiled = _load()
+KERNELS = "compiled" if _compiled is not None else "torch"
+
+
+def compiled_types() -> frozenset[GGMLQuantizationType]:
+    """GGML types the compiled kernels multiply from (empty without the extension)."""
+    if _compiled is None:
+        return frozenset()
+    return frozenset(GGMLQuantizationType(t) for t in _compiled.types())
+
+
+_COMPILED_TYPES = compiled_types()
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """A ``[rows, cols]`` weight matrix held as GGUF blocks (``raw``: uint8, exactly its bytes).
+
+    ``name`` is the tensor it belongs to (its role keys the decode scratch of the torch path).
+    """
+
+    raw: torch.Tensor
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, int]
+    name: str
+
+    def __post_init__(self) -> None:
+        block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        rows, cols = self.shape
+        expected = rows * (cols // block_size) * type_size
+        if cols % block_size or self.raw.dtype != torch.uint8 or self.raw.shape != (expected,):
+            raise ValueError(
+                f"{self.name}: {self.ggml_type.name} [{rows}, {cols}] needs {expected} bytes "
+                f"(uint8, 1-D), found {self.raw.dtype} {tuple(self.raw.shape)}"
+            )
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    @property
+    def compiled(self) -> bool:
+        """Whether :meth:`linear` runs the compiled kernel for this matrix."""
+        return (
+            self.ggml_type in _COMPILED_TYPES
+            and self.raw.device.type == "cpu"
+            and _compiled is not None
+            and self.shape[1] % _compiled.block_size(int(self.ggml_type)) == 0
+        )
+
+    def decode(self, dtype: torch.dtype) -> torch.Tensor:
+        """The matrix decoded into this thread's scratch for its role (valid until the next
+        matrix of that role is decoded)."""
+        out = expert_scratch(self.name, self.shape, dtype, self.raw.device)
+        ne = (self.shape[1], self.shape[0])
+        return dequantize(self.raw, self.ggml_type, ne, dtype=dtype, strict=False, out=out)
+
+    def linear(self, x: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
+        """``x @ W.T`` on the matrix's device: float32 from the compiled kernel, else in
+        ``dtype`` (the compute dtype) from the decoded matrix."""
+        if not self.compiled:
+            w = self.decode(dtype)
+            return F.linear(x.to(device=w.device, dtype=w.dtype), w)
+        assert _compiled is not None, "compiled implies the extension is loaded"
+        rows, cols = self.shape
+        flat = x.to(device="cpu", dtype=torch.float32).reshape(-1, cols).contiguous()
+        out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
+        raw = self.raw if self.raw.is_contiguous() else self.raw.contiguous()
+        _compiled.matmul(
+            raw.data_ptr(),
+            int(self.ggml_type),
+            rows,
+            cols,
+            flat.data_ptr(),
+            flat.shape[0],
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out.view(*x.shape[:-1], rows)

@@ -1,0 +1,104 @@
+"""Products from GGUF blocks: the compiled kernels decode every block exactly as gguf.quants does,
+multiply to float32 rounding of a float64 reference, give the same bits on any thread count, and
+the torch path stands in for them wherever they do not run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
+from gguf import GGML_QUANT_SIZES, quants
+from gguf import GGMLQuantizationType as Q
+from runtime_helpers import one_thread
+
+from ggufswap.runtime import QuantizedMatrix, qmatmul
+from ggufswap.shards import _synth
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+COMPILED = sorted(qmatmul.compiled_types(), key=int)
+needs_kernels = pytest.mark.skipif(
+    not COMPILED, reason="the compiled kernels were not built (no C compiler at install)"
+)
+ROWS, COLS = 24, 512
+
+
+def blocks(ggml_type: Q, rows: int = ROWS, cols: int = COLS, seed: int = 0) -> torch.Tensor:
+    rng = np.random.default_rng([seed, int(ggml_type)])
+    return torch.from_numpy(_synth.synth_tensor(rng, ggml_type, (cols, rows), mean=0.0, std=0.05))
+
+
+def reference(raw: torch.Tensor, ggml_type: Q, rows: int = ROWS) -> torch.Tensor:
+    values = quants.dequantize(raw.numpy().reshape(rows, -1), ggml_type)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+@needs_kernels
+def test_the_kernels_cover_the_common_types() -> None:
+    """The K-quants, the legacy 32-blocks and the plain float types all have a kernel."""
+    expected = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
+    expected |= {Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    assert set(COMPILED) == expected
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", COMPILED, ids=lambda t: t.name)
+def test_compiled_decode_equals_gguf_quants_bit_for_bit(ggml_type: Q) -> None:
+    kernels = qmatmul._compiled
+    assert kernels is not None
+    raw = blocks(ggml_type)
+    out = torch.empty(ROWS * COLS)
+    kernels.decode(raw.data_ptr(), int(ggml_type), ROWS * COLS, out.data_ptr())
+    assert torch.equal(out.view(ROWS, COLS), reference(raw, ggml_type))
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", COMPILED, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 3])
+def test_compiled_product_is_the_float64_product_to_float32_rounding(ggml_type: Q, n: int) -> None:
+    raw = blocks(ggml_type)
+    matrix = QuantizedMatrix(raw, ggml_type, (ROWS, COLS), "blk.0.ffn_up_exps.weight")
+    assert matrix.compiled
+    x = torch.randn(n, COLS, generator=torch.Generator().manual_seed(1))
+    got = matrix.linear(x, dtype=torch.float32)
+    exact = (x.double() @ reference(raw, ggml_type).double().T).float()
+    assert got.shape == (n, ROWS)
+    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_compiled_product_has_the_same_bits_on_any_thread_count() -> None:
+    """Rows are split over threads, each row summed in one fixed order."""
+    raw = blocks(Q.Q4_K, rows=97)
+    matrix = QuantizedMatrix(raw, Q.Q4_K, (97, COLS), "blk.0.ffn_up_exps.weight")
+    x = torch.randn(2, COLS, generator=torch.Generator().manual_seed(2))
+    results = []
+    for threads in (1, 2, 5):
+        torch.set_num_threads(threads)
+        results.append(matrix.linear(x, dtype=torch.float32))
+    torch.set_num_threads(1)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_torch_path_decodes_and_multiplies_where_no_kernel_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the extension (or for a type it lacks) the product is decode + F.linear, in the
+    compute dtype asked for."""
+    monkeypatch.setattr(qmatmul, "_compiled", None)
+    raw = blocks(Q.Q8_0)
+    matrix = QuantizedMatrix(raw, Q.Q8_0, (ROWS, COLS), "blk.0.ffn_up_exps.weight")
+    assert not matrix.compiled
+    x = torch.randn(2, COLS, generator=torch.Generator().manual_seed(3))
+    w = reference(raw, Q.Q8_0)
+    assert torch.equal(matrix.linear(x, dtype=torch.float32), F.linear(x, w))
+    half = matrix.linear(x, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16
+
+
+def test_a_matrix_whose_bytes_do_not_fit_its_shape_is_refused() -> None:
+    block_size, type_size = GGML_QUANT_SIZES[Q.Q8_0]
+    raw = torch.zeros(ROWS * COLS // block_size * type_size - 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"blk.0.x: Q8_0 \[24, 512\] needs 13056 bytes"):
+        QuantizedMatrix(raw, Q.Q8_0, (ROWS, COLS), "blk.0.x")
