@@ -30,6 +30,7 @@ from ggufswap.runtime.errors import PoolFull
 from ggufswap.runtime.families import DerivedTensor, block_of, family_of
 from ggufswap.runtime.loading import Loader, LoadJob, Segment, trim_heap
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
+from ggufswap.runtime.qmatmul import QuantizedMatrix
 from ggufswap.runtime.resident import DecodedCache
 from ggufswap.runtime.split import (
     ExpertSplit,
@@ -181,6 +182,7 @@ class TensorStore:
         self.weight_version = 0
         # Native storage: dense tensors decoded on use, kept while they fit (see .resident).
         self.decoded = DecodedCache(decoded_cache if storage is Storage.NATIVE else 0)
+        self._dense_cached = True  # set by load(): every dense quantized matrix fits the cache
 
     # -- the model's view ------------------------------------------------------------------
 
@@ -212,6 +214,31 @@ class TensorStore:
             return SplitTensor(whole, slot.record, native=True, compute_dtype=self.compute_dtype)
         return self.weight(name)
 
+    def matrix(self, name: str) -> torch.Tensor | QuantizedMatrix:
+        """A dense weight for ``linear``. Native storage decodes it into the decoded cache when
+        every dense quantized matrix fits the cache (decoded once, then float GEMMs); past that
+        it multiplies from the blocks (:class:`QuantizedMatrix`) where a compiled kernel runs,
+        rather than decode a matrix per use that the cache would soon evict."""
+        slot = self.slots.get(name)
+        if slot is None or self.storage is Storage.DEQUANTIZED or slot.is_split:
+            return self.weight(name)
+        record = slot.record
+        if self._dense_cached or len(record.ne) != 2 or self._is_view(record):
+            return self.weight(name)
+        raw = slot.active.tensor[: record.nbytes]
+        matrix = QuantizedMatrix(raw, record.ggml_type, (record.ne[1], record.ne[0]), name)
+        return matrix if matrix.compiled else self.weight(name)
+
+    def _is_view(self, record: TensorRecord) -> bool:
+        """Whether native bytes of ``record`` already are compute-dtype values (read as a view)."""
+        return _PLAIN_DTYPES.get(record.ggml_type) == self.compute_dtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's logical shape, from its record (nothing is read or decoded)."""
+        if name in self.derived_values:
+            return tuple(self.derived_values[name].shape)
+        return self.slots[name].shape
+
     def split_view(self, slot: Slot) -> SplitTensor:
         native = self.storage is Storage.NATIVE
         return SplitTensor(slot.parts, slot.record, native=native, compute_dtype=self.compute_dtype)
@@ -221,7 +248,7 @@ class TensorStore:
         view where the bytes already are that dtype, else a new decoded tensor)."""
         if self.storage is Storage.DEQUANTIZED:
             return flat.view(record.shape)
-        if _PLAIN_DTYPES.get(record.ggml_type) == self.compute_dtype:
+        if self._is_view(record):
             return flat[: record.nbytes].view(self.compute_dtype).view(record.shape)
         return dequantize(
             flat[: record.nbytes],
@@ -394,6 +421,9 @@ class TensorStore:
                 name = kept.pool.name
                 report.placed[name] = report.placed.get(name, 0) + kept.nbytes
         report.seconds = loader.seconds
+        dense = [r for r in records if len(r.ne) == 2 and not self._is_view(r)]
+        decoded_bytes = sum(r.n_elements for r in dense) * self.compute_dtype.itemsize
+        self._dense_cached = decoded_bytes <= self.decoded.budget
         self.families = {}
         for slot in self.slots.values():
             if slot.family is not None:

@@ -12,7 +12,16 @@ import torch
 from runtime_helpers import ModelDir, Q, cpu_pools, logits, one_thread, open_runtime
 from test_runtime_split import dev_budget
 
-from ggufswap.runtime import HotSwapRuntime, Placement, Pool, PoolSet, Storage, loading
+from ggufswap.runtime import (
+    HotSwapRuntime,
+    Placement,
+    Pool,
+    PoolSet,
+    QuantizedMatrix,
+    Storage,
+    loading,
+    qmatmul,
+)
 from ggufswap.runtime import split as split_module
 from ggufswap.runtime.loading import Loader, LoadJob, Segment
 from ggufswap.runtime.models import HParams, Transformer
@@ -217,3 +226,35 @@ def test_storage_auto_goes_native_only_when_dequantized_bytes_do_not_fit(tmp_pat
         TensorStore(
             pools=PoolSet([]), storage=Storage.AUTO, compute_dtype=torch.float32, strict=False
         )
+
+
+def test_native_dense_matrices_multiply_from_blocks_when_the_cache_cannot_hold_them(
+    tmp_path: Path,
+) -> None:
+    """With a decoded cache too small for the dense matrices, the model multiplies them from
+    their blocks (nothing is decoded into the cache); it computes what dequantized storage
+    computes to float32 rounding, and a swap computes what a fresh load with the same settings
+    computes, bit for bit."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    dequantized_rt, dequantized_model = open_runtime(model_dir.first)
+    try:
+        expected = logits(dequantized_model)
+    finally:
+        dequantized_rt.close()
+    runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE, decoded_cache=0)
+    try:
+        matrix = runtime.store.matrix("blk.1.attn_k.weight")
+        assert isinstance(matrix, QuantizedMatrix) == bool(qmatmul.compiled_types())
+        torch.testing.assert_close(logits(model), expected, rtol=1e-4, atol=1e-4)
+        assert runtime.store.decoded.snapshot()["entries"] <= 1  # token_embd, for the lookup
+        name = "blk.1.attn_q.weight"
+        model_dir.put(name, model_dir.variant(name, Q.Q4_0, tmp_path / "variants"))
+        runtime.apply(model_dir.plan("p", [name]))
+        swapped = logits(model)
+    finally:
+        runtime.close()
+    fresh_rt, fresh_model = open_runtime(model_dir.first, storage=Storage.NATIVE, decoded_cache=0)
+    try:
+        assert torch.equal(swapped, logits(fresh_model))
+    finally:
+        fresh_rt.close()

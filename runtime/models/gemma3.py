@@ -114,7 +114,7 @@ class Gemma3Transformer(nn.Module):
         if cache is not None:
             cache.advance(seq)
         x = rms_norm(x, w(self.norm), c.norm_eps)
-        return lm_head(x, w(self.output), c.final_logit_softcap)  # [B, T, V]
+        return lm_head(x, self.weights.matrix(self.output), c.final_logit_softcap)  # [B, T, V]
 
     def _masks(
         self, start_pos: int, seq: int, device: torch.device, cache: KVCache | None

@@ -51,6 +51,15 @@ class WeightProvider(Protocol):
         """A stacked expert tensor; ``[e]`` is expert ``e`` on the device that holds it."""
         ...
 
+    def matrix(self, name: str) -> Tensor | QuantizedMatrix:
+        """A weight ``linear`` multiplies by: the tensor, or (native storage) its GGUF blocks
+        where multiplying from them is the cheaper way."""
+        ...
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's logical torch shape, without reading its data."""
+        ...
+
     def has(self, name: str) -> bool:
         """Whether the model file holds a tensor of this name."""
         ...
@@ -70,6 +79,12 @@ class DictWeightProvider:
 
     def experts(self, name: str) -> Tensor:
         return self.weight(name)
+
+    def matrix(self, name: str) -> Tensor:
+        return self.weight(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.weight(name).shape)
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -110,7 +125,6 @@ class _Spec:
 
     def __init__(self) -> None:
         self.required: dict[str, tuple[int, ...]] = {}
-        self.stacked: set[str] = set()  # read per expert, through ``experts``
         self.unexpected: list[str] = []  # tensors the architecture does not have
 
     def need(self, name: str, shape: tuple[int, ...]) -> str:
@@ -118,7 +132,7 @@ class _Spec:
         return name
 
     def need_experts(self, name: str, shape: tuple[int, ...]) -> str:
-        self.stacked.add(name)
+        """A stacked expert tensor (read per expert, through ``experts``)."""
         return self.need(name, shape)
 
     def maybe(self, weights: WeightProvider, name: str, shape: tuple[int, ...]) -> str | None:
@@ -216,7 +230,7 @@ class Attention(nn.Module):
         self.k_norm = spec.maybe(weights, tn.ATTN_K_NORM.format(layer), (hd,))
 
     def _proj(self, x: Tensor, w: str, b: str | None) -> Tensor:
-        return linear(x, self.weights.weight(w), None if b is None else self.weights.weight(b))
+        return linear(x, self.weights.matrix(w), None if b is None else self.weights.weight(b))
 
     def _norm(self, x: Tensor, name: str | None) -> Tensor:
         return x if name is None else rms_norm(x, self.weights.weight(name), self.config.norm_eps)
@@ -285,7 +299,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [..., D]
-        w = self.weights.weight
+        w = self.weights.matrix
         return self.act(x, w(self.gate), w(self.up), w(self.down))
 
 
@@ -345,7 +359,7 @@ class MoEFeedForward(nn.Module):
         if self.shared is None:
             return 0.0
         w = self.weights.weight
-        y = swiglu(x, *(w(name) for name in self.shared))  # [N, D]
+        y = swiglu(x, *(self.weights.matrix(name) for name in self.shared))  # [N, D]
         assert self.shared_gate is not None, "a shared expert always has its gate (qwen2moe)"
         return y * torch.sigmoid(linear(x, w(self.shared_gate).unsqueeze(0)))  # gate: [N, 1]
 
@@ -414,7 +428,8 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.advance(seq)
         x = rms_norm(x, w(self.norm), self.config.norm_eps)
-        return lm_head(x, w(self.output), self.config.final_logit_softcap)  # [B, T, V]
+        head = self.weights.matrix(self.output)
+        return lm_head(x, head, self.config.final_logit_softcap)  # [B, T, V]
 
     def new_cache(self, *, max_len: int) -> KVCache:
         """An empty cache for one sequence of up to ``max_len`` positions (it grows past them)."""
@@ -428,7 +443,7 @@ def embed(tokens: Tensor, emb: Tensor, scale: float = 1.0) -> Tensor:
     return x if scale == 1.0 else x * scale
 
 
-def lm_head(x: Tensor, output: Tensor, softcap: float = 0.0) -> Tensor:
+def lm_head(x: Tensor, output: Matrix, softcap: float = 0.0) -> Tensor:
     """float32 logits ``x @ output.T``, soft-capped to ``(-softcap, softcap)`` when set."""
     # x: [B, T, D] -> [B, T, V]
     logits = linear(x, output).float()
@@ -449,8 +464,7 @@ def _check(weights: WeightProvider, spec: _Spec, *, shapes: bool) -> None:
     problems += spec.unexpected
     if shapes and not problems:
         for name, expected in spec.required.items():
-            read = weights.experts if name in spec.stacked else weights.weight
-            found = tuple(read(name).shape)
+            found = weights.shape(name)
             if found != expected:
                 problems.append(f"{name}: expected shape {list(expected)}, found {list(found)}")
     if problems:
