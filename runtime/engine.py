@@ -43,6 +43,7 @@ from ggufswap.runtime.errors import PlanRejected, StagingFailed
 from ggufswap.runtime.plans import Follower, PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
 from ggufswap.runtime.staging import StagedPlan, Stager
+from ggufswap.runtime.qmatmul import KERNELS
 from ggufswap.runtime.store import (
     DEFAULT_DECODED_CACHE,
     Placement,
@@ -434,6 +435,8 @@ class HotSwapRuntime:
             "model": self.model_name,
             "weight_version": self.store.weight_version,
             "storage": self.store.storage.value,
+            "kernels": KERNELS,
+            "decoded_cache": self.store.decoded.snapshot(),
             "plans": dict(self._outcomes),
             "pending": self._queue.qsize() + len(self._staged),
             "tensor_states": self.store.state_counts(),

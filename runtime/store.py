@@ -382,20 +382,26 @@ class TensorStore:
         homes = self.plan_placement(records, placement, n_blocks)
         report = LoadReport()
         held: dict[str, tuple[Buffer, tuple[Part, ...]]] = {}
-        jobs = []
-        for record in records:
-            buffer, parts = self._allocate_home(record, homes[record.name])
-            held[record.name] = (buffer, parts)
-            jobs.append(LoadJob(record, self._segments(record, buffer, parts)))
-        total = sum(r.nbytes for r in records)
-        with _progress_bar(total, enabled=progress) as bar:
-            loader = Loader(
-                decode=self._decode_rows,
-                row_slice=self._row_slice,
-                direct=self._reads_directly,
-                on_bytes=bar,
-            )
-            digests = {r.name: d for r, d in loader.run(jobs)}
+        try:
+            jobs = []
+            for record in records:
+                buffer, parts = self._allocate_home(record, homes[record.name])
+                held[record.name] = (buffer, parts)
+                jobs.append(LoadJob(record, self._segments(record, buffer, parts)))
+            total = sum(r.nbytes for r in records)
+            with _progress_bar(total, enabled=progress) as bar:
+                loader = Loader(
+                    decode=self._decode_rows,
+                    row_slice=self._row_slice,
+                    direct=self._reads_directly,
+                    on_bytes=bar,
+                )
+                digests = {r.name: d for r, d in loader.run(jobs)}
+        except BaseException:  # a failed load gives its pools back everything it took
+            for buffer, parts in held.values():
+                for kept in [p.buffer for p in parts] or [buffer]:
+                    kept.release()
+            raise
         trim_heap()
         for record in records:
             buffer, parts = held[record.name]

@@ -27,7 +27,8 @@ from ggufswap.runtime.loading import Loader, LoadJob, Segment
 from ggufswap.runtime.models import HParams, Transformer
 from ggufswap.runtime.resident import DecodedCache, expert_scratch
 from ggufswap.runtime.store import TensorStore
-from ggufswap.shards import FileChangedError, open_shard_set
+from ggufswap.shards import FileChangedError, TensorRecord, open_shard_set
+from ggufswap.shards.errors import TruncatedError
 from ggufswap.shards.fingerprint import fingerprint
 from ggufswap.shards.presets import tiny_moe
 
@@ -101,6 +102,29 @@ def test_a_file_replaced_during_the_load_is_refused_naming_it(tmp_path: Path) ->
     with pytest.raises(FileChangedError, match=DOWN0) as caught:
         list(loader.run(jobs))
     assert os.path.basename(record.path) in str(caught.value)
+
+
+def test_a_failed_load_gives_its_pools_back_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that fails halfway through reading (here the tenth read finds the file truncated)
+    raises naming the file, and the pools it was given account for no bytes afterwards."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    calls = []
+    real = loading.read_range
+
+    def failing(fd: int, record: TensorRecord, start: int, out: memoryview) -> None:
+        calls.append(record.name)
+        if len(calls) == 10:
+            raise TruncatedError(record.path, f"{record.name}: file ends inside the tensor data")
+        real(fd, record, start, out)
+
+    monkeypatch.setattr(loading, "read_range", failing)
+    pools = [Pool("host", torch.device("cpu"))]
+    with pytest.raises(TruncatedError, match="file ends inside"):
+        HotSwapRuntime.open(model_dir.first, pools=pools)
+    assert len(calls) == 10
+    assert pools[0].used == 0
 
 
 def test_native_moe_reads_only_the_routed_experts(
