@@ -8,16 +8,19 @@ CPU: on a busy 2-core host, dequantization ran 4-10x slower with torch's default
 thread. The policy therefore counts the CPUs of the process's affinity mask
 (``os.sched_getaffinity``, which ``taskset``, ``numactl`` and systemd's ``CPUAffinity=`` set),
 and an operator who shares those CPUs with other busy work sets the count explicitly
-(``runtime.threads`` or ``--threads``). ``docs/operations.md`` describes the policy for operators.
+(``--threads``, ``runtime.threads``, or ``OMP_NUM_THREADS`` as for any OpenMP program).
+``docs/operations.md`` describes the policy for operators.
 
-``resolve_threads`` decides (a flag beats the configuration, which beats the affinity) and
-``apply_thread_policy`` applies the decision once, at process start, before the model loads.
+``resolve_threads`` decides (the flag beats the configuration, which beats the environment, which
+beats the affinity: the more specific to this process, the stronger) and ``apply_thread_policy``
+applies the decision once, at process start, before the model loads.
 """
 
 from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import structlog
@@ -42,6 +45,7 @@ class ThreadSource(str, enum.Enum):
 
     FLAG = "--threads"
     CONFIG = "runtime.threads"
+    ENVIRONMENT = "OMP_NUM_THREADS"
     AFFINITY = "cpu affinity"  # the CPUs this process may run on
     CPU_COUNT = "cpu count"  # no affinity API on this platform: every CPU of the machine
 
@@ -93,15 +97,22 @@ def available_cpus() -> tuple[int, ThreadSource]:
         return os.cpu_count() or 1, ThreadSource.CPU_COUNT
 
 
-def resolve_threads(*, flag: int | None = None, config: int | None = None) -> ThreadPolicy:
+def resolve_threads(
+    *,
+    flag: int | None = None,
+    config: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ThreadPolicy:
     """The thread count to run with: ``flag`` (``--threads``), else ``config``
-    (``runtime.threads``), else one per CPU of the affinity mask. ``None`` means ``auto``.
+    (``runtime.threads``), else ``OMP_NUM_THREADS`` of ``environ`` (default ``os.environ``), else
+    one per CPU of the affinity mask. ``None`` means ``auto``; an ``OMP_NUM_THREADS`` that is not
+    a count (OpenMP ignores it too) is passed over.
 
     Raises ``ValueError`` for an explicit count outside ``1..MAX_THREADS`` (or not an integer).
     """
     problems = [
-        f"{source.value} must be an integer between 1 and {MAX_THREADS} or {AUTO_THREADS}, "
-        f"found {value!r}"
+        f"{source.value}: expected an integer between 1 and {MAX_THREADS} "
+        f"(or None for {AUTO_THREADS}), found {value!r}"
         for source, value in ((ThreadSource.FLAG, flag), (ThreadSource.CONFIG, config))
         if value is not None
         and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS)
@@ -113,7 +124,19 @@ def resolve_threads(*, flag: int | None = None, config: int | None = None) -> Th
         return ThreadPolicy(threads=flag, source=ThreadSource.FLAG, cpus=cpus)
     if config is not None:
         return ThreadPolicy(threads=config, source=ThreadSource.CONFIG, cpus=cpus)
+    from_env = _omp_num_threads(os.environ if environ is None else environ)
+    if from_env is not None:
+        return ThreadPolicy(threads=from_env, source=ThreadSource.ENVIRONMENT, cpus=cpus)
     return ThreadPolicy(threads=min(cpus, MAX_THREADS), source=cpu_source, cpus=cpus)
+
+
+def _omp_num_threads(environ: Mapping[str, str]) -> int | None:
+    """The outermost level of ``OMP_NUM_THREADS`` (``"4"``, or ``"4,2"`` for nested teams)."""
+    first = environ.get(ThreadSource.ENVIRONMENT.value, "").split(",", 1)[0].strip()
+    if not first.isascii() or not first.isdigit() or len(first) > len(str(MAX_THREADS)):
+        return None
+    count = int(first)
+    return count if 1 <= count <= MAX_THREADS else None
 
 
 def apply_thread_policy(policy: ThreadPolicy) -> AppliedThreads:

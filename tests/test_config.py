@@ -74,6 +74,7 @@ runtime:
     split_experts: true
   metrics_port: 9102
   log_level: warning
+  threads: 6
 security:
   curve:
     server_secret_key: /etc/ggufswap/server.key_secret
@@ -140,6 +141,7 @@ def test_minimal_runtime_config_gets_defaults(tmp_path: Path) -> None:
     assert (runtime.placement.gpu_layers, runtime.placement.experts_pool) == (-1, None)
     assert runtime.placement.split_experts is False
     assert runtime.strict_types is False
+    assert runtime.threads is None  # auto: one thread per CPU of the affinity mask
 
 
 def test_full_config_keeps_every_value(tmp_path: Path) -> None:
@@ -169,8 +171,24 @@ def test_full_config_keeps_every_value(tmp_path: Path) -> None:
     )
     assert (runtime.placement.gpu_layers, runtime.placement.experts_pool) == (20, "host")
     assert runtime.placement.split_experts is True
+    assert runtime.threads == 6
     assert config.security.curve is not None
     assert config.security.curve.authorized_keys_dir == Path("/etc/ggufswap/authorized")
+
+
+@pytest.mark.parametrize(("written", "threads"), [("auto", None), ("null", None), ("1", 1)])
+def test_runtime_threads_takes_a_count_or_auto(
+    tmp_path: Path, written: str, threads: int | None
+) -> None:
+    """runtime.threads is an integer >= 1, or auto (also written as null) for the affinity."""
+    config = load(RUNTIME + f"  threads: {written}\n", tmp_path)
+    assert config.require_runtime().threads == threads
+
+
+def test_storage_auto_is_accepted_and_dequantized_stays_the_default(tmp_path: Path) -> None:
+    """storage: auto loads as Storage.AUTO; a runtime without the key keeps dequantized."""
+    assert load(RUNTIME + "  storage: auto\n", tmp_path).require_runtime().storage is Storage.AUTO
+    assert load(RUNTIME, tmp_path).require_runtime().storage is Storage.DEQUANTIZED
 
 
 def test_combined_file_defaults_model_endpoint_to_runtime(tmp_path: Path) -> None:
@@ -393,6 +411,48 @@ ERRORS = [
         "runtime.control_endpoint",
         "Unix sockets allow at most 107",
         id="ipc-too-long",
+    ),
+    pytest.param(
+        RUNTIME + "  threads: 0\n",
+        3,
+        "runtime.threads",
+        "expected an integer between 1 and 1024 or 'auto', found 0",
+        id="zero-threads",
+    ),
+    pytest.param(
+        RUNTIME + "  threads: 4096\n",
+        3,
+        "runtime.threads",
+        "expected an integer between 1 and 1024 or 'auto', found 4096",
+        id="too-many-threads",
+    ),
+    pytest.param(
+        RUNTIME + "  threads: all\n",
+        3,
+        "runtime.threads",
+        "expected an integer >= 1 or 'auto', found 'all'",
+        id="threads-word",
+    ),
+    pytest.param(
+        RUNTIME + "  threads: 1.5\n",
+        3,
+        "runtime.threads",
+        "expected an integer >= 1 or 'auto', found a number '1.5'",
+        id="threads-fraction",
+    ),
+    pytest.param(
+        RUNTIME + "  threads: yes\n",
+        3,
+        "runtime.threads",
+        "expected an integer >= 1 or 'auto', found a boolean 'yes'",
+        id="threads-bool",
+    ),
+    pytest.param(
+        RUNTIME + "  storage: automatic\n",
+        3,
+        "runtime.storage",
+        "expected one of dequantized|native|auto, found 'automatic'",
+        id="bad-storage",
     ),
     pytest.param(
         MODEL.replace("[{path: /d}]", "[{path: /d, glob: 'sub/*.gguf'}]"),
@@ -643,11 +703,13 @@ def test_check_config_summarizes_a_valid_file(tmp_path: Path) -> None:
     assert "model mymodel" in result.stdout
     assert f"watch {tmp_path / 'models'} *.gguf (backend polling" in result.stdout
     assert "pool gpu0 on cuda:1, budget 2.0 GiB" in result.stdout
+    assert "(storage dequantized, float32, threads auto)" in result.stdout
     as_json = run_ggufswap("check-config", "--json", str(path))
     data = json.loads(as_json.stdout)
     assert as_json.returncode == 0
     assert data["ok"] is True
     assert data["config"]["runtime"]["pools"][0]["budget"] == 2 * GiB
+    assert data["config"]["runtime"]["threads"] is None
 
 
 def test_check_config_lists_problems_and_exits_1(tmp_path: Path) -> None:
