@@ -1,19 +1,23 @@
 """Throughput of the torch dequantization kernels against gguf's numpy code, same bytes, same run.
 
-    python bench/dequant.py [--quick] [--types Q8_0 Q4_K ...]
+    python bench/dequant.py [--quick] [--types Q8_0 Q4_K ...] [--threads N] [--rounds 3]
 
-Prints one row per type (a 4096x4096-element tensor, random blocks with finite scales): MB/s of
-quantized input and elements/s of ``dequantize`` into a fresh tensor, the ratio of gguf's best time
-to ours, and the same for ``dequantize(..., out=)`` into a reused buffer. Best of N interleaved
-repeats, torch's default thread count. Targets (ratio >= 10x on the CPU) are marked. F32 has no
-meaningful ratio: gguf returns a view of the bytes, ours a copy. ``run(quick)`` returns the rows
-(name, baseline_s, ours_s, ratio, target, plus throughput and into-buffer figures) for
-``bench/run_all.py``.
+Prints one row per type (a 4096x4096-element tensor, random blocks with finite scales): the ratio
+of gguf's time to ours for ``dequantize`` into a fresh tensor (the target) and into a reused
+buffer (``out=``), as the median and the minimum over ``--rounds`` rounds; each round takes the
+best of N interleaved repeats of the three calls, so every ratio compares times taken under the
+same machine load. Torch runs with the runtime's thread policy (``ggufswap.runtime.threads``:
+``--threads``, else ``OMP_NUM_THREADS``, else one thread per CPU of the affinity mask), printed in
+the header, so that figures taken on different days compare. Targets (median ratio >= 10x on the
+CPU) are marked. F32 has no meaningful ratio: gguf returns a view of the bytes, ours a copy.
+``run(quick)`` returns the rows (name, baseline_s, ours_s, ratio, target, plus the per-round
+ratios and the into-buffer figures) for ``bench/run_all.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -24,9 +28,12 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from ggufswap._logsetup import configure_logging
 from ggufswap.runtime.dequant import KERNEL_TYPES, dequantize
+from ggufswap.runtime.threads import AppliedThreads, apply_thread_policy, resolve_threads
 
 TARGET_RATIO = 10.0
+ROUNDS = 3
 TARGET_TYPES = frozenset(
     {
         GGMLQuantizationType.Q8_0,
@@ -78,66 +85,123 @@ def _random_bytes(ggml_type: GGMLQuantizationType, rows: int, cols: int) -> np.n
     return data
 
 
-def run(quick: bool, types: list[str] | None = None) -> list[dict[str, Any]]:
-    """Measure every kernel type (or those named in ``types``); one row per type."""
-    rows, cols = (1024, 4096) if quick else (4096, 4096)
-    repeats = 3 if quick else 15
-    results: list[dict[str, Any]] = []
-    for ggml_type in sorted(KERNEL_TYPES, key=lambda t: t.name):
-        if types and ggml_type.name not in types:
-            continue
-        data = _random_bytes(ggml_type, rows, cols)
-        raw = torch.from_numpy(data.reshape(-1))
-        ne = (cols, rows)
-        dequantize(raw, ggml_type, ne)  # warm up lookup tables and the allocator
-        into = torch.empty(rows, cols)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            baseline_s, ours_s, into_s = _best_of(
-                [
-                    partial(quants.dequantize, data, ggml_type),
-                    partial(dequantize, raw, ggml_type, ne),
-                    partial(dequantize, raw, ggml_type, ne, out=into),
-                ],
-                repeats,
+def pin_threads(threads: int | None) -> AppliedThreads:
+    """Apply the runtime's thread policy (``threads`` overrides it) as ``ggufswap runtime`` does."""
+    return apply_thread_policy(resolve_threads(flag=threads))
+
+
+def run(
+    quick: bool,
+    types: list[str] | None = None,
+    *,
+    threads: int | None = None,
+    rounds: int = ROUNDS,
+) -> list[dict[str, Any]]:
+    """Measure every kernel type (or those named in ``types``); one row per type.
+
+    Runs under the thread policy (``threads`` overrides it) and restores torch's intra-op count
+    afterwards, for the benchmarks that ``bench/run_all.py`` runs next.
+    """
+    size, repeats = ((1024, 4096), 3) if quick else ((4096, 4096), 9)
+    before = torch.get_num_threads()
+    applied = pin_threads(threads)
+    try:
+        return [
+            _measure(ggml_type, size, repeats=repeats, rounds=rounds, applied=applied)
+            for ggml_type in sorted(KERNEL_TYPES, key=lambda t: t.name)
+            if not types or ggml_type.name in types
+        ]
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure(
+    ggml_type: GGMLQuantizationType,
+    size: tuple[int, int],
+    *,
+    repeats: int,
+    rounds: int,
+    applied: AppliedThreads,
+) -> dict[str, Any]:
+    rows, cols = size
+    data = _random_bytes(ggml_type, rows, cols)
+    raw = torch.from_numpy(data.reshape(-1))
+    ne = (cols, rows)
+    dequantize(raw, ggml_type, ne)  # warm up lookup tables and the allocator
+    into = torch.empty(rows, cols)
+    times = []  # (baseline, ours, into) per round
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(rounds):
+            times.append(
+                _best_of(
+                    [
+                        partial(quants.dequantize, data, ggml_type),
+                        partial(dequantize, raw, ggml_type, ne),
+                        partial(dequantize, raw, ggml_type, ne, out=into),
+                    ],
+                    repeats,
+                )
             )
-        results.append(
-            {
-                "name": f"dequant.{ggml_type.name}",
-                "baseline_s": baseline_s,
-                "ours_s": ours_s,
-                "ratio": baseline_s / ours_s,
-                "ours_into_s": into_s,
-                "ratio_into": baseline_s / into_s,
-                "target": TARGET_RATIO if ggml_type in TARGET_TYPES else None,
-                "mb_per_s": data.nbytes / ours_s / 1e6,
-                "elements_per_s": rows * cols / ours_s,
-            }
-        )
-    return results
+    ratios = [base / ours for base, ours, _ in times]
+    ratios_into = [base / ours_into for base, _, ours_into in times]
+    median_round = sorted(range(rounds), key=lambda i: ratios[i])[(rounds - 1) // 2]
+    baseline_s, ours_s, into_s = times[median_round]
+    return {
+        "name": f"dequant.{ggml_type.name}",
+        "baseline_s": baseline_s,
+        "ours_s": ours_s,
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratios": ratios,
+        "ours_into_s": into_s,
+        "ratio_into": statistics.median(ratios_into),
+        "ratio_into_min": min(ratios_into),
+        "target": TARGET_RATIO if ggml_type in TARGET_TYPES else None,
+        "mb_per_s": data.nbytes / ours_s / 1e6,
+        "elements_per_s": rows * cols / ours_s,
+        "threads": applied.intra_op,
+        "thread_source": applied.policy.source.value,
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller tensor, fewer repeats")
     parser.add_argument("--types", nargs="*", help="only these GGML type names (e.g. Q8_0 Q4_K)")
+    parser.add_argument(
+        "--threads", type=int, metavar="N", help="torch threads (default: the runtime's policy)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=ROUNDS, metavar="N", help="rounds per type (median, min)"
+    )
     args = parser.parse_args()
-    results = run(args.quick, args.types)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("ratio: fresh output tensor (the target); into: dequantize(..., out=) into a reused one")
-    header = f"{'type':<8} {'gguf ms':>9} {'ours ms':>9} {'MB/s in':>9} {'Melem/s':>9} {'ratio':>7}"
-    print(header + f" {'into ms':>8} {'ratio':>7}  target")
+    configure_logging(level="warning")  # the policy's log line would interleave with the table
+    results = run(args.quick, args.types, threads=args.threads, rounds=args.rounds)
+    policy = resolve_threads(flag=args.threads)
+    print(
+        f"torch {torch.__version__}, {policy.threads} thread(s) of {policy.cpus} CPU(s): "
+        f"{policy.reason}"
+    )
+    print(
+        f"ratio = gguf time / ours; median and min over {args.rounds} rounds, each the best of "
+        "interleaved repeats; fresh: a new output tensor (the target), into: out= a reused one"
+    )
+    header = f"{'type':<8} {'gguf ms':>8} {'ours ms':>8} {'Melem/s':>8} {'fresh med':>9} {'min':>6}"
+    print(header + f" {'into ms':>8} {'into med':>8} {'min':>6}  rounds (fresh)  target")
     for row in results:
         target = row["target"]
         mark = ""
         if target is not None:
             ok = float(row["ratio"]) >= float(target)
             mark = f">= {target:.0f}x {'met' if ok else 'MISSED'}"
+        rounds = " ".join(f"{r:.1f}" for r in row["ratios"])
         print(
-            f"{str(row['name']).removeprefix('dequant.'):<8} {row['baseline_s'] * 1e3:>9.2f} "
-            f"{row['ours_s'] * 1e3:>9.2f} {row['mb_per_s']:>9.0f} "
-            f"{row['elements_per_s'] / 1e6:>9.0f} {row['ratio']:>6.1f}x "
-            f"{row['ours_into_s'] * 1e3:>8.2f} {row['ratio_into']:>6.1f}x  {mark}"
+            f"{str(row['name']).removeprefix('dequant.'):<8} {row['baseline_s'] * 1e3:>8.2f} "
+            f"{row['ours_s'] * 1e3:>8.2f} {row['elements_per_s'] / 1e6:>8.0f} "
+            f"{row['ratio']:>8.1f}x {row['ratio_min']:>5.1f}x "
+            f"{row['ours_into_s'] * 1e3:>8.2f} {row['ratio_into']:>7.1f}x "
+            f"{row['ratio_into_min']:>5.1f}x  {rounds:<14}  {mark}"
         )
     return 0
 
