@@ -214,15 +214,23 @@ def _q4_1(
     out.add_(m)
 
 
-def _spread_bits(qh: torch.Tensor, lut: torch.Tensor, arena: Arena) -> torch.Tensor:
-    """The 4 qh bytes of each block (``[c, 4]`` view) -> ``[c, 32]`` uint8 from ``lut``.
+def _spread_bits(
+    blocks: torch.Tensor, offset: int, lut: torch.Tensor, arena: Arena
+) -> torch.Tensor:
+    """The 32-bit mask at byte ``offset`` of each block -> ``[c, 32]`` uint8 from ``lut``.
 
-    Element ``j`` comes from bit ``j`` of the little-endian 32-bit mask.
+    Element ``j`` comes from bit ``j`` of the little-endian mask. The masks are gathered as 1-D
+    strided columns of the widest lanes their offset allows (a 2-D copy of 4-byte rows pays
+    torch's per-row cost once per block), then looked up a byte at a time.
     """
-    c = qh.shape[0]
+    c, size = blocks.shape
     compact = arena.take("qh", 4 * c, torch.uint8).view(c, 4)
-    compact.copy_(qh)  # one 2-D copy; column-wise int ops on strided views are far slower
-    idx = arena.take("idx", 4 * c, torch.int64)
+    width = 4 if offset % 4 == 0 and size % 4 == 0 else 2
+    dtype = torch.int32 if width == 4 else torch.int16
+    lanes, columns = blocks.view(dtype), compact.view(dtype)
+    for i in range(4 // width):
+        columns[:, i].copy_(lanes[:, offset // width + i])
+    idx = arena.take("idx", 4 * c, torch.int32)
     idx.copy_(compact.view(-1))
     bits = arena.take("bits", 4 * c, torch.int64)
     torch.index_select(lut, 0, idx, out=bits)
@@ -230,14 +238,13 @@ def _spread_bits(qh: torch.Tensor, lut: torch.Tensor, arena: Arena) -> torch.Ten
 
 
 def _q5_combine(
-    blocks: torch.Tensor, nib: torch.Tensor, qh: torch.Tensor, lut: torch.Tensor, arena: Arena
+    blocks: torch.Tensor, nib: torch.Tensor, qh_offset: int, lut: torch.Tensor, arena: Arena
 ) -> torch.Tensor:
     """``[c, 32]`` uint8 elements: the nibbles of the qs field (last 16 bytes) OR the hbits."""
     c, size = blocks.shape
-    bits = _spread_bits(qh, lut, arena).view(c, 2, 16)
-    q = arena.take("q", 32 * c, torch.uint8).view(c, 2, 16)
+    q = _spread_bits(blocks, qh_offset, lut, arena).view(c, 2, 16)
     for h in range(2):
-        torch.bitwise_or(_rows(nib[h], c, size, size - 16, size), bits[:, h], out=q[:, h])
+        q[:, h].bitwise_or_(_rows(nib[h], c, size, size - 16, size))
     return q.view(c, 32)
 
 
@@ -249,7 +256,7 @@ def _q5_0(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d8: torch.Tenso
     torch.bitwise_left_shift(w, 3, out=nib[0]).bitwise_and_(_rep(0x78))
     torch.bitwise_right_shift(w, 1, out=nib[1]).bitwise_and_(_rep(0x78))
     lut = _bit_lut(blocks.device, 1, 0x80, 0, 0x80)
-    q = _q5_combine(blocks, nib.view(torch.uint8), blocks[:, 2:6], lut, arena)
+    q = _q5_combine(blocks, nib.view(torch.uint8), 2, lut, arena)
     out.copy_(q.view(torch.int8))
     out.mul_(d8)
 
@@ -260,16 +267,15 @@ def _q5_1(
     # block: d f16 | m f16 | qh u32 | qs[16]; x = d * (q | hbit << 4) + m
     nib = _nibbles(_words(blocks.reshape(-1), arena), arena)
     lut = _bit_lut(blocks.device, 1, 16, 0, 0)
-    q = _q5_combine(blocks, nib, blocks[:, 4:8], lut, arena)
+    q = _q5_combine(blocks, nib, 4, lut, arena)
     out.copy_(q)
     out.mul_(d).add_(m)
 
 
 def _q8_0(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tensor) -> None:
-    # block: d f16 | qs int8[32]; x = q * d
-    c, size = blocks.shape
-    f = _to_float(blocks.reshape(-1).view(torch.int8), arena)
-    torch.mul(_rows(f, c, size, 2, size), d, out=out)
+    # block: d f16 | qs int8[32]; x = q * d, converted straight into out, scaled where it lies
+    out.copy_(blocks[:, 2:].view(torch.int8))
+    out.mul_(d)
 
 
 # --- k-quants (256-element super-blocks) ------------------------------------------------------
