@@ -1,6 +1,8 @@
 """Dequantize GGUF tensor bytes to a torch tensor, on the tensor's own device.
 
-Every kernel reproduces ``gguf.quants.dequantize`` bit for bit in float32 (hot-swapped weights
+On the CPU the compiled decoder (:mod:`._compiled`) runs where it handles the type; the torch
+kernels run everywhere else (and on accelerators). Every kernel reproduces
+``gguf.quants.dequantize`` bit for bit in float32 (hot-swapped weights
 must equal a fresh load exactly); a requested ``bfloat16``/``float16`` result is converted from
 that float32 result. Types without a kernel fall back to gguf's numpy code on the CPU unless
 ``strict`` is set.
@@ -21,6 +23,7 @@ import structlog
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ggufswap.runtime import _compiled
 from ggufswap.runtime._dequant_kernels import KERNELS, Arena, Kernel
 from ggufswap.runtime.errors import UnsupportedTypeError
 
@@ -74,6 +77,9 @@ def dequantize(
     shape = tuple(reversed(ne))
     if out is not None:
         _check_out(out, shape, dtype, raw.device)
+    if _compiled.handles(ggml_type, ne[0], raw.device):
+        flat = _decode_compiled(raw, ggml_type, dtype, None if out is None else out.view(-1))
+        return flat.view(shape) if out is None else out
     kernel = KERNELS.get(ggml_type)
     if kernel is None:
         if strict:
@@ -204,6 +210,33 @@ def _run(
             kernel.body(blocks[start:stop], part, arena, *(s[rows] for s in scales))
             if scratch is not None:
                 out_blocks[start:stop].copy_(part)
+    return out
+
+
+def _decode_compiled(
+    raw: torch.Tensor,
+    ggml_type: GGMLQuantizationType,
+    dtype: torch.dtype,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """The compiled decoder (CPU, float32, rows over torch's thread count); another ``dtype``
+    is rounded from float32 chunks, as the torch kernels do."""
+    kernels, threads = _compiled.module(), torch.get_num_threads()
+    raw = raw if raw.is_contiguous() else raw.contiguous()
+    numel = raw.numel() // GGML_QUANT_SIZES[ggml_type][1] * GGML_QUANT_SIZES[ggml_type][0]
+    if out is None:
+        out = _empty(numel, dtype, raw.device)
+    if dtype == torch.float32:
+        kernels.decode(raw.data_ptr(), int(ggml_type), numel, out.data_ptr(), threads)
+        return out
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    chunk = max(block_size, _CPU_CHUNK_ELEMENTS // block_size * block_size)
+    scratch = _arena(raw.device).take("compiled_f32", min(chunk, numel), torch.float32)
+    for start in range(0, numel, chunk):
+        stop = min(start + chunk, numel)
+        part = raw[start // block_size * type_size : stop // block_size * type_size]
+        kernels.decode(part.data_ptr(), int(ggml_type), stop - start, scratch.data_ptr(), threads)
+        out[start:stop].copy_(scratch[: stop - start])
     return out
 
 

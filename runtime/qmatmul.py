@@ -20,39 +20,23 @@ swapped model computes what a fresh load computes) needs. ``KERNELS`` names the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ggufswap.runtime import _compiled
 from ggufswap.runtime.dequant import dequantize
 from ggufswap.runtime.resident import expert_scratch
 
 __all__ = ["KERNELS", "QuantizedMatrix", "compiled_types"]
 
-
-def _load() -> ModuleType | None:
-    try:
-        from ggufswap.runtime import _qkernels  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    module: ModuleType = _qkernels
-    return module
-
-
-_compiled = _load()
-KERNELS = "compiled" if _compiled is not None else "torch"
+KERNELS = "compiled" if _compiled.available() else "torch"
 
 
 def compiled_types() -> frozenset[GGMLQuantizationType]:
     """GGML types the compiled kernels multiply from (empty without the extension)."""
-    if _compiled is None:
-        return frozenset()
-    return frozenset(GGMLQuantizationType(t) for t in _compiled.types())
-
-
-_COMPILED_TYPES = compiled_types()
+    return _compiled.types()
 
 
 @dataclass(frozen=True)
@@ -84,12 +68,7 @@ class QuantizedMatrix:
     @property
     def compiled(self) -> bool:
         """Whether :meth:`linear` runs the compiled kernel for this matrix."""
-        return (
-            self.ggml_type in _COMPILED_TYPES
-            and self.raw.device.type == "cpu"
-            and _compiled is not None
-            and self.shape[1] % _compiled.block_size(int(self.ggml_type)) == 0
-        )
+        return _compiled.handles(self.ggml_type, self.shape[1], self.raw.device)
 
     def decode(self, dtype: torch.dtype) -> torch.Tensor:
         """The matrix decoded into this thread's scratch for its role (valid until the next
@@ -104,12 +83,11 @@ class QuantizedMatrix:
         if not self.compiled:
             w = self.decode(dtype)
             return F.linear(x.to(device=w.device, dtype=w.dtype), w)
-        assert _compiled is not None, "compiled implies the extension is loaded"
         rows, cols = self.shape
         flat = x.to(device="cpu", dtype=torch.float32).reshape(-1, cols).contiguous()
         out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
         raw = self.raw if self.raw.is_contiguous() else self.raw.contiguous()
-        _compiled.matmul(
+        _compiled.module().matmul(
             raw.data_ptr(),
             int(self.ggml_type),
             rows,

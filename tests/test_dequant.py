@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -13,11 +14,27 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ggufswap.runtime import _compiled
 from ggufswap.runtime import dequant as dq
 from ggufswap.runtime.dequant import KERNEL_TYPES, dequantize, has_kernel
 from ggufswap.runtime.errors import UnsupportedTypeError
 
 T = GGMLQuantizationType
+
+
+@pytest.fixture(autouse=True, params=["compiled", "torch"])
+def cpu_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test runs with the compiled decoder (where the install built it) and with the torch
+    kernels alone: both must equal gguf.quants bit for bit."""
+    if request.param == "compiled":
+        if not _compiled.available():
+            pytest.skip("the compiled kernels were not built (no C compiler at install)")
+        yield request.param
+        return
+    with _compiled.disabled():
+        yield request.param
+
+
 KERNEL_LIST = sorted(KERNEL_TYPES, key=lambda t: t.name)
 # Types gguf can quantize, so real-looking data can be round-tripped through them.
 QUANTIZABLE = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]

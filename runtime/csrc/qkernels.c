@@ -13,7 +13,7 @@
  * Python interface (pointers are the integer data_ptr() of contiguous tensors, checked by the
  * caller, runtime/qmatmul.py):
  *   matmul(w, type, rows, cols, x, n, y, threads) -> None
- *   decode(w, type, n_values, out) -> None      (the block decoders alone: tests check them)
+ *   decode(w, type, n_values, out, threads=1)    (blocks to float32: dequantization on the CPU)
  *   block_size(type) -> int                      (values per kernel block: plain types use 64)
  *   types() -> tuple[int, ...]                   (GGML type ids handled here)
  */
@@ -353,27 +353,50 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-CLONES static void decode_all(const qtype *t, const uint8_t *src, long n_blocks, float *dst) {
-    for (long b = 0; b < n_blocks; b++)
-        decode_step(t->type, src + (size_t)b * t->type_size, 1, dst + (size_t)b * t->block_size);
+typedef struct {
+    const qtype *t;
+    const uint8_t *src;
+    float *dst;
+    long b0, b1;
+} decode_job;
+
+CLONES static void *decode_range(void *arg) {
+    const decode_job *j = (const decode_job *)arg;
+    const qtype *t = j->t;
+    for (long b = j->b0; b < j->b1; b++)
+        decode_step(t->type, j->src + (size_t)b * t->type_size, 1, j->dst + (size_t)b * t->block_size);
+    return NULL;
 }
 
 static PyObject *py_decode(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long w, out;
-    int type;
+    int type, threads = 1;
     long n_values;
-    if (!PyArg_ParseTuple(args, "KilK", &w, &type, &n_values, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "KilK|i", &w, &type, &n_values, &out, &threads)) return NULL;
     const qtype *t = find_type(type);
     if (t == NULL) return PyErr_Format(PyExc_ValueError, "no kernel for GGML type %d", type);
     if (n_values < 0 || n_values % t->block_size != 0)
         return PyErr_Format(PyExc_ValueError, "%ld values are not whole blocks of %d", n_values,
                             t->block_size);
     long n_blocks = n_values / t->block_size;
-    const uint8_t *src = (const uint8_t *)(uintptr_t)w;
-    float *dst = (float *)(uintptr_t)out;
+    if (threads < 1) threads = 1;
+    if (threads > 64) threads = 64;
+    if (threads > n_blocks) threads = n_blocks > 0 ? (int)n_blocks : 1;
+    decode_job jobs[64];
+    pthread_t tids[64];
+    int started[64] = {0};
     Py_BEGIN_ALLOW_THREADS
-    decode_all(t, src, n_blocks, dst);
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (decode_job){t, (const uint8_t *)(uintptr_t)w, (float *)(uintptr_t)out,
+                               n_blocks * i / threads, n_blocks * (i + 1) / threads};
+    for (int i = 1; i < threads; i++)
+        started[i] = pthread_create(&tids[i], NULL, decode_range, &jobs[i]) == 0;
+    for (int i = 1; i < threads; i++)
+        if (!started[i]) decode_range(&jobs[i]);
+    decode_range(&jobs[0]);
+    for (int i = 1; i < threads; i++)
+        if (started[i]) pthread_join(tids[i], NULL);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
