@@ -12,6 +12,7 @@ from ggufswap.config.endpoints import Transport, default_runtime_dir, transport_
 from ggufswap.config.errors import ConfigError, ConfigProblem, MissingSectionError
 from ggufswap.config.loader import SCHEMA_VERSION, load_config, load_config_text
 from ggufswap.config.schema import (
+    DEFAULT_DECODED_CACHE,
     AgentConfig,
     ComputeDtype,
     Config,
@@ -39,6 +40,7 @@ from ggufswap.config.units import (
 
 __all__ = [
     "AUTO_THREADS",
+    "DEFAULT_DECODED_CACHE",
     "MAX_THREADS",
     "SCHEMA_VERSION",
     "AgentConfig",

@@ -123,6 +123,13 @@ class Values:
 
     def size(self, node: Node, path: str) -> int:
         """A byte size > 0: ``70GiB``, ``512MiB``, ``1.5GB`` or an integer number of bytes."""
+        nbytes = self.size_or_zero(node, path)
+        if nbytes == 0:
+            raise Invalid(f"a budget must be > 0 bytes, found {self.reader.scalar(node)!r}")
+        return nbytes
+
+    def size_or_zero(self, node: Node, path: str) -> int:
+        """A byte size >= 0 (``0`` turns the feature off), in the same forms as :meth:`size`."""
         del path
         value = self.reader.scalar(node)
         if isinstance(value, bool) or not isinstance(value, int | str):
@@ -134,8 +141,8 @@ class Values:
             nbytes = parse_size(value)
         except ValueError as exc:
             raise Invalid(str(exc)) from None
-        if nbytes <= 0:
-            raise Invalid(f"a budget must be > 0 bytes, found {value!r}")
+        if nbytes < 0:
+            raise Invalid(f"a size must be >= 0 bytes, found {value!r}")
         return nbytes
 
     def path(self, *, kind: PathKind | None) -> Converter[Path]:

@@ -22,6 +22,7 @@ from ggufswap.config.endpoints import (
 )
 from ggufswap.config.errors import ConfigError, ConfigProblem, Invalid
 from ggufswap.config.schema import (
+    DEFAULT_DECODED_CACHE,
     DEFAULT_IGNORE,
     AgentConfig,
     ComputeDtype,
@@ -72,6 +73,7 @@ RUNTIME_KEYS = (
     "metrics_port",
     "log_level",
     "threads",
+    "decoded_cache",
 )
 POOL_KEYS = ("name", "device", "budget")
 PLACEMENT_KEYS = ("gpu_layers", "experts_pool", "split_experts")
@@ -286,6 +288,9 @@ class _Builder:
             metrics_port=self.r.get(sec, "metrics_port", optional(self.v.port), None),
             log_level=self.r.get(sec, "log_level", self.v.choice(LogLevel), LogLevel.INFO),
             threads=self.r.get(sec, "threads", optional(self.v.threads), None),
+            decoded_cache=self.r.get(
+                sec, "decoded_cache", self.v.size_or_zero, DEFAULT_DECODED_CACHE
+            ),
         )
 
     def _sibling(self, sec: Section, key: str, control: str, *, role: str, port_offset: int) -> str:

@@ -40,6 +40,10 @@ class Storage(str, enum.Enum):
     AUTO = "auto"
 
 
+# Native storage keeps up to this many bytes of decoded dense tensors by default.
+DEFAULT_DECODED_CACHE = 1 << 30
+
+
 class ComputeDtype(str, enum.Enum):
     """Torch dtype names accepted for ``runtime.compute_dtype``."""
 
@@ -158,6 +162,7 @@ class RuntimeConfig:
     metrics_port: int | None = None
     log_level: LogLevel = LogLevel.INFO
     threads: int | None = None  # torch's CPU threads; None: auto, from the process's CPU affinity
+    decoded_cache: int = DEFAULT_DECODED_CACHE  # native storage: decoded dense tensors kept (bytes)
 
     def pool(self, name: str) -> PoolConfig:
         """The pool called ``name``; raises ``KeyError`` naming the pools that exist."""

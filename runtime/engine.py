@@ -28,7 +28,7 @@ from typing import Any, Final
 import structlog
 import torch
 
-from ggufswap.config import Storage
+from ggufswap.config import DEFAULT_DECODED_CACHE, Storage
 from ggufswap.ipc import (
     Event,
     Plan,
@@ -42,10 +42,9 @@ from ggufswap.runtime.commit import commit
 from ggufswap.runtime.errors import PlanRejected, StagingFailed
 from ggufswap.runtime.plans import Follower, PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
-from ggufswap.runtime.staging import StagedPlan, Stager
 from ggufswap.runtime.qmatmul import KERNELS
+from ggufswap.runtime.staging import StagedPlan, Stager
 from ggufswap.runtime.store import (
-    DEFAULT_DECODED_CACHE,
     Placement,
     Slot,
     TensorStore,

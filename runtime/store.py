@@ -23,7 +23,7 @@ import structlog
 import torch
 from gguf import GGMLQuantizationType
 
-from ggufswap.config import Storage
+from ggufswap.config import DEFAULT_DECODED_CACHE, Storage
 from ggufswap.ipc import SlotState
 from ggufswap.runtime.dequant import dequantize
 from ggufswap.runtime.errors import PoolFull
@@ -43,8 +43,6 @@ from ggufswap.shards import ShardSet, TensorRecord
 
 log = structlog.get_logger(__name__)
 
-# Native storage keeps up to this many bytes of decoded dense tensors by default (runtime config).
-DEFAULT_DECODED_CACHE = 1 << 30
 # GGML types whose bytes are already a torch dtype: read as a view when that is the compute dtype.
 _PLAIN_DTYPES = {
     GGMLQuantizationType.F32: torch.float32,

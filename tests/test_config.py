@@ -191,6 +191,18 @@ def test_storage_auto_is_accepted_and_dequantized_stays_the_default(tmp_path: Pa
     assert load(RUNTIME, tmp_path).require_runtime().storage is Storage.DEQUANTIZED
 
 
+@pytest.mark.parametrize(("written", "size"), [(None, 1 << 30), ("0", 0), ("512MiB", 512 << 20)])
+def test_runtime_decoded_cache_is_a_size(tmp_path: Path, written: str | None, size: int) -> None:
+    """runtime.decoded_cache is a byte size (units allowed), 1 GiB when absent, 0 to disable."""
+    text = RUNTIME if written is None else RUNTIME + f"  decoded_cache: {written}\n"
+    assert load(text, tmp_path).require_runtime().decoded_cache == size
+
+
+def test_runtime_decoded_cache_refuses_what_is_not_a_size(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="decoded_cache"):
+        load(RUNTIME + "  decoded_cache: lots\n", tmp_path)
+
+
 def test_combined_file_defaults_model_endpoint_to_runtime(tmp_path: Path) -> None:
     """With one model and a runtime, the model connects where the runtime binds (* → localhost)."""
     config = load(

@@ -43,6 +43,7 @@ def open_runtime(config: Config) -> HotSwapRuntime:
         pools=pools,
         storage=rc.storage,
         compute_dtype=getattr(torch, rc.compute_dtype.value),
+        decoded_cache=rc.decoded_cache,
         strict=rc.strict_types,
         placement=Placement(
             gpu_layers=rc.placement.gpu_layers,
