@@ -36,9 +36,10 @@ def reference(raw: torch.Tensor, ggml_type: Q, rows: int = ROWS) -> torch.Tensor
 
 @needs_kernels
 def test_the_kernels_cover_the_common_types() -> None:
-    """The K-quants, the legacy 32-blocks and the plain float types all have a kernel."""
+    """The K-quants, IQ4_NL/IQ4_XS, the legacy 32-blocks and the plain float types all have a
+    kernel."""
     expected = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
-    expected |= {Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    expected |= {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS}
     assert set(COMPILED) == expected
 
 

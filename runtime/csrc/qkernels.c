@@ -26,7 +26,8 @@
 
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
+    T_IQ4_XS = 23, T_BF16 = 30,
 };
 
 #define LANES 8
@@ -156,6 +157,55 @@ static inline __attribute__((always_inline)) void dec_q8_0(const uint8_t *b, flo
     for (int j = 0; j < 32; j++) y[j] = d * (float)qs[j];
 }
 
+static inline __attribute__((always_inline)) void dec_q2_k(const uint8_t *b, float *y) {
+    const uint8_t *scales = b, *qs = b + 16;
+    float d = rdh(b + 80), dmin = rdh(b + 82);
+    for (int k = 0; k < 16; k++) { /* value 16 k + i: half k / 8, shift (k / 2) % 4 */
+        float dl = d * (float)(scales[k] & 0xF), ml = dmin * (float)(scales[k] >> 4);
+        const uint8_t *q = qs + (k / 8) * 32 + (k % 2) * 16;
+        int shift = 2 * ((k / 2) % 4);
+        for (int i = 0; i < 16; i++) y[16 * k + i] = dl * (float)((q[i] >> shift) & 3) - ml;
+    }
+}
+
+static inline __attribute__((always_inline)) void dec_q3_k(const uint8_t *b, float *y) {
+    const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+    float d = rdh(b + 108);
+    for (int k = 0; k < 16; k++) {
+        int low = (sc[k % 8] >> (4 * (k / 8))) & 0xF, high = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
+        float dl = d * (float)((int8_t)(low | (high << 4)) - 32);
+        int half = k / 8, shift = 2 * ((k / 2) % 4), bit = k / 2; /* hmask bit: half 4 + shift/2 */
+        const uint8_t *q = qs + half * 32 + (k % 2) * 16, *h = hmask + (k % 2) * 16;
+        for (int i = 0; i < 16; i++) {
+            int v = (int)((q[i] >> shift) & 3) - (((h[i] >> bit) & 1) ? 0 : 4);
+            y[16 * k + i] = dl * (float)v;
+        }
+    }
+}
+
+static const int8_t IQ4_KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                       1,    13,   25,  38,  53,  69,  89,  113};
+
+static inline __attribute__((always_inline)) void dec_iq4_nl(const uint8_t *b, float *y) {
+    float d = rdh(b);
+    const uint8_t *qs = b + 2;
+    for (int j = 0; j < 16; j++) y[j] = d * (float)IQ4_KVALUES[qs[j] & 0xF];
+    for (int j = 0; j < 16; j++) y[j + 16] = d * (float)IQ4_KVALUES[qs[j] >> 4];
+}
+
+static inline __attribute__((always_inline)) void dec_iq4_xs(const uint8_t *b, float *y) {
+    float d = rdh(b);
+    uint16_t scales_h = rd16(b + 2);
+    const uint8_t *scales_l = b + 4, *qs = b + 8;
+    for (int ib = 0; ib < 8; ib++) {
+        int low = (scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF, high = (scales_h >> (2 * ib)) & 3;
+        float dl = d * (float)((int8_t)(low | (high << 4)) - 32);
+        const uint8_t *q = qs + 16 * ib;
+        for (int j = 0; j < 16; j++) y[32 * ib + j] = dl * (float)IQ4_KVALUES[q[j] & 0xF];
+        for (int j = 0; j < 16; j++) y[32 * ib + 16 + j] = dl * (float)IQ4_KVALUES[q[j] >> 4];
+    }
+}
+
 static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *b, float *y) {
     float d = rdh(b), dmin = rdh(b + 2);
     const uint8_t *scales = b + 4, *q = b + 16;
@@ -225,7 +275,8 @@ static const qtype QTYPES[] = {
     {T_F32, PLAIN, 4 * PLAIN}, {T_F16, PLAIN, 2 * PLAIN}, {T_BF16, PLAIN, 2 * PLAIN},
     {T_Q4_0, 32, 18},          {T_Q4_1, 32, 20},          {T_Q5_0, 32, 22},
     {T_Q5_1, 32, 24},          {T_Q8_0, 32, 34},          {T_Q4_K, 256, 144},
-    {T_Q5_K, 256, 176},        {T_Q6_K, 256, 210},
+    {T_Q5_K, 256, 176},        {T_Q6_K, 256, 210},        {T_Q2_K, 256, 84},
+    {T_Q3_K, 256, 110},        {T_IQ4_NL, 32, 18},        {T_IQ4_XS, 256, 136},
 };
 #define N_QTYPES (sizeof(QTYPES) / sizeof(QTYPES[0]))
 
@@ -251,6 +302,10 @@ static inline __attribute__((always_inline)) void decode_step(int type, const ui
     case T_Q5_0: STEP(dec_q5_0, 32, 22)
     case T_Q5_1: STEP(dec_q5_1, 32, 24)
     case T_Q8_0: STEP(dec_q8_0, 32, 34)
+    case T_Q2_K: STEP(dec_q2_k, 256, 84)
+    case T_Q3_K: STEP(dec_q3_k, 256, 110)
+    case T_IQ4_NL: STEP(dec_iq4_nl, 32, 18)
+    case T_IQ4_XS: STEP(dec_iq4_xs, 256, 136)
     case T_Q4_K: STEP(dec_q4_k, 256, 144)
     case T_Q5_K: STEP(dec_q5_k, 256, 176)
     case T_Q6_K: STEP(dec_q6_k, 256, 210)
