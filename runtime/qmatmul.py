@@ -3,12 +3,13 @@
 A :class:`QuantizedMatrix` is a weight matrix as native storage holds it (its blocks, its type and
 its logical shape). ``linear`` multiplies activations by it:
 
-- on the CPU, for the types ``runtime/csrc/qkernels.c`` handles, with the compiled kernel: each
-  block is decoded into L1 and multiplied there, so the product reads the quantized bytes once and
-  never writes the float32 weights (float32 arithmetic, rows split over torch's thread count);
-- otherwise (no compiler at install, another device, another type) by decoding the matrix with
-  the torch kernels (:func:`~ggufswap.runtime.dequant.dequantize`) into a scratch buffer and
-  calling ``F.linear``.
+- for a few activation rows (decode), on the CPU, for the types ``runtime/csrc/qkernels.c``
+  handles, with the compiled kernel: each block is decoded into L1 and multiplied there, so the
+  product reads the quantized bytes once and never writes the float32 weights (float32
+  arithmetic, rows split over torch's thread count);
+- otherwise (many rows: prefill and perplexity batches; no compiler at install; another device
+  or type) by decoding the matrix (the decoded cache's copy where the store keeps one, else a
+  scratch buffer, :func:`~ggufswap.runtime.dequant.dequantize`) and calling ``F.linear``.
 
 The decoded values are the same in both (``gguf.quants``' float32 values, bit for bit); the sums
 are taken in a different order, so the two paths agree to float32 rounding, not bit for bit.
@@ -19,6 +20,7 @@ swapped model computes what a fresh load computes) needs. ``KERNELS`` names the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,17 +41,27 @@ def compiled_types() -> frozenset[GGMLQuantizationType]:
     return _compiled.types()
 
 
-@dataclass(frozen=True)
+# Activation rows up to which the compiled kernel multiplies from the blocks; from here on,
+# decoding the matrix once and a float GEMM is faster (measured on a 2048 x 7168 matrix, one
+# thread: Q4_K fused 3.8 / 9.5 / 26.4 / 33.0 ms at 1 / 4 / 8 / 16 rows, decode + F.linear
+# 12.5-18.0 / 26.3 / 23.3 ms).
+FUSED_MAX_ROWS = 8
+
+
+@dataclass(frozen=True, eq=False)
 class QuantizedMatrix:
     """A ``[rows, cols]`` weight matrix held as GGUF blocks (``raw``: uint8, exactly its bytes).
 
     ``name`` is the tensor it belongs to (its role keys the decode scratch of the torch path).
+    ``decoded``, when given, returns the matrix decoded (the store's decoded cache): products
+    with many activation rows use it instead of decoding into scratch each time.
     """
 
     raw: torch.Tensor
     ggml_type: GGMLQuantizationType
     shape: tuple[int, int]
     name: str
+    decoded: Callable[[], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]
@@ -78,12 +90,14 @@ class QuantizedMatrix:
         return dequantize(self.raw, self.ggml_type, ne, dtype=dtype, strict=False, out=out)
 
     def linear(self, x: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
-        """``x @ W.T`` on the matrix's device: float32 from the compiled kernel, else in
-        ``dtype`` (the compute dtype) from the decoded matrix."""
-        if not self.compiled:
-            w = self.decode(dtype)
-            return F.linear(x.to(device=w.device, dtype=w.dtype), w)
+        """``x @ W.T`` on the matrix's device: float32 from the compiled kernel for a few
+        activation rows (< ``FUSED_MAX_ROWS``), else in ``dtype`` (the compute dtype) from the
+        decoded matrix (``decoded``, or this thread's scratch)."""
         rows, cols = self.shape
+        n = x.numel() // cols
+        if not self.compiled or n >= FUSED_MAX_ROWS:
+            w = self.decoded() if self.decoded is not None else self.decode(dtype)
+            return F.linear(x.to(device=w.device, dtype=w.dtype), w)
         flat = x.to(device="cpu", dtype=torch.float32).reshape(-1, cols).contiguous()
         out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
         raw = self.raw if self.raw.is_contiguous() else self.raw.contiguous()

@@ -195,6 +195,8 @@ class TensorStore:
             return self.split_view(slot).full(self.pools.fallback.device)
         if self.storage is Storage.DEQUANTIZED:
             return slot.active.tensor.view(slot.record.shape)
+        if self._is_view(slot.record):  # already compute-dtype values: nothing to keep
+            return self.materialize_flat(slot.active.tensor, slot.record)
         key = (name, slot.fingerprint, int(slot.record.ggml_type))
         return self.decoded.get(key, lambda: self.materialize_flat(slot.active.tensor, slot.record))
 
@@ -213,23 +215,47 @@ class TensorStore:
         return self.weight(name)
 
     def matrix(self, name: str) -> torch.Tensor | QuantizedMatrix:
-        """A dense weight for ``linear``. Native storage decodes it into the decoded cache when
-        every dense quantized matrix fits the cache (decoded once, then float GEMMs); past that
-        it multiplies from the blocks (:class:`QuantizedMatrix`) where a compiled kernel runs,
-        rather than decode a matrix per use that the cache would soon evict."""
+        """A dense weight for ``linear``. In native storage, where a compiled kernel runs, the
+        matrix's blocks (:class:`QuantizedMatrix`): a few activation rows multiply from them,
+        many rows use the decoded cache's copy when every dense matrix fits the cache (decoded
+        once), else a scratch decode per use. Elsewhere, the decoded tensor."""
         slot = self.slots.get(name)
         if slot is None or self.storage is Storage.DEQUANTIZED or slot.is_split:
             return self.weight(name)
         record = slot.record
-        if self._dense_cached or len(record.ne) != 2 or self._is_view(record):
+        if len(record.ne) != 2 or self._is_view(record):
             return self.weight(name)
         raw = slot.active.tensor[: record.nbytes]
-        matrix = QuantizedMatrix(raw, record.ggml_type, (record.ne[1], record.ne[0]), name)
+        shape = (record.ne[1], record.ne[0])
+        cached = (lambda: self.weight(name)) if self._dense_cached else None
+        matrix = QuantizedMatrix(raw, record.ggml_type, shape, name, decoded=cached)
         return matrix if matrix.compiled else self.weight(name)
 
     def _is_view(self, record: TensorRecord) -> bool:
         """Whether native bytes of ``record`` already are compute-dtype values (read as a view)."""
         return _PLAIN_DTYPES.get(record.ggml_type) == self.compute_dtype
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of a 2-D tensor (an embedding lookup), ``[*ids.shape, ne[0]]``. Native
+        storage decodes only the rows asked for (each row is a run of whole blocks)."""
+        slot = self.slots.get(name)
+        if (
+            slot is None
+            or self.storage is Storage.DEQUANTIZED
+            or slot.is_split
+            or len(slot.ne) != 2
+            or self._is_view(slot.record)
+        ):
+            w = self.weight(name)
+            return torch.nn.functional.embedding(ids.to(w.device), w)
+        record = slot.record
+        blocks = slot.active.tensor[: record.nbytes].view(record.ne[1], -1)  # [rows, row bytes]
+        wanted, where = torch.unique(ids.reshape(-1).to(blocks.device), return_inverse=True)
+        picked = blocks.index_select(0, wanted).reshape(-1)
+        values = dequantize(
+            picked, record.ggml_type, (record.ne[0], wanted.numel()), dtype=self.compute_dtype
+        )
+        return values[where].view(*ids.shape, record.ne[0])
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's logical shape, from its record (nothing is read or decoded)."""

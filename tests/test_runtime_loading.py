@@ -282,3 +282,38 @@ def test_native_dense_matrices_multiply_from_blocks_when_the_cache_cannot_hold_t
         assert torch.equal(swapped, logits(fresh_model))
     finally:
         fresh_rt.close()
+
+
+@pytest.mark.skipif(not qmatmul.compiled_types(), reason="needs the compiled kernels")
+def test_native_decode_steps_multiply_from_blocks_and_batches_use_the_decoded_cache(
+    tmp_path: Path,
+) -> None:
+    """A one-token step decodes no dense matrix (only token_embd's rows are looked up through
+    the cache); a batch of many rows decodes each matrix once into the cache."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE)
+    try:
+        logits(model, torch.tensor([[5]]))
+        assert runtime.store.decoded.snapshot()["entries"] <= 2  # token_embd, output (F16)
+        logits(model, torch.arange(32).view(2, 16))
+        assert runtime.store.decoded.snapshot()["entries"] > 2
+    finally:
+        runtime.close()
+
+
+def test_native_embedding_lookups_decode_only_the_rows_asked_for(tmp_path: Path) -> None:
+    """store.rows gives, for ids of any shape (repeats included), exactly the rows of the
+    decoded table, without putting the table in the decoded cache."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    ids = torch.tensor([[7, 3, 7], [0, 255, 3]])
+    dequantized, _ = open_runtime(model_dir.first)
+    native, _ = open_runtime(model_dir.first, storage=Storage.NATIVE)
+    try:
+        table = dequantized.store.weight("token_embd.weight")
+        got = native.store.rows("token_embd.weight", ids)
+        assert got.shape == (2, 3, table.shape[1])
+        assert torch.equal(got, table[ids])
+        assert native.store.decoded.snapshot()["entries"] == 0
+    finally:
+        dequantized.close()
+        native.close()

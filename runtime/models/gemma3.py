@@ -101,7 +101,7 @@ class Gemma3Transformer(nn.Module):
         the cached positions (``start_pos`` must be ``cache.length``) and are appended to it."""
         # tokens: [B, T] int64 -> logits: [B, T, V] float32
         c, w, seq = self.config, self.weights.weight, tokens.shape[1]
-        x = embed(tokens, w(self.tok_embd), c.embed_scale)  # [B, T, D]
+        x = embed(tokens, self.weights, self.tok_embd, c.embed_scale)  # [B, T, D]
         rope_global = self.rope_global(start_pos, seq, tokens.device)
         rope_local = self.rope_local(start_pos, seq, tokens.device)
         local_mask, global_mask = self._masks(start_pos, seq, tokens.device, cache)

@@ -60,6 +60,11 @@ class WeightProvider(Protocol):
         """The tensor's logical torch shape, without reading its data."""
         ...
 
+    def rows(self, name: str, ids: Tensor) -> Tensor:
+        """Rows ``ids`` (any shape of int64) of a 2-D tensor: ``[*ids.shape, ne[0]]`` in the
+        compute dtype, on the tensor's device (an embedding lookup)."""
+        ...
+
     def has(self, name: str) -> bool:
         """Whether the model file holds a tensor of this name."""
         ...
@@ -85,6 +90,10 @@ class DictWeightProvider:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.weight(name).shape)
+
+    def rows(self, name: str, ids: Tensor) -> Tensor:
+        w = self.weight(name)
+        return F.embedding(ids.to(w.device), w)
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -417,7 +426,7 @@ class Transformer(nn.Module):
         the cached positions (``start_pos`` must be ``cache.length``) and are appended to it."""
         # tokens: [B, T] int64 -> logits: [B, T, V] float32
         w, seq = self.weights.weight, tokens.shape[1]
-        x = embed(tokens, w(self.tok_embd), self.config.embed_scale)  # [B, T, D]
+        x = embed(tokens, self.weights, self.tok_embd, self.config.embed_scale)  # [B, T, D]
         rope = self.rope(start_pos, seq, tokens.device)
         mask = None  # without a cache: causal attention within this forward
         if cache is not None:
@@ -436,10 +445,11 @@ class Transformer(nn.Module):
         return KVCache(n_layer=self.config.n_layer, max_len=max_len)
 
 
-def embed(tokens: Tensor, emb: Tensor, scale: float = 1.0) -> Tensor:
-    """Rows of ``emb`` for ``tokens`` as float32 on the tokens' device, times ``scale``."""
+def embed(tokens: Tensor, weights: WeightProvider, name: str, scale: float = 1.0) -> Tensor:
+    """Rows of the embedding ``name`` for ``tokens`` as float32 on the tokens' device, times
+    ``scale`` (only the rows looked up are read: native storage decodes just those)."""
     # tokens: [B, T] -> [B, T, D]
-    x = F.embedding(tokens.to(emb.device), emb).to(tokens.device, torch.float32)
+    x = weights.rows(name, tokens).to(tokens.device, torch.float32)
     return x if scale == 1.0 else x * scale
 
 
