@@ -229,9 +229,13 @@ def message_type(msg: Mapping[str, Any]) -> MessageType:
 
 def record_to_wire(record: TensorRecord) -> dict[str, Any]:
     """A ``TensorRecord`` as a plain map (``name`` included)."""
+    return {Fields.Tensor.NAME: record.name, **_record_fields(record)}
+
+
+def _record_fields(record: TensorRecord) -> dict[str, Any]:
+    """The wire fields of a record but its name (a state entry is keyed by the name)."""
     t = Fields.Tensor
     return {
-        t.NAME: record.name,
         t.PATH: record.path,
         t.OFFSET: record.offset,
         t.NBYTES: record.nbytes,
@@ -437,14 +441,8 @@ def state_to_wire(state: RuntimeState) -> dict[str, Any]:
     t = Fields.Tensor
     tensors: dict[str, Any] = {}
     for entry in state.tensors:
-        record = entry.record
-        tensors[record.name] = {
-            t.PATH: record.path,
-            t.OFFSET: record.offset,
-            t.NBYTES: record.nbytes,
-            t.TYPE: int(record.ggml_type),
-            t.NE: list(record.ne),
-            t.IDENTITY: list(record.identity.as_tuple()),
+        tensors[entry.record.name] = {
+            **_record_fields(entry.record),
             t.FINGERPRINT: entry.fingerprint,
             t.SLOT: entry.slot.value,
         }

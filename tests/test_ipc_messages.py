@@ -344,8 +344,9 @@ def validated(body: dict[str, Any]) -> MessageType | None:
 
 _count = st.integers(0, 2**63 - 1)
 _name = st.text(min_size=1, max_size=12)
-# A path is any non-empty text but NUL, which no file system accepts (the wire refuses it).
-_path = st.text(st.characters(blacklist_characters="\x00"), min_size=1, max_size=12)
+# A path is any non-empty UTF-8 text but NUL, which no file system accepts (the wire refuses
+# it); lone surrogates are not text the wire can carry at all.
+_path = st.text(st.characters(codec="utf-8", blacklist_characters="\x00"), min_size=1, max_size=12)
 _records = st.builds(
     TensorRecord,
     name=_name,

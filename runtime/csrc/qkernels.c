@@ -87,6 +87,20 @@ static inline __attribute__((always_inline)) void scale_min_k4(int j, const uint
     }
 }
 
+/* Q4_K/Q5_K: the scales and mins of sub-blocks `is` and `is + 1`, as gguf.quants computes them. */
+static inline __attribute__((always_inline)) void k_scale_pair(float d, float dmin,
+                                                               const uint8_t *scales, int is,
+                                                               float *d1, float *m1, float *d2,
+                                                               float *m2) {
+    uint8_t sc, m;
+    scale_min_k4(is, scales, &sc, &m);
+    *d1 = d * sc;
+    *m1 = dmin * m;
+    scale_min_k4(is + 1, scales, &sc, &m);
+    *d2 = d * sc;
+    *m2 = dmin * m;
+}
+
 /* Decoders: one block -> y[block_size] float32, as gguf.quants.dequantize. */
 
 /* The 32 4-bit codes of a 32-value block: low nibbles are values 0-15, high nibbles 16-31. */
@@ -210,11 +224,8 @@ static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *b, flo
     float d = rdh(b), dmin = rdh(b + 2);
     const uint8_t *scales = b + 4, *q = b + 16;
     for (int j = 0, is = 0; j < 256; j += 64, is += 2) {
-        uint8_t sc, m;
-        scale_min_k4(is, scales, &sc, &m);
-        float d1 = d * sc, m1 = dmin * m;
-        scale_min_k4(is + 1, scales, &sc, &m);
-        float d2 = d * sc, m2 = dmin * m;
+        float d1, m1, d2, m2;
+        k_scale_pair(d, dmin, scales, is, &d1, &m1, &d2, &m2);
         for (int l = 0; l < 32; l++) y[j + l] = d1 * (float)(q[l] & 0xF) - m1;
         for (int l = 0; l < 32; l++) y[j + 32 + l] = d2 * (float)(q[l] >> 4) - m2;
         q += 32;
@@ -226,11 +237,8 @@ static inline __attribute__((always_inline)) void dec_q5_k(const uint8_t *b, flo
     const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
     uint8_t u1 = 1, u2 = 2;
     for (int j = 0, is = 0; j < 256; j += 64, is += 2) {
-        uint8_t sc, m;
-        scale_min_k4(is, scales, &sc, &m);
-        float d1 = d * sc, m1 = dmin * m;
-        scale_min_k4(is + 1, scales, &sc, &m);
-        float d2 = d * sc, m2 = dmin * m;
+        float d1, m1, d2, m2;
+        k_scale_pair(d, dmin, scales, is, &d1, &m1, &d2, &m2);
         for (int l = 0; l < 32; l++)
             y[j + l] = d1 * (float)((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
         for (int l = 0; l < 32; l++)
