@@ -55,6 +55,10 @@ from ggufswap.shards import HeaderCache, Keys, ShardSet, open_shard_set
 
 log = structlog.get_logger(__name__)
 
+# How long a commit holds its plan.committed event back for the stager to finish delivering the
+# plan's plan.staged (listeners run there; a slow one delays the commit's event, not the commit).
+_PUBLISH_WAIT_S = 5.0
+
 CommitCallback = Callable[[int, tuple[str, ...]], None]
 EventCallback = Callable[[Event], None]
 
@@ -324,9 +328,6 @@ class HotSwapRuntime:
         ticket.stage_s = time.monotonic() - started
         ticket.bytes_read = staged.bytes_read
         ticket.move(PlanState.STAGED)
-        # Published before the plan is queued: once queued, the inference thread may commit it
-        # and publish ``plan.committed`` before this thread runs again.
-        self._emit(PlanStagedEvent(plan_id=ticket.plan_id, stage_ms=round(ticket.stage_s * 1e3, 3)))
         with self._cond:
             closing = self._closed
             if not closing:
@@ -337,6 +338,10 @@ class HotSwapRuntime:
             self._finish_rejected(ticket, [_SHUTTING_DOWN])
             self._settled(1)
             return
+        # Published once the plan can be committed (a listener may commit it at once); the
+        # inference thread holds its plan.committed back until this has been delivered.
+        self._emit(PlanStagedEvent(plan_id=ticket.plan_id, stage_ms=round(ticket.stage_s * 1e3, 3)))
+        ticket.staged_published.set()
         # One plan in flight: the next is staged against the buffers this one leaves behind.
         ticket.wait()
         self._drop_retired()
@@ -391,6 +396,7 @@ class HotSwapRuntime:
                 stage_ms=round((ticket.stage_s or 0) * 1e3, 3),
                 stall_ms=round(stall * 1e3, 3),
             )
+            self._after_staged_published(ticket)
             self._emit(
                 PlanCommittedEvent(
                     plan_id=ticket.plan_id,
@@ -404,6 +410,15 @@ class HotSwapRuntime:
             log.error("commit.callback_failed", weight_version=version, errors=len(errors))
             raise errors[0]
         return version
+
+    def _after_staged_published(self, ticket: PlanTicket) -> None:
+        """Wait (briefly) until the stager has delivered the plan's ``plan.staged``, so that
+        listeners see staged before committed. A listener that commits from inside its own
+        ``plan.staged`` callback (the stager thread) does not wait for itself."""
+        if threading.current_thread() is self._thread:
+            return
+        if not ticket.staged_published.wait(_PUBLISH_WAIT_S):
+            log.warning("plan.staged_event_late", plan_id=ticket.plan_id)
 
     def _commit_one(
         self, ticket: PlanTicket, staged: StagedPlan, retired: list[Buffer]

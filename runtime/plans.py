@@ -65,6 +65,8 @@ class PlanTicket:
     stage_s: float | None = None
     stall_s: float | None = None
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    # Set once the plan.staged event has been delivered: its plan.committed waits for it.
+    staged_published: threading.Event = field(default_factory=threading.Event, repr=False)
     # Moves and follows are serialized, so a follower sees each state once, in order.
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _followers: list[Follower] = field(default_factory=list, repr=False)

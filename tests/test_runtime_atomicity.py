@@ -4,6 +4,7 @@ one whole plan's weights, plans apply at most once, and closing never leaves a p
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from ggufswap.ipc import (
     PlanRejectedEvent,
     PlanStagedEvent,
 )
-from ggufswap.runtime import DerivedTensor, PlanState, Storage
+from ggufswap.runtime import DerivedTensor, PlanState, PlanTicket, Storage
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -199,22 +200,40 @@ def test_failing_commit_callback_is_raised_after_the_commit_is_recorded(tmp_path
 
 
 def test_plan_events_keep_their_order_when_the_commit_comes_at_once(tmp_path: Path) -> None:
-    """``plan.staged`` is published before the plan can be committed: here the first event
-    callback commits the moment it can (the worst interleaving an inference thread can make),
-    and the second still sees accepted, staged, committed in that order."""
+    """An inference thread may commit a plan while the stager is still delivering its
+    ``plan.staged`` (here the first listener holds delivery until the plan is committed):
+    listeners still see accepted, staged, committed in that order, and a listener woken by
+    ``plan.staged`` finds the plan ready to commit."""
     model_dir = ModelDir.write(tmp_path / "model")
     runtime, _ = open_runtime(model_dir.first, storage=Storage.DEQUANTIZED)
     seen: list[type] = []
-    runtime.on_event(
-        lambda e: runtime.at_batch_boundary() if isinstance(e, PlanStagedEvent) else None
-    )
+    woken = threading.Event()
+    tickets: list[PlanTicket] = []
+
+    def hold_until_committed(event: object) -> None:
+        if isinstance(event, PlanStagedEvent):
+            woken.set()
+            deadline = time.monotonic() + WAIT_S
+            while tickets[0].state is not PlanState.COMMITTED and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    runtime.on_event(hold_until_committed)
     runtime.on_event(lambda e: seen.append(type(e)))
+    committed_at: list[int] = []
+
+    def inference() -> None:
+        assert woken.wait(WAIT_S)
+        committed_at.append(runtime.at_batch_boundary())  # a plan.staged listener can commit
+
+    thread = threading.Thread(target=inference)
     try:
         model_dir.put(DOWN0, model_dir.variant(DOWN0, Q.Q4_0, tmp_path / "variants"))
-        ticket = runtime.submit(model_dir.plan("a", [DOWN0]))
-        if runtime.wait_staged(timeout=WAIT_S):  # the callback's commit found nothing queued
-            runtime.at_batch_boundary()
-        assert ticket.wait(WAIT_S) is PlanState.COMMITTED
+        thread.start()
+        tickets.append(runtime.submit(model_dir.plan("a", [DOWN0])))
+        thread.join(WAIT_S * 2)
+        assert not thread.is_alive()
+        assert committed_at == [1]
+        assert tickets[0].wait(WAIT_S) is PlanState.COMMITTED
     finally:
         runtime.close()
     plan_events = [t for t in seen if t.__name__.startswith("Plan")]
