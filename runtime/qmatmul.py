@@ -46,6 +46,9 @@ def compiled_types() -> frozenset[GGMLQuantizationType]:
 # thread: Q4_K fused 3.8 / 9.5 / 26.4 / 33.0 ms at 1 / 4 / 8 / 16 rows, decode + F.linear
 # 12.5-18.0 / 26.3 / 23.3 ms).
 FUSED_MAX_ROWS = 8
+# A matrix decoded for a product without the decoded cache is decoded in bands of rows of at most
+# this many bytes (the scratch of one tensor role and thread).
+SCRATCH_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,12 +85,15 @@ class QuantizedMatrix:
         """Whether :meth:`linear` runs the compiled kernel for this matrix."""
         return _compiled.handles(self.ggml_type, self.shape[1], self.raw.device)
 
-    def decode(self, dtype: torch.dtype) -> torch.Tensor:
-        """The matrix decoded into this thread's scratch for its role (valid until the next
-        matrix of that role is decoded)."""
-        out = expert_scratch(self.name, self.shape, dtype, self.raw.device)
-        ne = (self.shape[1], self.shape[0])
-        return dequantize(self.raw, self.ggml_type, ne, dtype=dtype, strict=False, out=out)
+    def decode(self, dtype: torch.dtype, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of the matrix decoded into this thread's scratch for its role
+        (valid until the next matrix of that role is decoded)."""
+        rows, cols = self.shape
+        stop = rows if stop is None else stop
+        row_bytes = self.raw.numel() // rows
+        out = expert_scratch(self.name, (stop - start, cols), dtype, self.raw.device)
+        raw = self.raw[start * row_bytes : stop * row_bytes]
+        return dequantize(raw, self.ggml_type, (cols, stop - start), dtype=dtype, out=out)
 
     def linear(self, x: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
         """``x @ W.T`` on the matrix's device: float32 from the compiled kernel for a few
@@ -95,9 +101,11 @@ class QuantizedMatrix:
         decoded matrix (``decoded``, or this thread's scratch)."""
         rows, cols = self.shape
         n = x.numel() // cols
-        if not self.compiled or n >= FUSED_MAX_ROWS:
-            w = self.decoded() if self.decoded is not None else self.decode(dtype)
+        if self.decoded is not None and (not self.compiled or n >= FUSED_MAX_ROWS):
+            w = self.decoded()
             return F.linear(x.to(device=w.device, dtype=w.dtype), w)
+        if not self.compiled or n >= FUSED_MAX_ROWS:
+            return self._decoded_linear(x, dtype)
         flat = x.to(device="cpu", dtype=torch.float32).reshape(-1, cols).contiguous()
         out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
         raw = self.raw if self.raw.is_contiguous() else self.raw.contiguous()
@@ -112,3 +120,18 @@ class QuantizedMatrix:
             torch.get_num_threads(),
         )
         return out.view(*x.shape[:-1], rows)
+
+    def _decoded_linear(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x @ W.T`` decoding ``W`` into scratch a band of rows at a time (at most
+        ``SCRATCH_BYTES`` each), so that no matrix, however large (an output head of a big
+        vocabulary), needs its whole float copy."""
+        rows, cols = self.shape
+        band = max(1, SCRATCH_BYTES // (cols * dtype.itemsize))
+        xd = x.to(device=self.raw.device, dtype=dtype)
+        if band >= rows:
+            return F.linear(xd, self.decode(dtype))
+        out = torch.empty(*x.shape[:-1], rows, dtype=dtype, device=self.raw.device)
+        for start in range(0, rows, band):
+            stop = min(start + band, rows)
+            out[..., start:stop] = F.linear(xd, self.decode(dtype, start, stop))
+        return out

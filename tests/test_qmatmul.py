@@ -4,6 +4,8 @@ the torch path stands in for them wherever they do not run."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -100,3 +102,24 @@ def test_a_matrix_whose_bytes_do_not_fit_its_shape_is_refused() -> None:
     raw = torch.zeros(ROWS * COLS // block_size * type_size - 1, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"blk.0.x: Q8_0 \[24, 512\] needs 13056 bytes"):
         QuantizedMatrix(raw, Q.Q8_0, (ROWS, COLS), "blk.0.x")
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+def test_many_rows_decode_in_bands_of_bounded_scratch(
+    monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    """A product with many activation rows and no decoded copy decodes the matrix a band of
+    rows at a time (scratch bounded by SCRATCH_BYTES) and computes the whole product."""
+    if compiled and not COMPILED:
+        pytest.skip("the compiled kernels were not built")
+    raw = blocks(Q.Q4_K, rows=40)
+    matrix = QuantizedMatrix(raw, Q.Q4_K, (40, COLS), "output.weight")
+    x = torch.randn(3, 16, COLS, generator=torch.Generator().manual_seed(4))
+    expected = F.linear(x, reference(raw, Q.Q4_K, rows=40))
+    monkeypatch.setattr(qmatmul, "SCRATCH_BYTES", 7 * COLS * 4)  # bands of 7 rows
+    with contextlib.ExitStack() as stack:
+        if not compiled:
+            stack.enter_context(_compiled.disabled())
+        got = matrix.linear(x, dtype=torch.float32)
+    assert got.shape == (3, 16, 40)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
