@@ -29,7 +29,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ggufswap.runtime import _compiled
 from ggufswap.runtime.dequant import dequantize
-from ggufswap.runtime.resident import expert_scratch
+from ggufswap.runtime.resident import role_scratch
 
 __all__ = ["KERNELS", "QuantizedMatrix", "compiled_types"]
 
@@ -91,7 +91,7 @@ class QuantizedMatrix:
         rows, cols = self.shape
         stop = rows if stop is None else stop
         row_bytes = self.raw.numel() // rows
-        out = expert_scratch(self.name, (stop - start, cols), dtype, self.raw.device)
+        out = role_scratch(self.name, (stop - start, cols), dtype, self.raw.device)
         raw = self.raw[start * row_bytes : stop * row_bytes]
         return dequantize(raw, self.ggml_type, (cols, stop - start), dtype=dtype, out=out)
 

@@ -1,16 +1,16 @@
-"""Quantized-resident execution: weights stay in their GGUF encoding, the model reads them decoded.
+"""Where native storage keeps decoded weights: per-role scratch, and the decoded cache.
 
-In native storage the store holds each tensor's GGUF bytes; the model still asks for compute-dtype
-tensors. Two things keep that cheap:
+Native storage holds GGUF blocks; products multiply from them (:mod:`.qmatmul`). Where a product
+needs the float values instead (many activation rows, a type or device without a compiled
+kernel), they are decoded into one of two places:
 
-- **Experts** are decoded one at a time, only the experts a token is routed to, from that expert's
-  own bytes (ggml stores experts in the slowest dimension, so each is contiguous), into
-  :func:`expert_scratch`: one reused buffer per tensor role and thread. Decode cost follows the
-  experts used, not the experts present, and no allocation happens per token.
-- **Dense tensors** are decoded on first use and kept in a :class:`DecodedCache`, an LRU bounded in
-  bytes (``runtime.decoded_cache``), keyed by the tensor's content (fingerprint and type): a
-  committed swap changes the key, so a stale entry is never returned, and the entry it replaces
-  is dropped at once. A cache of 0 bytes decodes on every use.
+- :func:`role_scratch`: one reused buffer per tensor role (``ffn_up_exps.weight``,
+  ``attn_q.weight``...) and thread, shared by every block: a decoded expert, or a band of rows of
+  a dense matrix, lives there until the next decode of that role. No allocation per token.
+- :class:`DecodedCache`: dense tensors decoded once and kept, an LRU bounded in bytes
+  (``runtime.decoded_cache``), keyed by the tensor's content (fingerprint and type): a committed
+  swap changes the key, so a stale entry is never returned, and the entry it replaces is dropped
+  at once. A cache of 0 bytes keeps nothing.
 
 Decoding is deterministic, so a cached or scratch-decoded tensor is bit-identical to decoding again:
 the exactness guarantee (a swapped model computes what a fresh load computes) holds in this mode.
@@ -26,22 +26,21 @@ from typing import Final
 
 import torch
 
-__all__ = ["DecodedCache", "expert_scratch"]
+__all__ = ["DecodedCache", "role_scratch"]
 
 _BLOCK_PREFIX: Final = re.compile(r"^blk\.\d+\.")
 
 _local = threading.local()
 
 
-def expert_scratch(
+def role_scratch(
     name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """This thread's scratch for one expert of tensor ``name``, shared by every block.
+    """This thread's scratch of ``shape`` for tensor ``name``'s role, shared by every block.
 
-    The buffer is keyed by the tensor's role (``ffn_up_exps.weight`` for
-    ``blk.7.ffn_up_exps.weight``): an expert decoded into it stays valid until the next expert of
-    the same role is decoded on this thread, which is what a MoE layer needs (gate, up and down of
-    one expert at a time).
+    The buffer is keyed by the role (``ffn_up_exps.weight`` for ``blk.7.ffn_up_exps.weight``):
+    what is decoded into it stays valid until the next decode of the same role on this thread,
+    which is what a layer needs (gate, up and down of one expert at a time; q, k, v and o).
     """
     buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] | None = getattr(
         _local, "buffers", None

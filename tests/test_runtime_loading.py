@@ -25,7 +25,7 @@ from ggufswap.runtime import (
 from ggufswap.runtime import split as split_module
 from ggufswap.runtime.loading import Loader, LoadJob, Segment
 from ggufswap.runtime.models import HParams, Transformer
-from ggufswap.runtime.resident import DecodedCache, expert_scratch
+from ggufswap.runtime.resident import DecodedCache, role_scratch
 from ggufswap.runtime.store import TensorStore
 from ggufswap.shards import FileChangedError, TensorRecord, open_shard_set
 from ggufswap.shards.errors import TruncatedError
@@ -219,14 +219,14 @@ def test_decoded_cache_keeps_at_most_its_budget() -> None:
         DecodedCache(budget=-1)
 
 
-def test_expert_scratch_is_one_buffer_per_role_and_thread() -> None:
+def test_role_scratch_is_one_buffer_per_role_and_thread() -> None:
     """Blocks share a role's buffer; roles do not share; it grows for a bigger shape."""
     cpu = torch.device("cpu")
-    a = expert_scratch("blk.0.ffn_up_exps.weight", (4, 8), torch.float32, cpu)
-    b = expert_scratch("blk.5.ffn_up_exps.weight", (4, 8), torch.float32, cpu)
-    c = expert_scratch("blk.0.ffn_gate_exps.weight", (4, 8), torch.float32, cpu)
+    a = role_scratch("blk.0.ffn_up_exps.weight", (4, 8), torch.float32, cpu)
+    b = role_scratch("blk.5.ffn_up_exps.weight", (4, 8), torch.float32, cpu)
+    c = role_scratch("blk.0.ffn_gate_exps.weight", (4, 8), torch.float32, cpu)
     assert a.data_ptr() == b.data_ptr() != c.data_ptr()
-    big = expert_scratch("blk.0.ffn_up_exps.weight", (8, 8), torch.float32, cpu)
+    big = role_scratch("blk.0.ffn_up_exps.weight", (8, 8), torch.float32, cpu)
     assert big.shape == (8, 8)
 
 
