@@ -300,18 +300,22 @@ class TensorStore:
         The bytes travel to ``dest``'s device as they are (a quarter of the float32 size or
         less) and are dequantized there, straight into ``dest``: no temporary, no second copy.
         """
+        self._encode(raw, record.ggml_type, record.ne, dest)
+
+    def _encode(
+        self,
+        raw: torch.Tensor,
+        ggml_type: GGMLQuantizationType,
+        ne: tuple[int, ...],
+        dest: torch.Tensor,
+    ) -> None:
+        """Raw bytes of a tensor (or rows of one) of ggml shape ``ne`` into the flat ``dest``."""
         if self.storage is Storage.NATIVE:
             dest.copy_(raw)
             return
         on_device = raw.to(dest.device, non_blocking=True)
-        dequantize(
-            on_device,
-            record.ggml_type,
-            record.ne,
-            dtype=self.compute_dtype,
-            strict=self.strict,
-            out=dest.view(record.shape),
-        )
+        out = dest.view(tuple(reversed(ne)))
+        dequantize(on_device, ggml_type, ne, dtype=self.compute_dtype, strict=self.strict, out=out)
 
     def encode_range_into(
         self, raw: torch.Tensor, record: TensorRecord, start: int, stop: int, dest: torch.Tensor
@@ -504,18 +508,7 @@ class TensorStore:
         self, raw: torch.Tensor, record: TensorRecord, lo: int, hi: int, dest: torch.Tensor
     ) -> None:
         """Rows ``[lo, hi)`` of raw GGUF bytes (uint8, CPU) into their slice of a buffer."""
-        if self.storage is Storage.NATIVE:
-            dest.copy_(raw)
-            return
-        ne = (record.ne[0], hi - lo)
-        dequantize(
-            raw.to(dest.device, non_blocking=True),
-            record.ggml_type,
-            ne,
-            dtype=self.compute_dtype,
-            strict=self.strict,
-            out=dest.view(hi - lo, record.ne[0]),
-        )
+        self._encode(raw, record.ggml_type, (record.ne[0], hi - lo), dest)
 
     # -- derived tensors -------------------------------------------------------------------
 
