@@ -31,14 +31,9 @@ from ggufswap.runtime import _compiled
 from ggufswap.runtime.dequant import dequantize
 from ggufswap.runtime.resident import role_scratch
 
-__all__ = ["KERNELS", "QuantizedMatrix", "compiled_types"]
+__all__ = ["KERNELS", "QuantizedMatrix"]
 
 KERNELS = "compiled" if _compiled.available() else "torch"
-
-
-def compiled_types() -> frozenset[GGMLQuantizationType]:
-    """GGML types the compiled kernels multiply from (empty without the extension)."""
-    return _compiled.types()
 
 
 # Activation rows up to which the compiled kernel multiplies from the blocks; from here on,

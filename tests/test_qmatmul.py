@@ -19,7 +19,7 @@ from ggufswap.shards import _synth
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
-COMPILED = sorted(qmatmul.compiled_types(), key=int)
+COMPILED = sorted(_compiled.types(), key=int)
 needs_kernels = pytest.mark.skipif(
     not COMPILED, reason="the compiled kernels were not built (no C compiler at install)"
 )

@@ -19,8 +19,8 @@ from ggufswap.runtime import (
     PoolSet,
     QuantizedMatrix,
     Storage,
+    _compiled,
     loading,
-    qmatmul,
 )
 from ggufswap.runtime import split as split_module
 from ggufswap.runtime.loading import Loader, LoadJob, Segment
@@ -268,7 +268,7 @@ def test_native_dense_matrices_multiply_from_blocks_when_the_cache_cannot_hold_t
     runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE, decoded_cache=0)
     try:
         matrix = runtime.store.matrix("blk.1.attn_k.weight")
-        assert isinstance(matrix, QuantizedMatrix) == bool(qmatmul.compiled_types())
+        assert isinstance(matrix, QuantizedMatrix) == bool(_compiled.types())
         torch.testing.assert_close(logits(model), expected, rtol=1e-4, atol=1e-4)
         assert runtime.store.decoded.snapshot()["entries"] <= 1  # token_embd, for the lookup
         name = "blk.1.attn_q.weight"
@@ -284,7 +284,7 @@ def test_native_dense_matrices_multiply_from_blocks_when_the_cache_cannot_hold_t
         fresh_rt.close()
 
 
-@pytest.mark.skipif(not qmatmul.compiled_types(), reason="needs the compiled kernels")
+@pytest.mark.skipif(not _compiled.types(), reason="needs the compiled kernels")
 def test_native_decode_steps_multiply_from_blocks_and_batches_use_the_decoded_cache(
     tmp_path: Path,
 ) -> None:
