@@ -165,7 +165,7 @@ def _dry_run(model: ModelConfig, config: Config, *, timeout_s: float | None) -> 
 
 
 def _lines(result: dict[str, Any]) -> list[str]:
-    from ggufswap.shards.records import GGMLQuantizationType
+    from ggufswap.shards.ggml_types import ggml_type
 
     lines = [f"model {result['model']} -> {result['runtime']}"]
     if result["compared_with"] == "runtime":
@@ -189,7 +189,8 @@ def _lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"  plan {plan['plan_id']}: {len(plan['jobs'])} job(s)")
         for job in plan["jobs"]:
             why = result["why"].get(job["name"], "")
-            type_name = GGMLQuantizationType(job["type"]).name
+            known = ggml_type(job["type"])
+            type_name = known.name if known is not None else f"type {job['type']}"
             lines.append(
                 f"    {job['name']}  {type_name} ne {job['ne']}  {job['path']} "
                 f"@ {job['offset']}  ({why})"

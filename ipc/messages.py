@@ -19,7 +19,8 @@ from typing import Any, Final
 from ggufswap.ipc import _check as c
 from ggufswap.ipc.errors import MalformedMessage, UnknownMessageType, UnsupportedVersion
 from ggufswap.ipc.plan import Job, Plan
-from ggufswap.shards.records import FileIdentity, GGMLQuantizationType, TensorRecord
+from ggufswap.shards.ggml_types import ggml_type as _ggml_type
+from ggufswap.shards.records import FileIdentity, TensorRecord
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS: tuple[int, ...] = (PROTOCOL_VERSION,)
@@ -259,7 +260,6 @@ def _identity_from_wire(value: object, where: str) -> FileIdentity:
     return FileIdentity(dev, ino, size, mtime_ns, ctime_ns)
 
 
-_GGML_TYPES: Final = {int(code): code for code in GGMLQuantizationType}
 _SLOTS: Final = {slot.value: slot for slot in SlotState}
 
 
@@ -286,7 +286,7 @@ def _record_fast(m: Any, name: object) -> TensorRecord | None:
     path_ok = type(path) is str and bool(path) and "\x00" not in path
     ne_ok = type(ne) is list and 0 < len(ne) <= GGML_MAX_DIMS and all(map(_is_count, ne))
     ident_ok = type(ident) is list and len(ident) == 5 and all(type(v) is int for v in ident)
-    ggml_type = _GGML_TYPES.get(code) if type(code) is int else None
+    ggml_type = _ggml_type(code) if type(code) is int else None
     if not (path_ok and ne_ok and ident_ok and _is_count(offset) and _is_count(nbytes)):
         return None
     if ggml_type is None or min(ident[:3]) < 0:
@@ -307,13 +307,12 @@ def _record_strict(d: object, *, where: str, name: str | None) -> TensorRecord:
     if name is None:
         name = c.as_str(c.get(m, t.NAME, where), c.field_path(where, t.NAME), nonempty=True)
     code = c.as_int(c.get(m, t.TYPE, where), c.field_path(where, t.TYPE), minimum=0)
-    try:
-        ggml_type = GGMLQuantizationType(code)
-    except ValueError:
+    ggml_type = _ggml_type(code)
+    if ggml_type is None:
         raise MalformedMessage(
             f"field {c.field_path(where, t.TYPE)!r}: unknown ggml type code {code} "
             f"(tensor {name!r})"
-        ) from None
+        )
     ne_where = c.field_path(where, t.NE)
     ne_items = c.as_list(c.get(m, t.NE, where), ne_where)
     if not 1 <= len(ne_items) <= GGML_MAX_DIMS:

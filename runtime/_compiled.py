@@ -49,7 +49,7 @@ def types() -> frozenset[GGMLQuantizationType]:
     return _TYPES if available() else frozenset()
 
 
-def handles(ggml_type: GGMLQuantizationType, row: int, device: torch.device) -> bool:
+def handles(ggml_type: int, row: int, device: torch.device) -> bool:
     """Whether the compiled kernels decode/multiply ``ggml_type`` rows of ``row`` values there."""
     return (
         available()

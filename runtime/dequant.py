@@ -25,13 +25,18 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ggufswap.runtime import _compiled
 from ggufswap.runtime._dequant_kernels import KERNELS, Arena, Kernel
+from ggufswap.runtime._ik_kernels import IK_KERNELS, dequantize_ik
 from ggufswap.runtime.errors import UnsupportedTypeError
+from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, Origin, row_nbytes
+from ggufswap.shards.ggml_types import ggml_type as ggml_type_of
 
 __all__ = ["KERNEL_TYPES", "dequantize", "has_kernel"]
 
 log = structlog.get_logger(__name__)
 
-KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset(KERNELS)
+KERNEL_TYPES: frozenset[GGMLType] = frozenset(GGMLType(int(t)) for t in KERNELS) | frozenset(
+    IK_KERNELS
+)
 
 # Output elements per kernel call on the CPU: a 4 MiB float32 chunk stays in the last-level cache
 # between the int->float conversion and the scaling pass. Accelerators take bigger chunks (their
@@ -49,14 +54,14 @@ _warned_lock = threading.Lock()
 _warned_types: set[GGMLQuantizationType] = set()
 
 
-def has_kernel(ggml_type: GGMLQuantizationType) -> bool:
+def has_kernel(ggml_type: int) -> bool:
     """Whether ``ggml_type`` is dequantized by a torch kernel (rather than gguf's numpy code)."""
     return ggml_type in KERNEL_TYPES
 
 
 def dequantize(
     raw: torch.Tensor,
-    ggml_type: GGMLQuantizationType,
+    ggml_type: int,
     ne: tuple[int, ...],
     *,
     dtype: torch.dtype = torch.float32,
@@ -72,11 +77,21 @@ def dequantize(
     existing buffer skips the allocation, whose first-touch page faults are a large share of
     the CPU cost.
     """
-    ggml_type = GGMLQuantizationType(ggml_type)
-    block_size, type_size = _check(raw, ggml_type, ne)
+    known = _known(ggml_type)
+    block_size, type_size = _check(raw, known, ne)
     shape = tuple(reversed(ne))
     if out is not None:
         _check_out(out, shape, dtype, raw.device)
+    if known in IK_KERNELS:
+        if raw.data_ptr() % 8 != 0 or not raw.is_contiguous():
+            raw = raw.clone(memory_format=torch.contiguous_format)
+        result = _empty(math.prod(ne), dtype, raw.device) if out is None else out
+        dequantize_ik(raw, known, ne, result.view(-1))
+        return result.view(shape)
+    if LAYOUTS[known].origin is not Origin.MAINLINE:
+        msg = f"no dequantization kernel for {known.name} (an ik_llama.cpp type)"
+        raise UnsupportedTypeError(msg)
+    ggml_type = GGMLQuantizationType(int(known))  # mainline from here on: gguf's member
     if _compiled.handles(ggml_type, ne[0], raw.device):
         flat = _decode_compiled(raw, ggml_type, dtype, None if out is None else out.view(-1))
         return flat.view(shape) if out is None else out
@@ -105,6 +120,15 @@ def dequantize(
     return flat.view(shape) if out is None else out
 
 
+def _known(code: int) -> GGMLType:
+    """The type table's member for ``code``; an unknown code is refused with its number."""
+    known = ggml_type_of(code)
+    if known is None:
+        msg = f"unknown GGML type code {int(code)}"
+        raise UnsupportedTypeError(msg)
+    return known
+
+
 def _check_out(
     out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> None:
@@ -123,14 +147,10 @@ def _check_out(
         raise ValueError(msg)
 
 
-def _check(
-    raw: torch.Tensor, ggml_type: GGMLQuantizationType, ne: tuple[int, ...]
-) -> tuple[int, int]:
+def _check(raw: torch.Tensor, ggml_type: GGMLType, ne: tuple[int, ...]) -> tuple[int, int]:
     """Validate ``raw`` against ``ne`` and return the type's (block_size, type_size)."""
-    if ggml_type not in GGML_QUANT_SIZES:
-        msg = f"GGML type {ggml_type.name} has no known block size"
-        raise UnsupportedTypeError(msg)
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    layout = LAYOUTS[ggml_type]
+    block_size, type_size = layout.block_size, layout.type_size
     if raw.dtype != torch.uint8 or raw.dim() != 1:
         msg = f"raw bytes must be a 1-D uint8 tensor, found {raw.dim()}-D {raw.dtype}"
         raise ValueError(msg)
@@ -143,7 +163,7 @@ def _check(
             f"block size {block_size}"
         )
         raise ValueError(msg)
-    expected = math.prod(ne) // block_size * type_size
+    expected = math.prod(ne[1:]) * row_nbytes(ggml_type, ne[0])
     if raw.numel() != expected:
         msg = (
             f"{ggml_type.name} tensor of shape ne={tuple(ne)} needs {expected} bytes, "

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ggufswap.runtime import _compiled
 from ggufswap.runtime.dequant import dequantize
 from ggufswap.runtime.resident import role_scratch
+from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, row_nbytes
 
 __all__ = ["KERNELS", "QuantizedMatrix"]
 
@@ -56,15 +56,15 @@ class QuantizedMatrix:
     """
 
     raw: torch.Tensor
-    ggml_type: GGMLQuantizationType
+    ggml_type: GGMLType
     shape: tuple[int, int]
     name: str
     decoded: Callable[[], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
-        block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        block_size = LAYOUTS[GGMLType(self.ggml_type)].block_size
         rows, cols = self.shape
-        expected = rows * (cols // block_size) * type_size
+        expected = rows * row_nbytes(self.ggml_type, cols)
         if cols % block_size or self.raw.dtype != torch.uint8 or self.raw.shape != (expected,):
             raise ValueError(
                 f"{self.name}: {self.ggml_type.name} [{rows}, {cols}] needs {expected} bytes "

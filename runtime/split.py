@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from gguf import GGMLQuantizationType
 
 from ggufswap.runtime.dequant import dequantize
 from ggufswap.runtime.pools import Buffer, Pool
@@ -166,8 +165,7 @@ class SplitTensor:
         if not self.native:
             return flat.view(self.shape[1:])
         rows, cols = self.shape[1], self.shape[2]
-        ggml_type = GGMLQuantizationType(self.record.ggml_type)
-        return QuantizedMatrix(flat, ggml_type, (rows, cols), self.record.name)
+        return QuantizedMatrix(flat, self.record.ggml_type, (rows, cols), self.record.name)
 
     def _flat(self, e: int) -> torch.Tensor:
         if not 0 <= e < len(self):

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import structlog
 import torch
-from gguf import GGMLQuantizationType
 
 from ggufswap.config import DEFAULT_DECODED_CACHE, Storage
 from ggufswap.ipc import SlotState
@@ -39,15 +38,15 @@ from ggufswap.runtime.split import (
     encode_range,
     expert_numel,
 )
-from ggufswap.shards import ShardSet, TensorRecord
+from ggufswap.shards import GGMLType, ShardSet, TensorRecord
 
 log = structlog.get_logger(__name__)
 
 # GGML types whose bytes are already a torch dtype: read as a view when that is the compute dtype.
 _PLAIN_DTYPES = {
-    GGMLQuantizationType.F32: torch.float32,
-    GGMLQuantizationType.F16: torch.float16,
-    GGMLQuantizationType.BF16: torch.bfloat16,
+    GGMLType.F32: torch.float32,
+    GGMLType.F16: torch.float16,
+    GGMLType.BF16: torch.bfloat16,
 }
 
 
@@ -83,7 +82,7 @@ class Slot:
     family: str | None
     home: Pool
     original: Buffer
-    original_type: GGMLQuantizationType
+    original_type: GGMLType
     original_fingerprint: str
     record: TensorRecord
     fingerprint: str
@@ -91,7 +90,7 @@ class Slot:
     state: SlotState = SlotState.ON_ORIGINAL
     # (fingerprint, type) of the content in the original buffer: a detached tensor's original
     # buffer keeps the content it had, so returning to it needs no copy.
-    held: tuple[str, GGMLQuantizationType] = ("", GGMLQuantizationType.F32)
+    held: tuple[str, GGMLType] = ("", GGMLType.F32)
     original_parts: tuple[Part, ...] = ()
     parts: tuple[Part, ...] = ()
     # Stamped by the commit that last changed the slot: the weight version it moves to (or would
@@ -108,7 +107,7 @@ class Slot:
         return tuple(reversed(self.ne))
 
     @property
-    def ggml_type(self) -> GGMLQuantizationType:
+    def ggml_type(self) -> GGMLType:
         return self.record.ggml_type
 
     def is_original_content(self) -> bool:
@@ -305,7 +304,7 @@ class TensorStore:
     def _encode(
         self,
         raw: torch.Tensor,
-        ggml_type: GGMLQuantizationType,
+        ggml_type: GGMLType,
         ne: tuple[int, ...],
         dest: torch.Tensor,
     ) -> None:

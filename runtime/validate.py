@@ -18,6 +18,7 @@ from ggufswap.shards import (
     ShardError,
     ShardHeader,
     TensorRecord,
+    ggml_types,
     read_header,
     tensor_nbytes,
     type_sizes,
@@ -47,17 +48,21 @@ def _resolved(path: str) -> str:
 
 
 @functools.cache
-def can_dequantize(ggml_type: GGMLQuantizationType) -> bool:
+def can_dequantize(ggml_type: ggml_types.GGMLType) -> bool:
     """Whether a torch kernel or gguf's numpy code can dequantize ``ggml_type`` at all."""
     if has_kernel(ggml_type):
         return True
+    if ggml_types.LAYOUTS[ggml_type].origin is not ggml_types.Origin.MAINLINE:
+        return False  # gguf knows mainline's types only
     from gguf import quants
 
     _, type_size = type_sizes(ggml_type)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), ggml_type)
+            quants.dequantize(
+                np.zeros((1, type_size), dtype=np.uint8), GGMLQuantizationType(int(ggml_type))
+            )
     except NotImplementedError:
         return False
     return True

@@ -23,6 +23,7 @@ from ggufswap.shards.errors import (
     UnsupportedVersionError,
 )
 from ggufswap.shards.fingerprint import Fingerprinter, fingerprint, fingerprint_bytes
+from ggufswap.shards.ggml_types import GGMLType
 from ggufswap.shards.keys import Arch, Keys
 from ggufswap.shards.presets import demo_moe, tiny_arch, tiny_dense, tiny_moe
 from ggufswap.shards.reader import ShardHeader, read_array, read_header
@@ -49,6 +50,7 @@ __all__ = [
     "FileChangedError",
     "FileIdentity",
     "Fingerprinter",
+    "GGMLType",
     "HeaderCache",
     "Keys",
     "Layout",

@@ -6,7 +6,6 @@ atomically (``shards.atomic``).
 
 from __future__ import annotations
 
-import math
 import os
 import struct
 from collections.abc import Iterable, Sequence
@@ -16,14 +15,15 @@ from typing import Any, BinaryIO, Final
 
 import numpy as np
 from gguf import (
-    GGML_QUANT_SIZES,
     GGUF_DEFAULT_ALIGNMENT,
     GGUF_VERSION,
     GGMLQuantizationType,
     GGUFValueType,
 )
 
+from ggufswap.shards import ggml_types
 from ggufswap.shards.atomic import atomic_write
+from ggufswap.shards.ggml_types import GGMLType
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +89,7 @@ class RawTensor:
     """A tensor ready to write: name, type, ``ne`` (ggml order) and its encoded bytes."""
 
     name: str
-    ggml_type: GGMLQuantizationType
+    ggml_type: GGMLQuantizationType | GGMLType
     ne: tuple[int, ...]
     data: bytes | memoryview | np.ndarray | Hole
 
@@ -120,8 +120,8 @@ def write_gguf(
     infos, offset = [], 0
     for t in tensors:
         nbytes = _nbytes(t.data)
-        block_size, type_size = GGML_QUANT_SIZES[t.ggml_type]
-        expected = math.prod(t.ne) // block_size * type_size
+        block_size = ggml_types.LAYOUTS[GGMLType(t.ggml_type)].block_size
+        expected = ggml_types.tensor_nbytes(t.ggml_type, t.ne)
         if t.ne[0] % block_size or nbytes != expected:
             raise ValueError(
                 f"{t.name}: {t.ggml_type.name} ne={list(t.ne)} needs {expected} bytes with ne[0] "

@@ -15,6 +15,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, TokenType
 from gguf.quants import dequantize, quantize
 
+from ggufswap.shards.ggml_types import GGMLType
+
 Q = GGMLQuantizationType
 
 # Types gguf.quants.quantize encodes from floats (the targets ``requantize`` accepts).
@@ -49,13 +51,16 @@ def encode_floats(values: np.ndarray, ggml_type: GGMLQuantizationType) -> np.nda
 
 
 def decode_floats(
-    raw: bytes | memoryview | np.ndarray, ggml_type: GGMLQuantizationType, ne0: int
+    raw: bytes | memoryview | np.ndarray, ggml_type: GGMLQuantizationType | GGMLType, ne0: int
 ) -> np.ndarray:
     """Dequantize raw bytes of rows of ``ne0`` elements to float32 of shape ``(rows, ne0)``."""
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    if int(ggml_type) not in GGML_QUANT_SIZES:
+        raise NotImplementedError(f"gguf cannot dequantize {ggml_type.name}")
+    mainline = GGMLQuantizationType(int(ggml_type))
+    block_size, type_size = GGML_QUANT_SIZES[mainline]
     row_bytes = ne0 // block_size * type_size
     rows = np.frombuffer(raw, dtype=np.uint8).reshape(-1, row_bytes)
-    return np.asarray(dequantize(rows, ggml_type), dtype=np.float32).reshape(-1, ne0)
+    return np.asarray(dequantize(rows, mainline), dtype=np.float32).reshape(-1, ne0)
 
 
 def synth_blocks(

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, TypeAlias
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGUFValueType
 
+from ggufswap.shards import ggml_types
 from ggufswap.shards._cursor import U32, U64, Cursor
 from ggufswap.shards.errors import (
     CorruptHeaderError,
@@ -45,6 +46,7 @@ from ggufswap.shards.errors import (
     TruncatedError,
     UnsupportedVersionError,
 )
+from ggufswap.shards.ggml_types import GGMLType
 from ggufswap.shards.keys import (
     GGUF_DEFAULT_ALIGNMENT,
     GGUF_MAGIC,
@@ -81,7 +83,6 @@ _SCALAR_FORMATS: Final[dict[GGUFValueType, struct.Struct]] = {
     GGUFValueType.FLOAT64: struct.Struct("<d"),
 }
 _VALUE_TYPES: Final = {t.value: t for t in GGUFValueType}
-_GGML_TYPES: Final = {t.value: t for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
 # Smallest possible encodings, used to bound declared counts by the bytes that remain.
 _MIN_KV_BYTES: Final = 8 + 1 + 4 + 1  # key length, one key byte, value type, a u8 value
 _MIN_TENSOR_INFO_BYTES: Final = 8 + 1 + 4 + 8 + 4 + 8  # name, 1 byte, n_dims, one dim, type, offset
@@ -222,9 +223,7 @@ def _alignment(
     return value
 
 
-def _read_tensor_info(
-    cur: Cursor, index: int
-) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int, int]:
+def _read_tensor_info(cur: Cursor, index: int) -> tuple[str, tuple[int, ...], GGMLType, int, int]:
     at = cur.pos
     name = _decode(
         cur.string(f"tensor #{index} name", max_len=MAX_NAME_BYTES), cur, f"tensor #{index}", at
@@ -248,10 +247,10 @@ def _read_tensor_info(
         )
     type_at = cur.pos
     code = cur.u32(f"{name}: type")
-    ggml_type = _GGML_TYPES.get(code)
+    ggml_type = ggml_types.ggml_type(code)
     if ggml_type is None:
         raise TensorLayoutError(cur.path, f"{name}: unknown ggml type {code}", pos=type_at)
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    block_size = ggml_types.LAYOUTS[ggml_type].block_size
     if ne[0] % block_size:
         raise TensorLayoutError(
             cur.path,
@@ -260,7 +259,7 @@ def _read_tensor_info(
             pos=dims_at,
         )
     rel_offset = cur.u64(f"{name}: offset")
-    nbytes = math.prod(ne) // block_size * type_size
+    nbytes = ggml_types.tensor_nbytes(ggml_type, ne)
     return name, ne, ggml_type, rel_offset, nbytes
 
 

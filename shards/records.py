@@ -13,7 +13,8 @@ import os
 import stat
 from dataclasses import dataclass
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from ggufswap.shards import ggml_types
+from ggufswap.shards.ggml_types import GGMLType
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,16 +46,17 @@ class FileIdentity:
         return (self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns)
 
 
-def type_sizes(ggml_type: GGMLQuantizationType) -> tuple[int, int]:
-    """``(block_size, type_size)``: elements per block and bytes per block."""
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    return block_size, type_size
+def type_sizes(ggml_type: GGMLType) -> tuple[int, int]:
+    """``(block_size, type_size)``: elements per block and bytes per block (see
+    :mod:`.ggml_types`; a few ik_llama.cpp types add a per-row header, which
+    :func:`tensor_nbytes` counts)."""
+    layout = ggml_types.LAYOUTS[GGMLType(ggml_type)]
+    return layout.block_size, layout.type_size
 
 
-def tensor_nbytes(ggml_type: GGMLQuantizationType, ne: tuple[int, ...]) -> int:
+def tensor_nbytes(ggml_type: GGMLType, ne: tuple[int, ...]) -> int:
     """Byte size of a tensor of ``ne`` (ggml order) elements; ``ne[0]`` must fill whole blocks."""
-    block_size, type_size = type_sizes(ggml_type)
-    return math.prod(ne) // block_size * type_size
+    return ggml_types.tensor_nbytes(ggml_type, ne)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +64,7 @@ class TensorRecord:
     """One tensor of one shard, as its header describes it."""
 
     name: str
-    ggml_type: GGMLQuantizationType
+    ggml_type: GGMLType
     ne: tuple[int, ...]  # ggml order, ne[0] fastest-varying
     offset: int  # absolute byte offset of the data in the file
     nbytes: int

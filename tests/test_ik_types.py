@@ -1,0 +1,193 @@
+"""ik_llama.cpp's quant types: the type table, and dequantization against ik's own ggml output."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from ggufbytes import TI, build, kv_str
+
+from ggufswap.runtime import dequant
+from ggufswap.runtime._ik_kernels import IK_KERNELS
+from ggufswap.runtime.errors import UnsupportedTypeError
+from ggufswap.shards import TensorLayoutError, TruncatedError, read_header
+from ggufswap.shards.ggml_types import (
+    LAYOUTS,
+    GGMLType,
+    Origin,
+    ggml_type,
+    row_nbytes,
+    tensor_nbytes,
+)
+
+GOLDEN = Path(__file__).parent / "fixtures" / "ik_golden"
+MANIFEST = json.loads((GOLDEN / "manifest.json").read_text())
+HEADER = struct.Struct("<8sIi16siiQIIII")  # crosscheck/ik/golden.c's 64-byte header
+
+
+def read_golden(path: Path) -> dict[str, Any]:
+    """One golden file (the layout of crosscheck/ik/make_golden.py's read_golden)."""
+    data = path.read_bytes()
+    magic, hsize, code, name, n_per_row, rows, row_size, _flags, blck, tsize, meta = (
+        HEADER.unpack_from(data)
+    )
+    assert magic == b"IKGOLD1\0", f"{path}: not a golden file"
+    assert hsize == HEADER.size, f"{path}: header size {hsize}"
+    qbytes = rows * row_size
+    return {
+        "code": code,
+        "name": name.rstrip(b"\0").decode(),
+        "n_per_row": n_per_row,
+        "rows": rows,
+        "row_size": row_size,
+        "blck_size": blck,
+        "type_size": tsize,
+        "row_meta_size": meta,
+        "quant": np.frombuffer(data, dtype=np.uint8, count=qbytes, offset=hsize),
+        "dequant": np.frombuffer(data, dtype="<f4", offset=hsize + qbytes).reshape(rows, -1),
+    }
+
+
+GOLDEN_TYPES = sorted(MANIFEST["types"])
+
+
+def _golden(name: str) -> dict[str, Any]:
+    return read_golden(GOLDEN / MANIFEST["types"][name]["file"])
+
+
+def test_mainline_codes_match_gguf() -> None:
+    """Every gguf type is in the table under the same code and name, with gguf's sizes, and its
+    member compares and hashes equal to gguf's."""
+    for t, (block, size) in gguf.GGML_QUANT_SIZES.items():
+        ours = ggml_type(int(t))
+        assert ours is not None
+        assert ours.name == t.name
+        assert (LAYOUTS[ours].block_size, LAYOUTS[ours].type_size) == (block, size)
+        assert LAYOUTS[ours].row_meta == 0
+        assert ours == t
+        assert hash(ours) == hash(t)
+        assert {t: 1}[ours] == 1
+
+
+@pytest.mark.parametrize("name", GOLDEN_TYPES)
+def test_golden_layout_matches_table(name: str) -> None:
+    """The table's block size, block bytes and row header agree with ik's ggml for each type."""
+    g = _golden(name)
+    t = ggml_type(g["code"])
+    assert t is not None
+    layout = LAYOUTS[t]
+    assert (layout.block_size, layout.type_size, layout.row_meta) == (
+        g["blck_size"],
+        g["type_size"],
+        g["row_meta_size"],
+    )
+    assert row_nbytes(t, g["n_per_row"]) == g["row_size"]
+    assert tensor_nbytes(t, (g["n_per_row"], g["rows"])) == g["quant"].size
+
+
+@pytest.mark.parametrize("name", GOLDEN_TYPES)
+def test_golden_dequantize_bitwise(name: str) -> None:
+    """Dequantization equals ik_llama.cpp's float output bit for bit."""
+    g = _golden(name)
+    t = ggml_type(g["code"])
+    assert t in IK_KERNELS
+    assert dequant.has_kernel(t)
+    raw = torch.from_numpy(g["quant"].copy())
+    got = dequant.dequantize(raw, t, (g["n_per_row"], g["rows"]), strict=True)
+    want = torch.from_numpy(g["dequant"].copy())
+    bad = (got.view(torch.int32) != want.view(torch.int32)).nonzero()
+    assert bad.numel() == 0, (
+        f"{name}: {bad.shape[0]} of {want.numel()} values differ, first at {bad[0].tolist()}: "
+        f"{got[tuple(bad[0])].item()!r} != {want[tuple(bad[0])].item()!r}"
+    )
+
+
+@pytest.mark.parametrize("name", GOLDEN_TYPES)
+def test_golden_dequantize_rows_independent(name: str) -> None:
+    """Rows decoded one at a time, into a given ``out`` and as bfloat16, match the whole tensor."""
+    g = _golden(name)
+    t = ggml_type(g["code"])
+    assert t is not None
+    want = torch.from_numpy(g["dequant"].copy())
+    for r in range(g["rows"]):
+        row = torch.from_numpy(g["quant"][r * g["row_size"] : (r + 1) * g["row_size"]].copy())
+        out = torch.empty(1, g["n_per_row"])
+        dequant.dequantize(row, t, (g["n_per_row"], 1), out=out)
+        assert torch.equal(out[0].view(torch.int32), want[r].view(torch.int32))
+        half = dequant.dequantize(row, t, (g["n_per_row"], 1), dtype=torch.bfloat16)
+        assert torch.equal(half[0], want[r].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", ["iq4_ks", "iq1_bn", "q6_0", "iq2_kt"])
+def test_truncated_buffer_refused(name: str) -> None:
+    """A buffer one byte short of the tensor (or one byte long) is refused, naming the type."""
+    g = _golden(name)
+    t = ggml_type(g["code"])
+    assert t is not None
+    raw = torch.from_numpy(g["quant"].copy())
+    for bad in (raw[:-1], torch.cat((raw, raw[:1]))):
+        with pytest.raises(ValueError, match=t.name):
+            dequant.dequantize(bad, t, (g["n_per_row"], g["rows"]))
+
+
+def test_row_header_counts_in_sizes() -> None:
+    """Types with a per-row header count it once per row, not per block."""
+    assert row_nbytes(GGMLType.IQ4_KS, 512) == 4 + 2 * 136
+    assert tensor_nbytes(GGMLType.IQ1_KT, (1024, 3, 2)) == 6 * (4 + 4 * 56)
+    assert tensor_nbytes(GGMLType.Q6_0, (64, 5)) == 5 * 2 * 26
+    assert LAYOUTS[GGMLType.IQ2_KS].origin is Origin.IK
+
+
+def test_unknown_code_refused() -> None:
+    """A code neither mainline nor ik_llama.cpp defines is refused, with its number."""
+    assert ggml_type(4) is None
+    assert ggml_type(9999) is None
+    with pytest.raises(UnsupportedTypeError, match="9999"):
+        dequant.dequantize(torch.zeros(4, dtype=torch.uint8), 9999, (4,))  # type: ignore[arg-type]
+
+
+# --- the reader --------------------------------------------------------------------------------
+
+ARCH = kv_str("general.architecture", "llama")
+
+
+@pytest.mark.parametrize("name", ["iq1_kt", "iq4_ks", "q6_0", "iq2_bn"])
+def test_reader_accepts_ik_types(gguf_file: Callable[..., Path], name: str) -> None:
+    """A shard holding an ik_llama.cpp type reads, with the row header counted in its size."""
+    g = _golden(name)
+    ne = (g["n_per_row"], g["rows"])
+    tensors = [TI("w", ne, ggml_type=g["code"], data=g["quant"].tobytes()), TI("n", (32,))]
+    header = read_header(gguf_file(build(kvs=[ARCH], tensors=tensors)))
+    rec = header.tensors[0]
+    assert rec.ggml_type is ggml_type(g["code"])
+    assert rec.nbytes == g["quant"].size
+    assert header.tensors[1].offset >= rec.end
+
+
+def test_reader_refuses_truncated_ik_tensor(gguf_file: Callable[..., Path]) -> None:
+    """An IQ1_KT tensor cut short of its last row header is refused as truncated."""
+    g = _golden("iq1_kt")
+    tensors = [TI("w", (g["n_per_row"], g["rows"]), ggml_type=g["code"], data=g["quant"].tobytes())]
+    whole = build(kvs=[ARCH], tensors=tensors).data
+    end = read_header(gguf_file(whole)).tensors[0].end
+    path = gguf_file(whole[: end - 1], "cut.gguf")
+    with pytest.raises(TruncatedError) as info:
+        read_header(path)
+    assert str(path) in str(info.value)
+
+
+def test_reader_refuses_unknown_code(gguf_file: Callable[..., Path]) -> None:
+    """A code in neither table (159, past IQ1_KT) is refused, naming the file and the code."""
+    tensors = [TI("w", (256,), ggml_type=159, data=bytes(64))]
+    path = gguf_file(build(kvs=[ARCH], tensors=tensors))
+    with pytest.raises(TensorLayoutError) as info:
+        read_header(path)
+    assert str(path) in str(info.value)
+    assert "w: unknown ggml type 159" in str(info.value)
