@@ -15,6 +15,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, TokenType
 from gguf.quants import dequantize, quantize
 
+from ggufswap.shards import ggml_types
 from ggufswap.shards.ggml_types import GGMLType
 
 Q = GGMLQuantizationType
@@ -34,6 +35,34 @@ _SCALE_FIELDS: Final[dict[GGMLQuantizationType, tuple[int, ...]]] = {
 }
 SYNTHESIZED_TYPES: Final = tuple(_SCALE_FIELDS)
 WRITABLE_TYPES: Final = QUANTIZABLE_TYPES + SYNTHESIZED_TYPES
+
+# ik_llama.cpp's types (and Q1_0), which neither gguf-py nor llama.cpp reads: random codes, with
+# the scale that multiplies every value set for the intended spread. Where it lives ("block": the
+# fp16 d at byte 0 of each block; "f16"/"f32": the per-row header) and the rms of the type's
+# values at scale 1 over uniformly random codes (measured with runtime/_ik_kernels.py on 4096
+# random blocks; shards/ cannot import the runtime).
+_IK_SCALES: Final[dict[GGMLType, tuple[str, float]]] = {
+    GGMLType.Q1_0: ("block", 1.0),
+    GGMLType.Q6_0: ("block", 18.47),
+    GGMLType.IQ1_BN: ("f16", 0.817),
+    GGMLType.IQ2_BN: ("f32", 1.226),
+    GGMLType.IQ2_K: ("block", 84.8),
+    GGMLType.IQ3_K: ("block", 628.0),
+    GGMLType.IQ4_K: ("block", 1249.0),
+    GGMLType.IQ5_K: ("block", 1227.0),
+    GGMLType.IQ6_K: ("block", 4793.0),
+    GGMLType.IQ2_KS: ("f16", 169.7),
+    GGMLType.IQ2_KL: ("f16", 542.3),
+    GGMLType.IQ3_KS: ("f16", 314.5),
+    GGMLType.IQ4_KS: ("f32", 4991.0),
+    GGMLType.IQ4_KSS: ("f32", 5002.0),
+    GGMLType.IQ5_KS: ("f32", 4905.0),
+    GGMLType.IQ1_KT: ("f32", 2492.0),
+    GGMLType.IQ2_KT: ("f32", 2482.0),
+    GGMLType.IQ3_KT: ("f32", 324.5),
+    GGMLType.IQ4_KT: ("f32", 1363.0),
+}
+IK_TYPES: Final = tuple(_IK_SCALES)
 
 
 def tensor_rng(seed: int, name: str) -> np.random.Generator:
@@ -86,7 +115,7 @@ def synth_blocks(
 
 def synth_tensor(
     rng: np.random.Generator,
-    ggml_type: GGMLQuantizationType,
+    ggml_type: GGMLQuantizationType | GGMLType,
     ne: tuple[int, ...],
     *,
     mean: float,
@@ -98,12 +127,38 @@ def synth_tensor(
     to quantizable types only.
     """
     n_elements = int(np.prod(ne))
+    if ggml_type in _IK_SCALES:
+        return synth_ik_tensor(rng, GGMLType(int(ggml_type)), ne, std=std)
+    ggml_type = GGMLQuantizationType(int(ggml_type))  # gguf's own types from here on
     if ggml_type in SYNTHESIZED_TYPES:
         return synth_blocks(rng, ggml_type, n_elements, std=std)
     values = rng.standard_normal(size=(n_elements // ne[0], ne[0]), dtype=np.float32)
     values *= np.float32(std)
     values += np.float32(mean)
     return encode_floats(values, ggml_type)
+
+
+def synth_ik_tensor(
+    rng: np.random.Generator, ggml_type: GGMLType, ne: tuple[int, ...], *, std: float
+) -> np.ndarray:
+    """Valid random rows of an ik_llama.cpp type whose values have roughly ``std`` spread."""
+    where, unit_rms = _IK_SCALES[ggml_type]
+    layout = ggml_types.LAYOUTS[ggml_type]
+    n_rows = int(np.prod(ne[1:]))
+    rows = rng.integers(
+        0, 256, size=(n_rows, ggml_types.row_nbytes(ggml_type, ne[0])), dtype=np.uint8
+    )
+    scale = (std / unit_rms) * rng.uniform(0.75, 1.25, size=n_rows)
+    if where == "block":
+        blocks = rows.reshape(-1, layout.type_size)
+        per_block = np.repeat(scale, ne[0] // layout.block_size)
+        blocks[:, :2] = per_block.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    else:
+        dtype = np.float16 if where == "f16" else np.float32
+        rows[:, : layout.row_meta] = 0
+        head = scale.astype(dtype).view(np.uint8).reshape(n_rows, -1)
+        rows[:, : head.shape[1]] = head
+    return rows.reshape(-1)
 
 
 def vocabulary(n_vocab: int, *, extra: int = 0) -> tuple[list[str], np.ndarray, np.ndarray]:

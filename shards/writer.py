@@ -27,7 +27,6 @@ from typing import Any, Final
 import numpy as np
 import structlog
 from gguf import (
-    GGML_QUANT_SIZES,
     GGML_QUANT_VERSION,
     MODEL_TENSOR,
     GGMLQuantizationType,
@@ -36,7 +35,7 @@ from gguf import (
     LlamaFileType,
 )
 
-from ggufswap.shards import _synth
+from ggufswap.shards import _synth, ggml_types
 from ggufswap.shards._gguf_encode import (
     Hole,
     RawTensor,
@@ -45,12 +44,16 @@ from ggufswap.shards._gguf_encode import (
     write_gguf,
 )
 from ggufswap.shards.archs import Experts, ExpertWidth, SharedExpert, rules_of
+from ggufswap.shards.ggml_types import GGMLType
+from ggufswap.shards.ggml_types import ggml_type as ggml_type_of
 from ggufswap.shards.keys import Arch, tensor_template
 
 log = structlog.get_logger(__name__)
 
 Q = GGMLQuantizationType
 WRITABLE_TYPES: Final = _synth.WRITABLE_TYPES
+# What the writer accepts: also ik_llama.cpp's types (files only this project and ik read).
+_ACCEPTED_TYPES: Final = WRITABLE_TYPES + _synth.IK_TYPES
 SHARD_NAME_FORMAT: Final = "{}-{:05d}-of-{:05d}.gguf"
 
 
@@ -124,6 +127,20 @@ def parse_role(text: str | Role) -> Role:
         raise ValueError(f"unknown tensor role {text!r}; roles are: {names}") from None
 
 
+def parse_any_type(text: str | int | GGMLQuantizationType) -> GGMLQuantizationType | GGMLType:
+    """:func:`parse_type`, or else an ik_llama.cpp type of the project's table (``"iq4_ks"``)."""
+    try:
+        return parse_type(text)
+    except ValueError:
+        if isinstance(text, str):
+            known = GGMLType.__members__.get(text.strip().upper())
+        else:
+            known = ggml_type_of(text)
+        if known is None:
+            raise
+        return known
+
+
 def parse_type(text: str | int | GGMLQuantizationType) -> GGMLQuantizationType:
     """A GGML type from its name (``"q4_k"``) or code."""
     if isinstance(text, GGMLQuantizationType):
@@ -162,7 +179,7 @@ class ModelSpec:
     sliding_window: int = 4  # gemma3's local attention window (tokens)
     context_length: int = 256
     seed: int = 0
-    types: Mapping[Role, GGMLQuantizationType] = field(default_factory=dict, hash=False)
+    types: Mapping[Role, GGMLQuantizationType | GGMLType] = field(default_factory=dict, hash=False)
     # Extra vocabulary entries (the header-parse benchmark): llama.cpp sizes token_embd and output
     # by the tokenizer's token list, so each is a real token with its rows (see vocab_size).
     extra_vocab_strings: int = 0
@@ -174,8 +191,8 @@ class ModelSpec:
         put("arch", Arch(self.arch))
         if self.moe_layers is not None:
             put("moe_layers", tuple(sorted(set(self.moe_layers))))
-        resolved = dict(DEFAULT_TYPES)
-        resolved.update({parse_role(r): parse_type(t) for r, t in self.types.items()})
+        resolved: dict[Role, GGMLQuantizationType | GGMLType] = dict(DEFAULT_TYPES)
+        resolved.update({parse_role(r): parse_any_type(t) for r, t in self.types.items()})
         put("types", MappingProxyType(resolved))
         errors = _spec_errors(self)
         if errors:
@@ -204,12 +221,12 @@ class ModelSpec:
             return self.moe_layers
         return tuple(range(self.n_layers)) if self.n_expert > 0 else ()
 
-    def type_of(self, role: Role) -> GGMLQuantizationType:
+    def type_of(self, role: Role) -> GGMLQuantizationType | GGMLType:
         return self.types[role]
 
-    def with_types(self, **types: str | GGMLQuantizationType) -> ModelSpec:
+    def with_types(self, **types: str | GGMLQuantizationType | GGMLType) -> ModelSpec:
         """A copy with some role types changed: ``spec.with_types(ffn_up_exps="q4_0")``."""
-        merged = {**self.types, **{parse_role(r): parse_type(t) for r, t in types.items()}}
+        merged = {**self.types, **{parse_role(r): parse_any_type(t) for r, t in types.items()}}
         return replace(self, types=merged)
 
 
@@ -237,19 +254,19 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
         errors.append(f"sliding_window must be > 0, found {spec.sliding_window}")
     if spec.extra_vocab_strings < 0:
         errors.append(f"extra_vocab_strings must be >= 0, found {spec.extra_vocab_strings}")
-    unwritable = sorted({t.name for t in spec.types.values() if t not in WRITABLE_TYPES})
+    unwritable = sorted({t.name for t in spec.types.values() if t not in _ACCEPTED_TYPES})
     if unwritable:
-        names = ", ".join(t.name for t in WRITABLE_TYPES)
+        names = ", ".join(t.name for t in _ACCEPTED_TYPES)
         errors.append(f"types {unwritable} cannot be written; writable types are: {names}")
     if errors:
         return errors
     misfits: dict[Role, list[PlannedTensor]] = {}
     for t in plan_tensors(spec, validate=False):
-        if t.ne[0] % GGML_QUANT_SIZES[t.ggml_type][0]:
+        if t.ne[0] % ggml_types.LAYOUTS[GGMLType(t.ggml_type)].block_size:
             misfits.setdefault(t.role, []).append(t)
     for role, bad_tensors in misfits.items():
         t, more = bad_tensors[0], len(bad_tensors) - 1
-        block_size = GGML_QUANT_SIZES[t.ggml_type][0]
+        block_size = ggml_types.LAYOUTS[GGMLType(t.ggml_type)].block_size
         also = f" (and {more} more {role.name} tensors)" if more else ""
         errors.append(
             f"{t.name}{also}: row length ne[0]={t.ne[0]} is not a multiple of the "
@@ -297,14 +314,13 @@ class PlannedTensor:
 
     name: str
     role: Role
-    ggml_type: GGMLQuantizationType
+    ggml_type: GGMLQuantizationType | GGMLType
     ne: tuple[int, ...]
     block: int | None
 
     @property
     def nbytes(self) -> int:
-        block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]
-        return math.prod(self.ne) // block_size * type_size
+        return ggml_types.tensor_nbytes(self.ggml_type, self.ne)
 
 
 def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTensor, ...]:
@@ -376,7 +392,7 @@ def _f32(v: float) -> TypedValue:
 
 def _file_type(tensors: Sequence[PlannedTensor]) -> int:
     """``general.file_type``: the ``MOSTLY_*`` of the type holding most matrix elements."""
-    weight: dict[GGMLQuantizationType, int] = {}
+    weight: dict[GGMLQuantizationType | GGMLType, int] = {}
     for t in tensors:
         if len(t.ne) >= 2:
             weight[t.ggml_type] = weight.get(t.ggml_type, 0) + math.prod(t.ne)

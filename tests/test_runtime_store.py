@@ -112,7 +112,7 @@ def test_store_holds_each_tensor_in_its_storage_mode(tmp_path: Path, storage: St
         slot = runtime.store.slots["blk.0.ffn_down_exps.weight"]
         assert slot.state is SlotState.ON_ORIGINAL
         assert slot.is_original_content()
-        assert slot.ggml_type is Q.Q8_0
+        assert slot.ggml_type == Q.Q8_0
         expected = torch.float32 if storage is Storage.DEQUANTIZED else torch.uint8
         assert slot.active.tensor.dtype == expected
         assert runtime.store.weight(slot.name).shape == (4, 64, 64)

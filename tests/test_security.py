@@ -565,7 +565,7 @@ def test_plan_records_must_match_the_files_own_header(
     baseline = logits(model)
     down = model_dir.record(TENSOR)
     attn = model_dir.record(Q_ATTN)
-    assert attn.ggml_type is Q.F16
+    assert attn.ggml_type == Q.F16
     forged = {
         "offset into the header": dataclasses.replace(down, offset=down.offset - 32),
         "another tensor's name": dataclasses.replace(down, name="blk.0.ffn_down_exps.weight"),
