@@ -10,6 +10,10 @@ same machine load. Torch runs with the runtime's thread policy (``ggufswap.runti
 ``--threads``, else ``OMP_NUM_THREADS``, else one thread per CPU of the affinity mask), printed in
 the header, so that figures taken on different days compare. Targets (median ratio >= 10x on the
 CPU) are marked. F32 has no meaningful ratio: gguf returns a view of the bytes, ours a copy.
+
+ik_llama.cpp's types have no numpy decoder to compare with: their rows (written by the project's
+writer, valid blocks) report GB/s of float32 output and the ratio of our Q8_0 ``dequantize`` time
+on the same element count, measured in the same rounds (``ratio`` > 1: faster than Q8_0).
 ``run(quick)`` returns the rows (name, baseline_s, ours_s, ratio, target, plus the per-round
 ratios and the into-buffer figures) for ``bench/run_all.py``.
 """
@@ -29,8 +33,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from ggufswap._logsetup import configure_logging
+from ggufswap.runtime._ik_kernels import IK_KERNELS
 from ggufswap.runtime.dequant import KERNEL_TYPES, dequantize
 from ggufswap.runtime.threads import AppliedThreads, apply_thread_policy, resolve_threads
+from ggufswap.shards._synth import synth_ik_tensor
+from ggufswap.shards.ggml_types import GGMLType
 
 TARGET_RATIO = 10.0
 ROUNDS = 3
@@ -108,7 +115,11 @@ def run(
     try:
         return [
             _measure(ggml_type, size, repeats=repeats, rounds=rounds, applied=applied)
-            for ggml_type in sorted(KERNEL_TYPES, key=lambda t: t.name)
+            for ggml_type in sorted(KERNEL_TYPES - IK_KERNELS.keys(), key=lambda t: t.name)
+            if not types or ggml_type.name in types
+        ] + [
+            _measure_ik(ggml_type, size, repeats=repeats, rounds=rounds, applied=applied)
+            for ggml_type in sorted(IK_KERNELS, key=lambda t: t.name)
             if not types or ggml_type.name in types
         ]
     finally:
@@ -165,6 +176,56 @@ def _measure(
     }
 
 
+def _measure_ik(
+    ggml_type: GGMLType,
+    size: tuple[int, int],
+    *,
+    repeats: int,
+    rounds: int,
+    applied: AppliedThreads,
+) -> dict[str, Any]:
+    """An ik_llama.cpp type against our own Q8_0 decoder on as many elements (no numpy code)."""
+    rows, cols = size
+    ne = (cols, rows)
+    raw = torch.from_numpy(synth_ik_tensor(np.random.default_rng(0), ggml_type, ne, std=1.0))
+    q8 = torch.from_numpy(_random_bytes(GGMLQuantizationType.Q8_0, rows, cols).reshape(-1))
+    dequantize(raw, ggml_type, ne)  # warm up lookup tables and the allocator
+    into = torch.empty(rows, cols)
+    times = [
+        _best_of(
+            [
+                partial(dequantize, q8, GGMLQuantizationType.Q8_0, ne),
+                partial(dequantize, raw, ggml_type, ne),
+                partial(dequantize, raw, ggml_type, ne, out=into),
+            ],
+            repeats,
+        )
+        for _ in range(rounds)
+    ]
+    ratios = [base / ours for base, ours, _ in times]
+    ratios_into = [base / ours_into for base, _, ours_into in times]
+    median_round = sorted(range(rounds), key=lambda i: ratios[i])[(rounds - 1) // 2]
+    baseline_s, ours_s, into_s = times[median_round]
+    return {
+        "name": f"dequant.{ggml_type.name}",
+        "baseline": "Q8_0 (ours)",
+        "baseline_s": baseline_s,
+        "ours_s": ours_s,
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratios": ratios,
+        "ours_into_s": into_s,
+        "ratio_into": statistics.median(ratios_into),
+        "ratio_into_min": min(ratios_into),
+        "target": None,
+        "gb_per_s": rows * cols * 4 / ours_s / 1e9,
+        "mb_per_s": raw.numel() / ours_s / 1e6,
+        "elements_per_s": rows * cols / ours_s,
+        "threads": applied.intra_op,
+        "thread_source": applied.policy.source.value,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller tensor, fewer repeats")
@@ -189,7 +250,7 @@ def main() -> int:
     )
     header = f"{'type':<8} {'gguf ms':>8} {'ours ms':>8} {'Melem/s':>8} {'fresh med':>9} {'min':>6}"
     print(header + f" {'into ms':>8} {'into med':>8} {'min':>6}  rounds (fresh)  target")
-    for row in results:
+    for row in (r for r in results if "baseline" not in r):
         target = row["target"]
         mark = ""
         if target is not None:
@@ -203,6 +264,19 @@ def main() -> int:
             f"{row['ours_into_s'] * 1e3:>8.2f} {row['ratio_into']:>7.1f}x "
             f"{row['ratio_into_min']:>5.1f}x  {rounds:<14}  {mark}"
         )
+    ik_rows = [r for r in results if "baseline" in r]
+    if ik_rows:
+        print(
+            "\nik_llama.cpp types (no numpy decoder): ratio = our Q8_0 time / this type's time, "
+            "same elements, same rounds; GB/s of float32 output"
+        )
+        print(f"{'type':<8} {'Q8_0 ms':>8} {'ours ms':>8} {'GB/s':>6} {'ratio':>6} {'min':>6}")
+        for row in ik_rows:
+            print(
+                f"{str(row['name']).removeprefix('dequant.'):<8} {row['baseline_s'] * 1e3:>8.2f} "
+                f"{row['ours_s'] * 1e3:>8.2f} {row['gb_per_s']:>6.2f} {row['ratio']:>5.2f}x "
+                f"{row['ratio_min']:>5.2f}x"
+            )
     return 0
 
 

@@ -191,3 +191,37 @@ def test_reader_refuses_unknown_code(gguf_file: Callable[..., Path]) -> None:
         read_header(path)
     assert str(path) in str(info.value)
     assert "w: unknown ggml type 159" in str(info.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", GOLDEN_TYPES)
+def test_golden_dequantize_cuda(name: str) -> None:
+    """The same kernels on a CUDA device give ik_llama.cpp's CPU floats bit for bit."""
+    g = _golden(name)
+    t = ggml_type(g["code"])
+    assert t is not None
+    raw = torch.from_numpy(g["quant"].copy()).cuda()
+    got = dequant.dequantize(raw, t, (g["n_per_row"], g["rows"]), strict=True).cpu()
+    want = torch.from_numpy(g["dequant"].copy())
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), name
+
+
+def test_docs_list_every_type_with_its_layout() -> None:
+    """docs/types.md has one row per type of the table, with its code, layout and, for the types
+    with golden files, that source of truth."""
+    docs = (Path(__file__).parent.parent / "docs" / "types.md").read_text()
+    rows = {}
+    for line in docs.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0].isdigit():
+            rows[int(cells[0])] = cells
+    assert set(rows) == {int(t) for t in LAYOUTS}
+    for t, layout in LAYOUTS.items():
+        _code, name, origin, block, size, meta, source, _decoders = rows[int(t)]
+        assert name == f"`{t.name}`"
+        assert origin == layout.origin.value
+        assert (int(block), int(size)) == (layout.block_size, layout.type_size)
+        assert meta == (f"{layout.row_meta} B" if layout.row_meta else "—")
+        if t in IK_KERNELS:
+            assert source == "golden files"
+    assert MANIFEST["commit"] in docs
