@@ -11,8 +11,10 @@ from runtime_helpers import WAIT_S, ModelDir, fresh_logits, logits, one_thread, 
 
 from ggufswap.runtime import PlanState, SlotState, Storage
 from ggufswap.runtime.dequant import dequantize
+from ggufswap.runtime.qmatmul import QuantizedMatrix
 from ggufswap.runtime.serving.perplexity import evaluate_batches, make_eval_tokens, token_windows
 from ggufswap.shards import GGMLType, ModelSpec, Role, read_header, tiny_moe, write_model
+from ggufswap.shards._synth import synth_ik_tensor
 from ggufswap.shards.data import read_tensor_bytes
 from ggufswap.shards.writer import F32_ROLES, NORM_ROLES, plan_tensors
 
@@ -102,3 +104,19 @@ def test_expert_family_to_iq1_kt_and_back(tmp_path: Path, storage: Storage) -> N
         assert {runtime.store.slots[n].state for n in FAMILY} == {SlotState.ON_ORIGINAL}
     finally:
         runtime.close()
+
+
+@pytest.mark.parametrize("type_name", ["IQ4_KS", "IQ1_KT", "IQ2_BN", "IQ5_K"])
+def test_native_product_of_ik_matrix(type_name: str) -> None:
+    """Native storage multiplies an ik-typed matrix (row headers included) as its decoded values
+    do, for one activation row and many, and decodes any band of rows alike."""
+    t = GGMLType[type_name]
+    rows, cols = 48, 512
+    data = synth_ik_tensor(np.random.default_rng(3), t, (cols, rows), std=0.05)
+    raw = torch.from_numpy(data)
+    matrix = QuantizedMatrix(raw, t, (rows, cols), "blk.0.ffn_up.weight")
+    w = dequantize(raw, t, (cols, rows), strict=True)  # [rows, cols]
+    assert torch.equal(matrix.decode(torch.float32, 5, 17), w[5:17])
+    for n in (1, 16):
+        x = torch.randn(n, cols)
+        assert torch.allclose(matrix.linear(x, dtype=torch.float32), x @ w.T, rtol=1e-5, atol=1e-5)
