@@ -13,7 +13,17 @@ from ggufswap.runtime import PlanState, SlotState, Storage
 from ggufswap.runtime.dequant import dequantize
 from ggufswap.runtime.qmatmul import QuantizedMatrix
 from ggufswap.runtime.serving.perplexity import evaluate_batches, make_eval_tokens, token_windows
-from ggufswap.shards import GGMLType, ModelSpec, Role, read_header, tiny_moe, write_model
+from ggufswap.shards import (
+    ChangeKind,
+    GGMLType,
+    ModelSpec,
+    Role,
+    diff_tables,
+    fingerprint,
+    read_header,
+    tiny_moe,
+    write_model,
+)
 from ggufswap.shards._synth import synth_ik_tensor
 from ggufswap.shards.data import read_tensor_bytes
 from ggufswap.shards.writer import F32_ROLES, NORM_ROLES, plan_tensors
@@ -120,3 +130,23 @@ def test_native_product_of_ik_matrix(type_name: str) -> None:
     for n in (1, 16):
         x = torch.randn(n, cols)
         assert torch.allclose(matrix.linear(x, dtype=torch.float32), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_diff_sees_a_family_change_to_iq1_kt(tmp_path: Path) -> None:
+    """The table diff between an IQ4_KS model and the same model with one expert family in
+    IQ1_KT reports exactly those three tensors, with both type names and byte sizes."""
+    model_dir = ModelDir.write(tmp_path / "model", ik_moe())
+    low = ModelDir.write(
+        tmp_path / "low",
+        ik_moe(ffn_gate_exps="iq1_kt", ffn_up_exps="iq1_kt", ffn_down_exps="iq1_kt"),
+    )
+    before = model_dir.records()
+    for name in FAMILY:
+        model_dir.put(name, low.shard_of(name))
+    changes = diff_tables(before, model_dir.records(), fingerprint=fingerprint)
+    assert [c.name for c in changes] == sorted(FAMILY)
+    for change in changes:
+        assert change.kind is ChangeKind.MODIFIED
+        assert change.new is not None
+        assert change.new.nbytes < before[change.name].nbytes
+        assert "type IQ4_KS -> IQ1_KT" in change.describe()
