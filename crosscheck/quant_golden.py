@@ -3,10 +3,11 @@
 Writes ``tests/fixtures/kquant_golden/``: ``source.f32`` (the input rows, float32 little-endian),
 one ``<type>.bin`` per type (the bytes ``ggml_quantize_chunk`` wrote for those rows, no importance
 matrix: what ``llama-quantize`` writes for a tensor of that type without ``--imatrix``) and
-``manifest.json`` (shape, row descriptions, sizes and sha256 of every file). ``tests/test_kquants.py``
-checks ``ggufswap.shards.kquants`` against them without llama.cpp. Not part of the test suite; run
-by hand with the cross-check venv (``make crosscheck`` builds it), which has llama-cpp-python and
-its ggml shared libraries but no numpy, so this script uses only the standard library::
+``manifest.json`` (shape, row descriptions, sizes and sha256 of every file).
+``tests/test_kquants.py`` checks ``ggufswap.shards.kquants`` against them without llama.cpp. Not
+part of the test suite; run by hand with the cross-check venv (``make crosscheck`` builds it),
+which has llama-cpp-python and its ggml shared libraries but no numpy, so this script uses only
+the standard library::
 
     .venv-crosscheck/bin/python crosscheck/quant_golden.py [--out DIR] [--random-rows N]
 
@@ -38,7 +39,7 @@ TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 2
 
 def _rows() -> list[tuple[str, list[float]]]:
     """The deterministic source rows: ordinary data and the awkward cases quantizers trip on."""
-    rng = random.Random(20261123)
+    rng = random.Random(20261123)  # noqa: S311 -- seeded test data, not secrets
     n = N_PER_ROW
 
     def normal(std: float, mean: float = 0.0) -> list[float]:
@@ -117,12 +118,13 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = _rows()
-    rng = random.Random(7)
+    rng = random.Random(7)  # noqa: S311 -- seeded test data, not secrets
     for r in range(args.random_rows):
         std = math.exp(rng.uniform(math.log(1e-4), math.log(10.0)))
         rows.append((f"random {r}", [rng.gauss(0.0, std) for _ in range(N_PER_ROW)]))
     src = array("f", [v for _, row in rows for v in row])
-    assert src.itemsize == 4 and struct.pack("=f", 1.0) == struct.pack("<f", 1.0), "little-endian"
+    assert src.itemsize == 4, "array('f') is float32"
+    assert struct.pack("=f", 1.0) == struct.pack("<f", 1.0), "source.f32 is little-endian"
 
     args.out.mkdir(parents=True, exist_ok=True)
     files = {"source.f32": src.tobytes()}

@@ -95,9 +95,9 @@ def _ungroup(a: np.ndarray, n_blocks: int) -> np.ndarray:
     return np.ascontiguousarray(a.T).reshape(n_blocks, -1)
 
 
-def _pack_2bit(L: Ints, n_blocks: int) -> np.ndarray:
-    """``qs[j/4 + l] = L[j+l] | L[j+l+32] << 2 | L[j+l+64] << 4 | L[j+l+96] << 6``, j = 0, 128."""
-    r = L.reshape(n_blocks, 2, 4, 32)
+def _pack_2bit(codes: Ints, n_blocks: int) -> np.ndarray:
+    """``qs[j/4 + l] = c[j+l] | c[j+l+32] << 2 | c[j+l+64] << 4 | c[j+l+96] << 6``, j = 0, 128."""
+    r = codes.reshape(n_blocks, 2, 4, 32)
     qs = r[:, :, 0] | (r[:, :, 1] << 2) | (r[:, :, 2] << 4) | (r[:, :, 3] << 6)
     return qs.reshape(n_blocks, 64).astype(np.uint8)
 
@@ -115,7 +115,7 @@ def _make_qkx2_quants(
     nstep: int,
     use_mad: bool,
 ) -> tuple[Ints, Floats, Floats]:
-    """ggml's ``make_qkx2_quants`` on ``x: [n, G]``: returns ``(L, scale, the_min)``."""
+    """ggml's ``make_qkx2_quants`` on ``x: [n, G]``: returns ``(codes, scale, the_min)``."""
     mn = x[0].copy()
     mx = x[0].copy()
     sum_w = w[0].copy()
@@ -129,38 +129,38 @@ def _make_qkx2_quants(
     flat = mx == mn
     flat_min = -mn
 
-    def error(scale: Floats, L: Floats, mn: Floats) -> Floats:
-        diff = scale * L + mn - x
+    def error(scale: Floats, codes: Floats, mn: Floats) -> Floats:
+        diff = scale * codes + mn - x
         return _seq_sum(w * (np.abs(diff) if use_mad else diff * diff))
 
     iscale = F32(nmax) / (mx - mn)
     scale = F32(1) / iscale
-    L = np.clip(_nearest_int(iscale * (x - mn)), 0, nmax)
-    best_error = error(scale, L.astype(F32), mn)
+    codes = np.clip(_nearest_int(iscale * (x - mn)), 0, nmax)
+    best_error = error(scale, codes.astype(F32), mn)
     for step in range(nstep + 1):
         iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (mx - mn)
-        Laux = np.clip(_nearest_int(iscale * (x - mn)), 0, nmax)
-        lf = Laux.astype(F32)
+        laux = np.clip(_nearest_int(iscale * (x - mn)), 0, nmax)
+        lf = laux.astype(F32)
         wl = w * lf
         sum_l, sum_l2, sum_xl = _seq_sum(np.stack([wl, wl * lf, wl * x], axis=1))
-        D = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+        det = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
         positive = this_min > 0
         this_min = np.where(positive, F32(0), this_min)
         this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
         cur_error = error(this_scale, lf, this_min)
-        better = (D > 0) & (cur_error < best_error)
-        L = np.where(better, Laux, L)
+        better = (det > 0) & (cur_error < best_error)
+        codes = np.where(better, laux, codes)
         best_error = np.where(better, cur_error, best_error)
         scale = np.where(better, this_scale, scale)
         mn = np.where(better, this_min, mn)
-    L = np.where(flat, 0, L)
-    return L, np.where(flat, F32(0), scale), np.where(flat, flat_min, -mn)
+    codes = np.where(flat, 0, codes)
+    return codes, np.where(flat, F32(0), scale), np.where(flat, flat_min, -mn)
 
 
 def _make_qx_quants(x: Floats, *, nmax: int) -> tuple[Ints, Floats]:
-    """ggml's ``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` on ``x: [n, G]``."""
+    """ggml's ``make_qx_quants(n, nmax, x, codes, rmse_type=1, qw=NULL)`` on ``x: [n, G]``."""
     amax, vmax = _abs_max(x)
     w = x * x
     wx = w * x
@@ -171,35 +171,35 @@ def _make_qx_quants(x: Floats, *, nmax: int) -> tuple[Ints, Floats]:
         sumlx, suml2 = _seq_sum(np.stack([wx * lf, w * lf * lf], axis=1))
         return lv + nmax, sumlx, suml2
 
-    L, sumlx, suml2 = attempt(F32(-nmax) / vmax)
+    codes, sumlx, suml2 = attempt(F32(-nmax) / vmax)
     scale = np.where(suml2 != 0, sumlx / suml2, F32(0))
     best = scale * sumlx
     for step in range(-9, 10):
         if step == 0:
             continue
-        Ln, sumlx, suml2 = attempt(-(F32(nmax) + F32(0.1) * F32(step)) / vmax)
+        new_codes, sumlx, suml2 = attempt(-(F32(nmax) + F32(0.1) * F32(step)) / vmax)
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        L = np.where(better, Ln, L)
+        codes = np.where(better, new_codes, codes)
         scale = np.where(better, sumlx / suml2, scale)
         best = np.where(better, scale * sumlx, best)
     zero = amax < _GROUP_MAX_EPS
-    return np.where(zero, 0, L), np.where(zero, F32(0), scale)
+    return np.where(zero, 0, codes), np.where(zero, F32(0), scale)
 
 
 def _make_q3_quants(x: Floats, *, nmax: int) -> tuple[Ints, Floats]:
-    """ggml's ``make_q3_quants(n, nmax, x, L, do_rmse=true)`` on ``x: [n, G]``."""
+    """ggml's ``make_q3_quants(n, nmax, x, codes, do_rmse=true)`` on ``x: [n, G]``."""
     amax, vmax = _abs_max(x)
-    L = np.clip(_nearest_int((F32(-nmax) / vmax) * x), -nmax, nmax - 1)
+    codes = np.clip(_nearest_int((F32(-nmax) / vmax) * x), -nmax, nmax - 1)
     w = x * x
     wx = w * x
-    lf = L.astype(F32)
+    lf = codes.astype(F32)
     sumlx, suml2 = _seq_sum(np.stack([wx * lf, w * lf * lf], axis=1))
     for _ in range(5):
         # ggml stops a group after a pass without a change; such a pass changes nothing, so
         # running further passes on it is harmless, and all groups stop when none changed.
         changed = False
         for i in range(x.shape[0]):
-            li = L[i].astype(F32)
+            li = codes[i].astype(F32)
             slx = sumlx - wx[i] * li
             sl2 = suml2 - w[i] * li * li
             new_l = np.clip(_nearest_int(x[i] * sl2 / slx), -nmax, nmax - 1)
@@ -208,20 +208,20 @@ def _make_q3_quants(x: Floats, *, nmax: int) -> tuple[Ints, Floats]:
             sl2_new = sl2 + w[i] * nf * nf
             take = (
                 (slx > 0)
-                & (new_l != L[i])
+                & (new_l != codes[i])
                 & (sl2_new > 0)
                 & (slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new)
             )
             if take.any():
                 changed = True
-                L[i] = np.where(take, new_l, L[i])
+                codes[i] = np.where(take, new_l, codes[i])
                 sumlx = np.where(take, slx_new, sumlx)
                 suml2 = np.where(take, sl2_new, suml2)
         if not changed:
             break
     scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
     zero = amax < _GROUP_MAX_EPS
-    return np.where(zero, 0, L + nmax), np.where(zero, F32(0), scale)
+    return np.where(zero, 0, codes + nmax), np.where(zero, F32(0), scale)
 
 
 def _best_index_iq4(v: Floats) -> Ints:
@@ -256,9 +256,9 @@ def _iq4_block_scales(x: Floats, *, ntry: int) -> Floats:
     return np.where(amax < _GROUP_MAX_EPS, F32(0), d)
 
 
-def _pack_iq4(L: Ints, n_blocks: int) -> np.ndarray:
-    """``q4[16*i + j] = L[32*i + j] | L[32*i + 16 + j] << 4`` for each 32 values."""
-    r = L.reshape(n_blocks, -1, 2, 16)
+def _pack_iq4(codes: Ints, n_blocks: int) -> np.ndarray:
+    """``q4[16*i + j] = codes[32*i + j] | codes[32*i + 16 + j] << 4`` for each 32 values."""
+    r = codes.reshape(n_blocks, -1, 2, 16)
     return (r[:, :, 0] | (r[:, :, 1] << 4)).reshape(n_blocks, -1).astype(np.uint8)
 
 
@@ -269,10 +269,10 @@ def _quantize_q2_k(x: Floats) -> np.ndarray:
     """``quantize_row_q2_K_ref``: ``[nb, 256]`` -> ``[nb, 84]`` blocks."""
     nb = x.shape[0]
     xg = _groups(x, 16)
-    L, scales, mins = _make_qkx2_quants(
+    codes, scales, mins = _make_qkx2_quants(
         xg, np.abs(xg), nmax=3, rmin=-0.5, rdelta=0.1, nstep=15, use_mad=True
     )
-    L = _ungroup(L, nb).reshape(nb, 16, 16)
+    codes = _ungroup(codes, nb).reshape(nb, 16, 16)
     scales, mins = scales.reshape(nb, 16), mins.reshape(nb, 16)
     max_scale, max_min = _running_max(scales), _running_max(mins)
     q4scale = F32(15)
@@ -286,17 +286,17 @@ def _quantize_q2_k(x: Floats) -> np.ndarray:
     dm = _fp32(dmin)[:, None] * (sc >> 4).astype(F32)
     x3 = x.reshape(nb, 16, 16)
     redo = np.clip(_nearest_int((x3 + dm[:, :, None]) / dq[:, :, None]), 0, 3)
-    L = np.where((dq != 0)[:, :, None], redo, L).reshape(nb, QK_K)
+    codes = np.where((dq != 0)[:, :, None], redo, codes).reshape(nb, QK_K)
     return np.concatenate(
-        [sc.astype(np.uint8), _pack_2bit(L, nb), _u16_bytes(d), _u16_bytes(dmin)], axis=1
+        [sc.astype(np.uint8), _pack_2bit(codes, nb), _u16_bytes(d), _u16_bytes(dmin)], axis=1
     )
 
 
 def _quantize_q3_k(x: Floats) -> np.ndarray:
     """``quantize_row_q3_K_ref``: ``[nb, 256]`` -> ``[nb, 110]`` blocks."""
     nb = x.shape[0]
-    L, scales = _make_q3_quants(_groups(x, 16), nmax=4)
-    L = _ungroup(L, nb).reshape(nb, 16, 16)
+    codes, scales = _make_q3_quants(_groups(x, 16), nmax=4)
+    codes = _ungroup(codes, nb).reshape(nb, 16, 16)
     scales = scales.reshape(nb, 16)
     _amax, max_scale = _abs_max(scales.T)
     has = max_scale != 0
@@ -313,14 +313,15 @@ def _quantize_q3_k(x: Floats) -> np.ndarray:
     d = np.where(has, _fp16(F32(1) / iscale), 0).astype(np.uint16)
     dq = _fp32(d)[:, None] * (lq - 32).astype(F32)
     redo = np.clip(_nearest_int(x.reshape(nb, 16, 16) / dq[:, :, None]), -4, 3) + 4
-    L = np.where((dq != 0)[:, :, None], redo, L).reshape(nb, 8, 32)
-    high_bit = L > 3
+    codes = np.where((dq != 0)[:, :, None], redo, codes).reshape(nb, 8, 32)
+    high_bit = codes > 3
     hmask = np.zeros((nb, 32), dtype=np.int32)
     for b in range(8):
         hmask |= high_bit[:, b].astype(np.int32) << b
-    L = np.where(high_bit, L - 4, L).reshape(nb, QK_K)
+    codes = np.where(high_bit, codes - 4, codes).reshape(nb, QK_K)
     return np.concatenate(
-        [hmask.astype(np.uint8), _pack_2bit(L, nb), packed.astype(np.uint8), _u16_bytes(d)], axis=1
+        [hmask.astype(np.uint8), _pack_2bit(codes, nb), packed.astype(np.uint8), _u16_bytes(d)],
+        axis=1,
     )
 
 
@@ -331,13 +332,13 @@ def _k4_weights(xg: Floats) -> Floats:
 
 
 def _quantize_q45_k(x: Floats, *, nmax: int, rmin: float, nstep: int) -> tuple[np.ndarray, ...]:
-    """The part Q4_K and Q5_K share: ``(d, dmin, scales[12], L)`` of ``[nb, 256]`` values."""
+    """The part Q4_K and Q5_K share: ``(d, dmin, scales[12], codes)`` of ``[nb, 256]`` values."""
     nb = x.shape[0]
     xg = _groups(x, 32)
-    L, scales, mins = _make_qkx2_quants(
+    codes, scales, mins = _make_qkx2_quants(
         xg, _k4_weights(xg), nmax=nmax, rmin=rmin, rdelta=0.1, nstep=nstep, use_mad=False
     )
-    L = _ungroup(L, nb).reshape(nb, 8, 32)
+    codes = _ungroup(codes, nb).reshape(nb, 8, 32)
     scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)
     max_scale, max_min = _running_max(scales), _running_max(mins)
     inv_scale = np.where(max_scale > 0, F32(63) / max_scale, F32(0))
@@ -356,18 +357,16 @@ def _quantize_q45_k(x: Floats, *, nmax: int, rmin: float, nstep: int) -> tuple[n
     dmin = _fp16(max_min / F32(63))
     dq = _fp32(d)[:, None] * ls.astype(F32)
     dm = _fp32(dmin)[:, None] * lm.astype(F32)
-    redo = np.clip(
-        _nearest_int((x.reshape(nb, 8, 32) + dm[:, :, None]) / dq[:, :, None]), 0, nmax
-    )
-    L = np.where((dq != 0)[:, :, None], redo, L)
-    return d, dmin, packed, L
+    redo = np.clip(_nearest_int((x.reshape(nb, 8, 32) + dm[:, :, None]) / dq[:, :, None]), 0, nmax)
+    codes = np.where((dq != 0)[:, :, None], redo, codes)
+    return d, dmin, packed, codes
 
 
 def _quantize_q4_k(x: Floats) -> np.ndarray:
     """``quantize_row_q4_K_ref``: ``[nb, 256]`` -> ``[nb, 144]`` blocks."""
     nb = x.shape[0]
-    d, dmin, packed, L = _quantize_q45_k(x, nmax=15, rmin=-1.0, nstep=20)
-    r = L.reshape(nb, 4, 2, 32)
+    d, dmin, packed, codes = _quantize_q45_k(x, nmax=15, rmin=-1.0, nstep=20)
+    r = codes.reshape(nb, 4, 2, 32)
     qs = (r[:, :, 0] | (r[:, :, 1] << 4)).reshape(nb, 128).astype(np.uint8)
     return np.concatenate([_u16_bytes(d), _u16_bytes(dmin), packed, qs], axis=1)
 
@@ -375,8 +374,8 @@ def _quantize_q4_k(x: Floats) -> np.ndarray:
 def _quantize_q5_k(x: Floats) -> np.ndarray:
     """``quantize_row_q5_K_ref``: ``[nb, 256]`` -> ``[nb, 176]`` blocks."""
     nb = x.shape[0]
-    d, dmin, packed, L = _quantize_q45_k(x, nmax=31, rmin=-0.5, nstep=15)
-    r = L.reshape(nb, 4, 2, 32)  # pairs (n + j, n + j + 32) for n = 0, 64, 128, 192
+    d, dmin, packed, codes = _quantize_q45_k(x, nmax=31, rmin=-0.5, nstep=15)
+    r = codes.reshape(nb, 4, 2, 32)  # pairs (n + j, n + j + 32) for n = 0, 64, 128, 192
     qh = np.zeros((nb, 32), dtype=np.int32)
     for k in range(4):
         qh |= (r[:, k, 0] >> 4) << (2 * k)
@@ -390,8 +389,8 @@ def _quantize_q5_k(x: Floats) -> np.ndarray:
 def _quantize_q6_k(x: Floats) -> np.ndarray:
     """``quantize_row_q6_K_ref``: ``[nb, 256]`` -> ``[nb, 210]`` blocks."""
     nb = x.shape[0]
-    L, scales = _make_qx_quants(_groups(x, 16), nmax=32)
-    L = _ungroup(L, nb).reshape(nb, 16, 16)
+    codes, scales = _make_qx_quants(_groups(x, 16), nmax=32)
+    codes = _ungroup(codes, nb).reshape(nb, 16, 16)
     scales = scales.reshape(nb, 16)
     max_abs, max_scale = _abs_max(scales.T)
     zero = max_abs < _GROUP_MAX_EPS
@@ -401,14 +400,27 @@ def _quantize_q6_k(x: Floats) -> np.ndarray:
     sc = ((sc + 128) & 0xFF) - 128  # int8_t
     dq = _fp32(d)[:, None] * sc.astype(F32)
     redo = np.clip(_nearest_int(x.reshape(nb, 16, 16) / dq[:, :, None]), -32, 31) + 32
-    L = np.where((dq != 0)[:, :, None], redo, L).reshape(nb, 2, 4, 32)
+    codes = np.where((dq != 0)[:, :, None], redo, codes).reshape(nb, 2, 4, 32)
     ql = np.concatenate(
-        [(L[:, :, 0] & 0xF) | ((L[:, :, 2] & 0xF) << 4), (L[:, :, 1] & 0xF) | ((L[:, :, 3] & 0xF) << 4)],
+        [
+            (codes[:, :, 0] & 0xF) | ((codes[:, :, 2] & 0xF) << 4),
+            (codes[:, :, 1] & 0xF) | ((codes[:, :, 3] & 0xF) << 4),
+        ],
         axis=2,
     ).reshape(nb, 128)
-    qh = (L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4) | ((L[:, :, 3] >> 4) << 6)
+    qh = (
+        (codes[:, :, 0] >> 4)
+        | ((codes[:, :, 1] >> 4) << 2)
+        | ((codes[:, :, 2] >> 4) << 4)
+        | ((codes[:, :, 3] >> 4) << 6)
+    )
     blocks = np.concatenate(
-        [ql.astype(np.uint8), qh.reshape(nb, 64).astype(np.uint8), sc.astype(np.uint8), _u16_bytes(d)],
+        [
+            ql.astype(np.uint8),
+            qh.reshape(nb, 64).astype(np.uint8),
+            sc.astype(np.uint8),
+            _u16_bytes(d),
+        ],
         axis=1,
     )
     blocks[zero] = 0
@@ -421,8 +433,8 @@ def _quantize_iq4_nl(x: Floats) -> np.ndarray:
     xg = _groups(x, 32)
     scale = _iq4_block_scales(xg, ntry=7)
     inv = np.where(scale != 0, F32(1) / scale, F32(0))
-    L = _ungroup(_best_index_iq4(inv * xg), nb)
-    return np.concatenate([_u16_bytes(_fp16(scale)), _pack_iq4(L, nb)], axis=1)
+    codes = _ungroup(_best_index_iq4(inv * xg), nb)
+    return np.concatenate([_u16_bytes(_fp16(scale)), _pack_iq4(codes, nb)], axis=1)
 
 
 def _quantize_iq4_xs(x: Floats) -> np.ndarray:
@@ -435,14 +447,19 @@ def _quantize_iq4_xs(x: Floats) -> np.ndarray:
     ls = np.clip(_nearest_int(inv[:, None] * scales), -32, 31)
     dl = d[:, None] * ls.astype(F32)
     idl = np.where(dl != 0, F32(1) / dl, F32(0))
-    L = _best_index_iq4(idl[:, :, None] * x.reshape(nb, 8, 32))
+    codes = _best_index_iq4(idl[:, :, None] * x.reshape(nb, 8, 32))
     ls += 32
     scales_l = ((ls[:, 0::2] & 0xF) | ((ls[:, 1::2] & 0xF) << 4)).astype(np.uint8)
     scales_h = np.zeros(nb, dtype=np.int32)
     for ib in range(8):
         scales_h |= (ls[:, ib] >> 4) << (2 * ib)
     return np.concatenate(
-        [_u16_bytes(_fp16(d)), _u16_bytes(scales_h.astype(np.uint16)), scales_l, _pack_iq4(L, nb)],
+        [
+            _u16_bytes(_fp16(d)),
+            _u16_bytes(scales_h.astype(np.uint16)),
+            scales_l,
+            _pack_iq4(codes, nb),
+        ],
         axis=1,
     )
 
@@ -473,7 +490,8 @@ def quantize(values: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
     flat = np.ascontiguousarray(values, dtype=F32).reshape(-1)
     if flat.size % block_size:
         raise ValueError(
-            f"{ggml_type.name}: {flat.size} values are not a multiple of the block size {block_size}"
+            f"{ggml_type.name}: {flat.size} values are not a multiple of the block size "
+            f"{block_size}"
         )
     blocks = flat.reshape(-1, block_size)
     out = np.empty((blocks.shape[0], type_size), dtype=np.uint8)
