@@ -12,7 +12,9 @@ the standard library::
     .venv-crosscheck/bin/python crosscheck/quant_golden.py [--out DIR] [--random-rows N]
 
 ``--random-rows N`` appends N rows of seeded normal data (a larger sample for measuring agreement
-by hand; the committed fixture uses the default 0).
+by hand; the committed fixture uses the default 0). ``--quantize SRC TYPE N_PER_ROW DST`` instead
+quantizes the float32 file SRC (rows of N_PER_ROW) to TYPE and writes ggml's bytes to DST; this
+is how ``crosscheck/requant_check.py`` asks ggml for its bytes.
 """
 
 from __future__ import annotations
@@ -115,7 +117,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--random-rows", type=int, default=0, metavar="N")
+    parser.add_argument("--quantize", nargs=4, metavar=("SRC", "TYPE", "N_PER_ROW", "DST"))
     args = parser.parse_args()
+    if args.quantize:
+        src_path, type_name, n_per_row, dst_path = args.quantize
+        values = array("f")
+        values.frombytes(Path(src_path).read_bytes())
+        Path(dst_path).write_bytes(quantizer()(type_name.upper(), values, int(n_per_row)))
+        return
 
     rows = _rows()
     rng = random.Random(7)  # noqa: S311 -- seeded test data, not secrets

@@ -32,7 +32,7 @@ _ROUND_MAGIC: Final = F32(12582912.0)  # 1.5 * 2**23: nearest_int's rounding con
 _IQ4_VALUES: Final = np.array(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=F32
 )
-_CHUNK_ELEMENTS: Final = 1 << 20  # values quantized per pass: bounds the temporaries' memory
+_CHUNK_ELEMENTS: Final = 1 << 16  # values per pass: bounds the temporaries, fits in cache
 
 Floats = np.ndarray  # float32
 Ints = np.ndarray  # int32
@@ -224,13 +224,29 @@ def _make_q3_quants(x: Floats, *, nmax: int) -> tuple[Ints, Floats]:
     return np.where(zero, 0, codes + nmax), np.where(zero, F32(0), scale)
 
 
-def _best_index_iq4(v: Floats) -> Ints:
-    """ggml's ``best_index_int8(16, kvalues_iq4nl, v)``: the nearest value, ties upward."""
-    mu = np.clip(np.searchsorted(_IQ4_VALUES, v, side="right"), 1, 15)
-    lower = (v - _IQ4_VALUES[mu - 1]) < (_IQ4_VALUES[mu] - v)
-    idx = np.where(lower, mu - 1, mu)
-    idx = np.where(v <= _IQ4_VALUES[0], 0, idx)
-    return np.where(v >= _IQ4_VALUES[15], 15, idx).astype(np.int32)
+def _iq4_neighbours() -> tuple[np.ndarray, Floats, Floats]:
+    """Per ``floor(v) + 128`` for ``v`` in [-128, 115): best_index_int8's bracket ``mu`` (the first
+    value above ``v``, clamped to 1..15) and the values ``val[mu - 1]``, ``val[mu]`` around it.
+
+    For integer values, ``val > v`` exactly when ``val > floor(v)``, so ``floor(v)`` decides
+    ``mu``; outside the values' range the clamped bracket still picks index 0 or 15.
+    """
+    floors = np.arange(-128, 115, dtype=F32)
+    mu = np.clip(np.searchsorted(_IQ4_VALUES, floors, side="right"), 1, 15).astype(np.int32)
+    return mu, _IQ4_VALUES[mu - 1], _IQ4_VALUES[mu]
+
+
+_IQ4_MU, _IQ4_LOWER, _IQ4_UPPER = _iq4_neighbours()
+
+
+def _best_index_iq4(v: Floats) -> tuple[Ints, Floats]:
+    """ggml's ``best_index_int8(16, kvalues_iq4nl, v)`` (nearest value, ties upward, NaN to 15)
+    and the value at that index."""
+    k = np.floor(np.clip(v, F32(-128), F32(114)))
+    k = np.where(np.isnan(k), F32(114), k).astype(np.intp) + 128
+    lower, upper = _IQ4_LOWER.take(k), _IQ4_UPPER.take(k)
+    take_lower = (v - lower) < (upper - v)
+    return _IQ4_MU.take(k) - take_lower, np.where(take_lower, lower, upper)
 
 
 def _iq4_block_scales(x: Floats, *, ntry: int) -> Floats:
@@ -239,7 +255,7 @@ def _iq4_block_scales(x: Floats, *, ntry: int) -> Floats:
     amax, vmax = _abs_max(x)
 
     def sums(iscale: Floats) -> tuple[Floats, Floats]:
-        q = _IQ4_VALUES[_best_index_iq4(iscale * x)]
+        _index, q = _best_index_iq4(iscale * x)
         wq = w * q
         sumqx, sumq2 = _seq_sum(np.stack([wq * x, wq * q], axis=1))
         return sumqx, sumq2
@@ -433,7 +449,7 @@ def _quantize_iq4_nl(x: Floats) -> np.ndarray:
     xg = _groups(x, 32)
     scale = _iq4_block_scales(xg, ntry=7)
     inv = np.where(scale != 0, F32(1) / scale, F32(0))
-    codes = _ungroup(_best_index_iq4(inv * xg), nb)
+    codes = _ungroup(_best_index_iq4(inv * xg)[0], nb)
     return np.concatenate([_u16_bytes(_fp16(scale)), _pack_iq4(codes, nb)], axis=1)
 
 
@@ -447,7 +463,7 @@ def _quantize_iq4_xs(x: Floats) -> np.ndarray:
     ls = np.clip(_nearest_int(inv[:, None] * scales), -32, 31)
     dl = d[:, None] * ls.astype(F32)
     idl = np.where(dl != 0, F32(1) / dl, F32(0))
-    codes = _best_index_iq4(idl[:, :, None] * x.reshape(nb, 8, 32))
+    codes = _best_index_iq4(idl[:, :, None] * x.reshape(nb, 8, 32))[0]
     ls += 32
     scales_l = ((ls[:, 0::2] & 0xF) | ((ls[:, 1::2] & 0xF) << 4)).astype(np.uint8)
     scales_h = np.zeros(nb, dtype=np.int32)
