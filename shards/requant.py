@@ -42,6 +42,8 @@ IK_LLAMA_TYPES: Final = frozenset(
         *("Q8_K16", "Q8_K32", "Q8_K64", "Q8_K128", "Q8_KV", "Q8_KR8"),
     }
 )
+# ggml types no quantize tool writes as a tensor's storage: integers, F64, matmul intermediates.
+_NOT_STORAGE: Final = frozenset({"I8", "I16", "I32", "I64", "F64", "Q8_1", "Q8_K"})
 # llama.cpp types whose quantizer requires an importance matrix (ggml_quantize_requires_imatrix).
 _NEEDS_IMATRIX: Final = frozenset({"IQ2_XXS", "IQ2_XS", "IQ1_S"})
 _PREAMBLE: Final = struct.Struct("<IIQQ")  # magic, version, n_tensors, n_kv
@@ -107,7 +109,7 @@ def reference_tool_command(tensor: str, type_name: str) -> str | None:
     rule = shlex.quote(f"^{re.escape(tensor)}$={name.lower()}")
     if name in IK_LLAMA_TYPES:
         option = "--custom-q"
-    elif name in GGMLQuantizationType.__members__:
+    elif name in GGMLQuantizationType.__members__ and name not in _NOT_STORAGE:
         option = "--tensor-type"
     else:
         return None
@@ -119,6 +121,11 @@ def _unsupported(tensor: str, type_name: str) -> str:
     """The refusal message for a target this module cannot quantize to."""
     names = ", ".join(t.name for t in SUPPORTED_TARGETS)
     command = reference_tool_command(tensor, type_name)
+    if type_name.strip().upper() in _NOT_STORAGE:
+        return (
+            f"{tensor}: no quantizer writes {type_name.strip().upper()} (an integer, F64 or "
+            f"matmul-intermediate type); requant writes {names}"
+        )
     if command is None:
         return f"{tensor}: unknown GGML type {type_name!r}; requant writes {names}"
     tool = "ik_llama.cpp's" if type_name.strip().upper() in IK_LLAMA_TYPES else "llama.cpp's"

@@ -135,6 +135,8 @@ def test_unsupported_target_type_lists_the_supported_ones(tmp_path: Path) -> Non
         requantize(src, UP, Q.IQ2_XS)
     with pytest.raises(RequantError, match=r"ik_llama\.cpp's tool .* --custom-q .*=iq4_ks'"):
         requantize(src, UP, "iq4_ks")
+    with pytest.raises(RequantError, match=r"no quantizer writes Q8_K .*; requant writes F32"):
+        requantize(src, UP, "q8_k")
     with pytest.raises(RequantError, match="unknown GGML type 'not_a_type'; requant writes F32"):
         requantize(src, UP, "not_a_type")
     assert src.read_bytes() == original
