@@ -64,12 +64,16 @@ def register(subparsers: Any) -> None:
         help="re-encode one tensor of a shard to another GGML type",
         description=(
             "Dequantize TENSOR and quantize it to TYPE; every other tensor and metadata key stays "
-            "byte-identical. Replaces SHARD atomically unless --out is given."
+            "byte-identical. Replaces SHARD atomically unless --out is given. TYPE is one of "
+            "f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0 (gguf-py's quantizers) or q2_k, q3_k, "
+            "q4_k, q5_k, q6_k, iq4_nl, iq4_xs (ggml's reference quantizers, the bytes "
+            "llama-quantize writes without --imatrix). Any other type (IQ1/IQ2/IQ3, TQ, MXFP4, "
+            "ik_llama.cpp's IQ*_K...) is refused with the llama-quantize command that writes it."
         ),
     )
     requant.add_argument("shard", metavar="SHARD")
     requant.add_argument("tensor", metavar="TENSOR")
-    requant.add_argument("type", metavar="TYPE", help="target type, e.g. q4_0, q8_0, f16")
+    requant.add_argument("type", metavar="TYPE", help="target type, e.g. q4_k, q8_0, iq4_xs, f16")
     requant.add_argument("--out", metavar="PATH", help="write here instead of replacing SHARD")
     requant.set_defaults(func=run_requant)
 

@@ -1,9 +1,10 @@
 """Deterministic, real-looking tensor bytes for every GGML type the test models use.
 
 Types that ``gguf.quants`` can quantize are produced the honest way: normal floats, then
-quantized. For the others (K-quants, IQ4_*) gguf-py has only a dequantizer, so valid blocks are
-synthesized: random quant codes, with each block's fp16 scale fields (``d``, ``dmin``) set so that
-``gguf.quants.dequantize`` yields finite values of the intended magnitude.
+quantized. For the others (K-quants, IQ4_*) valid blocks are synthesized: random quant codes, with
+each block's fp16 scale fields (``d``, ``dmin``) set so that ``gguf.quants.dequantize`` yields
+finite values of the intended magnitude. (``encode_floats`` can quantize to those types too, with
+``shards.kquants``; the model writer keeps synthesizing them so that its files stay the same.)
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, TokenType
 from gguf.quants import dequantize, quantize
 
-from ggufswap.shards import ggml_types
+from ggufswap.shards import ggml_types, kquants
 from ggufswap.shards.ggml_types import GGMLType
 
 Q = GGMLQuantizationType
 
-# Types gguf.quants.quantize encodes from floats (the targets ``requantize`` accepts).
-QUANTIZABLE_TYPES: Final = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+# Types gguf.quants.quantize encodes from floats.
+GGUF_PY_QUANTIZABLE: Final = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+# Types ``encode_floats`` encodes from floats (the targets ``requantize`` accepts): gguf-py's, then
+# the K-quant and IQ4 types of ggml's reference quantizers (``kquants``).
+QUANTIZABLE_TYPES: Final = GGUF_PY_QUANTIZABLE + kquants.TYPES
 
 # Types whose blocks are synthesized: byte offsets of the fp16 scale fields within one block.
 _SCALE_FIELDS: Final[dict[GGMLQuantizationType, tuple[int, ...]]] = {
@@ -34,7 +38,7 @@ _SCALE_FIELDS: Final[dict[GGMLQuantizationType, tuple[int, ...]]] = {
     Q.IQ4_XS: (0,),  # d scales_h scales_l[4] qs[128]
 }
 SYNTHESIZED_TYPES: Final = tuple(_SCALE_FIELDS)
-WRITABLE_TYPES: Final = QUANTIZABLE_TYPES + SYNTHESIZED_TYPES
+WRITABLE_TYPES: Final = GGUF_PY_QUANTIZABLE + SYNTHESIZED_TYPES
 
 # ik_llama.cpp's types (and Q1_0), which neither gguf-py nor llama.cpp reads: random codes, with
 # the scale that multiplies every value set for the intended spread. Where it lives ("block": the
@@ -75,6 +79,8 @@ def encode_floats(values: np.ndarray, ggml_type: GGMLQuantizationType) -> np.nda
     if ggml_type not in QUANTIZABLE_TYPES:
         names = ", ".join(t.name for t in QUANTIZABLE_TYPES)
         raise ValueError(f"cannot quantize to {ggml_type.name}: supported targets are {names}")
+    if ggml_type in kquants.TYPES:
+        return kquants.quantize(values, ggml_type)
     encoded = quantize(np.ascontiguousarray(values, dtype=np.float32), ggml_type)
     return np.ascontiguousarray(encoded).view(np.uint8).reshape(-1)
 

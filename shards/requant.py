@@ -3,7 +3,11 @@
 ``requantize`` is the quantization researcher's basic move: dequantize one tensor (gguf-py's
 reference dequantizer), quantize it to the new type, and write a replacement shard in which the
 metadata section is copied verbatim (``split.*`` and ``general.file_type`` included) and every
-other tensor's bytes are identical. Offsets after the changed tensor move when its size changes.
+other tensor's bytes are identical. Targets: gguf-py's quantizers (F32, F16, BF16, Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0) and ggml's reference quantizers for Q2_K..Q6_K, IQ4_NL and IQ4_XS
+(``shards.kquants``, byte-identical to ``llama-quantize`` without an importance matrix). Any other
+type is refused with the ``llama-quantize`` command (llama.cpp's or ik_llama.cpp's) that writes
+it. Offsets after the changed tensor move when its size changes.
 The replacement is written atomically, in place by default; ``restore`` puts a saved copy back.
 """
 
@@ -11,6 +15,8 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
+import shlex
 import struct
 from pathlib import Path
 from typing import Final
@@ -25,6 +31,21 @@ from ggufswap.shards.records import FileIdentity
 from ggufswap.shards.writer import Hole, RawTensor, parse_type, write_gguf
 
 SUPPORTED_TARGETS: Final = _synth.QUANTIZABLE_TYPES
+# ggml types that only ik_llama.cpp's ggml knows (its ggml/include/ggml.h, beyond llama.cpp's):
+# gguf-py has no names for them, so a request for one is answered with ik_llama.cpp's tool.
+IK_LLAMA_TYPES: Final = frozenset(
+    {
+        *("Q6_0", "Q1_0_G128", "I2_S", "IQ1_BN", "IQ2_BN", "IQ2_TN", "IQ1_TN"),
+        *("IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K"),
+        *("IQ2_KS", "IQ3_KS", "IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ2_KL"),
+        *("IQ1_KT", "IQ2_KT", "IQ3_KT", "IQ4_KT"),
+        *("Q8_K16", "Q8_K32", "Q8_K64", "Q8_K128", "Q8_KV", "Q8_KR8"),
+    }
+)
+# ggml types no quantize tool writes as a tensor's storage: integers, F64, matmul intermediates.
+_NOT_STORAGE: Final = frozenset({"I8", "I16", "I32", "I64", "F64", "Q8_1", "Q8_K"})
+# llama.cpp types whose quantizer requires an importance matrix (ggml_quantize_requires_imatrix).
+_NEEDS_IMATRIX: Final = frozenset({"IQ2_XXS", "IQ2_XS", "IQ1_S"})
 _PREAMBLE: Final = struct.Struct("<IIQQ")  # magic, version, n_tensors, n_kv
 _U32: Final = struct.Struct("<I")
 _U64: Final = struct.Struct("<Q")
@@ -77,6 +98,43 @@ def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
     return data
 
 
+def reference_tool_command(tensor: str, type_name: str) -> str | None:
+    """The ``llama-quantize`` command that writes ``tensor`` as ``type_name``; None if unknown.
+
+    llama.cpp's tool takes ``--tensor-type REGEX=TYPE``, ik_llama.cpp's ``--custom-q REGEX=TYPE``;
+    both need ``--allow-requantize`` for an already quantized input and re-encode every other
+    quantizable tensor to the positional type too (so start from an F16/BF16 file).
+    """
+    name = type_name.strip().upper()
+    rule = shlex.quote(f"^{re.escape(tensor)}$={name.lower()}")
+    if name in IK_LLAMA_TYPES:
+        option = "--custom-q"
+    elif name in GGMLQuantizationType.__members__ and name not in _NOT_STORAGE:
+        option = "--tensor-type"
+    else:
+        return None
+    imatrix = " --imatrix IMATRIX.dat" if name in _NEEDS_IMATRIX else ""
+    return f"llama-quantize --allow-requantize{imatrix} {option} {rule} IN.gguf OUT.gguf {name}"
+
+
+def _unsupported(tensor: str, type_name: str) -> str:
+    """The refusal message for a target this module cannot quantize to."""
+    names = ", ".join(t.name for t in SUPPORTED_TARGETS)
+    command = reference_tool_command(tensor, type_name)
+    if type_name.strip().upper() in _NOT_STORAGE:
+        return (
+            f"{tensor}: no quantizer writes {type_name.strip().upper()} (an integer, F64 or "
+            f"matmul-intermediate type); requant writes {names}"
+        )
+    if command is None:
+        return f"{tensor}: unknown GGML type {type_name!r}; requant writes {names}"
+    tool = "ik_llama.cpp's" if type_name.strip().upper() in IK_LLAMA_TYPES else "llama.cpp's"
+    return (
+        f"{tensor}: cannot quantize to {type_name.strip().upper()} (requant writes {names}); "
+        f"{tool} tool writes it: {command}"
+    )
+
+
 def requantize(
     shard: str | os.PathLike[str],
     tensor: str,
@@ -88,7 +146,8 @@ def requantize(
 
     Without ``out`` the shard is replaced in place (atomic rename); with ``out`` the original is
     left alone. Raises :class:`RequantError` for an unknown tensor (with the nearest names) or an
-    unsupported target type (with the supported ones).
+    unsupported target type (with the supported ones and the ``llama-quantize`` command that
+    writes it, see :func:`reference_tool_command`).
     """
     header = read_header(shard)
     path = header.path
@@ -102,8 +161,8 @@ def requantize(
     except ValueError:
         target = None
     if target not in SUPPORTED_TARGETS:
-        names = ", ".join(t.name for t in SUPPORTED_TARGETS)
-        raise RequantError(path, f"{tensor}: cannot quantize to {new_type!s}; supported: {names}")
+        requested = target.name if target is not None else str(getattr(new_type, "name", new_type))
+        raise RequantError(path, _unsupported(tensor, requested))
     assert target is not None, "checked against SUPPORTED_TARGETS"
     record = records[tensor]
     block_size = GGML_QUANT_SIZES[target][0]

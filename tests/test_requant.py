@@ -11,6 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from processes import run_ggufswap
 
+from ggufswap.shards import kquants
 from ggufswap.shards.errors import ShardError
 from ggufswap.shards.presets import demo_moe, tiny_moe
 from ggufswap.shards.reader import read_header
@@ -120,18 +121,53 @@ def test_unknown_tensor_is_refused_with_nearest_names(tmp_path: Path) -> None:
 
 
 def test_unsupported_target_type_lists_the_supported_ones(tmp_path: Path) -> None:
-    """A target gguf-py cannot quantize to is refused with the list of supported types."""
+    """A target requant cannot write is refused with the supported types and the tool that can."""
     (src,) = write_model(tiny_moe(), tmp_path)
+    original = src.read_bytes()
     with pytest.raises(RequantError) as info:
-        requantize(src, UP, "q4_k")
-    assert "q4_k" in str(info.value)
-    assert all(t.name in str(info.value) for t in SUPPORTED_TARGETS)
-    with pytest.raises(RequantError, match="supported"):
+        requantize(src, UP, "iq3_s")
+    message = str(info.value)
+    assert "cannot quantize to IQ3_S" in message
+    assert all(t.name in message for t in SUPPORTED_TARGETS)
+    assert "llama.cpp's tool writes it: llama-quantize --allow-requantize --tensor-type" in message
+    assert "'^blk\\.1\\.ffn_up_exps\\.weight$=iq3_s' IN.gguf OUT.gguf IQ3_S" in message
+    with pytest.raises(RequantError, match=r"--imatrix IMATRIX\.dat --tensor-type"):
+        requantize(src, UP, Q.IQ2_XS)
+    with pytest.raises(RequantError, match=r"ik_llama\.cpp's tool .* --custom-q .*=iq4_ks'"):
+        requantize(src, UP, "iq4_ks")
+    with pytest.raises(RequantError, match=r"no quantizer writes Q8_K .*; requant writes F32"):
+        requantize(src, UP, "q8_k")
+    with pytest.raises(RequantError, match="unknown GGML type 'not_a_type'; requant writes F32"):
         requantize(src, UP, "not_a_type")
+    assert src.read_bytes() == original
+    assert [p.name for p in tmp_path.iterdir()] == [src.name]
+
+
+@pytest.mark.parametrize("target", kquants.TYPES, ids=lambda t: t.name)
+def test_requant_to_k_quants_writes_ggml_reference_bytes(tmp_path: Path, target: Q) -> None:
+    """A K-quant/IQ4 target holds kquants' bytes of the dequantized tensor; nothing else changes."""
+    name = "blk.0.attn_q.weight"
+    (src,) = write_model(demo_moe(n_layers=1), tmp_path / "m")
+    out = requantize(src, name, target.name.lower(), out=tmp_path / "new.gguf")
+    _assert_only_changed(src, out, name, target)
+    before = _floats(_tensors(src)[name])
+    assert bytes(_tensors(out)[name].data) == bytes(kquants.quantize(before, target))
+    after = _floats(_tensors(out)[name])
+    rel = float(np.sqrt(np.mean((after - before) ** 2)) / np.sqrt(np.mean(before**2)))
+    assert rel < 0.5, rel
+
+
+def test_k_quant_target_needs_whole_super_blocks(tmp_path: Path) -> None:
+    """A row length that is not a multiple of 256 is refused for a K-quant, naming both."""
+    (src,) = write_model(tiny_moe(), tmp_path)
+    with pytest.raises(
+        RequantError, match=r"ne\[0\]=64 is not a multiple of the Q4_K block size 256"
+    ):
+        requantize(src, UP, "q4_k")
 
 
 def test_requant_command(tmp_path: Path) -> None:
-    """`ggufswap requant` prints the written shard; an unknown tensor exits 1 with near names."""
+    """`ggufswap requant` prints the written shard; an unknown tensor or type exits 1 with why."""
     (src,) = write_model(tiny_moe(), tmp_path)
     done = run_ggufswap("requant", str(src), UP, "q8_0", "--out", str(tmp_path / "o.gguf"))
     assert done.returncode == 0, done.stderr
@@ -140,3 +176,7 @@ def test_requant_command(tmp_path: Path) -> None:
     bad = run_ggufswap("requant", str(src), "blk.1.ffn_upexps.weight", "q8_0")
     assert bad.returncode == 1
     assert "blk.1.ffn_up_exps.weight" in bad.stderr
+    refused = run_ggufswap("requant", str(src), UP, "tq1_0")
+    assert refused.returncode == 1
+    assert "cannot quantize to TQ1_0" in refused.stderr
+    assert "llama-quantize --allow-requantize --tensor-type" in refused.stderr
