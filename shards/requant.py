@@ -26,21 +26,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from ggufswap.shards import _synth
 from ggufswap.shards.atomic import atomic_copy
 from ggufswap.shards.errors import FileChangedError, RequantError
+from ggufswap.shards.ggml_types import LAYOUTS, Origin
 from ggufswap.shards.reader import read_header
 from ggufswap.shards.records import FileIdentity
 from ggufswap.shards.writer import Hole, RawTensor, parse_type, write_gguf
 
 SUPPORTED_TARGETS: Final = _synth.QUANTIZABLE_TYPES
-# ggml types that only ik_llama.cpp's ggml knows (its ggml/include/ggml.h, beyond llama.cpp's):
-# gguf-py has no names for them, so a request for one is answered with ik_llama.cpp's tool.
+# The types only ik_llama.cpp defines (the project's type table): a request for one is answered
+# with ik_llama.cpp's llama-quantize.
 IK_LLAMA_TYPES: Final = frozenset(
-    {
-        *("Q6_0", "Q1_0_G128", "I2_S", "IQ1_BN", "IQ2_BN", "IQ2_TN", "IQ1_TN"),
-        *("IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K"),
-        *("IQ2_KS", "IQ3_KS", "IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ2_KL"),
-        *("IQ1_KT", "IQ2_KT", "IQ3_KT", "IQ4_KT"),
-        *("Q8_K16", "Q8_K32", "Q8_K64", "Q8_K128", "Q8_KV", "Q8_KR8"),
-    }
+    t.name for t, layout in LAYOUTS.items() if layout.origin is Origin.IK
 )
 # ggml types no quantize tool writes as a tensor's storage: integers, F64, matmul intermediates.
 _NOT_STORAGE: Final = frozenset({"I8", "I16", "I32", "I64", "F64", "Q8_1", "Q8_K"})
