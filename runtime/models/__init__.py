@@ -7,6 +7,7 @@ package imports torch, the GGUF keys of :mod:`ggufswap.shards` and the core's pu
 
 from __future__ import annotations
 
+from ggufswap.runtime.models.deepseek2 import Deepseek2Transformer
 from ggufswap.runtime.models.errors import (
     HParamsError,
     KVCacheError,
@@ -23,6 +24,7 @@ __all__ = [
     "DECODERS",
     "Arch",
     "Decoder",
+    "Deepseek2Transformer",
     "DictWeightProvider",
     "Gemma3Transformer",
     "HParams",

@@ -17,6 +17,11 @@ Supported architectures (``general.architecture``):
   K; no shared expert. RoPE NEOX.
 - ``qwen2`` / ``qwen3``: the dense qwen decoders (Q/K/V biases when the file has them for qwen2,
   per-head Q/K norms for qwen3). RoPE NEOX.
+- ``deepseek2``: multi-head latent attention (``MLAShape``) in either file form, leading dense
+  blocks then MoE blocks with ungated shared experts, softmax or sigmoid gating with the optional
+  ``exp_probs_b`` selection bias, group-limited routing, ``expert_weights_norm`` / ``_scale``, and
+  linear or YaRN RoPE scaling with deepseek2's attention-scale adjustment. RoPE NORM on the
+  decoupled rope dims only.
 - ``gemma3``: GeGLU (tanh GELU), Q/K norms, post-attention and post-FFN norms, embeddings scaled
   by ``sqrt(n_embd)``; with ``attention.sliding_window`` > 0, sliding-window attention on the
   layers of llama.cpp's pattern (five of every six by default; local RoPE base
@@ -53,11 +58,14 @@ class Activation(str, enum.Enum):
     GELU_TANH = "gelu_tanh"
 
 
-# llama_model_rope_type (src/llama-model.cpp): NORM for llama, NEOX for the qwen and gemma families.
-_ROPE_TYPE: Final = {arch: RopeType.NORM if arch is Arch.LLAMA else RopeType.NEOX for arch in Arch}
+# llama_model_rope_type (src/llama-model.cpp): NORM for llama and deepseek2, NEOX for the qwen and
+# gemma families.
+_NORM_ROPE: Final = (Arch.LLAMA, Arch.DEEPSEEK2)
+_ROPE_TYPE: Final = {arch: RopeType.NORM if arch in _NORM_ROPE else RopeType.NEOX for arch in Arch}
 # build_moe_ffn's norm_w argument in each graph: whether the top-k routing weights are
 # renormalised to sum to one (llama and qwen3moe pass true, qwen2moe false).
-_NORM_TOPK: Final = {arch: arch is not Arch.QWEN2MOE for arch in Arch}
+# deepseek2 reads expert_weights_norm (default false).
+_NORM_TOPK: Final = {arch: arch not in (Arch.QWEN2MOE, Arch.DEEPSEEK2) for arch in Arch}
 # gemma3 (llama_model_gemma3::load_arch_hparams): load_swa_pattern(ml, 6), so by default every 6th
 # layer is global and the others slide; local layers use rope.freq_base_swa (default 10000,
 # llama_hparams::rope_freq_base_train_swa) without scaling.
@@ -68,6 +76,35 @@ GEMMA3_ROPE_BASE_LOCAL: Final = 10000.0
 GEMMA3_27B_LAYERS: Final = 62
 ROPE_SCALING_LINEAR: Final = "linear"
 ROPE_SCALING_NONE: Final = "none"
+ROPE_SCALING_YARN: Final = "yarn"
+
+
+class Gating(enum.IntEnum):
+    """How router logits become expert probabilities (llama.cpp's ``expert_gating_func``)."""
+
+    SOFTMAX = 1
+    SIGMOID = 2
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """deepseek2's multi-head latent attention (llama_model_deepseek2::load_arch_tensors).
+
+    ``split``: the file holds ``attn_k_b`` / ``attn_v_b`` (llama.cpp's converter today; the keys
+    ``attention.key_length_mla`` / ``value_length_mla`` are set) rather than the older
+    ``attn_kv_b``. ``q_lora_rank`` 0: ``attn_q`` instead of ``attn_q_a`` / ``attn_q_b``.
+    """
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    head_k: int  # nope + rope dims of a query/key head (n_embd_head_k_mla)
+    head_v: int  # value head width (n_embd_head_v_mla)
+    n_rot: int  # the decoupled rope dims at the end of each query head
+    split: bool
+
+    @property
+    def nope(self) -> int:
+        return self.head_k - self.n_rot
 
 
 @dataclass(frozen=True)
@@ -103,6 +140,20 @@ class HParams:
     rope_freq_scale: float = 1.0  # linear RoPE scaling (1 / scaling.factor); local layers: none
     final_logit_softcap: float = 0.0  # 0 = none; else logits = c * tanh(logits / c)
     attention_scale: float | None = None  # softmax scale of Q.K; None = 1/sqrt(head_dim)
+    # deepseek2 (shards.archs: mla): blocks, routing, latent attention, YaRN (llama_context's
+    # cparams: ext_factor 1 for yarn scaling, attn_factor after its adjustments).
+    n_layer_dense_lead: int = 0
+    n_expert_shared: int = 0
+    gating: Gating = Gating.SOFTMAX
+    n_expert_groups: int = 0  # 0 or 1: no group-limited routing
+    n_group_used: int = 0
+    mla: MLAShape | None = None
+    rope_ext_factor: float = 0.0
+    rope_attn_factor: float = 1.0
+    rope_ctx_orig: int = 0  # YaRN's original context (0 = context_length)
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    n_layer_nextn: int = 0  # trailing NextN/MTP blocks (nextn_predict_layers): loaded, not run
 
     # Derived.
     rules: ArchRules = field(init=False)
@@ -147,13 +198,18 @@ class HParams:
             problems.append(f"{self.arch.value} needs expert_count > 0")
         if rules.experts is Experts.NONE and is_moe:
             problems.append(f"{self.arch.value} is dense; found expert_count {self.n_expert}")
-        if not is_moe and self.n_ff <= 0:
+        if not is_moe and self.n_ff <= 0 and rules.experts is not Experts.AFTER_DENSE_LEAD:
             problems.append(f"dense model needs feed_forward_length > 0, found {self.n_ff}")
         shared = is_moe and rules.shared_expert is SharedExpert.REQUIRED
         n_ff_exp = self.n_ff_exp or (
             expert_width(rules, self.n_ff, self.n_expert_used) if is_moe else 0
         )
         n_ff_shexp = self.n_ff_shexp or (self.n_ff if shared else 0)
+        if rules.shared_expert is SharedExpert.COUNTED:
+            shared = is_moe and self.n_expert_shared > 0
+            n_ff_shexp = n_ff_exp * self.n_expert_shared
+        if rules.experts is Experts.AFTER_DENSE_LEAD:
+            problems += _deepseek2_problems(self, is_moe=is_moe, head_dim=head_dim)
         if is_moe and n_ff_exp <= 0:
             problems.append(
                 f"the expert width must be > 0 ({rules.expert_width}), found {n_ff_exp}"
@@ -223,7 +279,7 @@ class HParams:
         default_head = n_embd // n_head if n_head > 0 else 0
         key_length = reader.get_int(Keys.LLM.KEY_LENGTH, default_head)
         value_length = reader.get_int(Keys.LLM.VALUE_LENGTH, default_head)
-        if value_length != key_length:
+        if value_length != key_length and not rules.mla:
             reader.problems.append(
                 f"{Keys.LLM.VALUE_LENGTH.format(arch.value)} = {value_length} differs from the key "
                 f"length {key_length}: the reference decoder needs equal head widths"
@@ -242,7 +298,7 @@ class HParams:
             "n_expert_used": n_used,
             "key_length": key_length if key_length != default_head else None,
             "rope_dim": reader.get_optional_int(Keys.LLM.ROPE_DIMENSION_COUNT),
-            "rope_freq_scale": _rope_freq_scale(reader),
+            "rope_freq_scale": _rope_freq_scale(reader, yarn=rules.mla),
         }
         # Expert widths: each architecture's load_arch_hparams / load_arch_tensors. The
         # expert_weights_* and expert_gating_func keys are read by none of these architectures'
@@ -253,6 +309,16 @@ class HParams:
             kwargs["n_ff_shexp"] = reader.get_int(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)
         if arch is Arch.GEMMA3:
             kwargs.update(_gemma3_kwargs(reader, n_layer=kwargs["n_layer"], n_embd=n_embd))
+        if rules.mla:
+            kwargs.update(
+                _deepseek2_kwargs(
+                    reader,
+                    kwargs,
+                    key_length=key_length,
+                    value_length=value_length,
+                    n_rot=kwargs["rope_dim"] or key_length,
+                )
+            )
         if reader.problems:
             lines = "\n  ".join(reader.problems)
             raise HParamsError(f"cannot build a {arch.value} model config:\n  {lines}")
@@ -293,21 +359,172 @@ def _gemma3_kwargs(reader: _KeyReader, *, n_layer: int, n_embd: int) -> dict[str
 
 _MISSING: Final = object()
 
+# deepseek2's "lite" files (DeepSeek-V2-Lite, GigaChat3, Kanana-2) may omit q_lora_rank: these
+# block counts (and 48 with a 128256-token vocabulary), as load_arch_hparams decides.
+DEEPSEEK2_LITE_LAYERS: Final = (26, 27)
+# No expert_gating_func: softmax (DeepSeek V2/V2.5), but sigmoid for GLM 4.7 Lite (47 or 48
+# blocks, 154880 tokens).
+DEEPSEEK2_SIGMOID_LAYERS: Final = (47, 48)
+DEEPSEEK2_SIGMOID_VOCAB: Final = 154880
 
-def _rope_freq_scale(reader: _KeyReader) -> float:
+
+def _deepseek2_kwargs(
+    reader: _KeyReader,
+    common: Mapping[str, Any],
+    *,
+    key_length: int,
+    value_length: int,
+    n_rot: int,
+) -> dict[str, Any]:
+    """llama_model_deepseek2::load_arch_hparams, the YaRN parameters llama_context derives from
+    them, and the graph's attention scale (src/models/deepseek2.cpp)."""
+    k = Keys.LLM
+    n_layer = common["n_layer"] - reader.get_int(k.NEXTN_PREDICT_LAYERS, 0)
+    n_vocab = common["n_vocab"]
+    lite = n_layer in DEEPSEEK2_LITE_LAYERS or (n_layer == 48 and n_vocab == 128256)
+    k_mla = reader.get_int(k.KEY_LENGTH_MLA, 0)
+    v_mla = reader.get_int(k.VALUE_LENGTH_MLA, 0)
+    if (k_mla == 0) != (v_mla == 0):
+        reader.problems.append(
+            f"{k.KEY_LENGTH_MLA.format(reader.arch)} ({k_mla}) and "
+            f"{k.VALUE_LENGTH_MLA.format(reader.arch)} ({v_mla}) must be both set or both absent"
+        )
+    split = k_mla != 0 and v_mla != 0
+    mla = MLAShape(
+        q_lora_rank=reader.get_int(k.Q_LORA_RANK, 0 if lite else _MISSING),
+        kv_lora_rank=reader.get_int(k.KV_LORA_RANK),
+        head_k=k_mla if split else key_length,
+        head_v=v_mla if split else value_length,
+        n_rot=n_rot,
+        split=split,
+    )
+    gating = reader.get_int(k.EXPERT_GATING_FUNC, 0)
+    if gating == 0:
+        sigmoid = n_layer in DEEPSEEK2_SIGMOID_LAYERS and n_vocab == DEEPSEEK2_SIGMOID_VOCAB
+        gating = Gating.SIGMOID if sigmoid else Gating.SOFTMAX
+    if gating not in tuple(Gating):
+        reader.problems.append(
+            f"{k.EXPERT_GATING_FUNC.format(reader.arch)} = {gating}: the reference decoder "
+            "implements softmax (1) and sigmoid (2)"
+        )
+        gating = Gating.SOFTMAX
+    scale = reader.get_float(k.EXPERT_WEIGHTS_SCALE, 0.0)
+    out: dict[str, Any] = {
+        "n_layer_nextn": reader.get_int(k.NEXTN_PREDICT_LAYERS, 0),
+        "n_layer_dense_lead": reader.get_int(k.LEADING_DENSE_BLOCK_COUNT, 0),
+        "n_ff_exp": reader.get_int(k.EXPERT_FEED_FORWARD_LENGTH),
+        "n_expert_shared": reader.get_int(k.EXPERT_SHARED_COUNT),
+        "expert_weights_norm": bool(reader.md.get(k.EXPERT_WEIGHTS_NORM.format(reader.arch), 0)),
+        "expert_weights_scale": scale if scale != 0.0 else 1.0,  # 0: no scaling (build_moe_ffn)
+        "gating": Gating(gating),
+        "n_expert_groups": reader.get_int(k.EXPERT_GROUP_COUNT, 0),
+        "n_group_used": reader.get_int(k.EXPERT_GROUP_USED_COUNT, 0),
+        "mla": mla,
+    }
+    out.update(_yarn(reader, common, head_k=mla.head_k))
+    return out
+
+
+def _yarn(reader: _KeyReader, common: Mapping[str, Any], *, head_k: int) -> dict[str, Any]:
+    """llama_context's YaRN parameters (ext_factor 1 for ``yarn`` scaling, attn_factor with its
+    mscale adjustments) and deepseek2's kq scale ``mscale^2 / sqrt(head_k)``, which undoes the
+    adjustment and applies ``rope.scaling.yarn_log_multiplier`` (stored x0.1 by the converter)."""
+    k = Keys.LLM
+    freq_scale = common["rope_freq_scale"]
+    kind = str(reader.md.get(k.ROPE_SCALING_TYPE.format(reader.arch), ROPE_SCALING_LINEAR))
+    if kind == ROPE_SCALING_NONE:
+        freq_scale = 1.0
+    log_mul = reader.get_float(k.ROPE_SCALING_YARN_LOG_MUL, 0.0) / 0.1
+    ext_factor = 1.0 if kind == ROPE_SCALING_YARN else 0.0
+    attn_factor = 1.0
+    factor = 1.0 / freq_scale
+    if ext_factor != 0.0:
+
+        def get_mscale(scale: float, mscale: float) -> float:
+            return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
+
+        # With a log multiplier, deepseek2 takes mscale = mscale_all_dims, so the ratio
+        # get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dims) is 1.
+        attn_factor = 1.0 if log_mul != 0.0 else get_mscale(factor, 1.0)
+        attn_factor *= 1.0 / (1.0 + 0.1 * math.log(factor))
+    attn_factor *= reader.get_float(k.ROPE_SCALING_ATTN_FACTOR, 1.0)
+    attn_factor_org = attn_factor * (1.0 + 0.1 * math.log(factor))
+    mscale = attn_factor_org * (1.0 + 0.1 * log_mul * math.log(factor))
+    return {
+        "rope_ext_factor": ext_factor,
+        "rope_attn_factor": attn_factor,
+        "rope_ctx_orig": reader.get_int(k.ROPE_SCALING_ORIG_CTX_LEN, common["context_length"]),
+        "attention_scale": mscale * mscale / math.sqrt(head_k),
+    }
+
+
+def _deepseek2_problems(config: HParams, *, is_moe: bool, head_dim: int) -> list[str]:
+    """What llama.cpp's deepseek2 loader or graph would refuse (asserts included)."""
+    a, mla, problems = config.arch.value, config.mla, []
+    n_trunk = config.n_layer - config.n_layer_nextn
+    if mla is None:
+        return [f"{a}: the latent attention's shape (MLAShape) is missing"]
+    if mla.nope < 1:
+        problems.append(
+            f"{a}: key head {mla.head_k} leaves no non-rope dims beside rope.dimension_count "
+            f"{mla.n_rot} (llama.cpp asserts n_embd_head_qk_nope >= 1)"
+        )
+    if mla.kv_lora_rank <= 0:
+        problems.append(f"{a}: attention.kv_lora_rank must be > 0, found {mla.kv_lora_rank}")
+    if mla.split and config.n_head_kv != 1:
+        problems.append(
+            f"{a}: attention.head_count_kv must be 1 with attn_k_b/attn_v_b (latent attention is "
+            f"one shared key/value head), found {config.n_head_kv}"
+        )
+    if mla.split and head_dim != mla.kv_lora_rank + mla.n_rot:
+        problems.append(
+            f"{a}: attention.key_length must be kv_lora_rank + rope dims "
+            f"({mla.kv_lora_rank} + {mla.n_rot}) with attn_k_b/attn_v_b, found {head_dim}"
+        )
+    if not mla.split and config.n_head_kv != config.n_head:
+        problems.append(
+            f"{a}: attention.head_count_kv must equal head_count ({config.n_head}) with "
+            f"attn_kv_b (decompressed multi-head attention), found {config.n_head_kv}"
+        )
+    if config.n_layer_dense_lead > 0 and config.n_ff <= 0:
+        problems.append(f"{a}: leading dense blocks need feed_forward_length > 0")
+    if config.n_layer_dense_lead < n_trunk and not is_moe:
+        problems.append(
+            f"{a}: blocks {config.n_layer_dense_lead}..{n_trunk - 1} are MoE "
+            "(leading_dense_block_count) but expert_count is 0 (llama.cpp: n_expert must be > 0)"
+        )
+    if is_moe and config.n_expert_shared <= 0:
+        problems.append(
+            f"{a}: expert_shared_count must be > 0: llama.cpp creates ffn_*_shexp tensors of "
+            f"width expert_feed_forward_length * expert_shared_count in every MoE block"
+        )
+    groups, used = config.n_expert_groups, config.n_group_used
+    if groups > 1 and not (config.n_expert % groups == 0 and 0 < used < groups < config.n_expert):
+        problems.append(
+            f"{a}: expert_group_count {groups} / expert_group_used_count {used}: llama.cpp needs "
+            f"expert_count ({config.n_expert}) divisible by the groups and 0 < used < groups"
+        )
+    if groups > 1 and (config.n_expert // groups) < 2:
+        problems.append(f"{a}: group-limited routing needs at least 2 experts per group")
+    return problems
+
+
+def _rope_freq_scale(reader: _KeyReader, *, yarn: bool = False) -> float:
     """llama_model_base::load_hparams: ``rope.scaling.type`` defaults to ``linear``; the factor is
     ``rope.scaling.factor`` (or the old ``rope.scale_linear``), 0 meaning none, and the frequency
-    scale its inverse; type ``none`` never scales (llama_context). Other types are refused."""
+    scale its inverse; type ``none`` never scales (llama_context). Other types are refused, but
+    ``yarn`` where the decoder implements it (``yarn=True``)."""
     kind = str(reader.md.get(Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch), ROPE_SCALING_LINEAR))
     has_factor = Keys.LLM.ROPE_SCALING_FACTOR.format(reader.arch) in reader.md
     factor_key = Keys.LLM.ROPE_SCALING_FACTOR if has_factor else Keys.LLM.ROPE_SCALE_LINEAR
     factor = reader.get_float(factor_key, 0.0)
     if kind == ROPE_SCALING_NONE or factor in (0.0, 1.0):
         return 1.0
-    if kind != ROPE_SCALING_LINEAR:
+    if kind != ROPE_SCALING_LINEAR and not (yarn and kind == ROPE_SCALING_YARN):
         reader.problems.append(
             f"{Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch)} = {kind!r}: only "
             f"{ROPE_SCALING_LINEAR!r} RoPE scaling is implemented"
+            + (f" (and {ROPE_SCALING_YARN!r})" if yarn else "")
         )
         return 1.0
     return 1.0 / factor

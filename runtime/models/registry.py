@@ -2,7 +2,9 @@
 
 - ``llama``, ``qwen2``, ``qwen3``, ``qwen2moe``, ``qwen3moe``: ``llama.Transformer`` (pre-norm
   blocks, SwiGLU, dense or MoE FFNs per block);
-- ``gemma3``: ``gemma3.Gemma3Transformer``.
+- ``gemma3``: ``gemma3.Gemma3Transformer``;
+- ``deepseek2``: ``deepseek2.Deepseek2Transformer`` (its latent-attention matrices are read from
+  their own slots at every forward, never derived at load).
 
 Both read every weight through the provider at forward time. A tied output head is read from
 ``token_embd.weight``'s own slot rather than copied, so a swap of the embedding is the head's swap
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
+from ggufswap.runtime.models.deepseek2 import Deepseek2Transformer
 from ggufswap.runtime.models.errors import MissingWeightError
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer
 from ggufswap.runtime.models.hparams import Arch, HParams
@@ -24,8 +27,8 @@ from ggufswap.runtime.models.llama import Transformer, WeightProvider
 if TYPE_CHECKING:
     from ggufswap.runtime import TensorStore
 
-Decoder = Transformer | Gemma3Transformer  # what build_model returns
-ModelClass = type[Transformer] | type[Gemma3Transformer]
+Decoder = Transformer | Gemma3Transformer | Deepseek2Transformer  # what build_model returns
+ModelClass = type[Transformer] | type[Gemma3Transformer] | type[Deepseek2Transformer]
 
 DECODERS: Final[Mapping[Arch, ModelClass]] = {
     Arch.LLAMA: Transformer,
@@ -34,6 +37,7 @@ DECODERS: Final[Mapping[Arch, ModelClass]] = {
     Arch.QWEN2MOE: Transformer,
     Arch.QWEN3MOE: Transformer,
     Arch.GEMMA3: Gemma3Transformer,
+    Arch.DEEPSEEK2: Deepseek2Transformer,
 }
 
 
