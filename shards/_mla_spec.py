@@ -85,8 +85,12 @@ def mla_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
             (att.VALUE_LENGTH_MLA.format(arch=a), _u32(spec.head_v)),
         ]
     kv.append((rope.DIMENSION_COUNT.format(arch=a), _u32(spec.n_rot)))
+    # Both required by load_arch_hparams, dense models included (the converter writes 0 shared).
+    if spec.n_expert == 0:
+        kv.append((llm.EXPERT_FEED_FORWARD_LENGTH.format(arch=a), _u32(spec.n_ff_expert)))
+    shared = spec.n_expert_shared if spec.n_expert > 0 else 0
+    kv.append((llm.EXPERT_SHARED_COUNT.format(arch=a), _u32(shared)))
     if spec.n_expert > 0:
-        kv.append((llm.EXPERT_SHARED_COUNT.format(arch=a), _u32(spec.n_expert_shared)))
         if spec.expert_weights_scale:
             kv.append((llm.EXPERT_WEIGHTS_SCALE.format(arch=a), _f32(spec.expert_weights_scale)))
         if spec.expert_weights_norm:
