@@ -13,7 +13,7 @@ from typing import Any
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-PRESETS = ("tiny-dense", "tiny-moe", "demo-moe", "tiny-deepseek2")
+PRESETS = ("tiny-dense", "tiny-moe", "demo-moe", "tiny-deepseek2", "tiny-glm4moe")
 ARCHES = (
     "llama",
     "qwen2",
@@ -22,6 +22,7 @@ ARCHES = (
     "qwen3moe",
     "gemma3",
     "deepseek2",
+    "glm4moe",
 )  # shards.keys.Arch values
 MOE_ONLY_ARCHES = ("qwen2moe", "qwen3moe")  # default preset tiny-moe (qwen2moe: shared expert)
 LAYOUTS = ("single", "split", "per-tensor")  # ggufswap.shards.writer.Layout values
@@ -43,8 +44,8 @@ def register(subparsers: Any) -> None:
         "--preset",
         choices=PRESETS,
         help=(
-            "base model (default: tiny-moe for qwen2moe/qwen3moe, tiny-deepseek2 for deepseek2, "
-            "else tiny-dense)"
+            "base model (default: tiny-moe for qwen2moe/qwen3moe, tiny-deepseek2 / tiny-glm4moe "
+            "for deepseek2 / glm4moe, else tiny-dense)"
         ),
     )
     make.add_argument("--arch", choices=ARCHES)
@@ -127,7 +128,13 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from ggufswap.shards.presets import demo_moe, tiny_deepseek2, tiny_dense, tiny_moe
+    from ggufswap.shards.presets import (
+        demo_moe,
+        tiny_deepseek2,
+        tiny_dense,
+        tiny_glm4moe,
+        tiny_moe,
+    )
     from ggufswap.shards.writer import Layout, write_model
 
     presets = {
@@ -135,10 +142,11 @@ def run_make_model(args: argparse.Namespace) -> int:
         "tiny-moe": tiny_moe,
         "demo-moe": demo_moe,
         "tiny-deepseek2": tiny_deepseek2,
+        "tiny-glm4moe": tiny_glm4moe,
     }
     preset = args.preset or ("tiny-moe" if args.arch in MOE_ONLY_ARCHES else "tiny-dense")
-    if args.preset is None and args.arch == "deepseek2":
-        preset = "tiny-deepseek2"
+    if args.preset is None and args.arch in ("deepseek2", "glm4moe"):
+        preset = f"tiny-{args.arch}"
     try:
         spec = presets[preset](**_overrides(args))
         paths = write_model(

@@ -33,6 +33,7 @@ from ggufswap.shards.presets import (
     tiny_arch,
     tiny_deepseek2,
     tiny_dense,
+    tiny_glm4moe,
     tiny_moe,
 )
 from ggufswap.shards.writer import (
@@ -105,6 +106,17 @@ def _deepseek2(**fixed: Any) -> Callable[..., ModelSpec]:
     return build
 
 
+def _glm4moe(**fixed: Any) -> Callable[..., ModelSpec]:
+    """``tiny-glm4moe`` with ``fixed`` options; heads of 64 (32 rotated) in the K-quant rows."""
+
+    def build(**kw: Any) -> ModelSpec:
+        if kw.get("n_embd") == WIDE["n_embd"]:
+            kw = {"head_dim": 64, "rope_dim": 32, **kw}
+        return tiny_glm4moe(**{**kw, **fixed})
+
+    return build
+
+
 # name -> spec builder. Every architecture with each option llama.cpp accepts for it
 # (shards.archs): dense/MoE where the architecture offers both, a tied output where allowed,
 # qwen2moe's shared expert (required there, refused elsewhere); plus the presets.
@@ -141,12 +153,18 @@ VARIANTS: Final[Mapping[str, Callable[..., ModelSpec]]] = {
         yarn_log_mul=0.0,
         tied_output=True,
     ),
+    # Q/K/V biases, half-rotated heads, sigmoid + exp_probs_b, shared expert, a NextN block
+    "glm4moe": _glm4moe(),
+    # GLM-4.5's per-head Q/K norms, no biases, no NextN block, tied output
+    "glm4moe-qk-norm-tied": _glm4moe(
+        attn_qk_norm=True, attn_bias=False, n_nextn=0, tied_output=True
+    ),
 }
 
 
-# deepseek2's attention roles: only its cases set them (the other specs have no such tensors, and
-# their recorded specs predate the roles).
-MLA_ROLES: Final = frozenset(
+# deepseek2's attention and glm4moe's NextN matrix roles: only their cases set them (the other
+# specs have no such tensors, and their recorded specs predate the roles).
+OWN_ROLES: Final = frozenset(
     {
         Role.ATTN_Q_A,
         Role.ATTN_Q_B,
@@ -154,6 +172,7 @@ MLA_ROLES: Final = frozenset(
         Role.ATTN_KV_B,
         Role.ATTN_K_B,
         Role.ATTN_V_B,
+        Role.NEXTN_EH_PROJ,
     }
 )
 
@@ -162,11 +181,12 @@ def case_spec(variant: str, ggml_type: GGMLQuantizationType) -> ModelSpec:
     """The spec of one case: the variant with every matrix role in ``ggml_type``, widened
     (``WIDE``) when its rows cannot hold the type's blocks."""
     build = VARIANTS[variant]
-    mla = rules_of(build().arch).mla
+    rules = rules_of(build().arch)
+    own = rules.mla or rules.glm
     types = {
         role.name: ggml_type
         for role in Role
-        if role not in F32_ROLES and (mla or role not in MLA_ROLES)
+        if role not in F32_ROLES and (own or role not in OWN_ROLES)
     }
     name = f"xc-{variant}-{ggml_type.name.lower()}"
     try:

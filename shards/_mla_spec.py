@@ -54,6 +54,25 @@ def mla_errors(spec: ModelSpec, why: str) -> list[str]:
     return errors
 
 
+def glm_errors(spec: ModelSpec, why: str) -> list[str]:
+    """glm4moe's blocks as llama.cpp's loader and graph accept them."""
+    a, errors = spec.arch_name, []
+    if spec.n_expert <= 0:
+        errors.append(f"{a} needs n_expert > 0 (llama.cpp asserts it) {why}")
+    if spec.n_expert > 0 and not spec.expert_probs_bias:
+        errors.append(f"{a} needs expert_probs_bias: exp_probs_b is required in MoE blocks {why}")
+    if spec.n_rot % 2 or not 0 < spec.n_rot <= spec.n_embd_head:
+        errors.append(f"rope_dim {spec.n_rot} must be even and in (0, head_dim] {why}")
+    if spec.shared_expert != (spec.n_expert_shared > 0):
+        errors.append(
+            f"{a}: shared_expert ({spec.shared_expert}) must match n_expert_shared > 0 "
+            f"({spec.n_expert_shared}) {why}"
+        )
+    if spec.expert_gating_func not in (0, 1, 2):
+        errors.append(f"expert_gating_func must be 0 (unset), 1 (softmax) or 2 (sigmoid) {why}")
+    return errors
+
+
 def head_lengths(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
     """``attention.key_length`` / ``value_length``: the head width, or deepseek2's as its
     converter writes them (attn_k_b/attn_v_b: the latent head, kv_lora_rank + rope dims and
@@ -85,6 +104,35 @@ def mla_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
             (att.VALUE_LENGTH_MLA.format(arch=a), _u32(spec.head_v)),
         ]
     kv.append((rope.DIMENSION_COUNT.format(arch=a), _u32(spec.n_rot)))
+    kv += _routing_metadata(spec)
+    if spec.rope_scaling is not None:
+        kv += [
+            (rope.SCALING_TYPE.format(arch=a), TypedValue(GGUFValueType.STRING, spec.rope_scaling)),
+            (rope.SCALING_FACTOR.format(arch=a), _f32(spec.rope_scaling_factor)),
+        ]
+    if spec.rope_orig_ctx:
+        kv.append((rope.SCALING_ORIG_CTX_LEN.format(arch=a), _u32(spec.rope_orig_ctx)))
+    if spec.yarn_log_mul:
+        kv.append((rope.SCALING_YARN_LOG_MUL.format(arch=a), _f32(spec.yarn_log_mul)))
+    return kv
+
+
+def glm_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
+    """glm4moe's keys, as llama.cpp's converter writes them (conversion/glm.py)."""
+    a, llm = spec.arch_name, Keys.LLM
+    kv = [
+        (llm.LEADING_DENSE_BLOCK_COUNT.format(arch=a), _u32(spec.n_dense_lead)),
+        (Keys.Rope.DIMENSION_COUNT.format(arch=a), _u32(spec.n_rot)),
+        *_routing_metadata(spec),
+    ]
+    if spec.n_nextn:
+        kv.append((llm.NEXTN_PREDICT_LAYERS.format(arch=a), _u32(spec.n_nextn)))
+    return kv
+
+
+def _routing_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
+    """The expert keys deepseek2's and glm4moe's loaders read."""
+    a, llm, kv = spec.arch_name, Keys.LLM, []
     # Both required by load_arch_hparams, dense models included (the converter writes 0 shared).
     if spec.n_expert == 0:
         kv.append((llm.EXPERT_FEED_FORWARD_LENGTH.format(arch=a), _u32(spec.n_ff_expert)))
@@ -104,13 +152,4 @@ def mla_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
                 (llm.EXPERT_GROUP_COUNT.format(arch=a), _u32(spec.n_expert_groups)),
                 (llm.EXPERT_GROUP_USED_COUNT.format(arch=a), _u32(spec.n_group_used)),
             ]
-    if spec.rope_scaling is not None:
-        kv += [
-            (rope.SCALING_TYPE.format(arch=a), TypedValue(GGUFValueType.STRING, spec.rope_scaling)),
-            (rope.SCALING_FACTOR.format(arch=a), _f32(spec.rope_scaling_factor)),
-        ]
-    if spec.rope_orig_ctx:
-        kv.append((rope.SCALING_ORIG_CTX_LEN.format(arch=a), _u32(spec.rope_orig_ctx)))
-    if spec.yarn_log_mul:
-        kv.append((rope.SCALING_YARN_LOG_MUL.format(arch=a), _f32(spec.yarn_log_mul)))
     return kv

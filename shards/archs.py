@@ -54,6 +54,8 @@ class SharedExpert(enum.Enum):
     # ffn_{gate,up,down}_shexp of width expert_feed_forward_length * expert_shared_count, in
     # every MoE block.
     COUNTED = "expert_shared_count"
+    # glm4moe: as COUNTED, but expert_shared_count 0 means no shared-expert tensors.
+    COUNTED_OPTIONAL = "expert_shared_count (0: none)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +79,10 @@ class ArchRules:
     # optional attn_q_a/attn_q_b), the expert_gating_func / expert_weights_* / expert_group_*
     # keys, the optional exp_probs_b selection bias, and YaRN RoPE scaling.
     mla: bool = False
+    # glm4moe: the FFN's pre-norm is attn_post_norm (no ffn_norm); every MoE block has
+    # exp_probs_b; q/k/v biases and per-head q/k norms are optional (TENSOR_NOT_REQUIRED);
+    # nextn_predict_layers trailing blocks are NextN/MTP blocks (loaded, never run).
+    glm: bool = False
 
     @property
     def has_experts(self) -> bool:
@@ -96,6 +102,7 @@ def _rules(
     free_head_dim: bool = True,
     rope_dims_equal_head: bool = False,
     mla: bool = False,
+    glm: bool = False,
 ) -> ArchRules:
     return ArchRules(
         arch=arch,
@@ -109,6 +116,7 @@ def _rules(
         rope_dims_equal_head=rope_dims_equal_head,
         source=source,
         mla=mla,
+        glm=glm,
     )
 
 
@@ -161,6 +169,14 @@ ARCH_RULES: Final[Mapping[Arch, ArchRules]] = MappingProxyType(
             expert_width=ExpertWidth.EXPERT_KEY,
             shared_expert=SharedExpert.COUNTED,
             mla=True,
+        ),
+        Arch.GLM4MOE: _rules(
+            Arch.GLM4MOE,
+            "llama_model_glm4_moe::load_arch_hparams/load_arch_tensors (src/models/glm4-moe.cpp)",
+            experts=Experts.AFTER_DENSE_LEAD,
+            expert_width=ExpertWidth.EXPERT_KEY,
+            shared_expert=SharedExpert.COUNTED_OPTIONAL,
+            glm=True,
         ),
     }
 )

@@ -18,6 +18,7 @@ class Arch(str, enum.Enum):
     QWEN3MOE = "qwen3moe"
     GEMMA3 = "gemma3"
     DEEPSEEK2 = "deepseek2"
+    GLM4MOE = "glm4moe"
 
 
 class Keys:
@@ -76,6 +77,7 @@ class Keys:
         ROPE_SCALING_ATTN_FACTOR: Final = "{}.rope.scaling.attn_factor"
         ROPE_SCALING_YARN_LOG_MUL: Final = "{}.rope.scaling.yarn_log_multiplier"
         NEXTN_PREDICT_LAYERS: Final = "{}.nextn_predict_layers"
+        ROPE_DIMENSION_SECTIONS: Final = "{}.rope.dimension_sections"  # glm4moe: refused
 
     class Tokenizer:
         MODEL: Final = "tokenizer.ggml.model"
@@ -137,6 +139,11 @@ class TensorNames:
     ATTN_KV_B: Final = tensor_template(MODEL_TENSOR.ATTN_KV_B)
     ATTN_K_B: Final = tensor_template(MODEL_TENSOR.ATTN_K_B)
     ATTN_V_B: Final = tensor_template(MODEL_TENSOR.ATTN_V_B)
+    # NextN/MTP blocks (glm4moe, deepseek2): loaded, never computed
+    NEXTN_EH_PROJ: Final = tensor_template(MODEL_TENSOR.NEXTN_EH_PROJ)
+    NEXTN_ENORM: Final = tensor_template(MODEL_TENSOR.NEXTN_ENORM)
+    NEXTN_HNORM: Final = tensor_template(MODEL_TENSOR.NEXTN_HNORM)
+    NEXTN_SHARED_HEAD_NORM: Final = tensor_template(MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM)
 
 
 GGUF_MAGIC: Final = 0x46554747  # b"GGUF" read as a little-endian uint32

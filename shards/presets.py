@@ -73,6 +73,33 @@ def tiny_deepseek2(**overrides: Any) -> ModelSpec:
     return replace(base, **fields)
 
 
+def tiny_glm4moe(**overrides: Any) -> ModelSpec:
+    """A glm4moe like GLM-4.5-Air, tiny (n_embd 64, vocab 256): 3 blocks (one dense) and one
+    NextN/MTP block, heads of 32 with Q/K/V biases and half of each head rotated, 8 experts (2
+    used) with sigmoid gating, the exp_probs_b selection bias, renormalised and scaled by 2.5,
+    one shared expert. ``attn_qk_norm=True`` adds GLM-4.5's per-head Q/K norms."""
+    base = ModelSpec(
+        arch=Arch.GLM4MOE,
+        name="tiny-glm4moe",
+        n_layers=3,
+        n_nextn=1,
+        head_dim=32,
+        rope_dim=16,
+        attn_bias=True,
+        n_ff=128,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_expert=32,
+        n_dense_lead=1,
+        shared_expert=True,
+        expert_gating_func=2,
+        expert_probs_bias=True,
+        expert_weights_norm=True,
+        expert_weights_scale=2.5,
+    )
+    return replace(base, **overrides)
+
+
 def deepseek2_wide(**overrides: Any) -> dict[str, Any]:
     """Spec fields that give every row of ``tiny_deepseek2`` 256 values (K-quant blocks)."""
     wide = {
@@ -95,6 +122,8 @@ def tiny_arch(arch: Arch | str, **overrides: Any) -> ModelSpec:
     arch = Arch(arch)
     if arch is Arch.DEEPSEEK2:
         return tiny_deepseek2(**overrides)
+    if arch is Arch.GLM4MOE:
+        return tiny_glm4moe(**overrides)
     if arch is Arch.QWEN3MOE:
         return tiny_moe(**overrides)
     if arch is Arch.QWEN2MOE:

@@ -44,7 +44,13 @@ from ggufswap.shards._gguf_encode import (
     encode_metadata,
     write_gguf,
 )
-from ggufswap.shards._mla_spec import head_lengths, mla_errors, mla_metadata
+from ggufswap.shards._mla_spec import (
+    glm_errors,
+    glm_metadata,
+    head_lengths,
+    mla_errors,
+    mla_metadata,
+)
 from ggufswap.shards.archs import Experts, ExpertWidth, SharedExpert, rules_of
 from ggufswap.shards.keys import Arch, tensor_template
 
@@ -100,6 +106,11 @@ class Role(Enum):
     ATTN_K_B = MODEL_TENSOR.ATTN_K_B
     ATTN_V_B = MODEL_TENSOR.ATTN_V_B
     FFN_EXP_PROBS_B = MODEL_TENSOR.FFN_EXP_PROBS_B
+    # glm4moe's NextN/MTP blocks (besides a whole block's tensors)
+    NEXTN_EH_PROJ = MODEL_TENSOR.NEXTN_EH_PROJ
+    NEXTN_ENORM = MODEL_TENSOR.NEXTN_ENORM
+    NEXTN_HNORM = MODEL_TENSOR.NEXTN_HNORM
+    NEXTN_SHARED_HEAD_NORM = MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM
 
     def tensor_name(self, block: int | None = None) -> str:
         """The llama.cpp tensor name, e.g. ``blk.3.ffn_up_exps.weight``."""
@@ -118,6 +129,9 @@ NORM_ROLES: Final = frozenset(
         Role.FFN_POST_NORM,
         Role.ATTN_Q_A_NORM,
         Role.ATTN_KV_A_NORM,
+        Role.NEXTN_ENORM,
+        Role.NEXTN_HNORM,
+        Role.NEXTN_SHARED_HEAD_NORM,
     }
 )
 # 1-D or routing tensors stay F32, as llama.cpp's quantizer leaves them.
@@ -198,6 +212,10 @@ class ModelSpec:
     rope_scaling_factor: float = 0.0
     rope_orig_ctx: int = 0  # rope.scaling.original_context_length (0: not written)
     yarn_log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier as written (0.1 x mscale_all_dim)
+    # glm4moe (shards.archs: glm); also n_dense_lead, n_expert_shared, rope_dim, the routing.
+    n_nextn: int = 0  # NextN/MTP blocks after the n_layers trunk blocks (nextn_predict_layers)
+    attn_bias: bool = False  # attn_q/k/v biases
+    attn_qk_norm: bool = False  # per-head attn_q_norm / attn_k_norm
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -234,7 +252,12 @@ class ModelSpec:
         """The blocks with experts: ``moe_layers``, or every block of an MoE model when unset."""
         if self.moe_layers is not None:
             return self.moe_layers
-        return tuple(range(self.n_dense_lead, self.n_layers)) if self.n_expert > 0 else ()
+        return tuple(range(self.n_dense_lead, self.n_blocks)) if self.n_expert > 0 else ()
+
+    @property
+    def n_blocks(self) -> int:
+        """Blocks in the file: the trunk, then glm4moe's NextN blocks (``block_count``)."""
+        return self.n_layers + self.n_nextn
 
     @property
     def n_rot(self) -> int:
@@ -271,9 +294,9 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
         errors.append("moe_layers / shared_expert need n_expert > 0")
     if spec.n_expert > 0 and min(spec.n_ff_expert, spec.n_ff_shexp) <= 0:
         errors.append("n_ff_expert / n_ff_shexp must be > 0 in an MoE model")
-    bad = [b for b in spec.moe_blocks if not 0 <= b < spec.n_layers]
+    bad = [b for b in spec.moe_blocks if not 0 <= b < spec.n_blocks]
     if bad:
-        errors.append(f"moe_layers {bad} outside 0..{spec.n_layers - 1}")
+        errors.append(f"moe_layers {bad} outside 0..{spec.n_blocks - 1}")
     errors += _llama_cpp_errors(spec)
     if spec.sliding_window <= 0:
         errors.append(f"sliding_window must be > 0, found {spec.sliding_window}")
@@ -314,7 +337,7 @@ def _llama_cpp_errors(spec: ModelSpec) -> list[str]:
     if (
         lead
         and spec.n_expert > 0
-        and spec.moe_blocks != tuple(range(spec.n_dense_lead, spec.n_layers))
+        and spec.moe_blocks != tuple(range(spec.n_dense_lead, spec.n_blocks))
     ):
         errors.append(
             f"{a} has experts in blocks n_dense_lead.. only: moe_layers {list(spec.moe_blocks)} "
@@ -324,6 +347,10 @@ def _llama_cpp_errors(spec: ModelSpec) -> list[str]:
         errors.append(f"{a} has no leading dense blocks: n_dense_lead must be 0 {why}")
     if rules.mla:
         errors += mla_errors(spec, why)
+    if rules.glm:
+        errors += glm_errors(spec, why)
+    elif spec.n_nextn or spec.attn_bias or spec.attn_qk_norm:
+        errors.append(f"n_nextn / attn_bias / attn_qk_norm are glm4moe's {why}")
     if not lead and spec.n_expert > 0 and len(spec.moe_blocks) != spec.n_layers:
         errors.append(
             f"{a} has experts in every block or in none: moe_layers {list(spec.moe_blocks)} "
@@ -376,8 +403,12 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
     def add(role: Role, ne: tuple[int, ...], block: int | None = None) -> None:
         out.append(PlannedTensor(role.tensor_name(block), role, spec.type_of(role), ne, block))
 
+    def add_bias(role: Role, ne: tuple[int, ...], block: int) -> None:
+        name = tensor_template(role.value, "bias").format(block)
+        out.append(PlannedTensor(name, role, Q.F32, ne, block))
+
     add(Role.TOKEN_EMBD, (e, spec.vocab_size))
-    for b in range(spec.n_layers):
+    for b in range(spec.n_blocks):
         add(Role.ATTN_NORM, (e,), b)
         if rules.mla:
             _plan_mla(spec, add, b)
@@ -386,13 +417,23 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
             add(Role.ATTN_K, (e, spec.n_head_kv * hd), b)
             add(Role.ATTN_V, (e, spec.n_head_kv * hd), b)
             add(Role.ATTN_O, (spec.n_head * hd, e), b)
-        if rules.qk_norm:
+        if spec.attn_bias:  # glm4moe
+            add_bias(Role.ATTN_Q, (spec.n_head * hd,), b)
+            add_bias(Role.ATTN_K, (spec.n_head_kv * hd,), b)
+            add_bias(Role.ATTN_V, (spec.n_head_kv * hd,), b)
+        if rules.qk_norm or spec.attn_qk_norm:
             add(Role.ATTN_Q_NORM, (hd,), b)
             add(Role.ATTN_K_NORM, (hd,), b)
         if rules.post_norms:
             add(Role.ATTN_POST_NORM, (e,), b)
             add(Role.FFN_POST_NORM, (e,), b)
-        add(Role.FFN_NORM, (e,), b)
+        # glm4moe: attn_post_norm is the FFN's pre-norm
+        add(Role.ATTN_POST_NORM if rules.glm else Role.FFN_NORM, (e,), b)
+        if b >= spec.n_layers:  # glm4moe's NextN/MTP block
+            add(Role.NEXTN_EH_PROJ, (2 * e, e), b)
+            add(Role.NEXTN_ENORM, (e,), b)
+            add(Role.NEXTN_HNORM, (e,), b)
+            add(Role.NEXTN_SHARED_HEAD_NORM, (e,), b)
         if b in spec.moe_blocks:
             f, x = spec.n_ff_expert, spec.n_expert
             add(Role.FFN_GATE_INP, (e, x), b)
@@ -401,7 +442,8 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
             add(Role.FFN_GATE_EXPS, (e, f, x), b)
             add(Role.FFN_UP_EXPS, (e, f, x), b)
             add(Role.FFN_DOWN_EXPS, (f, e, x), b)
-            if spec.shared_expert and rules.shared_expert is SharedExpert.COUNTED:
+            counted = (SharedExpert.COUNTED, SharedExpert.COUNTED_OPTIONAL)
+            if spec.shared_expert and rules.shared_expert in counted:
                 s = f * spec.n_expert_shared  # ungated, fused shared experts
                 add(Role.FFN_GATE_SHEXP, (e, s), b)
                 add(Role.FFN_UP_SHEXP, (e, s), b)
@@ -496,7 +538,7 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
         (Keys.General.NAME, TypedValue(S, spec.name)),
         (Keys.General.FILE_TYPE, _u32(_file_type(tensors))),
         (Keys.General.QUANTIZATION_VERSION, _u32(GGML_QUANT_VERSION)),
-        (LLM.BLOCK_COUNT.format(arch=a), _u32(spec.n_layers)),
+        (LLM.BLOCK_COUNT.format(arch=a), _u32(spec.n_blocks)),
         (LLM.CONTEXT_LENGTH.format(arch=a), _u32(spec.context_length)),
         (LLM.EMBEDDING_LENGTH.format(arch=a), _u32(spec.n_embd)),
         (LLM.FEED_FORWARD_LENGTH.format(arch=a), _u32(_feed_forward_length(spec))),
@@ -522,6 +564,8 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
             kv.append((key, _u32(spec.n_ff_shexp)))
     if rules.mla:
         kv += mla_metadata(spec)
+    if rules.glm:
+        kv += glm_metadata(spec)
     tokens, scores, token_types = _synth.vocabulary(spec.n_vocab, extra=spec.extra_vocab_strings)
     A = GGUFValueType.ARRAY  # noqa: N806
     kv += [

@@ -35,6 +35,8 @@ CASES = {
     "deepseek2": ("deepseek2", {}),
     "deepseek2-kv-b": ("deepseek2", {"mla_split": False}),
     "deepseek2-no-q-lora": ("deepseek2", {"q_lora_rank": 0}),
+    "glm4moe": ("glm4moe", {}),  # with a NextN block, loaded and never run
+    "glm4moe-qk-norm": ("glm4moe", {"attn_qk_norm": True, "attn_bias": False}),
 }
 # The tensor each case re-quantizes: attn_q, or attn_q_b where the queries come through q_lora.
 SWAPPED = {"deepseek2": "blk.0.attn_q_b.weight", "deepseek2-kv-b": "blk.0.attn_q_b.weight"}

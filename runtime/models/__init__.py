@@ -15,10 +15,11 @@ from ggufswap.runtime.models.errors import (
     ModelError,
 )
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer
+from ggufswap.runtime.models.glm4moe import Glm4MoeTransformer
 from ggufswap.runtime.models.hparams import Arch, HParams, RopeType
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.runtime.models.llama import DictWeightProvider, Transformer, WeightProvider
-from ggufswap.runtime.models.registry import DECODERS, Decoder, build_model
+from ggufswap.runtime.models.registry import DECODERS, Decoder, build_model, unused_tensors
 
 __all__ = [
     "DECODERS",
@@ -27,6 +28,7 @@ __all__ = [
     "Deepseek2Transformer",
     "DictWeightProvider",
     "Gemma3Transformer",
+    "Glm4MoeTransformer",
     "HParams",
     "HParamsError",
     "KVCache",
@@ -37,4 +39,5 @@ __all__ = [
     "Transformer",
     "WeightProvider",
     "build_model",
+    "unused_tensors",
 ]

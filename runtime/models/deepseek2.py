@@ -228,24 +228,29 @@ class LatentAttention(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """build_moe_ffn as deepseek2 calls it, plus the shared experts (see the module docstring)."""
+    """build_moe_ffn as deepseek2 and glm4moe call it, plus the shared experts (see the module
+    docstring; glm4moe's shared experts are optional, its exp_probs_b required)."""
 
     def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
         super().__init__()
         self.config, self.weights = config, weights
         d, n_exp, ff = config.n_embd, config.n_expert, config.n_ff_exp
         self.router = spec.need(TN.FFN_GATE_INP.format(layer), (n_exp, d))
-        self.bias = spec.maybe(weights, TN.FFN_EXP_PROBS_B.format(layer), (n_exp,))
+        bias = TN.FFN_EXP_PROBS_B.format(layer)
+        required = config.rules.glm  # glm4moe creates exp_probs_b without TENSOR_NOT_REQUIRED
+        self.bias = spec.need(bias, (n_exp,)) if required else spec.maybe(weights, bias, (n_exp,))
         self.gate_exps = spec.need_experts(TN.FFN_GATE_EXPS.format(layer), (n_exp, ff, d))
         self.up_exps = spec.need_experts(TN.FFN_UP_EXPS.format(layer), (n_exp, ff, d))
         self.down_exps = spec.need_experts(TN.FFN_DOWN_EXPS.format(layer), (n_exp, d, ff))
-        sh = config.n_ff_shexp
-        self.shared = (
-            spec.need(TN.FFN_GATE_SHEXP.format(layer), (sh, d)),
-            spec.need(TN.FFN_UP_SHEXP.format(layer), (sh, d)),
-            spec.need(TN.FFN_DOWN_SHEXP.format(layer), (d, sh)),
-        )
-        spec.refuse(weights, [TN.FFN_GATE_INP_SHEXP.format(layer)], "deepseek2's shared experts")
+        sh, a = config.n_ff_shexp, config.arch.value
+        names = [t.format(layer) for t in (TN.FFN_GATE_SHEXP, TN.FFN_UP_SHEXP, TN.FFN_DOWN_SHEXP)]
+        self.shared: tuple[str, ...] | None = None
+        if config.has_shared_expert:
+            shapes = ((sh, d), (sh, d), (d, sh))
+            self.shared = tuple(spec.need(n, s) for n, s in zip(names, shapes, strict=True))
+        else:
+            spec.refuse(weights, names, f"{a}: expert_shared_count is 0")
+        spec.refuse(weights, [TN.FFN_GATE_INP_SHEXP.format(layer)], f"{a}'s shared experts")
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Top-k expert weights and ids per token: ``([N, k] float32, [N, k] int64)``."""
@@ -277,8 +282,10 @@ class RoutedExperts(nn.Module):
             gate, up, down = w(self.gate_exps)[e], w(self.up_exps)[e], w(self.down_exps)[e]
             y = base.swiglu(flat[rows], gate, up, down) * top_w[rows, slot, None].to(flat.dtype)
             out.index_add_(0, rows, y)
-        shared = base.swiglu(flat, *(self.weights.matrix(name) for name in self.shared))
-        return (out + shared).view_as(x)
+        if self.shared is not None:
+            gate, up, down = (self.weights.matrix(name) for name in self.shared)
+            out = out + base.swiglu(flat, gate, up, down)
+        return out.view_as(x)
 
 
 def _best_groups(scores: Tensor, n_groups: int, n_used: int) -> Tensor:

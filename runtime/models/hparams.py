@@ -65,7 +65,9 @@ _ROPE_TYPE: Final = {arch: RopeType.NORM if arch in _NORM_ROPE else RopeType.NEO
 # build_moe_ffn's norm_w argument in each graph: whether the top-k routing weights are
 # renormalised to sum to one (llama and qwen3moe pass true, qwen2moe false).
 # deepseek2 reads expert_weights_norm (default false).
-_NORM_TOPK: Final = {arch: arch not in (Arch.QWEN2MOE, Arch.DEEPSEEK2) for arch in Arch}
+_NORM_TOPK: Final = {
+    arch: arch not in (Arch.QWEN2MOE, Arch.DEEPSEEK2, Arch.GLM4MOE) for arch in Arch
+}
 # gemma3 (llama_model_gemma3::load_arch_hparams): load_swa_pattern(ml, 6), so by default every 6th
 # layer is global and the others slide; local layers use rope.freq_base_swa (default 10000,
 # llama_hparams::rope_freq_base_train_swa) without scaling.
@@ -205,11 +207,13 @@ class HParams:
             expert_width(rules, self.n_ff, self.n_expert_used) if is_moe else 0
         )
         n_ff_shexp = self.n_ff_shexp or (self.n_ff if shared else 0)
-        if rules.shared_expert is SharedExpert.COUNTED:
+        if rules.shared_expert in (SharedExpert.COUNTED, SharedExpert.COUNTED_OPTIONAL):
             shared = is_moe and self.n_expert_shared > 0
             n_ff_shexp = n_ff_exp * self.n_expert_shared
         if rules.experts is Experts.AFTER_DENSE_LEAD:
-            problems += _deepseek2_problems(self, is_moe=is_moe, head_dim=head_dim)
+            problems += _lead_problems(self, is_moe=is_moe)
+        if rules.mla:
+            problems += _deepseek2_problems(self, head_dim=head_dim)
         if is_moe and n_ff_exp <= 0:
             problems.append(
                 f"the expert width must be > 0 ({rules.expert_width}), found {n_ff_exp}"
@@ -309,6 +313,8 @@ class HParams:
             kwargs["n_ff_shexp"] = reader.get_int(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)
         if arch is Arch.GEMMA3:
             kwargs.update(_gemma3_kwargs(reader, n_layer=kwargs["n_layer"], n_embd=n_embd))
+        if rules.glm:
+            kwargs.update(_glm4moe_kwargs(reader))
         if rules.mla:
             kwargs.update(
                 _deepseek2_kwargs(
@@ -398,10 +404,19 @@ def _deepseek2_kwargs(
         n_rot=n_rot,
         split=split,
     )
-    gating = reader.get_int(k.EXPERT_GATING_FUNC, 0)
-    if gating == 0:
-        sigmoid = n_layer in DEEPSEEK2_SIGMOID_LAYERS and n_vocab == DEEPSEEK2_SIGMOID_VOCAB
-        gating = Gating.SIGMOID if sigmoid else Gating.SOFTMAX
+    sigmoid = n_layer in DEEPSEEK2_SIGMOID_LAYERS and n_vocab == DEEPSEEK2_SIGMOID_VOCAB
+    out = _routing_kwargs(reader, default_gating=Gating.SIGMOID if sigmoid else Gating.SOFTMAX)
+    out["mla"] = mla
+    out.update(_yarn(reader, common, head_k=mla.head_k))
+    return out
+
+
+def _routing_kwargs(reader: _KeyReader, *, default_gating: Gating) -> dict[str, Any]:
+    """The keys deepseek2's and glm4moe's load_arch_hparams read for their blocks and routing
+    (expert_feed_forward_length and expert_shared_count required; expert_gating_func absent or 0:
+    ``default_gating``)."""
+    k = Keys.LLM
+    gating = reader.get_int(k.EXPERT_GATING_FUNC, 0) or int(default_gating)
     if gating not in tuple(Gating):
         reader.problems.append(
             f"{k.EXPERT_GATING_FUNC.format(reader.arch)} = {gating}: the reference decoder "
@@ -409,7 +424,7 @@ def _deepseek2_kwargs(
         )
         gating = Gating.SOFTMAX
     scale = reader.get_float(k.EXPERT_WEIGHTS_SCALE, 0.0)
-    out: dict[str, Any] = {
+    return {
         "n_layer_nextn": reader.get_int(k.NEXTN_PREDICT_LAYERS, 0),
         "n_layer_dense_lead": reader.get_int(k.LEADING_DENSE_BLOCK_COUNT, 0),
         "n_ff_exp": reader.get_int(k.EXPERT_FEED_FORWARD_LENGTH),
@@ -419,10 +434,19 @@ def _deepseek2_kwargs(
         "gating": Gating(gating),
         "n_expert_groups": reader.get_int(k.EXPERT_GROUP_COUNT, 0),
         "n_group_used": reader.get_int(k.EXPERT_GROUP_USED_COUNT, 0),
-        "mla": mla,
     }
-    out.update(_yarn(reader, common, head_k=mla.head_k))
-    return out
+
+
+def _glm4moe_kwargs(reader: _KeyReader) -> dict[str, Any]:
+    """llama_model_glm4_moe::load_arch_hparams: sigmoid gating unless the file says otherwise;
+    multimodal RoPE sections (GLM-4.5V) are not implemented."""
+    sections = reader.md.get(Keys.LLM.ROPE_DIMENSION_SECTIONS.format(reader.arch))
+    if sections is not None and any(sections):
+        reader.problems.append(
+            f"{Keys.LLM.ROPE_DIMENSION_SECTIONS.format(reader.arch)} = {list(sections)}: "
+            "multimodal RoPE is not implemented by the reference decoder"
+        )
+    return _routing_kwargs(reader, default_gating=Gating.SIGMOID)
 
 
 def _yarn(reader: _KeyReader, common: Mapping[str, Any], *, head_k: int) -> dict[str, Any]:
@@ -458,10 +482,42 @@ def _yarn(reader: _KeyReader, common: Mapping[str, Any], *, head_k: int) -> dict
     }
 
 
-def _deepseek2_problems(config: HParams, *, is_moe: bool, head_dim: int) -> list[str]:
-    """What llama.cpp's deepseek2 loader or graph would refuse (asserts included)."""
-    a, mla, problems = config.arch.value, config.mla, []
+def _lead_problems(config: HParams, *, is_moe: bool) -> list[str]:
+    """What the deepseek2 / glm4moe loaders refuse of their blocks and routing."""
+    a, problems = config.arch.value, []
     n_trunk = config.n_layer - config.n_layer_nextn
+    if not 0 <= config.n_layer_nextn < config.n_layer:
+        problems.append(
+            f"{a}: nextn_predict_layers {config.n_layer_nextn} must be below block_count "
+            f"{config.n_layer}"
+        )
+    if config.n_layer_dense_lead > 0 and config.n_ff <= 0:
+        problems.append(f"{a}: leading dense blocks need feed_forward_length > 0")
+    if config.n_layer_dense_lead < n_trunk and not is_moe:
+        problems.append(
+            f"{a}: blocks {config.n_layer_dense_lead}..{n_trunk - 1} are MoE "
+            "(leading_dense_block_count) but expert_count is 0 (llama.cpp: n_expert must be > 0)"
+        )
+    counted = rules_of(config.arch).shared_expert is SharedExpert.COUNTED
+    if is_moe and counted and config.n_expert_shared <= 0:
+        problems.append(
+            f"{a}: expert_shared_count must be > 0: llama.cpp creates ffn_*_shexp tensors of "
+            f"width expert_feed_forward_length * expert_shared_count in every MoE block"
+        )
+    groups, used = config.n_expert_groups, config.n_group_used
+    if groups > 1 and not (config.n_expert % groups == 0 and 0 < used < groups < config.n_expert):
+        problems.append(
+            f"{a}: expert_group_count {groups} / expert_group_used_count {used}: llama.cpp needs "
+            f"expert_count ({config.n_expert}) divisible by the groups and 0 < used < groups"
+        )
+    if groups > 1 and (config.n_expert // groups) < 2:
+        problems.append(f"{a}: group-limited routing needs at least 2 experts per group")
+    return problems
+
+
+def _deepseek2_problems(config: HParams, *, head_dim: int) -> list[str]:
+    """What llama.cpp's deepseek2 loader or graph would refuse of its latent attention."""
+    a, mla, problems = config.arch.value, config.mla, []
     if mla is None:
         return [f"{a}: the latent attention's shape (MLAShape) is missing"]
     if mla.nope < 1:
@@ -486,26 +542,6 @@ def _deepseek2_problems(config: HParams, *, is_moe: bool, head_dim: int) -> list
             f"{a}: attention.head_count_kv must equal head_count ({config.n_head}) with "
             f"attn_kv_b (decompressed multi-head attention), found {config.n_head_kv}"
         )
-    if config.n_layer_dense_lead > 0 and config.n_ff <= 0:
-        problems.append(f"{a}: leading dense blocks need feed_forward_length > 0")
-    if config.n_layer_dense_lead < n_trunk and not is_moe:
-        problems.append(
-            f"{a}: blocks {config.n_layer_dense_lead}..{n_trunk - 1} are MoE "
-            "(leading_dense_block_count) but expert_count is 0 (llama.cpp: n_expert must be > 0)"
-        )
-    if is_moe and config.n_expert_shared <= 0:
-        problems.append(
-            f"{a}: expert_shared_count must be > 0: llama.cpp creates ffn_*_shexp tensors of "
-            f"width expert_feed_forward_length * expert_shared_count in every MoE block"
-        )
-    groups, used = config.n_expert_groups, config.n_group_used
-    if groups > 1 and not (config.n_expert % groups == 0 and 0 < used < groups < config.n_expert):
-        problems.append(
-            f"{a}: expert_group_count {groups} / expert_group_used_count {used}: llama.cpp needs "
-            f"expert_count ({config.n_expert}) divisible by the groups and 0 < used < groups"
-        )
-    if groups > 1 and (config.n_expert // groups) < 2:
-        problems.append(f"{a}: group-limited routing needs at least 2 experts per group")
     return problems
 
 
