@@ -37,19 +37,19 @@ from gguf import (
 )
 
 from ggufswap.shards import _synth
+from ggufswap.shards._arch_spec import (
+    glm_errors,
+    glm_metadata,
+    head_lengths,
+    mla_errors,
+    mla_metadata,
+)
 from ggufswap.shards._gguf_encode import (
     Hole,
     RawTensor,
     TypedValue,
     encode_metadata,
     write_gguf,
-)
-from ggufswap.shards._mla_spec import (
-    glm_errors,
-    glm_metadata,
-    head_lengths,
-    mla_errors,
-    mla_metadata,
 )
 from ggufswap.shards.archs import Experts, ExpertWidth, SharedExpert, rules_of
 from ggufswap.shards.keys import Arch, tensor_template

@@ -1,7 +1,7 @@
-"""deepseek2's part of the writer: what llama.cpp accepts of a spec, and its metadata keys.
+"""deepseek2's and glm4moe's part of the writer: what llama.cpp accepts of a spec, its keys.
 
 Kept apart from ``shards.writer`` (which calls these for architectures whose ``shards.archs`` row
-has ``mla``); the tensor plan itself stays in ``writer.plan_tensors``.
+has ``mla`` or ``glm``); the tensor plan itself stays in ``writer.plan_tensors``.
 """
 
 from __future__ import annotations
