@@ -13,8 +13,17 @@ from typing import Any
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-PRESETS = ("tiny-dense", "tiny-moe", "demo-moe")
-ARCHES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3")  # shards.keys.Arch values
+PRESETS = ("tiny-dense", "tiny-moe", "demo-moe", "tiny-deepseek2", "tiny-glm4moe")
+ARCHES = (
+    "llama",
+    "qwen2",
+    "qwen2moe",
+    "qwen3",
+    "qwen3moe",
+    "gemma3",
+    "deepseek2",
+    "glm4moe",
+)  # shards.keys.Arch values
 MOE_ONLY_ARCHES = ("qwen2moe", "qwen3moe")  # default preset tiny-moe (qwen2moe: shared expert)
 LAYOUTS = ("single", "split", "per-tensor")  # ggufswap.shards.writer.Layout values
 
@@ -34,7 +43,10 @@ def register(subparsers: Any) -> None:
     make.add_argument(
         "--preset",
         choices=PRESETS,
-        help="base model (default: tiny-moe for qwen2moe/qwen3moe, else tiny-dense)",
+        help=(
+            "base model (default: tiny-moe for qwen2moe/qwen3moe, tiny-deepseek2 / tiny-glm4moe "
+            "for deepseek2 / glm4moe, else tiny-dense)"
+        ),
     )
     make.add_argument("--arch", choices=ARCHES)
     make.add_argument("--layers", type=int, metavar="N", help="number of blocks")
@@ -120,11 +132,25 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from ggufswap.shards.presets import demo_moe, tiny_dense, tiny_moe
+    from ggufswap.shards.presets import (
+        demo_moe,
+        tiny_deepseek2,
+        tiny_dense,
+        tiny_glm4moe,
+        tiny_moe,
+    )
     from ggufswap.shards.writer import Layout, write_model
 
-    presets = {"tiny-dense": tiny_dense, "tiny-moe": tiny_moe, "demo-moe": demo_moe}
+    presets = {
+        "tiny-dense": tiny_dense,
+        "tiny-moe": tiny_moe,
+        "demo-moe": demo_moe,
+        "tiny-deepseek2": tiny_deepseek2,
+        "tiny-glm4moe": tiny_glm4moe,
+    }
     preset = args.preset or ("tiny-moe" if args.arch in MOE_ONLY_ARCHES else "tiny-dense")
+    if args.preset is None and args.arch in ("deepseek2", "glm4moe"):
+        preset = f"tiny-{args.arch}"
     try:
         spec = presets[preset](**_overrides(args))
         paths = write_model(

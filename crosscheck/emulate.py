@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from gguf import GGMLQuantizationType, GGUFReader
 
-from ggufswap.runtime.models import llama
+from ggufswap.runtime.models import deepseek2, llama
+from ggufswap.runtime.models.deepseek2 import RoutedExperts
+from ggufswap.runtime.models.hparams import Gating
 from ggufswap.runtime.models.llama import MoEFeedForward
 
 Q = GGMLQuantizationType
@@ -144,12 +146,20 @@ def emulating(runtime: Any, path: Path, *, q8_1_sums: bool = True) -> Iterator[N
         out: torch.Tensor = _emulated(x, w, b, info)
         return out
 
+    original_head = deepseek2.head_linear
+
+    def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """deepseek2's per-head products (attn_k_b, attn_v_b): one ggml matmul per head."""
+        return torch.stack([linear(x[..., h, :], w[h]) for h in range(w.shape[0])], dim=-2)
+
     llama.linear = linear
+    deepseek2.head_linear = head_linear
     F.gelu = _gelu_fp16_table
     try:
         yield
     finally:
         llama.linear = original
+        deepseek2.head_linear = original_head
         F.gelu = original_gelu
 
 
@@ -170,11 +180,25 @@ def recording(out: Routing) -> Iterator[None]:
         out.append((ids.sort(-1).values, probs.sort(-1, descending=True).values))
         return weights, ids
 
+    original_ds = RoutedExperts.route
+
+    def route_ds(self: RoutedExperts, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = original_ds(self, x)
+        logits = torch.nn.functional.linear(x, self.weights.weight(self.router).to(x.dtype))
+        c = self.config
+        scores = logits.float().softmax(-1) if c.gating is Gating.SOFTMAX else logits.sigmoid()
+        if self.bias is not None:  # the selection scores (groups aside)
+            scores = scores + self.weights.weight(self.bias).float()
+        out.append((ids.sort(-1).values, scores.sort(-1, descending=True).values))
+        return weights, ids
+
     MoEFeedForward.route = route  # type: ignore[method-assign]
+    RoutedExperts.route = route_ds  # type: ignore[method-assign]
     try:
         yield
     finally:
         MoEFeedForward.route = original  # type: ignore[method-assign]
+        RoutedExperts.route = original_ds  # type: ignore[method-assign]
 
 
 def flips(exact: Routing, emulated: Routing) -> tuple[int, int, float]:

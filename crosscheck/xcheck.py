@@ -25,8 +25,17 @@ from typing import Any, Final
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from ggufswap.shards.archs import rules_of
 from ggufswap.shards.keys import Arch
-from ggufswap.shards.presets import demo_moe, tiny_arch, tiny_dense, tiny_moe
+from ggufswap.shards.presets import (
+    deepseek2_wide,
+    demo_moe,
+    tiny_arch,
+    tiny_deepseek2,
+    tiny_dense,
+    tiny_glm4moe,
+    tiny_moe,
+)
 from ggufswap.shards.writer import (
     DEFAULT_TYPES,
     F32_ROLES,
@@ -85,6 +94,29 @@ def _demo_llama(**kw: Any) -> ModelSpec:
     return demo_moe(arch=Arch.LLAMA, **kw)
 
 
+def _deepseek2(**fixed: Any) -> Callable[..., ModelSpec]:
+    """``tiny-deepseek2`` with ``fixed`` options; widened (``deepseek2_wide``: the latent and
+    head widths too) when asked for the K-quant rows of 256."""
+
+    def build(**kw: Any) -> ModelSpec:
+        if kw.get("n_embd") == WIDE["n_embd"]:
+            kw = deepseek2_wide(**kw)
+        return tiny_deepseek2(**{**kw, **fixed})
+
+    return build
+
+
+def _glm4moe(**fixed: Any) -> Callable[..., ModelSpec]:
+    """``tiny-glm4moe`` with ``fixed`` options; heads of 64 (32 rotated) in the K-quant rows."""
+
+    def build(**kw: Any) -> ModelSpec:
+        if kw.get("n_embd") == WIDE["n_embd"]:
+            kw = {"head_dim": 64, "rope_dim": 32, **kw}
+        return tiny_glm4moe(**{**kw, **fixed})
+
+    return build
+
+
 # name -> spec builder. Every architecture with each option llama.cpp accepts for it
 # (shards.archs): dense/MoE where the architecture offers both, a tied output where allowed,
 # qwen2moe's shared expert (required there, refused elsewhere); plus the presets.
@@ -104,14 +136,58 @@ VARIANTS: Final[Mapping[str, Callable[..., ModelSpec]]] = {
     "gemma3-tied": lambda **kw: tiny_arch(Arch.GEMMA3, tied_output=True, **kw),
     "demo-moe": demo_moe,  # qwen3moe, n_embd 256, 8 experts
     "demo-moe-llama": _demo_llama,
+    # attn_k_b/attn_v_b, q_lora, sigmoid + exp_probs_b, 4 groups (2 used), YaRN, 1 dense block
+    "deepseek2": _deepseek2(),
+    "deepseek2-kv-b": _deepseek2(mla_split=False),  # the older attn_kv_b form
+    # DeepSeek-V2-style: attn_q, softmax gating, no bias, groups, norm or scale; tied output
+    "deepseek2-v2-tied": _deepseek2(
+        q_lora_rank=0,
+        expert_gating_func=0,
+        expert_probs_bias=False,
+        n_expert_groups=0,
+        n_group_used=0,
+        expert_weights_norm=False,
+        expert_weights_scale=0.0,
+        rope_scaling=None,
+        rope_orig_ctx=0,
+        yarn_log_mul=0.0,
+        tied_output=True,
+    ),
+    # Q/K/V biases, half-rotated heads, sigmoid + exp_probs_b, shared expert, a NextN block
+    "glm4moe": _glm4moe(),
+    # GLM-4.5's per-head Q/K norms, no biases, no NextN block, tied output
+    "glm4moe-qk-norm-tied": _glm4moe(
+        attn_qk_norm=True, attn_bias=False, n_nextn=0, tied_output=True
+    ),
 }
+
+
+# deepseek2's attention and glm4moe's NextN matrix roles: only their cases set them (the other
+# specs have no such tensors, and their recorded specs predate the roles).
+OWN_ROLES: Final = frozenset(
+    {
+        Role.ATTN_Q_A,
+        Role.ATTN_Q_B,
+        Role.ATTN_KV_A_MQA,
+        Role.ATTN_KV_B,
+        Role.ATTN_K_B,
+        Role.ATTN_V_B,
+        Role.NEXTN_EH_PROJ,
+    }
+)
 
 
 def case_spec(variant: str, ggml_type: GGMLQuantizationType) -> ModelSpec:
     """The spec of one case: the variant with every matrix role in ``ggml_type``, widened
     (``WIDE``) when its rows cannot hold the type's blocks."""
     build = VARIANTS[variant]
-    types = {role.name: ggml_type for role in Role if role not in F32_ROLES}
+    rules = rules_of(build().arch)
+    own = rules.mla or rules.glm
+    types = {
+        role.name: ggml_type
+        for role in Role
+        if role not in F32_ROLES and (own or role not in OWN_ROLES)
+    }
     name = f"xc-{variant}-{ggml_type.name.lower()}"
     try:
         return replace(build(), name=name).with_types(**types)

@@ -25,6 +25,8 @@ class Experts(enum.Enum):
     NONE = "none"  # dense: the loader creates no expert tensors
     ALL_OR_NONE = "all-or-none"  # dense when expert_count = 0, else MoE in every block
     ALL = "all"  # MoE in every block; expert_count > 0 required
+    # deepseek2: blocks [0, leading_dense_block_count) are dense, the others MoE.
+    AFTER_DENSE_LEAD = "after leading_dense_block_count"
 
 
 class ExpertWidth(enum.Enum):
@@ -36,6 +38,8 @@ class ExpertWidth(enum.Enum):
     # qwen2moe / qwen3moe: {arch}.expert_feed_forward_length, else
     # feed_forward_length / expert_used_count ("n_ff_exp() ? n_ff_exp() : n_ff / n_expert_used").
     EXPERT_KEY_OR_SPLIT = "expert_feed_forward_length, else feed_forward_length / expert_used_count"
+    # deepseek2: {arch}.expert_feed_forward_length, required (load_arch_hparams).
+    EXPERT_KEY = "expert_feed_forward_length (required)"
 
 
 class SharedExpert(enum.Enum):
@@ -46,6 +50,12 @@ class SharedExpert(enum.Enum):
     # In every block: ffn_{gate,up,down}_shexp and the sigmoid gate ffn_gate_inp_shexp, of width
     # {arch}.expert_shared_feed_forward_length, else feed_forward_length.
     REQUIRED = "required"
+    # deepseek2: {arch}.expert_shared_count (required) shared experts, ungated, fused into
+    # ffn_{gate,up,down}_shexp of width expert_feed_forward_length * expert_shared_count, in
+    # every MoE block.
+    COUNTED = "expert_shared_count"
+    # glm4moe: as COUNTED, but expert_shared_count 0 means no shared-expert tensors.
+    COUNTED_OPTIONAL = "expert_shared_count (0: none)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +75,14 @@ class ArchRules:
     # llama's load_hparams: "invalid n_rot" unless rope.dimension_count equals the head width.
     rope_dims_equal_head: bool
     source: str
+    # deepseek2: multi-head latent attention (attn_kv_a_mqa, attn_kv_b or attn_k_b/attn_v_b,
+    # optional attn_q_a/attn_q_b), the expert_gating_func / expert_weights_* / expert_group_*
+    # keys, the optional exp_probs_b selection bias, and YaRN RoPE scaling.
+    mla: bool = False
+    # glm4moe: the FFN's pre-norm is attn_post_norm (no ffn_norm); every MoE block has
+    # exp_probs_b; q/k/v biases and per-head q/k norms are optional (TENSOR_NOT_REQUIRED);
+    # nextn_predict_layers trailing blocks are NextN/MTP blocks (loaded, never run).
+    glm: bool = False
 
     @property
     def has_experts(self) -> bool:
@@ -83,6 +101,8 @@ def _rules(
     post_norms: bool = False,
     free_head_dim: bool = True,
     rope_dims_equal_head: bool = False,
+    mla: bool = False,
+    glm: bool = False,
 ) -> ArchRules:
     return ArchRules(
         arch=arch,
@@ -95,6 +115,8 @@ def _rules(
         free_head_dim=free_head_dim,
         rope_dims_equal_head=rope_dims_equal_head,
         source=source,
+        mla=mla,
+        glm=glm,
     )
 
 
@@ -139,6 +161,22 @@ ARCH_RULES: Final[Mapping[Arch, ArchRules]] = MappingProxyType(
             "llama_model_gemma3::load_arch_hparams/load_arch_tensors (src/models/gemma3.cpp)",
             qk_norm=True,
             post_norms=True,
+        ),
+        Arch.DEEPSEEK2: _rules(
+            Arch.DEEPSEEK2,
+            "llama_model_deepseek2::load_arch_hparams/load_arch_tensors (src/models/deepseek2.cpp)",
+            experts=Experts.AFTER_DENSE_LEAD,
+            expert_width=ExpertWidth.EXPERT_KEY,
+            shared_expert=SharedExpert.COUNTED,
+            mla=True,
+        ),
+        Arch.GLM4MOE: _rules(
+            Arch.GLM4MOE,
+            "llama_model_glm4_moe::load_arch_hparams/load_arch_tensors (src/models/glm4-moe.cpp)",
+            experts=Experts.AFTER_DENSE_LEAD,
+            expert_width=ExpertWidth.EXPERT_KEY,
+            shared_expert=SharedExpert.COUNTED_OPTIONAL,
+            glm=True,
         ),
     }
 )

@@ -17,6 +17,8 @@ class Arch(str, enum.Enum):
     QWEN3 = "qwen3"
     QWEN3MOE = "qwen3moe"
     GEMMA3 = "gemma3"
+    DEEPSEEK2 = "deepseek2"
+    GLM4MOE = "glm4moe"
 
 
 class Keys:
@@ -62,6 +64,20 @@ class Keys:
         SLIDING_WINDOW: Final = "{}.attention.sliding_window"
         SLIDING_WINDOW_PATTERN: Final = "{}.attention.sliding_window_pattern"
         FINAL_LOGIT_SOFTCAPPING: Final = "{}.final_logit_softcapping"
+        # deepseek2 (multi-head latent attention, grouped routing, YaRN)
+        LEADING_DENSE_BLOCK_COUNT: Final = "{}.leading_dense_block_count"
+        EXPERT_SHARED_COUNT: Final = "{}.expert_shared_count"
+        EXPERT_GROUP_COUNT: Final = "{}.expert_group_count"
+        EXPERT_GROUP_USED_COUNT: Final = "{}.expert_group_used_count"
+        Q_LORA_RANK: Final = "{}.attention.q_lora_rank"
+        KV_LORA_RANK: Final = "{}.attention.kv_lora_rank"
+        KEY_LENGTH_MLA: Final = "{}.attention.key_length_mla"
+        VALUE_LENGTH_MLA: Final = "{}.attention.value_length_mla"
+        ROPE_SCALING_ORIG_CTX_LEN: Final = "{}.rope.scaling.original_context_length"
+        ROPE_SCALING_ATTN_FACTOR: Final = "{}.rope.scaling.attn_factor"
+        ROPE_SCALING_YARN_LOG_MUL: Final = "{}.rope.scaling.yarn_log_multiplier"
+        NEXTN_PREDICT_LAYERS: Final = "{}.nextn_predict_layers"
+        ROPE_DIMENSION_SECTIONS: Final = "{}.rope.dimension_sections"  # glm4moe: refused
 
     class Tokenizer:
         MODEL: Final = "tokenizer.ggml.model"
@@ -113,6 +129,21 @@ class TensorNames:
     FFN_UP_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_UP_SHEXP)
     FFN_DOWN_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_SHEXP)
     FFN_GATE_INP_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_GATE_INP_SHEXP)
+    FFN_EXP_PROBS_B: Final = tensor_template(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias")
+    # deepseek2's multi-head latent attention
+    ATTN_Q_A: Final = tensor_template(MODEL_TENSOR.ATTN_Q_A)
+    ATTN_Q_B: Final = tensor_template(MODEL_TENSOR.ATTN_Q_B)
+    ATTN_Q_A_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_Q_A_NORM)
+    ATTN_KV_A_MQA: Final = tensor_template(MODEL_TENSOR.ATTN_KV_A_MQA)
+    ATTN_KV_A_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_KV_A_NORM)
+    ATTN_KV_B: Final = tensor_template(MODEL_TENSOR.ATTN_KV_B)
+    ATTN_K_B: Final = tensor_template(MODEL_TENSOR.ATTN_K_B)
+    ATTN_V_B: Final = tensor_template(MODEL_TENSOR.ATTN_V_B)
+    # NextN/MTP blocks (glm4moe, deepseek2): loaded, never computed
+    NEXTN_EH_PROJ: Final = tensor_template(MODEL_TENSOR.NEXTN_EH_PROJ)
+    NEXTN_ENORM: Final = tensor_template(MODEL_TENSOR.NEXTN_ENORM)
+    NEXTN_HNORM: Final = tensor_template(MODEL_TENSOR.NEXTN_HNORM)
+    NEXTN_SHARED_HEAD_NORM: Final = tensor_template(MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM)
 
 
 GGUF_MAGIC: Final = 0x46554747  # b"GGUF" read as a little-endian uint32

@@ -32,12 +32,98 @@ def tiny_moe(**overrides: Any) -> ModelSpec:
     return replace(base, **overrides)
 
 
+def tiny_deepseek2(**overrides: Any) -> ModelSpec:
+    """A 3-block deepseek2 (n_embd 64, vocab 256) with every feature llama.cpp's graph has:
+    latent attention with q_lora (attn_k_b/attn_v_b form; ``mla_split=False`` for attn_kv_b,
+    ``q_lora_rank=0`` for attn_q), one leading dense block, 8 experts (2 used) in 4 groups (2
+    used), sigmoid gating with the exp_probs_b selection bias, renormalised and scaled weights,
+    one shared expert, YaRN x4 (original context 64, log multiplier 0.1).
+    Rows of 32 values: Q8_0/Q4_* fit; pass ``n_embd=256`` for K-quant rows (``deepseek2_wide``).
+    """
+    base = ModelSpec(
+        arch=Arch.DEEPSEEK2,
+        name="tiny-deepseek2",
+        n_layers=3,
+        n_head_kv=1,
+        head_dim=48,
+        rope_dim=16,
+        v_head_dim=32,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        n_ff=128,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_expert=32,
+        n_dense_lead=1,
+        shared_expert=True,
+        expert_gating_func=2,
+        expert_probs_bias=True,
+        n_expert_groups=4,
+        n_group_used=2,
+        expert_weights_norm=True,
+        expert_weights_scale=2.5,
+        rope_scaling="yarn",
+        rope_scaling_factor=4.0,
+        rope_orig_ctx=64,
+        yarn_log_mul=0.1,
+    )
+    fields = dict(overrides)
+    if not fields.get("mla_split", True):
+        fields.setdefault("n_head_kv", fields.get("n_head", base.n_head))
+    return replace(base, **fields)
+
+
+def tiny_glm4moe(**overrides: Any) -> ModelSpec:
+    """A glm4moe like GLM-4.5-Air, tiny (n_embd 64, vocab 256): 3 blocks (one dense) and one
+    NextN/MTP block, heads of 32 with Q/K/V biases and half of each head rotated, 8 experts (2
+    used) with sigmoid gating, the exp_probs_b selection bias, renormalised and scaled by 2.5,
+    one shared expert. ``attn_qk_norm=True`` adds GLM-4.5's per-head Q/K norms."""
+    base = ModelSpec(
+        arch=Arch.GLM4MOE,
+        name="tiny-glm4moe",
+        n_layers=3,
+        n_nextn=1,
+        head_dim=32,
+        rope_dim=16,
+        attn_bias=True,
+        n_ff=128,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_expert=32,
+        n_dense_lead=1,
+        shared_expert=True,
+        expert_gating_func=2,
+        expert_probs_bias=True,
+        expert_weights_norm=True,
+        expert_weights_scale=2.5,
+    )
+    return replace(base, **overrides)
+
+
+def deepseek2_wide(**overrides: Any) -> dict[str, Any]:
+    """Spec fields that give every row of ``tiny_deepseek2`` 256 values (K-quant blocks)."""
+    wide = {
+        "n_embd": 256,
+        "n_ff": 256,
+        "n_ff_expert": 256,
+        "head_dim": 272,
+        "v_head_dim": 256,
+        "kv_lora_rank": 256,
+        "q_lora_rank": 256,
+    }
+    return {**wide, **overrides}
+
+
 def tiny_arch(arch: Arch | str, **overrides: Any) -> ModelSpec:
     """A tiny model of ``arch``: dense, or 4 experts (2 used) for the MoE-only archs (qwen2moe
     with a shared expert). gemma3 gets six blocks (five sliding-window layers, then a global one)
     and a window of 4.
     """
     arch = Arch(arch)
+    if arch is Arch.DEEPSEEK2:
+        return tiny_deepseek2(**overrides)
+    if arch is Arch.GLM4MOE:
+        return tiny_glm4moe(**overrides)
     if arch is Arch.QWEN3MOE:
         return tiny_moe(**overrides)
     if arch is Arch.QWEN2MOE:

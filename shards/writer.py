@@ -36,6 +36,13 @@ from gguf import (
 )
 
 from ggufswap.shards import _synth, ggml_types
+from ggufswap.shards._arch_spec import (
+    glm_errors,
+    glm_metadata,
+    head_lengths,
+    mla_errors,
+    mla_metadata,
+)
 from ggufswap.shards._gguf_encode import (
     Hole,
     RawTensor,
@@ -92,10 +99,26 @@ class Role(Enum):
     FFN_GATE_INP_SHEXP = MODEL_TENSOR.FFN_GATE_INP_SHEXP
     ATTN_POST_NORM = MODEL_TENSOR.ATTN_POST_NORM  # gemma3
     FFN_POST_NORM = MODEL_TENSOR.FFN_POST_NORM  # gemma3
+    # deepseek2: latent attention and the routers' selection bias
+    ATTN_Q_A = MODEL_TENSOR.ATTN_Q_A
+    ATTN_Q_B = MODEL_TENSOR.ATTN_Q_B
+    ATTN_Q_A_NORM = MODEL_TENSOR.ATTN_Q_A_NORM
+    ATTN_KV_A_MQA = MODEL_TENSOR.ATTN_KV_A_MQA
+    ATTN_KV_A_NORM = MODEL_TENSOR.ATTN_KV_A_NORM
+    ATTN_KV_B = MODEL_TENSOR.ATTN_KV_B
+    ATTN_K_B = MODEL_TENSOR.ATTN_K_B
+    ATTN_V_B = MODEL_TENSOR.ATTN_V_B
+    FFN_EXP_PROBS_B = MODEL_TENSOR.FFN_EXP_PROBS_B
+    # glm4moe's NextN/MTP blocks (besides a whole block's tensors)
+    NEXTN_EH_PROJ = MODEL_TENSOR.NEXTN_EH_PROJ
+    NEXTN_ENORM = MODEL_TENSOR.NEXTN_ENORM
+    NEXTN_HNORM = MODEL_TENSOR.NEXTN_HNORM
+    NEXTN_SHARED_HEAD_NORM = MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM
 
     def tensor_name(self, block: int | None = None) -> str:
         """The llama.cpp tensor name, e.g. ``blk.3.ffn_up_exps.weight``."""
-        return tensor_template(self.value).format(block)
+        suffix = "bias" if self is Role.FFN_EXP_PROBS_B else "weight"
+        return tensor_template(self.value, suffix).format(block)
 
 
 NORM_ROLES: Final = frozenset(
@@ -107,10 +130,15 @@ NORM_ROLES: Final = frozenset(
         Role.ATTN_K_NORM,
         Role.ATTN_POST_NORM,
         Role.FFN_POST_NORM,
+        Role.ATTN_Q_A_NORM,
+        Role.ATTN_KV_A_NORM,
+        Role.NEXTN_ENORM,
+        Role.NEXTN_HNORM,
+        Role.NEXTN_SHARED_HEAD_NORM,
     }
 )
 # 1-D or routing tensors stay F32, as llama.cpp's quantizer leaves them.
-F32_ROLES: Final = NORM_ROLES | {Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP}
+F32_ROLES: Final = NORM_ROLES | {Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP, Role.FFN_EXP_PROBS_B}
 DEFAULT_TYPES: Final[Mapping[Role, GGMLQuantizationType]] = MappingProxyType(
     {role: Q.F32 if role in F32_ROLES else Q.Q8_0 for role in Role}
 )
@@ -183,6 +211,28 @@ class ModelSpec:
     # Extra vocabulary entries (the header-parse benchmark): llama.cpp sizes token_embd and output
     # by the tokenizer's token list, so each is a real token with its rows (see vocab_size).
     extra_vocab_strings: int = 0
+    # deepseek2 (shards.archs: mla). head_dim is a query/key head (nope + rope dims).
+    n_dense_lead: int = 0  # leading_dense_block_count: blocks [0, n) dense, the rest MoE
+    n_expert_shared: int = 1  # shared experts, fused: width n_ff_expert * n_expert_shared
+    q_lora_rank: int = 0  # 0: attn_q; else attn_q_a -> attn_q_a_norm -> attn_q_b
+    kv_lora_rank: int = 32
+    rope_dim: int | None = None  # rope.dimension_count: the decoupled rope dims per head
+    v_head_dim: int | None = None  # None = head_dim - rope_dim
+    mla_split: bool = True  # attn_k_b / attn_v_b (llama.cpp's converter today), else attn_kv_b
+    expert_gating_func: int = 0  # 0: key not written (deepseek2: softmax); 1 softmax, 2 sigmoid
+    expert_probs_bias: bool = False  # blk.N.exp_probs_b.bias (selection bias)
+    n_expert_groups: int = 0  # expert_group_count (0: not written)
+    n_group_used: int = 0
+    expert_weights_norm: bool = False
+    expert_weights_scale: float = 0.0  # 0: not written
+    rope_scaling: str | None = None  # rope.scaling.type ("linear", "yarn"); None: not written
+    rope_scaling_factor: float = 0.0
+    rope_orig_ctx: int = 0  # rope.scaling.original_context_length (0: not written)
+    yarn_log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier as written (0.1 x mscale_all_dim)
+    # glm4moe (shards.archs: glm); also n_dense_lead, n_expert_shared, rope_dim, the routing.
+    n_nextn: int = 0  # NextN/MTP blocks after the n_layers trunk blocks (nextn_predict_layers)
+    attn_bias: bool = False  # attn_q/k/v biases
+    attn_qk_norm: bool = False  # per-head attn_q_norm / attn_k_norm
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -219,7 +269,22 @@ class ModelSpec:
         """The blocks with experts: ``moe_layers``, or every block of an MoE model when unset."""
         if self.moe_layers is not None:
             return self.moe_layers
-        return tuple(range(self.n_layers)) if self.n_expert > 0 else ()
+        return tuple(range(self.n_dense_lead, self.n_blocks)) if self.n_expert > 0 else ()
+
+    @property
+    def n_blocks(self) -> int:
+        """Blocks in the file: the trunk, then glm4moe's NextN blocks (``block_count``)."""
+        return self.n_layers + self.n_nextn
+
+    @property
+    def n_rot(self) -> int:
+        """Rotated dims per head: ``rope_dim``, or the whole head when unset."""
+        return self.rope_dim if self.rope_dim is not None else self.n_embd_head
+
+    @property
+    def head_v(self) -> int:
+        """deepseek2's value head width: ``v_head_dim``, or the key head's non-rope dims."""
+        return self.v_head_dim if self.v_head_dim is not None else self.n_embd_head - self.n_rot
 
     def type_of(self, role: Role) -> GGMLQuantizationType | GGMLType:
         return self.types[role]
@@ -246,9 +311,9 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
         errors.append("moe_layers / shared_expert need n_expert > 0")
     if spec.n_expert > 0 and min(spec.n_ff_expert, spec.n_ff_shexp) <= 0:
         errors.append("n_ff_expert / n_ff_shexp must be > 0 in an MoE model")
-    bad = [b for b in spec.moe_blocks if not 0 <= b < spec.n_layers]
+    bad = [b for b in spec.moe_blocks if not 0 <= b < spec.n_blocks]
     if bad:
-        errors.append(f"moe_layers {bad} outside 0..{spec.n_layers - 1}")
+        errors.append(f"moe_layers {bad} outside 0..{spec.n_blocks - 1}")
     errors += _llama_cpp_errors(spec)
     if spec.sliding_window <= 0:
         errors.append(f"sliding_window must be > 0, found {spec.sliding_window}")
@@ -285,7 +350,25 @@ def _llama_cpp_errors(spec: ModelSpec) -> list[str]:
         errors.append(f"{a} is dense: n_expert must be 0, found {spec.n_expert} {why}")
     if rules.experts is Experts.ALL and spec.n_expert <= 0:
         errors.append(f"{a} needs n_expert > 0: every {a} block is MoE {why}")
-    if spec.n_expert > 0 and len(spec.moe_blocks) != spec.n_layers:
+    lead = rules.experts is Experts.AFTER_DENSE_LEAD
+    if (
+        lead
+        and spec.n_expert > 0
+        and spec.moe_blocks != tuple(range(spec.n_dense_lead, spec.n_blocks))
+    ):
+        errors.append(
+            f"{a} has experts in blocks n_dense_lead.. only: moe_layers {list(spec.moe_blocks)} "
+            f"would be refused {why}"
+        )
+    if not lead and spec.n_dense_lead:
+        errors.append(f"{a} has no leading dense blocks: n_dense_lead must be 0 {why}")
+    if rules.mla:
+        errors += mla_errors(spec, why)
+    if rules.glm:
+        errors += glm_errors(spec, why)
+    elif spec.n_nextn or spec.attn_bias or spec.attn_qk_norm:
+        errors.append(f"n_nextn / attn_bias / attn_qk_norm are glm4moe's {why}")
+    if not lead and spec.n_expert > 0 and len(spec.moe_blocks) != spec.n_layers:
         errors.append(
             f"{a} has experts in every block or in none: moe_layers {list(spec.moe_blocks)} "
             f"of {spec.n_layers} blocks would be refused {why}"
@@ -295,7 +378,8 @@ def _llama_cpp_errors(spec: ModelSpec) -> list[str]:
             f"{a} has no shared expert: llama.cpp refuses the ffn_*_shexp tensors "
             f"(wrong number of tensors) {why}"
         )
-    if rules.shared_expert is SharedExpert.REQUIRED and not spec.shared_expert:
+    counted = rules.shared_expert is SharedExpert.COUNTED and spec.n_expert > 0
+    if (rules.shared_expert is SharedExpert.REQUIRED or counted) and not spec.shared_expert:
         errors.append(f"{a} needs shared_expert: llama.cpp requires ffn_*_shexp tensors {why}")
     if spec.tied_output and not rules.tied_output:
         errors.append(f"{a} cannot tie its output: llama.cpp requires output.weight {why}")
@@ -335,27 +419,52 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
     def add(role: Role, ne: tuple[int, ...], block: int | None = None) -> None:
         out.append(PlannedTensor(role.tensor_name(block), role, spec.type_of(role), ne, block))
 
+    def add_bias(role: Role, ne: tuple[int, ...], block: int) -> None:
+        name = tensor_template(role.value, "bias").format(block)
+        out.append(PlannedTensor(name, role, Q.F32, ne, block))
+
     add(Role.TOKEN_EMBD, (e, spec.vocab_size))
-    for b in range(spec.n_layers):
+    for b in range(spec.n_blocks):
         add(Role.ATTN_NORM, (e,), b)
-        add(Role.ATTN_Q, (e, spec.n_head * hd), b)
-        add(Role.ATTN_K, (e, spec.n_head_kv * hd), b)
-        add(Role.ATTN_V, (e, spec.n_head_kv * hd), b)
-        add(Role.ATTN_O, (spec.n_head * hd, e), b)
-        if rules.qk_norm:
+        if rules.mla:
+            _plan_mla(spec, add, b)
+        else:
+            add(Role.ATTN_Q, (e, spec.n_head * hd), b)
+            add(Role.ATTN_K, (e, spec.n_head_kv * hd), b)
+            add(Role.ATTN_V, (e, spec.n_head_kv * hd), b)
+            add(Role.ATTN_O, (spec.n_head * hd, e), b)
+        if spec.attn_bias:  # glm4moe
+            add_bias(Role.ATTN_Q, (spec.n_head * hd,), b)
+            add_bias(Role.ATTN_K, (spec.n_head_kv * hd,), b)
+            add_bias(Role.ATTN_V, (spec.n_head_kv * hd,), b)
+        if rules.qk_norm or spec.attn_qk_norm:
             add(Role.ATTN_Q_NORM, (hd,), b)
             add(Role.ATTN_K_NORM, (hd,), b)
         if rules.post_norms:
             add(Role.ATTN_POST_NORM, (e,), b)
             add(Role.FFN_POST_NORM, (e,), b)
-        add(Role.FFN_NORM, (e,), b)
+        # glm4moe: attn_post_norm is the FFN's pre-norm
+        add(Role.ATTN_POST_NORM if rules.glm else Role.FFN_NORM, (e,), b)
+        if b >= spec.n_layers:  # glm4moe's NextN/MTP block
+            add(Role.NEXTN_EH_PROJ, (2 * e, e), b)
+            add(Role.NEXTN_ENORM, (e,), b)
+            add(Role.NEXTN_HNORM, (e,), b)
+            add(Role.NEXTN_SHARED_HEAD_NORM, (e,), b)
         if b in spec.moe_blocks:
             f, x = spec.n_ff_expert, spec.n_expert
             add(Role.FFN_GATE_INP, (e, x), b)
+            if spec.expert_probs_bias:
+                add(Role.FFN_EXP_PROBS_B, (x,), b)
             add(Role.FFN_GATE_EXPS, (e, f, x), b)
             add(Role.FFN_UP_EXPS, (e, f, x), b)
             add(Role.FFN_DOWN_EXPS, (f, e, x), b)
-            if spec.shared_expert:
+            counted = (SharedExpert.COUNTED, SharedExpert.COUNTED_OPTIONAL)
+            if spec.shared_expert and rules.shared_expert in counted:
+                s = f * spec.n_expert_shared  # ungated, fused shared experts
+                add(Role.FFN_GATE_SHEXP, (e, s), b)
+                add(Role.FFN_UP_SHEXP, (e, s), b)
+                add(Role.FFN_DOWN_SHEXP, (s, e), b)
+            elif spec.shared_expert:
                 s = spec.n_ff_shexp
                 add(Role.FFN_GATE_INP_SHEXP, (e,), b)
                 add(Role.FFN_GATE_SHEXP, (e, s), b)
@@ -369,6 +478,27 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
     if not spec.tied_output:
         add(Role.OUTPUT, (e, spec.vocab_size))
     return tuple(out)
+
+
+def _plan_mla(spec: ModelSpec, add: Any, b: int) -> None:
+    """deepseek2's attention tensors of block ``b`` (llama_model_deepseek2::load_arch_tensors)."""
+    e, h, rank, rot = spec.n_embd, spec.n_head, spec.kv_lora_rank, spec.n_rot
+    nope, v = spec.n_embd_head - rot, spec.head_v
+    if spec.q_lora_rank > 0:
+        add(Role.ATTN_Q_A_NORM, (spec.q_lora_rank,), b)
+    add(Role.ATTN_KV_A_NORM, (rank,), b)
+    if spec.q_lora_rank > 0:
+        add(Role.ATTN_Q_A, (e, spec.q_lora_rank), b)
+        add(Role.ATTN_Q_B, (spec.q_lora_rank, h * spec.n_embd_head), b)
+    else:
+        add(Role.ATTN_Q, (e, h * spec.n_embd_head), b)
+    add(Role.ATTN_KV_A_MQA, (e, rank + rot), b)
+    if spec.mla_split:
+        add(Role.ATTN_K_B, (nope, rank, h), b)
+        add(Role.ATTN_V_B, (rank, v, h), b)
+    else:
+        add(Role.ATTN_KV_B, (rank, h * (nope + v)), b)
+    add(Role.ATTN_O, (h * v, e), b)
 
 
 def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
@@ -424,14 +554,13 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
         (Keys.General.NAME, TypedValue(S, spec.name)),
         (Keys.General.FILE_TYPE, _u32(_file_type(tensors))),
         (Keys.General.QUANTIZATION_VERSION, _u32(GGML_QUANT_VERSION)),
-        (LLM.BLOCK_COUNT.format(arch=a), _u32(spec.n_layers)),
+        (LLM.BLOCK_COUNT.format(arch=a), _u32(spec.n_blocks)),
         (LLM.CONTEXT_LENGTH.format(arch=a), _u32(spec.context_length)),
         (LLM.EMBEDDING_LENGTH.format(arch=a), _u32(spec.n_embd)),
         (LLM.FEED_FORWARD_LENGTH.format(arch=a), _u32(_feed_forward_length(spec))),
         (ATT.HEAD_COUNT.format(arch=a), _u32(spec.n_head)),
         (ATT.HEAD_COUNT_KV.format(arch=a), _u32(spec.n_head_kv)),
-        (ATT.KEY_LENGTH.format(arch=a), _u32(spec.n_embd_head)),
-        (ATT.VALUE_LENGTH.format(arch=a), _u32(spec.n_embd_head)),
+        *head_lengths(spec),
         (ATT.LAYERNORM_RMS_EPS.format(arch=a), _f32(spec.rms_eps)),
         (Keys.Rope.FREQ_BASE.format(arch=a), _f32(spec.rope_freq_base)),
         (LLM.VOCAB_SIZE.format(arch=a), _u32(spec.vocab_size)),
@@ -444,11 +573,15 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
             (LLM.EXPERT_COUNT.format(arch=a), _u32(spec.n_expert)),
             (LLM.EXPERT_USED_COUNT.format(arch=a), _u32(spec.n_expert_used)),
         ]
-        if rules.expert_width is ExpertWidth.EXPERT_KEY_OR_SPLIT:
+        if rules.expert_width in (ExpertWidth.EXPERT_KEY_OR_SPLIT, ExpertWidth.EXPERT_KEY):
             kv.append((LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=a), _u32(spec.n_ff_expert)))
-        if spec.shared_expert:
+        if spec.shared_expert and rules.shared_expert is not SharedExpert.COUNTED:
             key = LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a)
             kv.append((key, _u32(spec.n_ff_shexp)))
+    if rules.mla:
+        kv += mla_metadata(spec)
+    if rules.glm:
+        kv += glm_metadata(spec)
     tokens, scores, token_types = _synth.vocabulary(spec.n_vocab, extra=spec.extra_vocab_strings)
     A = GGUFValueType.ARRAY  # noqa: N806
     kv += [

@@ -32,12 +32,19 @@ CASES = {
     "qwen2moe": ("qwen2moe", {}),
     "qwen3moe": ("qwen3moe", {}),
     "gemma3": ("gemma3", {}),
+    "deepseek2": ("deepseek2", {}),
+    "deepseek2-kv-b": ("deepseek2", {"mla_split": False}),
+    "deepseek2-no-q-lora": ("deepseek2", {"q_lora_rank": 0}),
+    "glm4moe": ("glm4moe", {}),  # with a NextN block, loaded and never run
+    "glm4moe-qk-norm": ("glm4moe", {"attn_qk_norm": True, "attn_bias": False}),
 }
+# The tensor each case re-quantizes: attn_q, or attn_q_b where the queries come through q_lora.
+SWAPPED = {"deepseek2": "blk.0.attn_q_b.weight", "deepseek2-kv-b": "blk.0.attn_q_b.weight"}
 
 
 def spec_for(case: str) -> ModelSpec:
     arch, overrides = CASES[case]
-    return tiny_arch(arch, **overrides).with_types(attn_q="q5_0", ffn_down="q4_0")
+    return tiny_arch(arch, **overrides).with_types(attn_q="q5_0", attn_q_b="q5_0", ffn_down="q4_0")
 
 
 def open_model(path: Path) -> tuple[HotSwapRuntime, torch.nn.Module]:
@@ -63,14 +70,14 @@ def test_every_architecture_has_a_decoder() -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_tiny_model_swaps_equal_a_fresh_load_and_restore_exactly(case: str, tmp_path: Path) -> None:
-    """Re-quantizing attn_q of block 0 and hot-swapping it gives the fresh load's logits bit for
-    bit, and swapping the original back restores the original logits exactly."""
+    """Re-quantizing attn_q (or attn_q_b) of block 0 and hot-swapping it gives the fresh load's
+    logits bit for bit, and swapping the original back restores the original logits exactly."""
     model_dir, store = tmp_path / "model", tmp_path / "store"
     store.mkdir()
     path = write_model(spec_for(case), model_dir)[0]
     assert read_header(path).architecture == CASES[case][0]
     saved = shutil.copy2(path, store / "saved.gguf")
-    name = "blk.0.attn_q.weight"
+    name = SWAPPED.get(case, "blk.0.attn_q.weight")
     runtime, model = open_model(path)
     try:
         with torch.inference_mode():

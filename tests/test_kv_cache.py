@@ -45,6 +45,9 @@ SPECS = {
     "qwen3moe": tiny_moe(),
     "gemma3": tiny_arch("gemma3"),
     "gemma3-q4": tiny_arch("gemma3").with_types(attn_q="q4_0", ffn_down="q4_0"),
+    "deepseek2": tiny_arch("deepseek2"),  # attn_k_b/attn_v_b: the cache holds the latent
+    "deepseek2-kv-b": tiny_arch("deepseek2", mla_split=False, q_lora_rank=0),
+    "glm4moe": tiny_arch("glm4moe"),
 }
 
 

@@ -7,6 +7,7 @@ package imports torch, the GGUF keys of :mod:`ggufswap.shards` and the core's pu
 
 from __future__ import annotations
 
+from ggufswap.runtime.models.deepseek2 import Deepseek2Transformer
 from ggufswap.runtime.models.errors import (
     HParamsError,
     KVCacheError,
@@ -14,17 +15,20 @@ from ggufswap.runtime.models.errors import (
     ModelError,
 )
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer
+from ggufswap.runtime.models.glm4moe import Glm4MoeTransformer
 from ggufswap.runtime.models.hparams import Arch, HParams, RopeType
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.runtime.models.llama import DictWeightProvider, Transformer, WeightProvider
-from ggufswap.runtime.models.registry import DECODERS, Decoder, build_model
+from ggufswap.runtime.models.registry import DECODERS, Decoder, build_model, unused_tensors
 
 __all__ = [
     "DECODERS",
     "Arch",
     "Decoder",
+    "Deepseek2Transformer",
     "DictWeightProvider",
     "Gemma3Transformer",
+    "Glm4MoeTransformer",
     "HParams",
     "HParamsError",
     "KVCache",
@@ -35,4 +39,5 @@ __all__ = [
     "Transformer",
     "WeightProvider",
     "build_model",
+    "unused_tensors",
 ]

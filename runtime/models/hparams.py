@@ -17,6 +17,11 @@ Supported architectures (``general.architecture``):
   K; no shared expert. RoPE NEOX.
 - ``qwen2`` / ``qwen3``: the dense qwen decoders (Q/K/V biases when the file has them for qwen2,
   per-head Q/K norms for qwen3). RoPE NEOX.
+- ``deepseek2``: multi-head latent attention (``MLAShape``) in either file form, leading dense
+  blocks then MoE blocks with ungated shared experts, softmax or sigmoid gating with the optional
+  ``exp_probs_b`` selection bias, group-limited routing, ``expert_weights_norm`` / ``_scale``, and
+  linear or YaRN RoPE scaling with deepseek2's attention-scale adjustment. RoPE NORM on the
+  decoupled rope dims only.
 - ``gemma3``: GeGLU (tanh GELU), Q/K norms, post-attention and post-FFN norms, embeddings scaled
   by ``sqrt(n_embd)``; with ``attention.sliding_window`` > 0, sliding-window attention on the
   layers of llama.cpp's pattern (five of every six by default; local RoPE base
@@ -34,6 +39,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from ggufswap.runtime.models._moe_hparams import (
+    Gating,
+    MLAShape,
+    deepseek2_kwargs,
+    deepseek2_problems,
+    glm4moe_kwargs,
+    lead_problems,
+)
 from ggufswap.runtime.models.errors import HParamsError
 from ggufswap.shards.archs import ArchRules, Experts, ExpertWidth, SharedExpert, rules_of
 from ggufswap.shards.keys import Arch, Keys
@@ -53,11 +66,16 @@ class Activation(str, enum.Enum):
     GELU_TANH = "gelu_tanh"
 
 
-# llama_model_rope_type (src/llama-model.cpp): NORM for llama, NEOX for the qwen and gemma families.
-_ROPE_TYPE: Final = {arch: RopeType.NORM if arch is Arch.LLAMA else RopeType.NEOX for arch in Arch}
+# llama_model_rope_type (src/llama-model.cpp): NORM for llama and deepseek2, NEOX for the qwen and
+# gemma families.
+_NORM_ROPE: Final = (Arch.LLAMA, Arch.DEEPSEEK2)
+_ROPE_TYPE: Final = {arch: RopeType.NORM if arch in _NORM_ROPE else RopeType.NEOX for arch in Arch}
 # build_moe_ffn's norm_w argument in each graph: whether the top-k routing weights are
 # renormalised to sum to one (llama and qwen3moe pass true, qwen2moe false).
-_NORM_TOPK: Final = {arch: arch is not Arch.QWEN2MOE for arch in Arch}
+# deepseek2 reads expert_weights_norm (default false).
+_NORM_TOPK: Final = {
+    arch: arch not in (Arch.QWEN2MOE, Arch.DEEPSEEK2, Arch.GLM4MOE) for arch in Arch
+}
 # gemma3 (llama_model_gemma3::load_arch_hparams): load_swa_pattern(ml, 6), so by default every 6th
 # layer is global and the others slide; local layers use rope.freq_base_swa (default 10000,
 # llama_hparams::rope_freq_base_train_swa) without scaling.
@@ -68,6 +86,7 @@ GEMMA3_ROPE_BASE_LOCAL: Final = 10000.0
 GEMMA3_27B_LAYERS: Final = 62
 ROPE_SCALING_LINEAR: Final = "linear"
 ROPE_SCALING_NONE: Final = "none"
+ROPE_SCALING_YARN: Final = "yarn"
 
 
 @dataclass(frozen=True)
@@ -103,6 +122,20 @@ class HParams:
     rope_freq_scale: float = 1.0  # linear RoPE scaling (1 / scaling.factor); local layers: none
     final_logit_softcap: float = 0.0  # 0 = none; else logits = c * tanh(logits / c)
     attention_scale: float | None = None  # softmax scale of Q.K; None = 1/sqrt(head_dim)
+    # deepseek2 (shards.archs: mla): blocks, routing, latent attention, YaRN (llama_context's
+    # cparams: ext_factor 1 for yarn scaling, attn_factor after its adjustments).
+    n_layer_dense_lead: int = 0
+    n_expert_shared: int = 0
+    gating: Gating = Gating.SOFTMAX
+    n_expert_groups: int = 0  # 0 or 1: no group-limited routing
+    n_group_used: int = 0
+    mla: MLAShape | None = None
+    rope_ext_factor: float = 0.0
+    rope_attn_factor: float = 1.0
+    rope_ctx_orig: int = 0  # YaRN's original context (0 = context_length)
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    n_layer_nextn: int = 0  # trailing NextN/MTP blocks (nextn_predict_layers): loaded, not run
 
     # Derived.
     rules: ArchRules = field(init=False)
@@ -147,13 +180,20 @@ class HParams:
             problems.append(f"{self.arch.value} needs expert_count > 0")
         if rules.experts is Experts.NONE and is_moe:
             problems.append(f"{self.arch.value} is dense; found expert_count {self.n_expert}")
-        if not is_moe and self.n_ff <= 0:
+        if not is_moe and self.n_ff <= 0 and rules.experts is not Experts.AFTER_DENSE_LEAD:
             problems.append(f"dense model needs feed_forward_length > 0, found {self.n_ff}")
         shared = is_moe and rules.shared_expert is SharedExpert.REQUIRED
         n_ff_exp = self.n_ff_exp or (
             expert_width(rules, self.n_ff, self.n_expert_used) if is_moe else 0
         )
         n_ff_shexp = self.n_ff_shexp or (self.n_ff if shared else 0)
+        if rules.shared_expert in (SharedExpert.COUNTED, SharedExpert.COUNTED_OPTIONAL):
+            shared = is_moe and self.n_expert_shared > 0
+            n_ff_shexp = n_ff_exp * self.n_expert_shared
+        if rules.experts is Experts.AFTER_DENSE_LEAD:
+            problems += lead_problems(self, is_moe=is_moe)
+        if rules.mla:
+            problems += deepseek2_problems(self, head_dim=head_dim)
         if is_moe and n_ff_exp <= 0:
             problems.append(
                 f"the expert width must be > 0 ({rules.expert_width}), found {n_ff_exp}"
@@ -223,7 +263,7 @@ class HParams:
         default_head = n_embd // n_head if n_head > 0 else 0
         key_length = reader.get_int(Keys.LLM.KEY_LENGTH, default_head)
         value_length = reader.get_int(Keys.LLM.VALUE_LENGTH, default_head)
-        if value_length != key_length:
+        if value_length != key_length and not rules.mla:
             reader.problems.append(
                 f"{Keys.LLM.VALUE_LENGTH.format(arch.value)} = {value_length} differs from the key "
                 f"length {key_length}: the reference decoder needs equal head widths"
@@ -242,7 +282,7 @@ class HParams:
             "n_expert_used": n_used,
             "key_length": key_length if key_length != default_head else None,
             "rope_dim": reader.get_optional_int(Keys.LLM.ROPE_DIMENSION_COUNT),
-            "rope_freq_scale": _rope_freq_scale(reader),
+            "rope_freq_scale": _rope_freq_scale(reader, yarn=rules.mla),
         }
         # Expert widths: each architecture's load_arch_hparams / load_arch_tensors. The
         # expert_weights_* and expert_gating_func keys are read by none of these architectures'
@@ -253,6 +293,20 @@ class HParams:
             kwargs["n_ff_shexp"] = reader.get_int(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)
         if arch is Arch.GEMMA3:
             kwargs.update(_gemma3_kwargs(reader, n_layer=kwargs["n_layer"], n_embd=n_embd))
+        if rules.glm:
+            kwargs.update(glm4moe_kwargs(reader))
+        if rules.mla:
+            scaling = reader.md.get(Keys.LLM.ROPE_SCALING_TYPE.format(arch.value))
+            kwargs.update(
+                deepseek2_kwargs(
+                    reader,
+                    kwargs,
+                    key_length=key_length,
+                    value_length=value_length,
+                    n_rot=kwargs["rope_dim"] or key_length,
+                    yarn=scaling == ROPE_SCALING_YARN,
+                )
+            )
         if reader.problems:
             lines = "\n  ".join(reader.problems)
             raise HParamsError(f"cannot build a {arch.value} model config:\n  {lines}")
@@ -294,20 +348,22 @@ def _gemma3_kwargs(reader: _KeyReader, *, n_layer: int, n_embd: int) -> dict[str
 _MISSING: Final = object()
 
 
-def _rope_freq_scale(reader: _KeyReader) -> float:
+def _rope_freq_scale(reader: _KeyReader, *, yarn: bool = False) -> float:
     """llama_model_base::load_hparams: ``rope.scaling.type`` defaults to ``linear``; the factor is
     ``rope.scaling.factor`` (or the old ``rope.scale_linear``), 0 meaning none, and the frequency
-    scale its inverse; type ``none`` never scales (llama_context). Other types are refused."""
+    scale its inverse; type ``none`` never scales (llama_context). Other types are refused, but
+    ``yarn`` where the decoder implements it (``yarn=True``)."""
     kind = str(reader.md.get(Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch), ROPE_SCALING_LINEAR))
     has_factor = Keys.LLM.ROPE_SCALING_FACTOR.format(reader.arch) in reader.md
     factor_key = Keys.LLM.ROPE_SCALING_FACTOR if has_factor else Keys.LLM.ROPE_SCALE_LINEAR
     factor = reader.get_float(factor_key, 0.0)
     if kind == ROPE_SCALING_NONE or factor in (0.0, 1.0):
         return 1.0
-    if kind != ROPE_SCALING_LINEAR:
+    if kind != ROPE_SCALING_LINEAR and not (yarn and kind == ROPE_SCALING_YARN):
         reader.problems.append(
             f"{Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch)} = {kind!r}: only "
             f"{ROPE_SCALING_LINEAR!r} RoPE scaling is implemented"
+            + (f" (and {ROPE_SCALING_YARN!r})" if yarn else "")
         )
         return 1.0
     return 1.0 / factor

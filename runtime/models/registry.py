@@ -2,7 +2,10 @@
 
 - ``llama``, ``qwen2``, ``qwen3``, ``qwen2moe``, ``qwen3moe``: ``llama.Transformer`` (pre-norm
   blocks, SwiGLU, dense or MoE FFNs per block);
-- ``gemma3``: ``gemma3.Gemma3Transformer``.
+- ``gemma3``: ``gemma3.Gemma3Transformer``;
+- ``deepseek2``: ``deepseek2.Deepseek2Transformer`` (its latent-attention matrices are read from
+  their own slots at every forward, never derived at load);
+- ``glm4moe``: ``glm4moe.Glm4MoeTransformer`` (its NextN/MTP blocks are loaded, never run).
 
 Both read every weight through the provider at forward time. A tied output head is read from
 ``token_embd.weight``'s own slot rather than copied, so a swap of the embedding is the head's swap
@@ -13,19 +16,27 @@ architecture derives must be registered with ``TensorStore.register_derived`` he
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Final
 
+from ggufswap.runtime.models.deepseek2 import Deepseek2Transformer
 from ggufswap.runtime.models.errors import MissingWeightError
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer
+from ggufswap.runtime.models.glm4moe import Glm4MoeTransformer
 from ggufswap.runtime.models.hparams import Arch, HParams
 from ggufswap.runtime.models.llama import Transformer, WeightProvider
 
 if TYPE_CHECKING:
     from ggufswap.runtime import TensorStore
 
-Decoder = Transformer | Gemma3Transformer  # what build_model returns
-ModelClass = type[Transformer] | type[Gemma3Transformer]
+# what build_model returns
+Decoder = Transformer | Gemma3Transformer | Deepseek2Transformer | Glm4MoeTransformer
+ModelClass = (
+    type[Transformer]
+    | type[Gemma3Transformer]
+    | type[Deepseek2Transformer]
+    | type[Glm4MoeTransformer]
+)
 
 DECODERS: Final[Mapping[Arch, ModelClass]] = {
     Arch.LLAMA: Transformer,
@@ -34,7 +45,16 @@ DECODERS: Final[Mapping[Arch, ModelClass]] = {
     Arch.QWEN2MOE: Transformer,
     Arch.QWEN3MOE: Transformer,
     Arch.GEMMA3: Gemma3Transformer,
+    Arch.DEEPSEEK2: Deepseek2Transformer,
+    Arch.GLM4MOE: Glm4MoeTransformer,
 }
+
+
+def unused_tensors(model: Decoder, names: Iterable[str]) -> list[str]:
+    """The tensors among ``names`` no forward of ``model`` reads, sorted: glm4moe's (or a
+    deepseek2 file's) NextN/MTP blocks, loaded as llama.cpp loads them and never computed. A swap
+    of only these cannot change the logits, so a sweep can skip them."""
+    return sorted(set(names) - set(model.required))
 
 
 def build_model(

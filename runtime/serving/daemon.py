@@ -19,11 +19,12 @@ import structlog
 import torch
 
 from ggufswap.config import Config
+from ggufswap.ipc import PlanCommittedEvent
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
 from ggufswap.runtime.control import ControlServer
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.models.hparams import HParams
-from ggufswap.runtime.models.registry import Decoder, build_model
+from ggufswap.runtime.models.registry import Decoder, build_model, unused_tensors
 from ggufswap.runtime.pools import Pool
 from ggufswap.runtime.serving.serve import Mode, ServeLoop, ServeOptions
 from ggufswap.runtime.store import Placement
@@ -54,6 +55,31 @@ def open_runtime(config: Config) -> HotSwapRuntime:
         model_name=rc.name,
         progress=sys.stderr.isatty(),
     )
+
+
+def report_unused(runtime: HotSwapRuntime, model: Decoder) -> frozenset[str]:
+    """Log the loaded tensors ``model`` never computes with (glm4moe's NextN/MTP blocks), and from
+    now on every committed plan that changed only such tensors: its swap cannot change the
+    logits, so a sweep measuring it learns nothing. Returns those tensors."""
+    unused = frozenset(unused_tensors(model, runtime.store.slots))
+    if not unused:
+        return unused
+    log.info("model.unused_tensors", model=runtime.model_name, count=len(unused))
+
+    def on_event(event: object) -> None:
+        if not isinstance(event, PlanCommittedEvent):
+            return
+        if event.changed and unused.issuperset(event.changed):
+            log.warning(
+                "plan.unused_only",
+                plan_id=event.plan_id,
+                weight_version=event.weight_version,
+                tensors=list(event.changed),
+                reason="the model computes with none of these tensors",
+            )
+
+    runtime.on_event(on_event)
+    return unused
 
 
 class Service(Protocol):
@@ -112,6 +138,7 @@ def run(
         assert runtime.shards is not None, "open() always records the shard set"
         hparams = HParams.from_metadata(runtime.shards.metadata)
         model = build_model(hparams, runtime.store, store=runtime.store)
+        report_unused(runtime, model)
         loop = build_service(runtime, model, options)
         control = ControlServer.from_config(runtime, config, extra_status=loop.status).start()
     except BaseException:
@@ -154,4 +181,4 @@ def run(
     return 0
 
 
-__all__ = ["open_runtime", "run"]
+__all__ = ["open_runtime", "report_unused", "run"]
