@@ -12,6 +12,8 @@ gather yields a whole group of elements; where a grid index and its sign index f
 together (IQ2_XXS, IQ2_XS) the table holds the signed rows directly, and IQ1's delta sign is the
 table's top index bit. Elsewhere signs are a second gather of 0x00/0xFF byte masks, applied as
 ``(g ^ m) + (m & 1)`` per byte on int64 words (the grid values are positive, so no byte carries).
+The ternary and FP4 types look every byte up in one float32 table per lane (trit, crumb or
+nibble), each a contiguous gather, and scale whole rows of those planes into place.
 
 Bit-exactness with ``gguf.quants``: every value there is a product of exact float32 factors (an
 fp16 scale of 11 significant bits, a sub-scale of at most 5, a grid value of at most 6, a power of
@@ -33,7 +35,13 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
-from ggufswap.runtime._dequant_kernels import Arena, Kernel, _f16, _rep, _to_float
+from ggufswap.runtime._dequant_kernels import (
+    Arena,
+    Kernel,
+    _d,
+    _f16,
+    _rep,
+)
 
 # --- tables -------------------------------------------------------------------------------------
 
@@ -102,13 +110,22 @@ def _shifts(device: torch.device, values: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-@lru_cache(maxsize=8)
-def _float_lanes(device: torch.device, kind: str) -> torch.Tensor:
-    """``[256, lanes]`` float32: the ternary values a TQ byte encodes, in element order."""
-    if kind == "tq1":  # five base-3 digits, as gguf extracts them: ((b * 3**k % 256) * 3) >> 8
-        rows = [[((b * 3**k % 256) * 3 >> 8) - 1 for k in range(5)] + [0] * 3 for b in range(256)]
-    else:  # tq2: four 2-bit crumbs
-        rows = [[((b >> (2 * k)) & 3) - 1 for k in range(4)] for b in range(256)]
+@lru_cache(maxsize=16)
+def _byte_planes(device: torch.device, kind: str) -> torch.Tensor:
+    """``[lanes, 256]`` float32: lane ``k`` of what a byte encodes, one table per lane.
+
+    ``tq1``: the five base-3 digits of a TQ1_0 byte as gguf extracts them,
+    ``((b * 3**k % 256) * 3 >> 8) - 1``; ``fp4``: the doubled E2M1 values of the low and the high
+    nibble (gguf's ``MXFP4.kvalues``, shared by NVFP4).
+    """
+    if kind == "tq1":
+        rows = [[((b * 3**k % 256) * 3 >> 8) - 1 for b in range(256)] for k in range(5)]
+    elif kind == "tq2":
+        rows = [[((b >> (2 * k)) & 3) - 1 for b in range(256)] for k in range(4)]
+    else:
+        kv = [int(v) for v in gq.MXFP4.kvalues]
+        assert kv == [int(v) for v in gq.NVFP4.kvalues]
+        rows = [[kv[b & 0x0F] for b in range(256)], [kv[b >> 4] for b in range(256)]]
     return torch.tensor(rows, dtype=torch.float32, device=device)
 
 
@@ -124,15 +141,6 @@ def _byte_scales(device: torch.device, kind: str) -> torch.Tensor:
         raw = man * 2.0**-9 if exp == 0 else (1.0 + man / 8.0) * 2.0 ** (exp - 7)
         values.append(0.0 if x in (0, 0x7F) else raw * 0.5)
     return torch.tensor(values, dtype=torch.float32, device=device)
-
-
-@lru_cache(maxsize=8)
-def _fp4_pairs(device: torch.device) -> torch.Tensor:
-    """int16 table: byte -> int8 lanes ``(kvalues[low nibble], kvalues[high nibble])``."""
-    kv = [int(v) for v in gq.MXFP4.kvalues]
-    assert kv == [int(v) for v in gq.NVFP4.kvalues]
-    table = torch.tensor([[kv[v & 0x0F], kv[v >> 4]] for v in range(256)], dtype=torch.int8)
-    return table.view(torch.int16).reshape(256).to(device)
 
 
 # --- shared steps -------------------------------------------------------------------------------
@@ -317,81 +325,67 @@ def _iq1_m(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, dl: torch.Tens
     _scaled(out, _gather(_iq1_grid(device), idx, arena, "vals"), dl)
 
 
-# --- ternary ------------------------------------------------------------------------------------
+# --- ternary and FP4 ----------------------------------------------------------------------------
 
 
-def _tq_d(offset: int) -> Any:
-    def prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
-        return (_f16(blocks, offset, arena).unsqueeze(-1),)  # [n, 1, 1]
-
-    return prepare
-
-
-def _byte_lanes(blocks: torch.Tensor, stop: int, kind: str, arena: Arena) -> torch.Tensor:
-    """``[c, stop, lanes]`` float32: the table values of bytes ``0:stop`` of every block."""
-    c = blocks.shape[0]
-    idx = arena.take("idx", c * stop, torch.int32).view(c, stop).copy_(blocks[:, :stop])
-    table = _float_lanes(blocks.device, kind)
-    f = arena.take("f", idx.numel() * table.shape[1], torch.float32).view(-1, table.shape[1])
-    torch.index_select(table, 0, idx.view(-1), out=f)
-    return f.view(c, stop, -1)
+def _planes(blocks: torch.Tensor, kind: str, arena: Arena) -> torch.Tensor:
+    """``[lanes, c, type_size]`` float32: every byte of every block looked up in each lane's
+    table (one contiguous gather per lane, so that the scaling reads whole rows)."""
+    c, size = blocks.shape
+    flat = blocks.reshape(-1)
+    idx = arena.take("idx", flat.numel(), torch.int32).copy_(flat)
+    tables = _byte_planes(blocks.device, kind)
+    f = arena.take("f", tables.shape[0] * flat.numel(), torch.float32).view(tables.shape[0], -1)
+    for k in range(tables.shape[0]):
+        torch.index_select(tables[k], 0, idx, out=f[k])
+    return f.view(-1, c, size)
 
 
 def _tq1_0(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tensor) -> None:
     # block: qs[48] | qh[4] | d f16; trit k of byte j is element 32k + j (qs[:32]),
     # 160 + 16k + j (qs[32:]), 240 + 4k + j (qh); x = d * (trit - 1)
-    c = blocks.shape[0]
-    f = _byte_lanes(blocks, 52, "tq1", arena)
-    for start, stop, lanes in ((0, 32, 5), (32, 48, 5), (48, 52, 4)):
-        first = 160 if start == 32 else 240 if start == 48 else 0
-        width = stop - start
-        dst = out[:, first : first + lanes * width].view(c, lanes, width)
-        torch.mul(f[:, start:stop, :lanes].transpose(1, 2), d, out=dst)
+    f = _planes(blocks, "tq1", arena)
+    for k in range(5):
+        torch.mul(f[k][:, 0:32], d, out=out[:, 32 * k : 32 * k + 32])
+        torch.mul(f[k][:, 32:48], d, out=out[:, 160 + 16 * k : 176 + 16 * k])
+        if k < 4:
+            torch.mul(f[k][:, 48:52], d, out=out[:, 240 + 4 * k : 244 + 4 * k])
 
 
 def _tq2_0(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tensor) -> None:
     # block: qs[64] | d f16; crumb k of byte 32h + j is element 128h + 32k + j; x = d * (q - 1)
-    c = blocks.shape[0]
-    f = _byte_lanes(blocks, 64, "tq2", arena).view(c, 2, 32, 4)
-    torch.mul(f.transpose(2, 3), d.unsqueeze(-1), out=out.view(c, 2, 4, 32))
-
-
-# --- FP4 ----------------------------------------------------------------------------------------
-
-
-def _fp4_values(blocks: torch.Tensor, arena: Arena) -> torch.Tensor:
-    """``[c, type_size, 2]`` float32: the doubled E2M1 values of both nibbles of every byte."""
-    c, size = blocks.shape
-    flat = blocks.reshape(-1)
-    idx = arena.take("idx", flat.numel(), torch.int32).copy_(flat)
-    pairs = arena.take("pairs", flat.numel(), torch.int16)
-    torch.index_select(_fp4_pairs(blocks.device), 0, idx, out=pairs)
-    return _to_float(pairs.view(torch.int8), arena).view(c, size, 2)
-
-
-def _mxfp4_prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
-    idx = blocks[:, 0].to(torch.int64)
-    return (_byte_scales(blocks.device, "e8m0")[idx].view(-1, 1, 1),)
+    f = _planes(blocks, "tq2", arena)
+    for k in range(4):
+        for h in range(2):
+            dst = out[:, 128 * h + 32 * k : 128 * h + 32 * k + 32]
+            torch.mul(f[k][:, 32 * h : 32 * h + 32], d, out=dst)
 
 
 def _mxfp4(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tensor) -> None:
     # block: e8m0 | qs[16]; element 16h + j is nibble h of qs[j]; x = e8m0_half(e) * kvalue
-    c = blocks.shape[0]
-    f = _fp4_values(blocks, arena)[:, 1:]
-    torch.mul(f.transpose(1, 2), d, out=out.view(c, 2, 16))
-
-
-def _nvfp4_prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
-    idx = blocks[:, :4].to(torch.int64)
-    return (_byte_scales(blocks.device, "ue4m3")[idx].view(-1, 4, 1, 1),)
+    f = _planes(blocks, "fp4", arena)
+    for h in range(2):
+        torch.mul(f[h][:, 1:], d, out=out[:, 16 * h : 16 * h + 16])
 
 
 def _nvfp4(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tensor) -> None:
     # block: ue4m3 scale[4] | qs[32]; sub-block s (16 elements): nibble h of qs[8s + j] is
     # element 16s + 8h + j; x = ue4m3_half(scale[s]) * kvalue
-    c = blocks.shape[0]
-    f = _fp4_values(blocks, arena)[:, 4:].reshape(c, 4, 8, 2)
-    torch.mul(f.transpose(2, 3), d, out=out.view(c, 4, 2, 8))
+    f = _planes(blocks, "fp4", arena)
+    for s in range(4):
+        for h in range(2):
+            dst = out[:, 16 * s + 8 * h : 16 * s + 8 * h + 8]
+            torch.mul(f[h][:, 4 + 8 * s : 12 + 8 * s], d[:, s : s + 1], out=dst)
+
+
+def _mxfp4_prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
+    idx = blocks[:, 0].to(torch.int64)
+    return (_byte_scales(blocks.device, "e8m0")[idx].view(-1, 1),)
+
+
+def _nvfp4_prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
+    idx = blocks[:, :4].to(torch.int64)
+    return (_byte_scales(blocks.device, "ue4m3")[idx].view(-1, 4),)
 
 
 IQ_KERNELS: dict[T, Kernel] = {
@@ -402,8 +396,8 @@ IQ_KERNELS: dict[T, Kernel] = {
     T.IQ2_S: Kernel(_iq2_s_prepare, _iq2_s),
     T.IQ3_XXS: Kernel(_iq3_xxs_prepare, _iq3_xxs),
     T.IQ3_S: Kernel(_iq3_s_prepare, _iq3_s),
-    T.TQ1_0: Kernel(_tq_d(52), _tq1_0),
-    T.TQ2_0: Kernel(_tq_d(64), _tq2_0),
+    T.TQ1_0: Kernel(_d(52), _tq1_0),
+    T.TQ2_0: Kernel(_d(64), _tq2_0),
     T.MXFP4: Kernel(_mxfp4_prepare, _mxfp4),
     T.NVFP4: Kernel(_nvfp4_prepare, _nvfp4),
 }
