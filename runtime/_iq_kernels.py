@@ -12,8 +12,10 @@ gather yields a whole group of elements; where a grid index and its sign index f
 together (IQ2_XXS, IQ2_XS) the table holds the signed rows directly, and IQ1's delta sign is the
 table's top index bit. Elsewhere signs are a second gather of 0x00/0xFF byte masks, applied as
 ``(g ^ m) + (m & 1)`` per byte on int64 words (the grid values are positive, so no byte carries).
-The ternary and FP4 types look every byte up in one float32 table per lane (trit, crumb or
-nibble), each a contiguous gather, and scale whole rows of those planes into place.
+TQ2_0's crumbs and the FP4 nibble codes are split out of int64 words straight into element
+order (SWAR), then converted (TQ2_0) or looked up in a float32 table (FP4) into the result and
+scaled in place; TQ1_0's base-3 digits come from one float32 table per digit, each a contiguous
+gather, whose rows are scaled into place.
 
 Bit-exactness with ``gguf.quants``: every value there is a product of exact float32 factors (an
 fp16 scale of 11 significant bits, a sub-scale of at most 5, a grid value of at most 6, a power of
@@ -105,27 +107,26 @@ def _iq1_grid(device: torch.device) -> torch.Tensor:
     return _packed(torch.cat([grid * 8 + delta, grid * 8 - delta])).to(device)
 
 
-@lru_cache(maxsize=16)
-def _shifts(device: torch.device, values: tuple[int, ...]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
+@lru_cache(maxsize=32)
+def _shifts(
+    device: torch.device, values: tuple[int, ...], dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
-@lru_cache(maxsize=16)
-def _byte_planes(device: torch.device, kind: str) -> torch.Tensor:
-    """``[lanes, 256]`` float32: lane ``k`` of what a byte encodes, one table per lane.
+@lru_cache(maxsize=8)
+def _fp4_values(device: torch.device) -> torch.Tensor:
+    """``[16]`` float32: gguf's doubled E2M1 values (``MXFP4.kvalues``, shared by NVFP4)."""
+    kv = [int(v) for v in gq.MXFP4.kvalues]
+    assert kv == [int(v) for v in gq.NVFP4.kvalues]
+    return torch.tensor(kv, dtype=torch.float32, device=device)
 
-    ``tq1``: the five base-3 digits of a TQ1_0 byte as gguf extracts them,
-    ``((b * 3**k % 256) * 3 >> 8) - 1``; ``fp4``: the doubled E2M1 values of the low and the high
-    nibble (gguf's ``MXFP4.kvalues``, shared by NVFP4).
-    """
-    if kind == "tq1":
-        rows = [[((b * 3**k % 256) * 3 >> 8) - 1 for b in range(256)] for k in range(5)]
-    elif kind == "tq2":
-        rows = [[((b >> (2 * k)) & 3) - 1 for b in range(256)] for k in range(4)]
-    else:
-        kv = [int(v) for v in gq.MXFP4.kvalues]
-        assert kv == [int(v) for v in gq.NVFP4.kvalues]
-        rows = [[kv[b & 0x0F] for b in range(256)], [kv[b >> 4] for b in range(256)]]
+
+@lru_cache(maxsize=8)
+def _trit_planes(device: torch.device) -> torch.Tensor:
+    """``[5, 256]`` float32: base-3 digit ``k`` of a TQ1_0 byte minus one, as gguf extracts it,
+    ``((b * 3**k % 256) * 3 >> 8) - 1``, one table per digit."""
+    rows = [[((b * 3**k % 256) * 3 >> 8) - 1 for b in range(256)] for k in range(5)]
     return torch.tensor(rows, dtype=torch.float32, device=device)
 
 
@@ -175,9 +176,10 @@ def _apply_signs(values: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
 
 def _scaled(out: torch.Tensor, lanes: torch.Tensor, scales: torch.Tensor) -> None:
     """``out [c, 256] = int8 lanes * scales``, the scales ``[c, groups, 1]`` over equal groups."""
-    c = out.shape[0]
+    c, groups = out.shape[0], scales.shape[1]
     out.copy_(lanes.view(torch.int8).view(c, -1))
-    out.view(c, scales.shape[1], -1).mul_(scales)
+    # 2-D ([c * groups, group]): torch's loops run these far faster than the 3-D view
+    out.view(c * groups, -1).mul_(scales.reshape(c * groups, 1))
 
 
 def _half_sub(scales: torch.Tensor, d: torch.Tensor, factor: float) -> torch.Tensor:
@@ -328,13 +330,13 @@ def _iq1_m(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, dl: torch.Tens
 # --- ternary and FP4 ----------------------------------------------------------------------------
 
 
-def _planes(blocks: torch.Tensor, kind: str, arena: Arena) -> torch.Tensor:
+def _planes(blocks: torch.Tensor, arena: Arena) -> torch.Tensor:
     """``[lanes, c, type_size]`` float32: every byte of every block looked up in each lane's
     table (one contiguous gather per lane, so that the scaling reads whole rows)."""
     c, size = blocks.shape
     flat = blocks.reshape(-1)
     idx = arena.take("idx", flat.numel(), torch.int32).copy_(flat)
-    tables = _byte_planes(blocks.device, kind)
+    tables = _trit_planes(blocks.device)
     f = arena.take("f", tables.shape[0] * flat.numel(), torch.float32).view(tables.shape[0], -1)
     for k in range(tables.shape[0]):
         torch.index_select(tables[k], 0, idx, out=f[k])
@@ -344,7 +346,7 @@ def _planes(blocks: torch.Tensor, kind: str, arena: Arena) -> torch.Tensor:
 def _tq1_0(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tensor) -> None:
     # block: qs[48] | qh[4] | d f16; trit k of byte j is element 32k + j (qs[:32]),
     # 160 + 16k + j (qs[32:]), 240 + 4k + j (qh); x = d * (trit - 1)
-    f = _planes(blocks, "tq1", arena)
+    f = _planes(blocks, arena)
     for k in range(5):
         torch.mul(f[k][:, 0:32], d, out=out[:, 32 * k : 32 * k + 32])
         torch.mul(f[k][:, 32:48], d, out=out[:, 160 + 16 * k : 176 + 16 * k])
@@ -352,30 +354,58 @@ def _tq1_0(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tenso
             torch.mul(f[k][:, 48:52], d, out=out[:, 240 + 4 * k : 244 + 4 * k])
 
 
+def _field_words(blocks: torch.Tensor, start: int, arena: Arena) -> torch.Tensor:
+    """Bytes ``start:`` of every block as int64 words ``[c, (size - start) / 8]`` (a compact
+    copy), for per-byte SWAR ops."""
+    c, size = blocks.shape
+    return _field(blocks, start, size, arena, "qs").view(torch.int64).view(c, -1)
+
+
 def _tq2_0(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tensor) -> None:
     # block: qs[64] | d f16; crumb k of byte 32h + j is element 128h + 32k + j; x = d * (q - 1)
-    f = _planes(blocks, "tq2", arena)
-    for k in range(4):
-        for h in range(2):
-            dst = out[:, 128 * h + 32 * k : 128 * h + 32 * k + 32]
-            torch.mul(f[k][:, 32 * h : 32 * h + 32], d, out=dst)
+    # crumbs in element order as int8 q - 1: ((w >> 2k) & 0x03 + 0x7F) ^ 0x80 per byte (no carry)
+    c = blocks.shape[0]
+    w = _field_words(blocks[:, :64], 0, arena).view(c, 2, 1, 4)
+    q = arena.take("q", c * 32, torch.int64).view(c, 2, 4, 4)
+    torch.bitwise_right_shift(
+        w, _shifts(blocks.device, (0, 2, 4, 6), torch.int64).view(4, 1), out=q
+    )
+    q.bitwise_and_(_rep(0x03)).add_(_rep(0x7F)).bitwise_xor_(_rep(0x80))
+    out.copy_(q.view(torch.int8).view(c, 256))
+    out.mul_(d)
+
+
+def _fp4_codes(blocks: torch.Tensor, start: int, arena: Arena, *, by_nibble: bool) -> torch.Tensor:
+    """``[c * block_size]`` int32 indices into the doubled-E2M1 table, from the qs bytes at
+    ``start`` as 8-byte words: all low nibbles then all high ones (``by_nibble``), or for each
+    word its 8 low nibbles then its 8 high ones."""
+    w = _field_words(blocks, start, arena)  # [c, words]
+    c, words = w.shape
+    shifts = _shifts(blocks.device, (0, 4), torch.int64)
+    codes = arena.take("codes", 2 * w.numel(), torch.int64)
+    if by_nibble:
+        torch.bitwise_right_shift(w.unsqueeze(1), shifts.view(2, 1), out=codes.view(c, 2, words))
+    else:
+        torch.bitwise_right_shift(w.unsqueeze(-1), shifts, out=codes.view(c, words, 2))
+    codes.bitwise_and_(_rep(0x0F))
+    idx = arena.take("idx", 8 * codes.numel(), torch.int32)
+    return idx.copy_(codes.view(torch.uint8))
 
 
 def _mxfp4(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tensor) -> None:
     # block: e8m0 | qs[16]; element 16h + j is nibble h of qs[j]; x = e8m0_half(e) * kvalue
-    f = _planes(blocks, "fp4", arena)
-    for h in range(2):
-        torch.mul(f[h][:, 1:], d, out=out[:, 16 * h : 16 * h + 16])
+    idx = _fp4_codes(blocks, 1, arena, by_nibble=True)
+    torch.index_select(_fp4_values(blocks.device), 0, idx, out=out.view(-1))
+    out.mul_(d)
 
 
 def _nvfp4(blocks: torch.Tensor, out: torch.Tensor, arena: Arena, d: torch.Tensor) -> None:
     # block: ue4m3 scale[4] | qs[32]; sub-block s (16 elements): nibble h of qs[8s + j] is
-    # element 16s + 8h + j; x = ue4m3_half(scale[s]) * kvalue
-    f = _planes(blocks, "fp4", arena)
-    for s in range(4):
-        for h in range(2):
-            dst = out[:, 16 * s + 8 * h : 16 * s + 8 * h + 8]
-            torch.mul(f[h][:, 4 + 8 * s : 12 + 8 * s], d[:, s : s + 1], out=dst)
+    # element 16s + 8h + j, which is word s's low nibbles then its high ones
+    c = blocks.shape[0]
+    idx = _fp4_codes(blocks, 4, arena, by_nibble=False)
+    torch.index_select(_fp4_values(blocks.device), 0, idx, out=out.view(-1))
+    out.view(c * 4, 16).mul_(d.reshape(c * 4, 1))
 
 
 def _mxfp4_prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
@@ -385,7 +415,7 @@ def _mxfp4_prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ..
 
 def _nvfp4_prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
     idx = blocks[:, :4].to(torch.int64)
-    return (_byte_scales(blocks.device, "ue4m3")[idx].view(-1, 4),)
+    return (_byte_scales(blocks.device, "ue4m3")[idx].view(-1, 4, 1),)
 
 
 IQ_KERNELS: dict[T, Kernel] = {
