@@ -63,6 +63,14 @@ _F16_FIELDS = {
     GGMLQuantizationType.Q6_K: (208,),
     GGMLQuantizationType.IQ4_NL: (0,),
     GGMLQuantizationType.IQ4_XS: (0,),
+    GGMLQuantizationType.IQ1_S: (0,),
+    GGMLQuantizationType.IQ2_XXS: (0,),
+    GGMLQuantizationType.IQ2_XS: (0,),
+    GGMLQuantizationType.IQ2_S: (0,),
+    GGMLQuantizationType.IQ3_XXS: (0,),
+    GGMLQuantizationType.IQ3_S: (0,),
+    GGMLQuantizationType.TQ1_0: (52,),
+    GGMLQuantizationType.TQ2_0: (64,),
 }
 
 
@@ -85,6 +93,13 @@ def _random_bytes(ggml_type: GGMLQuantizationType, rows: int, cols: int) -> np.n
     for off in _F16_FIELDS.get(ggml_type, ()):
         scales = rng.uniform(-1.0, 1.0, size=(blocks.shape[0], 1)).astype(np.float16)
         blocks[:, off : off + 2] = scales.view(np.uint8)
+    if ggml_type == GGMLQuantizationType.IQ1_M:  # d: the top nibbles of the scale words at 48
+        d = rng.uniform(-1.0, 1.0, size=blocks.shape[0]).astype(np.float16).view(np.uint16)
+        for i, byte in enumerate((49, 51, 53, 55)):
+            nibble = ((d >> (4 * i)) & 0x0F).astype(np.uint8)
+            blocks[:, byte] = (blocks[:, byte] & 0x0F) | (nibble << 4)
+    elif ggml_type == GGMLQuantizationType.MXFP4:  # E8M0 scales around 1
+        blocks[:, 0] = rng.integers(110, 140, size=blocks.shape[0], dtype=np.uint8)
     if ggml_type == GGMLQuantizationType.F16:
         data = rng.standard_normal(size=(rows, cols)).astype(np.float16).view(np.uint8)
     elif ggml_type == GGMLQuantizationType.F32:

@@ -512,3 +512,9 @@ KERNELS: dict[T, Kernel] = {
     T.IQ4_NL: Kernel(_d(0), _iq4_nl),
     T.IQ4_XS: Kernel(_iq4_xs_prepare, _iq4_xs),
 }
+
+# Issue 13's grid, ternary and FP4 types (IQ1_*, IQ2_*, IQ3_*, TQ*, MXFP4, NVFP4) live in their
+# own module, built on the helpers above; imported last, once those exist.
+from ggufswap.runtime._iq_kernels import IQ_KERNELS  # noqa: E402
+
+KERNELS.update(IQ_KERNELS)

@@ -54,7 +54,21 @@ F16_FIELDS = {
     T.Q6_K: (208,),
     T.IQ4_NL: (0,),
     T.IQ4_XS: (0,),
+    T.IQ1_S: (0,),
+    T.IQ2_XXS: (0,),
+    T.IQ2_XS: (0,),
+    T.IQ2_S: (0,),
+    T.IQ3_XXS: (0,),
+    T.IQ3_S: (0,),
+    T.TQ1_0: (52,),
+    T.TQ2_0: (64,),
 }
+# Issue 13's types (grids, ternary, FP4): no fp16 field at a fixed offset for IQ1_M and none at
+# all for MXFP4/NVFP4, whose scale bytes random_bytes constrains itself.
+IQ_TYPES = [
+    T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
+    T.TQ1_0, T.TQ2_0, T.MXFP4, T.NVFP4,
+]  # fmt: skip
 
 
 def random_bytes(
@@ -71,6 +85,16 @@ def random_bytes(
             scales = rng.uniform(-4.0, 4.0, size=(blocks.shape[0], 1)).astype(np.float16)
             scales[::7] = 0.0  # exact zeros exercise signed-zero products
             blocks[:, off : off + 2] = scales.view(np.uint8)
+        if ggml_type == T.IQ1_M:
+            # the fp16 d is the top nibbles of the four scale words at 48 (bits 0-3 first)
+            d = rng.uniform(-4.0, 4.0, size=blocks.shape[0]).astype(np.float16).view(np.uint16)
+            d[::7] = 0
+            for i, byte in enumerate((49, 51, 53, 55)):
+                nibble = ((d >> (4 * i)) & 0x0F).astype(np.uint8)
+                blocks[:, byte] = (blocks[:, byte] & 0x0F) | (nibble << 4)
+        if ggml_type == T.MXFP4:
+            # E8M0 scales up to 2**124, below where gguf's largest codes overflow to inf
+            blocks[:, 0] = rng.integers(0, 253, size=blocks.shape[0], dtype=np.uint8)
         if ggml_type in (T.F16, T.BF16, T.F32):
             floats = rng.standard_normal(size=(rows, ne[0])).astype(np.float32)
             data = quants.quantize(floats, ggml_type).view(np.uint8).reshape(rows, -1)
@@ -305,20 +329,30 @@ def test_non_uint8_raw_is_refused() -> None:
 
 def test_has_kernel_reports_the_kernel_set() -> None:
     """has_kernel is true for the listed kernel types and false for a type without one."""
-    assert all(has_kernel(t) for t in (T.Q8_0, T.Q4_K, T.Q6_K, T.F16, T.IQ4_XS))
-    assert not has_kernel(T.IQ2_XXS)
+    assert all(has_kernel(t) for t in (T.Q8_0, T.Q4_K, T.Q6_K, T.F16, T.IQ4_XS, *IQ_TYPES))
+    assert not has_kernel(T.Q8_1)
 
 
 def test_strict_mode_refuses_a_type_without_kernel() -> None:
     """strict=True raises UnsupportedTypeError naming the type and the supported ones."""
     ne = (256, 2)
-    data = random_bytes(T.IQ2_XXS, ne, seed=7, finite=False)
-    with pytest.raises(UnsupportedTypeError, match=r"IQ2_XXS.*Q4_K"):
-        run(data, T.IQ2_XXS, ne, strict=True)
+    data = random_bytes(T.Q8_1, ne, seed=7, finite=False)
+    with pytest.raises(UnsupportedTypeError, match=r"Q8_1 .*IQ2_XXS.*Q4_K"):
+        run(data, T.Q8_1, ne, strict=True)
 
 
-def test_fallback_matches_gguf_and_warns_once_per_type() -> None:
+@pytest.mark.parametrize("ggml_type", IQ_TYPES, ids=lambda t: t.name)
+def test_strict_mode_accepts_every_kernel_type(ggml_type: GGMLQuantizationType) -> None:
+    """strict=True dequantizes issue 13's types (they have kernels now), with gguf's bits."""
+    block_size, _ = GGML_QUANT_SIZES[ggml_type]
+    ne = (block_size * 2, 3)
+    data = random_bytes(ggml_type, ne, seed=16)
+    assert_same_bits(run(data, ggml_type, ne, strict=True), reference(data, ggml_type, ne))
+
+
+def test_fallback_matches_gguf_and_warns_once_per_type(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without strict, a kernel-less type is dequantized by gguf on the CPU, warned about once."""
+    monkeypatch.delitem(dq.KERNELS, T.TQ2_0)  # every type gguf decodes has a kernel now
     dq._warned_types.discard(T.TQ2_0)
     ne = (256, 3)
     data = random_bytes(T.TQ2_0, ne, seed=8, finite=False)
@@ -330,13 +364,78 @@ def test_fallback_matches_gguf_and_warns_once_per_type() -> None:
     assert_same_bits(first, reference(data, T.TQ2_0, ne), allow_nan=True)
 
 
-def test_fallback_honours_dtype() -> None:
+def test_fallback_honours_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fallback path returns the requested dtype in the logical shape."""
+    monkeypatch.delitem(dq.KERNELS, T.TQ1_0)
     ne = (256, 2)
     data = random_bytes(T.TQ1_0, ne, seed=9, finite=False)
     out = run(data, T.TQ1_0, ne, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     assert out.shape == (2, 256)
+
+
+def _iq_shape(ggml_type: GGMLQuantizationType, kind: str) -> tuple[int, ...]:
+    block_size, _ = GGML_QUANT_SIZES[ggml_type]
+    if kind == "one-block":
+        return (block_size,)
+    if kind == "partial-chunk":  # many rows, fewer blocks than one CPU chunk holds
+        return (block_size * 2, 301)
+    cols = 4096  # several chunks, the last one partial
+    return (cols, dq._CPU_CHUNK_ELEMENTS * 5 // 2 // cols + 1)
+
+
+@pytest.mark.parametrize("kind", ["one-block", "partial-chunk", "several-chunks"])
+@pytest.mark.parametrize("ggml_type", IQ_TYPES, ids=lambda t: t.name)
+def test_iq_types_match_gguf_on_every_chunking(ggml_type: GGMLQuantizationType, kind: str) -> None:
+    """One block, a partial chunk and several chunks of issue 13's types: gguf's bits."""
+    ne = _iq_shape(ggml_type, kind)
+    data = random_bytes(ggml_type, ne, seed=17)
+    assert_same_bits(run(data, ggml_type, ne), reference(data, ggml_type, ne))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ggml_type", IQ_TYPES, ids=lambda t: t.name)
+def test_iq_types_fill_out_buffers_in_every_dtype(
+    ggml_type: GGMLQuantizationType, dtype: torch.dtype
+) -> None:
+    """out= of issue 13's types is filled in place with the float32 result rounded to dtype."""
+    block_size, _ = GGML_QUANT_SIZES[ggml_type]
+    ne = (block_size * 3, dq._CPU_CHUNK_ELEMENTS // (block_size * 3) + 5)  # past one chunk
+    data = random_bytes(ggml_type, ne, seed=18)
+    out = torch.full(tuple(reversed(ne)), 7.0, dtype=dtype)
+    raw = torch.from_numpy(data.reshape(-1).copy())
+    assert dequantize(raw, ggml_type, ne, dtype=dtype, out=out) is out
+    ref = reference(data, ggml_type, ne).to(dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out.view(bits), ref.view(bits))
+
+
+@pytest.mark.parametrize(
+    "name", ["IQ1_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"], ids=str
+)
+def test_grid_tables_unpack_to_gguf_grids(name: str) -> None:
+    """The kernels' grids, unpacked from gguf's hex tables in Python, equal gguf's numpy grids."""
+    from ggufswap.runtime import _iq_kernels
+
+    cls = getattr(quants, name)
+    cls.init_grid()
+    expected = np.asarray(cls.grid).reshape(cls.grid_shape)
+    assert np.array_equal(np.array(_iq_kernels._grid_rows(cls), dtype=np.float32), expected)
+
+
+def test_mxfp4_top_scale_byte_is_2_pow_127_and_overflows_as_gguf() -> None:
+    """E8M0 0xFF (NaN in the OCP spec) decodes as gguf decodes it, 2**127, so 6 * 2 * 2**127
+    and up overflow to inf; 0x00 and 0x01 decode to gguf's subnormal-range halves."""
+    codes = np.arange(16, dtype=np.uint8)
+    qs = (codes | (codes[::-1] << 4)).astype(np.uint8)
+    data = np.stack([np.concatenate([[e], qs]).astype(np.uint8) for e in (0xFF, 0xFE, 0, 1)])
+    ne = (32, 4)
+    ours = run(data, T.MXFP4, ne)
+    assert_same_bits(ours, reference(data, T.MXFP4, ne))
+    assert ours[0, 1].item() == 2.0**127  # code 1: kvalue 1 (0.5 doubled) times 2**127
+    # kvalues +-2 .. +-12 overflow: 12 of the 16 codes, in both nibbles
+    assert torch.isinf(ours[0]).sum().item() == 24
+    assert not torch.isinf(ours[2:]).any()  # 0x00, 0x01: tiny scales
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
