@@ -13,7 +13,7 @@ from typing import Any
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-PRESETS = ("tiny-dense", "tiny-moe", "demo-moe")
+PRESETS = ("tiny-dense", "tiny-moe", "demo-moe", "tiny-llama3")
 ARCHES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3")  # shards.keys.Arch values
 MOE_ONLY_ARCHES = ("qwen2moe", "qwen3moe")  # default preset tiny-moe (qwen2moe: shared expert)
 LAYOUTS = ("single", "split", "per-tensor")  # ggufswap.shards.writer.Layout values
@@ -116,10 +116,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from ggufswap.shards.presets import demo_moe, tiny_dense, tiny_moe
+    from ggufswap.shards.presets import demo_moe, tiny_dense, tiny_llama3, tiny_moe
     from ggufswap.shards.writer import Layout, write_model
 
     presets = {"tiny-dense": tiny_dense, "tiny-moe": tiny_moe, "demo-moe": demo_moe}
+    presets["tiny-llama3"] = tiny_llama3
     preset = args.preset or ("tiny-moe" if args.arch in MOE_ONLY_ARCHES else "tiny-dense")
     try:
         spec = presets[preset](**_overrides(args))

@@ -26,7 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from ggufswap.shards.keys import Arch
-from ggufswap.shards.presets import demo_moe, tiny_arch, tiny_dense, tiny_moe
+from ggufswap.shards.presets import demo_moe, tiny_arch, tiny_dense, tiny_llama3, tiny_moe
 from ggufswap.shards.writer import (
     DEFAULT_TYPES,
     F32_ROLES,
@@ -104,6 +104,7 @@ VARIANTS: Final[Mapping[str, Callable[..., ModelSpec]]] = {
     "gemma3-tied": lambda **kw: tiny_arch(Arch.GEMMA3, tied_output=True, **kw),
     "demo-moe": demo_moe,  # qwen3moe, n_embd 256, 8 experts
     "demo-moe-llama": _demo_llama,
+    "llama-rope-freqs": tiny_llama3,  # llama 3.1 RoPE scaling: rope_freqs.weight
 }
 
 

@@ -32,6 +32,15 @@ def tiny_moe(**overrides: Any) -> ModelSpec:
     return replace(base, **overrides)
 
 
+def tiny_llama3(**overrides: Any) -> ModelSpec:
+    """``tiny-dense`` with Llama 3.1 RoPE scaling: a ``rope_freqs.weight`` computed by the
+    converter's rule (factor 8, low/high frequency factors 1 and 4) for an original context of 32
+    positions, so that the factors change the rotation within a few tokens (Llama 3.1 itself:
+    8192)."""
+    base = tiny_dense(name="tiny-llama3", rope_llama3_factor=8.0, rope_llama3_original_context=32)
+    return replace(base, **overrides)
+
+
 def tiny_arch(arch: Arch | str, **overrides: Any) -> ModelSpec:
     """A tiny model of ``arch``: dense, or 4 experts (2 used) for the MoE-only archs (qwen2moe
     with a shared expert). gemma3 gets six blocks (five sliding-window layers, then a global one)

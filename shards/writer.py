@@ -89,6 +89,7 @@ class Role(Enum):
     FFN_GATE_INP_SHEXP = MODEL_TENSOR.FFN_GATE_INP_SHEXP
     ATTN_POST_NORM = MODEL_TENSOR.ATTN_POST_NORM  # gemma3
     FFN_POST_NORM = MODEL_TENSOR.FFN_POST_NORM  # gemma3
+    ROPE_FREQS = MODEL_TENSOR.ROPE_FREQS  # llama 3.1+ RoPE frequency factors
 
     def tensor_name(self, block: int | None = None) -> str:
         """The llama.cpp tensor name, e.g. ``blk.3.ffn_up_exps.weight``."""
@@ -107,7 +108,9 @@ NORM_ROLES: Final = frozenset(
     }
 )
 # 1-D or routing tensors stay F32, as llama.cpp's quantizer leaves them.
-F32_ROLES: Final = NORM_ROLES | {Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP}
+F32_ROLES: Final = NORM_ROLES | {Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP, Role.ROPE_FREQS}
+# Tensors ggml reads as plain floats (ggml_rope's freq_factors): F32 only.
+F32_ONLY_ROLES: Final = frozenset({Role.ROPE_FREQS})
 DEFAULT_TYPES: Final[Mapping[Role, GGMLQuantizationType]] = MappingProxyType(
     {role: Q.F32 if role in F32_ROLES else Q.Q8_0 for role in Role}
 )
@@ -158,6 +161,14 @@ class ModelSpec:
     n_ff_shexp: int = 64
     tied_output: bool = False
     rope_freq_base: float = 10000.0
+    # Llama 3.1 RoPE scaling (rope_scaling.rope_type "llama3"): a factor > 0 writes
+    # rope_freqs.weight, the frequency factors llama.cpp's converter computes from the factor,
+    # low/high_freq_factor and original_max_position_embeddings (no metadata key: llama.cpp reads
+    # only the tensor). See llama3_rope_factors.
+    rope_llama3_factor: float = 0.0
+    rope_llama3_low_freq_factor: float = 1.0
+    rope_llama3_high_freq_factor: float = 4.0
+    rope_llama3_original_context: int = 8192
     rms_eps: float = 1e-6
     sliding_window: int = 4  # gemma3's local attention window (tokens)
     context_length: int = 256
@@ -233,6 +244,7 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
     if bad:
         errors.append(f"moe_layers {bad} outside 0..{spec.n_layers - 1}")
     errors += _llama_cpp_errors(spec)
+    errors += _rope_freqs_errors(spec)
     if spec.sliding_window <= 0:
         errors.append(f"sliding_window must be > 0, found {spec.sliding_window}")
     if spec.extra_vocab_strings < 0:
@@ -291,6 +303,56 @@ def _llama_cpp_errors(spec: ModelSpec) -> list[str]:
     return errors
 
 
+def _rope_freqs_errors(spec: ModelSpec) -> list[str]:
+    """A Llama 3.1 RoPE scaling spec llama.cpp would refuse, or that has no factors to write."""
+    if spec.rope_llama3_factor <= 0:
+        return []
+    rules, errors = rules_of(spec.arch), []
+    if not rules.rope_freqs:
+        errors.append(
+            f"{spec.arch_name} has no rope_freqs tensor: llama.cpp refuses the file (wrong "
+            f"number of tensors; {rules.source}); rope_llama3_factor needs arch llama"
+        )
+    if spec.rope_llama3_high_freq_factor <= spec.rope_llama3_low_freq_factor:
+        errors.append(
+            f"rope_llama3_high_freq_factor {spec.rope_llama3_high_freq_factor} must exceed "
+            f"rope_llama3_low_freq_factor {spec.rope_llama3_low_freq_factor}"
+        )
+    if spec.rope_llama3_original_context <= 0:
+        errors.append(
+            f"rope_llama3_original_context must be > 0, found {spec.rope_llama3_original_context}"
+        )
+    for role in sorted(F32_ONLY_ROLES, key=lambda r: r.name):
+        if spec.type_of(role) is not Q.F32:
+            found = spec.type_of(role).name
+            errors.append(f"{role.name} must be F32 (ggml reads it as floats), found {found}")
+    return errors
+
+
+def llama3_rope_factors(spec: ModelSpec) -> np.ndarray:
+    """``rope_freqs.weight`` of ``spec``: ``[head_dim / 2]`` float32 factors, by the rule of
+    llama.cpp's converter (``LlamaModel.generate_extra_tensors``, rope_type "llama3"): 1 for
+    wavelengths below ``original_context / high_freq_factor``, ``factor`` above
+    ``original_context / low_freq_factor``, a smooth interpolation between; in float32 as it
+    computes them."""
+    f32 = np.float32
+    dim = spec.n_embd_head
+    freqs = f32(1.0) / (f32(spec.rope_freq_base) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim)))
+    factor, context = spec.rope_llama3_factor, spec.rope_llama3_original_context
+    low, high = spec.rope_llama3_low_freq_factor, spec.rope_llama3_high_freq_factor
+    out = []
+    for freq in freqs:
+        wavelen = f32(2 * math.pi) / freq
+        if wavelen < context / high:
+            out.append(f32(1.0))
+        elif wavelen > context / low:
+            out.append(f32(factor))
+        else:
+            smooth = (f32(context) / wavelen - f32(low)) / f32(high - low)
+            out.append(f32(1.0) / ((f32(1.0) - smooth) / f32(factor) + smooth))
+    return np.asarray(out, dtype=f32)
+
+
 @dataclass(frozen=True, slots=True)
 class PlannedTensor:
     """One tensor the spec implies: llama.cpp name, role, type, ``ne`` (ggml order)."""
@@ -319,6 +381,8 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
     def add(role: Role, ne: tuple[int, ...], block: int | None = None) -> None:
         out.append(PlannedTensor(role.tensor_name(block), role, spec.type_of(role), ne, block))
 
+    if spec.rope_llama3_factor > 0:  # first, where llama.cpp's converter writes it
+        add(Role.ROPE_FREQS, (hd // 2,))
     add(Role.TOKEN_EMBD, (e, spec.vocab_size))
     for b in range(spec.n_layers):
         add(Role.ATTN_NORM, (e,), b)
@@ -358,6 +422,8 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
 def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
     """The raw bytes of one planned tensor: norms near 1, weights ~ N(0, 1/sqrt(fan_in))."""
     rng = _synth.tensor_rng(spec.seed, t.name)
+    if t.role is Role.ROPE_FREQS:
+        return _synth.encode_floats(llama3_rope_factors(spec)[None, :], t.ggml_type)
     if t.role in NORM_ROLES:
         return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=1.0, std=0.05)
     return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=0.0, std=1.0 / math.sqrt(t.ne[0]))

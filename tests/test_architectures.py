@@ -32,6 +32,7 @@ CASES = {
     "qwen2moe": ("qwen2moe", {}),
     "qwen3moe": ("qwen3moe", {}),
     "gemma3": ("gemma3", {}),
+    "llama-rope-freqs": ("llama", {"rope_llama3_factor": 8.0, "rope_llama3_original_context": 32}),
 }
 
 
