@@ -113,6 +113,11 @@ class TensorNames:
     FFN_UP_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_UP_SHEXP)
     FFN_DOWN_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_SHEXP)
     FFN_GATE_INP_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_GATE_INP_SHEXP)
+    # Old Mixtral files: one tensor per expert (llama.cpp's LLM_TENSOR_FFN_*_EXP,
+    # "blk.%d.ffn_gate.%d"), formatted with the block and the expert index.
+    FFN_GATE_EXPERT: Final = tensor_template(MODEL_TENSOR.FFN_GATE, "{}.weight")
+    FFN_UP_EXPERT: Final = tensor_template(MODEL_TENSOR.FFN_UP, "{}.weight")
+    FFN_DOWN_EXPERT: Final = tensor_template(MODEL_TENSOR.FFN_DOWN, "{}.weight")
 
 
 GGUF_MAGIC: Final = 0x46554747  # b"GGUF" read as a little-endian uint32

@@ -45,7 +45,7 @@ from ggufswap.shards._gguf_encode import (
     write_gguf,
 )
 from ggufswap.shards.archs import Experts, ExpertWidth, SharedExpert, rules_of
-from ggufswap.shards.keys import Arch, tensor_template
+from ggufswap.shards.keys import Arch, TensorNames, tensor_template
 
 log = structlog.get_logger(__name__)
 
@@ -159,6 +159,11 @@ class ModelSpec:
     moe_layers: tuple[int, ...] | None = None  # None = every block when n_expert > 0
     shared_expert: bool = False
     n_ff_shexp: int = 64
+    # Old Mixtral layout (llama MoE only): one blk.N.ffn_{gate,up,down}.M.weight per expert instead
+    # of the stacked _exps tensors, holding exactly the stacked tensors' bytes (expert M's slice).
+    # llama.cpp 0.3.36 no longer loads it (its llama loader requires ffn_{up,down}_exps); the
+    # project does.
+    per_expert_tensors: bool = False
     tied_output: bool = False
     rope_freq_base: float = 10000.0
     # Llama 3.1 RoPE scaling (rope_scaling.rope_type "llama3"): a factor > 0 writes
@@ -245,6 +250,11 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
         errors.append(f"moe_layers {bad} outside 0..{spec.n_layers - 1}")
     errors += _llama_cpp_errors(spec)
     errors += _rope_freqs_errors(spec)
+    if spec.per_expert_tensors and (spec.arch is not Arch.LLAMA or spec.n_expert <= 0):
+        errors.append(
+            f"per_expert_tensors is the old Mixtral layout: it needs arch llama with experts, "
+            f"found {spec.arch_name} with n_expert {spec.n_expert}"
+        )
     if spec.sliding_window <= 0:
         errors.append(f"sliding_window must be > 0, found {spec.sliding_window}")
     if spec.extra_vocab_strings < 0:
@@ -362,6 +372,7 @@ class PlannedTensor:
     ggml_type: GGMLQuantizationType
     ne: tuple[int, ...]
     block: int | None
+    expert: int | None = None  # per-expert tensor (old Mixtral layout): its expert index
 
     @property
     def nbytes(self) -> int:
@@ -397,7 +408,10 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
             add(Role.ATTN_POST_NORM, (e,), b)
             add(Role.FFN_POST_NORM, (e,), b)
         add(Role.FFN_NORM, (e,), b)
-        if b in spec.moe_blocks:
+        if b in spec.moe_blocks and spec.per_expert_tensors:
+            add(Role.FFN_GATE_INP, (e, spec.n_expert), b)
+            out.extend(_per_expert_tensors(spec, b))
+        elif b in spec.moe_blocks:
             f, x = spec.n_ff_expert, spec.n_expert
             add(Role.FFN_GATE_INP, (e, x), b)
             add(Role.FFN_GATE_EXPS, (e, f, x), b)
@@ -419,8 +433,37 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
     return tuple(out)
 
 
+# Old Mixtral layout: per-expert tensor names by the stacked role they slice.
+_PER_EXPERT_NAMES: Final = {
+    Role.FFN_GATE_EXPS: TensorNames.FFN_GATE_EXPERT,
+    Role.FFN_UP_EXPS: TensorNames.FFN_UP_EXPERT,
+    Role.FFN_DOWN_EXPS: TensorNames.FFN_DOWN_EXPERT,
+}
+
+
+def _per_expert_tensors(spec: ModelSpec, block: int) -> list[PlannedTensor]:
+    """Block ``block``'s experts as one tensor each, in the old Mixtral order (by expert, then
+    gate, down, up as llama.cpp's old converter wrote them)."""
+    e, f = spec.n_embd, spec.n_ff_expert
+    shapes = {Role.FFN_GATE_EXPS: (e, f), Role.FFN_DOWN_EXPS: (f, e), Role.FFN_UP_EXPS: (e, f)}
+    return [
+        PlannedTensor(
+            _PER_EXPERT_NAMES[role].format(block, x), role, spec.type_of(role), ne, block, x
+        )
+        for x in range(spec.n_expert)
+        for role, ne in shapes.items()
+    ]
+
+
 def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
-    """The raw bytes of one planned tensor: norms near 1, weights ~ N(0, 1/sqrt(fan_in))."""
+    """The raw bytes of one planned tensor: norms near 1, weights ~ N(0, 1/sqrt(fan_in)). A
+    per-expert tensor holds its expert's slice of the stacked tensor's bytes, so both layouts of
+    a spec hold the same values."""
+    if t.expert is not None:
+        name, ne = t.role.tensor_name(t.block), (*t.ne, spec.n_expert)
+        raw = tensor_bytes(spec, replace(t, name=name, ne=ne, expert=None))
+        size = raw.size // spec.n_expert
+        return raw[t.expert * size : (t.expert + 1) * size]
     rng = _synth.tensor_rng(spec.seed, t.name)
     if t.role is Role.ROPE_FREQS:
         return _synth.encode_floats(llama3_rope_factors(spec)[None, :], t.ggml_type)

@@ -33,6 +33,10 @@ CASES = {
     "qwen3moe": ("qwen3moe", {}),
     "gemma3": ("gemma3", {}),
     "llama-rope-freqs": ("llama", {"rope_llama3_factor": 8.0, "rope_llama3_original_context": 32}),
+    "llama-moe-per-expert": (
+        "llama",
+        {"n_expert": 4, "n_expert_used": 2, "per_expert_tensors": True},
+    ),
 }
 
 
@@ -208,7 +212,8 @@ class _Shapes:
     """A provider that has every tensor (used only to list what a model reads)."""
 
     def has(self, name: str) -> bool:
-        return name != "output.weight" and not name.endswith(".bias")  # tied head, no biases
+        # tied head, no biases, no rope_freqs (gemma3 has none)
+        return name not in ("output.weight", "rope_freqs.weight") and not name.endswith(".bias")
 
     def weight(self, name: str) -> torch.Tensor:
         raise AssertionError(f"{name} read while listing shapes")

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ggufswap.runtime import QuantizedMatrix
 from ggufswap.runtime.models.errors import MissingWeightError
-from ggufswap.runtime.models.hparams import Activation, HParams, RopeType
+from ggufswap.runtime.models.hparams import Activation, Arch, HParams, RopeType
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
 from ggufswap.shards.keys import TensorNames
 
@@ -337,9 +337,23 @@ class MoEFeedForward(nn.Module):
         self.config, self.weights = config, weights
         tn, d, n_exp, ff = TensorNames, config.n_embd, config.n_expert, config.n_ff_exp
         self.router = spec.need(tn.FFN_GATE_INP.format(layer), (n_exp, d))
-        self.gate_exps = spec.need_experts(tn.FFN_GATE_EXPS.format(layer), (n_exp, ff, d))
-        self.up_exps = spec.need_experts(tn.FFN_UP_EXPS.format(layer), (n_exp, ff, d))
-        self.down_exps = spec.need_experts(tn.FFN_DOWN_EXPS.format(layer), (n_exp, d, ff))
+        # Old Mixtral files (llama only) hold one tensor per expert instead of the stacks.
+        self.per_expert: tuple[tuple[str, str, str], ...] | None = None
+        stacked = tn.FFN_UP_EXPS.format(layer)
+        old_form = not weights.has(stacked) and weights.has(tn.FFN_UP_EXPERT.format(layer, 0))
+        if config.arch is Arch.LLAMA and old_form:
+            self.per_expert = tuple(
+                (
+                    spec.need(tn.FFN_GATE_EXPERT.format(layer, e), (ff, d)),
+                    spec.need(tn.FFN_UP_EXPERT.format(layer, e), (ff, d)),
+                    spec.need(tn.FFN_DOWN_EXPERT.format(layer, e), (d, ff)),
+                )
+                for e in range(n_exp)
+            )
+        if self.per_expert is None:
+            self.gate_exps = spec.need_experts(tn.FFN_GATE_EXPS.format(layer), (n_exp, ff, d))
+            self.up_exps = spec.need_experts(stacked, (n_exp, ff, d))
+            self.down_exps = spec.need_experts(tn.FFN_DOWN_EXPS.format(layer), (n_exp, d, ff))
         self.shared: tuple[str, str, str] | None = None
         self.shared_gate: str | None = None
         names = [t.format(layer) for t in SHARED_EXPERT_TENSORS]
@@ -365,7 +379,10 @@ class MoEFeedForward(nn.Module):
         return top_w * c.expert_weights_scale, top_i
 
     def expert(self, x: Tensor, e: int) -> Tensor:
-        """Expert ``e`` applied to rows ``x`` (the stacked tensors index by expert)."""
+        """Expert ``e`` applied to rows ``x`` (the stacked tensors index by expert; an old
+        Mixtral file's per-expert tensors are plain matrices)."""
+        if self.per_expert is not None:
+            return swiglu(x, *(self.weights.matrix(name) for name in self.per_expert[e]))
         w = self.weights.experts
         return swiglu(x, w(self.gate_exps)[e], w(self.up_exps)[e], w(self.down_exps)[e])
 
