@@ -13,8 +13,8 @@ from typing import Any
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-PRESETS = ("tiny-dense", "tiny-moe", "demo-moe", "tiny-llama3")
-ARCHES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3")  # shards.keys.Arch values
+PRESETS = ("tiny-dense", "tiny-moe", "demo-moe", "tiny-llama3", "tiny-gpt-oss")
+ARCHES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "gpt-oss")  # Arch values
 MOE_ONLY_ARCHES = ("qwen2moe", "qwen3moe")  # default preset tiny-moe (qwen2moe: shared expert)
 LAYOUTS = ("single", "split", "per-tensor")  # ggufswap.shards.writer.Layout values
 
@@ -34,7 +34,8 @@ def register(subparsers: Any) -> None:
     make.add_argument(
         "--preset",
         choices=PRESETS,
-        help="base model (default: tiny-moe for qwen2moe/qwen3moe, else tiny-dense)",
+        help="base model (default: tiny-moe for qwen2moe/qwen3moe, tiny-gpt-oss for gpt-oss, "
+        "else tiny-dense)",
     )
     make.add_argument("--arch", choices=ARCHES)
     make.add_argument("--layers", type=int, metavar="N", help="number of blocks")
@@ -116,12 +117,14 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from ggufswap.shards.presets import demo_moe, tiny_dense, tiny_llama3, tiny_moe
+    from ggufswap.shards.presets import demo_moe, tiny_dense, tiny_gpt_oss, tiny_llama3, tiny_moe
     from ggufswap.shards.writer import Layout, write_model
 
     presets = {"tiny-dense": tiny_dense, "tiny-moe": tiny_moe, "demo-moe": demo_moe}
-    presets["tiny-llama3"] = tiny_llama3
+    presets |= {"tiny-llama3": tiny_llama3, "tiny-gpt-oss": tiny_gpt_oss}
     preset = args.preset or ("tiny-moe" if args.arch in MOE_ONLY_ARCHES else "tiny-dense")
+    if args.preset is None and args.arch == "gpt-oss":
+        preset = "tiny-gpt-oss"
     try:
         spec = presets[preset](**_overrides(args))
         paths = write_model(

@@ -18,7 +18,7 @@ from gguf.quants import dequantize, quantize
 Q = GGMLQuantizationType
 
 # Types gguf.quants.quantize encodes from floats (the targets ``requantize`` accepts).
-QUANTIZABLE_TYPES: Final = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+QUANTIZABLE_TYPES: Final = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.MXFP4)
 
 # Types whose blocks are synthesized: byte offsets of the fp16 scale fields within one block.
 _SCALE_FIELDS: Final[dict[GGMLQuantizationType, tuple[int, ...]]] = {

@@ -36,6 +36,8 @@ class ExpertWidth(enum.Enum):
     # qwen2moe / qwen3moe: {arch}.expert_feed_forward_length, else
     # feed_forward_length / expert_used_count ("n_ff_exp() ? n_ff_exp() : n_ff / n_expert_used").
     EXPERT_KEY_OR_SPLIT = "expert_feed_forward_length, else feed_forward_length / expert_used_count"
+    # deepseek2: {arch}.expert_feed_forward_length, required (load_arch_hparams).
+    EXPERT_KEY = "expert_feed_forward_length (required)"
 
 
 class SharedExpert(enum.Enum):
@@ -61,6 +63,9 @@ class ArchRules:
     # The loader creates an optional rope_freqs tensor ({n_rot/2} RoPE frequency factors, llama
     # 3.1+ scaling); elsewhere a file holding one is refused (wrong number of tensors).
     rope_freqs: bool = False
+    # gpt-oss: attention sinks, alternating sliding-window layers, biased attention, router and
+    # experts, clamped SwiGLU (swiglu_oai), softmax over the top-k router logits, YaRN RoPE.
+    gpt_oss: bool = False
     post_norms: bool  # post_attention_norm / post_ffw_norm required (gemma3)
     # attn_q is {n_embd, n_embd_head_k * n_head}; False where the loader sizes it {n_embd, n_embd}
     # (qwen2, qwen2moe), so key_length must be n_embd / n_head.
@@ -84,6 +89,7 @@ def _rules(
     tied_output: bool = True,
     qk_norm: bool = False,
     rope_freqs: bool = False,
+    gpt_oss: bool = False,
     post_norms: bool = False,
     free_head_dim: bool = True,
     rope_dims_equal_head: bool = False,
@@ -96,6 +102,7 @@ def _rules(
         tied_output=tied_output,
         qk_norm=qk_norm,
         rope_freqs=rope_freqs,
+        gpt_oss=gpt_oss,
         post_norms=post_norms,
         free_head_dim=free_head_dim,
         rope_dims_equal_head=rope_dims_equal_head,
@@ -139,6 +146,17 @@ ARCH_RULES: Final[Mapping[Arch, ArchRules]] = MappingProxyType(
             experts=Experts.ALL,
             expert_width=ExpertWidth.EXPERT_KEY_OR_SPLIT,
             qk_norm=True,
+        ),
+        # gpt-oss (llama.cpp's LLM_ARCH_OPENAI_MOE): experts in every block, sized by the
+        # required expert_feed_forward_length; output.weight required.
+        Arch.GPT_OSS: _rules(
+            Arch.GPT_OSS,
+            "llama_model_openai_moe::load_arch_hparams/load_arch_tensors "
+            "(src/models/openai-moe.cpp)",
+            experts=Experts.ALL,
+            expert_width=ExpertWidth.EXPERT_KEY,
+            tied_output=False,
+            gpt_oss=True,
         ),
         Arch.GEMMA3: _rules(
             Arch.GEMMA3,

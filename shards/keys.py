@@ -17,6 +17,7 @@ class Arch(str, enum.Enum):
     QWEN3 = "qwen3"
     QWEN3MOE = "qwen3moe"
     GEMMA3 = "gemma3"
+    GPT_OSS = "gpt-oss"
 
 
 class Keys:
@@ -56,6 +57,9 @@ class Keys:
         ROPE_SCALING_FACTOR: Final = "{}.rope.scaling.factor"
         ROPE_SCALE_LINEAR: Final = "{}.rope.scale_linear"  # the old name of scaling.factor
         ROPE_FREQ_BASE_SWA: Final = "{}.rope.freq_base_swa"
+        # YaRN (gpt-oss): the training context the scaling extends, and a magnitude factor.
+        ROPE_SCALING_ORIG_CTX_LEN: Final = "{}.rope.scaling.original_context_length"
+        ROPE_SCALING_ATTN_FACTOR: Final = "{}.rope.scaling.attn_factor"
         EXPERT_WEIGHTS_NORM: Final = "{}.expert_weights_norm"
         EXPERT_WEIGHTS_SCALE: Final = "{}.expert_weights_scale"
         EXPERT_GATING_FUNC: Final = "{}.expert_gating_func"
@@ -102,6 +106,7 @@ class TensorNames:
     ATTN_POST_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_POST_NORM)  # gemma3
     FFN_NORM: Final = tensor_template(MODEL_TENSOR.FFN_NORM)
     FFN_POST_NORM: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM)  # gemma3
+    ATTN_SINKS: Final = tensor_template(MODEL_TENSOR.ATTN_SINKS)  # gpt-oss: [n_head] logits
     FFN_GATE: Final = tensor_template(MODEL_TENSOR.FFN_GATE)
     FFN_UP: Final = tensor_template(MODEL_TENSOR.FFN_UP)
     FFN_DOWN: Final = tensor_template(MODEL_TENSOR.FFN_DOWN)
@@ -109,6 +114,11 @@ class TensorNames:
     FFN_GATE_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_GATE_EXP)
     FFN_UP_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_UP_EXP)
     FFN_DOWN_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_EXP)
+    # gpt-oss: the router's and the experts' biases ([n_expert], [n_ff_exp or n_embd, n_expert]).
+    FFN_GATE_INP_BIAS: Final = tensor_template(MODEL_TENSOR.FFN_GATE_INP, "bias")
+    FFN_GATE_EXPS_BIAS: Final = tensor_template(MODEL_TENSOR.FFN_GATE_EXP, "bias")
+    FFN_UP_EXPS_BIAS: Final = tensor_template(MODEL_TENSOR.FFN_UP_EXP, "bias")
+    FFN_DOWN_EXPS_BIAS: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_EXP, "bias")
     FFN_GATE_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_GATE_SHEXP)
     FFN_UP_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_UP_SHEXP)
     FFN_DOWN_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_SHEXP)

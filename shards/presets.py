@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from gguf import GGMLQuantizationType as Q
+
 from ggufswap.shards.keys import Arch
-from ggufswap.shards.writer import ModelSpec
+from ggufswap.shards.writer import ModelSpec, Role
 
 
 def tiny_dense(**overrides: Any) -> ModelSpec:
@@ -41,6 +43,30 @@ def tiny_llama3(**overrides: Any) -> ModelSpec:
     return replace(base, **overrides)
 
 
+def tiny_gpt_oss(**overrides: Any) -> ModelSpec:
+    """A 4-block gpt-oss (two sliding-window layers of 4 tokens, two global), 4 experts (2 used)
+    in MXFP4 as OpenAI ships them, YaRN as gpt-oss's files (factor 32 over 4096 positions, RoPE
+    base 150000); n_embd 64, four heads of 16."""
+    base = ModelSpec(
+        arch=Arch.GPT_OSS,
+        name="tiny-gpt-oss",
+        n_layers=4,
+        n_expert=4,
+        n_expert_used=2,
+        n_ff_expert=64,
+        rope_freq_base=150000.0,
+        rope_yarn_factor=32.0,
+        rope_yarn_original_context=4096,
+        sliding_window=4,
+        types={
+            Role.FFN_GATE_EXPS: Q.MXFP4,
+            Role.FFN_UP_EXPS: Q.MXFP4,
+            Role.FFN_DOWN_EXPS: Q.MXFP4,
+        },
+    )
+    return replace(base, **overrides)
+
+
 def tiny_arch(arch: Arch | str, **overrides: Any) -> ModelSpec:
     """A tiny model of ``arch``: dense, or 4 experts (2 used) for the MoE-only archs (qwen2moe
     with a shared expert). gemma3 gets six blocks (five sliding-window layers, then a global one)
@@ -49,6 +75,8 @@ def tiny_arch(arch: Arch | str, **overrides: Any) -> ModelSpec:
     arch = Arch(arch)
     if arch is Arch.QWEN3MOE:
         return tiny_moe(**overrides)
+    if arch is Arch.GPT_OSS:
+        return tiny_gpt_oss(**overrides)
     if arch is Arch.QWEN2MOE:
         return tiny_moe(
             **{"arch": arch, "name": "tiny-qwen2moe", "shared_expert": True, **overrides}

@@ -90,10 +90,21 @@ class Role(Enum):
     ATTN_POST_NORM = MODEL_TENSOR.ATTN_POST_NORM  # gemma3
     FFN_POST_NORM = MODEL_TENSOR.FFN_POST_NORM  # gemma3
     ROPE_FREQS = MODEL_TENSOR.ROPE_FREQS  # llama 3.1+ RoPE frequency factors
+    # gpt-oss: attention sinks, and biases (the value names the tensor and its suffix)
+    ATTN_SINKS = MODEL_TENSOR.ATTN_SINKS
+    ATTN_Q_BIAS = (MODEL_TENSOR.ATTN_Q, "bias")
+    ATTN_K_BIAS = (MODEL_TENSOR.ATTN_K, "bias")
+    ATTN_V_BIAS = (MODEL_TENSOR.ATTN_V, "bias")
+    ATTN_O_BIAS = (MODEL_TENSOR.ATTN_OUT, "bias")
+    FFN_GATE_INP_BIAS = (MODEL_TENSOR.FFN_GATE_INP, "bias")
+    FFN_GATE_EXPS_BIAS = (MODEL_TENSOR.FFN_GATE_EXP, "bias")
+    FFN_UP_EXPS_BIAS = (MODEL_TENSOR.FFN_UP_EXP, "bias")
+    FFN_DOWN_EXPS_BIAS = (MODEL_TENSOR.FFN_DOWN_EXP, "bias")
 
     def tensor_name(self, block: int | None = None) -> str:
         """The llama.cpp tensor name, e.g. ``blk.3.ffn_up_exps.weight``."""
-        return tensor_template(self.value).format(block)
+        tensor, suffix = self.value if isinstance(self.value, tuple) else (self.value, "weight")
+        return tensor_template(tensor, suffix).format(block)
 
 
 NORM_ROLES: Final = frozenset(
@@ -108,9 +119,23 @@ NORM_ROLES: Final = frozenset(
     }
 )
 # 1-D or routing tensors stay F32, as llama.cpp's quantizer leaves them.
-F32_ROLES: Final = NORM_ROLES | {Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP, Role.ROPE_FREQS}
-# Tensors ggml reads as plain floats (ggml_rope's freq_factors): F32 only.
-F32_ONLY_ROLES: Final = frozenset({Role.ROPE_FREQS})
+# Tensors ggml reads as plain floats (ggml_rope's freq_factors, ggml_soft_max's sinks) and the
+# gpt-oss biases (F32 in the converter's files): F32 only.
+F32_ONLY_ROLES: Final = frozenset(
+    {
+        Role.ROPE_FREQS,
+        Role.ATTN_SINKS,
+        Role.ATTN_Q_BIAS,
+        Role.ATTN_K_BIAS,
+        Role.ATTN_V_BIAS,
+        Role.ATTN_O_BIAS,
+        Role.FFN_GATE_INP_BIAS,
+        Role.FFN_GATE_EXPS_BIAS,
+        Role.FFN_UP_EXPS_BIAS,
+        Role.FFN_DOWN_EXPS_BIAS,
+    }
+)
+F32_ROLES: Final = NORM_ROLES | {Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP} | F32_ONLY_ROLES
 DEFAULT_TYPES: Final[Mapping[Role, GGMLQuantizationType]] = MappingProxyType(
     {role: Q.F32 if role in F32_ROLES else Q.Q8_0 for role in Role}
 )
@@ -174,8 +199,12 @@ class ModelSpec:
     rope_llama3_low_freq_factor: float = 1.0
     rope_llama3_high_freq_factor: float = 4.0
     rope_llama3_original_context: int = 8192
+    # YaRN RoPE scaling (gpt-oss): a factor > 0 writes rope.scaling.type "yarn", the factor and
+    # rope.scaling.original_context_length (0: context_length).
+    rope_yarn_factor: float = 0.0
+    rope_yarn_original_context: int = 0
     rms_eps: float = 1e-6
-    sliding_window: int = 4  # gemma3's local attention window (tokens)
+    sliding_window: int = 4  # gemma3's and gpt-oss's local attention window (tokens)
     context_length: int = 256
     seed: int = 0
     types: Mapping[Role, GGMLQuantizationType] = field(default_factory=dict, hash=False)
@@ -250,6 +279,11 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
         errors.append(f"moe_layers {bad} outside 0..{spec.n_layers - 1}")
     errors += _llama_cpp_errors(spec)
     errors += _rope_freqs_errors(spec)
+    if spec.rope_yarn_factor > 0 and not rules_of(spec.arch).gpt_oss:
+        errors.append(
+            f"rope_yarn_factor: the writer writes YaRN scaling for gpt-oss only, not "
+            f"{spec.arch_name}"
+        )
     if spec.per_expert_tensors and (spec.arch is not Arch.LLAMA or spec.n_expert <= 0):
         errors.append(
             f"per_expert_tensors is the old Mixtral layout: it needs arch llama with experts, "
@@ -266,7 +300,12 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
     if errors:
         return errors
     misfits: dict[Role, list[PlannedTensor]] = {}
-    for t in plan_tensors(spec, validate=False):
+    planned = plan_tensors(spec, validate=False)
+    for role in sorted({t.role for t in planned} & F32_ONLY_ROLES, key=lambda r: r.name):
+        if spec.type_of(role) is not Q.F32:
+            found = spec.type_of(role).name
+            errors.append(f"{role.name} must be F32 (ggml reads it as floats), found {found}")
+    for t in planned:
         if t.ne[0] % GGML_QUANT_SIZES[t.ggml_type][0]:
             misfits.setdefault(t.role, []).append(t)
     for role, bad_tensors in misfits.items():
@@ -332,10 +371,6 @@ def _rope_freqs_errors(spec: ModelSpec) -> list[str]:
         errors.append(
             f"rope_llama3_original_context must be > 0, found {spec.rope_llama3_original_context}"
         )
-    for role in sorted(F32_ONLY_ROLES, key=lambda r: r.name):
-        if spec.type_of(role) is not Q.F32:
-            found = spec.type_of(role).name
-            errors.append(f"{role.name} must be F32 (ggml reads it as floats), found {found}")
     return errors
 
 
@@ -396,6 +431,9 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
         add(Role.ROPE_FREQS, (hd // 2,))
     add(Role.TOKEN_EMBD, (e, spec.vocab_size))
     for b in range(spec.n_layers):
+        if rules.gpt_oss:
+            out.extend(_gpt_oss_block(spec, b))
+            continue
         add(Role.ATTN_NORM, (e,), b)
         add(Role.ATTN_Q, (e, spec.n_head * hd), b)
         add(Role.ATTN_K, (e, spec.n_head_kv * hd), b)
@@ -431,6 +469,36 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
     if not spec.tied_output:
         add(Role.OUTPUT, (e, spec.vocab_size))
     return tuple(out)
+
+
+def _gpt_oss_block(spec: ModelSpec, b: int) -> list[PlannedTensor]:
+    """One gpt-oss block as llama_model_openai_moe::load_arch_tensors creates it: biased
+    attention with sinks, post_attention_norm (the FFN's input norm), a biased router and biased
+    experts."""
+    e, hd, f, x = spec.n_embd, spec.n_embd_head, spec.n_ff_expert, spec.n_expert
+    q, kv = spec.n_head * hd, spec.n_head_kv * hd
+    shapes = (
+        (Role.ATTN_NORM, (e,)),
+        (Role.ATTN_Q, (e, q)),
+        (Role.ATTN_Q_BIAS, (q,)),
+        (Role.ATTN_K, (e, kv)),
+        (Role.ATTN_K_BIAS, (kv,)),
+        (Role.ATTN_V, (e, kv)),
+        (Role.ATTN_V_BIAS, (kv,)),
+        (Role.ATTN_O, (q, e)),
+        (Role.ATTN_O_BIAS, (e,)),
+        (Role.ATTN_SINKS, (spec.n_head,)),
+        (Role.ATTN_POST_NORM, (e,)),
+        (Role.FFN_GATE_INP, (e, x)),
+        (Role.FFN_GATE_INP_BIAS, (x,)),
+        (Role.FFN_GATE_EXPS, (e, f, x)),
+        (Role.FFN_GATE_EXPS_BIAS, (f, x)),
+        (Role.FFN_UP_EXPS, (e, f, x)),
+        (Role.FFN_UP_EXPS_BIAS, (f, x)),
+        (Role.FFN_DOWN_EXPS, (f, e, x)),
+        (Role.FFN_DOWN_EXPS_BIAS, (e, x)),
+    )
+    return [PlannedTensor(r.tensor_name(b), r, spec.type_of(r), ne, b) for r, ne in shapes]
 
 
 # Old Mixtral layout: per-expert tensor names by the stacked role they slice.
@@ -502,6 +570,8 @@ def _feed_forward_length(spec: ModelSpec) -> int:
     rules = rules_of(spec.arch)
     if spec.n_expert > 0 and rules.expert_width is ExpertWidth.FEED_FORWARD_LENGTH:
         return spec.n_ff_expert
+    if rules.gpt_oss:  # the converter writes intermediate_size to both keys
+        return spec.n_ff_expert
     return spec.n_ff
 
 
@@ -529,15 +599,22 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
         (Keys.Rope.FREQ_BASE.format(arch=a), _f32(spec.rope_freq_base)),
         (LLM.VOCAB_SIZE.format(arch=a), _u32(spec.vocab_size)),
     ]
-    if spec.arch is Arch.GEMMA3:
-        kv.append((ATT.SLIDING_WINDOW.format(arch=a), _u32(spec.sliding_window)))
     rules = rules_of(spec.arch)
+    if spec.arch is Arch.GEMMA3 or rules.gpt_oss:
+        kv.append((ATT.SLIDING_WINDOW.format(arch=a), _u32(spec.sliding_window)))
+    if spec.rope_yarn_factor > 0:
+        orig = spec.rope_yarn_original_context or spec.context_length
+        kv += [
+            (Keys.Rope.SCALING_TYPE.format(arch=a), TypedValue(S, "yarn")),
+            (Keys.Rope.SCALING_FACTOR.format(arch=a), _f32(spec.rope_yarn_factor)),
+            (Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=a), _u32(orig)),
+        ]
     if spec.n_expert > 0:
         kv += [
             (LLM.EXPERT_COUNT.format(arch=a), _u32(spec.n_expert)),
             (LLM.EXPERT_USED_COUNT.format(arch=a), _u32(spec.n_expert_used)),
         ]
-        if rules.expert_width is ExpertWidth.EXPERT_KEY_OR_SPLIT:
+        if rules.expert_width in (ExpertWidth.EXPERT_KEY_OR_SPLIT, ExpertWidth.EXPERT_KEY):
             kv.append((LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=a), _u32(spec.n_ff_expert)))
         if spec.shared_expert:
             key = LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a)

@@ -33,6 +33,7 @@ CASES = {
     "qwen3moe": ("qwen3moe", {}),
     "gemma3": ("gemma3", {}),
     "llama-rope-freqs": ("llama", {"rope_llama3_factor": 8.0, "rope_llama3_original_context": 32}),
+    "gpt-oss": ("gpt-oss", {}),
     "llama-moe-per-expert": (
         "llama",
         {"n_expert": 4, "n_expert_used": 2, "per_expert_tensors": True},

@@ -27,7 +27,7 @@ from ggufswap.runtime.serving.generate import (
     TextDelta,
     greedy_continuation,
 )
-from ggufswap.shards.presets import tiny_arch, tiny_dense, tiny_llama3, tiny_moe
+from ggufswap.shards.presets import tiny_arch, tiny_dense, tiny_gpt_oss, tiny_llama3, tiny_moe
 from ggufswap.shards.writer import ModelSpec, write_model
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -46,6 +46,7 @@ SPECS = {
     "gemma3": tiny_arch("gemma3"),
     "gemma3-q4": tiny_arch("gemma3").with_types(attn_q="q4_0", ffn_down="q4_0"),
     "llama-rope-freqs": tiny_llama3(),
+    "gpt-oss": tiny_gpt_oss(),  # sinks, window of 4 on even layers, YaRN, MXFP4 experts
 }
 
 

@@ -14,6 +14,7 @@ from ggufswap.runtime.models.errors import (
     ModelError,
 )
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer
+from ggufswap.runtime.models.gpt_oss import GptOssTransformer
 from ggufswap.runtime.models.hparams import Arch, HParams, RopeType
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.runtime.models.llama import DictWeightProvider, Transformer, WeightProvider
@@ -25,6 +26,7 @@ __all__ = [
     "Decoder",
     "DictWeightProvider",
     "Gemma3Transformer",
+    "GptOssTransformer",
     "HParams",
     "HParamsError",
     "KVCache",

@@ -22,6 +22,9 @@ Supported architectures (``general.architecture``):
   layers of llama.cpp's pattern (five of every six by default; local RoPE base
   ``rope.freq_base_swa``, 10000 by default), the others global with ``rope.freq_base`` and linear
   ``rope.scaling.factor``. RoPE NEOX.
+- ``gpt-oss``: attention sinks and biases, sliding-window attention on even layers (llama.cpp's
+  pattern of 2), a biased router with softmax over the top-k logits, biased experts of the
+  required ``expert_feed_forward_length`` with clamped SwiGLU, YaRN RoPE scaling. RoPE NEOX.
 
 ``docs/models.md`` lists every key and tensor each architecture reads.
 """
@@ -57,7 +60,11 @@ class Activation(str, enum.Enum):
 _ROPE_TYPE: Final = {arch: RopeType.NORM if arch is Arch.LLAMA else RopeType.NEOX for arch in Arch}
 # build_moe_ffn's norm_w argument in each graph: whether the top-k routing weights are
 # renormalised to sum to one (llama and qwen3moe pass true, qwen2moe false).
-_NORM_TOPK: Final = {arch: arch is not Arch.QWEN2MOE for arch in Arch}
+_NORM_TOPK: Final = {arch: arch not in (Arch.QWEN2MOE, Arch.GPT_OSS) for arch in Arch}
+# gpt-oss (llama_model_openai_moe::load_arch_hparams): load_swa_pattern(ml, 2), so by default
+# even layers slide and odd ones are global; both use rope.freq_base (rope.freq_base_swa when
+# present) and the same scaling.
+GPT_OSS_SWA_PERIOD: Final = 2
 # gemma3 (llama_model_gemma3::load_arch_hparams): load_swa_pattern(ml, 6), so by default every 6th
 # layer is global and the others slide; local layers use rope.freq_base_swa (default 10000,
 # llama_hparams::rope_freq_base_train_swa) without scaling.
@@ -68,6 +75,7 @@ GEMMA3_ROPE_BASE_LOCAL: Final = 10000.0
 GEMMA3_27B_LAYERS: Final = 62
 ROPE_SCALING_LINEAR: Final = "linear"
 ROPE_SCALING_NONE: Final = "none"
+ROPE_SCALING_YARN: Final = "yarn"
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,11 @@ class HParams:
     rope_freq_scale: float = 1.0  # linear RoPE scaling (1 / scaling.factor); local layers: none
     final_logit_softcap: float = 0.0  # 0 = none; else logits = c * tanh(logits / c)
     attention_scale: float | None = None  # softmax scale of Q.K; None = 1/sqrt(head_dim)
+    # YaRN (rope.scaling.type "yarn", gpt-oss): llama.cpp's ext_factor 1 over the context
+    # rope.scaling.original_context_length, magnitude rope.scaling.attn_factor.
+    rope_yarn: bool = False
+    yarn_orig_ctx: int = 0  # 0 = context_length
+    rope_attn_factor: float = 1.0
 
     # Derived.
     rules: ArchRules = field(init=False)
@@ -242,7 +255,7 @@ class HParams:
             "n_expert_used": n_used,
             "key_length": key_length if key_length != default_head else None,
             "rope_dim": reader.get_optional_int(Keys.LLM.ROPE_DIMENSION_COUNT),
-            "rope_freq_scale": _rope_freq_scale(reader),
+            "rope_freq_scale": _rope_freq_scale(reader, yarn=rules.gpt_oss),
         }
         # Expert widths: each architecture's load_arch_hparams / load_arch_tensors. The
         # expert_weights_* and expert_gating_func keys are read by none of these architectures'
@@ -253,6 +266,8 @@ class HParams:
             kwargs["n_ff_shexp"] = reader.get_int(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)
         if arch is Arch.GEMMA3:
             kwargs.update(_gemma3_kwargs(reader, n_layer=kwargs["n_layer"], n_embd=n_embd))
+        if rules.gpt_oss:
+            kwargs.update(_gpt_oss_kwargs(reader, n_layer=kwargs["n_layer"]))
         if reader.problems:
             lines = "\n  ".join(reader.problems)
             raise HParamsError(f"cannot build a {arch.value} model config:\n  {lines}")
@@ -265,6 +280,8 @@ def expert_width(rules: ArchRules, n_ff: int, n_expert_used: int) -> int:
     ``n_ff / n_expert_used``."""
     if rules.expert_width is ExpertWidth.FEED_FORWARD_LENGTH:
         return n_ff
+    if rules.expert_width is ExpertWidth.EXPERT_KEY:
+        return 0  # only expert_feed_forward_length sizes them (required)
     return n_ff // n_expert_used if n_expert_used > 0 else 0
 
 
@@ -291,10 +308,33 @@ def _gemma3_kwargs(reader: _KeyReader, *, n_layer: int, n_embd: int) -> dict[str
     return out
 
 
+def _gpt_oss_kwargs(reader: _KeyReader, *, n_layer: int) -> dict[str, Any]:
+    """llama_model_openai_moe::load_arch_hparams: the required expert width and sliding window,
+    the window pattern (period 2 by default: even layers slide), the local RoPE base (default:
+    rope.freq_base) and YaRN's context and magnitude (llama_model_base::load_hparams)."""
+    out: dict[str, Any] = {
+        "n_ff_exp": reader.get_int(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+        "sliding_window": reader.get_int(Keys.LLM.SLIDING_WINDOW),
+    }
+    key = Keys.LLM.SLIDING_WINDOW_PATTERN.format(reader.arch)
+    pattern = reader.md.get(key, GPT_OSS_SWA_PERIOD)
+    if isinstance(pattern, (list, tuple)):
+        out["swa_layers"] = tuple(bool(v) for v in pattern)[:n_layer]
+    else:
+        out["swa_period"] = reader.get_int(Keys.LLM.SLIDING_WINDOW_PATTERN, GPT_OSS_SWA_PERIOD)
+    base = reader.get_float(Keys.LLM.ROPE_FREQ_BASE, 10000.0)
+    out["rope_base_local"] = reader.get_float(Keys.LLM.ROPE_FREQ_BASE_SWA, base)
+    kind = reader.md.get(Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch), ROPE_SCALING_LINEAR)
+    out["rope_yarn"] = str(kind) == ROPE_SCALING_YARN
+    out["yarn_orig_ctx"] = reader.get_int(Keys.LLM.ROPE_SCALING_ORIG_CTX_LEN, 0)
+    out["rope_attn_factor"] = reader.get_float(Keys.LLM.ROPE_SCALING_ATTN_FACTOR, 1.0)
+    return out
+
+
 _MISSING: Final = object()
 
 
-def _rope_freq_scale(reader: _KeyReader) -> float:
+def _rope_freq_scale(reader: _KeyReader, *, yarn: bool = False) -> float:
     """llama_model_base::load_hparams: ``rope.scaling.type`` defaults to ``linear``; the factor is
     ``rope.scaling.factor`` (or the old ``rope.scale_linear``), 0 meaning none, and the frequency
     scale its inverse; type ``none`` never scales (llama_context). Other types are refused."""
@@ -304,10 +344,15 @@ def _rope_freq_scale(reader: _KeyReader) -> float:
     factor = reader.get_float(factor_key, 0.0)
     if kind == ROPE_SCALING_NONE or factor in (0.0, 1.0):
         return 1.0
-    if kind != ROPE_SCALING_LINEAR:
+    if kind != ROPE_SCALING_LINEAR and not (yarn and kind == ROPE_SCALING_YARN):
+        also = (
+            f" (and {ROPE_SCALING_YARN!r} for gpt-oss)"
+            if not yarn
+            else f" and {ROPE_SCALING_YARN!r}"
+        )
         reader.problems.append(
             f"{Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch)} = {kind!r}: only "
-            f"{ROPE_SCALING_LINEAR!r} RoPE scaling is implemented"
+            f"{ROPE_SCALING_LINEAR!r} RoPE scaling is implemented{also}"
         )
         return 1.0
     return 1.0 / factor

@@ -2,7 +2,8 @@
 
 - ``llama``, ``qwen2``, ``qwen3``, ``qwen2moe``, ``qwen3moe``: ``llama.Transformer`` (pre-norm
   blocks, SwiGLU, dense or MoE FFNs per block);
-- ``gemma3``: ``gemma3.Gemma3Transformer``.
+- ``gemma3``: ``gemma3.Gemma3Transformer``;
+- ``gpt-oss``: ``gpt_oss.GptOssTransformer``.
 
 Both read every weight through the provider at forward time. A tied output head is read from
 ``token_embd.weight``'s own slot rather than copied, so a swap of the embedding is the head's swap
@@ -18,14 +19,15 @@ from typing import TYPE_CHECKING, Final
 
 from ggufswap.runtime.models.errors import MissingWeightError
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer
+from ggufswap.runtime.models.gpt_oss import GptOssTransformer
 from ggufswap.runtime.models.hparams import Arch, HParams
 from ggufswap.runtime.models.llama import Transformer, WeightProvider
 
 if TYPE_CHECKING:
     from ggufswap.runtime import TensorStore
 
-Decoder = Transformer | Gemma3Transformer  # what build_model returns
-ModelClass = type[Transformer] | type[Gemma3Transformer]
+Decoder = Transformer | Gemma3Transformer | GptOssTransformer  # what build_model returns
+ModelClass = type[Transformer] | type[Gemma3Transformer] | type[GptOssTransformer]
 
 DECODERS: Final[Mapping[Arch, ModelClass]] = {
     Arch.LLAMA: Transformer,
@@ -34,6 +36,7 @@ DECODERS: Final[Mapping[Arch, ModelClass]] = {
     Arch.QWEN2MOE: Transformer,
     Arch.QWEN3MOE: Transformer,
     Arch.GEMMA3: Gemma3Transformer,
+    Arch.GPT_OSS: GptOssTransformer,
 }
 
 
