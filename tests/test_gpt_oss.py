@@ -16,6 +16,7 @@ from ggufswap.runtime.models import HParams, HParamsError, build_model
 from ggufswap.runtime.models.gpt_oss import (
     SWIGLU_ALPHA,
     GptOssTransformer,
+    rotary,
     swiglu_oai,
     yarn_corr_dims,
 )
@@ -153,6 +154,20 @@ def test_yarn_corr_dims_follow_ggml() -> None:
         return 16 * math.log(4096 / (beta * 2 * math.pi)) / (2 * math.log(150000))
 
     assert yarn_corr_dims(16, 4096, 150000.0) == (math.floor(dim(32)), math.ceil(dim(1)))
+
+
+def test_rope_magnitudes_follow_llama_cpps_attn_factor() -> None:
+    """Without YaRN, rope.scaling.attn_factor scales cos/sin (ggml's attn_factor); with YaRN
+    factor 32 they are scaled by 1 + 0.1 ln 32 on top, and the first pair keeps its angle."""
+    cpu = torch.device("cpu")
+    plain = rotary(_config(), 1e4)(0, 6, cpu)
+    scaled = rotary(_config(**{"gpt-oss.rope.scaling.attn_factor": 1.5}), 1e4)(0, 6, cpu)
+    torch.testing.assert_close(scaled.cos, plain.cos * 1.5)
+    yarn = _config(**{"gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 32.0})
+    tables = rotary(yarn, 1e4)(0, 6, cpu)
+    mscale = 1 + 0.1 * math.log(32)
+    torch.testing.assert_close(tables.cos[:, 0], plain.cos[:, 0] * mscale)
+    assert not torch.allclose(tables.cos[:, -1], plain.cos[:, -1] * mscale)
 
 
 def _weights(config: HParams, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -59,16 +59,30 @@ def swiglu_oai(gate: Tensor, up: Tensor) -> Tensor:
 
 
 class YarnRotaryEmbedding(RotaryEmbedding):
-    """RoPE tables with YaRN as ggml_rope computes them (``rope_yarn``, ext_factor 1): pair ``i``
-    mixes the interpolated angle ``freq_scale * theta`` and the original ``theta`` by a ramp over
-    the correction dims of ``orig_ctx``, and cos/sin are scaled by ``mscale``."""
+    """RoPE tables as ggml_rope's ``rope_yarn`` computes them. With YaRN (``ext_factor`` 1) pair
+    ``i`` mixes the interpolated angle ``freq_scale * theta`` and the original ``theta`` by a ramp
+    over the correction dims of ``orig_ctx``; cos/sin are scaled by ``mscale`` (llama_context's
+    ``yarn_attn_factor``, times YaRN's own correction). Without (``ext_factor`` 0) the angle is
+    the interpolated one and ``mscale`` is ``rope.scaling.attn_factor``."""
 
-    def __init__(self, config: HParams, *, base: float, freq_scale: float, orig_ctx: int) -> None:
+    def __init__(
+        self,
+        config: HParams,
+        *,
+        base: float,
+        freq_scale: float,
+        orig_ctx: int,
+        ext_factor: float = 1.0,
+    ) -> None:
         factor = 1.0 / freq_scale
-        # llama_context: yarn_attn_factor = get_mscale(factor) / (1 + 0.1 ln factor) * attn_factor
-        attn = (0.1 * math.log(factor) + 1.0) if factor > 1.0 else 1.0
-        attn = attn / (1.0 + 0.1 * math.log(factor)) * config.rope_attn_factor
-        self.mscale = attn * (1.0 + 0.1 * math.log(factor))  # rope_yarn's own correction
+        attn = config.rope_attn_factor
+        self.ext_factor = ext_factor
+        if ext_factor != 0.0:
+            # llama_context: yarn_attn_factor = get_mscale(factor) / (1 + 0.1 ln factor), then
+            # rope_yarn multiplies by (1 + 0.1 ln factor) again.
+            get_mscale = (0.1 * math.log(factor) + 1.0) if factor > 1.0 else 1.0
+            attn *= get_mscale / (1.0 + 0.1 * math.log(factor)) * (1.0 + 0.1 * math.log(factor))
+        self.mscale = attn
         self.corr_dims = yarn_corr_dims(config.n_rot, orig_ctx, base)
         super().__init__(config, base=base, freq_scale=freq_scale)
 
@@ -80,6 +94,7 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         )  # [P, n_rot/2]
         low, high = self.corr_dims
         ramp = 1.0 - ((i - low) / max(0.001, high - low)).clamp(0.0, 1.0)  # [n_rot/2]
+        ramp = ramp * self.ext_factor
         theta = self.freq_scale * theta_extrap * (1.0 - ramp) + theta_extrap * ramp
         cos, sin = theta.cos() * self.mscale, theta.sin() * self.mscale
         self._tables = {torch.device("cpu"): (cos.float(), sin.float())}
@@ -101,11 +116,15 @@ def yarn_corr_dims(n_dims: int, orig_ctx: int, base: float) -> tuple[float, floa
 
 
 def rotary(config: HParams, base: float) -> RotaryEmbedding:
-    """The RoPE tables of one kind of layer: YaRN when the file says so, else linear."""
-    if config.rope_yarn:
-        orig = config.yarn_orig_ctx or config.context_length
+    """The RoPE tables of one kind of layer: YaRN when the file says so, else linear (with
+    ``rope.scaling.attn_factor`` as ggml's ``attn_factor`` when it is not 1)."""
+    if config.rope_yarn or config.rope_attn_factor != 1.0:
         return YarnRotaryEmbedding(
-            config, base=base, freq_scale=config.rope_freq_scale, orig_ctx=orig
+            config,
+            base=base,
+            freq_scale=config.rope_freq_scale,
+            orig_ctx=config.yarn_orig_ctx or config.context_length,
+            ext_factor=1.0 if config.rope_yarn else 0.0,
         )
     return RotaryEmbedding(config, base=base, freq_scale=config.rope_freq_scale)
 
