@@ -5,11 +5,13 @@ experts, whose swaps equal a fresh load in both storages with each block's exper
 from __future__ import annotations
 
 import math
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 from runtime_helpers import TOKENS, ModelDir, Q, cpu_pools, one_thread, slot_states
+from test_http import WAIT_S, complete, start_server
 
 from ggufswap.runtime import HotSwapRuntime, PlanState, SlotState, Storage
 from ggufswap.runtime.models import HParams, HParamsError, build_model
@@ -269,3 +271,22 @@ def test_the_writer_refuses_what_the_gpt_oss_loader_refuses() -> None:
         tiny_gpt_oss(n_expert=0, n_expert_used=0)
     with pytest.raises(ValueError, match="ATTN_SINKS must be F32"):
         tiny_gpt_oss().with_types(attn_sinks="f16")
+
+
+def test_the_server_answers_across_an_expert_swap(tmp_path: Path) -> None:
+    """The HTTP server runs the gpt-oss file; a committed MXFP4 -> Q8_0 expert swap is named by
+    the next response, and swapping back gives the first completion again."""
+    models = ModelDir.write(tmp_path / "model", tiny_gpt_oss(n_vocab=1024, context_length=512))
+    saved = models.save(DOWN1, tmp_path / "saved")
+    for served in start_server(models.first):
+        before = complete(served.port, max_tokens=8, temperature=0)
+        models.put(DOWN1, models.variant(DOWN1, Q.Q8_0, tmp_path / "variants"))
+        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [DOWN1]))
+        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
+        assert complete(served.port, max_tokens=8, temperature=0)["weight_version"] == 1
+        models.put(DOWN1, saved)
+        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [DOWN1]))
+        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
+        restored = complete(served.port, max_tokens=8, temperature=0)
+        assert restored["weight_version"] == 2
+        assert restored["choices"] == before["choices"]

@@ -220,3 +220,22 @@ def test_the_writer_keeps_the_per_expert_layout_to_llama() -> None:
         tiny_moe(per_expert_tensors=True)
     with pytest.raises(ValueError, match="per_expert_tensors is the old Mixtral layout"):
         ModelSpec(arch="llama", per_expert_tensors=True)
+
+
+def test_the_server_answers_across_a_per_expert_swap(tmp_path: Path) -> None:
+    """An old Mixtral file is served; a committed swap of one expert's tensor is named by the
+    next response, and swapping back gives the first completion again."""
+    models = ModelDir.write(tmp_path / "model", mixtral(per_expert_tensors=True))
+    saved = models.save(PER_EXPERT, tmp_path / "saved")
+    for served in start_server(models.first):
+        before = complete(served.port, max_tokens=8, temperature=0)
+        models.put(PER_EXPERT, models.variant(PER_EXPERT, Q.Q4_0, tmp_path / "variants"))
+        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [PER_EXPERT]))
+        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
+        assert complete(served.port, max_tokens=8, temperature=0)["weight_version"] == 1
+        models.put(PER_EXPERT, saved)
+        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [PER_EXPERT]))
+        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
+        restored = complete(served.port, max_tokens=8, temperature=0)
+        assert restored["weight_version"] == 2
+        assert restored["choices"] == before["choices"]
