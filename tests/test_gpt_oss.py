@@ -65,8 +65,8 @@ def test_the_file_is_gpt_oss_with_mxfp4_experts_and_yarn(tmp_path: Path) -> None
     assert records["blk.1.ffn_down_exps.bias"].ggml_type == Q.F32
     assert records[SINKS0].ne == (4,)
     config = HParams.from_metadata(read_header(first).metadata)
-    assert (config.n_ff_exp, config.sliding_window, config.rope_yarn) == (64, 4, True)
-    assert (config.yarn_orig_ctx, config.rope_freq_scale) == (4096, 1 / 32)
+    assert (config.n_ff_exp, config.sliding_window, config.rope_ext_factor) == (64, 4, 1.0)
+    assert (config.rope_ctx_orig, config.rope_freq_scale) == (4096, 1 / 32)
     assert [config.is_local_layer(i) for i in range(4)] == [True, False, True, False]
     assert not config.norm_topk
 

@@ -59,32 +59,20 @@ def swiglu_oai(gate: Tensor, up: Tensor) -> Tensor:
 
 
 class YarnRotaryEmbedding(RotaryEmbedding):
-    """RoPE tables as ggml_rope's ``rope_yarn`` computes them. With YaRN (``ext_factor`` 1) pair
-    ``i`` mixes the interpolated angle ``freq_scale * theta`` and the original ``theta`` by a ramp
-    over the correction dims of ``orig_ctx``; cos/sin are scaled by ``mscale`` (llama_context's
-    ``yarn_attn_factor``, times YaRN's own correction). Without (``ext_factor`` 0) the angle is
-    the interpolated one and ``mscale`` is ``rope.scaling.attn_factor``."""
+    """RoPE tables as ggml_rope's ``rope_yarn`` computes them. With YaRN (``rope_ext_factor`` 1)
+    pair ``i`` mixes the interpolated angle ``freq_scale * theta`` and the original ``theta`` by a
+    ramp over the correction dims of the original context, and cos/sin are scaled by
+    ``rope_attn_factor * (1 + 0.1 ln(1/freq_scale))``; without, the angle is the interpolated one
+    and the scale ``rope_attn_factor``. ``base``: the layer's RoPE base (it sets the dims too)."""
 
-    def __init__(
-        self,
-        config: HParams,
-        *,
-        base: float,
-        freq_scale: float,
-        orig_ctx: int,
-        ext_factor: float = 1.0,
-    ) -> None:
-        factor = 1.0 / freq_scale
-        attn = config.rope_attn_factor
-        self.ext_factor = ext_factor
-        if ext_factor != 0.0:
-            # llama_context: yarn_attn_factor = get_mscale(factor) / (1 + 0.1 ln factor), then
-            # rope_yarn multiplies by (1 + 0.1 ln factor) again.
-            get_mscale = (0.1 * math.log(factor) + 1.0) if factor > 1.0 else 1.0
-            attn *= get_mscale / (1.0 + 0.1 * math.log(factor)) * (1.0 + 0.1 * math.log(factor))
-        self.mscale = attn
+    def __init__(self, config: HParams, *, base: float) -> None:
+        self.ext_factor = config.rope_ext_factor
+        self.mscale = config.rope_attn_factor
+        if self.ext_factor != 0.0:
+            self.mscale *= 1.0 + 0.1 * math.log(1.0 / config.rope_freq_scale)
+        orig_ctx = config.rope_ctx_orig or config.context_length
         self.corr_dims = yarn_corr_dims(config.n_rot, orig_ctx, base)
-        super().__init__(config, base=base, freq_scale=freq_scale)
+        super().__init__(config, base=base, freq_scale=config.rope_freq_scale)
 
     def _extend(self, n_pos: int) -> None:
         half = self.n_rot // 2
@@ -118,14 +106,8 @@ def yarn_corr_dims(n_dims: int, orig_ctx: int, base: float) -> tuple[float, floa
 def rotary(config: HParams, base: float) -> RotaryEmbedding:
     """The RoPE tables of one kind of layer: YaRN when the file says so, else linear (with
     ``rope.scaling.attn_factor`` as ggml's ``attn_factor`` when it is not 1)."""
-    if config.rope_yarn or config.rope_attn_factor != 1.0:
-        return YarnRotaryEmbedding(
-            config,
-            base=base,
-            freq_scale=config.rope_freq_scale,
-            orig_ctx=config.yarn_orig_ctx or config.context_length,
-            ext_factor=1.0 if config.rope_yarn else 0.0,
-        )
+    if config.rope_ext_factor != 0.0 or config.rope_attn_factor != 1.0:
+        return YarnRotaryEmbedding(config, base=base)
     return RotaryEmbedding(config, base=base, freq_scale=config.rope_freq_scale)
 
 

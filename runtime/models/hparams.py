@@ -111,11 +111,11 @@ class HParams:
     rope_freq_scale: float = 1.0  # linear RoPE scaling (1 / scaling.factor); local layers: none
     final_logit_softcap: float = 0.0  # 0 = none; else logits = c * tanh(logits / c)
     attention_scale: float | None = None  # softmax scale of Q.K; None = 1/sqrt(head_dim)
-    # YaRN (rope.scaling.type "yarn", gpt-oss): llama.cpp's ext_factor 1 over the context
-    # rope.scaling.original_context_length, magnitude rope.scaling.attn_factor.
-    rope_yarn: bool = False
-    yarn_orig_ctx: int = 0  # 0 = context_length
+    # YaRN (gpt-oss): llama_context's cparams, ext_factor 1 for yarn scaling, attn_factor after
+    # its adjustments (rope.scaling.attn_factor included), and the original context.
+    rope_ext_factor: float = 0.0
     rope_attn_factor: float = 1.0
+    rope_ctx_orig: int = 0  # YaRN's original context (0 = context_length)
 
     # Derived.
     rules: ArchRules = field(init=False)
@@ -267,7 +267,11 @@ class HParams:
         if arch is Arch.GEMMA3:
             kwargs.update(_gemma3_kwargs(reader, n_layer=kwargs["n_layer"], n_embd=n_embd))
         if rules.gpt_oss:
-            kwargs.update(_gpt_oss_kwargs(reader, n_layer=kwargs["n_layer"]))
+            kwargs.update(
+                _gpt_oss_kwargs(
+                    reader, n_layer=kwargs["n_layer"], freq_scale=kwargs["rope_freq_scale"]
+                )
+            )
         if reader.problems:
             lines = "\n  ".join(reader.problems)
             raise HParamsError(f"cannot build a {arch.value} model config:\n  {lines}")
@@ -308,7 +312,7 @@ def _gemma3_kwargs(reader: _KeyReader, *, n_layer: int, n_embd: int) -> dict[str
     return out
 
 
-def _gpt_oss_kwargs(reader: _KeyReader, *, n_layer: int) -> dict[str, Any]:
+def _gpt_oss_kwargs(reader: _KeyReader, *, n_layer: int, freq_scale: float) -> dict[str, Any]:
     """llama_model_openai_moe::load_arch_hparams: the required expert width and sliding window,
     the window pattern (period 2 by default: even layers slide), the local RoPE base (default:
     rope.freq_base) and YaRN's context and magnitude (llama_model_base::load_hparams)."""
@@ -325,10 +329,23 @@ def _gpt_oss_kwargs(reader: _KeyReader, *, n_layer: int) -> dict[str, Any]:
     base = reader.get_float(Keys.LLM.ROPE_FREQ_BASE, 10000.0)
     out["rope_base_local"] = reader.get_float(Keys.LLM.ROPE_FREQ_BASE_SWA, base)
     kind = reader.md.get(Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch), ROPE_SCALING_LINEAR)
-    out["rope_yarn"] = str(kind) == ROPE_SCALING_YARN
-    out["yarn_orig_ctx"] = reader.get_int(Keys.LLM.ROPE_SCALING_ORIG_CTX_LEN, 0)
-    out["rope_attn_factor"] = reader.get_float(Keys.LLM.ROPE_SCALING_ATTN_FACTOR, 1.0)
-    return out
+    return out | _yarn_cparams(reader, yarn=str(kind) == ROPE_SCALING_YARN, freq_scale=freq_scale)
+
+
+def _yarn_cparams(reader: _KeyReader, *, yarn: bool, freq_scale: float) -> dict[str, Any]:
+    """llama_context's YaRN parameters: ext_factor 1 for yarn scaling; attn_factor
+    ``get_mscale(factor) / (1 + 0.1 ln factor)`` under YaRN (ggml's rope_yarn multiplies the
+    second factor back), times ``rope.scaling.attn_factor``; the original context."""
+    factor = 1.0 / freq_scale
+    attn_factor = 1.0
+    if yarn:
+        get_mscale = 0.1 * math.log(factor) + 1.0 if factor > 1.0 else 1.0
+        attn_factor = get_mscale / (1.0 + 0.1 * math.log(factor))
+    return {
+        "rope_ext_factor": 1.0 if yarn else 0.0,
+        "rope_attn_factor": attn_factor * reader.get_float(Keys.LLM.ROPE_SCALING_ATTN_FACTOR, 1.0),
+        "rope_ctx_orig": reader.get_int(Keys.LLM.ROPE_SCALING_ORIG_CTX_LEN, 0),
+    }
 
 
 _MISSING: Final = object()
