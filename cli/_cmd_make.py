@@ -13,7 +13,15 @@ from typing import Any
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-PRESETS = ("tiny-dense", "tiny-moe", "demo-moe", "tiny-deepseek2", "tiny-glm4moe")
+PRESETS = (
+    "tiny-dense",
+    "tiny-moe",
+    "demo-moe",
+    "tiny-deepseek2",
+    "tiny-glm4moe",
+    "tiny-llama3",
+    "tiny-gpt-oss",
+)
 ARCHES = (
     "llama",
     "qwen2",
@@ -23,7 +31,10 @@ ARCHES = (
     "gemma3",
     "deepseek2",
     "glm4moe",
+    "gpt-oss",
 )  # shards.keys.Arch values
+# Architectures whose tiny model is a preset of its own (the default --preset for --arch).
+ARCH_PRESETS = {"deepseek2": "tiny-deepseek2", "glm4moe": "tiny-glm4moe", "gpt-oss": "tiny-gpt-oss"}
 MOE_ONLY_ARCHES = ("qwen2moe", "qwen3moe")  # default preset tiny-moe (qwen2moe: shared expert)
 LAYOUTS = ("single", "split", "per-tensor")  # ggufswap.shards.writer.Layout values
 
@@ -45,7 +56,7 @@ def register(subparsers: Any) -> None:
         choices=PRESETS,
         help=(
             "base model (default: tiny-moe for qwen2moe/qwen3moe, tiny-deepseek2 / tiny-glm4moe "
-            "for deepseek2 / glm4moe, else tiny-dense)"
+            "/ tiny-gpt-oss for deepseek2 / glm4moe / gpt-oss, else tiny-dense)"
         ),
     )
     make.add_argument("--arch", choices=ARCHES)
@@ -137,6 +148,8 @@ def run_make_model(args: argparse.Namespace) -> int:
         tiny_deepseek2,
         tiny_dense,
         tiny_glm4moe,
+        tiny_gpt_oss,
+        tiny_llama3,
         tiny_moe,
     )
     from ggufswap.shards.writer import Layout, write_model
@@ -147,10 +160,12 @@ def run_make_model(args: argparse.Namespace) -> int:
         "demo-moe": demo_moe,
         "tiny-deepseek2": tiny_deepseek2,
         "tiny-glm4moe": tiny_glm4moe,
+        "tiny-llama3": tiny_llama3,
+        "tiny-gpt-oss": tiny_gpt_oss,
     }
     preset = args.preset or ("tiny-moe" if args.arch in MOE_ONLY_ARCHES else "tiny-dense")
-    if args.preset is None and args.arch in ("deepseek2", "glm4moe"):
-        preset = f"tiny-{args.arch}"
+    if args.preset is None and args.arch in ARCH_PRESETS:
+        preset = ARCH_PRESETS[args.arch]
     try:
         spec = presets[preset](**_overrides(args))
         paths = write_model(

@@ -32,14 +32,14 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from gguf import GGMLQuantizationType, GGUFReader
 
-from ggufswap.runtime.models import deepseek2, llama
+from ggufswap.runtime.models import deepseek2, gpt_oss, llama
 from ggufswap.runtime.models.deepseek2 import RoutedExperts
 from ggufswap.runtime.models.hparams import Gating
 from ggufswap.runtime.models.llama import MoEFeedForward
 
 Q = GGMLQuantizationType
 K_QUANTS = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-Q8_TYPES = frozenset({Q.Q4_0, Q.Q8_0, Q.Q5_0, Q.Q4_1, Q.Q5_1})
+Q8_TYPES = frozenset({Q.Q4_0, Q.Q8_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.MXFP4})
 Q4_1_BLOCK_BYTES = 20  # d (f16), m (f16), qs[16]
 
 
@@ -154,12 +154,14 @@ def emulating(runtime: Any, path: Path, *, q8_1_sums: bool = True) -> Iterator[N
 
     llama.linear = linear
     deepseek2.head_linear = head_linear
+    gpt_oss.linear = linear
     F.gelu = _gelu_fp16_table
     try:
         yield
     finally:
         llama.linear = original
         deepseek2.head_linear = original_head
+        gpt_oss.linear = original
         F.gelu = original_gelu
 
 

@@ -113,7 +113,7 @@ def check_case(
     (recorded as the case's allowance, with the routing decisions it flips); if not, it fails.
     """
     ggml_type = next(t for t in xcheck.CHECK_TYPES if name.endswith("/" + t.name))
-    limit = xcheck.threshold(ggml_type)
+    limit = xcheck.case_threshold(name)
     routing: Routing = []
     ours = xcheck.project_logits(path, within=_within(routing, emulate=emulate_only))
     full = xcheck.compare(reference, ours)

@@ -34,6 +34,8 @@ from ggufswap.shards.presets import (
     tiny_deepseek2,
     tiny_dense,
     tiny_glm4moe,
+    tiny_gpt_oss,
+    tiny_llama3,
     tiny_moe,
 )
 from ggufswap.shards.writer import (
@@ -159,6 +161,14 @@ VARIANTS: Final[Mapping[str, Callable[..., ModelSpec]]] = {
     "glm4moe-qk-norm-tied": _glm4moe(
         attn_qk_norm=True, attn_bias=False, n_nextn=0, tied_output=True
     ),
+    "llama-rope-freqs": tiny_llama3,  # llama 3.1 RoPE scaling: rope_freqs.weight
+    "gpt-oss": tiny_gpt_oss,  # every matrix in the case's type, experts included
+    "gpt-oss-mxfp4": tiny_gpt_oss,  # experts in MXFP4 as OpenAI ships them (PINNED_TYPES)
+}
+_EXPERT_ROLES: Final = (Role.FFN_GATE_EXPS, Role.FFN_UP_EXPS, Role.FFN_DOWN_EXPS)
+# Variants some of whose roles keep their type whatever the case's type is.
+PINNED_TYPES: Final[Mapping[str, Mapping[Role, GGMLQuantizationType]]] = {
+    "gpt-oss-mxfp4": dict.fromkeys(_EXPERT_ROLES, Q.MXFP4),
 }
 
 
@@ -188,6 +198,7 @@ def case_spec(variant: str, ggml_type: GGMLQuantizationType) -> ModelSpec:
         for role in Role
         if role not in F32_ROLES and (own or role not in OWN_ROLES)
     }
+    types |= {role.name: t for role, t in PINNED_TYPES.get(variant, {}).items()}
     name = f"xc-{variant}-{ggml_type.name.lower()}"
     try:
         return replace(build(), name=name).with_types(**types)
@@ -197,6 +208,18 @@ def case_spec(variant: str, ggml_type: GGMLQuantizationType) -> ModelSpec:
 
 def case_name(variant: str, ggml_type: GGMLQuantizationType) -> str:
     return f"{variant}/{ggml_type.name}"
+
+
+def case_threshold(name: str) -> Threshold:
+    """The threshold of case ``variant/TYPE``: its type's, or the loosest of it and the types its
+    variant pins (``gpt-oss-mxfp4/F32`` holds 4-bit experts: the 4-bit threshold)."""
+    variant, _, type_name = name.rpartition("/")
+    limits = [threshold(GGMLQuantizationType[type_name])]
+    limits += [threshold(t) for t in PINNED_TYPES.get(variant, {}).values()]
+    return Threshold(
+        max(limit.max_mean_kld for limit in limits),
+        exact_top1=all(limit.exact_top1 for limit in limits),
+    )
 
 
 def all_cases() -> dict[str, ModelSpec]:

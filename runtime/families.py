@@ -2,7 +2,8 @@
 
 Family membership is decided from parsed tensor names (llama.cpp's naming is the model's
 metadata): the MoE expert tensors of one block, ``blk.N.ffn_{gate,up,down}_exps`` and a fused
-``ffn_gate_up_exps``, form one family. When one member has to move (a fallback to host memory),
+``ffn_gate_up_exps`` (or, in old Mixtral files, one ``blk.N.ffn_{gate,up,down}.M.weight`` per
+expert), form one family. When one member has to move (a fallback to host memory),
 every member moves in the same commit.
 
 Derived tensors are built at load time from source tensors (a fused or pre-scaled weight). Each
@@ -22,6 +23,10 @@ import torch
 _EXPERT_TENSOR: Final = re.compile(
     r"^blk\.(?P<block>\d+)\.ffn_(?:gate|up|down|gate_up)_exps\.(?:weight|bias|scale)$"
 )
+# Old Mixtral files hold one tensor per expert, blk.N.ffn_{gate,up,down}.M.weight: the same family.
+_PER_EXPERT_TENSOR: Final = re.compile(
+    r"^blk\.(?P<block>\d+)\.ffn_(?:gate|up|down)\.(?P<expert>\d+)\.weight$"
+)
 _BLOCK: Final = re.compile(r"^blk\.(?P<block>\d+)\.")
 
 
@@ -32,9 +37,17 @@ def block_of(name: str) -> int | None:
 
 
 def family_of(name: str) -> str | None:
-    """The placement family of a tensor (``blk.N.ffn_exps``), or None if it stands alone."""
-    match = _EXPERT_TENSOR.match(name)
+    """The placement family of a tensor (``blk.N.ffn_exps``), or None if it stands alone. The
+    per-expert tensors of an old Mixtral file (``blk.N.ffn_gate.M.weight``) belong to their
+    block's family as the stacked ones do."""
+    match = _EXPERT_TENSOR.match(name) or _PER_EXPERT_TENSOR.match(name)
     return f"blk.{match['block']}.ffn_exps" if match else None
+
+
+def expert_of(name: str) -> int | None:
+    """The expert index of a per-expert tensor (``blk.N.ffn_up.M.weight`` -> M), else None."""
+    match = _PER_EXPERT_TENSOR.match(name)
+    return int(match["expert"]) if match else None
 
 
 def group_families(names: Iterable[str]) -> dict[str, tuple[str, ...]]:

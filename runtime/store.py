@@ -26,7 +26,7 @@ from ggufswap.config import DEFAULT_DECODED_CACHE, Storage
 from ggufswap.ipc import SlotState
 from ggufswap.runtime.dequant import dequantize
 from ggufswap.runtime.errors import PoolFull
-from ggufswap.runtime.families import DerivedTensor, block_of, family_of
+from ggufswap.runtime.families import DerivedTensor, block_of, expert_of, family_of
 from ggufswap.runtime.loading import Loader, LoadJob, Segment, trim_heap
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
 from ggufswap.runtime.qmatmul import QuantizedMatrix
@@ -384,6 +384,8 @@ class TensorStore:
         is not a stack of experts or would not be split."""
         if family_of(members[0].name) is None:
             return None
+        if any(expert_of(r.name) is not None for r in members):
+            return None  # one tensor per expert (old Mixtral): not a stack to split by expert
         n_expert = members[0].ne[-1]
         if n_expert < 2 or any(r.ne[-1] != n_expert for r in members):
             return None

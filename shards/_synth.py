@@ -22,7 +22,17 @@ from ggufswap.shards.ggml_types import GGMLType
 Q = GGMLQuantizationType
 
 # Types gguf.quants.quantize encodes from floats.
-GGUF_PY_QUANTIZABLE: Final = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+GGUF_PY_QUANTIZABLE: Final = (
+    Q.F32,
+    Q.F16,
+    Q.BF16,
+    Q.Q4_0,
+    Q.Q4_1,
+    Q.Q5_0,
+    Q.Q5_1,
+    Q.Q8_0,
+    Q.MXFP4,
+)
 # Types ``encode_floats`` encodes from floats (the targets ``requantize`` accepts): gguf-py's, then
 # the K-quant and IQ4 types of ggml's reference quantizers (``kquants``).
 QUANTIZABLE_TYPES: Final = GGUF_PY_QUANTIZABLE + kquants.TYPES

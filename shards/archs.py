@@ -68,6 +68,12 @@ class ArchRules:
     shared_expert: SharedExpert
     tied_output: bool  # output.weight may be absent: the head then reads token_embd.weight
     qk_norm: bool  # attn_q_norm / attn_k_norm required in every block
+    # The loader creates an optional rope_freqs tensor ({n_rot/2} RoPE frequency factors, llama
+    # 3.1+ scaling); elsewhere a file holding one is refused (wrong number of tensors).
+    rope_freqs: bool = False
+    # gpt-oss: attention sinks, alternating sliding-window layers, biased attention, router and
+    # experts, clamped SwiGLU (swiglu_oai), softmax over the top-k router logits, YaRN RoPE.
+    gpt_oss: bool = False
     post_norms: bool  # post_attention_norm / post_ffw_norm required (gemma3)
     # attn_q is {n_embd, n_embd_head_k * n_head}; False where the loader sizes it {n_embd, n_embd}
     # (qwen2, qwen2moe), so key_length must be n_embd / n_head.
@@ -98,6 +104,8 @@ def _rules(
     shared_expert: SharedExpert = SharedExpert.NONE,
     tied_output: bool = True,
     qk_norm: bool = False,
+    rope_freqs: bool = False,
+    gpt_oss: bool = False,
     post_norms: bool = False,
     free_head_dim: bool = True,
     rope_dims_equal_head: bool = False,
@@ -111,6 +119,8 @@ def _rules(
         shared_expert=shared_expert,
         tied_output=tied_output,
         qk_norm=qk_norm,
+        rope_freqs=rope_freqs,
+        gpt_oss=gpt_oss,
         post_norms=post_norms,
         free_head_dim=free_head_dim,
         rope_dims_equal_head=rope_dims_equal_head,
@@ -129,6 +139,7 @@ ARCH_RULES: Final[Mapping[Arch, ArchRules]] = MappingProxyType(
             experts=Experts.ALL_OR_NONE,
             expert_width=ExpertWidth.FEED_FORWARD_LENGTH,
             rope_dims_equal_head=True,
+            rope_freqs=True,
         ),
         Arch.QWEN2: _rules(
             Arch.QWEN2,
@@ -155,6 +166,17 @@ ARCH_RULES: Final[Mapping[Arch, ArchRules]] = MappingProxyType(
             experts=Experts.ALL,
             expert_width=ExpertWidth.EXPERT_KEY_OR_SPLIT,
             qk_norm=True,
+        ),
+        # gpt-oss (llama.cpp's LLM_ARCH_OPENAI_MOE): experts in every block, sized by the
+        # required expert_feed_forward_length; output.weight required.
+        Arch.GPT_OSS: _rules(
+            Arch.GPT_OSS,
+            "llama_model_openai_moe::load_arch_hparams/load_arch_tensors "
+            "(src/models/openai-moe.cpp)",
+            experts=Experts.ALL,
+            expert_width=ExpertWidth.EXPERT_KEY,
+            tied_output=False,
+            gpt_oss=True,
         ),
         Arch.GEMMA3: _rules(
             Arch.GEMMA3,

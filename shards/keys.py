@@ -19,6 +19,7 @@ class Arch(str, enum.Enum):
     GEMMA3 = "gemma3"
     DEEPSEEK2 = "deepseek2"
     GLM4MOE = "glm4moe"
+    GPT_OSS = "gpt-oss"
 
 
 class Keys:
@@ -73,6 +74,7 @@ class Keys:
         KV_LORA_RANK: Final = "{}.attention.kv_lora_rank"
         KEY_LENGTH_MLA: Final = "{}.attention.key_length_mla"
         VALUE_LENGTH_MLA: Final = "{}.attention.value_length_mla"
+        # YaRN (deepseek2, gpt-oss): the training context the scaling extends, a magnitude factor
         ROPE_SCALING_ORIG_CTX_LEN: Final = "{}.rope.scaling.original_context_length"
         ROPE_SCALING_ATTN_FACTOR: Final = "{}.rope.scaling.attn_factor"
         ROPE_SCALING_YARN_LOG_MUL: Final = "{}.rope.scaling.yarn_log_multiplier"
@@ -118,6 +120,7 @@ class TensorNames:
     ATTN_POST_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_POST_NORM)  # gemma3
     FFN_NORM: Final = tensor_template(MODEL_TENSOR.FFN_NORM)
     FFN_POST_NORM: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM)  # gemma3
+    ATTN_SINKS: Final = tensor_template(MODEL_TENSOR.ATTN_SINKS)  # gpt-oss: [n_head] logits
     FFN_GATE: Final = tensor_template(MODEL_TENSOR.FFN_GATE)
     FFN_UP: Final = tensor_template(MODEL_TENSOR.FFN_UP)
     FFN_DOWN: Final = tensor_template(MODEL_TENSOR.FFN_DOWN)
@@ -125,6 +128,11 @@ class TensorNames:
     FFN_GATE_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_GATE_EXP)
     FFN_UP_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_UP_EXP)
     FFN_DOWN_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_EXP)
+    # gpt-oss: the router's and the experts' biases ([n_expert], [n_ff_exp or n_embd, n_expert]).
+    FFN_GATE_INP_BIAS: Final = tensor_template(MODEL_TENSOR.FFN_GATE_INP, "bias")
+    FFN_GATE_EXPS_BIAS: Final = tensor_template(MODEL_TENSOR.FFN_GATE_EXP, "bias")
+    FFN_UP_EXPS_BIAS: Final = tensor_template(MODEL_TENSOR.FFN_UP_EXP, "bias")
+    FFN_DOWN_EXPS_BIAS: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_EXP, "bias")
     FFN_GATE_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_GATE_SHEXP)
     FFN_UP_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_UP_SHEXP)
     FFN_DOWN_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_SHEXP)
@@ -144,6 +152,11 @@ class TensorNames:
     NEXTN_ENORM: Final = tensor_template(MODEL_TENSOR.NEXTN_ENORM)
     NEXTN_HNORM: Final = tensor_template(MODEL_TENSOR.NEXTN_HNORM)
     NEXTN_SHARED_HEAD_NORM: Final = tensor_template(MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM)
+    # Old Mixtral files: one tensor per expert (llama.cpp's LLM_TENSOR_FFN_*_EXP,
+    # "blk.%d.ffn_gate.%d"), formatted with the block and the expert index.
+    FFN_GATE_EXPERT: Final = tensor_template(MODEL_TENSOR.FFN_GATE, "{}.weight")
+    FFN_UP_EXPERT: Final = tensor_template(MODEL_TENSOR.FFN_UP, "{}.weight")
+    FFN_DOWN_EXPERT: Final = tensor_template(MODEL_TENSOR.FFN_DOWN, "{}.weight")
 
 
 GGUF_MAGIC: Final = 0x46554747  # b"GGUF" read as a little-endian uint32

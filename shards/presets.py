@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from gguf import GGMLQuantizationType as Q
+
 from ggufswap.shards.keys import Arch
-from ggufswap.shards.writer import ModelSpec
+from ggufswap.shards.writer import ModelSpec, Role
 
 
 def tiny_dense(**overrides: Any) -> ModelSpec:
@@ -100,6 +102,39 @@ def tiny_glm4moe(**overrides: Any) -> ModelSpec:
     return replace(base, **overrides)
 
 
+def tiny_llama3(**overrides: Any) -> ModelSpec:
+    """``tiny-dense`` with Llama 3.1 RoPE scaling: a ``rope_freqs.weight`` computed by the
+    converter's rule (factor 8, low/high frequency factors 1 and 4) for an original context of 32
+    positions, so that the factors change the rotation within a few tokens (Llama 3.1 itself:
+    8192)."""
+    base = tiny_dense(name="tiny-llama3", rope_llama3_factor=8.0, rope_llama3_original_context=32)
+    return replace(base, **overrides)
+
+
+def tiny_gpt_oss(**overrides: Any) -> ModelSpec:
+    """A 4-block gpt-oss (two sliding-window layers of 4 tokens, two global), 4 experts (2 used)
+    in MXFP4 as OpenAI ships them, YaRN as gpt-oss's files (factor 32 over 4096 positions, RoPE
+    base 150000); n_embd 64, four heads of 16."""
+    base = ModelSpec(
+        arch=Arch.GPT_OSS,
+        name="tiny-gpt-oss",
+        n_layers=4,
+        n_expert=4,
+        n_expert_used=2,
+        n_ff_expert=64,
+        rope_freq_base=150000.0,
+        rope_yarn_factor=32.0,
+        rope_yarn_original_context=4096,
+        sliding_window=4,
+        types={
+            Role.FFN_GATE_EXPS: Q.MXFP4,
+            Role.FFN_UP_EXPS: Q.MXFP4,
+            Role.FFN_DOWN_EXPS: Q.MXFP4,
+        },
+    )
+    return replace(base, **overrides)
+
+
 def deepseek2_wide(**overrides: Any) -> dict[str, Any]:
     """Spec fields that give every row of ``tiny_deepseek2`` 256 values (K-quant blocks)."""
     wide = {
@@ -126,6 +161,8 @@ def tiny_arch(arch: Arch | str, **overrides: Any) -> ModelSpec:
         return tiny_glm4moe(**overrides)
     if arch is Arch.QWEN3MOE:
         return tiny_moe(**overrides)
+    if arch is Arch.GPT_OSS:
+        return tiny_gpt_oss(**overrides)
     if arch is Arch.QWEN2MOE:
         return tiny_moe(
             **{"arch": arch, "name": "tiny-qwen2moe", "shared_expert": True, **overrides}

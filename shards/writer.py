@@ -53,7 +53,7 @@ from ggufswap.shards._gguf_encode import (
 from ggufswap.shards.archs import Experts, ExpertWidth, SharedExpert, rules_of
 from ggufswap.shards.ggml_types import GGMLType
 from ggufswap.shards.ggml_types import ggml_type as ggml_type_of
-from ggufswap.shards.keys import Arch, tensor_template
+from ggufswap.shards.keys import Arch, TensorNames, tensor_template
 
 log = structlog.get_logger(__name__)
 
@@ -115,10 +115,25 @@ class Role(Enum):
     NEXTN_HNORM = MODEL_TENSOR.NEXTN_HNORM
     NEXTN_SHARED_HEAD_NORM = MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM
 
+    ROPE_FREQS = MODEL_TENSOR.ROPE_FREQS  # llama 3.1+ RoPE frequency factors
+    # gpt-oss: attention sinks, and biases (the value names the tensor and its suffix)
+    ATTN_SINKS = MODEL_TENSOR.ATTN_SINKS
+    ATTN_Q_BIAS = (MODEL_TENSOR.ATTN_Q, "bias")
+    ATTN_K_BIAS = (MODEL_TENSOR.ATTN_K, "bias")
+    ATTN_V_BIAS = (MODEL_TENSOR.ATTN_V, "bias")
+    ATTN_O_BIAS = (MODEL_TENSOR.ATTN_OUT, "bias")
+    FFN_GATE_INP_BIAS = (MODEL_TENSOR.FFN_GATE_INP, "bias")
+    FFN_GATE_EXPS_BIAS = (MODEL_TENSOR.FFN_GATE_EXP, "bias")
+    FFN_UP_EXPS_BIAS = (MODEL_TENSOR.FFN_UP_EXP, "bias")
+    FFN_DOWN_EXPS_BIAS = (MODEL_TENSOR.FFN_DOWN_EXP, "bias")
+
     def tensor_name(self, block: int | None = None) -> str:
         """The llama.cpp tensor name, e.g. ``blk.3.ffn_up_exps.weight``."""
-        suffix = "bias" if self is Role.FFN_EXP_PROBS_B else "weight"
-        return tensor_template(self.value, suffix).format(block)
+        if isinstance(self.value, tuple):
+            tensor, suffix = self.value
+        else:
+            tensor, suffix = self.value, "bias" if self is Role.FFN_EXP_PROBS_B else "weight"
+        return tensor_template(tensor, suffix).format(block)
 
 
 NORM_ROLES: Final = frozenset(
@@ -138,7 +153,25 @@ NORM_ROLES: Final = frozenset(
     }
 )
 # 1-D or routing tensors stay F32, as llama.cpp's quantizer leaves them.
-F32_ROLES: Final = NORM_ROLES | {Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP, Role.FFN_EXP_PROBS_B}
+# Tensors ggml reads as plain floats (ggml_rope's freq_factors, ggml_soft_max's sinks) and the
+# gpt-oss biases (F32 in the converter's files): F32 only.
+F32_ONLY_ROLES: Final = frozenset(
+    {
+        Role.ROPE_FREQS,
+        Role.ATTN_SINKS,
+        Role.ATTN_Q_BIAS,
+        Role.ATTN_K_BIAS,
+        Role.ATTN_V_BIAS,
+        Role.ATTN_O_BIAS,
+        Role.FFN_GATE_INP_BIAS,
+        Role.FFN_GATE_EXPS_BIAS,
+        Role.FFN_UP_EXPS_BIAS,
+        Role.FFN_DOWN_EXPS_BIAS,
+    }
+)
+F32_ROLES: Final = (
+    NORM_ROLES | {Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP, Role.FFN_EXP_PROBS_B} | F32_ONLY_ROLES
+)
 DEFAULT_TYPES: Final[Mapping[Role, GGMLQuantizationType]] = MappingProxyType(
     {role: Q.F32 if role in F32_ROLES else Q.Q8_0 for role in Role}
 )
@@ -201,10 +234,27 @@ class ModelSpec:
     moe_layers: tuple[int, ...] | None = None  # None = every block when n_expert > 0
     shared_expert: bool = False
     n_ff_shexp: int = 64
+    # Old Mixtral layout (llama MoE only): one blk.N.ffn_{gate,up,down}.M.weight per expert instead
+    # of the stacked _exps tensors, holding exactly the stacked tensors' bytes (expert M's slice).
+    # llama.cpp 0.3.36 no longer loads it (its llama loader requires ffn_{up,down}_exps); the
+    # project does.
+    per_expert_tensors: bool = False
     tied_output: bool = False
     rope_freq_base: float = 10000.0
+    # Llama 3.1 RoPE scaling (rope_scaling.rope_type "llama3"): a factor > 0 writes
+    # rope_freqs.weight, the frequency factors llama.cpp's converter computes from the factor,
+    # low/high_freq_factor and original_max_position_embeddings (no metadata key: llama.cpp reads
+    # only the tensor). See llama3_rope_factors.
+    rope_llama3_factor: float = 0.0
+    rope_llama3_low_freq_factor: float = 1.0
+    rope_llama3_high_freq_factor: float = 4.0
+    rope_llama3_original_context: int = 8192
+    # YaRN RoPE scaling (gpt-oss): a factor > 0 writes rope.scaling.type "yarn", the factor and
+    # rope.scaling.original_context_length (0: context_length).
+    rope_yarn_factor: float = 0.0
+    rope_yarn_original_context: int = 0
     rms_eps: float = 1e-6
-    sliding_window: int = 4  # gemma3's local attention window (tokens)
+    sliding_window: int = 4  # gemma3's and gpt-oss's local attention window (tokens)
     context_length: int = 256
     seed: int = 0
     types: Mapping[Role, GGMLQuantizationType | GGMLType] = field(default_factory=dict, hash=False)
@@ -315,6 +365,17 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
     if bad:
         errors.append(f"moe_layers {bad} outside 0..{spec.n_blocks - 1}")
     errors += _llama_cpp_errors(spec)
+    errors += _rope_freqs_errors(spec)
+    if spec.rope_yarn_factor > 0 and not rules_of(spec.arch).gpt_oss:
+        errors.append(
+            f"rope_yarn_factor: the writer writes YaRN scaling for gpt-oss only, not "
+            f"{spec.arch_name}"
+        )
+    if spec.per_expert_tensors and (spec.arch is not Arch.LLAMA or spec.n_expert <= 0):
+        errors.append(
+            f"per_expert_tensors is the old Mixtral layout: it needs arch llama with experts, "
+            f"found {spec.arch_name} with n_expert {spec.n_expert}"
+        )
     if spec.sliding_window <= 0:
         errors.append(f"sliding_window must be > 0, found {spec.sliding_window}")
     if spec.extra_vocab_strings < 0:
@@ -326,7 +387,12 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
     if errors:
         return errors
     misfits: dict[Role, list[PlannedTensor]] = {}
-    for t in plan_tensors(spec, validate=False):
+    planned = plan_tensors(spec, validate=False)
+    for role in sorted({t.role for t in planned} & F32_ONLY_ROLES, key=lambda r: r.name):
+        if spec.type_of(role) is not Q.F32:
+            found = spec.type_of(role).name
+            errors.append(f"{role.name} must be F32 (ggml reads it as floats), found {found}")
+    for t in planned:
         if t.ne[0] % ggml_types.LAYOUTS[GGMLType(t.ggml_type)].block_size:
             misfits.setdefault(t.role, []).append(t)
     for role, bad_tensors in misfits.items():
@@ -392,6 +458,52 @@ def _llama_cpp_errors(spec: ModelSpec) -> list[str]:
     return errors
 
 
+def _rope_freqs_errors(spec: ModelSpec) -> list[str]:
+    """A Llama 3.1 RoPE scaling spec llama.cpp would refuse, or that has no factors to write."""
+    if spec.rope_llama3_factor <= 0:
+        return []
+    rules, errors = rules_of(spec.arch), []
+    if not rules.rope_freqs:
+        errors.append(
+            f"{spec.arch_name} has no rope_freqs tensor: llama.cpp refuses the file (wrong "
+            f"number of tensors; {rules.source}); rope_llama3_factor needs arch llama"
+        )
+    if spec.rope_llama3_high_freq_factor <= spec.rope_llama3_low_freq_factor:
+        errors.append(
+            f"rope_llama3_high_freq_factor {spec.rope_llama3_high_freq_factor} must exceed "
+            f"rope_llama3_low_freq_factor {spec.rope_llama3_low_freq_factor}"
+        )
+    if spec.rope_llama3_original_context <= 0:
+        errors.append(
+            f"rope_llama3_original_context must be > 0, found {spec.rope_llama3_original_context}"
+        )
+    return errors
+
+
+def llama3_rope_factors(spec: ModelSpec) -> np.ndarray:
+    """``rope_freqs.weight`` of ``spec``: ``[head_dim / 2]`` float32 factors, by the rule of
+    llama.cpp's converter (``LlamaModel.generate_extra_tensors``, rope_type "llama3"): 1 for
+    wavelengths below ``original_context / high_freq_factor``, ``factor`` above
+    ``original_context / low_freq_factor``, a smooth interpolation between; in float32 as it
+    computes them."""
+    f32 = np.float32
+    dim = spec.n_embd_head
+    freqs = f32(1.0) / (f32(spec.rope_freq_base) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim)))
+    factor, context = spec.rope_llama3_factor, spec.rope_llama3_original_context
+    low, high = spec.rope_llama3_low_freq_factor, spec.rope_llama3_high_freq_factor
+    out = []
+    for freq in freqs:
+        wavelen = f32(2 * math.pi) / freq
+        if wavelen < context / high:
+            out.append(f32(1.0))
+        elif wavelen > context / low:
+            out.append(f32(factor))
+        else:
+            smooth = (f32(context) / wavelen - f32(low)) / f32(high - low)
+            out.append(f32(1.0) / ((f32(1.0) - smooth) / f32(factor) + smooth))
+    return np.asarray(out, dtype=f32)
+
+
 @dataclass(frozen=True, slots=True)
 class PlannedTensor:
     """One tensor the spec implies: llama.cpp name, role, type, ``ne`` (ggml order)."""
@@ -401,6 +513,7 @@ class PlannedTensor:
     ggml_type: GGMLQuantizationType | GGMLType
     ne: tuple[int, ...]
     block: int | None
+    expert: int | None = None  # per-expert tensor (old Mixtral layout): its expert index
 
     @property
     def nbytes(self) -> int:
@@ -423,8 +536,13 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
         name = tensor_template(role.value, "bias").format(block)
         out.append(PlannedTensor(name, role, Q.F32, ne, block))
 
+    if spec.rope_llama3_factor > 0:  # first, where llama.cpp's converter writes it
+        add(Role.ROPE_FREQS, (hd // 2,))
     add(Role.TOKEN_EMBD, (e, spec.vocab_size))
     for b in range(spec.n_blocks):
+        if rules.gpt_oss:
+            out.extend(_gpt_oss_block(spec, b))
+            continue
         add(Role.ATTN_NORM, (e,), b)
         if rules.mla:
             _plan_mla(spec, add, b)
@@ -450,7 +568,10 @@ def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTens
             add(Role.NEXTN_ENORM, (e,), b)
             add(Role.NEXTN_HNORM, (e,), b)
             add(Role.NEXTN_SHARED_HEAD_NORM, (e,), b)
-        if b in spec.moe_blocks:
+        if b in spec.moe_blocks and spec.per_expert_tensors:
+            add(Role.FFN_GATE_INP, (e, spec.n_expert), b)
+            out.extend(_per_expert_tensors(spec, b))
+        elif b in spec.moe_blocks:
             f, x = spec.n_ff_expert, spec.n_expert
             add(Role.FFN_GATE_INP, (e, x), b)
             if spec.expert_probs_bias:
@@ -501,9 +622,70 @@ def _plan_mla(spec: ModelSpec, add: Any, b: int) -> None:
     add(Role.ATTN_O, (h * v, e), b)
 
 
+def _gpt_oss_block(spec: ModelSpec, b: int) -> list[PlannedTensor]:
+    """One gpt-oss block as llama_model_openai_moe::load_arch_tensors creates it: biased
+    attention with sinks, post_attention_norm (the FFN's input norm), a biased router and biased
+    experts."""
+    e, hd, f, x = spec.n_embd, spec.n_embd_head, spec.n_ff_expert, spec.n_expert
+    q, kv = spec.n_head * hd, spec.n_head_kv * hd
+    shapes = (
+        (Role.ATTN_NORM, (e,)),
+        (Role.ATTN_Q, (e, q)),
+        (Role.ATTN_Q_BIAS, (q,)),
+        (Role.ATTN_K, (e, kv)),
+        (Role.ATTN_K_BIAS, (kv,)),
+        (Role.ATTN_V, (e, kv)),
+        (Role.ATTN_V_BIAS, (kv,)),
+        (Role.ATTN_O, (q, e)),
+        (Role.ATTN_O_BIAS, (e,)),
+        (Role.ATTN_SINKS, (spec.n_head,)),
+        (Role.ATTN_POST_NORM, (e,)),
+        (Role.FFN_GATE_INP, (e, x)),
+        (Role.FFN_GATE_INP_BIAS, (x,)),
+        (Role.FFN_GATE_EXPS, (e, f, x)),
+        (Role.FFN_GATE_EXPS_BIAS, (f, x)),
+        (Role.FFN_UP_EXPS, (e, f, x)),
+        (Role.FFN_UP_EXPS_BIAS, (f, x)),
+        (Role.FFN_DOWN_EXPS, (f, e, x)),
+        (Role.FFN_DOWN_EXPS_BIAS, (e, x)),
+    )
+    return [PlannedTensor(r.tensor_name(b), r, spec.type_of(r), ne, b) for r, ne in shapes]
+
+
+# Old Mixtral layout: per-expert tensor names by the stacked role they slice.
+_PER_EXPERT_NAMES: Final = {
+    Role.FFN_GATE_EXPS: TensorNames.FFN_GATE_EXPERT,
+    Role.FFN_UP_EXPS: TensorNames.FFN_UP_EXPERT,
+    Role.FFN_DOWN_EXPS: TensorNames.FFN_DOWN_EXPERT,
+}
+
+
+def _per_expert_tensors(spec: ModelSpec, block: int) -> list[PlannedTensor]:
+    """Block ``block``'s experts as one tensor each, in the old Mixtral order (by expert, then
+    gate, down, up as llama.cpp's old converter wrote them)."""
+    e, f = spec.n_embd, spec.n_ff_expert
+    shapes = {Role.FFN_GATE_EXPS: (e, f), Role.FFN_DOWN_EXPS: (f, e), Role.FFN_UP_EXPS: (e, f)}
+    return [
+        PlannedTensor(
+            _PER_EXPERT_NAMES[role].format(block, x), role, spec.type_of(role), ne, block, x
+        )
+        for x in range(spec.n_expert)
+        for role, ne in shapes.items()
+    ]
+
+
 def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
-    """The raw bytes of one planned tensor: norms near 1, weights ~ N(0, 1/sqrt(fan_in))."""
+    """The raw bytes of one planned tensor: norms near 1, weights ~ N(0, 1/sqrt(fan_in)). A
+    per-expert tensor holds its expert's slice of the stacked tensor's bytes, so both layouts of
+    a spec hold the same values."""
+    if t.expert is not None:
+        name, ne = t.role.tensor_name(t.block), (*t.ne, spec.n_expert)
+        raw = tensor_bytes(spec, replace(t, name=name, ne=ne, expert=None))
+        size = raw.size // spec.n_expert
+        return raw[t.expert * size : (t.expert + 1) * size]
     rng = _synth.tensor_rng(spec.seed, t.name)
+    if t.role is Role.ROPE_FREQS:
+        return _synth.encode_floats(llama3_rope_factors(spec)[None, :], Q(t.ggml_type))
     if t.role in NORM_ROLES:
         return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=1.0, std=0.05)
     return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=0.0, std=1.0 / math.sqrt(t.ne[0]))
@@ -539,6 +721,8 @@ def _feed_forward_length(spec: ModelSpec) -> int:
     rules = rules_of(spec.arch)
     if spec.n_expert > 0 and rules.expert_width is ExpertWidth.FEED_FORWARD_LENGTH:
         return spec.n_ff_expert
+    if rules.gpt_oss:  # the converter writes intermediate_size to both keys
+        return spec.n_ff_expert
     return spec.n_ff
 
 
@@ -565,9 +749,16 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
         (Keys.Rope.FREQ_BASE.format(arch=a), _f32(spec.rope_freq_base)),
         (LLM.VOCAB_SIZE.format(arch=a), _u32(spec.vocab_size)),
     ]
-    if spec.arch is Arch.GEMMA3:
-        kv.append((ATT.SLIDING_WINDOW.format(arch=a), _u32(spec.sliding_window)))
     rules = rules_of(spec.arch)
+    if spec.arch is Arch.GEMMA3 or rules.gpt_oss:
+        kv.append((ATT.SLIDING_WINDOW.format(arch=a), _u32(spec.sliding_window)))
+    if spec.rope_yarn_factor > 0:
+        orig = spec.rope_yarn_original_context or spec.context_length
+        kv += [
+            (Keys.Rope.SCALING_TYPE.format(arch=a), TypedValue(S, "yarn")),
+            (Keys.Rope.SCALING_FACTOR.format(arch=a), _f32(spec.rope_yarn_factor)),
+            (Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=a), _u32(orig)),
+        ]
     if spec.n_expert > 0:
         kv += [
             (LLM.EXPERT_COUNT.format(arch=a), _u32(spec.n_expert)),

@@ -37,6 +37,12 @@ CASES = {
     "deepseek2-no-q-lora": ("deepseek2", {"q_lora_rank": 0}),
     "glm4moe": ("glm4moe", {}),  # with a NextN block, loaded and never run
     "glm4moe-qk-norm": ("glm4moe", {"attn_qk_norm": True, "attn_bias": False}),
+    "llama-rope-freqs": ("llama", {"rope_llama3_factor": 8.0, "rope_llama3_original_context": 32}),
+    "gpt-oss": ("gpt-oss", {}),
+    "llama-moe-per-expert": (
+        "llama",
+        {"n_expert": 4, "n_expert_used": 2, "per_expert_tensors": True},
+    ),
 }
 # The tensor each case re-quantizes: attn_q, or attn_q_b where the queries come through q_lora.
 SWAPPED = {"deepseek2": "blk.0.attn_q_b.weight", "deepseek2-kv-b": "blk.0.attn_q_b.weight"}
@@ -214,7 +220,8 @@ class _Shapes:
     """A provider that has every tensor (used only to list what a model reads)."""
 
     def has(self, name: str) -> bool:
-        return name != "output.weight" and not name.endswith(".bias")  # tied head, no biases
+        # tied head, no biases, no rope_freqs (gemma3 has none)
+        return name not in ("output.weight", "rope_freqs.weight") and not name.endswith(".bias")
 
     def weight(self, name: str) -> torch.Tensor:
         raise AssertionError(f"{name} read while listing shapes")

@@ -64,7 +64,7 @@ def test_decoder_agrees_with_llama_cpp_golden_logits(name: str, tmp_path: Path) 
     figures = xcheck.compare(case.logits, ours)
     allowance = MANIFEST["cases"][name]["allowance"]
     if allowance is None:
-        assert not figures.meets(xcheck.threshold(case.ggml_type)), (name, figures)
+        assert not figures.meets(xcheck.case_threshold(name)), (name, figures)
         return
     recorded = MANIFEST["cases"][name]["golden_figures"]
     assert figures.mean_kld <= recorded["mean_kld"] * ALLOWED_DRIFT, (name, figures, allowance)

@@ -27,7 +27,7 @@ from ggufswap.runtime.serving.generate import (
     TextDelta,
     greedy_continuation,
 )
-from ggufswap.shards.presets import tiny_arch, tiny_dense, tiny_moe
+from ggufswap.shards.presets import tiny_arch, tiny_dense, tiny_gpt_oss, tiny_llama3, tiny_moe
 from ggufswap.shards.writer import ModelSpec, write_model
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -48,6 +48,8 @@ SPECS = {
     "deepseek2": tiny_arch("deepseek2"),  # attn_k_b/attn_v_b: the cache holds the latent
     "deepseek2-kv-b": tiny_arch("deepseek2", mla_split=False, q_lora_rank=0),
     "glm4moe": tiny_arch("glm4moe"),
+    "llama-rope-freqs": tiny_llama3(),
+    "gpt-oss": tiny_gpt_oss(),  # sinks, window of 4 on even layers, YaRN, MXFP4 experts
 }
 
 

@@ -1,6 +1,9 @@
 """A llama MoE file in Mixtral's form, as llama.cpp's converter writes it, loads, serves and
 hot-swaps: ``llama.feed_forward_length`` is the per-expert width and there is no
-``llama.expert_feed_forward_length`` (llama.cpp sizes llama's expert tensors by the former)."""
+``llama.expert_feed_forward_length`` (llama.cpp sizes llama's expert tensors by the former).
+Old Mixtral files, one ``blk.N.ffn_{gate,up,down}.M.weight`` per expert, load, compute what the
+stacked file of the same values computes, and hot-swap one expert at a time, the per-expert
+tensors of a block kept together as a family."""
 
 from __future__ import annotations
 
@@ -9,10 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import ModelDir, Q, fresh_logits, logits, one_thread, open_runtime
+from runtime_helpers import (
+    ModelDir,
+    Q,
+    cpu_pools,
+    fresh_logits,
+    loaded_bytes,
+    logits,
+    one_thread,
+    open_runtime,
+    slot_states,
+)
 from test_http import WAIT_S, complete, start_server
 
-from ggufswap.runtime import PlanState, Storage
+from ggufswap.runtime import PlanState, SlotState, Storage
 from ggufswap.runtime.models import HParams, MissingWeightError, Transformer
 from ggufswap.runtime.models.llama import DictWeightProvider
 from ggufswap.shards import ModelSpec, read_header, tiny_moe
@@ -112,6 +125,116 @@ def test_the_server_answers_across_an_expert_swap(tmp_path: Path) -> None:
         assert complete(served.port, max_tokens=8, temperature=0)["weight_version"] == 1
         models.put(EXPERT, saved)
         ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [EXPERT]))
+        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
+        restored = complete(served.port, max_tokens=8, temperature=0)
+        assert restored["weight_version"] == 2
+        assert restored["choices"] == before["choices"]
+
+
+PER_EXPERT = "blk.1.ffn_down.2.weight"
+FAMILY1 = tuple(f"blk.1.ffn_{r}.{e}.weight" for e in range(4) for r in ("gate", "up", "down"))
+
+
+def test_per_expert_file_computes_the_stacked_files_logits(tmp_path: Path) -> None:
+    """The per-expert layout holds the stacked tensors' bytes expert by expert: both files give
+    the same logits bit for bit, in both storages."""
+    stacked = ModelDir.write(tmp_path / "stacked", mixtral()).first
+    split = ModelDir.write(tmp_path / "split", mixtral(per_expert_tensors=True)).first
+    names = set(read_header(split).tensor_map()) | {
+        n for p in split.parent.iterdir() for n in read_header(p).tensor_map()
+    }
+    assert PER_EXPERT in names
+    assert not any(n.endswith("_exps.weight") for n in names)
+    for storage in (Storage.DEQUANTIZED, Storage.NATIVE):
+        ours = fresh_logits(split, storage=storage)
+        assert torch.equal(ours, fresh_logits(stacked, storage=storage)), storage
+
+
+@pytest.mark.parametrize("storage", [Storage.DEQUANTIZED, Storage.NATIVE], ids=lambda s: s.value)
+def test_a_per_expert_swap_equals_a_fresh_load_and_restores(
+    tmp_path: Path, storage: Storage
+) -> None:
+    """Re-quantizing one expert's tensor of an old Mixtral file and committing it gives a fresh
+    load's logits bit for bit; the original file back gives the first logits. The block's 12
+    per-expert tensors form one family."""
+    model_dir = ModelDir.write(tmp_path / "model", mixtral(per_expert_tensors=True))
+    saved = model_dir.save(PER_EXPERT, tmp_path / "saved")
+    runtime, model = open_runtime(model_dir.first, storage=storage)
+    try:
+        assert sorted(runtime.store.families["blk.1.ffn_exps"]) == sorted(FAMILY1)
+        before = logits(model)
+        model_dir.put(PER_EXPERT, model_dir.variant(PER_EXPERT, Q.Q4_0, tmp_path / "variants"))
+        ticket = runtime.apply(model_dir.plan("down", [PER_EXPERT]))
+        assert ticket.state is PlanState.COMMITTED, ticket.summary()
+        swapped = logits(model)
+        assert not torch.equal(swapped, before), "the expert swap changed nothing"
+        assert torch.equal(swapped, fresh_logits(model_dir.first, storage=storage))
+        model_dir.put(PER_EXPERT, saved)
+        ticket = runtime.apply(model_dir.plan("back", [PER_EXPERT]))
+        assert ticket.state is PlanState.COMMITTED, ticket.summary()
+        assert torch.equal(logits(model), before)
+    finally:
+        runtime.close()
+
+
+def test_per_expert_family_falls_back_together(tmp_path: Path) -> None:
+    """In native storage, one per-expert tensor growing past its full pool (Q8_0 -> F16) moves
+    all 12 tensors of its block's family to host memory in one commit, outputs equal to a fresh
+    load; the original back returns them all."""
+    model_dir = ModelDir.write(tmp_path / "model", mixtral(per_expert_tensors=True))
+    pools = cpu_pools(loaded_bytes(model_dir.first, Storage.NATIVE) + 1024)
+    saved = model_dir.save(PER_EXPERT, tmp_path / "saved")
+    big = model_dir.variant(PER_EXPERT, Q.F16, tmp_path / "variants")
+    runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE, pools=pools)
+    try:
+        others = tuple(n for n in runtime.store.slots if n not in FAMILY1)
+        model_dir.put(PER_EXPERT, big)
+        ticket = runtime.apply(model_dir.plan("big", [PER_EXPERT]))
+        assert ticket.state is PlanState.COMMITTED, ticket.summary()
+        assert slot_states(runtime, FAMILY1) == {SlotState.FALLBACK_CPU}
+        assert slot_states(runtime, others) == {SlotState.ON_ORIGINAL}
+        assert torch.equal(logits(model), fresh_logits(model_dir.first, storage=Storage.NATIVE))
+        model_dir.put(PER_EXPERT, saved)
+        runtime.apply(model_dir.plan("back", [PER_EXPERT]))
+        assert slot_states(runtime, tuple(runtime.store.slots)) == {SlotState.ON_ORIGINAL}
+    finally:
+        runtime.close()
+
+
+def test_a_per_expert_file_missing_an_expert_is_refused_naming_it(tmp_path: Path) -> None:
+    """Every expert of every block must be in an old Mixtral file: a missing one is named."""
+    first = ModelDir.write(tmp_path / "model", mixtral(per_expert_tensors=True)).first
+    runtime, _ = open_runtime(first)
+    try:
+        weights = {n: runtime.store.weight(n) for n in runtime.store.slots if n != PER_EXPERT}
+        config = HParams.from_metadata(read_header(first).metadata)
+    finally:
+        runtime.close()
+    with pytest.raises(MissingWeightError, match=r"blk\.1\.ffn_down\.2\.weight: missing"):
+        Transformer(config, DictWeightProvider(weights))
+
+
+def test_the_writer_keeps_the_per_expert_layout_to_llama() -> None:
+    """Only llama MoE files ever had one tensor per expert: other specs are refused."""
+    with pytest.raises(ValueError, match="per_expert_tensors is the old Mixtral layout"):
+        tiny_moe(per_expert_tensors=True)
+    with pytest.raises(ValueError, match="per_expert_tensors is the old Mixtral layout"):
+        ModelSpec(arch="llama", per_expert_tensors=True)
+
+
+def test_the_server_answers_across_a_per_expert_swap(tmp_path: Path) -> None:
+    """An old Mixtral file is served; a committed swap of one expert's tensor is named by the
+    next response, and swapping back gives the first completion again."""
+    models = ModelDir.write(tmp_path / "model", mixtral(per_expert_tensors=True))
+    saved = models.save(PER_EXPERT, tmp_path / "saved")
+    for served in start_server(models.first):
+        before = complete(served.port, max_tokens=8, temperature=0)
+        models.put(PER_EXPERT, models.variant(PER_EXPERT, Q.Q4_0, tmp_path / "variants"))
+        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [PER_EXPERT]))
+        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
+        assert complete(served.port, max_tokens=8, temperature=0)["weight_version"] == 1
+        models.put(PER_EXPERT, saved)
+        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [PER_EXPERT]))
         assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
         restored = complete(served.port, max_tokens=8, temperature=0)
         assert restored["weight_version"] == 2

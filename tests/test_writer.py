@@ -16,7 +16,7 @@ from processes import run_ggufswap
 
 from ggufswap.shards.atomic import atomic_copy, atomic_replace, atomic_write, is_temp_name
 from ggufswap.shards.data import read_tensor_bytes
-from ggufswap.shards.presets import demo_moe, tiny_arch, tiny_dense, tiny_moe
+from ggufswap.shards.presets import demo_moe, tiny_arch, tiny_dense, tiny_llama3, tiny_moe
 from ggufswap.shards.reader import read_header
 from ggufswap.shards.writer import (
     NORM_ROLES,
@@ -181,6 +181,25 @@ def test_llama_moe_is_written_in_mixtral_form(tmp_path: Path) -> None:
     assert shapes["blk.0.ffn_up_exps.weight"] == (spec.n_embd, spec.n_ff_expert, spec.n_expert)
 
 
+def test_llama3_rope_scaling_writes_the_converters_rope_freqs(tmp_path: Path) -> None:
+    """rope_llama3_factor writes rope_freqs.weight first, F32 [head_dim / 2], with the factors of
+    llama.cpp's converter (1 for short wavelengths, the factor for long ones, smoothed between)
+    and no rope scaling key (llama.cpp reads only the tensor)."""
+    (path,) = write_model(tiny_dense(rope_llama3_factor=8.0), tmp_path)
+    reader = gguf.GGUFReader(path)
+    first = reader.tensors[0]
+    assert first.name == "rope_freqs.weight"
+    assert first.tensor_type == Q.F32
+    assert tuple(int(n) for n in first.shape) == (8,)  # head width 16
+    # head width 16, base 1e4: wavelengths 2*pi*1e4^(i/8); 8192/4 = 2048 and 8192 bound the ramp.
+    wavelen = 2 * np.pi * 10000.0 ** (np.arange(8) / 8)
+    smooth = (8192 / wavelen[6] - 1) / 3
+    expected = [1.0] * 6 + [1 / ((1 - smooth) / 8 + smooth), 8.0]
+    np.testing.assert_allclose(np.asarray(first.data), expected, rtol=1e-6)
+    assert not any("rope.scaling" in key for key in _fields(reader))
+    assert "rope_freqs.weight" not in {t.name for t in plan_tensors(tiny_dense())}
+
+
 def test_tied_output_drops_output_weight(tmp_path: Path) -> None:
     """tied_output writes no output.weight (the head reads token_embd.weight)."""
     spec = tiny_dense(tied_output=True)
@@ -218,6 +237,14 @@ REFUSED = {
         lambda: tiny_arch("gemma3", n_expert=4, n_expert_used=2),
         r"gemma3 is dense",
     ),
+    "rope_freqs outside llama": (
+        lambda: tiny_arch("qwen3", rope_llama3_factor=8.0),
+        r"qwen3 has no rope_freqs tensor: llama\.cpp refuses the file.*qwen3\.cpp",
+    ),
+    "rope_freqs not in F32": (
+        lambda: tiny_llama3(types={Role.ROPE_FREQS: Q.F16}),
+        r"ROPE_FREQS must be F32 \(ggml reads it as floats\), found F16",
+    ),
 }
 
 
@@ -240,6 +267,8 @@ def test_every_allowed_combination_is_accepted() -> None:
     tiny_moe(tied_output=True)
     tiny_arch("qwen2moe")
     tiny_dense(n_layers=3, n_expert=4, n_expert_used=2, moe_layers=(0, 1, 2))
+    tiny_llama3()
+    tiny_moe(arch="llama", rope_llama3_factor=8.0)
 
 
 def test_same_spec_gives_byte_identical_files(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from ggufswap.runtime.models.errors import (
 )
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer
 from ggufswap.runtime.models.glm4moe import Glm4MoeTransformer
+from ggufswap.runtime.models.gpt_oss import GptOssTransformer
 from ggufswap.runtime.models.hparams import Arch, HParams, RopeType
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.runtime.models.llama import DictWeightProvider, Transformer, WeightProvider
@@ -29,6 +30,7 @@ __all__ = [
     "DictWeightProvider",
     "Gemma3Transformer",
     "Glm4MoeTransformer",
+    "GptOssTransformer",
     "HParams",
     "HParamsError",
     "KVCache",

@@ -35,6 +35,7 @@ from ggufswap.runtime.models.llama import (
     lm_head,
     output_name,
     rms_norm,
+    rope_freqs_of,
 )
 from ggufswap.shards.keys import TensorNames
 
@@ -83,6 +84,7 @@ class Gemma3Transformer(nn.Module):
             raise HParamsError(f"Gemma3Transformer runs gemma3, not {config.arch.value}")
         self.config, self.weights = config, weights
         spec = _Spec()
+        rope_freqs_of(config, weights, spec)  # refused: gemma3's loader has no rope_freqs
         self.tok_embd = spec.need(TensorNames.TOKEN_EMBD, (config.n_vocab, config.n_embd))
         self.norm = spec.need(TensorNames.OUTPUT_NORM, (config.n_embd,))
         self.output = spec.need(output_name(config, weights), (config.n_vocab, config.n_embd))

@@ -27,6 +27,9 @@ Supported architectures (``general.architecture``):
   layers of llama.cpp's pattern (five of every six by default; local RoPE base
   ``rope.freq_base_swa``, 10000 by default), the others global with ``rope.freq_base`` and linear
   ``rope.scaling.factor``. RoPE NEOX.
+- ``gpt-oss``: attention sinks and biases, sliding-window attention on even layers (llama.cpp's
+  pattern of 2), a biased router with softmax over the top-k logits, biased experts of the
+  required ``expert_feed_forward_length`` with clamped SwiGLU, YaRN RoPE scaling. RoPE NEOX.
 
 ``docs/models.md`` lists every key and tensor each architecture reads.
 """
@@ -72,10 +75,15 @@ _NORM_ROPE: Final = (Arch.LLAMA, Arch.DEEPSEEK2)
 _ROPE_TYPE: Final = {arch: RopeType.NORM if arch in _NORM_ROPE else RopeType.NEOX for arch in Arch}
 # build_moe_ffn's norm_w argument in each graph: whether the top-k routing weights are
 # renormalised to sum to one (llama and qwen3moe pass true, qwen2moe false).
-# deepseek2 reads expert_weights_norm (default false).
+# deepseek2 and glm4moe read expert_weights_norm (default false); gpt-oss takes the softmax over
+# the selected experts' logits (nothing to renormalise).
 _NORM_TOPK: Final = {
-    arch: arch not in (Arch.QWEN2MOE, Arch.DEEPSEEK2, Arch.GLM4MOE) for arch in Arch
+    arch: arch not in (Arch.QWEN2MOE, Arch.DEEPSEEK2, Arch.GLM4MOE, Arch.GPT_OSS) for arch in Arch
 }
+# gpt-oss (llama_model_openai_moe::load_arch_hparams): load_swa_pattern(ml, 2), so by default
+# even layers slide and odd ones are global; both use rope.freq_base (rope.freq_base_swa when
+# present) and the same scaling.
+GPT_OSS_SWA_PERIOD: Final = 2
 # gemma3 (llama_model_gemma3::load_arch_hparams): load_swa_pattern(ml, 6), so by default every 6th
 # layer is global and the others slide; local layers use rope.freq_base_swa (default 10000,
 # llama_hparams::rope_freq_base_train_swa) without scaling.
@@ -122,8 +130,9 @@ class HParams:
     rope_freq_scale: float = 1.0  # linear RoPE scaling (1 / scaling.factor); local layers: none
     final_logit_softcap: float = 0.0  # 0 = none; else logits = c * tanh(logits / c)
     attention_scale: float | None = None  # softmax scale of Q.K; None = 1/sqrt(head_dim)
-    # deepseek2 (shards.archs: mla): blocks, routing, latent attention, YaRN (llama_context's
-    # cparams: ext_factor 1 for yarn scaling, attn_factor after its adjustments).
+    # deepseek2 (shards.archs: mla): blocks, routing, latent attention; YaRN (deepseek2,
+    # gpt-oss: llama_context's cparams, ext_factor 1 for yarn scaling, attn_factor after its
+    # adjustments, rope.scaling.attn_factor included, and the original context).
     n_layer_dense_lead: int = 0
     n_expert_shared: int = 0
     gating: Gating = Gating.SOFTMAX
@@ -282,7 +291,7 @@ class HParams:
             "n_expert_used": n_used,
             "key_length": key_length if key_length != default_head else None,
             "rope_dim": reader.get_optional_int(Keys.LLM.ROPE_DIMENSION_COUNT),
-            "rope_freq_scale": _rope_freq_scale(reader, yarn=rules.mla),
+            "rope_freq_scale": _rope_freq_scale(reader, yarn=rules.mla or rules.gpt_oss),
         }
         # Expert widths: each architecture's load_arch_hparams / load_arch_tensors. The
         # expert_weights_* and expert_gating_func keys are read by none of these architectures'
@@ -307,6 +316,12 @@ class HParams:
                     yarn=scaling == ROPE_SCALING_YARN,
                 )
             )
+        if rules.gpt_oss:
+            kwargs.update(
+                _gpt_oss_kwargs(
+                    reader, n_layer=kwargs["n_layer"], freq_scale=kwargs["rope_freq_scale"]
+                )
+            )
         if reader.problems:
             lines = "\n  ".join(reader.problems)
             raise HParamsError(f"cannot build a {arch.value} model config:\n  {lines}")
@@ -319,6 +334,8 @@ def expert_width(rules: ArchRules, n_ff: int, n_expert_used: int) -> int:
     ``n_ff / n_expert_used``."""
     if rules.expert_width is ExpertWidth.FEED_FORWARD_LENGTH:
         return n_ff
+    if rules.expert_width is ExpertWidth.EXPERT_KEY:
+        return 0  # only expert_feed_forward_length sizes them (required)
     return n_ff // n_expert_used if n_expert_used > 0 else 0
 
 
@@ -345,6 +362,42 @@ def _gemma3_kwargs(reader: _KeyReader, *, n_layer: int, n_embd: int) -> dict[str
     return out
 
 
+def _gpt_oss_kwargs(reader: _KeyReader, *, n_layer: int, freq_scale: float) -> dict[str, Any]:
+    """llama_model_openai_moe::load_arch_hparams: the required expert width and sliding window,
+    the window pattern (period 2 by default: even layers slide), the local RoPE base (default:
+    rope.freq_base) and YaRN's context and magnitude (llama_model_base::load_hparams)."""
+    out: dict[str, Any] = {
+        "n_ff_exp": reader.get_int(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+        "sliding_window": reader.get_int(Keys.LLM.SLIDING_WINDOW),
+    }
+    key = Keys.LLM.SLIDING_WINDOW_PATTERN.format(reader.arch)
+    pattern = reader.md.get(key, GPT_OSS_SWA_PERIOD)
+    if isinstance(pattern, (list, tuple)):
+        out["swa_layers"] = tuple(bool(v) for v in pattern)[:n_layer]
+    else:
+        out["swa_period"] = reader.get_int(Keys.LLM.SLIDING_WINDOW_PATTERN, GPT_OSS_SWA_PERIOD)
+    base = reader.get_float(Keys.LLM.ROPE_FREQ_BASE, 10000.0)
+    out["rope_base_local"] = reader.get_float(Keys.LLM.ROPE_FREQ_BASE_SWA, base)
+    kind = reader.md.get(Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch), ROPE_SCALING_LINEAR)
+    return out | _yarn_cparams(reader, yarn=str(kind) == ROPE_SCALING_YARN, freq_scale=freq_scale)
+
+
+def _yarn_cparams(reader: _KeyReader, *, yarn: bool, freq_scale: float) -> dict[str, Any]:
+    """llama_context's YaRN parameters: ext_factor 1 for yarn scaling; attn_factor
+    ``get_mscale(factor) / (1 + 0.1 ln factor)`` under YaRN (ggml's rope_yarn multiplies the
+    second factor back), times ``rope.scaling.attn_factor``; the original context."""
+    factor = 1.0 / freq_scale
+    attn_factor = 1.0
+    if yarn:
+        get_mscale = 0.1 * math.log(factor) + 1.0 if factor > 1.0 else 1.0
+        attn_factor = get_mscale / (1.0 + 0.1 * math.log(factor))
+    return {
+        "rope_ext_factor": 1.0 if yarn else 0.0,
+        "rope_attn_factor": attn_factor * reader.get_float(Keys.LLM.ROPE_SCALING_ATTN_FACTOR, 1.0),
+        "rope_ctx_orig": reader.get_int(Keys.LLM.ROPE_SCALING_ORIG_CTX_LEN, 0),
+    }
+
+
 _MISSING: Final = object()
 
 
@@ -363,7 +416,11 @@ def _rope_freq_scale(reader: _KeyReader, *, yarn: bool = False) -> float:
         reader.problems.append(
             f"{Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch)} = {kind!r}: only "
             f"{ROPE_SCALING_LINEAR!r} RoPE scaling is implemented"
-            + (f" (and {ROPE_SCALING_YARN!r})" if yarn else "")
+            + (
+                f" and {ROPE_SCALING_YARN!r}"
+                if yarn
+                else f" ({ROPE_SCALING_YARN!r} for deepseek2 and gpt-oss)"
+            )
         )
         return 1.0
     return 1.0 / factor

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ggufswap.runtime import QuantizedMatrix
 from ggufswap.runtime.models.errors import MissingWeightError
-from ggufswap.runtime.models.hparams import Activation, HParams, RopeType
+from ggufswap.runtime.models.hparams import Activation, Arch, HParams, RopeType
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
 from ggufswap.shards.keys import TensorNames
 
@@ -197,17 +197,34 @@ class RotaryEmbedding(nn.Module):
         self._n_pos = 0
         self._extend(config.context_length)
 
-    def _extend(self, n_pos: int) -> None:
-        # theta_i = pos * base^(-2i / n_rot), as ggml_rope; computed in float64, stored float32.
+    def _angles(self, positions: Tensor, factors: Tensor | None = None) -> Tensor:
+        """``[P, n_rot/2]`` float64 angles: theta_i = pos * base^(-2i / n_rot) / factors[i] *
+        freq_scale, as ggml_rope (``factors``: llama 3.1's ``rope_freqs``, ggml's
+        ``freq_factors``)."""
         inv_freq = self.base ** (-torch.arange(0, self.n_rot, 2, dtype=torch.float64) / self.n_rot)
-        positions = torch.arange(n_pos, dtype=torch.float64) * self.freq_scale
-        angles = torch.outer(positions, inv_freq)  # [P, n_rot/2]
+        if factors is not None:
+            inv_freq = inv_freq / factors.to(device="cpu", dtype=torch.float64)
+        return torch.outer(positions.to(torch.float64) * self.freq_scale, inv_freq)
+
+    def _extend(self, n_pos: int) -> None:
+        # Computed in float64, stored float32.
+        angles = self._angles(torch.arange(n_pos, dtype=torch.float64))  # [P, n_rot/2]
         cpu = torch.device("cpu")
         self._tables = {cpu: (angles.cos().float(), angles.sin().float())}
         self._n_pos = n_pos
 
-    def forward(self, start: int, length: int, device: torch.device) -> RopeTables:
-        """Tables for positions ``start .. start + length - 1`` on ``device``."""
+    def forward(
+        self, start: int, length: int, device: torch.device, *, factors: Tensor | None = None
+    ) -> RopeTables:
+        """Tables for positions ``start .. start + length - 1`` on ``device``. With ``factors``
+        (``rope_freqs.weight``, ``[n_rot/2]``, read by the caller at this forward) the tables are
+        computed for these positions only and never cached: a swapped ``rope_freqs`` is what the
+        next forward rotates with."""
+        if factors is not None:
+            positions = torch.arange(start, start + length, dtype=torch.float64)
+            angles = self._angles(positions, factors)  # [T, n_rot/2]
+            cos, sin = angles.cos().float().to(device), angles.sin().float().to(device)
+            return RopeTables(cos, sin, self.n_rot, self.rope_type)
         if start + length > self._n_pos:
             self._extend(2 * (start + length))
         if device not in self._tables:
@@ -320,9 +337,23 @@ class MoEFeedForward(nn.Module):
         self.config, self.weights = config, weights
         tn, d, n_exp, ff = TensorNames, config.n_embd, config.n_expert, config.n_ff_exp
         self.router = spec.need(tn.FFN_GATE_INP.format(layer), (n_exp, d))
-        self.gate_exps = spec.need_experts(tn.FFN_GATE_EXPS.format(layer), (n_exp, ff, d))
-        self.up_exps = spec.need_experts(tn.FFN_UP_EXPS.format(layer), (n_exp, ff, d))
-        self.down_exps = spec.need_experts(tn.FFN_DOWN_EXPS.format(layer), (n_exp, d, ff))
+        # Old Mixtral files (llama only) hold one tensor per expert instead of the stacks.
+        self.per_expert: tuple[tuple[str, str, str], ...] | None = None
+        stacked = tn.FFN_UP_EXPS.format(layer)
+        old_form = not weights.has(stacked) and weights.has(tn.FFN_UP_EXPERT.format(layer, 0))
+        if config.arch is Arch.LLAMA and old_form:
+            self.per_expert = tuple(
+                (
+                    spec.need(tn.FFN_GATE_EXPERT.format(layer, e), (ff, d)),
+                    spec.need(tn.FFN_UP_EXPERT.format(layer, e), (ff, d)),
+                    spec.need(tn.FFN_DOWN_EXPERT.format(layer, e), (d, ff)),
+                )
+                for e in range(n_exp)
+            )
+        if self.per_expert is None:
+            self.gate_exps = spec.need_experts(tn.FFN_GATE_EXPS.format(layer), (n_exp, ff, d))
+            self.up_exps = spec.need_experts(stacked, (n_exp, ff, d))
+            self.down_exps = spec.need_experts(tn.FFN_DOWN_EXPS.format(layer), (n_exp, d, ff))
         self.shared: tuple[str, str, str] | None = None
         self.shared_gate: str | None = None
         names = [t.format(layer) for t in SHARED_EXPERT_TENSORS]
@@ -348,7 +379,10 @@ class MoEFeedForward(nn.Module):
         return top_w * c.expert_weights_scale, top_i
 
     def expert(self, x: Tensor, e: int) -> Tensor:
-        """Expert ``e`` applied to rows ``x`` (the stacked tensors index by expert)."""
+        """Expert ``e`` applied to rows ``x`` (the stacked tensors index by expert; an old
+        Mixtral file's per-expert tensors are plain matrices)."""
+        if self.per_expert is not None:
+            return swiglu(x, *(self.weights.matrix(name) for name in self.per_expert[e]))
         w = self.weights.experts
         return swiglu(x, w(self.gate_exps)[e], w(self.up_exps)[e], w(self.down_exps)[e])
 
@@ -403,12 +437,8 @@ class Transformer(nn.Module):
     ) -> None:
         super().__init__()
         self.config, self.weights = config, weights
-        if weights.has(TensorNames.ROPE_FREQS):
-            raise MissingWeightError(
-                f"{TensorNames.ROPE_FREQS}: RoPE frequency factors (llama 3.1 scaling) are not "
-                "implemented by the reference decoder"
-            )
         spec = _Spec()
+        self.rope_freqs = rope_freqs_of(config, weights, spec)
         self.tok_embd = spec.need(TensorNames.TOKEN_EMBD, (config.n_vocab, config.n_embd))
         self.norm = spec.need(TensorNames.OUTPUT_NORM, (config.n_embd,))
         self.output = spec.need(output_name(config, weights), (config.n_vocab, config.n_embd))
@@ -427,7 +457,8 @@ class Transformer(nn.Module):
         # tokens: [B, T] int64 -> logits: [B, T, V] float32
         w, seq = self.weights.weight, tokens.shape[1]
         x = embed(tokens, self.weights, self.tok_embd, self.config.embed_scale)  # [B, T, D]
-        rope = self.rope(start_pos, seq, tokens.device)
+        factors = None if self.rope_freqs is None else w(self.rope_freqs)
+        rope = self.rope(start_pos, seq, tokens.device, factors=factors)
         mask = None  # without a cache: causal attention within this forward
         if cache is not None:
             cache.check_continues(start_pos, seq)
@@ -458,6 +489,18 @@ def lm_head(x: Tensor, output: Matrix, softcap: float = 0.0) -> Tensor:
     # x: [B, T, D] -> [B, T, V]
     logits = linear(x, output).float()
     return logits if not softcap else torch.tanh(logits / softcap) * softcap
+
+
+def rope_freqs_of(config: HParams, weights: WeightProvider, spec: _Spec) -> str | None:
+    """``rope_freqs.weight`` (``[n_rot/2]`` RoPE frequency factors: llama 3.1+ scaling, which
+    divide each pair's frequency as ggml_rope's ``freq_factors``) when the file has it and the
+    architecture's loader reads it (llama); a file of another architecture holding it is refused,
+    as llama.cpp refuses it."""
+    name = TensorNames.ROPE_FREQS
+    if not config.rules.rope_freqs:
+        spec.refuse(weights, [name], f"{config.arch.value} has no RoPE frequency factors")
+        return None
+    return spec.maybe(weights, name, (config.n_rot // 2,))
 
 
 def output_name(config: HParams, weights: WeightProvider) -> str:

@@ -6,6 +6,7 @@
 - ``deepseek2``: ``deepseek2.Deepseek2Transformer`` (its latent-attention matrices are read from
   their own slots at every forward, never derived at load);
 - ``glm4moe``: ``glm4moe.Glm4MoeTransformer`` (its NextN/MTP blocks are loaded, never run).
+- ``gpt-oss``: ``gpt_oss.GptOssTransformer``.
 
 Both read every weight through the provider at forward time. A tied output head is read from
 ``token_embd.weight``'s own slot rather than copied, so a swap of the embedding is the head's swap
@@ -23,6 +24,7 @@ from ggufswap.runtime.models.deepseek2 import Deepseek2Transformer
 from ggufswap.runtime.models.errors import MissingWeightError
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer
 from ggufswap.runtime.models.glm4moe import Glm4MoeTransformer
+from ggufswap.runtime.models.gpt_oss import GptOssTransformer
 from ggufswap.runtime.models.hparams import Arch, HParams
 from ggufswap.runtime.models.llama import Transformer, WeightProvider
 
@@ -30,12 +32,15 @@ if TYPE_CHECKING:
     from ggufswap.runtime import TensorStore
 
 # what build_model returns
-Decoder = Transformer | Gemma3Transformer | Deepseek2Transformer | Glm4MoeTransformer
+Decoder = (
+    Transformer | Gemma3Transformer | Deepseek2Transformer | Glm4MoeTransformer | GptOssTransformer
+)
 ModelClass = (
     type[Transformer]
     | type[Gemma3Transformer]
     | type[Deepseek2Transformer]
     | type[Glm4MoeTransformer]
+    | type[GptOssTransformer]
 )
 
 DECODERS: Final[Mapping[Arch, ModelClass]] = {
@@ -47,6 +52,7 @@ DECODERS: Final[Mapping[Arch, ModelClass]] = {
     Arch.GEMMA3: Gemma3Transformer,
     Arch.DEEPSEEK2: Deepseek2Transformer,
     Arch.GLM4MOE: Glm4MoeTransformer,
+    Arch.GPT_OSS: GptOssTransformer,
 }
 
 
