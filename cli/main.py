@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "ggufswap._cmd_demo",
     "ggufswap._cmd_agent",
     "ggufswap._cmd_perplexity",
+    "ggufswap._cmd_sweep",
 )
 
 EXIT_OK = 0
