@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "ggufswap._cmd_agent",
     "ggufswap._cmd_perplexity",
     "ggufswap._cmd_sweep",
+    "ggufswap._cmd_split",
 )
 
 EXIT_OK = 0
