@@ -89,7 +89,8 @@ def eval_batch(chunks: np.ndarray, bos_id: int | None) -> Tensor:
 
 def _log_sum_exp(logits: Tensor, max_logit: Tensor) -> Tensor:
     """float32 ``log(sum(exp(l - max)))`` with the sum in float64, as llama.cpp does it."""
-    return torch.exp(logits - max_logit[:, None]).double().sum(dim=1).log().float()
+    shifted = logits - max_logit[:, None]
+    return torch.exp_(shifted).sum(dim=1, dtype=torch.float64).log().float()
 
 
 def encode_base_rows(logits: Tensor, targets: Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -107,12 +108,12 @@ def encode_base_rows(logits: Tensor, targets: Tensor) -> tuple[np.ndarray, np.nd
         min_log_prob = min_logit - max_logit - lse
         scale = (max_logit - min_logit) / 65535.0
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        q = torch.round(inv[:, None] * (x - min_logit[:, None]))  # round half to even
-        q = torch.where(x > min_logit[:, None], q, torch.zeros_like(q))
+        # round half to even as nearest_int; below min_logit the value is negative: 0, as there
+        q = (x - min_logit[:, None]).mul_(inv[:, None]).round_().clamp_(min=0.0)
         head = torch.stack([scale, min_log_prob], dim=1).numpy().astype(np.float32)
         block = rows[lo : lo + len(x)]
         block[:, :_ROW_HEAD] = head.view(np.uint16)
-        block[:, _ROW_HEAD : _ROW_HEAD + n_vocab] = q.to(torch.int32).numpy().astype(np.uint16)
+        np.copyto(block[:, _ROW_HEAD : _ROW_HEAD + n_vocab], q.numpy(), casting="unsafe")
         tok = targets[lo : lo + len(x)].long()
         picked = x.gather(1, tok[:, None])[:, 0]
         nll[lo : lo + len(x)] = (max_logit + lse - picked).double().numpy()
@@ -122,7 +123,7 @@ def encode_base_rows(logits: Tensor, targets: Tensor) -> tuple[np.ndarray, np.nd
 def decode_base_rows(rows: np.ndarray, n_vocab: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(scale [N], min_log_prob [N], q [N, V] float32)`` of stored base rows."""
     head = np.ascontiguousarray(rows[:, :_ROW_HEAD]).view(np.float32)  # [N, 2]
-    q = torch.from_numpy(rows[:, _ROW_HEAD : _ROW_HEAD + n_vocab].astype(np.float32))
+    q = torch.from_numpy(np.ascontiguousarray(rows[:, _ROW_HEAD : _ROW_HEAD + n_vocab])).float()
     return torch.from_numpy(head[:, 0].copy()), torch.from_numpy(head[:, 1].copy()), q
 
 
@@ -166,11 +167,13 @@ class KldStats:
         scale, min_log_prob, q = decode_base_rows(rows, n_vocab)
         nll = max_logit + lse - x.gather(1, tok[:, None])[:, 0]  # [n] float32
         nll_base = -(scale * q.gather(1, tok[:, None])[:, 0] + min_log_prob)
-        log_p_base = scale[:, None] * q + min_log_prob[:, None]  # [n, V]
+        log_p_base = torch.addcmul(min_log_prob[:, None], scale[:, None], q)  # [n, V]
         imax_base = q.argmax(dim=1)  # scale >= 0: the first maximum of log p_base
-        terms = torch.exp(log_p_base) * (log_p_base - x + (max_logit + lse)[:, None])
-        kld = torch.where(log_p_base > -LOG_PROB_SPAN, terms, torch.zeros_like(terms))
-        kld64 = kld.double().sum(dim=1)  # [n]
+        # Only tokens within 16 nats of the top count (most of a large vocabulary is not).
+        row, col = (log_p_base > -LOG_PROB_SPAN).nonzero(as_tuple=True)
+        lp = log_p_base[row, col]
+        terms = torch.exp(lp) * (lp - x[row, col] + (max_logit + lse)[row])
+        kld64 = torch.zeros(len(x), dtype=torch.float64).index_add_(0, row, terms.double())
         p_diff = (torch.exp(-nll) - torch.exp(-nll_base)).double()
         nll64, base64 = nll.double(), nll_base.double()
         self.sum_nll += float(nll64.sum())
