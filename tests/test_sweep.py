@@ -287,3 +287,25 @@ def test_sweep_command_usage_errors_name_the_problem(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 1
     assert "needs at least 128" in run.stderr
+
+
+def test_tensors_from_a_model_in_the_target_type(tmp_path: Path) -> None:
+    """With a source model for a type, the round loads that model's tensor as it is (nothing is
+    requantized); a source that holds the tensor in another type makes the round refused."""
+    model = ModelDir.write(tmp_path / "model", tiny_dense())
+    q4 = ModelDir.write(tmp_path / "q4", tiny_dense().with_types(attn_q="q4_0"))
+    recipe = Recipe.from_document(
+        {"quants": ["q4_0", "q5_1"], "tensors": [{"match": r"^blk\.0\.attn_q\.weight$"}]}
+    )
+    sources = {Q.Q4_0: open_shard_set(q4.first), Q.Q5_1: open_shard_set(q4.first)}
+    out = tmp_path / "out"
+    report = run_sweep(
+        model.first, text=english(), recipe=recipe, out_dir=out, options=options(), models=sources
+    )
+    record = report.journal["blk.0.attn_q.weight@q4_0"]
+    assert record["sources"] == [str(q4.shard_of("blk.0.attn_q.weight"))]
+    assert record["metrics"]["kld_mean"] > 0
+    assert not list((out / "scratch").glob("*.q4_0.gguf")), "nothing requantized"
+    (refused,) = report.refused
+    assert refused["key"] == "blk.0.attn_q.weight@q5_1"
+    assert "holds it as Q4_0, not Q5_1" in refused["why"]
