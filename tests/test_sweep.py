@@ -25,7 +25,14 @@ from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.serving import GgufTokenizer
 from ggufswap.runtime.serving.kld import eval_batch, first_scored, text_chunks
 from ggufswap.runtime.serving.recipe import Recipe
-from ggufswap.runtime.serving.sweep import Sweep, SweepOptions, run_sweep, text_tokens
+from ggufswap.runtime.serving.sweep import (
+    InProcessTarget,
+    Sweep,
+    SweepOptions,
+    run_sweep,
+    text_tokens,
+)
+from ggufswap.runtime.serving.sweep_eval import ChunkEvaluator
 from ggufswap.runtime.serving.sweep_results import JOURNAL, KLD_CSV, PPL_CSV
 from ggufswap.runtime.serving.sweep_sources import TensorSources
 from ggufswap.shards import Layout, open_shard_set, requantize, tiny_dense, write_model
@@ -187,15 +194,19 @@ def test_refused_round_is_reported_and_never_recorded(tmp_path: Path) -> None:
         assert runtime.shards is not None, "open() keeps the shard set"
         decoder = build_model(HParams.from_metadata(runtime.shards.metadata), runtime.store)
         tokens, bos = text_tokens(GgufTokenizer.from_file(model.first), english())
-        sweep = Sweep(
+        target = InProcessTarget(
             runtime=runtime,
-            model=decoder,
-            chunks=text_chunks(tokens, n_ctx=CTX, max_chunks=CHUNKS),
-            bos_id=bos,
+            evaluator=ChunkEvaluator(
+                decoder, text_chunks(tokens, n_ctx=CTX, max_chunks=CHUNKS), bos
+            ),
+            sources=TensorSources(scratch=out / "scratch", originals=runtime.shards.tensors),
+            out_dir=out,
+        )
+        sweep = Sweep(
+            target=target,
             recipe=Recipe.from_document(
                 {"quants": ["q4_0"], "tensors": [{"match": r"^blk\.0\.attn_k\.weight$"}]}
             ),
-            sources=TensorSources(scratch=out / "scratch", originals=runtime.shards.tensors),
             out_dir=out,
             options=options(),
         )

@@ -1,17 +1,18 @@
 """The per-tensor quantization sweep: swap, measure against the baseline, restore, verify, record.
 
-:class:`Sweep` drives one runtime and the model that reads its store, in this process:
+:class:`Sweep` is the one implementation of a sweep; what it drives is a :class:`SweepTarget`:
+:class:`InProcessTarget` (a runtime and model in this process, ``run_sweep``) or the separate
+runtime and agent processes of ``ggufswap sweep --config`` (``ggufswap._sweep_procs``).
 
 1. the baseline: every chunk of the text (llama-perplexity's protocol, :mod:`.kld`) is evaluated
    once; its scored log-probabilities go to ``baseline.logits`` (llama.cpp's
    ``--kl-divergence-base`` format) and a digest of each chunk's logits to ``baseline.json``. A
    restart with the same model tensors, tokens and context reuses them.
-2. per round (:class:`~.recipe.Round`): the quantized tensors are made or found
-   (:mod:`.sweep_sources`), a plan loading them is submitted and committed, and the committed
-   event must name exactly the round's tensors; the text is evaluated (PPL, KLD, ...); a plan
-   loading the original records is committed (again exactly those names), and the first
-   ``verify_chunks`` chunks are evaluated again: their logits must equal the baseline's bit for
-   bit. Only then is the round appended to the journal (:class:`~.sweep_results.Journal`).
+2. per round (:class:`~.recipe.Round`): the quantized tensors are swapped in and the committed
+   plans must name exactly the round's tensors; the text is evaluated (PPL, KLD, ...); the
+   originals are swapped back (again exactly those names), and the logits of the first
+   ``verify_chunks`` chunks must equal the baseline's bit for bit. Only then is the round
+   appended to the journal (:class:`~.sweep_results.Journal`).
 3. a round the runtime refuses (validation, staging) or that commits other tensors than asked is
    reported, never recorded; a restore that fails or does not reproduce the baseline stops the
    sweep (the model is no longer the one the baseline measured).
@@ -22,7 +23,6 @@ reported, as are locked tensors and targets equal to the tensor's own type.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -30,29 +30,22 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
-import numpy as np
 import structlog
-import torch
 from gguf import GGMLQuantizationType
-from torch import Tensor
 
 from ggufswap.config import Storage
 from ggufswap.ipc import Event, Job, Plan, PlanCommittedEvent
 from ggufswap.runtime import HotSwapRuntime, PlanState
-from ggufswap.runtime.models import Decoder, HParams, build_model
-from ggufswap.runtime.serving.kld import (
-    BaseLogProbs,
-    BaseLogProbsWriter,
-    KldStats,
-    encode_base_rows,
-    eval_batch,
-    first_scored,
-    logits_digest,
-    text_chunks,
-)
+from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.serving.kld import BaseLogProbs, first_scored, text_chunks
 from ggufswap.runtime.serving.recipe import Recipe, Round, Skip, plan_rounds, qtype_name
+from ggufswap.runtime.serving.sweep_eval import (
+    BASELINE_LOGITS,
+    BaselineMismatch,
+    ChunkEvaluator,
+)
 from ggufswap.runtime.serving.sweep_results import JOURNAL, Journal, write_csvs, write_text
 from ggufswap.runtime.serving.sweep_sources import SourceError, TensorSources
 from ggufswap.runtime.serving.tokenizer import GgufTokenizer
@@ -60,8 +53,6 @@ from ggufswap.shards import ShardSet, TensorRecord, open_shard_set
 
 log = structlog.get_logger(__name__)
 
-BASELINE_LOGITS: Final = "baseline.logits"
-BASELINE_JSON: Final = "baseline.json"
 REPORT_JSON: Final = "report.json"
 COMMIT_TIMEOUT_S: Final = 120.0
 
@@ -72,7 +63,12 @@ class SweepError(RuntimeError):
 
 
 class RoundRefused(Exception):
-    """A round that cannot be measured; the sweep reports it and goes on."""
+    """A round that cannot be measured; the sweep reports it and goes on. ``changed``: what a
+    commit that changed other tensors than asked did change (None: nothing was committed)."""
+
+    def __init__(self, message: str, *, changed: frozenset[str] | None = None) -> None:
+        super().__init__(message)
+        self.changed = changed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,141 +99,133 @@ def _no_progress(rounds: Iterator[Round], total: int) -> Iterator[Round]:
     return rounds
 
 
-class Sweep:
-    """One sweep over ``runtime`` (its store read by ``model``) in ``out_dir``."""
+@dataclass(frozen=True, slots=True)
+class Swapped:
+    """A committed swap: the version it made, its plan, the files its tensors came from."""
+
+    weight_version: int
+    plan_id: str
+    sources: tuple[str, ...]
+    nbytes: int
+
+
+class SweepTarget(Protocol):
+    """What a sweep drives: a model it can swap tensors of and evaluate."""
+
+    @property
+    def originals(self) -> Mapping[str, TensorRecord]:
+        """The model's tensors as loaded (the state every restore returns to)."""
+        ...
+
+    @property
+    def computed(self) -> frozenset[str]:
+        """The tensors the model computes with."""
+        ...
+
+    def baseline(self) -> dict[str, Any]:
+        """The baseline record (``ppl``, ``digests``); its base file is in the output dir."""
+        ...
+
+    def swap(self, names: tuple[str, ...], target: GGMLQuantizationType, what: str) -> Swapped:
+        """Swap ``names`` to ``target``; RoundRefused (with ``changed`` when something was
+        committed) unless the commits changed exactly ``names``."""
+        ...
+
+    def restore(self, names: tuple[str, ...], expect: frozenset[str], what: str) -> Swapped:
+        """Swap ``names`` back to their originals; the commits must change exactly
+        ``expect``; SweepError otherwise."""
+        ...
+
+    def measure(self, version: int, base: BaseLogProbs) -> dict[str, Any]:
+        """The figures of weight ``version`` against the baseline."""
+        ...
+
+    def digests(self, version: int, n: int) -> list[str]:
+        """The digests of the first ``n`` chunks' logits at weight ``version`` (0: all)."""
+        ...
+
+
+class InProcessTarget:
+    """A runtime and the model reading its store, in this process: plans are submitted and
+    committed here, between two evaluations."""
 
     def __init__(
         self,
         *,
         runtime: HotSwapRuntime,
-        model: Decoder,
-        chunks: np.ndarray,
-        bos_id: int | None,
-        recipe: Recipe,
+        evaluator: ChunkEvaluator,
         sources: TensorSources,
         out_dir: Path,
-        options: SweepOptions,
-        progress: Progress = _no_progress,
+        commit_timeout_s: float = COMMIT_TIMEOUT_S,
     ) -> None:
         assert runtime.shards is not None, "the sweep needs a runtime opened from files"
         self.runtime = runtime
-        self.model = model
-        self.chunks = chunks  # [C, n_ctx] the text's tokens
-        self.batch = eval_batch(chunks, bos_id)  # [C, n_ctx] as evaluated
-        self.recipe = recipe
+        self.evaluator = evaluator
         self.sources = sources
         self.out_dir = out_dir
-        self.options = options
-        self.progress = progress
-        self.originals: dict[str, TensorRecord] = dict(runtime.shards.tensors)
+        self.commit_timeout_s = commit_timeout_s
+        self._originals: dict[str, TensorRecord] = dict(runtime.shards.tensors)
         self._committed: dict[str, PlanCommittedEvent] = {}
         runtime.on_event(self._on_event)
-        out_dir.mkdir(parents=True, exist_ok=True)
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, PlanCommittedEvent):
             self._committed[event.plan_id] = event
 
-    # -- evaluation --------------------------------------------------------------------------
+    @property
+    def originals(self) -> Mapping[str, TensorRecord]:
+        return self._originals
 
-    def _scored_logits(self, chunk: int) -> Tensor:
-        """``[n_ctx - 1 - n_ctx // 2, V]`` float32 logits of one chunk's scored positions."""
-        n_ctx = self.chunks.shape[1]
-        with torch.inference_mode():
-            logits = self.model(self.batch[chunk : chunk + 1])  # [1, n_ctx, V]
-            return logits[0, first_scored(n_ctx) : n_ctx - 1].float()
-
-    def _targets(self, chunk: int) -> Tensor:
-        first = first_scored(self.chunks.shape[1])
-        return torch.from_numpy(self.chunks[chunk, first + 1 :].astype(np.int64))
-
-    def _identity(self) -> dict[str, Any]:
-        """What the baseline depends on: the loaded tensors (name, type, shape), the tokens."""
-        table = hashlib.sha256()
-        for name in sorted(self.originals):
-            rec = self.originals[name]
-            table.update(f"{name}:{rec.ggml_type.name}:{list(rec.ne)}\n".encode())
-        return {
-            "tensors_sha256": table.hexdigest(),
-            "tokens_sha256": hashlib.sha256(self.chunks.astype("<i4").tobytes()).hexdigest(),
-            "n_ctx": int(self.chunks.shape[1]),
-            "n_chunk": int(self.chunks.shape[0]),
-        }
+    @property
+    def computed(self) -> frozenset[str]:
+        return frozenset(self.evaluator.model.required)
 
     def baseline(self) -> dict[str, Any]:
-        """The baseline's record (computed now, or reused when it matches this sweep)."""
-        path = self.out_dir / BASELINE_JSON
-        identity = self._identity()
-        if path.exists() and (self.out_dir / BASELINE_LOGITS).exists():
-            stored = json.loads(path.read_text())
-            if stored.get("identity") == identity:
-                return dict(stored)
-            if (self.out_dir / JOURNAL).exists():
-                raise SweepError(
-                    f"{self.out_dir} holds the sweep of another model, text or context "
-                    f"({path}: {stored.get('identity')} != {identity}); use a new --out"
-                )
-        started = time.perf_counter()
-        n_vocab: int | None = None
-        writer: BaseLogProbsWriter | None = None
-        digests, nll_sum, count = [], 0.0, 0
-        for c in range(len(self.chunks)):
-            logits = self._scored_logits(c)
-            if writer is None:
-                n_vocab = int(logits.shape[1])
-                tmp = self.out_dir / f".{BASELINE_LOGITS}.tmp"
-                writer = BaseLogProbsWriter(tmp, chunks=self.chunks, n_vocab=n_vocab)
-            rows, nll = encode_base_rows(logits, self._targets(c))
-            writer.write_chunk(rows)
-            digests.append(logits_digest(logits))
-            nll_sum += float(nll.sum())
-            count += len(nll)
-        assert writer is not None, "text_chunks gives at least two chunks"
-        writer.close()
-        writer.path.replace(self.out_dir / BASELINE_LOGITS)
-        record = {
-            "identity": identity,
-            "n_vocab": n_vocab,
-            "ppl": float(np.exp(nll_sum / count)),
-            "count": count,
-            "digests": digests,
-            "eval_s": round(time.perf_counter() - started, 3),
-        }
-        write_text(path, json.dumps(record, indent=1) + "\n")
-        log.info("sweep.baseline", ppl=record["ppl"], chunks=len(digests), eval_s=record["eval_s"])
-        return record
+        try:
+            return self.evaluator.baseline(self.out_dir, self._originals)
+        except BaselineMismatch as exc:
+            raise SweepError(str(exc)) from None
 
-    def _measure(self, base: BaseLogProbs) -> dict[str, Any]:
-        stats = KldStats()
-        for c in range(len(self.chunks)):
-            stats.add(self._scored_logits(c), base.rows(c), self._targets(c))
-        return asdict(stats.result())
+    def measure(self, version: int, base: BaseLogProbs) -> dict[str, Any]:
+        assert version == self.runtime.weight_version, "in process, only the current version"
+        return self.evaluator.measure(base)[0]
 
-    def _verify_restore(self, digests: list[str], unit: str) -> None:
-        n = self.options.verify_chunks or len(self.chunks)
-        for c in range(min(n, len(self.chunks))):
-            got = logits_digest(self._scored_logits(c))
-            if got != digests[c]:
-                raise SweepError(
-                    f"after restoring {unit}, chunk {c}'s logits differ from the baseline's "
-                    f"(digest {got} != {digests[c]}): the model is not back to its original "
-                    "weights; stopping (the journal holds every round verified so far)"
-                )
+    def digests(self, version: int, n: int) -> list[str]:
+        assert version == self.runtime.weight_version, "in process, only the current version"
+        return self.evaluator.digests(n)
 
-    # -- plans -------------------------------------------------------------------------------
+    def swap(self, names: tuple[str, ...], target: GGMLQuantizationType, what: str) -> Swapped:
+        try:
+            records = [self.sources.record(n, target) for n in names]
+        except SourceError as exc:
+            raise RoundRefused(str(exc)) from None
+        version, plan_id = self._commit(tuple(Job(r) for r in records), frozenset(names), what)
+        return Swapped(
+            version, plan_id, tuple(r.path for r in records), sum(r.nbytes for r in records)
+        )
+
+    def restore(self, names: tuple[str, ...], expect: frozenset[str], what: str) -> Swapped:
+        records = [self._originals[n] for n in names]
+        try:
+            version, plan_id = self._commit(tuple(Job(r) for r in records), expect, what)
+        except RoundRefused as exc:
+            raise SweepError(f"{exc}; the model is no longer at its baseline, stopping") from None
+        return Swapped(
+            version, plan_id, tuple(r.path for r in records), sum(r.nbytes for r in records)
+        )
 
     def _commit(self, jobs: tuple[Job, ...], expect: frozenset[str], what: str) -> tuple[int, str]:
         """Submit and commit a plan; ``(weight_version, plan_id)``. RoundRefused when refused or
         when the commit changed other tensors than ``expect``."""
         plan = Plan(plan_id=uuid.uuid4().hex, model=self.runtime.model_name, jobs=jobs)
         ticket = self.runtime.submit(plan)
-        deadline = time.monotonic() + self.options.commit_timeout_s
+        deadline = time.monotonic() + self.commit_timeout_s
         while not ticket.state.final:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise SweepError(
                     f"{what}: plan {plan.plan_id} not committed within "
-                    f"{self.options.commit_timeout_s:.0f} s (state {ticket.state.value})"
+                    f"{self.commit_timeout_s:.0f} s (state {ticket.state.value})"
                 )
             self.runtime.wait_staged(timeout=min(remaining, 1.0))
             self.runtime.at_batch_boundary()
@@ -247,79 +235,109 @@ class Sweep:
         event = self._committed.pop(plan.plan_id, None)
         if event is None:
             raise SweepError(f"{what}: plan {plan.plan_id} committed without a plan.committed")
-        changed = frozenset(event.changed)
-        if changed != expect:
-            raise RoundRefused(
-                f"{what}: the commit changed {sorted(changed)}, expected exactly {sorted(expect)}"
-            )
+        check_changed(frozenset(event.changed), expect, what)
         return event.weight_version, plan.plan_id
 
-    def _restore(self, names: tuple[str, ...], unit: str) -> tuple[int, str]:
-        jobs = tuple(Job(self.originals[n]) for n in names)
-        try:
-            return self._commit(jobs, frozenset(names), f"restore of {unit}")
-        except RoundRefused as exc:
-            raise SweepError(f"{exc}; the model is no longer at its baseline, stopping") from None
 
-    # -- rounds ------------------------------------------------------------------------------
+def _files(records: list[TensorRecord]) -> tuple[tuple[str, ...], int]:
+    return tuple(r.path for r in records), sum(r.nbytes for r in records)
+
+
+def check_changed(changed: frozenset[str], expect: frozenset[str], what: str) -> None:
+    """RoundRefused (carrying ``changed``) unless the commits changed exactly ``expect``."""
+    if changed != expect:
+        raise RoundRefused(
+            f"{what}: the commit changed {sorted(changed)}, expected exactly {sorted(expect)}",
+            changed=changed,
+        )
+
+
+class Sweep:
+    """One sweep of ``recipe`` over ``target``, recorded in ``out_dir``."""
+
+    def __init__(
+        self,
+        *,
+        target: SweepTarget,
+        recipe: Recipe,
+        out_dir: Path,
+        options: SweepOptions,
+        progress: Progress = _no_progress,
+    ) -> None:
+        self.target = target
+        self.recipe = recipe
+        self.out_dir = out_dir
+        self.options = options
+        self.progress = progress
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def _verify_restore(self, version: int, digests: list[str], unit: str) -> int:
+        got = self.target.digests(version, self.options.verify_chunks)
+        for c, digest in enumerate(got):
+            if digest != digests[c]:
+                raise SweepError(
+                    f"after restoring {unit}, chunk {c}'s logits differ from the baseline's "
+                    f"(digest {digest} != {digests[c]}): the model is not back to its original "
+                    "weights; stopping (the journal holds every round verified so far)"
+                )
+        return len(got)
 
     def run_round(
         self, r: Round, base: BaseLogProbs, digests: list[str], ppl_base: float
     ) -> dict[str, Any]:
         """Swap, measure, restore, verify; the journal record (RoundRefused: nothing changed)."""
+        originals = self.target.originals
+        # A group member already in the target type stays as it is.
+        names = tuple(n for n in r.tensors if originals[n].ggml_type is not r.target)
+        if not names:
+            raise RoundRefused(f"{r.key}: every tensor is already {qtype_name(r.target)}")
         t0 = time.perf_counter()
         try:
-            records = [self.sources.record(n, r.target) for n in r.tensors]
-        except SourceError as exc:
-            raise RoundRefused(str(exc)) from None
-        t1 = time.perf_counter()
-        try:
-            version, plan_id = self._commit(
-                tuple(Job(rec) for rec in records), frozenset(r.tensors), f"swap of {r.key}"
-            )
-        except RoundRefused:
-            # A commit of other tensors than asked did happen: put the originals back first.
-            if any(self.runtime.store.slots[n].record != self.originals[n] for n in r.tensors):
-                self._restore(r.tensors, r.unit)
-                self._verify_restore(digests, r.unit)
+            swapped = self.target.swap(names, r.target, f"swap of {r.key}")
+        except RoundRefused as exc:
+            if exc.changed is not None:  # committed, but not as asked: put the originals back
+                back = self.target.restore(names, exc.changed, f"restore of {r.unit}")
+                self._verify_restore(back.weight_version, digests, r.unit)
             raise
+        t1 = time.perf_counter()
+        metrics = self.target.measure(swapped.weight_version, base)
         t2 = time.perf_counter()
-        metrics = self._measure(base)
+        back = self.target.restore(names, frozenset(names), f"restore of {r.unit}")
         t3 = time.perf_counter()
-        restored_version, restore_plan = self._restore(r.tensors, r.unit)
+        verified = self._verify_restore(back.weight_version, digests, r.unit)
         t4 = time.perf_counter()
-        self._verify_restore(digests, r.unit)
-        t5 = time.perf_counter()
         return {
             "key": r.key,
             "unit": r.unit,
             "qtype": qtype_name(r.target),
-            "tensors": list(r.tensors),
-            "from_types": [self.originals[n].ggml_type.name for n in r.tensors],
-            "sources": [rec.path for rec in records],
-            "bytes": sum(rec.nbytes for rec in records),
+            "tensors": list(names),
+            "unchanged": [n for n in r.tensors if n not in names],
+            "from_types": [originals[n].ggml_type.name for n in names],
+            "sources": list(swapped.sources),
+            "bytes": swapped.nbytes,
             "ppl_base": ppl_base,
             "metrics": metrics,
-            "weight_version": version,
-            "restored_version": restored_version,
-            "plan_id": plan_id,
-            "restore_plan_id": restore_plan,
-            "verified_chunks": min(self.options.verify_chunks or len(self.chunks), len(digests)),
+            "weight_version": swapped.weight_version,
+            "restored_version": back.weight_version,
+            "plan_id": swapped.plan_id,
+            "restore_plan_id": back.plan_id,
+            "verified_chunks": verified,
             "timings": {
-                "prepare_s": round(t1 - t0, 4),
-                "swap_s": round(t2 - t1, 4),
-                "eval_s": round(t3 - t2, 4),
-                "restore_s": round(t4 - t3, 4),
-                "verify_s": round(t5 - t4, 4),
+                "swap_s": round(t1 - t0, 4),
+                "eval_s": round(t2 - t1, 4),
+                "restore_s": round(t3 - t2, 4),
+                "verify_s": round(t4 - t3, 4),
             },
             "recorded_at": time.time(),
         }
 
     def run(self) -> SweepReport:
-        required = frozenset(self.model.required)
-        types = {n: rec.ggml_type for n, rec in self.originals.items()}
-        rounds, skipped = plan_rounds(self.recipe, self.originals, computed=required, types=types)
-        base_record = self.baseline()
+        originals = self.target.originals
+        types = {n: rec.ggml_type for n, rec in originals.items()}
+        rounds, skipped = plan_rounds(
+            self.recipe, originals, computed=self.target.computed, types=types
+        )
+        base_record = self.target.baseline()
         base = BaseLogProbs(self.out_dir / BASELINE_LOGITS)
         journal = Journal(self.out_dir / JOURNAL)
         report = SweepReport(
@@ -395,16 +413,15 @@ def run_sweep(
                 f"{runtime.model_name}: {len(chunks)} chunks of {n_ctx} tokens "
                 f"({n_ctx - 1 - first_scored(n_ctx)} scored each), results in {out_dir}"
             )
-        sweep = Sweep(
+        target = InProcessTarget(
             runtime=runtime,
-            model=model,
-            chunks=chunks,
-            bos_id=bos,
-            recipe=recipe,
+            evaluator=ChunkEvaluator(model, chunks, bos),
             sources=sources,
             out_dir=out_dir,
-            options=options,
-            progress=progress,
+            commit_timeout_s=options.commit_timeout_s,
+        )
+        sweep = Sweep(
+            target=target, recipe=recipe, out_dir=out_dir, options=options, progress=progress
         )
         return sweep.run()
     finally:
