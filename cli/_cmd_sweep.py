@@ -42,7 +42,15 @@ def register(subparsers: Any) -> None:
             "kld_results.csv. Resumable: run the same command again after a kill."
         ),
     )
-    parser.add_argument("--model", required=True, metavar="FILE", help="GGUF file or any shard")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--model", metavar="FILE", help="GGUF file or any shard (in-process)")
+    target.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="run against a runtime process and an agent as this config describes them "
+        "(its runtime.model laid out one tensor per shard; see docs/sweep.md)",
+    )
     parser.add_argument("--text", required=True, metavar="FILE", help="UTF-8 evaluation text")
     parser.add_argument("--recipe", required=True, metavar="FILE", help="YAML recipe")
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="results dir")
@@ -87,6 +95,8 @@ def _problems(args: argparse.Namespace) -> list[str]:
     for item in args.source:
         if "=" not in item:
             problems.append(f"--source expects TYPE=MODEL, found {item!r}")
+    if args.config is not None and args.source:
+        problems.append("--source is for the in-process sweep (--model); --config requantizes")
     return problems
 
 
@@ -109,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from ggufswap.shards import ShardError
 
     if args.log_level == "info":  # the default: the bar and the table say it all
-        configure_logging(level="warning")
+        configure_logging(level="error")
     problems = _problems(args)
     try:
         text = Path(args.text).read_text(encoding="utf-8")
@@ -129,7 +139,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     assert recipe is not None, "a recipe that failed to load is a problem above"
     try:
-        report = _sweep(args, text, recipe, sources)
+        if args.config is not None:
+            report = _process_sweep(args, recipe)
+        else:
+            report = _sweep(args, text, recipe, sources)
     except (KldError, ShardError, SweepError) as exc:
         print(f"ggufswap sweep: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -162,6 +175,46 @@ def _sweep(
         progress=_no_bar if args.no_progress else _bar,
         announce=lambda line: print(f"ggufswap sweep: {line}", file=sys.stderr, flush=True),
     )
+
+
+def _process_sweep(args: argparse.Namespace, recipe: Recipe) -> SweepReport:
+    from ggufswap._sweep_procs import ProcessTarget
+    from ggufswap.config import ConfigError, load_config
+    from ggufswap.runtime.serving.sweep import Sweep, SweepError, SweepOptions
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        raise SweepError(str(exc)) from None
+    out_dir: Path = args.out.resolve()
+    options = SweepOptions(n_ctx=args.ctx, max_chunks=args.chunks, verify_chunks=args.verify_chunks)
+    target = ProcessTarget(
+        config_path=args.config.resolve(),
+        config=config,
+        text=Path(args.text).resolve(),
+        out_dir=out_dir,
+        n_ctx=args.ctx,
+        max_chunks=args.chunks,
+        threads=args.threads,
+    )
+    print(
+        f"ggufswap sweep: starting the runtime and the agent (logs in {out_dir}/logs)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        target.start()
+        sweep = Sweep(
+            target=target,
+            recipe=recipe,
+            out_dir=out_dir,
+            options=options,
+            progress=_no_bar if args.no_progress else _bar,
+        )
+        return sweep.run()
+    finally:
+        for line in target.close():
+            print(f"ggufswap sweep: {line}", file=sys.stderr)
 
 
 def _bar(rounds: Iterator[Round], total: int) -> Iterator[Round]:

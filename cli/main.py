@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "ggufswap._cmd_perplexity",
     "ggufswap._cmd_sweep",
     "ggufswap._cmd_split",
+    "ggufswap._cmd_sweep_runtime",
 )
 
 EXIT_OK = 0

@@ -1,0 +1,112 @@
+"""``ggufswap sweep --config``: the same sweep against a real runtime process and a real agent
+watching the model's directory gives the in-process sweep's figures exactly, and leaves the
+model's files as they were."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from processes import GGUFSWAP
+from runtime_helpers import ModelDir, one_thread
+
+from ggufswap.runtime.serving.recipe import Recipe
+from ggufswap.runtime.serving.sweep import SweepOptions, run_sweep
+from ggufswap.runtime.serving.sweep_results import Journal
+from ggufswap.shards import open_shard_set, tiny_dense
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+CTX, CHUNKS = 64, 6
+RECIPE = {
+    "quants": ["q4_0", "q5_1"],
+    "tensors": [{"match": r"^blk\.0\.attn_q\.weight$"}],
+    "groups": [{"name": "all_ffn_up", "match": [r"^blk\.\d+\.ffn_up\.weight$"]}],
+}
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    """A private directory for the ipc:// sockets, short enough for their path limit."""
+    path = Path(tempfile.mkdtemp(prefix="gs-sweep-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def write_config(path: Path, model: ModelDir, run: Path) -> None:
+    name = "tiny-dense"
+    doc = {
+        "version": 1,
+        "agent": {"status_endpoint": f"ipc://{run}/agent.sock", "rescan_interval_s": 300},
+        "models": [
+            {
+                "name": name,
+                "runtime": f"ipc://{run}/rt.sock",
+                "watch": [{"path": str(model.root), "glob": "*.gguf", "backend": "watchdog"}],
+                "settle_ms": 100,
+                "verify": "checksum",
+            }
+        ],
+        "runtime": {
+            "name": name,
+            "model": str(model.first),
+            "control_endpoint": f"ipc://{run}/rt.sock",
+            "status_endpoint": f"ipc://{run}/rt.status.sock",
+            "events_endpoint": f"ipc://{run}/rt.events.sock",
+            "allowed_roots": [str(model.root)],
+            "pools": [{"name": "host", "device": "cpu"}],
+        },
+    }
+    path.write_text(yaml.safe_dump(doc))
+
+
+def test_process_sweep_equals_the_in_process_sweep(tmp_path: Path, run_dir: Path) -> None:
+    """Every round through the agent and the runtime process records the figures the in-process
+    sweep records for it (==), each swap and restore a commit of exactly its tensors, and the
+    model's shards end as they began."""
+    model = ModelDir.write(tmp_path / "model", tiny_dense())
+    before = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
+    text = Path(sysconfig.get_path("stdlib")) / "LICENSE.txt"
+    if not text.exists():
+        pytest.skip(f"no English text to evaluate on: {text} is missing")
+    short = tmp_path / "english.txt"
+    short.write_text(text.read_text(encoding="utf-8")[:4000], encoding="utf-8")
+    config, recipe = tmp_path / "ggufswap.yaml", tmp_path / "recipe.yaml"
+    write_config(config, model, run_dir)
+    recipe.write_text(yaml.safe_dump(RECIPE))
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [
+            GGUFSWAP, "sweep", "--config", str(config), "--text", str(short), "--recipe",
+            str(recipe), "--out", str(out), "--ctx", str(CTX), "--chunks", str(CHUNKS),
+            "--no-progress",
+        ],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert "4 of 4 rounds recorded" in run.stdout
+    process = Journal(out / "rounds.jsonl").records
+    in_process = run_sweep(
+        model.first,
+        text=short.read_text(encoding="utf-8"),
+        recipe=Recipe.from_document(RECIPE),
+        out_dir=tmp_path / "in-process",
+        options=SweepOptions(n_ctx=CTX, max_chunks=CHUNKS),
+    ).journal
+    assert set(process) == set(in_process)
+    for key, record in process.items():
+        assert record["metrics"] == in_process[key]["metrics"], key
+        assert record["tensors"] == in_process[key]["tensors"]
+        assert record["restored_version"] > record["weight_version"] > 0
+    after = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
+    assert after == before
