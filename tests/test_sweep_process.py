@@ -20,7 +20,7 @@ from runtime_helpers import ModelDir, one_thread
 from ggufswap.runtime.serving.recipe import Recipe
 from ggufswap.runtime.serving.sweep import SweepOptions, run_sweep
 from ggufswap.runtime.serving.sweep_results import Journal
-from ggufswap.shards import open_shard_set, tiny_dense
+from ggufswap.shards import Layout, open_shard_set, tiny_dense
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -110,3 +110,24 @@ def test_process_sweep_equals_the_in_process_sweep(tmp_path: Path, run_dir: Path
         assert record["restored_version"] > record["weight_version"] > 0
     after = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
     assert after == before
+
+
+def test_process_sweep_needs_one_tensor_per_shard(tmp_path: Path, run_dir: Path) -> None:
+    """A model whose shards hold several tensors is refused before any process starts, naming
+    the command that splits it."""
+    model = ModelDir.write(tmp_path / "model", tiny_dense(), layout=Layout.SINGLE)
+    config, recipe = tmp_path / "ggufswap.yaml", tmp_path / "recipe.yaml"
+    write_config(config, model, run_dir)
+    recipe.write_text(yaml.safe_dump(RECIPE))
+    text = tmp_path / "english.txt"
+    text.write_text("Monday, Tuesday. " * 200, encoding="utf-8")
+    run = subprocess.run(
+        [
+            GGUFSWAP, "sweep", "--config", str(config), "--text", str(text), "--recipe",
+            str(recipe), "--out", str(tmp_path / "out"), "--no-progress",
+        ],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert "ggufswap split --per-tensor" in run.stderr
+    assert not (tmp_path / "out" / "logs" / "runtime.log").exists()
