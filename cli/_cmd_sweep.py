@@ -77,7 +77,7 @@ def register(subparsers: Any) -> None:
         "--storage",
         choices=("dequantized", "native", "auto"),
         default="dequantized",
-        help="how the runtime holds weights (see docs/configuration.md)",
+        help="how the in-process runtime holds weights (with --config: runtime.storage)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_threads_option(parser)
