@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import filecmp
 import json
+import os
+import signal
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +36,7 @@ from ggufswap.runtime.serving.sweep import (
     check_changed,
 )
 from ggufswap.runtime.serving.sweep_eval import BASELINE_JSON
+from ggufswap.runtime.serving.sweep_results import write_text
 from ggufswap.shards import (
     RequantError,
     TensorRecord,
@@ -46,6 +50,8 @@ from ggufswap.shards.atomic import temp_path_for
 STARTUP_TIMEOUT_S: Final = 600.0
 EVAL_TIMEOUT_S: Final = 3600.0
 ORIGINALS: Final = "originals"
+CHILDREN: Final = "children.json"
+LEFTOVER_STOP_S: Final = 15.0
 
 
 class ProcessTarget:
@@ -84,13 +90,15 @@ class ProcessTarget:
         self._originals: dict[str, TensorRecord] = {}
         self._required: frozenset[str] = frozenset()
         self._version = 0
+        self._pause = threading.Event()  # never set: waits with a timeout
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> ProcessTarget:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.saved_dir.mkdir(exist_ok=True)
-        self.put_back_originals()  # a killed sweep may have left a swapped shard
+        self.stop_leftovers()  # a killed sweep leaves its runtime and agent running
+        self.put_back_originals()  # ... and maybe a swapped shard
         shard_set = open_shard_set(self.rc.model)
         crowded = [h.path for h in shard_set.shards if len(h.tensors) > 1]
         if crowded:
@@ -110,6 +118,7 @@ class ProcessTarget:
             args += ["--threads", str(self.threads)]
         runtime = Child("runtime", args, log_path=logs / "runtime.log")
         self.children.append(runtime)
+        self._record_children()
         sweep = self._wait(
             lambda: self._sweep_status(runtime),
             what="the runtime's baseline",
@@ -121,8 +130,39 @@ class ProcessTarget:
             "agent", ["agent", "--config", str(self.config_path)], log_path=logs / "agent.log"
         )
         self.children.append(agent)
+        self._record_children()
         self._wait(lambda: status_of(self.agent_status), what="the agent", timeout_s=60.0)
         return self
+
+    def _record_children(self) -> None:
+        """Note the children's pids in ``OUT/children.json`` for :meth:`stop_leftovers`."""
+        doc = [{"name": c.name, "pid": c.popen.pid} for c in self.children]
+        write_text(self.out_dir / CHILDREN, json.dumps(doc) + "\n")
+
+    def stop_leftovers(self) -> None:
+        """Stop the runtime and agent an earlier, killed run of this sweep started: the pids in
+        ``OUT/children.json`` whose command line is still ``ggufswap`` with this config."""
+        path = self.out_dir / CHILDREN
+        if not path.exists():
+            return
+        for child in json.loads(path.read_text()):
+            pid = int(child["pid"])
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # gone
+            if (
+                b"ggufswap" not in b" ".join(cmdline)
+                or str(self.config_path).encode() not in cmdline
+            ):
+                continue  # the pid was reused by another program
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + LEFTOVER_STOP_S
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                self._pause.wait(0.05)
+            if Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)
+        path.unlink()
 
     def close(self) -> list[str]:
         stopped = [child.stop() for child in reversed(self.children)]  # the agent first

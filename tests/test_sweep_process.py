@@ -4,8 +4,10 @@ model's files as they were."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sysconfig
 import tempfile
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from processes import GGUFSWAP
+from processes import GGUFSWAP, wait_for
 from runtime_helpers import ModelDir, one_thread
 
 from ggufswap.runtime.serving.recipe import Recipe
@@ -131,3 +133,50 @@ def test_process_sweep_needs_one_tensor_per_shard(tmp_path: Path, run_dir: Path)
     assert run.returncode == 1
     assert "ggufswap split --per-tensor" in run.stderr
     assert not (tmp_path / "out" / "logs" / "runtime.log").exists()
+
+
+def test_process_sweep_resumes_after_a_kill(tmp_path: Path, run_dir: Path) -> None:
+    """SIGKILL of the sweep mid-way leaves its runtime and agent running and maybe a swapped
+    shard; the same command again stops them, puts the originals back, keeps every verified round
+    and completes the rest; the model's shards end as they began."""
+    model = ModelDir.write(tmp_path / "model", tiny_dense())
+    before = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
+    text = Path(sysconfig.get_path("stdlib")) / "LICENSE.txt"
+    if not text.exists():
+        pytest.skip(f"no English text to evaluate on: {text} is missing")
+    short = tmp_path / "english.txt"
+    short.write_text(text.read_text(encoding="utf-8")[:4000], encoding="utf-8")
+    config, recipe = tmp_path / "ggufswap.yaml", tmp_path / "recipe.yaml"
+    write_config(config, model, run_dir)
+    recipe.write_text(
+        yaml.safe_dump(
+            {"quants": ["q4_0", "q5_1"], "tensors": [{"match": r"^blk\.\d+\.attn_[qkv]\.weight$"}]}
+        )
+    )
+    out = tmp_path / "out"
+    cmd = [
+        GGUFSWAP, "sweep", "--config", str(config), "--text", str(short), "--recipe", str(recipe),
+        "--out", str(out), "--ctx", str(CTX), "--chunks", str(CHUNKS), "--no-progress",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    journal = out / "rounds.jsonl"
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(
+            lambda: journal.exists() and journal.read_bytes().count(b"\n") >= 1,
+            timeout=240,
+            what="a verified round in the journal",
+            interval=0.02,
+        )
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    kept = journal.read_bytes().splitlines(keepends=True)
+    assert len(kept) < 12, "the kill came after the last round"
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert rerun.returncode == 0, rerun.stderr + rerun.stdout
+    lines = journal.read_bytes().splitlines(keepends=True)
+    assert lines[: len(kept)] == kept
+    assert len({json.loads(line)["key"] for line in lines}) == len(lines) == 12
+    after = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
+    assert after == before
