@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ggufswap.runtime.serving.errors import ServingError
+
 LOGITS_MAGIC: Final = b"_logits_"
 LOG_PROB_SPAN: Final = 16.0  # nats below the maximum that the base rows keep
 _HEADER: Final = struct.Struct("<8sIii")  # magic, n_ctx (u32), n_vocab (i32), n_chunk (i32)
@@ -45,7 +47,7 @@ _SLICE_ROWS: Final = 16  # positions processed at once (16 x 262144 float32 = 16
 _MIN_STATS: Final = 10  # llama.cpp reports no uncertainty below this many predictions
 
 
-class KldError(ValueError):
+class KldError(ServingError, ValueError):
     """A baseline file or a chunking request that cannot be used; the message says why."""
 
 

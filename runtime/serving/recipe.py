@@ -27,6 +27,7 @@ from typing import Any, Final
 import yaml
 from gguf import GGMLQuantizationType
 
+from ggufswap.runtime.serving.errors import ServingError
 from ggufswap.shards.writer import parse_type
 
 _TOP_KEYS: Final = frozenset({"quants", "tensors", "groups", "locked"})
@@ -34,7 +35,7 @@ _RULE_KEYS: Final = frozenset({"match", "quants"})
 _GROUP_KEYS: Final = frozenset({"name", "match", "quants"})
 
 
-class RecipeError(ValueError):
+class RecipeError(ServingError, ValueError):
     """A recipe that cannot be used; the message names the file and every problem."""
 
 

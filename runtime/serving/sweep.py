@@ -39,6 +39,7 @@ from ggufswap.config import Storage
 from ggufswap.ipc import Event, Job, Plan, PlanCommittedEvent
 from ggufswap.runtime import HotSwapRuntime, PlanState
 from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.serving.errors import ServingError
 from ggufswap.runtime.serving.kld import BaseLogProbs, first_scored, text_chunks
 from ggufswap.runtime.serving.recipe import Recipe, Round, Skip, plan_rounds, qtype_name
 from ggufswap.runtime.serving.sweep_eval import (
@@ -57,12 +58,12 @@ REPORT_JSON: Final = "report.json"
 COMMIT_TIMEOUT_S: Final = 120.0
 
 
-class SweepError(RuntimeError):
+class SweepError(ServingError):
     """The sweep cannot go on (the model no longer matches its baseline, a restore failed, the
     output directory belongs to another sweep); the message says what was found."""
 
 
-class RoundRefused(Exception):
+class RoundRefused(ServingError):
     """A round that cannot be measured; the sweep reports it and goes on. ``changed``: what a
     commit that changed other tensors than asked did change (None: nothing was committed)."""
 

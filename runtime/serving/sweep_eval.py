@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ggufswap.runtime.models import Decoder
+from ggufswap.runtime.serving.errors import ServingError
 from ggufswap.runtime.serving.kld import (
     BaseLogProbs,
     BaseLogProbsWriter,
@@ -41,7 +42,7 @@ BASELINE_LOGITS: Final = "baseline.logits"
 BASELINE_JSON: Final = "baseline.json"
 
 
-class BaselineMismatch(RuntimeError):
+class BaselineMismatch(ServingError):
     """``--out`` holds the journal of a sweep of another model, text or context."""
 
 

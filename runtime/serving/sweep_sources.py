@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType
 
+from ggufswap.runtime.serving.errors import ServingError
 from ggufswap.runtime.serving.recipe import qtype_name
 from ggufswap.shards import (
     RequantError,
@@ -31,7 +32,7 @@ from ggufswap.shards import (
 from ggufswap.shards.writer import RawTensor, write_gguf
 
 
-class SourceError(RuntimeError):
+class SourceError(ServingError):
     """No quantized tensor could be made or found for a round; the message says which and why."""
 
 
