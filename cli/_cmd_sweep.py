@@ -88,8 +88,8 @@ def _problems(args: argparse.Namespace) -> list[str]:
     problems = []
     if args.ctx < 4:
         problems.append(f"--ctx must be >= 4, found {args.ctx}")
-    if args.chunks is not None and args.chunks < 2:
-        problems.append(f"--chunks must be >= 2 (a mean needs positions), found {args.chunks}")
+    if args.chunks is not None and args.chunks < 1:
+        problems.append(f"--chunks must be >= 1, found {args.chunks}")
     if args.verify_chunks < 0:
         problems.append(f"--verify-chunks must be >= 0, found {args.verify_chunks}")
     for item in args.source:
