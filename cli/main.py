@@ -25,6 +25,9 @@ COMMAND_MODULES = (
     "ggufswap._cmd_demo",
     "ggufswap._cmd_agent",
     "ggufswap._cmd_perplexity",
+    "ggufswap._cmd_sweep",
+    "ggufswap._cmd_split",
+    "ggufswap._cmd_sweep_runtime",
 )
 
 EXIT_OK = 0

@@ -1,0 +1,248 @@
+"""``ggufswap sweep``: per-tensor quantization benchmarking of a GGUF model with PPL and KLD.
+
+Loads the model once, evaluates the baseline once, then for every round of the recipe swaps the
+round's tensors to the target type, measures PPL and KL divergence against the baseline
+(llama-perplexity's protocol and figures), restores them and checks that the logits are the
+baseline's again bit for bit. Results go to ``--out``: ``ppl_results.csv`` and
+``kld_results.csv`` (the GGUF Tool Suite's layout), ``rounds.jsonl`` (one verified round a line,
+the journal a restart resumes from), ``report.json``, and a table on stdout. See docs/sweep.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from ggufswap._cmd_runtime import add_threads_option
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
+
+    from ggufswap.runtime.serving.recipe import Recipe, Round
+    from ggufswap.runtime.serving.sweep import SweepReport
+    from ggufswap.shards import ShardSet
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+DEFAULT_CTX: Final = 512
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "sweep",
+        help="per-tensor quantization sweep of a model: PPL and KLD per tensor and quant type",
+        description=(
+            "Swap each tensor (or group) the recipe names to each target quant type, measure PPL "
+            "and KL divergence against the baseline as llama-perplexity --kl-divergence does, "
+            "restore and verify; results as the GGUF Tool Suite's ppl_results.csv and "
+            "kld_results.csv. Resumable: run the same command again after a kill."
+        ),
+    )
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--model", metavar="FILE", help="GGUF file or any shard (in-process)")
+    target.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="run against a runtime process and an agent as this config describes them "
+        "(its runtime.model laid out one tensor per shard; see docs/sweep.md)",
+    )
+    parser.add_argument("--text", required=True, metavar="FILE", help="UTF-8 evaluation text")
+    parser.add_argument("--recipe", required=True, metavar="FILE", help="YAML recipe")
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="results dir")
+    parser.add_argument(
+        "--ctx", type=int, default=DEFAULT_CTX, metavar="N", help="tokens per chunk (512)"
+    )
+    parser.add_argument("--chunks", type=int, metavar="N", help="evaluate at most N chunks")
+    parser.add_argument(
+        "--verify-chunks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="chunks re-evaluated after each restore to check the baseline logits (0: all)",
+    )
+    parser.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="TYPE=MODEL",
+        help="take TYPE's tensors from this model (laid out like --model) instead of "
+        "requantizing (repeatable)",
+    )
+    parser.add_argument(
+        "--storage",
+        choices=("dequantized", "native", "auto"),
+        default="dequantized",
+        help="how the in-process runtime holds weights (with --config: runtime.storage)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_threads_option(parser)
+    parser.set_defaults(func=run)
+
+
+def _problems(args: argparse.Namespace) -> list[str]:
+    problems = []
+    if args.ctx < 4:
+        problems.append(f"--ctx must be >= 4, found {args.ctx}")
+    if args.chunks is not None and args.chunks < 1:
+        problems.append(f"--chunks must be >= 1, found {args.chunks}")
+    if args.verify_chunks < 0:
+        problems.append(f"--verify-chunks must be >= 0, found {args.verify_chunks}")
+    for item in args.source:
+        if "=" not in item:
+            problems.append(f"--source expects TYPE=MODEL, found {item!r}")
+    if args.config is not None and args.source:
+        problems.append("--source is for the in-process sweep (--model); --config requantizes")
+    return problems
+
+
+def _sources(items: list[str]) -> dict[GGMLQuantizationType, ShardSet]:
+    from ggufswap.shards import open_shard_set
+    from ggufswap.shards.writer import parse_type
+
+    out = {}
+    for item in items:
+        type_name, _, path = item.partition("=")
+        out[parse_type(type_name)] = open_shard_set(path)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from ggufswap._logsetup import configure_logging
+    from ggufswap.runtime.serving.kld import KldError
+    from ggufswap.runtime.serving.recipe import Recipe, RecipeError
+    from ggufswap.runtime.serving.sweep import SweepError
+    from ggufswap.shards import ShardError
+
+    if args.log_level == "info":  # the default: the bar and the table say it all
+        configure_logging(level="error")
+    problems = _problems(args)
+    try:
+        text = Path(args.text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        problems.append(f"cannot read --text {args.text}: {exc}")
+    recipe = None
+    try:
+        recipe = Recipe.load(args.recipe)
+    except RecipeError as exc:
+        problems.append(str(exc))
+    try:
+        sources = _sources(args.source) if not problems else {}
+    except (ShardError, ValueError) as exc:
+        problems.append(f"--source: {exc}")
+    if problems:
+        print("\n".join(f"ggufswap sweep: {p}" for p in problems), file=sys.stderr)
+        return EXIT_USAGE
+    assert recipe is not None, "a recipe that failed to load is a problem above"
+    try:
+        if args.config is not None:
+            report = _process_sweep(args, recipe)
+        else:
+            report = _sweep(args, text, recipe, sources)
+    except (KldError, ShardError, SweepError) as exc:
+        print(f"ggufswap sweep: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    _print_report(report)
+    return EXIT_OK
+
+
+def _sweep(
+    args: argparse.Namespace, text: str, recipe: Recipe, models: dict[Any, ShardSet]
+) -> SweepReport:
+    # torch is imported only by the commands that run a model
+    from ggufswap.config import Storage
+    from ggufswap.runtime.serving.sweep import SweepOptions, run_sweep
+    from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
+
+    apply_thread_policy(resolve_threads(flag=args.threads))
+    options = SweepOptions(
+        n_ctx=args.ctx,
+        max_chunks=args.chunks,
+        verify_chunks=args.verify_chunks,
+        storage=Storage(args.storage),
+    )
+    return run_sweep(
+        args.model,
+        text=text,
+        recipe=recipe,
+        out_dir=args.out.resolve(),
+        options=options,
+        models=models,
+        progress=_no_bar if args.no_progress else _bar,
+        announce=lambda line: print(f"ggufswap sweep: {line}", file=sys.stderr, flush=True),
+    )
+
+
+def _process_sweep(args: argparse.Namespace, recipe: Recipe) -> SweepReport:
+    from ggufswap._sweep_procs import ProcessTarget
+    from ggufswap.config import ConfigError, load_config
+    from ggufswap.runtime.serving.sweep import Sweep, SweepError, SweepOptions
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        raise SweepError(str(exc)) from None
+    out_dir: Path = args.out.resolve()
+    options = SweepOptions(n_ctx=args.ctx, max_chunks=args.chunks, verify_chunks=args.verify_chunks)
+    target = ProcessTarget(
+        config_path=args.config.resolve(),
+        config=config,
+        text=Path(args.text).resolve(),
+        out_dir=out_dir,
+        n_ctx=args.ctx,
+        max_chunks=args.chunks,
+        threads=args.threads,
+    )
+    print(
+        f"ggufswap sweep: starting the runtime and the agent (logs in {out_dir}/logs)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        target.start()
+        sweep = Sweep(
+            target=target,
+            recipe=recipe,
+            out_dir=out_dir,
+            options=options,
+            progress=_no_bar if args.no_progress else _bar,
+        )
+        return sweep.run()
+    finally:
+        for line in target.close():
+            print(f"ggufswap sweep: {line}", file=sys.stderr)
+
+
+def _bar(rounds: Iterator[Round], total: int) -> Iterator[Round]:
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="round", file=sys.stderr, dynamic_ncols=True) as bar:
+        for r in rounds:
+            bar.set_postfix_str(r.key, refresh=True)
+            yield r
+            bar.update(1)
+
+
+def _no_bar(rounds: Iterator[Round], total: int) -> Iterator[Round]:
+    return rounds
+
+
+def _print_report(report: SweepReport) -> None:
+    from ggufswap.runtime.serving.sweep_results import KLD_CSV, PPL_CSV, render_table
+
+    print("\n".join(render_table(report.journal.values(), ppl_base=report.ppl_base)))
+    for skip in report.skipped:
+        target = "" if skip.target == "*" else f" ({skip.target})"
+        print(f"skipped {skip.unit}{target}: {skip.reason}")
+    for refused in report.refused:
+        print(f"refused {refused['key']}: {refused['why']}")
+    done = len(report.journal)
+    print(
+        f"{done} of {report.rounds_planned} rounds recorded ({len(report.recorded)} now, "
+        f"{report.resumed} from the journal); every restore reproduced the baseline logits"
+    )
+    print(f"results: {report.out_dir / PPL_CSV}, {report.out_dir / KLD_CSV}")

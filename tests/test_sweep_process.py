@@ -1,0 +1,182 @@
+"""``ggufswap sweep --config``: the same sweep against a real runtime process and a real agent
+watching the model's directory gives the in-process sweep's figures exactly, and leaves the
+model's files as they were."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from processes import GGUFSWAP, wait_for
+from runtime_helpers import ModelDir, one_thread
+
+from ggufswap.runtime.serving.recipe import Recipe
+from ggufswap.runtime.serving.sweep import SweepOptions, run_sweep
+from ggufswap.runtime.serving.sweep_results import Journal
+from ggufswap.shards import Layout, open_shard_set, tiny_dense
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+CTX, CHUNKS = 64, 6
+RECIPE = {
+    "quants": ["q4_0", "q5_1"],
+    "tensors": [{"match": r"^blk\.0\.attn_q\.weight$"}],
+    "groups": [{"name": "all_ffn_up", "match": [r"^blk\.\d+\.ffn_up\.weight$"]}],
+}
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    """A private directory for the ipc:// sockets, short enough for their path limit."""
+    path = Path(tempfile.mkdtemp(prefix="gs-sweep-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def write_config(path: Path, model: ModelDir, run: Path) -> None:
+    name = "tiny-dense"
+    doc = {
+        "version": 1,
+        "agent": {"status_endpoint": f"ipc://{run}/agent.sock", "rescan_interval_s": 300},
+        "models": [
+            {
+                "name": name,
+                "runtime": f"ipc://{run}/rt.sock",
+                "watch": [{"path": str(model.root), "glob": "*.gguf", "backend": "watchdog"}],
+                "settle_ms": 100,
+                "verify": "checksum",
+            }
+        ],
+        "runtime": {
+            "name": name,
+            "model": str(model.first),
+            "control_endpoint": f"ipc://{run}/rt.sock",
+            "status_endpoint": f"ipc://{run}/rt.status.sock",
+            "events_endpoint": f"ipc://{run}/rt.events.sock",
+            "allowed_roots": [str(model.root)],
+            "pools": [{"name": "host", "device": "cpu"}],
+        },
+    }
+    path.write_text(yaml.safe_dump(doc))
+
+
+def test_process_sweep_equals_the_in_process_sweep(tmp_path: Path, run_dir: Path) -> None:
+    """Every round through the agent and the runtime process records the figures the in-process
+    sweep records for it (==), each swap and restore a commit of exactly its tensors, and the
+    model's shards end as they began."""
+    model = ModelDir.write(tmp_path / "model", tiny_dense())
+    before = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
+    text = Path(sysconfig.get_path("stdlib")) / "LICENSE.txt"
+    if not text.exists():
+        pytest.skip(f"no English text to evaluate on: {text} is missing")
+    short = tmp_path / "english.txt"
+    short.write_text(text.read_text(encoding="utf-8")[:4000], encoding="utf-8")
+    config, recipe = tmp_path / "ggufswap.yaml", tmp_path / "recipe.yaml"
+    write_config(config, model, run_dir)
+    recipe.write_text(yaml.safe_dump(RECIPE))
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [
+            GGUFSWAP, "sweep", "--config", str(config), "--text", str(short), "--recipe",
+            str(recipe), "--out", str(out), "--ctx", str(CTX), "--chunks", str(CHUNKS),
+            "--no-progress",
+        ],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert "4 of 4 rounds recorded" in run.stdout
+    process = Journal(out / "rounds.jsonl").records
+    in_process = run_sweep(
+        model.first,
+        text=short.read_text(encoding="utf-8"),
+        recipe=Recipe.from_document(RECIPE),
+        out_dir=tmp_path / "in-process",
+        options=SweepOptions(n_ctx=CTX, max_chunks=CHUNKS),
+    ).journal
+    assert set(process) == set(in_process)
+    for key, record in process.items():
+        assert record["metrics"] == in_process[key]["metrics"], key
+        assert record["tensors"] == in_process[key]["tensors"]
+        assert record["restored_version"] > record["weight_version"] > 0
+    after = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
+    assert after == before
+
+
+def test_process_sweep_needs_one_tensor_per_shard(tmp_path: Path, run_dir: Path) -> None:
+    """A model whose shards hold several tensors is refused before any process starts, naming
+    the command that splits it."""
+    model = ModelDir.write(tmp_path / "model", tiny_dense(), layout=Layout.SINGLE)
+    config, recipe = tmp_path / "ggufswap.yaml", tmp_path / "recipe.yaml"
+    write_config(config, model, run_dir)
+    recipe.write_text(yaml.safe_dump(RECIPE))
+    text = tmp_path / "english.txt"
+    text.write_text("Monday, Tuesday. " * 200, encoding="utf-8")
+    run = subprocess.run(
+        [
+            GGUFSWAP, "sweep", "--config", str(config), "--text", str(text), "--recipe",
+            str(recipe), "--out", str(tmp_path / "out"), "--no-progress",
+        ],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert "ggufswap split --per-tensor" in run.stderr
+    assert not (tmp_path / "out" / "logs" / "runtime.log").exists()
+
+
+def test_process_sweep_resumes_after_a_kill(tmp_path: Path, run_dir: Path) -> None:
+    """SIGKILL of the sweep mid-way leaves its runtime and agent running and maybe a swapped
+    shard; the same command again stops them, puts the originals back, keeps every verified round
+    and completes the rest; the model's shards end as they began."""
+    model = ModelDir.write(tmp_path / "model", tiny_dense())
+    before = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
+    text = Path(sysconfig.get_path("stdlib")) / "LICENSE.txt"
+    if not text.exists():
+        pytest.skip(f"no English text to evaluate on: {text} is missing")
+    short = tmp_path / "english.txt"
+    short.write_text(text.read_text(encoding="utf-8")[:4000], encoding="utf-8")
+    config, recipe = tmp_path / "ggufswap.yaml", tmp_path / "recipe.yaml"
+    write_config(config, model, run_dir)
+    recipe.write_text(
+        yaml.safe_dump(
+            {"quants": ["q4_0", "q5_1"], "tensors": [{"match": r"^blk\.\d+\.attn_[qkv]\.weight$"}]}
+        )
+    )
+    out = tmp_path / "out"
+    cmd = [
+        GGUFSWAP, "sweep", "--config", str(config), "--text", str(short), "--recipe", str(recipe),
+        "--out", str(out), "--ctx", str(CTX), "--chunks", str(CHUNKS), "--no-progress",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    journal = out / "rounds.jsonl"
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(
+            lambda: journal.exists() and journal.read_bytes().count(b"\n") >= 1,
+            timeout=240,
+            what="a verified round in the journal",
+            interval=0.02,
+        )
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    kept = journal.read_bytes().splitlines(keepends=True)
+    assert len(kept) < 12, "the kill came after the last round"
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert rerun.returncode == 0, rerun.stderr + rerun.stdout
+    lines = journal.read_bytes().splitlines(keepends=True)
+    assert lines[: len(kept)] == kept
+    assert len({json.loads(line)["key"] for line in lines}) == len(lines) == 12
+    after = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
+    assert after == before
