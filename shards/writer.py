@@ -389,7 +389,7 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
     misfits: dict[Role, list[PlannedTensor]] = {}
     planned = plan_tensors(spec, validate=False)
     for role in sorted({t.role for t in planned} & F32_ONLY_ROLES, key=lambda r: r.name):
-        if spec.type_of(role) is not Q.F32:
+        if spec.type_of(role) != Q.F32:
             found = spec.type_of(role).name
             errors.append(f"{role.name} must be F32 (ggml reads it as floats), found {found}")
     for t in planned:

@@ -180,7 +180,7 @@ def plan_rounds(
     names: Iterable[str],
     *,
     computed: frozenset[str],
-    types: Mapping[str, GGMLQuantizationType],
+    types: Mapping[str, int],  # each tensor's GGML type code
 ) -> tuple[list[Round], list[Skip]]:
     """The rounds of ``recipe`` over the model's tensor ``names`` (in model order), and what is
     skipped: locked tensors, tensors the model never computes with (not in ``computed``), and
@@ -220,7 +220,7 @@ def plan_rounds(
             skips.append(Skip(name, "*", "the model never computes with it"))
             continue
         for q in rule.quants:
-            if types.get(name) is q:
+            if types.get(name) == q:
                 skips.append(Skip(name, qtype_name(q), f"already {qtype_name(q)}"))
             else:
                 rounds.append(Round(name, (name,), q))

@@ -289,7 +289,7 @@ class Sweep:
         """Swap, measure, restore, verify; the journal record (RoundRefused: nothing changed)."""
         originals = self.target.originals
         # A group member already in the target type stays as it is.
-        names = tuple(n for n in r.tensors if originals[n].ggml_type is not r.target)
+        names = tuple(n for n in r.tensors if int(originals[n].ggml_type) != int(r.target))
         if not names:
             raise RoundRefused(f"{r.key}: every tensor is already {qtype_name(r.target)}")
         t0 = time.perf_counter()

@@ -84,7 +84,7 @@ class TensorSources:
             raise SourceError(
                 f"{name}: {where} has shape {list(rec.shape)}, the model {list(original.shape)}"
             )
-        if rec.ggml_type is not target:
+        if int(rec.ggml_type) != int(target):
             raise SourceError(
                 f"{name}: {where} holds it as {rec.ggml_type.name}, not {target.name}"
             )
