@@ -45,7 +45,8 @@ def test_the_fixtures_cover_every_case_and_stay_small() -> None:
     assert set(CASES) == set(SPECS)
     assert MANIFEST["tokens"] == list(xcheck.TOKENS)
     size = xcheck.MANIFEST.stat().st_size + xcheck.LOGITS.stat().st_size
-    assert size < 512 * 1024, size
+    # 161 cases took 605 KB (about 3.8 KB each: a spec and four positions' logits).
+    assert size < 768 * 1024, size
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
