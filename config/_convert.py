@@ -21,7 +21,8 @@ T = TypeVar("T")
 E = TypeVar("E", bound=enum.Enum)
 
 # Names appear in socket paths, log fields and metric labels.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_NAME = NAME_PATTERN
 # Devices whose syntax we can check without importing torch: TYPE or TYPE:INDEX.
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 _DEVICE = re.compile(r"(?P<type>[a-z]+)(?::(?P<index>0|[1-9]\d{0,3}))?")

@@ -10,7 +10,7 @@ from pathlib import Path
 from yaml.nodes import Node
 
 from ggufswap.config._checks import cross_check
-from ggufswap.config._convert import PathKind, Values, optional
+from ggufswap.config._convert import NAME_PATTERN, PathKind, Values, optional
 from ggufswap.config._nodes import NodeReader, Section
 from ggufswap.config.endpoints import (
     Transport,
@@ -80,7 +80,8 @@ PLACEMENT_KEYS = ("gpu_layers", "experts_pool", "split_experts")
 SECURITY_KEYS = ("curve", "allow_insecure_tcp")
 CURVE_KEYS = ("server_secret_key", "server_public_key", "client_secret_key", "authorized_keys_dir")
 
-DEFAULT_RUNTIME_NAME = "runtime"
+DEFAULT_RUNTIME_NAME = "runtime"  # a runtime-only text without a file, or an unusable file name
+YAML_SUFFIXES = (".yaml", ".yml")
 DEFAULT_POOLS = (PoolConfig(name="host", device="cpu", budget=None),)
 LOCALHOST = "127.0.0.1"
 _NO_PATH = Path()
@@ -126,7 +127,12 @@ def load_config_text(
         base_dir = os.path.dirname(os.path.abspath(file)) if source is not None else os.getcwd()
     reader = NodeReader(file=file)
     values = Values(reader, base_dir=Path(os.path.abspath(base_dir)), check_paths=check_paths)
-    builder = _Builder(reader, values, runtime_dir=default_runtime_dir(environ=environ))
+    builder = _Builder(
+        reader,
+        values,
+        runtime_dir=default_runtime_dir(environ=environ),
+        file_stem=_file_stem(source),
+    )
     root = reader.compose(text)
     config = None
     if root is not None or not reader.problems:  # a syntax error leaves nothing to check
@@ -140,10 +146,13 @@ def load_config_text(
 class _Builder:
     """Turns the node tree into records, section by section."""
 
-    def __init__(self, reader: NodeReader, values: Values, *, runtime_dir: Path):
+    def __init__(
+        self, reader: NodeReader, values: Values, *, runtime_dir: Path, file_stem: str | None
+    ):
         self.r = reader
         self.v = values
         self.runtime_dir = runtime_dir
+        self.file_stem = file_stem
 
     def build(self, root: Node | None, source: Path | None) -> Config | None:
         if root is None:
@@ -261,7 +270,12 @@ class _Builder:
 
     def runtime(self, node: Node, path: str, models: tuple[ModelConfig, ...]) -> RuntimeConfig:
         sec = self.r.section(node, path, keys=RUNTIME_KEYS, required=("model",))
+        # A runtime serving the file's only model takes its name; a runtime-only file (systemd's
+        # /etc/ggufswap/%i.yaml) is named after the file, so that instance i binds i.sock, the
+        # socket an agent's `models: [{name: i}]` dials by default.
         default_name = models[0].name if len(models) == 1 and models[0].name else None
+        if default_name is None and not models:
+            default_name = self.file_stem
         name = self.r.get(sec, "name", self.v.name, default_name or DEFAULT_RUNTIME_NAME)
         model = self.r.get(sec, "model", self.v.path(kind=PathKind.FILE), _NO_PATH)
         default_control = ipc_endpoint(self.runtime_dir / f"{name}.sock")
@@ -351,6 +365,18 @@ class _Builder:
             curve=curve,
             allow_insecure_tcp=self.r.get(sec, "allow_insecure_tcp", self.v.boolean, False),
         )
+
+
+def _file_stem(source: str | os.PathLike[str] | None) -> str | None:
+    """The configuration file's name without ``.yaml``/``.yml``, when it is a valid name."""
+    if source is None:
+        return None
+    name = Path(source).name
+    for suffix in YAML_SUFFIXES:
+        if name.endswith(suffix):
+            name = name.removesuffix(suffix)
+            break
+    return name if NAME_PATTERN.fullmatch(name) else None
 
 
 def _connectable(endpoint: str) -> str:
