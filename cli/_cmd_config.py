@@ -10,6 +10,7 @@ from typing import Any
 from ggufswap.config import (
     Config,
     ConfigError,
+    ServeMode,
     config_to_dict,
     format_size,
     format_threads,
@@ -108,6 +109,14 @@ def summary_lines(config: Config) -> list[str]:
         if placement.split_experts:
             experts += ", MoE families split across pools when they fit no single pool"
         lines.append(f"  placement: {layers} layer(s) on {runtime.pools[0].name}{experts}")
+        serve = runtime.serve
+        if serve.mode is ServeMode.HTTP:
+            lines.append(
+                f"  serve http on {serve.host}:{serve.port} (max batch {serve.max_batch}, "
+                f"queue {serve.max_queue}, timeout {serve.request_timeout_s:g} s)"
+            )
+        else:
+            lines.append(f"  serve {serve.mode.value} (a batch every {serve.batch_interval_s:g} s)")
     security = config.security
     if security.curve is not None:
         lines.append("security: CURVE keys configured")

@@ -96,6 +96,13 @@ class Values:
             raise Invalid(f"expected a number of seconds > 0, found {value}")
         return float(value)
 
+    def seconds_or_zero(self, node: Node, path: str) -> float:
+        """A finite number of seconds >= 0."""
+        value = self.reader.scalar(node)
+        if value == 0 and not isinstance(value, bool):
+            return 0.0
+        return self.seconds(node, path)
+
     def threads(self, node: Node, path: str) -> int | None:
         """A thread count (``1..MAX_THREADS``) or ``auto`` (``None``)."""
         del path

@@ -35,6 +35,8 @@ from ggufswap.config.schema import (
     PoolConfig,
     RuntimeConfig,
     SecurityConfig,
+    ServeConfig,
+    ServeMode,
     Storage,
     TensorFilter,
     VerifyMode,
@@ -74,6 +76,16 @@ RUNTIME_KEYS = (
     "log_level",
     "threads",
     "decoded_cache",
+    "serve",
+)
+SERVE_KEYS = (
+    "mode",
+    "host",
+    "port",
+    "max_batch",
+    "max_queue",
+    "request_timeout_s",
+    "batch_interval_s",
 )
 POOL_KEYS = ("name", "device", "budget")
 PLACEMENT_KEYS = ("gpu_layers", "experts_pool", "split_experts")
@@ -285,6 +297,7 @@ class _Builder:
         roots = self.v.list_of(self.v.path(kind=PathKind.DIRECTORY), min_items=1)
         pools = self.v.list_of(self.pool, min_items=1)
         placement = self._section(sec, "placement", PLACEMENT_KEYS)
+        serve = self._section(sec, "serve", SERVE_KEYS)
         return RuntimeConfig(
             name=name,
             model=model,
@@ -304,6 +317,25 @@ class _Builder:
             threads=self.r.get(sec, "threads", optional(self.v.threads), None),
             decoded_cache=self.r.get(
                 sec, "decoded_cache", self.v.size_or_zero, DEFAULT_DECODED_CACHE
+            ),
+            serve=self.serve(serve),
+        )
+
+    def serve(self, sec: Section | None) -> ServeConfig:
+        if sec is None:
+            return ServeConfig()
+        d = ServeConfig()
+        return ServeConfig(
+            mode=self.r.get(sec, "mode", self.v.choice(ServeMode), d.mode),
+            host=self.r.get(sec, "host", self.v.string, d.host),
+            port=self.r.get(sec, "port", self.v.integer(minimum=0, maximum=65535), d.port),
+            max_batch=self.r.get(sec, "max_batch", self.v.integer(minimum=1), d.max_batch),
+            max_queue=self.r.get(sec, "max_queue", self.v.integer(minimum=1), d.max_queue),
+            request_timeout_s=self.r.get(
+                sec, "request_timeout_s", self.v.seconds, d.request_timeout_s
+            ),
+            batch_interval_s=self.r.get(
+                sec, "batch_interval_s", self.v.seconds_or_zero, d.batch_interval_s
             ),
         )
 
