@@ -62,6 +62,13 @@ def run_agent(args: argparse.Namespace) -> int:
     config = _load(args.config)
     if config is None:
         return EXIT_CONFIG
+    from ggufswap._preflight import socket_dir_problem
+
+    why = socket_dir_problem(config.agent.status_endpoint)
+    if why is not None:
+        where = f"{config.source}: agent.status_endpoint: {config.agent.status_endpoint}"
+        print(f"ggufswap agent: {where}: {why}", file=sys.stderr)
+        return EXIT_CONFIG
     from ggufswap._signals import ProcessSignals
     from ggufswap.agent import AgentDaemon, AgentError
     from ggufswap.ipc import IpcError

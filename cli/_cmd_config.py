@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from ggufswap._preflight import bind_dir_problems
 from ggufswap.config import (
     Config,
     ConfigError,
@@ -49,6 +50,19 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(str(exc), file=sys.stderr)
             count = len(exc.problems)
+            print(f"{count} problem{'s' if count != 1 else ''} found", file=sys.stderr)
+        return EXIT_INVALID
+    unusable = bind_dir_problems(config)
+    if unusable:
+        if args.json:
+            problems = [
+                {"file": str(config.source), "line": None, "key": "", "message": m}
+                for m in unusable
+            ]
+            _print_json({"ok": False, "problems": problems})
+        else:
+            print("\n".join(unusable), file=sys.stderr)
+            count = len(unusable)
             print(f"{count} problem{'s' if count != 1 else ''} found", file=sys.stderr)
         return EXIT_INVALID
     if args.json:

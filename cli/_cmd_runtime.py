@@ -8,6 +8,7 @@ import dataclasses
 import sys
 from typing import Any
 
+from ggufswap._preflight import runtime_problems
 from ggufswap._signals import ProcessSignals
 from ggufswap.config import (
     AUTO_THREADS,
@@ -134,9 +135,16 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_CONFIG
+    # Before any model load: every socket and the HTTP port must be free, the model readable.
+    problems = runtime_problems(config, http_port=(serve.host, serve.port))
+    if problems:
+        print("\n".join(f"ggufswap runtime: {p}" for p in problems), file=sys.stderr)
+        return EXIT_CONFIG
+    from ggufswap.ipc import IpcError
     from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
     from ggufswap.runtime.serving.errors import ListenError
     from ggufswap.runtime.serving.serve import Mode, ServeOptions
+    from ggufswap.shards import ShardError
 
     signals = ProcessSignals().install()
     options = ServeOptions(
@@ -150,6 +158,6 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         return daemon.run(config, options=options, stop=signals.stop, threads=args.threads)
-    except ListenError as exc:
-        print(str(exc), file=sys.stderr)
+    except (ListenError, IpcError, ShardError) as exc:
+        print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
         return EXIT_CONFIG

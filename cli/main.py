@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from ggufswap import __version__
 from ggufswap._logsetup import configure_logging
@@ -26,6 +27,9 @@ COMMAND_MODULES = (
     "ggufswap._cmd_agent",
     "ggufswap._cmd_perplexity",
 )
+
+# Modules of the ``runtime`` extra: a command that needs one says which extra to install.
+RUNTIME_EXTRA_MODULES = frozenset({"torch", "tokenizers", "tqdm"})
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -55,6 +59,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         result: int = args.func(args)
     except KeyboardInterrupt:
         return EXIT_SIGINT
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in RUNTIME_EXTRA_MODULES:
+            raise
+        print(
+            f"ggufswap {args.command}: needs the 'runtime' extra ({exc.name} is not installed): "
+            f"{Path(sys.executable).parent / 'pip'} install 'ggufswap[runtime]' (from a "
+            "checkout: pip install '.[runtime]'; see docs/operations.md, Install)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     except BrokenPipeError:  # `ggufswap inspect big.gguf | head`
         sys.stderr.close()
         return EXIT_OK
