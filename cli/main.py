@@ -20,6 +20,7 @@ from ggufswap._logsetup import configure_logging
 COMMAND_MODULES = (
     "ggufswap._cmd_shards",
     "ggufswap._cmd_config",
+    "ggufswap._cmd_install",
     "ggufswap._cmd_make",
     "ggufswap._cmd_runtime",
     "ggufswap._cmd_status",
