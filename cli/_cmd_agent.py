@@ -1,4 +1,5 @@
-"""``ggufswap agent --config FILE`` (the sidecar) and ``ggufswap plan --dry-run --config FILE``."""
+"""``ggufswap agent --config FILE`` (the sidecar) and ``ggufswap plan --config FILE`` (prints the
+plan the agent would send; never sends it)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def register(subparsers: Any) -> None:
     )
     plan.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
     plan.add_argument(
-        "--dry-run", action="store_true", help="print only (required: the agent sends plans)"
+        "--dry-run",
+        action="store_true",
+        help="accepted for clarity; plan only ever prints (the agent is what sends plans)",
     )
     plan.add_argument("--model", metavar="NAME", help="only this model")
     plan.add_argument("--json", action="store_true", help="print a JSON object")
@@ -91,9 +94,6 @@ def run_agent(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    if not args.dry_run:
-        print("ggufswap plan: only --dry-run is supported (the agent sends plans)", file=sys.stderr)
-        return EXIT_CONFIG
     config = _load(args.config)
     if config is None:
         return EXIT_CONFIG

@@ -121,6 +121,12 @@ def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int
         model = build_model(hparams, runtime.store, store=runtime.store)
         tokenizer = GgufTokenizer.from_file(runtime.shards.first.path)
         ctx = min(args.ctx, hparams.context_length)
+        if ctx < args.ctx:
+            print(
+                f"ggufswap perplexity: --ctx {args.ctx} is longer than the model's context "
+                f"({hparams.context_length} tokens); using --ctx {ctx}",
+                file=sys.stderr,
+            )
         windows = text_windows(tokenizer, text, ctx=ctx)
         if not windows:
             print(

@@ -32,6 +32,8 @@ COMMAND_MODULES = (
 # Modules of the ``runtime`` extra: a command that needs one says which extra to install.
 RUNTIME_EXTRA_MODULES = frozenset({"torch", "tokenizers", "tqdm"})
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -43,12 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ggufswap", description="Live per-tensor hot-swap of GGUF weights."
     )
     parser.add_argument("--version", action="version", version=f"ggufswap {__version__}")
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    # `ggufswap runtime --config X --log-level debug` works as well as before the command; a
+    # subcommand's value (SUPPRESS: only when given) wins over the global one.
+    for command in subparsers.choices.values():
+        command.add_argument(
+            "--log-level",
+            choices=LOG_LEVELS,
+            default=argparse.SUPPRESS,
+            help="debug, info (default), warning or error; also accepted before the command",
+        )
     return parser
 
 
