@@ -197,8 +197,10 @@ def _lines(result: dict[str, Any]) -> list[str]:
         for job in plan["jobs"]:
             why = result["why"].get(job["name"], "")
             type_name = GGMLQuantizationType(job["type"]).name
+            # The torch order, as `ggufswap inspect` prints it (ne reversed); JSON keeps ne.
+            shape = "x".join(str(d) for d in reversed(job["ne"]))
             lines.append(
-                f"    {job['name']}  {type_name} ne {job['ne']}  {job['path']} "
+                f"    {job['name']}  {type_name} shape {shape}  {job['path']} "
                 f"@ {job['offset']}  ({why})"
             )
     lines.extend(f"  blocked {b['tensor']}: {b['reason']}" for b in result["blocked"])

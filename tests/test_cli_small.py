@@ -54,6 +54,23 @@ def test_plan_prints_without_dry_run(tmp_path: Path, short_dir: Path) -> None:
         assert "2 job(s)" in result.stdout
 
 
+def test_plan_prints_shapes_in_the_order_inspect_does(tmp_path: Path, short_dir: Path) -> None:
+    """A planned tensor's shape reads as ``ggufswap inspect`` prints it (torch order)."""
+    first = write_model(tiny_dense(), tmp_path / "dense")[0]
+    cfg = tmp_path / "dense.yaml"
+    cfg.write_text(
+        f"agent: {{status_endpoint: 'ipc://{short_dir}/agent.sock'}}\n"
+        f"models:\n  - name: d\n    runtime: ipc://{short_dir}/rt.sock\n"
+        f"    watch: [{{path: {first.parent}}}]\n"
+    )
+    plan = run_ggufswap("plan", "--config", cfg, "--timeout", "0.3").stdout
+    inspect = run_ggufswap("inspect", first).stdout
+    name = "blk.0.ffn_up.weight"
+    (row,) = [line.split() for line in inspect.splitlines() if line.startswith(name)]
+    (job,) = [line.split() for line in plan.splitlines() if line.strip().startswith(name)]
+    assert job[job.index("shape") + 1] == row[2], (job, row)
+
+
 def test_status_without_arguments_asks_the_default_socket_directory(short_dir: Path) -> None:
     """With no ENDPOINT and no --config, status asks every status socket of the default socket
     directory, and says where it looked when there is none."""
