@@ -154,3 +154,21 @@ def test_a_failed_demo_keeps_the_logs_it_names(tmp_path: Path) -> None:
         assert "ggufswap[runtime]" in Path(logs[0]).read_text()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_a_socket_path_too_long_is_one_clear_message(tmp_path: Path) -> None:
+    """A temporary directory too deep for Unix socket paths ends the demo with a message that
+    names the endpoint, not a thread's traceback."""
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ggufswap", "demo", "--quick", "--layers", "1"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "TMPDIR": str(deep)},
+    )
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "could not subscribe to ipc://" in proc.stderr
