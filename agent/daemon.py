@@ -18,6 +18,7 @@ own ``WatchSet`` module when this file next grows.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import threading
@@ -188,7 +189,8 @@ class AgentDaemon:
             self.config.agent.status_endpoint,
             status_handler(self.status),
             name="agent",
-            options=self._options,
+            # `ggufswap status` by members of the socket directory's group (docs/operations.md)
+            options=dataclasses.replace(self._options, group_access=True),
         ).start()
         try:
             self._build(self.config)

@@ -184,6 +184,10 @@ class RuntimeLink:
         self._not_loaded = 0
         self._history: deque[PlanRecord] = deque(maxlen=HISTORY)
         self._last_error: str | None = None
+        # Set while the runtime is unreachable (a runtime still loading its model, or down): the
+        # retries of one outage log at debug level, its end once at info, and the outage's
+        # error is cleared once the runtime answers again.
+        self._outage = False
         self.plans_sent = 0
         self.outcomes: dict[str, int] = {}  # plans by outcome since start (for metrics)
         self.log = log.bind(model=model.name, endpoint=self.endpoint)
@@ -332,7 +336,7 @@ class RuntimeLink:
         state = self._state
         if state is LinkState.UNREACHABLE:
             if now >= self._timers.retry_at:
-                self.log.info("link.retry")
+                self.log.debug("link.retry")
                 self._new_client()
                 self._sync()
             return
@@ -340,7 +344,7 @@ class RuntimeLink:
             attempts = 1 + self.model.retries
             if self._timers.attempt < attempts:
                 self._timers.attempt += 1
-                self.log.warning(
+                (self.log.debug if self._outage else self.log.warning)(
                     "link.request_timeout",
                     type=self._request.get(Fields.TYPE) if self._request else None,
                     attempt=self._timers.attempt,
@@ -368,7 +372,11 @@ class RuntimeLink:
             f"no reply from {self.endpoint} after {1 + self.model.retries} attempt(s) of "
             f"{self.model.request_timeout_s}s; is the runtime running?"
         )
-        self.log.warning("link.unreachable", error=self._last_error)
+        if not self._outage:  # once per outage; the retries go on quietly until it answers
+            self.log.warning(
+                "link.unreachable", error=self._last_error, retry_s=self.model.request_timeout_s
+            )
+        self._outage = True
         if self._in_flight is not None:
             self._finish(Outcome.ABANDONED, now, reasons=("runtime unreachable",))
         self._move(LinkState.UNREACHABLE)
@@ -427,6 +435,11 @@ class RuntimeLink:
                 f"{self.model.name!r}; plans will be refused"
             )
             self.log.warning("link.model_mismatch", runtime_model=state.model)
+        if self._outage:
+            self._outage = False
+            if refused is None and not (state.model and state.model != self.model.name):
+                self._last_error = None  # the outage's error is over
+            self.log.info("link.reconnected", endpoint=self.endpoint)
         self._request_id = self._request = None
         self._timers.state_at = now
         self._move(LinkState.IDLE)

@@ -61,7 +61,11 @@ def measure(swaps: int, settle_ms: int) -> list[float]:
         requantize(shard, TENSOR, Q.Q4_0, out=versions[1])
         config = _config(work, first, settle_ms)
         run = work / "run"
-        runtime = Child("runtime", ["runtime", "--config", str(config)], log_path=work / "rt.log")
+        runtime = Child(
+            "runtime",
+            ["runtime", "--config", str(config), "--mode", "probe"],
+            log_path=work / "rt.log",
+        )
         children.append(runtime)
         poll_until(lambda: status_of(f"ipc://{run}/rt.sock"), timeout_s=60, what="runtime")
         events = CommitEvents(f"ipc://{run}/events.sock").start()

@@ -1,4 +1,5 @@
-"""``ggufswap agent --config FILE`` (the sidecar) and ``ggufswap plan --dry-run --config FILE``."""
+"""``ggufswap agent --config FILE`` (the sidecar) and ``ggufswap plan --config FILE`` (prints the
+plan the agent would send; never sends it)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def register(subparsers: Any) -> None:
     )
     plan.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
     plan.add_argument(
-        "--dry-run", action="store_true", help="print only (required: the agent sends plans)"
+        "--dry-run",
+        action="store_true",
+        help="accepted for clarity; plan only ever prints (the agent is what sends plans)",
     )
     plan.add_argument("--model", metavar="NAME", help="only this model")
     plan.add_argument("--json", action="store_true", help="print a JSON object")
@@ -62,6 +65,13 @@ def run_agent(args: argparse.Namespace) -> int:
     config = _load(args.config)
     if config is None:
         return EXIT_CONFIG
+    from ggufswap._preflight import socket_dir_problem
+
+    why = socket_dir_problem(config.agent.status_endpoint)
+    if why is not None:
+        where = f"{config.source}: agent.status_endpoint: {config.agent.status_endpoint}"
+        print(f"ggufswap agent: {where}: {why}", file=sys.stderr)
+        return EXIT_CONFIG
     from ggufswap._signals import ProcessSignals
     from ggufswap.agent import AgentDaemon, AgentError
     from ggufswap.ipc import IpcError
@@ -84,9 +94,6 @@ def run_agent(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    if not args.dry_run:
-        print("ggufswap plan: only --dry-run is supported (the agent sends plans)", file=sys.stderr)
-        return EXIT_CONFIG
     config = _load(args.config)
     if config is None:
         return EXIT_CONFIG
@@ -191,8 +198,10 @@ def _lines(result: dict[str, Any]) -> list[str]:
             why = result["why"].get(job["name"], "")
             known = ggml_type(job["type"])
             type_name = known.name if known is not None else f"type {job['type']}"
+            # The torch order, as `ggufswap inspect` prints it (ne reversed); JSON keeps ne.
+            shape = "x".join(str(d) for d in reversed(job["ne"]))
             lines.append(
-                f"    {job['name']}  {type_name} ne {job['ne']}  {job['path']} "
+                f"    {job['name']}  {type_name} shape {shape}  {job['path']} "
                 f"@ {job['offset']}  ({why})"
             )
     lines.extend(f"  blocked {b['tensor']}: {b['reason']}" for b in result["blocked"])

@@ -7,9 +7,11 @@ import json
 import sys
 from typing import Any
 
+from ggufswap._preflight import bind_dir_problems
 from ggufswap.config import (
     Config,
     ConfigError,
+    ServeMode,
     config_to_dict,
     format_size,
     format_threads,
@@ -48,6 +50,19 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(str(exc), file=sys.stderr)
             count = len(exc.problems)
+            print(f"{count} problem{'s' if count != 1 else ''} found", file=sys.stderr)
+        return EXIT_INVALID
+    unusable = bind_dir_problems(config)
+    if unusable:
+        if args.json:
+            problems = [
+                {"file": str(config.source), "line": None, "key": "", "message": m}
+                for m in unusable
+            ]
+            _print_json({"ok": False, "problems": problems})
+        else:
+            print("\n".join(unusable), file=sys.stderr)
+            count = len(unusable)
             print(f"{count} problem{'s' if count != 1 else ''} found", file=sys.stderr)
         return EXIT_INVALID
     if args.json:
@@ -108,6 +123,14 @@ def summary_lines(config: Config) -> list[str]:
         if placement.split_experts:
             experts += ", MoE families split across pools when they fit no single pool"
         lines.append(f"  placement: {layers} layer(s) on {runtime.pools[0].name}{experts}")
+        serve = runtime.serve
+        if serve.mode is ServeMode.HTTP:
+            lines.append(
+                f"  serve http on {serve.host}:{serve.port} (max batch {serve.max_batch}, "
+                f"queue {serve.max_queue}, timeout {serve.request_timeout_s:g} s)"
+            )
+        else:
+            lines.append(f"  serve {serve.mode.value} (a batch every {serve.batch_interval_s:g} s)")
     security = config.security
     if security.curve is not None:
         lines.append("security: CURVE keys configured")

@@ -121,6 +121,12 @@ def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int
         model = build_model(hparams, runtime.store, store=runtime.store)
         tokenizer = GgufTokenizer.from_file(runtime.shards.first.path)
         ctx = min(args.ctx, hparams.context_length)
+        if ctx < args.ctx:
+            print(
+                f"ggufswap perplexity: --ctx {args.ctx} is longer than the model's context "
+                f"({hparams.context_length} tokens); using --ctx {ctx}",
+                file=sys.stderr,
+            )
         windows = text_windows(tokenizer, text, ctx=ctx)
         if not windows:
             print(
@@ -165,12 +171,26 @@ class _Evaluator:
         self._lock = threading.Lock()
 
     def evaluate(self, version: int, *, plans: list[str]) -> dict[str, Any]:
+        from ggufswap.runtime.progress import ProgressLog
         from ggufswap.runtime.serving.perplexity import NllStats, batch_nll
 
         started = time.perf_counter()
         total = NllStats()
-        for tokens in self.batches:
-            total = total + batch_nll(self.model, tokens)
+        progress = ProgressLog(
+            "perplexity.progress", total=self.n_windows, unit="windows", weight_version=version
+        )
+        bar = None
+        if sys.stderr.isatty():  # a bar on a terminal, progress lines elsewhere
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.n_windows, unit="window", desc="perplexity", leave=False)
+        try:
+            for tokens in self.batches:
+                total = total + batch_nll(self.model, tokens)
+                (progress if bar is None else bar).update(len(tokens))
+        finally:
+            if bar is not None:
+                bar.close()
         result = {
             "weight_version": version,
             "perplexity": total.perplexity,

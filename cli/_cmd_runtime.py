@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 from typing import Any
 
+from ggufswap._preflight import runtime_problems
 from ggufswap._signals import ProcessSignals
-from ggufswap.config import AUTO_THREADS, MAX_THREADS, ConfigError, load_config, parse_threads
+from ggufswap.config import (
+    AUTO_THREADS,
+    MAX_THREADS,
+    ConfigError,
+    ServeConfig,
+    ServeMode,
+    load_config,
+    parse_threads,
+)
 
 EXIT_CONFIG = 2
 
@@ -23,31 +33,58 @@ def register(subparsers: Any) -> None:
         ),
     )
     parser.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
+    d = ServeConfig()
     parser.add_argument(
         "--mode",
-        choices=["probe", "perplexity", "http"],
-        default="probe",
-        help="probe: a fixed batch, logits digest per weight version; "
-        "perplexity: evaluate a token stream, perplexity per weight version; "
-        "http: serve OpenAI-style completions (docs/serving.md)",
+        choices=[m.value for m in ServeMode],
+        default=None,
+        help="http: serve OpenAI-style completions (docs/serving.md); "
+        "probe: a fixed batch in a loop, a logits digest per weight version (tests); "
+        "perplexity: a token stream in a loop, perplexity per weight version (demo). "
+        f"Default: runtime.serve.mode, else {d.mode.value}",
     )
     parser.add_argument(
-        "--batch-interval", type=float, default=0.01, metavar="S", help="pause between batches"
+        "--batch-interval",
+        type=float,
+        default=None,
+        metavar="S",
+        help="probe/perplexity: pause between batches "
+        f"(default: runtime.serve.batch_interval_s, else {d.batch_interval_s})",
     )
     add_threads_option(parser)
-    http = parser.add_argument_group("http mode")
-    http.add_argument("--http-host", default="127.0.0.1", metavar="HOST", help="bind address")
-    http.add_argument(
-        "--http-port", type=int, default=8000, metavar="N", help="port (0: any free port)"
+    http = parser.add_argument_group(
+        "http mode", "each flag overrides its key of runtime.serve in the configuration"
     )
     http.add_argument(
-        "--max-batch", type=int, default=8, metavar="N", help="sequences decoded per batch"
+        "--http-host", default=None, metavar="HOST", help=f"bind address (default: {d.host})"
     )
     http.add_argument(
-        "--max-queue", type=int, default=64, metavar="N", help="waiting requests before 503"
+        "--http-port",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"port, 0 for any free one (default: {d.port})",
     )
     http.add_argument(
-        "--request-timeout", type=float, default=60.0, metavar="S", help="per-request limit"
+        "--max-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"sequences decoded per batch (default: {d.max_batch})",
+    )
+    http.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"waiting requests before 503 (default: {d.max_queue})",
+    )
+    http.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"per-request limit in seconds (default: {d.request_timeout_s:g})",
     )
     parser.set_defaults(func=run)
 
@@ -77,29 +114,50 @@ def _thread_count(text: str) -> int:
     return count
 
 
+def serve_settings(serve: ServeConfig, args: argparse.Namespace) -> ServeConfig:
+    """``runtime.serve`` with each command-line flag that was given in place of its key."""
+    flags = {
+        "mode": None if args.mode is None else ServeMode(args.mode),
+        "batch_interval_s": args.batch_interval,
+        "host": args.http_host,
+        "port": args.http_port,
+        "max_batch": args.max_batch,
+        "max_queue": args.max_queue,
+        "request_timeout_s": args.request_timeout,
+    }
+    return dataclasses.replace(serve, **{k: v for k, v in flags.items() if v is not None})
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
-        config.require_runtime()
+        serve = serve_settings(config.require_runtime().serve, args)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_CONFIG
+    # Before any model load: every socket and the HTTP port must be free, the model readable.
+    problems = runtime_problems(config, http_port=(serve.host, serve.port))
+    if problems:
+        print("\n".join(f"ggufswap runtime: {p}" for p in problems), file=sys.stderr)
+        return EXIT_CONFIG
+    from ggufswap.ipc import IpcError
     from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
     from ggufswap.runtime.serving.errors import ListenError
     from ggufswap.runtime.serving.serve import Mode, ServeOptions
+    from ggufswap.shards import ShardError
 
     signals = ProcessSignals().install()
     options = ServeOptions(
-        mode=Mode(args.mode),
-        batch_interval_s=args.batch_interval,
-        http_host=args.http_host,
-        http_port=args.http_port,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        request_timeout_s=args.request_timeout,
+        mode=Mode(serve.mode.value),
+        batch_interval_s=serve.batch_interval_s,
+        http_host=serve.host,
+        http_port=serve.port,
+        max_batch=serve.max_batch,
+        max_queue=serve.max_queue,
+        request_timeout_s=serve.request_timeout_s,
     )
     try:
         return daemon.run(config, options=options, stop=signals.stop, threads=args.threads)
-    except ListenError as exc:
-        print(str(exc), file=sys.stderr)
+    except (ListenError, IpcError, ShardError) as exc:
+        print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
         return EXIT_CONFIG

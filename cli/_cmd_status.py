@@ -6,10 +6,18 @@ import argparse
 import json
 import sys
 from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
-from ggufswap.config import ConfigError, load_config
+from ggufswap.config import ConfigError, default_runtime_dir, load_config
+from ggufswap.config.endpoints import ipc_endpoint
 from ggufswap.ipc import Fields, MessageType, PeerTimeout, make_message, request
+
+AGENT_SOCKET = "agent.sock"
+STATUS_SUFFIX = ".status.sock"
+# Keys of status replies whose value is a wall-clock time (seconds since the epoch).
+TIME_KEY_SUFFIX = "_at"
 
 EXIT_OK = 0
 EXIT_UNREACHABLE = 1
@@ -25,7 +33,12 @@ def register(subparsers: Any) -> None:
             "and each runtime), and print the replies as tables, or as JSON with --json."
         ),
     )
-    parser.add_argument("endpoint", nargs="?", help="e.g. ipc:///run/ggufswap/agent.sock")
+    parser.add_argument(
+        "endpoint",
+        nargs="?",
+        help="e.g. ipc:///run/ggufswap/agent.sock (default: every status socket in the default "
+        "socket directory, /run/ggufswap under systemd)",
+    )
     parser.add_argument("--config", metavar="FILE", help="take the endpoints from a config file")
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
     parser.add_argument("--timeout", type=float, default=2.0, metavar="S")
@@ -36,7 +49,7 @@ def endpoints_of(args: argparse.Namespace) -> list[str]:
     if args.endpoint:
         return [args.endpoint]
     if not args.config:
-        raise ValueError("give an ENDPOINT or --config FILE")
+        return default_endpoints()
     config = load_config(args.config)
     found: list[str] = []
     if config.models:
@@ -44,6 +57,21 @@ def endpoints_of(args: argparse.Namespace) -> list[str]:
     if config.runtime is not None:
         found.append(config.runtime.status_endpoint)
     return found
+
+
+def default_endpoints(*, directory: Path | None = None) -> list[str]:
+    """With neither ENDPOINT nor --config: the status sockets in the default socket directory
+    (the agent's ``agent.sock``, each runtime's ``NAME.status.sock``)."""
+    directory = default_runtime_dir() if directory is None else directory
+    found = sorted(directory.glob(f"*{STATUS_SUFFIX}"))
+    agent = directory / AGENT_SOCKET
+    sockets = ([agent] if agent.exists() else []) + found
+    if not sockets:
+        raise ValueError(
+            f"no agent.sock or *{STATUS_SUFFIX} in {directory} (the default socket directory); "
+            "give an ENDPOINT or --config FILE"
+        )
+    return [ipc_endpoint(path) for path in sockets]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,6 +126,22 @@ def _walk(value: Mapping[str, Any], depth: int, lines: list[str]) -> None:
         elif isinstance(item, list) and item and all(isinstance(x, Mapping) for x in item):
             lines.append(f"{pad}{key}:")
             for entry in item[-10:]:
-                lines.append(f"{pad}  - " + ", ".join(f"{k}={v}" for k, v in entry.items()))
+                lines.append(
+                    f"{pad}  - " + ", ".join(f"{k}={show(k, v)}" for k, v in entry.items())
+                )
         else:
-            lines.append(f"{pad}{key}: {item}")
+            lines.append(f"{pad}{key}: {show(key, item)}")
+
+
+def show(key: str, value: object) -> str:
+    """A status value as a person reads it: times in UTC, yes/no, '-' for nothing."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int | float) and str(key).endswith(TIME_KEY_SUFFIX):
+        moment = datetime.fromtimestamp(float(value), tz=timezone.utc)
+        return moment.isoformat(timespec="seconds").replace("+00:00", "Z")
+    if isinstance(value, list):
+        return ", ".join(show("", v) for v in value) or "-"
+    return str(value)

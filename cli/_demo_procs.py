@@ -18,7 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from ggufswap.ipc import Fields, MessageType, PeerTimeout, Subscriber, Topic, make_message, request
+import zmq
+
+from ggufswap.ipc import (
+    Fields,
+    IpcError,
+    MessageType,
+    PeerTimeout,
+    Subscriber,
+    Topic,
+    make_message,
+    request,
+)
 
 T = TypeVar("T")
 
@@ -130,16 +141,24 @@ class CommitEvents:
         self._events: list[Committed] = []
         self._stop = threading.Event()
         self._started = threading.Event()
+        self._error: str | None = None
         self._thread = threading.Thread(target=self._run, name="demo-events", daemon=True)
 
     def start(self) -> CommitEvents:
         self._thread.start()
-        if not self._started.wait(5.0):
-            raise DemoError(f"could not subscribe to {self.endpoint}")
+        if not self._started.wait(5.0) or self._error is not None:
+            why = f": {self._error}" if self._error else ""
+            raise DemoError(f"could not subscribe to {self.endpoint}{why}")
         return self
 
     def _run(self) -> None:
-        with Subscriber(self.endpoint, topics=(Topic.PLAN_COMMITTED,)) as sub:
+        try:
+            sub = Subscriber(self.endpoint, topics=(Topic.PLAN_COMMITTED,))
+        except (IpcError, zmq.ZMQError) as exc:  # reported by start(), not as a traceback
+            self._error = str(exc)
+            self._started.set()
+            return
+        with sub:
             self._started.set()
             while not self._stop.is_set():
                 got = sub.recv(0.1)

@@ -416,7 +416,8 @@ def _start_processes(sweep: _Sweep) -> None:
 
 
 def run_demo(options: DemoOptions, *, progress: Progress) -> DemoReport:
-    """Run the whole demo; processes are always stopped and a temp workdir removed (not --keep)."""
+    """Run the whole demo; processes are always stopped and a temp workdir removed (not --keep,
+    and only when the demo succeeded: a failure keeps the logs it names)."""
     started = time.monotonic()
     spec = model_spec(options)
     planner = options.planner or default_planner()
@@ -443,7 +444,8 @@ def run_demo(options: DemoOptions, *, progress: Progress) -> DemoReport:
         events.close()
         if ws.run_dir_outside:
             shutil.rmtree(ws.run_dir, ignore_errors=True)
-        if ws.temporary and not options.keep:
+        # A failed run keeps its workdir: its errors point at the logs there.
+        if ws.temporary and not options.keep and not report.failures:
             shutil.rmtree(ws.root, ignore_errors=True)
             report.workdir = None
         report.elapsed_s = time.monotonic() - started

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from ggufswap import __version__
 from ggufswap._logsetup import configure_logging
@@ -19,6 +20,7 @@ from ggufswap._logsetup import configure_logging
 COMMAND_MODULES = (
     "ggufswap._cmd_shards",
     "ggufswap._cmd_config",
+    "ggufswap._cmd_install",
     "ggufswap._cmd_make",
     "ggufswap._cmd_runtime",
     "ggufswap._cmd_status",
@@ -29,6 +31,11 @@ COMMAND_MODULES = (
     "ggufswap._cmd_split",
     "ggufswap._cmd_sweep_runtime",
 )
+
+# Modules of the ``runtime`` extra: a command that needs one says which extra to install.
+RUNTIME_EXTRA_MODULES = frozenset({"torch", "tokenizers", "tqdm"})
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -41,12 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ggufswap", description="Live per-tensor hot-swap of GGUF weights."
     )
     parser.add_argument("--version", action="version", version=f"ggufswap {__version__}")
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    # `ggufswap runtime --config X --log-level debug` works as well as before the command; a
+    # subcommand's value (SUPPRESS: only when given) wins over the global one.
+    for command in subparsers.choices.values():
+        command.add_argument(
+            "--log-level",
+            choices=LOG_LEVELS,
+            default=argparse.SUPPRESS,
+            help="debug, info (default), warning or error; also accepted before the command",
+        )
     return parser
 
 
@@ -58,6 +72,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         result: int = args.func(args)
     except KeyboardInterrupt:
         return EXIT_SIGINT
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in RUNTIME_EXTRA_MODULES:
+            raise
+        print(
+            f"ggufswap {args.command}: needs the 'runtime' extra ({exc.name} is not installed): "
+            f"{Path(sys.executable).parent / 'pip'} install 'ggufswap[runtime]' (from a "
+            "checkout: pip install '.[runtime]'; see docs/operations.md, Install)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     except BrokenPipeError:  # `ggufswap inspect big.gguf | head`
         sys.stderr.close()
         return EXIT_OK

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ggufswap.config._nodes import NodeReader, item_path
 from ggufswap.config.endpoints import Transport, transport_of
-from ggufswap.config.schema import Config, Keys, RuntimeConfig
+from ggufswap.config.schema import Config, Keys, RuntimeConfig, ServeMode
 
 _SERVER_KEYS = ("server_secret_key", "authorized_keys_dir")
 _CLIENT_KEYS = ("client_secret_key", "server_public_key")
@@ -29,7 +29,13 @@ def cross_check(config: Config, reader: NodeReader) -> None:
     ports = [("agent.metrics_port", config.agent.metrics_port)]
     if config.runtime is not None:
         ports.append(("runtime.metrics_port", config.runtime.metrics_port))
-    _unique_values(reader, [(k, v) for k, v in ports if v is not None], "metrics port")
+    given: list[tuple[str, object]] = [(k, v) for k, v in ports if v is not None]
+    _unique_values(reader, given, "metrics port")
+    if config.runtime is not None:
+        serve = config.runtime.serve
+        clashes = [k for k, v in given if serve.mode is ServeMode.HTTP and v == serve.port]
+        for key_path in clashes:
+            reader.report_at("runtime.serve.port", f"port {serve.port} is also used by {key_path}")
 
 
 def _unique_names(reader: NodeReader, list_path: str, names: list[str], what: str) -> None:

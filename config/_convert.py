@@ -21,7 +21,8 @@ T = TypeVar("T")
 E = TypeVar("E", bound=enum.Enum)
 
 # Names appear in socket paths, log fields and metric labels.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_NAME = NAME_PATTERN
 # Devices whose syntax we can check without importing torch: TYPE or TYPE:INDEX.
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 _DEVICE = re.compile(r"(?P<type>[a-z]+)(?::(?P<index>0|[1-9]\d{0,3}))?")
@@ -94,6 +95,13 @@ class Values:
         if not math.isfinite(value) or value <= 0:
             raise Invalid(f"expected a number of seconds > 0, found {value}")
         return float(value)
+
+    def seconds_or_zero(self, node: Node, path: str) -> float:
+        """A finite number of seconds >= 0."""
+        value = self.reader.scalar(node)
+        if value == 0 and not isinstance(value, bool):
+            return 0.0
+        return self.seconds(node, path)
 
     def threads(self, node: Node, path: str) -> int | None:
         """A thread count (``1..MAX_THREADS``) or ``auto`` (``None``)."""

@@ -45,7 +45,9 @@ def default_runtime_dir(*, environ: Mapping[str, str] | None = None) -> Path:
     systemd_dir = env.get(Env.RUNTIME_DIRECTORY, "").split(":")[0]
     if systemd_dir:
         return Path(systemd_dir)
-    if DEFAULT_RUNTIME_DIR.is_dir() and os.access(DEFAULT_RUNTIME_DIR, os.W_OK | os.X_OK):
+    # Searchable is enough: a member of group ggufswap (r-x) connects to the daemons' sockets
+    # there (`ggufswap status`); a process that must bind and cannot write is told so at start.
+    if DEFAULT_RUNTIME_DIR.is_dir() and os.access(DEFAULT_RUNTIME_DIR, os.X_OK):
         return DEFAULT_RUNTIME_DIR
     xdg = env.get(Env.XDG_RUNTIME_DIR, "")
     if xdg:

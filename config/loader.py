@@ -10,7 +10,7 @@ from pathlib import Path
 from yaml.nodes import Node
 
 from ggufswap.config._checks import cross_check
-from ggufswap.config._convert import PathKind, Values, optional
+from ggufswap.config._convert import NAME_PATTERN, PathKind, Values, optional
 from ggufswap.config._nodes import NodeReader, Section
 from ggufswap.config.endpoints import (
     Transport,
@@ -35,6 +35,8 @@ from ggufswap.config.schema import (
     PoolConfig,
     RuntimeConfig,
     SecurityConfig,
+    ServeConfig,
+    ServeMode,
     Storage,
     TensorFilter,
     VerifyMode,
@@ -74,13 +76,24 @@ RUNTIME_KEYS = (
     "log_level",
     "threads",
     "decoded_cache",
+    "serve",
+)
+SERVE_KEYS = (
+    "mode",
+    "host",
+    "port",
+    "max_batch",
+    "max_queue",
+    "request_timeout_s",
+    "batch_interval_s",
 )
 POOL_KEYS = ("name", "device", "budget")
 PLACEMENT_KEYS = ("gpu_layers", "experts_pool", "split_experts")
 SECURITY_KEYS = ("curve", "allow_insecure_tcp")
 CURVE_KEYS = ("server_secret_key", "server_public_key", "client_secret_key", "authorized_keys_dir")
 
-DEFAULT_RUNTIME_NAME = "runtime"
+DEFAULT_RUNTIME_NAME = "runtime"  # a runtime-only text without a file, or an unusable file name
+YAML_SUFFIXES = (".yaml", ".yml")
 DEFAULT_POOLS = (PoolConfig(name="host", device="cpu", budget=None),)
 LOCALHOST = "127.0.0.1"
 _NO_PATH = Path()
@@ -126,7 +139,12 @@ def load_config_text(
         base_dir = os.path.dirname(os.path.abspath(file)) if source is not None else os.getcwd()
     reader = NodeReader(file=file)
     values = Values(reader, base_dir=Path(os.path.abspath(base_dir)), check_paths=check_paths)
-    builder = _Builder(reader, values, runtime_dir=default_runtime_dir(environ=environ))
+    builder = _Builder(
+        reader,
+        values,
+        runtime_dir=default_runtime_dir(environ=environ),
+        file_stem=_file_stem(source),
+    )
     root = reader.compose(text)
     config = None
     if root is not None or not reader.problems:  # a syntax error leaves nothing to check
@@ -140,10 +158,13 @@ def load_config_text(
 class _Builder:
     """Turns the node tree into records, section by section."""
 
-    def __init__(self, reader: NodeReader, values: Values, *, runtime_dir: Path):
+    def __init__(
+        self, reader: NodeReader, values: Values, *, runtime_dir: Path, file_stem: str | None
+    ):
         self.r = reader
         self.v = values
         self.runtime_dir = runtime_dir
+        self.file_stem = file_stem
 
     def build(self, root: Node | None, source: Path | None) -> Config | None:
         if root is None:
@@ -261,7 +282,12 @@ class _Builder:
 
     def runtime(self, node: Node, path: str, models: tuple[ModelConfig, ...]) -> RuntimeConfig:
         sec = self.r.section(node, path, keys=RUNTIME_KEYS, required=("model",))
+        # A runtime serving the file's only model takes its name; a runtime-only file (systemd's
+        # /etc/ggufswap/%i.yaml) is named after the file, so that instance i binds i.sock, the
+        # socket an agent's `models: [{name: i}]` dials by default.
         default_name = models[0].name if len(models) == 1 and models[0].name else None
+        if default_name is None and not models:
+            default_name = self.file_stem
         name = self.r.get(sec, "name", self.v.name, default_name or DEFAULT_RUNTIME_NAME)
         model = self.r.get(sec, "model", self.v.path(kind=PathKind.FILE), _NO_PATH)
         default_control = ipc_endpoint(self.runtime_dir / f"{name}.sock")
@@ -271,6 +297,7 @@ class _Builder:
         roots = self.v.list_of(self.v.path(kind=PathKind.DIRECTORY), min_items=1)
         pools = self.v.list_of(self.pool, min_items=1)
         placement = self._section(sec, "placement", PLACEMENT_KEYS)
+        serve = self._section(sec, "serve", SERVE_KEYS)
         return RuntimeConfig(
             name=name,
             model=model,
@@ -290,6 +317,25 @@ class _Builder:
             threads=self.r.get(sec, "threads", optional(self.v.threads), None),
             decoded_cache=self.r.get(
                 sec, "decoded_cache", self.v.size_or_zero, DEFAULT_DECODED_CACHE
+            ),
+            serve=self.serve(serve),
+        )
+
+    def serve(self, sec: Section | None) -> ServeConfig:
+        if sec is None:
+            return ServeConfig()
+        d = ServeConfig()
+        return ServeConfig(
+            mode=self.r.get(sec, "mode", self.v.choice(ServeMode), d.mode),
+            host=self.r.get(sec, "host", self.v.string, d.host),
+            port=self.r.get(sec, "port", self.v.integer(minimum=0, maximum=65535), d.port),
+            max_batch=self.r.get(sec, "max_batch", self.v.integer(minimum=1), d.max_batch),
+            max_queue=self.r.get(sec, "max_queue", self.v.integer(minimum=1), d.max_queue),
+            request_timeout_s=self.r.get(
+                sec, "request_timeout_s", self.v.seconds, d.request_timeout_s
+            ),
+            batch_interval_s=self.r.get(
+                sec, "batch_interval_s", self.v.seconds_or_zero, d.batch_interval_s
             ),
         )
 
@@ -351,6 +397,18 @@ class _Builder:
             curve=curve,
             allow_insecure_tcp=self.r.get(sec, "allow_insecure_tcp", self.v.boolean, False),
         )
+
+
+def _file_stem(source: str | os.PathLike[str] | None) -> str | None:
+    """The configuration file's name without ``.yaml``/``.yml``, when it is a valid name."""
+    if source is None:
+        return None
+    name = Path(source).name
+    for suffix in YAML_SUFFIXES:
+        if name.endswith(suffix):
+            name = name.removesuffix(suffix)
+            break
+    return name if NAME_PATTERN.fullmatch(name) else None
 
 
 def _connectable(endpoint: str) -> str:

@@ -144,6 +144,27 @@ class PlacementConfig:
     split_experts: bool = False  # a family that fits no single pool is split by expert ranges
 
 
+class ServeMode(str, enum.Enum):
+    """What ``ggufswap runtime`` serves (``runtime.serve.mode``)."""
+
+    HTTP = "http"  # OpenAI-style completions (docs/serving.md)
+    PROBE = "probe"  # a fixed batch in a loop, a logits digest per weight version (tests)
+    PERPLEXITY = "perplexity"  # a token stream in a loop, perplexity per weight version (demo)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """``runtime.serve``: the reference server's mode and HTTP settings (CLI flags override)."""
+
+    mode: ServeMode = ServeMode.HTTP
+    host: str = "127.0.0.1"  # no authentication: keep it on loopback unless a proxy guards it
+    port: int = 8000  # 0: any free port (status reports the bound one)
+    max_batch: int = 8  # sequences decoded together
+    max_queue: int = 64  # waiting requests before 503
+    request_timeout_s: float = 60.0
+    batch_interval_s: float = 0.01  # probe and perplexity modes: pause between batches
+
+
 @dataclass(frozen=True, slots=True)
 class RuntimeConfig:
     """``runtime:``: the inference process that loads the model and applies plans."""
@@ -163,6 +184,7 @@ class RuntimeConfig:
     log_level: LogLevel = LogLevel.INFO
     threads: int | None = None  # torch's CPU threads; None: auto, from the process's CPU affinity
     decoded_cache: int = DEFAULT_DECODED_CACHE  # native storage: decoded dense tensors kept (bytes)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def pool(self, name: str) -> PoolConfig:
         """The pool called ``name``; raises ``KeyError`` naming the pools that exist."""

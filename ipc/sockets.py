@@ -51,6 +51,7 @@ INPROC_SCHEME = "inproc://"
 PRIVATE_UMASK = 0o077
 PRIVATE_DIR_MODE = 0o700
 SOCKET_FILE_MODE = 0o600
+GROUP_SOCKET_FILE_MODE = 0o660  # status sockets in a group-enterable directory
 
 _umask_lock = threading.Lock()
 
@@ -119,6 +120,9 @@ class SocketOptions:
     max_msg_size: int = DEFAULT_MAX_MSG_SIZE
     linger_ms: int = DEFAULT_LINGER_MS
     hwm: int = DEFAULT_HWM
+    # Status sockets: members of the socket directory's group may connect (0660) when the
+    # directory lets the group in (g+x, as /run/ggufswap 0750); every other socket stays 0600.
+    group_access: bool = False
 
     @classmethod
     def of(cls, security: SecuritySection) -> SocketOptions:
@@ -207,6 +211,14 @@ def _prepare_ipc_path(path: str, endpoint: str) -> None:
     os.unlink(path)
 
 
+def _socket_mode(path: str, *, group_access: bool) -> int:
+    """0600, or 0660 for a ``group_access`` socket in a directory its group may enter."""
+    parent = os.stat(os.path.dirname(os.path.abspath(path)))
+    if group_access and parent.st_mode & stat.S_IXGRP:
+        return GROUP_SOCKET_FILE_MODE
+    return SOCKET_FILE_MODE
+
+
 class Binding:
     """What ``bind_endpoint`` set up; ``close()`` after closing the socket."""
 
@@ -254,7 +266,7 @@ def bind_endpoint(
                 sock.bind(endpoint)
             finally:
                 os.umask(previous)
-        os.chmod(path, SOCKET_FILE_MODE)
+        os.chmod(path, _socket_mode(path, group_access=options.group_access))
         return Binding(_last_endpoint(sock, endpoint), authenticator=None, ipc_path=path)
     if endpoint.startswith(TCP_SCHEME):
         authenticator = None

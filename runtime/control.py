@@ -14,6 +14,7 @@ runtime's health. The wire format is in docs/protocol.md.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -76,7 +77,11 @@ class ControlServer:
         )
         self.status_server = (
             RequestServer(
-                status_endpoint, self._handle_status, name="runtime-status", options=options
+                status_endpoint,
+                self._handle_status,
+                name="runtime-status",
+                # `ggufswap status` by members of the socket directory's group (docs/operations.md)
+                options=dataclasses.replace(options, group_access=True),
             )
             if status_endpoint and status_endpoint != control_endpoint
             else None

@@ -543,9 +543,12 @@ class TensorStore:
 
 @contextmanager
 def _progress_bar(total: int, *, enabled: bool) -> Iterator[Callable[[int], None] | None]:
-    """A byte counter that shows GB/s and the time left (tqdm's rate and ETA) on a terminal."""
+    """A byte counter that shows GB/s and the time left (tqdm's rate and ETA) on a terminal, and
+    logs ``load.progress`` lines (runtime/progress.py) when not on one."""
     if not enabled:
-        yield None
+        from ggufswap.runtime.progress import ProgressLog
+
+        yield ProgressLog("load.progress", total=total, unit="B").update
         return
     from tqdm import tqdm
 

@@ -226,7 +226,15 @@ runtime:
 
     def start_runtime(self) -> Child:
         interval = str(self.batch_interval_s)
-        args = ["runtime", "--config", str(self.config), "--batch-interval", interval]
+        args = [
+            "runtime",
+            "--config",
+            str(self.config),
+            "--mode",
+            "probe",
+            "--batch-interval",
+            interval,
+        ]
         self.runtime = self.zygote.spawn(args, log=self._log("runtime"))
         wait_for(
             lambda: self.runtime_status_or_none() is not None or not self.runtime_alive(),

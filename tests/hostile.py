@@ -89,7 +89,7 @@ def live_processes(tmp: Path) -> Iterator[Live]:
     run_dir = tmp / "run"
     config = write_config(tmp, model_dir=model_dir, first=first, run_dir=run_dir, model=MODEL)
     control = f"ipc://{run_dir}/rt.sock"
-    runtime = Proc(["runtime", "--config", str(config)], log=tmp / "runtime.log")
+    runtime = Proc(["runtime", "--config", str(config), "--mode", "probe"], log=tmp / "runtime.log")
     agent: Proc | None = None
     try:
         wait_for(lambda: status_of(control), timeout=STARTUP_TIMEOUT_S, what="the runtime")

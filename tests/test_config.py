@@ -127,14 +127,15 @@ def test_minimal_agent_config_gets_defaults(tmp_path: Path) -> None:
 
 
 def test_minimal_runtime_config_gets_defaults(tmp_path: Path) -> None:
-    """A runtime with only a model gets derived endpoints, its directory as root, one CPU pool."""
+    """A runtime with only a model is named after its file (ggufswap.yaml) and gets derived
+    endpoints, its directory as root, one CPU pool."""
     config = load("runtime: {model: /m/x-00001-of-00002.gguf}", tmp_path)
     runtime = config.require_runtime()
     run = tmp_path / "run"
-    assert runtime.name == "runtime"
-    assert runtime.control_endpoint == f"ipc://{run}/runtime.sock"
-    assert runtime.status_endpoint == f"ipc://{run}/runtime.status.sock"
-    assert runtime.events_endpoint == f"ipc://{run}/runtime.events.sock"
+    assert runtime.name == "ggufswap"
+    assert runtime.control_endpoint == f"ipc://{run}/ggufswap.sock"
+    assert runtime.status_endpoint == f"ipc://{run}/ggufswap.status.sock"
+    assert runtime.events_endpoint == f"ipc://{run}/ggufswap.events.sock"
     assert runtime.allowed_roots == (Path("/m"),)
     assert [(p.name, p.device, p.budget) for p in runtime.pools] == [("host", "cpu", None)]
     assert (runtime.storage, runtime.compute_dtype) == (Storage.DEQUANTIZED, ComputeDtype.FLOAT32)

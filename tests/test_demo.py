@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -123,3 +126,49 @@ def test_demo_refuses_a_non_empty_workdir(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert "is not empty" in proc.stderr
+
+
+def test_a_failed_demo_keeps_the_logs_it_names(tmp_path: Path) -> None:
+    """When the runtime cannot start, the demo fails and keeps the temporary workdir whose log
+    its message names."""
+    shim = tmp_path / "no-torch"
+    shim.mkdir()
+    (shim / "torch.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n"
+    )
+    scratch = Path(tempfile.mkdtemp(prefix="gs-demo-", dir="/tmp"))  # short socket paths
+    proc = subprocess.run(
+        [sys.executable, "-m", "ggufswap", "demo", "--quick", "--layers", "1"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "PYTHONPATH": str(shim), "TMPDIR": str(scratch)},
+    )
+    assert proc.returncode != 0, proc.stdout
+    logs = re.findall(r"(/\S+?\.log)", proc.stdout + proc.stderr)
+    assert logs, f"no log named:\n{proc.stdout}\n{proc.stderr}"
+    for log in logs:
+        assert Path(log).is_file(), f"{log} was removed"
+    try:
+        assert "ggufswap[runtime]" in Path(logs[0]).read_text()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_a_socket_path_too_long_is_one_clear_message(tmp_path: Path) -> None:
+    """A temporary directory too deep for Unix socket paths ends the demo with a message that
+    names the endpoint, not a thread's traceback."""
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ggufswap", "demo", "--quick", "--layers", "1"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "TMPDIR": str(deep)},
+    )
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "could not subscribe to ipc://" in proc.stderr

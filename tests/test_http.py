@@ -27,6 +27,7 @@ from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime import HotSwapRuntime, PlanState
 from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.serving import GgufTokenizer
+from ggufswap.runtime.serving.chat import ChatTemplate
 from ggufswap.runtime.serving.generate import Batcher, BatcherOptions
 from ggufswap.runtime.serving.http import CompletionServer, HttpOptions
 from ggufswap.shards import ModelSpec, read_header, requantize, tiny_dense
@@ -120,7 +121,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> ModelDir:
     return ModelDir.write(tmp_path_factory.mktemp("http") / "model", spec())
 
 
-def start_server(first: Path, *, run_loop: bool = True, **options: Any) -> Iterator[Served]:
+def start_server(
+    first: Path,
+    *,
+    run_loop: bool = True,
+    chat_template: ChatTemplate | None = None,
+    **options: Any,
+) -> Iterator[Served]:
     runtime = HotSwapRuntime.open(first)
     assert runtime.shards is not None, "open() keeps the shard set"
     model = build_model(
@@ -129,7 +136,9 @@ def start_server(first: Path, *, run_loop: bool = True, **options: Any) -> Itera
     batcher = Batcher(
         runtime, model, GgufTokenizer.from_file(first), options=BatcherOptions(**options)
     )
-    server = CompletionServer(batcher, runtime, options=HttpOptions(port=0)).start()
+    server = CompletionServer(
+        batcher, runtime, options=HttpOptions(port=0), chat_template=chat_template
+    ).start()
     stop = threading.Event()
     loop = threading.Thread(target=batcher.run, args=(stop,), name="test-inference")
     if run_loop:
@@ -256,6 +265,16 @@ def test_health_and_models_name_the_model_and_version(served: Served) -> None:
         ("POST", "/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', 404, "model_not_found"),
         ("GET", "/v1/nothing", None, 404, "not_found"),
         ("GET", "/v1/completions", None, 405, "method_not_allowed"),
+        ("POST", "/v1/completions", b'{"prompt": "x", "max_token": 4}', 400, "unknown_parameter"),
+        ("POST", "/v1/completions", b'{"prompt": "x", "temprature": 0}', 400, "unknown_parameter"),
+        ("POST", "/v1/completions", b'{"prompt": "x", "top_p": 0.5}', 400, "unknown_parameter"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi"}]}',
+            400,
+            "no_chat_template",
+        ),
     ],
     ids=[
         "bad-json",
@@ -268,6 +287,10 @@ def test_health_and_models_name_the_model_and_version(served: Served) -> None:
         "unknown-model",
         "unknown-route",
         "wrong-method",
+        "misspelt-max-tokens",
+        "misspelt-temperature",
+        "unsupported-top-p",
+        "chat-without-template",
     ],
 )
 def test_bad_requests_get_openai_style_errors(
@@ -277,6 +300,7 @@ def test_bad_requests_get_openai_style_errors(
     got, reply = call(served.port, method, path, raw=body)
     assert got == status, reply
     assert set(reply) == {"error"}
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
     assert reply["error"]["message"]
     assert reply["error"]["type"] == "invalid_request_error"
     if code is not None:
@@ -478,3 +502,49 @@ def test_real_model_serves_english_and_a_swap_under_it(tmp_path: Path) -> None:
         after = complete(served.port, prompt=prompt, max_tokens=3, temperature=0)
         assert after["weight_version"] == 1
         assert "Thursday" in after["choices"][0]["text"], after
+
+
+def test_unknown_parameter_names_itself_and_the_closest_known_one(served: Served) -> None:
+    """A misspelt parameter is refused with OpenAI's ``param`` and a suggestion, not ignored."""
+    status, reply = call(served.port, "POST", "/v1/completions", {"prompt": "x", "max_token": 4})
+    assert status == 400
+    assert reply["error"]["param"] == "max_token"
+    assert "did you mean 'max_tokens'?" in reply["error"]["message"]
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def test_chat_completion_renders_the_template_and_answers_as_chat(model_dir: ModelDir) -> None:
+    """With a chat template, /v1/chat/completions answers what /v1/completions answers for the
+    rendered prompt, shaped as a chat completion; bad messages get a 400 naming them."""
+    tokenizer = GgufTokenizer.from_file(model_dir.first)
+    assert tokenizer.bos_id is not None
+    template = ChatTemplate(
+        CHAT_TEMPLATE, bos_token=tokenizer.token(tokenizer.bos_id), eos_token=""
+    )
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    rendered = template.render(messages)
+    assert rendered.endswith(f"user: {PROMPT}\nassistant:"), rendered
+    for served in start_server(model_dir.first, chat_template=template):
+        status, chat = call(
+            served.port,
+            "POST",
+            "/v1/chat/completions",
+            {"messages": messages, "max_tokens": 5, "temperature": 0},
+        )
+        assert status == 200, chat
+        assert chat["object"] == "chat.completion"
+        (choice,) = chat["choices"]
+        assert choice["message"]["role"] == "assistant"
+        prompt = rendered.removeprefix(template.bos_token)  # /v1/completions adds the BOS
+        plain = complete(served.port, prompt=prompt, max_tokens=5, temperature=0)
+        assert choice["message"]["content"] == plain["choices"][0]["text"]
+        assert chat["usage"] == plain["usage"]
+        status, bad = call(
+            served.port, "POST", "/v1/chat/completions", {"messages": [{"role": "bot"}]}
+        )
+        assert (status, bad["error"]["param"]) == (400, "messages"), bad

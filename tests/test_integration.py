@@ -39,7 +39,9 @@ class Cluster:
     agent: Proc | None = None
 
     def start_runtime(self) -> None:
-        self.runtime = Proc(["runtime", "--config", str(self.config)], log=self._log("runtime"))
+        self.runtime = Proc(
+            ["runtime", "--config", str(self.config), "--mode", "probe"], log=self._log("runtime")
+        )
         wait_for(lambda: status_of(self.control), timeout=60, what="the runtime")
 
     def start_agent(self) -> None:

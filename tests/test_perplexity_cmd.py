@@ -198,3 +198,23 @@ def test_real_model_perplexity_on_english_text(tmp_path: Path) -> None:
     result = json.loads(line)
     assert result["windows"] >= 1
     assert 3.0 < result["perplexity"] < 30.0, result
+
+
+def test_progress_lines_when_not_on_a_terminal(tmp_path: Path, text_file: Path) -> None:
+    """Off a terminal, the load and the evaluation log structured progress lines (done, total,
+    rate, time left) at the configured interval."""
+    models = ModelDir.write(tmp_path / "model", tiny_dense())
+    run = subprocess.run(
+        [GGUFSWAP, "perplexity", "--model", str(models.first), "--text", str(text_file),
+         "--ctx", str(CTX), "--batch", "1", "--json"],
+        capture_output=True, text=True, timeout=WAIT_S, check=False,
+        env={**os.environ, **ENV, "GGUFSWAP_PROGRESS_INTERVAL_S": "1e-9"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stderr.splitlines() if line.startswith("{")]
+    for event, unit in (("load.progress", "B"), ("perplexity.progress", "windows")):
+        seen = [line for line in lines if line.get("event") == event]
+        assert seen, f"no {event} line in:\n{run.stderr}"
+        assert {"done", "total", "percent", "rate", "eta_s"} <= set(seen[-1])
+        assert seen[-1]["unit"] == unit
+        assert 0 < seen[-1]["done"] <= seen[-1]["total"]

@@ -49,7 +49,9 @@ runtime:
     - {{name: host, device: cpu}}
 """
     )
-    proc = Proc(["runtime", "--config", str(config)], log=tmp_path / "runtime.log")
+    proc = Proc(
+        ["runtime", "--config", str(config), "--mode", "probe"], log=tmp_path / "runtime.log"
+    )
     control = f"ipc://{run_dir}/rt.sock"
     try:
         wait_for(lambda: status_of(control), timeout=60, what="the runtime to answer status")
@@ -171,7 +173,9 @@ def test_tcp_without_curve_is_refused_at_startup(tmp_path: Path) -> None:
     config.write_text(
         f"runtime:\n  name: m\n  model: {paths[0]}\n  control_endpoint: tcp://127.0.0.1:45999\n"
     )
-    proc = Proc(["runtime", "--config", str(config)], log=tmp_path / "runtime.log")
+    proc = Proc(
+        ["runtime", "--config", str(config), "--mode", "probe"], log=tmp_path / "runtime.log"
+    )
     code = proc.popen.wait(30)
     proc.stop()
     assert code == 2

@@ -304,7 +304,7 @@ security:
     good = CurveKeys(
         server_public_key=keys / "server.key", client_secret_key=keys / "client.key_secret"
     )
-    proc = Proc(["runtime", "--config", str(config)], log=tmp / "runtime.log")
+    proc = Proc(["runtime", "--config", str(config), "--mode", "probe"], log=tmp / "runtime.log")
     try:
         wait_for(
             lambda: curve_status(control, good, timeout=1.0),

@@ -183,7 +183,11 @@ def test_runtime_applies_the_config_key_before_loading(tmp_path: Path) -> None:
         f"runtime:\n  model: {models.first}\n  control_endpoint: ipc://{run_dir}/rt.sock\n"
         "  threads: 1\n"
     )
-    proc = Proc(["runtime", "--config", str(config)], log=tmp_path / "runtime.log", env=NO_ENV)
+    proc = Proc(
+        ["runtime", "--config", str(config), "--mode", "probe"],
+        log=tmp_path / "runtime.log",
+        env=NO_ENV,
+    )
     try:
         wait_for(lambda: "runtime.ready" in proc.log(), timeout=WAIT_S, what="runtime ready")
     finally:

@@ -40,13 +40,27 @@ class ApiError(ServingError):
     """An error response: HTTP status, OpenAI error type and message."""
 
     def __init__(
-        self, status: HTTPStatus, message: str, *, kind: str, code: str | None = None
+        self,
+        status: HTTPStatus,
+        message: str,
+        *,
+        kind: str,
+        code: str | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
         self.code = code
+        self.param = param  # the request parameter at fault, as OpenAI names it
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }

@@ -200,6 +200,8 @@ class Batcher:
         self.options = options
         self.context_length = model.config.context_length
         self._queue: queue.Queue[Generation] = queue.Queue(maxsize=options.max_queue)
+        # The tokenizer's special-token switch is shared state: one encode at a time.
+        self._encode_lock = threading.Lock()
         self._arrived = threading.Event()
         self._closed = threading.Event()
         self._active: list[_Sequence] = []
@@ -217,14 +219,28 @@ class Batcher:
 
     # -- any thread ------------------------------------------------------------------------
 
-    def submit(self, prompts: Sequence[str], sampling: Sampling) -> Generation:
+    def _encode(self, prompt: str, *, special: bool) -> list[int]:
+        with self._encode_lock:
+            if not special:
+                return self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_bos=False, parse_special=True)
+        bos = self.tokenizer.bos_id
+        if self.tokenizer.vocab.add_bos and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
+    def submit(
+        self, prompts: Sequence[str], sampling: Sampling, *, special: bool = False
+    ) -> Generation:
         """Tokenize ``prompts`` and queue them as one request; raises :class:`InvalidRequest`,
-        :class:`QueueFull` or :class:`Closed`."""
+        :class:`QueueFull` or :class:`Closed`. ``special``: the prompts come from a chat
+        template, so control-token texts (``<start_of_turn>``) are tokens, and a BOS the template
+        wrote is not added twice."""
         if self._closed.is_set():
             raise Closed("the server is shutting down")
         if not prompts:
             raise InvalidRequest("prompt must hold at least one string")
-        encoded = tuple(tuple(self.tokenizer.encode(p)) for p in prompts)
+        encoded = tuple(tuple(self._encode(p, special=special)) for p in prompts)
         problems = []
         for i, ids in enumerate(encoded):
             if not ids:

@@ -1,10 +1,11 @@
 """An OpenAI-compatible subset over HTTP, on the standard library's ``ThreadingHTTPServer``.
 
-Routes: ``POST /v1/completions`` (``stream`` as server-sent events), ``GET /v1/models``,
+Routes: ``POST /v1/completions`` (``stream`` as server-sent events),
+``POST /v1/chat/completions`` (with the GGUF's chat template), ``GET /v1/models``,
 ``GET /health``. Every completion response and every streamed chunk carries the
 ``weight_version`` it was generated on. Errors are OpenAI-shaped
-``{"error": {"message", "type", "code"}}`` with 400 (bad request), 404 (unknown route or model),
-405, 413, 500 (the model failed) and 503 (queue full, timed out, shutting down).
+``{"error": {"message", "type", "param", "code"}}`` with 400 (bad request), 404 (unknown route or
+model), 405, 413, 500 (the model failed) and 503 (queue full, timed out, shutting down).
 
 One thread per connection parses and validates the request and hands it to the
 :class:`~ggufswap.runtime.serving.generate.Batcher`; the inference thread generates; the
@@ -15,6 +16,7 @@ otherwise: it has no authentication.
 from __future__ import annotations
 
 import collections
+import difflib
 import json
 import queue
 import threading
@@ -30,6 +32,7 @@ import structlog
 
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.models.registry import Decoder
+from ggufswap.runtime.serving.chat import ROLES, ChatTemplate, ChatTemplateError
 from ggufswap.runtime.serving.errors import ApiError, Closed, InvalidRequest, ListenError, QueueFull
 from ggufswap.runtime.serving.generate import (
     Batcher,
@@ -51,8 +54,18 @@ MAX_BODY_BYTES: Final = 1 << 20
 MAX_STOP_STRINGS: Final = 4  # as OpenAI's API
 DEFAULT_MAX_TOKENS: Final = 16  # as OpenAI's API
 DEFAULT_TEMPERATURE: Final = 1.0  # as OpenAI's API; 0 is greedy
+COMPLETIONS: Final = "/v1/completions"
+CHAT_COMPLETIONS: Final = "/v1/chat/completions"
 WAIT_GRACE_S: Final = 1.0  # the batcher enforces the deadline; the HTTP thread waits a bit more
 OBJECT_COMPLETION: Final = "text_completion"
+OBJECT_CHAT: Final = "chat.completion"
+# Parameters read (or refused with a reason when not at their default); any other is refused,
+# so that a misspelt "max_token" is not silently ignored. "user" is accepted and ignored.
+COMMON_KEYS: Final = frozenset(
+    {"model", "max_tokens", "temperature", "seed", "stop", "stream", "n", "logprobs", "user"}
+)
+COMPLETION_KEYS: Final = COMMON_KEYS | {"prompt", "best_of", "echo"}
+CHAT_KEYS: Final = COMMON_KEYS | {"messages"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,10 +90,30 @@ class CompletionRequest:
     batched: bool  # prompt was a list (the response has one choice per prompt either way)
 
 
-def parse_completion(body: object, *, model_name: str) -> CompletionRequest:
+def refuse_unknown(body: dict[str, Any], known: frozenset[str], route: str) -> None:
+    """A 400 naming the first parameter ``route`` does not know (with the closest known one)."""
+    for key in body:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            f"unknown or unsupported parameter '{key}' for {route}{hint} "
+            f"(accepted: {', '.join(sorted(known))})",
+            kind="invalid_request_error",
+            code="unknown_parameter",
+            param=key,
+        )
+
+
+def parse_completion(
+    body: object, *, model_name: str, known: frozenset[str] = COMPLETION_KEYS
+) -> CompletionRequest:
     """Validate a ``/v1/completions`` body; raise :class:`ApiError` listing every problem."""
     if not isinstance(body, dict):
         raise bad_request(f"the body must be a JSON object, found {type(body).__name__}")
+    refuse_unknown(body, known, "/v1/completions" if "prompt" in known else "/v1/chat/completions")
     problems: list[str] = []
     model = body.get("model")
     if model is not None and model != model_name:
@@ -125,7 +158,7 @@ def parse_completion(body: object, *, model_name: str) -> CompletionRequest:
     if not isinstance(stream, bool):
         problems.append(f"'stream' must be true or false, found {stream!r}")
     for key, default in (("n", 1), ("best_of", 1), ("echo", False), ("logprobs", None)):
-        if body.get(key, default) not in (default, None):
+        if key in body and body[key] not in (default, None):
             problems.append(f"'{key}' = {body[key]!r} is not supported by this server")
     if problems:
         raise bad_request("; ".join(problems))
@@ -136,6 +169,52 @@ def parse_completion(body: object, *, model_name: str) -> CompletionRequest:
         stop=stops,
     )
     return CompletionRequest(prompts, sampling, bool(stream), isinstance(prompt, list))
+
+
+def parse_chat(body: object, *, model_name: str, template: ChatTemplate) -> CompletionRequest:
+    """Validate a ``/v1/chat/completions`` body and render its messages with the model's
+    template into one prompt; raise :class:`ApiError` saying what is wrong."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the body must be a JSON object, found {type(body).__name__}")
+    refuse_unknown(body, CHAT_KEYS, "/v1/chat/completions")
+    messages = body.get("messages")
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
+            isinstance(m, dict)
+            and set(m) == {"role", "content"}
+            and m["role"] in ROLES
+            and isinstance(m["content"], str)
+            for m in messages
+        )
+    ):
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            '\'messages\' must be a non-empty list of {"role", "content"} objects, role one of '
+            f"{', '.join(ROLES)} and content a string",
+            kind="invalid_request_error",
+            param="messages",
+        )
+    if body.get("stream"):
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            "'stream' is not supported on /v1/chat/completions by this server; "
+            "use /v1/completions to stream",
+            kind="invalid_request_error",
+            code="unsupported_parameter",
+            param="stream",
+        )
+    try:
+        prompt = template.render(messages)
+    except ChatTemplateError as exc:
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST, str(exc), kind="invalid_request_error", param="messages"
+        ) from None
+    rest = {k: v for k, v in body.items() if k != "messages"}
+    return parse_completion(
+        {**rest, "prompt": prompt}, model_name=model_name, known=CHAT_KEYS | {"prompt"}
+    )
 
 
 def _is_int(value: object) -> bool:
@@ -149,8 +228,16 @@ def _is_number(value: object) -> bool:
 class CompletionServer:
     """The HTTP face of a :class:`Batcher`; ``start()`` binds and serves on a thread."""
 
-    def __init__(self, batcher: Batcher, runtime: HotSwapRuntime, *, options: HttpOptions) -> None:
+    def __init__(
+        self,
+        batcher: Batcher,
+        runtime: HotSwapRuntime,
+        *,
+        options: HttpOptions,
+        chat_template: ChatTemplate | None = None,
+    ) -> None:
         self.batcher = batcher
+        self.chat_template = chat_template
         self.runtime = runtime
         self.model_name = runtime.model_name
         self.options = options
@@ -240,7 +327,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if path in routes:
                 self._json(HTTPStatus.OK, routes[path]())
-            elif path == "/v1/completions":
+            elif path in (COMPLETIONS, CHAT_COMPLETIONS):
                 raise _not_allowed("GET", path)
             else:
                 raise _not_found("GET", path)
@@ -250,22 +337,35 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
         try:
-            if path != "/v1/completions":
+            if path not in (COMPLETIONS, CHAT_COMPLETIONS):
                 self._discard_body()
                 raise (_not_allowed if path in ("/health", "/v1/models") else _not_found)(
                     "POST", path
                 )
-            self._completions()
+            self._completions(chat=path == CHAT_COMPLETIONS)
         except ApiError as exc:
             self._error(exc)
 
     # -- completions -----------------------------------------------------------------------
 
-    def _completions(self) -> None:
+    def _completions(self, *, chat: bool) -> None:
         app = self.server.app
-        request = parse_completion(self._read_json(), model_name=app.model_name)
+        body = self._read_json()
+        if not chat:
+            request = parse_completion(body, model_name=app.model_name)
+        elif app.chat_template is None:
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                f"model {app.model_name!r} has no chat template (its GGUF has no "
+                "tokenizer.chat_template), so chat messages cannot be formatted for it; send a "
+                "formatted prompt to POST /v1/completions instead",
+                kind="invalid_request_error",
+                code="no_chat_template",
+            )
+        else:
+            request = parse_chat(body, model_name=app.model_name, template=app.chat_template)
         try:
-            generation = app.batcher.submit(list(request.prompts), request.sampling)
+            generation = app.batcher.submit(list(request.prompts), request.sampling, special=chat)
         except InvalidRequest as exc:
             raise bad_request(str(exc), "context_length_exceeded") from None
         except QueueFull as exc:
@@ -275,6 +375,13 @@ class _Handler(BaseHTTPRequestHandler):
         reply = _Reply(
             id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=app.model_name
         )
+        if chat:
+            reply = _Reply(
+                id=f"chatcmpl-{uuid.uuid4().hex}",
+                created=reply.created,
+                model=app.model_name,
+                object=OBJECT_CHAT,
+            )
         try:
             if request.stream:
                 self._stream(generation.events, reply, deadline=generation.deadline)
@@ -300,13 +407,17 @@ class _Handler(BaseHTTPRequestHandler):
                 ended = event
             elif isinstance(event, Failed):
                 raise _failure(event)
-        body = reply.body(
-            choices=[
-                {"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
-            ],
-            weight_version=ended.weight_version,
-        )
+        pairs = enumerate(zip(texts, reasons, strict=True))
+        if reply.object == OBJECT_CHAT:
+            choices = [
+                {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r}
+                for i, (t, r) in pairs
+            ]
+        else:
+            choices = [
+                {"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in pairs
+            ]
+        body = reply.body(choices=choices, weight_version=ended.weight_version)
         body["usage"] = {
             "prompt_tokens": ended.prompt_tokens,
             "completion_tokens": ended.completion_tokens,
@@ -404,11 +515,12 @@ class _Reply:
     id: str
     created: int
     model: str
+    object: str = OBJECT_COMPLETION
 
     def body(self, *, choices: list[dict[str, Any]], weight_version: int) -> dict[str, Any]:
         return {
             "id": self.id,
-            "object": OBJECT_COMPLETION,
+            "object": self.object,
             "created": self.created,
             "model": self.model,
             "choices": choices,
@@ -435,7 +547,8 @@ def _failure(event: Failed) -> ApiError:
 def _not_found(method: str, path: str) -> ApiError:
     return ApiError(
         HTTPStatus.NOT_FOUND,
-        f"no route {method} {path}; routes: POST /v1/completions, GET /v1/models, GET /health",
+        f"no route {method} {path}; routes: POST /v1/completions, POST /v1/chat/completions, "
+        "GET /v1/models, GET /health",
         kind="invalid_request_error",
         code="not_found",
     )
@@ -448,6 +561,10 @@ def _not_allowed(method: str, path: str) -> ApiError:
         kind="invalid_request_error",
         code="method_not_allowed",
     )
+
+
+def _token_text(tokenizer: GgufTokenizer, token_id: int | None) -> str:
+    return "" if token_id is None else tokenizer.token(token_id)
 
 
 class HttpService:
@@ -464,7 +581,17 @@ class HttpService:
         http: HttpOptions,
     ) -> None:
         self.batcher = Batcher(runtime, model, tokenizer, options=batcher)
-        self.server = CompletionServer(self.batcher, runtime, options=http)
+        assert runtime.shards is not None, "open() always records the shard set"
+        try:
+            chat = ChatTemplate.from_metadata(
+                runtime.shards.metadata,
+                bos_token=_token_text(tokenizer, tokenizer.bos_id),
+                eos_token=_token_text(tokenizer, tokenizer.eos_id),
+            )
+        except ChatTemplateError as exc:  # served without chat; the route says the template is bad
+            log.warning("http.chat_template_unusable", model=runtime.model_name, error=str(exc))
+            chat = None
+        self.server = CompletionServer(self.batcher, runtime, options=http, chat_template=chat)
 
     def start(self) -> HttpService:
         self.server.start()
