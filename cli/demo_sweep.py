@@ -160,4 +160,3 @@ def cleanup(demo: RealDemo, *, keep: bool) -> None:
         shutil.rmtree(demo.run_dir, ignore_errors=True)
     if demo.temporary and not keep:
         shutil.rmtree(demo.model_first.parent, ignore_errors=True)
-
