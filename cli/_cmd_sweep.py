@@ -80,6 +80,9 @@ def register(subparsers: Any) -> None:
         help="how the in-process runtime holds weights (with --config: runtime.storage)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-plot", action="store_true", help="no OUT/sweep.png (written when matplotlib is)"
+    )
     add_threads_option(parser)
     parser.set_defaults(func=run)
 
@@ -164,6 +167,7 @@ def _sweep(
         max_chunks=args.chunks,
         verify_chunks=args.verify_chunks,
         storage=Storage(args.storage),
+        plot=not args.no_plot,
     )
     return run_sweep(
         args.model,
@@ -187,7 +191,12 @@ def _process_sweep(args: argparse.Namespace, recipe: Recipe) -> SweepReport:
     except ConfigError as exc:
         raise SweepError(str(exc)) from None
     out_dir: Path = args.out.resolve()
-    options = SweepOptions(n_ctx=args.ctx, max_chunks=args.chunks, verify_chunks=args.verify_chunks)
+    options = SweepOptions(
+        n_ctx=args.ctx,
+        max_chunks=args.chunks,
+        verify_chunks=args.verify_chunks,
+        plot=not args.no_plot,
+    )
     target = ProcessTarget(
         config_path=args.config.resolve(),
         config=config,
@@ -246,3 +255,5 @@ def _print_report(report: SweepReport) -> None:
         f"{report.resumed} from the journal); every restore reproduced the baseline logits"
     )
     print(f"results: {report.out_dir / PPL_CSV}, {report.out_dir / KLD_CSV}")
+    if report.plot is not None:
+        print(report.plot.note)

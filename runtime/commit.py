@@ -84,7 +84,10 @@ def commit(store: TensorStore, staged: StagedPlan) -> Applied:
     staged.allocated.clear()  # now owned by the slots
     changed = tuple(op.slot.name for op in staged.ops if op.content.raw is not None)
     moved = any(
-        op.new_buffer is not None or op.copy_into_original is not None or op.parts is not None
+        op.new_buffer is not None
+        or op.copy_into_original is not None
+        or op.decode_into_original is not None
+        or op.parts is not None
         for op in staged.ops
     )
     if changed or staged.derived or moved:
@@ -161,6 +164,9 @@ def _apply_whole(op: StagedOp) -> list[Buffer]:
         elif op.copy_into_original is not None:
             src = op.copy_into_original
             slot.original.tensor[: src.numel()].copy_(src)
+            slot.held = (op.content.fingerprint, op.content.record.ggml_type)
+        elif op.decode_into_original is not None:  # pool pressure: decoded in place
+            op.decode_into_original(slot.original.tensor)
             slot.held = (op.content.fingerprint, op.content.record.ggml_type)
         slot.active = slot.original
     elif op.new_buffer is not None:

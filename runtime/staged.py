@@ -7,6 +7,7 @@ the commit (``commit``).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,9 @@ class StagedOp:
     target: Target
     new_buffer: Buffer | None = None  # becomes the active (and, for ORIGINAL, original) buffer
     copy_into_original: torch.Tensor | None = None  # in-place source for stable pointers
+    # Pool pressure (no room for a second copy): the commit decodes the bytes read
+    # (``content.raw``) straight into the original buffer, given this buffer.
+    decode_into_original: Callable[[torch.Tensor], None] | None = None
     reattach: bool = False
     # A split slot's new active parts (its original parts, or new private ones), and the
     # contents to copy into its original parts at commit, one per part.

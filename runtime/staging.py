@@ -229,16 +229,19 @@ class Stager:
             else:
                 try:
                     # The swapped-in buffer keeps the original's size: returning to the original
-                    # content must always fit, and memory stays at its baseline.
+                    # content must always fit, and memory stays at its baseline. It is staged
+                    # beside the original only where the pool holds both until the commit
+                    # (no credit: the original is released only then).
                     original = slot.original.tensor
                     op.new_buffer = allocate(
-                        slot.home, (original.numel(), original.dtype), staged, credit
+                        slot.home, (original.numel(), original.dtype), staged, {}
                     )
                     self._fill(op.new_buffer.tensor[: spec[0]], slot, content)
-                    # The buffer it replaces is released by the commit.
-                    credit[slot.home] = credit.get(slot.home, 0) + slot.original.nbytes
-                except PoolFull:  # no headroom for a swap: copy in place at commit instead
-                    op.copy_into_original = self._scratch(slot, content, spec)
+                except PoolFull:
+                    # Pool pressure: no second copy. The commit decodes the bytes read straight
+                    # into the original buffer, whose original content is given up: a return
+                    # to it re-reads the file (``held`` no longer matches).
+                    op.decode_into_original = self._decoder(slot, content, spec)
             return op
         pool = self._pool_for(slot, target)
         try:
@@ -261,6 +264,18 @@ class Stager:
         except (UnsupportedTypeError, ValueError) as exc:
             reason = Reason(slot.name, f"cannot decode {content.record.ggml_type.name}: {exc}")
             raise Unplaceable(reason) from None
+
+    def _decoder(
+        self, slot: Slot, content: Content, spec: tuple[int, torch.dtype]
+    ) -> Callable[[torch.Tensor], None]:
+        """What the commit runs to decode ``content`` into the slot's original buffer. The type
+        was checked decodable by validation; the bytes are kept by ``content`` until then."""
+        assert content.raw is not None, f"{slot.name}: only new bytes are decoded at commit"
+
+        def decode(dest: torch.Tensor) -> None:
+            self._fill(dest[: spec[0]], slot, content)
+
+        return decode
 
     def _scratch(self, slot: Slot, content: Content, spec: tuple[int, torch.dtype]) -> torch.Tensor:
         """Staged contents on the home device, copied into the original buffer at commit."""

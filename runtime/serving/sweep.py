@@ -47,6 +47,7 @@ from ggufswap.runtime.serving.sweep_eval import (
     BaselineMismatch,
     ChunkEvaluator,
 )
+from ggufswap.runtime.serving.sweep_plot import PLOT_PNG, PlotResult, write_plot
 from ggufswap.runtime.serving.sweep_results import JOURNAL, Journal, write_csvs, write_text
 from ggufswap.runtime.serving.sweep_sources import SourceError, TensorSources
 from ggufswap.runtime.serving.tokenizer import GgufTokenizer
@@ -79,6 +80,7 @@ class SweepOptions:
     verify_chunks: int = 1  # chunks re-evaluated after each restore; 0: all
     commit_timeout_s: float = COMMIT_TIMEOUT_S
     storage: Storage = Storage.DEQUANTIZED
+    plot: bool = False  # write OUT/sweep.png when matplotlib is installed (the CLI does)
 
 
 @dataclass(kw_only=True)
@@ -91,6 +93,7 @@ class SweepReport:
     skipped: list[Skip] = field(default_factory=list)
     refused: list[dict[str, Any]] = field(default_factory=list)
     journal: dict[str, dict[str, Any]] = field(default_factory=dict)  # every verified round
+    plot: PlotResult | None = None  # None: not asked for (SweepOptions.plot)
 
 
 Progress = Callable[[Iterator[Round], int], Iterator[Round]]
@@ -362,6 +365,12 @@ class Sweep:
             log.info("sweep.round", round=r.key, kld=record["metrics"]["kld_mean"])
         report.journal = dict(journal.records)
         write_csvs(self.out_dir, journal.records.values())
+        if self.options.plot:
+            report.plot = write_plot(
+                journal.records.values(),
+                self.out_dir / PLOT_PNG,
+                title=f"ggufswap sweep (PPL_base {report.ppl_base:.4f})",
+            )
         summary = {
             "ppl_base": report.ppl_base,
             "rounds_planned": report.rounds_planned,
