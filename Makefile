@@ -52,7 +52,8 @@ soak: $(STAMP)
 
 # The cross-check against llama.cpp (docs/models.md#cross-check): llama-cpp-python built from
 # source into its own venv (a one-time 15-25 min build; pip caches the wheel), never part of make
-# test. It rewrites tests/fixtures/crosscheck, the golden data make test checks without llama.cpp.
+# test. It rewrites tests/fixtures/crosscheck, the golden data make test checks without llama.cpp,
+# then runs the real Gemma 3 270M on real text (crosscheck/gemma_real.py: tests/fixtures/gemma_real).
 XCHECK_VENV ?= .venv-crosscheck
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 # llama.cpp's AMX matmul crashed on the first forward on this project's x86 machines.
@@ -66,6 +67,7 @@ $(XCHECK_VENV)/.llama-cpp-installed:
 
 crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed
 	$(BIN)/python crosscheck/run.py --llama-python $(XCHECK_VENV)/bin/python
+	$(BIN)/python crosscheck/gemma_real.py --llama-python $(XCHECK_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

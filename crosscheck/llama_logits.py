@@ -6,6 +6,11 @@ buffer types, every position's logits), the tokens are evaluated in one batch, a
 ``[T, V]`` float32 array per case. A model llama.cpp refuses gets no array; its load log's tail
 is printed under the case name on stdout as JSON (``{"refused": {case: log}}``).
 
+Optional JOBS fields: ``"case_tokens": {case: [...]}`` gives a case its own tokens instead of
+``tokens``; ``"tokenize": {"model": path, "text": str}`` has llama.cpp tokenize the text with that
+model's vocabulary as ``llama-perplexity`` does (``common_tokenize(..., add_special=true,
+parse_special=false)``: BOS in front when the vocabulary adds it), reported as ``"tokenized"``.
+
 Imports only numpy and llama_cpp: this venv does not have the project installed.
 """
 
@@ -64,20 +69,36 @@ def load_log(path: str, tokens: list[int]) -> str:
         return log.read().decode(errors="replace")[-LOG_TAIL_CHARS:]
 
 
+def tokenize(path: str, text: str) -> list[int]:
+    """``text`` tokenized by ``path``'s vocabulary as llama-perplexity tokenizes its input."""
+    llm = Llama(model_path=path, vocab_only=True, verbose=False, use_extra_bufts=False)
+    try:
+        return [int(t) for t in llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)]
+    finally:
+        llm.close()
+
+
 def main(argv: list[str]) -> int:
     jobs = json.loads(Path(argv[1]).read_text())
-    tokens = [int(t) for t in jobs["tokens"]]
+    tokens = [int(t) for t in jobs.get("tokens", [])]
+    case_tokens = {c: [int(t) for t in ts] for c, ts in jobs.get("case_tokens", {}).items()}
     kv_type = int(jobs.get("kv_type", GGML_TYPE_F32))
     out: dict[str, np.ndarray] = {}
     refused: dict[str, str] = {}
     for case, path in jobs["models"].items():
         try:
-            out[case] = logits_of(path, tokens, kv_type=kv_type)
+            out[case] = logits_of(path, case_tokens.get(case, tokens), kv_type=kv_type)
         except (ValueError, RuntimeError) as exc:
             refused[case] = f"{exc}\n{load_log(path, tokens)}"
     arrays: dict[str, Any] = {f"case{i}": out[c] for i, c in enumerate(out)}
     np.savez(argv[2], **arrays)
-    report = {"version": llama_cpp.__version__, "cases": list(out), "refused": refused}
+    report: dict[str, Any] = {
+        "version": llama_cpp.__version__,
+        "cases": list(out),
+        "refused": refused,
+    }
+    if "tokenize" in jobs:
+        report["tokenized"] = tokenize(jobs["tokenize"]["model"], jobs["tokenize"]["text"])
     print(json.dumps(report))
     return 0
 
