@@ -21,7 +21,7 @@ from runtime_helpers import ModelDir
 from test_sweep import english
 
 from ggufswap.runtime.serving.recipe import Recipe, Round
-from ggufswap.runtime.serving.sweep import SweepOptions, SweepReport, run_sweep
+from ggufswap.runtime.serving.sweep import SweepError, SweepOptions, SweepReport, run_sweep
 from ggufswap.runtime.serving.sweep_results import JOURNAL, KLD_CSV, PPL_CSV, write_text
 from ggufswap.shards import tiny_dense
 
@@ -209,3 +209,30 @@ def test_the_single_host_sweep_never_imports_ray() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT_S, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+@ray_driver
+def test_a_worker_without_the_model_stops_the_sweep_naming_it(cluster: str, tmp_path: Path) -> None:
+    """Every node needs the model at the same path: a worker that cannot open it is named."""
+    missing = tmp_path / "elsewhere" / "model.gguf"
+    with pytest.raises(
+        SweepError,
+        match=r"sweep worker w0 did not start on .*: ShardError: .*model\.gguf: no such file",
+    ):
+        run_ray_sweep(
+            missing, text=english(), recipe=Recipe.from_document(RECIPE), out_dir=tmp_path / "o",
+            options=options(), ray_options=RayOptions(address=None, workers=1, threads=1),
+        )  # fmt: skip
+    assert not (tmp_path / "o" / JOURNAL).exists()
+
+
+def test_ray_usage_errors_are_named(tmp_path: Path) -> None:
+    cmd = [
+        GGUFSWAP, "sweep", "--config", str(tmp_path / "c.yaml"), "--text", str(tmp_path / "t"),
+        "--recipe", str(tmp_path / "r"), "--out", str(tmp_path / "o"), "--ray", "auto",
+        "--ray-workers", "0",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT_S, check=False)
+    assert done.returncode == 2
+    assert "--ray runs in-process workers (--model)" in done.stderr
+    assert "--ray-workers must be >= 1" in done.stderr

@@ -39,7 +39,7 @@ from typing import Any, BinaryIO, Final
 import ray
 import structlog
 from gguf import GGMLQuantizationType
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from ggufswap.runtime.serving.kld import BaseLogProbs, text_chunks
 from ggufswap.runtime.serving.recipe import Recipe, Round, plan_rounds
@@ -105,15 +105,24 @@ class RaySweepReport(SweepReport):
 class SweepWorker:
     """One Ray actor: an in-process runtime over the node-local model, running rounds."""
 
-    def __init__(
+    def __init__(self, *, name: str, work_dir: str, **kwargs: Any) -> None:
+        # Never raises: an actor whose __init__ raised only says so in its next call's error,
+        # whose exception may not even unpickle in the driver; describe() reports it instead.
+        self.name = name
+        self.work_dir = Path(work_dir)
+        self.error: str | None = None
+        try:
+            self._open(**kwargs)
+        except Exception as exc:  # noqa: BLE001 (reported by describe, the sweep stops)
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def _open(
         self,
         *,
-        name: str,
         model_path: str,
         text: str,
         options: SweepOptions,
         recipe: Recipe,
-        work_dir: str,
         threads: int | None,
         cpu: int | None,
         sources: Mapping[int, str],
@@ -132,8 +141,6 @@ class SweepWorker:
             mask = sorted(os.sched_getaffinity(0))
             os.sched_setaffinity(0, {mask[cpu % len(mask)]})
         apply_thread_policy(resolve_threads(flag=threads, environ={}))
-        self.name = name
-        self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         (self.work_dir / CURRENT_ROUND).unlink(missing_ok=True)
         shards = open_shard_set(model_path)
@@ -165,15 +172,20 @@ class SweepWorker:
         self.record: dict[str, Any] = {}
 
     def describe(self) -> dict[str, Any]:
-        """Who and where this worker is, and what it loaded (the driver compares them)."""
+        """Who and where this worker is, and what it loaded (the driver compares them), or
+        ``error``: why it could not load it."""
+        info = WorkerInfo(
+            name=self.name,
+            node_id=ray.get_runtime_context().get_node_id(),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            work_dir=str(self.work_dir),
+        )
+        if self.error is not None:
+            return {"info": info, "error": self.error}
         return {
-            "info": WorkerInfo(
-                name=self.name,
-                node_id=ray.get_runtime_context().get_node_id(),
-                host=socket.gethostname(),
-                pid=os.getpid(),
-                work_dir=str(self.work_dir),
-            ),
+            "info": info,
+            "error": None,
             "identity": self.evaluator.identity(self.target.originals),
             "originals": dict(self.target.originals),
             "computed": self.target.computed,
@@ -212,6 +224,8 @@ class SweepWorker:
             return "refused", str(exc)
         except SweepError as exc:
             return "failed", f"worker {self.name}: {exc}"
+        except Exception as exc:  # noqa: BLE001 (the model may be left swapped: stop)
+            return "failed", f"worker {self.name}: {r.key}: {type(exc).__name__}: {exc}"
         finally:
             marker.unlink(missing_ok=True)
         return "recorded", record
@@ -275,6 +289,14 @@ def _get(ref: Any, timeout_s: float, what: str) -> Any:
         raise SweepError(f"{what}: no answer within {timeout_s:.0f} s") from None
 
 
+def _cause(exc: BaseException) -> str:
+    """The worker's own exception in a Ray error (the whole Ray error when it has none)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}"
+    return str(exc)
+
+
 def _alive_nodes() -> int:
     return sum(1 for n in ray.nodes() if n.get("Alive"))
 
@@ -316,8 +338,13 @@ def _start_workers(
         )
     workers: list[_Worker] = []
     described = [h.describe.remote() for h in handles]
-    for handle, ref in zip(handles, described, strict=True):
-        d = _get(ref, ray_options.call_timeout_s, "starting a sweep worker")
+    for i, (handle, ref) in enumerate(zip(handles, described, strict=True)):
+        try:
+            d = _get(ref, ray_options.call_timeout_s, f"starting sweep worker w{i}")
+        except RayError as exc:  # it died
+            raise SweepError(f"sweep worker w{i} did not start: {_cause(exc)}") from None
+        if d["error"] is not None:
+            raise SweepError(f"sweep worker w{i} did not start on {d['info'].host}: {d['error']}")
         workers.append(_Worker(actor=handle, info=d["info"], described=d))
     first = workers[0].described
     for w in workers[1:]:
@@ -417,6 +444,7 @@ def _dispatch(
             if ref not in ready and now - started > timeout_s:  # hung: take the worker down
                 log.warning("sweep.ray.round_timeout", worker=w.info.name, round=r.key)
                 ray.kill(w.actor, no_restart=True)
+                inflight[ref] = (w, r, float("inf"))  # killed once; its death comes next
         for ref in ready:
             w, r, _ = inflight.pop(ref)
             try:
@@ -430,6 +458,8 @@ def _dispatch(
                 else:
                     state.queue.appendleft(r)  # next free worker runs it again
                 continue
+            except RayError as exc:  # a bug, not a verdict on the round: stop
+                raise SweepError(f"worker {w.info.name} failed on {r.key}: {_cause(exc)}") from None
             if outcome == "failed":
                 raise SweepError(str(payload))
             if outcome == "recorded":
