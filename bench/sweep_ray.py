@@ -122,7 +122,7 @@ def main() -> int:
     (row,) = run(args.quick, workers=args.workers, ctx=args.ctx, chunks=args.chunks)
     print(f"{row['cpus']} CPUs in this process's affinity mask; one torch thread per worker")
     print(
-        f"1 worker: {row['rounds'] / row['baseline_s']:.3f} rounds/s; "
+        f"{row['rounds']} rounds; 1 worker: {row['rounds'] / row['baseline_s']:.3f} rounds/s; "
         f"{row['workers']} workers: {row['rounds'] / row['ours_s']:.3f} rounds/s; "
         f"ratio {row['workers']} ÷ 1 = {row['ratio']:.2f}"
         + (f" (bounded by the {row['cpus']} CPUs)" if row["cpus"] < row["workers"] else "")

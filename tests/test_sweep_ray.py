@@ -132,15 +132,19 @@ def assert_same_sweep(out: Path, single: Path) -> None:
 
 
 @ray_driver
-def test_a_worker_killed_mid_round_loses_nothing_and_repeats_nothing(
-    model: Path, single_host: tuple[Path, SweepReport], cluster: str, tmp_path: Path
+@pytest.mark.parametrize("death", ["sigkill", "round_timeout"])
+def test_a_worker_lost_mid_round_loses_nothing_and_repeats_nothing(
+    model: Path, single_host: tuple[Path, SweepReport], cluster: str, tmp_path: Path, death: str
 ) -> None:
+    """w2 holds its first round swapped in (HoldingWorker) and is killed there: by the test
+    (SIGKILL of its process) or by the driver (the round outlived ``round_timeout_s``). The round
+    runs again on another worker and is recorded once; the files are the single-host sweep's."""
     single, _ = single_host
     out = tmp_path / "out"
-    killed: list[tuple[WorkerInfo, str]] = []
+    held: list[tuple[WorkerInfo, str]] = []
 
     def kill_w2_mid_round(worker: WorkerInfo, r: Round) -> None:
-        if worker.name != "w2" or killed:
+        if worker.name != "w2" or held:
             return
         marker = Path(worker.work_dir) / HOLDING
         wait_for(
@@ -148,25 +152,39 @@ def test_a_worker_killed_mid_round_loses_nothing_and_repeats_nothing(
             timeout=WAIT_S,
             what=f"w2 to swap {r.key} in",
         )
-        os.kill(worker.pid, signal.SIGKILL)
-        killed.append((worker, r.key))
+        held.append((worker, r.key))
+        if death == "sigkill":
+            os.kill(worker.pid, signal.SIGKILL)
 
+    # a round takes well under a second here; held, it would take WAIT_S
+    round_timeout_s = 15.0 if death == "round_timeout" else WAIT_S * 2
     report = run_ray_sweep(
         model, text=english(), recipe=Recipe.from_document(RECIPE), out_dir=out,
-        options=options(), ray_options=RayOptions(address=None, workers=3, threads=1),
+        options=options(),
+        ray_options=RayOptions(
+            address=None, workers=3, threads=1, round_timeout_s=round_timeout_s
+        ),
         on_dispatch=kill_w2_mid_round, worker_class=HoldingWorker,
     )  # fmt: skip
-    assert len(killed) == 1
-    (dead, key) = killed[0]
+    assert len(held) == 1
+    (dead, key) = held[0]
     assert key == "blk.0.attn_q.weight@q4_0", "w2's first round (rounds go out in recipe order)"
     assert [(r["key"], r["worker"]) for r in report.retried] == [(key, "w2")]
     lines = journal_lines(out)
     assert len(lines) == len({r["key"] for r in lines}) == 5, "no lost and no duplicate round"
-    assert (Path(dead.work_dir) / HOLDING).read_text() == key, "killed while holding it"
     assert_same_sweep(out, single)
     by_key = {r["key"]: r for r in lines}
     assert by_key[key]["worker"]["name"] != "w2", "retried on another worker"
     assert all(r["worker"]["pid"] != dead.pid for r in lines)
+    wait_for(lambda: not alive(dead.pid), timeout=WAIT_S, what="w2's process to end")
+
+
+def alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has ended
 
 
 def test_sweep_command_over_three_workers_gives_the_single_host_files(

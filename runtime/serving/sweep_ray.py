@@ -16,11 +16,11 @@ tells the driver when one dies; the rest is the single-host sweep's own code:
   round order (a round that finishes early waits in memory for the ones before it), so the files
   are those of a single-host sweep of the same recipe, model and text.
 
-A worker that dies (killed, its node lost) or outlives ``call_timeout_s`` on a call loses
-nothing: its round goes back to the front of the queue and runs on another worker; a round is
-recorded once, when a worker returns it verified. A round that took down ``max_round_failures``
-workers is reported as refused. A restore that does not reproduce the baseline on any worker
-stops the sweep, as on one host.
+A worker that dies (killed, its node lost) or holds a round longer than ``round_timeout_s``
+(it is then killed) loses nothing: its round goes back to the front of the queue and runs on
+another worker; a round is recorded once, when a worker returns it verified. A round that took
+down ``max_round_failures`` workers is reported as refused. A restore that does not reproduce
+the baseline on any worker stops the sweep, as on one host.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class RayOptions:
     threads: int | None = None
     pin_cpus: bool = False  # pin worker i to the i-th CPU of its affinity mask (benchmarks)
     work_dir: Path | None = None  # on each node; None: OUT/ray-workers/<worker>
-    call_timeout_s: float = 3600.0  # any one worker call: load, baseline, round
+    call_timeout_s: float = 3600.0  # starting a worker (loading the model), the baseline
+    round_timeout_s: float = 3600.0  # a round held longer: its worker is killed, the round retried
     max_round_failures: int = 2  # workers a round may take down before it is refused
 
 
@@ -535,7 +536,7 @@ def run_ray_sweep(
         results = _dispatch(
             workers,
             state,
-            timeout_s=ray_options.call_timeout_s,
+            timeout_s=ray_options.round_timeout_s,
             max_failures=ray_options.max_round_failures,
             on_dispatch=on_dispatch,
         )
