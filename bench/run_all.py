@@ -27,7 +27,17 @@ from typing import Any
 import structlog
 
 BENCH_DIR = Path(__file__).resolve().parent
-KNOWN = ("parse", "dequant", "commit_stall", "latency", "scan", "state_sync", "engine", "quantize")
+KNOWN = (
+    "parse",
+    "dequant",
+    "commit_stall",
+    "latency",
+    "scan",
+    "state_sync",
+    "engine",
+    "quantize",
+    "sweep_ray",
+)
 ROW_KEYS = ("name", "baseline_s", "ours_s", "ratio", "target")
 
 

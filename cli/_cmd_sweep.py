@@ -83,6 +83,19 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--no-plot", action="store_true", help="no OUT/sweep.png (written when matplotlib is)"
     )
+    parser.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="spread the rounds over the workers of a Ray cluster (ggufswap[ray]): ADDRESS as "
+        "ray.init takes it, or 'auto' (this machine's cluster, else a new local one); the model "
+        "(and each --source) must be at the same path on every node; see docs/scale-out.md",
+    )
+    parser.add_argument(
+        "--ray-workers",
+        type=int,
+        metavar="N",
+        help="with --ray: N workers (default one per alive node); --threads is per worker",
+    )
     add_threads_option(parser)
     parser.set_defaults(func=run)
 
@@ -100,6 +113,10 @@ def _problems(args: argparse.Namespace) -> list[str]:
             problems.append(f"--source expects TYPE=MODEL, found {item!r}")
     if args.config is not None and args.source:
         problems.append("--source is for the in-process sweep (--model); --config requantizes")
+    if args.ray is not None and args.config is not None:
+        problems.append("--ray runs in-process workers (--model); it does not take --config")
+    if args.ray_workers is not None and (args.ray is None or args.ray_workers < 1):
+        problems.append(f"--ray-workers must be >= 1 and needs --ray, found {args.ray_workers}")
     return problems
 
 
@@ -134,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     except RecipeError as exc:
         problems.append(str(exc))
     try:
-        sources = _sources(args.source) if not problems else {}
+        # with --ray the sources are opened by the workers, on their nodes
+        sources = _sources(args.source) if not problems and args.ray is None else {}
     except (ShardError, ValueError) as exc:
         problems.append(f"--source: {exc}")
     if problems:
@@ -144,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.config is not None:
             report = _process_sweep(args, recipe)
+        elif args.ray is not None:
+            report = _ray_sweep(args, text, recipe)
         else:
             report = _sweep(args, text, recipe, sources)
     except (KldError, ShardError, SweepError) as exc:
@@ -179,6 +199,43 @@ def _sweep(
         progress=_no_bar if args.no_progress else _bar,
         announce=lambda line: print(f"ggufswap sweep: {line}", file=sys.stderr, flush=True),
     )
+
+
+def _ray_sweep(args: argparse.Namespace, text: str, recipe: Recipe) -> SweepReport:
+    from ggufswap.config import Storage
+    from ggufswap.runtime.serving.sweep import SweepError, SweepOptions
+    from ggufswap.shards.writer import parse_type
+
+    try:
+        from ggufswap.runtime.serving.sweep_ray import RayOptions, run_ray_sweep
+    except ImportError as exc:
+        raise SweepError(f"--ray needs Ray: pip install 'ggufswap[ray]' ({exc})") from None
+    options = SweepOptions(
+        n_ctx=args.ctx,
+        max_chunks=args.chunks,
+        verify_chunks=args.verify_chunks,
+        storage=Storage(args.storage),
+    )
+    sources = {}
+    for item in args.source:
+        type_name, _, path = item.partition("=")
+        sources[parse_type(type_name)] = str(Path(path).resolve())
+    try:
+        return run_ray_sweep(
+            str(Path(args.model).resolve()),
+            text=text,
+            recipe=recipe,
+            out_dir=args.out.resolve(),
+            options=options,
+            ray_options=RayOptions(
+                address=args.ray, workers=args.ray_workers, threads=args.threads
+            ),
+            sources=sources,
+            progress=_no_bar if args.no_progress else _bar,
+            announce=lambda line: print(f"ggufswap sweep: {line}", file=sys.stderr, flush=True),
+        )
+    except ConnectionError as exc:
+        raise SweepError(f"--ray {args.ray}: cannot reach the Ray cluster: {exc}") from None
 
 
 def _process_sweep(args: argparse.Namespace, recipe: Recipe) -> SweepReport:

@@ -20,6 +20,7 @@ PACKAGE = "ggufswap"
 CORE = "ggufswap.runtime"
 MODELS = "ggufswap.runtime.models"
 SERVING = "ggufswap.runtime.serving"
+RAY_SWEEP = "ggufswap.runtime.serving.sweep_ray"  # the one module that imports ray (an extra)
 AGENT_SIDE = ("ggufswap.shards", "ggufswap.config", "ggufswap.ipc", "ggufswap.agent")
 FOUNDATIONS = ("ggufswap.shards", "ggufswap.config", "ggufswap.ipc")
 # Import name -> repository folder (pyproject's package-dir; subpackages follow their folders).
@@ -100,6 +101,17 @@ def rules(graph: grimp.ImportGraph) -> list[Rule]:
             frozenset(models | serving),
         ),
         Rule("the models never import serving", frozenset(models), frozenset(serving)),
+        Rule(
+            "only the Ray sweep imports ray",
+            frozenset(_tree(graph, PACKAGE) - {RAY_SWEEP}),
+            frozenset({"ray"}),
+            direct_only=True,
+        ),
+        Rule(
+            "serving (the single-host sweep) never reaches ray but through the Ray sweep",
+            frozenset(serving - {RAY_SWEEP}),
+            frozenset({"ray"}),
+        ),
         Rule(
             "the models use only the core's public names (import ggufswap.runtime)",
             frozenset(models),

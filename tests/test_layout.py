@@ -121,6 +121,7 @@ PLANTED = [
         "from ggufswap.runtime.store import TensorStore",
         "the models use only the core's public names",
     ),
+    ("runtime/serving/sweep.py", "import ray", "only the Ray sweep imports ray"),
 ]
 
 
