@@ -8,6 +8,8 @@ its row in the reliability matrix.
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +19,23 @@ import pytest
 from hostile import RawPeer
 from runtime_helpers import WAIT_S, ModelDir, open_runtime
 
-from ggufswap.ipc import ErrorCode, Fields, Job, MessageType, Plan, encode, message_from
+from ggufswap.config import ConfigError, load_config
+from ggufswap.config.endpoints import default_runtime_dir, socket_dir_problem
+from ggufswap.ipc import (
+    DealerClient,
+    ErrorCode,
+    Fields,
+    Job,
+    MessageType,
+    Plan,
+    RequestServer,
+    encode,
+    make_message,
+    message_from,
+)
 from ggufswap.ipc import plan_to_wire as _plan_to_wire
 from ggufswap.ipc._check import MAX_PATH_COMPONENTS
+from ggufswap.ipc.errors import InsecureEndpoint
 from ggufswap.ipc.messages import MAX_PLAN_ID_LENGTH, MAX_PLAN_JOBS
 from ggufswap.runtime import HotSwapRuntime
 from ggufswap.runtime.control import MAX_PLANS_IN_FLIGHT_PER_PEER, ControlServer
@@ -148,3 +164,78 @@ def test_a_flooding_client_cannot_queue_ahead_of_another(served: Served) -> None
         msg_id, frame = plan_frame(served.model_dir.plan("flood-again", [OUTPUT]))
         flooder.send([frame])
         assert outcome(flooder, served.runtime, msg_id)[Fields.TYPE] == "committed"
+
+
+# -- socket directories (finding 5) -----------------------------------------------------------
+
+NOBODY = 65534
+
+
+def foreign_dir(path: Path, mode: int = 0o755) -> Path:
+    """A directory owned by another user (as an attacker who created it first)."""
+    path.mkdir(mode=mode)
+    os.chmod(path, mode)
+    os.chown(path, NOBODY, NOBODY)
+    return path
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+
+
+@needs_root
+@pytest.mark.reliability(
+    "security",
+    "socket directory pre-created by another user, or under an ancestor others can write",
+    tries=4,
+    outcome="bind and connect refused naming the directory and owner; check-config names the line",
+)
+def test_a_socket_directory_someone_else_controls_is_refused(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server refuses to bind in a directory owned by another user, or under an ancestor
+    others may write (without the sticky bit); a client refuses to connect through its default
+    runtime directory when another user created it; check-config reports both at their line."""
+    base = tmp_path_factory.mktemp("d")
+    hijacked = foreign_dir(base / "hijacked")
+    open_parent = base / "open"
+    open_parent.mkdir()
+    os.chmod(open_parent, 0o777)
+    (open_parent / "sub").mkdir(mode=0o700)
+    for directory, why in ((hijacked, f"owned by uid {NOBODY}"), (open_parent / "sub", "0777")):
+        server = RequestServer(f"ipc://{directory}/rt.sock", lambda r: None, name="t")
+        with pytest.raises(InsecureEndpoint, match=why):
+            server.start()
+        assert not (directory / "rt.sock").exists()
+    # The client side: XDG_RUNTIME_DIR/ggufswap is this user's default runtime directory.
+    xdg = base / "xdg"
+    xdg.mkdir(mode=0o700)
+    foreign_dir(xdg / "ggufswap")
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    assert default_runtime_dir() == xdg / "ggufswap"
+    with pytest.raises(InsecureEndpoint, match=f"owned by uid {NOBODY}"):
+        DealerClient(f"ipc://{xdg}/ggufswap/rt.sock")
+    config = base / "c.yaml"
+    config.write_text(
+        f"runtime:\n  name: m\n  model: {base}/m.gguf\n"
+        f"  control_endpoint: ipc://{hijacked}/rt.sock\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(config)
+    assert f"{config}:4" in str(caught.value), caught.value
+    assert f"owned by uid {NOBODY}" in str(caught.value), caught.value
+
+
+def test_a_private_socket_directory_is_accepted(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Paired: a directory of this user's, mode 0700, under /tmp (sticky, root's) binds and
+    answers."""
+    directory = tmp_path_factory.mktemp("ok")
+    os.chmod(directory, 0o700)
+    assert socket_dir_problem(directory) is None
+    assert socket_dir_problem(Path(tempfile.gettempdir()) / "not-yet-created") is None
+    with RequestServer(f"ipc://{directory}/rt.sock", lambda r: None, name="t") as server:
+        with RawPeer(server.endpoint) as peer:
+            peer.send([encode(make_message(MessageType.PING))])
+            assert [r[Fields.TYPE] for r in peer.replies()] == ["pong"]
