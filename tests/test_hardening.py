@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -16,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hostile import RawPeer
-from runtime_helpers import WAIT_S, ModelDir, open_runtime
+from hostile import MODEL, STARTUP_TIMEOUT_S, TENSOR, RawPeer
+from processes import GGUFSWAP, Proc, status_of, wait_for, write_config
+from runtime_helpers import WAIT_S, ModelDir, Q, open_runtime
 
 from ggufswap.config import ConfigError, load_config
 from ggufswap.config.endpoints import default_runtime_dir, socket_dir_problem
+from ggufswap.config.loader import MAX_CONFIG_BYTES
 from ggufswap.ipc import (
     DealerClient,
     ErrorCode,
@@ -39,6 +42,7 @@ from ggufswap.ipc.errors import InsecureEndpoint
 from ggufswap.ipc.messages import MAX_PLAN_ID_LENGTH, MAX_PLAN_JOBS
 from ggufswap.runtime import HotSwapRuntime
 from ggufswap.runtime.control import MAX_PLANS_IN_FLIGHT_PER_PEER, ControlServer
+from ggufswap.shards import Layout, open_shard_set, requantize, tiny_moe, write_model
 
 OUTPUT = "output.weight"
 
@@ -239,3 +243,122 @@ def test_a_private_socket_directory_is_accepted(
         with RawPeer(server.endpoint) as peer:
             peer.send([encode(make_message(MessageType.PING))])
             assert [r[Fields.TYPE] for r in peer.replies()] == ["pong"]
+
+
+# -- names that are not UTF-8 (findings 6 and 9) ----------------------------------------------
+
+
+@pytest.mark.reliability(
+    "bad input",
+    "model directory reached through a non-UTF-8 path, and a file junk\\xff.gguf beside it",
+    tries=2,
+    outcome="both processes' status and state encode; the update commits once; names carried "
+    "byte for byte",
+)
+def test_non_utf8_names_are_carried_byte_for_byte(tmp_path: Path) -> None:
+    """A model whose real directory name is not UTF-8 (reached through a symlink), with a file
+    named ``junk\\xff.gguf`` beside its shards: both processes answer status, the runtime's
+    state names the shard by its real bytes, and an update is committed."""
+    real_dir = tmp_path / os.fsdecode(b"model-\xff")
+    real_dir.mkdir()
+    first = Path(write_model(tiny_moe(), real_dir, layout=Layout.PER_TENSOR)[0])
+    (real_dir / os.fsdecode(b"junk\xff.gguf")).write_bytes(b"not a gguf")
+    link = tmp_path / "model"
+    link.symlink_to(real_dir)
+    run_dir = tmp_path / "run"
+    config = write_config(
+        tmp_path, model_dir=link, first=link / first.name, run_dir=run_dir, model=MODEL
+    )
+    control = f"ipc://{run_dir}/rt.sock"
+    agent_status = f"ipc://{run_dir}/agent.sock"
+    runtime = Proc(["runtime", "--config", str(config)], log=tmp_path / "runtime.log")
+    agent: Proc | None = None
+    try:
+        wait_for(lambda: status_of(control), timeout=STARTUP_TIMEOUT_S, what="the runtime")
+        agent = Proc(["agent", "--config", str(config)], log=tmp_path / "agent.log")
+        wait_for(lambda: status_of(agent_status), timeout=STARTUP_TIMEOUT_S, what="the agent")
+        target = open_shard_set(first).tensors[TENSOR].path
+        requantize(target, TENSOR, Q.Q4_0)
+        wait_for(
+            lambda: (s := status_of(control)) is not None and s["weight_version"] == 1,
+            timeout=STARTUP_TIMEOUT_S,
+            what="the update committed",
+        )
+        assert status_of(agent_status) is not None
+        with DealerClient(control) as client:
+            client.send(make_message(MessageType.STATE))
+            state = wait_for(lambda: client.poll(0.2), timeout=WAIT_S, what="state")
+        paths = {entry[Fields.Tensor.PATH] for entry in state[Fields.TENSORS].values()}
+        assert all(os.fsencode(p).startswith(os.fsencode(real_dir)) for p in paths), paths
+    finally:
+        if agent is not None:
+            agent.stop()
+        runtime.stop()
+
+
+# -- watch roots and configuration files (finding 9) ------------------------------------------
+
+
+@pytest.mark.reliability(
+    "bad input",
+    "pseudo file systems (/proc, /sys, /dev, and a symlink to /proc) as watch roots",
+    tries=4,
+    outcome="ConfigError naming the line and the pseudo file system; check-config exits 1",
+)
+def test_pseudo_file_systems_are_refused_as_watch_roots(tmp_path: Path) -> None:
+    """``/proc``, ``/sys``, ``/dev`` and a symlink into ``/proc`` are refused as watch roots,
+    naming the line; ``ggufswap check-config`` exits 1 on them."""
+    (tmp_path / "to-proc").symlink_to("/proc/self")
+    for root in ("/proc", "/sys/kernel", "/dev", str(tmp_path / "to-proc")):
+        config = tmp_path / "c.yaml"
+        config.write_text(
+            f"models:\n  - name: m\n    runtime: ipc://{tmp_path}/rt.sock\n    watch:\n"
+            f"      - path: {root}\n        glob: '*'\n        recursive: true\n"
+        )
+        with pytest.raises(ConfigError, match="pseudo file system") as caught:
+            load_config(config)
+        assert f"{config}:5" in str(caught.value), caught.value
+    done = subprocess.run(
+        [GGUFSWAP, "check-config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, done
+    assert "pseudo file system" in done.stdout + done.stderr
+
+
+def test_an_ordinary_watch_root_is_accepted(tmp_path: Path) -> None:
+    """Paired: a directory of model files is accepted as a watch root."""
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"models:\n  - name: m\n    runtime: ipc://{tmp_path}/rt.sock\n    watch:\n"
+        f"      - path: {tmp_path}\n"
+    )
+    assert load_config(config).models[0].watch[0].path == tmp_path
+
+
+@pytest.mark.reliability(
+    "bad input",
+    "configuration path naming /dev/zero, a FIFO, a directory or a 2 MiB file",
+    tries=4,
+    outcome="ConfigError naming the file and why, before any byte is read; never hangs",
+)
+def test_config_files_must_be_regular_and_bounded(tmp_path: Path) -> None:
+    """A configuration path naming ``/dev/zero``, a FIFO with no writer, a directory or a file
+    over MAX_CONFIG_BYTES is refused with its reason (no read of the stream, no hang)."""
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"#" * (MAX_CONFIG_BYTES + 1))
+    cases = {
+        "/dev/zero": "not a regular file",
+        str(fifo): "not a regular file",
+        str(tmp_path): "not a regular file",
+        str(big): f"at most {MAX_CONFIG_BYTES}",
+    }
+    for path, why in cases.items():
+        with pytest.raises(ConfigError, match=why) as caught:
+            load_config(path)
+        assert path in str(caught.value), caught.value
