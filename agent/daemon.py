@@ -428,6 +428,11 @@ class AgentDaemon:
                 at=snapshot.scanned_at, duration_s=round(snapshot.scan_s, 6), model=slot.config.name
             )
             self._report_health(slot, snapshot)
+            for shard in snapshot.shards:
+                if shard.health is Health.SETTLING and shard.path not in pending:
+                    # Held because another process has it open for writing: no event may come
+                    # when it stops (an mmap writer), so look again after a settle window.
+                    self._route(shard.path, now)
             if slot.link is not None:
                 slot.link.set_desired(snapshot)
         if scanned:
@@ -473,6 +478,11 @@ class AgentDaemon:
                     {"path": s.path, "reason": s.reason, "held_by_last_good": s.held_by_last_good}
                     for s in snap.invalid[:100]
                 ],
+                "writing_shards": [
+                    {"path": s.path, "reason": s.reason}
+                    for s in snap.shards
+                    if s.health is Health.SETTLING and s.reason is not None
+                ][:100],
                 "problems": list(snap.problems[:50]),
                 "last_scan_at": snap.scanned_at,
                 "last_scan_s": round(snap.scan_s, 6),

@@ -24,6 +24,7 @@ from types import MappingProxyType
 
 import structlog
 
+from ggufswap.agent.writers import writer_of
 from ggufswap.config import ModelConfig, WatchConfig
 from ggufswap.shards import HeaderCache, ShardError, ShardHeader, ShardSet, TensorRecord
 from ggufswap.shards.shardset import split_prefix
@@ -36,7 +37,7 @@ class Health(str, enum.Enum):
 
     VALID = "valid"
     INVALID = "invalid"  # does not parse, breaks its set, or cannot be stat'ed
-    SETTLING = "settling"  # changed within its settle window: not read yet
+    SETTLING = "settling"  # changed within its settle window, or open for writing: not read yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +182,12 @@ class ModelIndex:
             return _Found(seen, real, held, True), ShardStatus(seen, real, Health.SETTLING)
         if os.path.isdir(real):
             return None, ShardStatus(seen, real, Health.INVALID, "a directory, not a shard")
+        writer = writer_of(real)
+        if writer is not None:  # being rewritten in place: reading it now could mix versions
+            held = previous if previous is not None and previous.path == real else None
+            return _Found(seen, real, held, True), ShardStatus(
+                seen, real, Health.SETTLING, writer, held_by_last_good=held is not None
+            )
         try:
             header = self._cache.get(real)
         except ShardError as exc:

@@ -30,7 +30,7 @@ import enum
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,8 @@ from ggufswap.agent._actual import ActualState
 from ggufswap.agent.errors import LinkStateError
 from ggufswap.agent.index import ModelSnapshot
 from ggufswap.agent.reconcile import reconcile
-from ggufswap.config import ModelConfig
+from ggufswap.agent.scrub import Scrubber
+from ggufswap.config import ModelConfig, VerifyMode
 from ggufswap.ipc import (
     DealerClient,
     Fields,
@@ -50,6 +51,7 @@ from ggufswap.ipc import (
     Reason,
     RuntimeState,
     SocketOptions,
+    TensorEntry,
     committed_from_wire,
     error_from_wire,
     make_message,
@@ -191,6 +193,18 @@ class RuntimeLink:
         self.plans_sent = 0
         self.outcomes: dict[str, int] = {}  # plans by outcome since start (for metrics)
         self.log = log.bind(model=model.name, endpoint=self.endpoint)
+        self._suspect: set[str] = set()  # bytes changed under an equal identity (the scrub)
+        self._scrubber = (
+            Scrubber(
+                model=model.name,
+                rate=model.scrub_bytes_per_s,
+                view=self._scrub_view,
+                on_changed=self.content_changed,
+                on_stale=self._scrub_stale,
+            )
+            if model.verify is VerifyMode.CHECKSUM and model.scrub_bytes_per_s > 0
+            else None
+        )
 
     # -- public, any thread ------------------------------------------------------------------
 
@@ -203,6 +217,8 @@ class RuntimeLink:
             target=self._run, name=f"ggufswap-link-{self.model.name}", daemon=True
         )
         self._thread.start()
+        if self._scrubber is not None:
+            self._scrubber.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -210,6 +226,8 @@ class RuntimeLink:
         runtime, and the next agent re-plans from its state."""
         self._stop.set()
         self._wake.set()
+        if self._scrubber is not None:
+            self._scrubber.stop(timeout_s)
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -220,7 +238,28 @@ class RuntimeLink:
         """Hand over the latest scan; the link plans from it when nothing is in flight."""
         with self._lock:
             self._desired = snapshot
+            if self._suspect:
+                self._last_key = None  # plan again even if the scan found nothing new
         self._wake.set()
+
+    def content_changed(self, record: TensorRecord, digest: str) -> None:
+        """The scrub found ``record``'s bytes changed (hashing to ``digest`` then) under the same
+        file identity: re-scan the model (a writer may still have the file open: it is held
+        then), and compare the tensor by fingerprint in the plans made from the new scans until
+        one of them has it desired."""
+        self._fingerprinter.forget(record)
+        with self._lock:
+            self._suspect.add(record.name)
+        self._scrub_stale()
+
+    def _scrub_view(self) -> tuple[Mapping[str, TensorRecord], Mapping[str, TensorEntry]]:
+        with self._lock:
+            desired = self._desired.desired if self._desired is not None else {}
+            return desired, dict(self._actual.by_name)
+
+    def _scrub_stale(self) -> None:
+        if self._on_stale is not None:
+            self._on_stale(self.model.name)
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -243,6 +282,7 @@ class RuntimeLink:
                 "not_loaded_count": self._not_loaded,
                 "refused": sorted(self._refused),
                 "last_error": self._last_error,
+                "scrub": self._scrubber.status() if self._scrubber is not None else None,
             }
 
     def history(self) -> list[PlanRecord]:
@@ -555,6 +595,9 @@ class RuntimeLink:
         self._last_key = key
         with self._lock:
             self._reconciled_generation = desired.generation
+            suspect = frozenset(self._suspect)
+            # Compared by fingerprint now (planned, or found equal); a held one stays suspect.
+            self._suspect -= set(desired.desired)
         result = reconcile(
             desired.desired,
             self._actual.by_name,
@@ -563,6 +606,7 @@ class RuntimeLink:
             verify=self.model.verify,
             fingerprint=self._fingerprinter,
             refused=self._refused,
+            suspect=suspect,
         )
         with self._lock:
             self._blocked = result.blocked

@@ -103,11 +103,14 @@ def reconcile(
     fingerprint: Callable[[TensorRecord], str],
     refused: Mapping[str, tuple[TensorRecord, str]] | None = None,
     plan_unloaded: bool = False,
+    suspect: frozenset[str] = frozenset(),
 ) -> Reconciliation:
     """The plan that takes ``actual`` to ``desired`` (see the module docstring for the rules).
 
     ``plan_unloaded`` plans tensors the runtime does not report (a dry run against an empty
     state); the daemon leaves it off, since a runtime refuses tensors it has not loaded.
+    ``suspect`` names tensors whose bytes the scrub found changed under an unchanged file
+    identity: they are compared by fingerprint even though their records are equal.
     """
     refused = refused or {}
     jobs: list[tuple[tuple[int, int, str], Job]] = []
@@ -143,7 +146,7 @@ def reconcile(
                 )
             )
             continue
-        if _same_version(old, record):
+        if _same_version(old, record) and not (checksum and name in suspect):
             unchanged += 1
             continue
         fp = None

@@ -10,6 +10,7 @@ The reply's ``status`` map (documented for ``ggufswap status`` and other clients
     models: {NAME: {generation, desired, held, pending_paths,
                     shards: {valid, invalid, settling},
                     invalid_shards: [{path, reason, held_by_last_good}],
+                    writing_shards: [{path, reason}] (open for writing: held),
                     problems: [...], link: {...}}}
 
 ``link`` is :meth:`ggufswap.agent.link.RuntimeLink.status`: ``state``, ``connected``,

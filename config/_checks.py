@@ -7,7 +7,12 @@ import os
 from pathlib import Path
 
 from ggufswap.config._nodes import NodeReader, item_path
-from ggufswap.config.endpoints import Transport, transport_of
+from ggufswap.config.endpoints import (
+    Transport,
+    default_runtime_dir,
+    socket_dir_problem,
+    transport_of,
+)
 from ggufswap.config.schema import Config, Keys, RuntimeConfig, ServeMode
 
 _SERVER_KEYS = ("server_secret_key", "authorized_keys_dir")
@@ -26,6 +31,7 @@ def cross_check(config: Config, reader: NodeReader) -> None:
         _check_runtime(config.runtime, reader)
     _check_bind_endpoints(config, reader)
     _check_tcp_security(config, reader)
+    _check_socket_dirs(config, reader)
     ports = [("agent.metrics_port", config.agent.metrics_port)]
     if config.runtime is not None:
         ports.append(("runtime.metrics_port", config.runtime.metrics_port))
@@ -131,3 +137,29 @@ def _check_tcp_security(config: Config, reader: NodeReader) -> None:
                 "(or security.allow_insecure_tcp: true to accept plaintext, "
                 "unauthenticated connections)",
             )
+
+
+def _check_socket_dirs(config: Config, reader: NodeReader) -> None:
+    """The directory of every ``ipc://`` socket, bound or connected to, passes the StrictModes
+    check (``socket_dir_problem``): reported at the key, or at the endpoint it derives from."""
+    clients = [
+        (f"{item_path(Keys.MODELS, i)}.runtime", m.runtime)
+        for i, m in enumerate(config.models)
+        if m.runtime
+    ]
+    default_dir = os.path.realpath(default_runtime_dir())
+    seen: set[tuple[Path, bool]] = set()
+    for key_path, endpoint, bound in [
+        *((k, e, True) for k, e in _bind_endpoints(config)),
+        *((k, e, False) for k, e in clients),
+    ]:
+        if transport_of(endpoint) is not Transport.IPC or endpoint.startswith("ipc://@"):
+            continue
+        parent = Path(os.path.dirname(endpoint.removeprefix("ipc://")))
+        owner_checked = bound or os.path.realpath(parent) == default_dir
+        if (parent, owner_checked) in seen:
+            continue  # one report per directory
+        seen.add((parent, owner_checked))
+        problem = socket_dir_problem(parent, owner_checked=owner_checked)
+        if problem is not None:
+            reader.report_at(key_path, f"{endpoint}: {problem}")

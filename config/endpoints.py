@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -111,3 +112,46 @@ def sibling_endpoint(control: str, *, role: str, port_offset: int) -> str:
     if dot and "/" not in suffix:
         return f"ipc://{stem}.{role}.{suffix}"
     return f"ipc://{rest}.{role}"
+
+
+def socket_dir_problem(directory: Path, *, owner_checked: bool = True) -> str | None:
+    """Why a Unix socket's ``directory`` cannot be trusted, or None when it can.
+
+    As OpenSSH's StrictModes: the directory and every ancestor up to ``/`` (their real paths)
+    must be owned by this process's user or root, and writable by no one else; an ancestor that
+    others may write is accepted only with the sticky bit and a trusted owner (``/tmp``: no one
+    else can rename or remove what is in it). Someone else able to write to the socket's
+    directory could replace the socket, and clients would send their plans to an impostor. With
+    ``owner_checked`` false only writability is checked (a client connecting to a socket another
+    user's service owns). A directory that does not exist yet is judged by its first existing
+    ancestor, which would hold it.
+    """
+    uid = os.getuid()
+    real = Path(os.path.realpath(directory))
+    own_dir = True
+    for current in (real, *real.parents):
+        try:
+            st = os.stat(current)
+        except FileNotFoundError:
+            own_dir = False  # it will be created, private, inside its first existing ancestor
+            continue
+        except OSError as exc:
+            return f"{current} cannot be checked ({exc.strerror})"
+        trusted_owner = st.st_uid in (uid, 0)
+        writable = stat.S_IMODE(st.st_mode) & (stat.S_IWGRP | stat.S_IWOTH)
+        what = "the socket directory" if current == real else "its ancestor"
+        if owner_checked and not trusted_owner:
+            return (
+                f"{what} {current} is owned by uid {st.st_uid}, not by this process's user "
+                f"(uid {uid}) or root: its owner could replace the socket; remove it or use a "
+                "directory of your own (such as a systemd RuntimeDirectory)"
+            )
+        sticky_ok = bool(st.st_mode & stat.S_ISVTX) and trusted_owner and not own_dir
+        if writable and not sticky_ok:
+            return (
+                f"{what} {current} is writable by group or others (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}): they could replace the socket; "
+                f"chmod go-w {current}"
+            )
+        own_dir = False
+    return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -57,6 +58,7 @@ MODEL_KEYS = (
     "verify",
     "request_timeout_s",
     "retries",
+    "scrub_rate",
 )
 WATCH_KEYS = ("path", "glob", "recursive", "backend", "poll_interval_s")
 TENSOR_KEYS = ("include", "exclude")
@@ -96,6 +98,10 @@ DEFAULT_RUNTIME_NAME = "runtime"  # a runtime-only text without a file, or an un
 YAML_SUFFIXES = (".yaml", ".yml")
 DEFAULT_POOLS = (PoolConfig(name="host", device="cpu", budget=None),)
 LOCALHOST = "127.0.0.1"
+# Mount points of the kernel's pseudo file systems: never watch roots.
+PSEUDO_FS_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
+# A configuration file is a few KiB; a larger one is refused before it is read.
+MAX_CONFIG_BYTES = 1 << 20
 _NO_PATH = Path()
 
 
@@ -113,13 +119,38 @@ def load_config(
     """
     file = Path(os.path.abspath(path))
     try:
-        data = file.read_bytes()
+        data = _read_bounded(file)
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise ConfigError([ConfigProblem(str(file), None, "", f"cannot read: {reason}")]) from None
+    except ValueError as exc:
+        raise ConfigError([ConfigProblem(str(file), None, "", str(exc))]) from None
     return load_config_text(
         data, source=file, base_dir=file.parent, check_paths=check_paths, environ=environ
     )
+
+
+def _read_bounded(file: Path) -> bytes:
+    """The bytes of ``file``, which must be a regular file of at most MAX_CONFIG_BYTES (checked
+    on the open descriptor before reading: a FIFO, a device or /dev/zero is refused, never read);
+    ValueError says why not."""
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(
+                f"not a regular file (mode {stat.filemode(st.st_mode)}); "
+                "a configuration is a YAML file"
+            )
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ValueError(f"{st.st_size} bytes; a configuration is at most {MAX_CONFIG_BYTES}")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:  # grew while being read
+            raise ValueError(f"over {MAX_CONFIG_BYTES} bytes; a configuration is at most that")
+        return data
+    finally:
+        os.close(fd)
 
 
 def load_config_text(
@@ -244,12 +275,26 @@ class _Builder:
             verify=self.r.get(sec, "verify", self.v.choice(VerifyMode), VerifyMode.CHECKSUM),
             request_timeout_s=self.r.get(sec, "request_timeout_s", self.v.seconds, 5.0),
             retries=self.r.get(sec, "retries", self.v.integer(minimum=0), 3),
+            scrub_bytes_per_s=self.r.get(sec, "scrub_rate", self.v.size, 16 * 1000 * 1000),
         )
+
+    def _watch_root(self, node: Node, key_path: str) -> Path:
+        """A watched directory: not on one of the kernel's pseudo file systems, whose files are
+        not model shards (``/proc`` holds a file per process; ``/dev/zero`` never ends)."""
+        path = self.v.path(kind=PathKind.DIRECTORY)(node, key_path)
+        real = Path(os.path.realpath(path))
+        for root in PSEUDO_FS_ROOTS:
+            if real == root or root in real.parents:
+                raise Invalid(
+                    f"{str(path)!r} is under {root}, a pseudo file system of the kernel; "
+                    "watch the directory that holds the model's GGUF files"
+                )
+        return path
 
     def watch(self, node: Node, path: str) -> WatchConfig:
         sec = self.r.section(node, path, keys=WATCH_KEYS, required=("path",))
         return WatchConfig(
-            path=self.r.get(sec, "path", self.v.path(kind=PathKind.DIRECTORY), _NO_PATH),
+            path=self.r.get(sec, "path", self._watch_root, _NO_PATH),
             glob=self.r.get(sec, "glob", self.v.glob, "*.gguf"),
             recursive=self.r.get(sec, "recursive", self.v.boolean, False),
             backend=self.r.get(sec, "backend", self.v.choice(WatchBackend), WatchBackend.AUTO),

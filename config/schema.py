@@ -124,6 +124,9 @@ class ModelConfig:
     verify: VerifyMode = VerifyMode.CHECKSUM
     request_timeout_s: float = 5.0
     retries: int = 3
+    # verify: checksum only: re-hash loaded tensors in the background at this rate (bytes/s;
+    # 0: off) to find changes that keep the file's identity (writes through a shared mapping).
+    scrub_bytes_per_s: int = 16 * 1000 * 1000
 
 
 @dataclass(frozen=True, slots=True)

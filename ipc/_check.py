@@ -64,11 +64,41 @@ def as_str(value: object, where: str, *, nonempty: bool = False) -> str:
     return value
 
 
+# Bounds on a path read from the wire, checked before the path reaches any file-system call:
+# Linux's PATH_MAX, and a component count far above any real tree (resolving a path costs time
+# quadratic in its components).
+MAX_PATH_BYTES = 4096
+MAX_PATH_COMPONENTS = 256
+
+
+def path_within_bounds(text: str) -> bool:
+    """Whether ``text`` is at most MAX_PATH_BYTES long (UTF-8) with at most MAX_PATH_COMPONENTS
+    components; cheap enough for the fast record reader."""
+    if len(text) > MAX_PATH_BYTES or text.count("/") > MAX_PATH_COMPONENTS:
+        return False
+    return text.isascii() or len(text.encode("utf-8", "surrogatepass")) <= MAX_PATH_BYTES
+
+
 def as_path(value: object, where: str) -> str:
-    """A file path: a non-empty string without NUL (no file system accepts one)."""
+    """A file path: a non-empty string without NUL (no file system accepts one), within
+    MAX_PATH_BYTES and MAX_PATH_COMPONENTS."""
     text = as_str(value, where, nonempty=True)
     if "\x00" in text:
         raise MalformedMessage(f"field {where!r}: a path cannot contain a NUL character")
+    if not path_within_bounds(text):
+        raise MalformedMessage(
+            f"field {where!r}: a path of at most {MAX_PATH_BYTES} bytes and "
+            f"{MAX_PATH_COMPONENTS} components, found {len(text.encode('utf-8', 'surrogatepass'))}"
+            f" bytes and {text.count('/')} separators"
+        )
+    return text
+
+
+def as_bounded_str(value: object, where: str, *, limit: int, nonempty: bool = False) -> str:
+    """A string of at most ``limit`` characters."""
+    text = as_str(value, where, nonempty=nonempty)
+    if len(text) > limit:
+        raise MalformedMessage(f"field {where!r}: at most {limit} characters, found {len(text)}")
     return text
 
 

@@ -18,6 +18,11 @@ from ggufswap.ipc.errors import MalformedMessage, MessageTooLarge
 from ggufswap.ipc.messages import Fields, check_envelope
 
 DEFAULT_MAX_MSG_SIZE = 64 * 1024 * 1024
+# A file name need not be UTF-8 (Linux names are bytes). Python reads such a name as a str with
+# surrogate escapes; strings are packed and unpacked with the same handler, so the name crosses
+# the wire byte for byte (its msgpack str then holds those bytes, not valid UTF-8), instead of
+# failing to encode.
+UNICODE_ERRORS = "surrogateescape"
 
 
 def _refuse_ext(code: int, data: bytes) -> object:
@@ -44,7 +49,9 @@ def encode(msg: Mapping[str, Any]) -> bytes:
     """Pack a message map; refuses a missing envelope and any non-plain value."""
     check_envelope(dict(msg))
     try:
-        return msgpack.packb(dict(msg), use_bin_type=True, datetime=False)
+        return msgpack.packb(
+            dict(msg), use_bin_type=True, datetime=False, unicode_errors=UNICODE_ERRORS
+        )
     except (TypeError, ValueError, OverflowError) as exc:
         raise MalformedMessage(f"cannot encode message {msg.get('type')!r}: {exc}") from exc
 
@@ -60,6 +67,7 @@ def decode(frame: bytes, *, max_size: int = DEFAULT_MAX_MSG_SIZE) -> dict[str, A
         obj = msgpack.unpackb(
             frame,
             raw=False,
+            unicode_errors=UNICODE_ERRORS,
             strict_map_key=True,
             use_list=True,
             ext_hook=_refuse_ext,

@@ -26,6 +26,14 @@ PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS: tuple[int, ...] = (PROTOCOL_VERSION,)
 MAX_ID_LENGTH = 128
 GGML_MAX_DIMS = 4
+# Bounds on what a plan may carry, checked while it is read (before any file-system call): a
+# plan id as long as a message id, tensor and model names far over GGML_MAX_NAME, and more jobs
+# than any model has tensors. Paths are bounded by ``_check.MAX_PATH_BYTES`` and
+# ``MAX_PATH_COMPONENTS``.
+MAX_PLAN_ID_LENGTH = MAX_ID_LENGTH
+MAX_NAME_LENGTH = 256
+MAX_FINGERPRINT_LENGTH = 128
+MAX_PLAN_JOBS = 65536
 
 
 class MessageType(str, Enum):
@@ -274,7 +282,7 @@ def _record_fast(m: Any, name: object) -> TensorRecord | None:
     what the strict reader accepts (exactly ``int``, ``str`` and ``list``, as msgpack decodes
     them), at a few microseconds a record: a state of thousands of tensors reads in milliseconds.
     """
-    if type(m) is not dict or type(name) is not str or not name:
+    if type(m) is not dict or type(name) is not str or not 0 < len(name) <= MAX_NAME_LENGTH:
         return None
     t = Fields.Tensor
     path: Any = m.get(t.PATH)
@@ -283,7 +291,7 @@ def _record_fast(m: Any, name: object) -> TensorRecord | None:
     code: Any = m.get(t.TYPE)
     ne: Any = m.get(t.NE)
     ident: Any = m.get(t.IDENTITY)
-    path_ok = type(path) is str and bool(path) and "\x00" not in path
+    path_ok = type(path) is str and bool(path) and "\x00" not in path and c.path_within_bounds(path)
     ne_ok = type(ne) is list and 0 < len(ne) <= GGML_MAX_DIMS and all(map(_is_count, ne))
     ident_ok = type(ident) is list and len(ident) == 5 and all(type(v) is int for v in ident)
     ggml_type = _ggml_type(code) if type(code) is int else None
@@ -305,7 +313,8 @@ def _record_strict(d: object, *, where: str, name: str | None) -> TensorRecord:
     t = Fields.Tensor
     m = c.require_map(d, where)
     if name is None:
-        name = c.as_str(c.get(m, t.NAME, where), c.field_path(where, t.NAME), nonempty=True)
+        name = c.get(m, t.NAME, where)
+    name = c.as_bounded_str(name, c.field_path(where, t.NAME), limit=MAX_NAME_LENGTH, nonempty=True)
     code = c.as_int(c.get(m, t.TYPE, where), c.field_path(where, t.TYPE), minimum=0)
     ggml_type = _ggml_type(code)
     if ggml_type is None:
@@ -333,7 +342,10 @@ def _record_strict(d: object, *, where: str, name: str | None) -> TensorRecord:
 
 def _fingerprint_from_wire(m: Mapping[str, Any], where: str) -> str | None:
     key = Fields.Tensor.FINGERPRINT
-    return c.as_opt_str(c.get(m, key, where), c.field_path(where, key))
+    value = c.get(m, key, where)
+    if value is None:
+        return None
+    return c.as_bounded_str(value, c.field_path(where, key), limit=MAX_FINGERPRINT_LENGTH)
 
 
 def job_to_wire(job: Job) -> dict[str, Any]:
@@ -358,7 +370,15 @@ def plan_to_wire(plan: Plan) -> dict[str, Any]:
 def plan_from_wire(d: object) -> Plan:
     """A ``Plan`` from a ``plan`` message or body; job names must be unique."""
     m = c.require_map(d, "plan")
+    plan_id = c.as_bounded_str(
+        c.get(m, Fields.PLAN_ID, ""), Fields.PLAN_ID, limit=MAX_PLAN_ID_LENGTH, nonempty=True
+    )
+    model = c.as_bounded_str(c.get(m, Fields.MODEL, ""), Fields.MODEL, limit=MAX_NAME_LENGTH)
     jobs_raw = c.as_list(c.get(m, Fields.JOBS, ""), Fields.JOBS)
+    if len(jobs_raw) > MAX_PLAN_JOBS:
+        raise MalformedMessage(
+            f"field 'jobs': at most {MAX_PLAN_JOBS} jobs per plan, found {len(jobs_raw)}"
+        )
     jobs = tuple(
         job_from_wire(j, where=c.field_path(Fields.JOBS, i)) for i, j in enumerate(jobs_raw)
     )
@@ -366,11 +386,7 @@ def plan_from_wire(d: object) -> Plan:
     duplicates = sorted(name for name, n in counts.items() if n > 1)
     if duplicates:
         raise MalformedMessage(f"field 'jobs': duplicate tensor names {duplicates}")
-    return Plan(
-        plan_id=c.as_str(c.get(m, Fields.PLAN_ID, ""), Fields.PLAN_ID, nonempty=True),
-        model=c.as_str(c.get(m, Fields.MODEL, ""), Fields.MODEL),
-        jobs=jobs,
-    )
+    return Plan(plan_id=plan_id, model=model, jobs=jobs)
 
 
 # --------------------------------------------------------------------------- replies

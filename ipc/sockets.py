@@ -33,6 +33,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from ggufswap.config.endpoints import default_runtime_dir, socket_dir_problem
 from ggufswap.ipc.codec import DEFAULT_MAX_MSG_SIZE
 from ggufswap.ipc.errors import EndpointInUse, InsecureEndpoint, IpcError
 
@@ -199,6 +200,9 @@ def _prepare_ipc_path(path: str, endpoint: str) -> None:
             f"(mode {stat.S_IMODE(st.st_mode):04o}); use a private directory "
             f"(chmod 0700 {parent}) such as a systemd RuntimeDirectory"
         )
+    problem = socket_dir_problem(Path(parent))
+    if problem is not None:
+        raise InsecureEndpoint(f"{endpoint}: {problem}")
     try:
         lst = os.lstat(path)
     except FileNotFoundError:
@@ -327,6 +331,23 @@ def connect_endpoint(
                 f"{endpoint}: tcp endpoints require CURVE keys (security.curve); set "
                 f"allow_insecure_tcp only on a trusted network"
             )
-    elif not endpoint.startswith((IPC_SCHEME, INPROC_SCHEME)):
+    elif endpoint.startswith(IPC_SCHEME):
+        _check_ipc_client_dir(endpoint)
+    elif not endpoint.startswith(INPROC_SCHEME):
         raise IpcError(f"{endpoint}: unsupported transport; use ipc://, tcp:// or inproc://")
     sock.connect(endpoint)
+
+
+def _check_ipc_client_dir(endpoint: str) -> None:
+    """Refuse to connect through a socket directory others could write (anyone could have put
+    the socket there); in this user's default runtime directory its owner must also be this
+    user or root (another user may have created it first, to receive this process's requests).
+    """
+    path = endpoint.removeprefix(IPC_SCHEME)
+    if path.startswith("@"):
+        return  # an abstract socket has no directory
+    parent = Path(os.path.dirname(os.path.abspath(path)))
+    owner_checked = os.path.realpath(parent) == os.path.realpath(default_runtime_dir())
+    problem = socket_dir_problem(parent, owner_checked=owner_checked)
+    if problem is not None:
+        raise InsecureEndpoint(f"{endpoint}: {problem}")

@@ -15,6 +15,7 @@ runtime's health. The wire format is in docs/protocol.md.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ from ggufswap.ipc import (
     Plan,
     Process,
     Publisher,
+    Reason,
     Rejected,
     Request,
     RequestServer,
@@ -51,6 +53,11 @@ from ggufswap.runtime.store import Slot
 log = structlog.get_logger(__name__)
 
 Reply = Mapping[str, Any]
+
+# Plans one client (one ZeroMQ peer) may have queued or staging at once. The agent has one plan
+# in flight at a time; a client that floods plans gets ``rejected`` (stale: retry later) past
+# this, so its plans never queue ahead of more than this many of anyone else's.
+MAX_PLANS_IN_FLIGHT_PER_PEER = 4
 
 
 class ControlServer:
@@ -87,6 +94,8 @@ class ControlServer:
             else None
         )
         self.publisher = Publisher(events_endpoint, options) if events_endpoint else None
+        self._peer_lock = threading.Lock()
+        self._peer_plans: dict[bytes, set[str]] = {}  # plans in flight, per client
         runtime.on_event(self._publish)
 
     @classmethod
@@ -148,10 +157,51 @@ class ControlServer:
     def _plan(self, request: Request) -> Reply:
         plan = request.body
         assert isinstance(plan, Plan), "the request server parses a plan message into a Plan"
-        answer = _Answer(self.control, request.peer, str(request.msg[Fields.ID]))
+        if not self._admit(request.peer, plan.plan_id):
+            busy = Rejected(
+                plan_id=plan.plan_id,
+                stale=True,
+                reasons=(
+                    Reason(
+                        "*",
+                        f"this client already has {MAX_PLANS_IN_FLIGHT_PER_PEER} plans in "
+                        "flight; resend after one of them is committed or rejected",
+                        stale=True,
+                    ),
+                ),
+            )
+            log.warning("control.peer_busy", plan_id=plan.plan_id, peer=request.peer.hex())
+            return make_reply(request.msg, MessageType.REJECTED, **rejected_to_wire(busy))
+        answer = _Answer(
+            self.control,
+            request.peer,
+            str(request.msg[Fields.ID]),
+            on_final=lambda: self._release(request.peer, plan.plan_id),
+        )
         self.runtime.submit(plan, follow=answer)
         assert answer.first is not None, "submit follows the ticket, which answers at once"
         return answer.first
+
+    def _admit(self, peer: bytes, plan_id: str) -> bool:
+        """Count ``plan_id`` against ``peer``'s plans in flight; False when it has too many (a
+        plan the runtime already knows and has not rejected is a re-send: always admitted)."""
+        known = self.runtime.ticket(plan_id)
+        if known is not None and known.state is not PlanState.REJECTED:
+            return True
+        with self._peer_lock:
+            plans = self._peer_plans.setdefault(peer, set())
+            if len(plans) >= MAX_PLANS_IN_FLIGHT_PER_PEER:
+                return False
+            plans.add(plan_id)
+            return True
+
+    def _release(self, peer: bytes, plan_id: str) -> None:
+        with self._peer_lock:
+            plans = self._peer_plans.get(peer)
+            if plans is not None:
+                plans.discard(plan_id)
+                if not plans:
+                    del self._peer_plans[peer]
 
     # -- events ----------------------------------------------------------------------------
 
@@ -203,13 +253,23 @@ class _Answer:
     (which sends it after the handler's reply).
     """
 
-    def __init__(self, server: RequestServer, peer: bytes, request_id: str) -> None:
+    def __init__(
+        self,
+        server: RequestServer,
+        peer: bytes,
+        request_id: str,
+        *,
+        on_final: Callable[[], None] | None = None,
+    ) -> None:
         self._server = server
         self._peer = peer
         self._request_id = request_id
+        self._on_final = on_final
         self.first: Reply | None = None
 
     def __call__(self, ticket: PlanTicket) -> None:
+        if ticket.state.final and self._on_final is not None:
+            self._on_final()
         if self.first is None:
             self.first = self._reply(ticket, MessageType.ACCEPTED)
             return

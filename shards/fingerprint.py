@@ -54,6 +54,13 @@ class Fingerprinter:
                 self._cache.popitem(last=False)
         return digest
 
+    def forget(self, record: TensorRecord) -> None:
+        """Drop the cached fingerprint of ``record``: its bytes changed under the same file
+        identity (a write through a shared mapping), so the next call hashes them again."""
+        key = (record.identity.as_tuple(), record.offset, record.nbytes)
+        with self._lock:
+            self._cache.pop(key, None)
+
     @staticmethod
     def _compute(record: TensorRecord) -> str:
         hasher = xxhash.xxh3_128()

@@ -194,8 +194,9 @@ def test_atomic_rename_of_one_changed_tensor_gives_one_plan_with_that_tensor(
 def test_shard_copied_in_place_in_slow_chunks_is_planned_only_once_complete(
     tmp_path: Path,
 ) -> None:
-    """A shard rewritten in place chunk by chunk is read as invalid meanwhile and never planned
-    until the copy is complete and settled; then exactly its tensor is planned."""
+    """A shard rewritten in place chunk by chunk is held as being written while the writer has
+    it open, never planned until the copy is complete and settled; then exactly its tensor is
+    planned."""
     paths = write_per_tensor_model(tmp_path / "m", 3)
     target = paths[1]
     new = write_shard(tmp_path / "staged" / target.name, 1, 3, seed=1000).read_bytes()
@@ -207,10 +208,12 @@ def test_shard_copied_in_place_in_slow_chunks_is_planned_only_once_complete(
                 f.write(chunk)
                 f.flush()
                 agent.wait_scan_after(scans, "a scan of the partial file")
-                agent.wait_in_sync()
-                shard = agent.status()["models"]["m"]["invalid_shards"]
-                assert [s["path"] for s in shard] == [str(target)]
-                assert shard[0]["held_by_last_good"] is True
+                held = wait_for(
+                    lambda: agent.status()["models"]["m"]["writing_shards"],
+                    timeout=10,
+                    what="the shard held as being written",
+                )
+                assert [s["path"] for s in held] == [str(target)]
                 assert agent.runtime.plans == [], "a partial shard must never be planned"
             f.write(chunks[-1])
         [plan] = agent.runtime.wait_plans(1)

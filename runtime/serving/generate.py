@@ -92,7 +92,7 @@ class Sampling:
 @dataclass(frozen=True, kw_only=True)
 class BatcherOptions:
     max_batch: int = 8  # sequences decoded per round
-    max_queue: int = 64  # requests waiting to start; more get QueueFull
+    max_queue: int = 64  # prompts waiting to start; more get QueueFull
     request_timeout_s: float = 60.0  # from submit to the last token
     shutdown_grace_s: float = 5.0  # how long requests in flight may finish after stop
 
@@ -209,6 +209,8 @@ class Batcher:
         self._completion_tokens: collections.Counter[Generation] = collections.Counter()
         self._lock = threading.Lock()
         self._counts = collections.Counter[str]()
+        self._queued_prompts = 0  # prompts of the requests in _queue and _held
+        self._held: Generation | None = None  # taken from the queue, waits for batch room
         self.rounds = 0
         self.last_round_s: float | None = None
         runtime.on_event(self._on_runtime_event)
@@ -250,18 +252,25 @@ class Batcher:
                     f"prompt {i} has {len(ids)} tokens; with max_tokens={sampling.max_tokens} "
                     f"that exceeds the model's context of {self.context_length} tokens"
                 )
+        if len(prompts) > self.options.max_batch:
+            problems.append(
+                f"{len(prompts)} prompts in one request; this server decodes at most "
+                f"max_batch={self.options.max_batch} sequences at once"
+            )
         if problems:
             raise InvalidRequest("; ".join(problems))
         generation = Generation(
             encoded, sampling, deadline=time.monotonic() + self.options.request_timeout_s
         )
-        try:
-            self._queue.put_nowait(generation)
-        except queue.Full:
-            self._count("rejected_queue_full")
-            raise QueueFull(
-                f"{self.options.max_queue} requests are already waiting; retry later"
-            ) from None
+        with self._lock:  # every prompt counts against the queue, not every request
+            if self._queued_prompts + len(prompts) > self.options.max_queue:
+                self._counts["rejected_queue_full"] += 1
+                raise QueueFull(
+                    f"{self._queued_prompts} prompts are already waiting (max_queue="
+                    f"{self.options.max_queue}); retry later"
+                )
+            self._queued_prompts += len(prompts)
+            self._queue.put_nowait(generation)  # never full: each request holds a prompt
         self._arrived.set()
         return generation
 
@@ -270,7 +279,8 @@ class Batcher:
             counts = dict(self._counts)
         return {
             "rounds": self.rounds,
-            "queued": self._queue.qsize(),
+            "queued": self._queue.qsize() + (self._held is not None),
+            "queued_prompts": self._queued_prompts,
             "in_flight": len(self._active),
             "requests": counts,
             "last_round_ms": None
@@ -317,10 +327,18 @@ class Batcher:
     def _admit(self) -> None:
         version = self.runtime.weight_version
         while len(self._active) < self.options.max_batch:
-            try:
-                generation = self._queue.get_nowait()
-            except queue.Empty:
-                return
+            if self._held is None:
+                try:
+                    self._held = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+            generation = self._held
+            room = self.options.max_batch - len(self._active)
+            if len(generation.prompts) > room and not generation.cancelled:
+                return  # the request waits, whole, for room in the batch
+            self._held = None
+            with self._lock:
+                self._queued_prompts -= len(generation.prompts)
             if generation.cancelled:
                 self._count("cancelled")
                 continue
@@ -435,6 +453,9 @@ class Batcher:
     def _shutdown(self) -> None:
         """Refuse new requests, fail the queued ones, give those in flight a bounded grace."""
         self._closed.set()
+        if self._held is not None:
+            self._fail(self._held, "the server is shutting down", FailureKind.SHUTDOWN)
+            self._held = None
         while True:
             try:
                 queued = self._queue.get_nowait()

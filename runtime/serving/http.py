@@ -5,9 +5,11 @@ Routes: ``POST /v1/completions`` (``stream`` as server-sent events),
 ``GET /health``. Every completion response and every streamed chunk carries the
 ``weight_version`` it was generated on. Errors are OpenAI-shaped
 ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad request), 404 (unknown route or
-model), 405, 413, 500 (the model failed) and 503 (queue full, timed out, shutting down).
+model), 405, 408 (the body stalled), 413, 500 (the model failed) and 503 (queue full, timed out,
+shutting down, too many connections).
 
-One thread per connection parses and validates the request and hands it to the
+One thread per connection (at most ``max_connections``; a connection idle for
+``idle_timeout_s`` is closed) parses and validates the request and hands it to the
 :class:`~ggufswap.runtime.serving.generate.Batcher`; the inference thread generates; the
 connection thread writes what comes back. The server binds ``127.0.0.1`` unless told
 otherwise: it has no authentication.
@@ -18,7 +20,9 @@ from __future__ import annotations
 import collections
 import difflib
 import json
+import math
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -72,6 +76,16 @@ CHAT_KEYS: Final = COMMON_KEYS | {"messages"}
 class HttpOptions:
     host: str = "127.0.0.1"
     port: int = 8000  # 0 picks a free port (see CompletionServer.port)
+    # A connection that sends nothing (idle keep-alive, or a request read stalled) for this
+    # long is closed.
+    idle_timeout_s: float = 30.0
+    # Connections served at once (one thread each); further ones are answered 503 at once.
+    # None: max_batch + max_queue + CONNECTION_HEADROOM.
+    max_connections: int | None = None
+
+
+CONNECTION_HEADROOM: Final = 16  # connections over the batcher's capacity (health, models)
+MIN_BACKLOG: Final = 128  # the listen backlog is the connection limit, at least this
 
 
 def bad_request(message: str, code: str | None = None) -> ApiError:
@@ -139,8 +153,8 @@ def parse_completion(
     temperature = body.get("temperature", DEFAULT_TEMPERATURE)
     if temperature is None:
         temperature = DEFAULT_TEMPERATURE
-    if not _is_number(temperature) or temperature < 0:
-        problems.append(f"'temperature' must be a number >= 0, found {temperature!r}")
+    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
+        problems.append(f"'temperature' must be a finite number >= 0, found {temperature!r}")
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         problems.append(f"'seed' must be an integer, found {seed!r}")
@@ -244,11 +258,24 @@ class CompletionServer:
         self.created = int(time.time())
         self._responses = collections.Counter[int]()
         self._lock = threading.Lock()
-        try:
-            self._httpd = _Server((options.host, options.port), _Handler)
-        except OSError as exc:
-            raise ListenError(f"cannot listen on {options.host}:{options.port}: {exc}") from exc
+        limits = batcher.options
+        self.max_connections = (
+            options.max_connections
+            if options.max_connections is not None
+            else limits.max_batch + limits.max_queue + CONNECTION_HEADROOM
+        )
+        self._httpd = _Server((options.host, options.port), _Handler, bind_and_activate=False)
         self._httpd.app = self
+        self._httpd.slots = threading.BoundedSemaphore(self.max_connections)
+        # A backlog sized for the connection limit: a burst of connections waits to be
+        # accepted (and answered, 503 past the limit) instead of being reset by the kernel.
+        self._httpd.request_queue_size = max(MIN_BACKLOG, self.max_connections)
+        try:
+            self._httpd.server_bind()
+            self._httpd.server_activate()
+        except OSError as exc:
+            self._httpd.server_close()
+            raise ListenError(f"cannot listen on {options.host}:{options.port}: {exc}") from exc
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="ggufswap-http"
         )
@@ -311,12 +338,53 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a stuck client never blocks shutdown
     block_on_close = False
     app: CompletionServer
+    slots: threading.BoundedSemaphore  # one per connection being served
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve the connection on a thread of its own, or answer 503 at once when
+        ``max_connections`` are being served."""
+        if not self.slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def _refuse(self, request: socket.socket) -> None:
+        error = unavailable(
+            f"{self.app.max_connections} connections are being served; retry later",
+            "too_many_connections",
+        )
+        data = json.dumps(error.body()).encode()
+        head = (
+            f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        try:
+            request.settimeout(1.0)  # the accepting thread never waits on a slow client
+            request.sendall(head + data)
+        except OSError:
+            pass
+        self.app.counted(HTTPStatus.SERVICE_UNAVAILABLE)
+        self.shutdown_request(request)
 
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive for JSON responses; streams close when done
     server: _Server
     server_version = "ggufswap"
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.app.options.idle_timeout_s)  # idle and read
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -345,6 +413,28 @@ class _Handler(BaseHTTPRequestHandler):
             self._completions(chat=path == CHAT_COMPLETIONS)
         except ApiError as exc:
             self._error(exc)
+        except TimeoutError:  # the body did not arrive within idle_timeout_s
+            self.close_connection = True
+            self._error(
+                ApiError(
+                    HTTPStatus.REQUEST_TIMEOUT,
+                    f"the request body did not arrive within "
+                    f"{self.server.app.options.idle_timeout_s} s",
+                    kind="invalid_request_error",
+                    code="timeout",
+                )
+            )
+        except Exception as exc:  # a bug: answer 500 rather than drop the connection
+            log.exception("http.handler_failed", path=path)
+            self.close_connection = True
+            self._error(
+                ApiError(
+                    HTTPStatus.INTERNAL_SERVER_ERROR,
+                    f"{type(exc).__name__}: {exc}",
+                    kind="server_error",
+                    code="internal",
+                )
+            )
 
     # -- completions -----------------------------------------------------------------------
 
@@ -364,6 +454,13 @@ class _Handler(BaseHTTPRequestHandler):
             )
         else:
             request = parse_chat(body, model_name=app.model_name, template=app.chat_template)
+        max_batch = app.batcher.options.max_batch
+        if len(request.prompts) > max_batch:  # each prompt is a sequence of the batch
+            raise bad_request(
+                f"{len(request.prompts)} prompts in one request; this server decodes at most "
+                f"max_batch={max_batch} at once",
+                "too_many_prompts",
+            )
         try:
             generation = app.batcher.submit(list(request.prompts), request.sampling, special=chat)
         except InvalidRequest as exc:
@@ -477,9 +574,11 @@ class _Handler(BaseHTTPRequestHandler):
             )
         raw = self.rfile.read(int(length))
         try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return json.loads(raw, parse_constant=_non_finite, parse_float=_finite_float)
+        except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
             raise bad_request(f"the body is not valid JSON: {exc}", "invalid_json") from None
+        except RecursionError:
+            raise bad_request("the body is nested too deeply", "invalid_json") from None
 
     def _discard_body(self) -> None:
         length = self.headers.get("Content-Length")
@@ -526,6 +625,17 @@ class _Reply:
             "choices": choices,
             "weight_version": weight_version,
         }
+
+
+def _non_finite(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number (only finite numbers are)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows a double")
+    return value
 
 
 def _next(events: queue.Queue[Event], deadline: float) -> Event:

@@ -1,0 +1,139 @@
+"""The background scrub: re-hash the loaded tensors at a bounded rate, to find changes that no
+event and no file identity reveal.
+
+A write through a ``MAP_SHARED`` mapping reaches the file without an inotify event, and a second
+write into pages still dirty changes neither the mtime nor the ctime: the file's identity stays
+equal, so the agent, which hashes a tensor only when its record changed, would never look. With
+``verify: checksum`` and ``scrub_rate`` above 0, a thread per model walks the tensors that are in
+sync (the desired record equals the runtime's) round-robin, hashes each one's bytes afresh and
+compares with the fingerprint the runtime reports:
+
+- equal: nothing to do;
+- different: the bytes changed under the same identity; the link is told
+  (:meth:`RuntimeLink.content_changed`), which plans the tensor by fingerprint;
+- the file's identity no longer matches the record (a change no event reported): the model is
+  re-scanned (``on_stale``).
+
+After hashing ``n`` bytes the thread waits ``n / rate`` seconds, so the scrub never reads faster
+than ``scrub_rate`` on average; a full pass over a model of ``S`` bytes takes about ``S / rate``,
+which bounds the detection latency.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+
+import structlog
+
+from ggufswap.ipc import TensorEntry
+from ggufswap.shards import ShardError, TensorRecord
+from ggufswap.shards.fingerprint import fingerprint
+
+log = structlog.get_logger(__name__)
+
+IDLE_S = 1.0  # wait between looks when nothing is in sync yet
+
+
+View = Callable[[], tuple[Mapping[str, TensorRecord], Mapping[str, TensorEntry]]]
+
+
+def _same_source(loaded: TensorRecord, record: TensorRecord) -> bool:
+    return (
+        loaded.identity == record.identity
+        and loaded.offset == record.offset
+        and loaded.nbytes == record.nbytes
+        and loaded.ggml_type == record.ggml_type
+    )
+
+
+class Scrubber:
+    """Re-hashes in-sync tensors of one model at ``rate`` bytes per second, on its own thread."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        rate: int,
+        view: View,
+        on_changed: Callable[[TensorRecord, str], None],
+        on_stale: Callable[[], None],
+    ) -> None:
+        self.model = model
+        self.rate = rate
+        self._view = view
+        self._on_changed = on_changed
+        self._on_stale = on_stale
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._cursor = ""  # the last name hashed: the walk resumes after it
+        self.hashed_bytes = 0
+        self.passes = 0
+        self.found = 0
+
+    def start(self) -> Scrubber:
+        self._thread = threading.Thread(
+            target=self._run, name=f"ggufswap-scrub-{self.model}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._thread = None
+
+    def status(self) -> dict[str, int]:
+        return {
+            "rate": self.rate,
+            "hashed_bytes": self.hashed_bytes,
+            "passes": self.passes,
+            "found": self.found,
+        }
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                wait = self.step()
+            except Exception:  # a bug: logged, and the scrub goes on after a pause
+                log.exception("scrub.failed", model=self.model)
+                wait = IDLE_S
+            self._stop.wait(wait)
+
+    def step(self) -> float:
+        """Hash the next in-sync tensor; return how long to wait before the next one."""
+        desired, actual = self._view()
+        in_sync = sorted(
+            name
+            for name, record in desired.items()
+            if (entry := actual.get(name)) is not None and _same_source(entry.record, record)
+        )
+        if not in_sync:
+            return IDLE_S
+        name = next((n for n in in_sync if n > self._cursor), None)
+        if name is None:
+            self.passes += 1
+            name = in_sync[0]
+        self._cursor = name
+        record = desired[name]
+        expected = actual[name].fingerprint
+        try:
+            digest = fingerprint(record)
+        except (ShardError, OSError) as exc:
+            log.info("scrub.file_changed", model=self.model, tensor=name, error=str(exc))
+            self._on_stale()
+            return IDLE_S
+        self.hashed_bytes += record.nbytes
+        if expected is not None and digest != expected:
+            self.found += 1
+            log.warning(
+                "scrub.content_changed",
+                model=self.model,
+                tensor=name,
+                path=record.path,
+                expected=expected,
+                found=digest,
+            )
+            self._on_changed(record, digest)
+        return record.nbytes / self.rate

@@ -1,0 +1,251 @@
+"""The HTTP server under abuse: oversized prompt lists, non-finite numbers, deep JSON, idle and
+stalled connections, more connections than it serves, and bursts past the listen backlog.
+
+Each attack is answered with an HTTP status (never a dropped connection), and good requests are
+still served afterwards. Every test records its row in the reliability matrix.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from processes import wait_for
+from runtime_helpers import ModelDir, one_thread
+
+from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.serving import GgufTokenizer
+from ggufswap.runtime.serving.generate import Batcher, BatcherOptions
+from ggufswap.runtime.serving.http import MIN_BACKLOG, CompletionServer, HttpOptions
+from ggufswap.shards import tiny_dense
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+WAIT_S = 30.0
+COMPLETIONS = "/v1/completions"
+
+
+@dataclass
+class Served:
+    runtime: HotSwapRuntime
+    batcher: Batcher
+    server: CompletionServer
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> ModelDir:
+    return ModelDir.write(tmp_path_factory.mktemp("abuse") / "model", tiny_dense(n_vocab=512))
+
+
+def start_server(
+    first: Path, *, run_loop: bool = True, http: HttpOptions | None = None, **batch: Any
+) -> Iterator[Served]:
+    runtime = HotSwapRuntime.open(first)
+    assert runtime.shards is not None, "open() keeps the shard set"
+    model = build_model(
+        HParams.from_metadata(runtime.shards.metadata), runtime.store, store=runtime.store
+    )
+    batcher = Batcher(
+        runtime, model, GgufTokenizer.from_file(first), options=BatcherOptions(**batch)
+    )
+    server = CompletionServer(batcher, runtime, options=http or HttpOptions(port=0)).start()
+    stop = threading.Event()
+    loop = threading.Thread(target=batcher.run, args=(stop,), name="test-inference")
+    if run_loop:
+        loop.start()
+    try:
+        yield Served(runtime, batcher, server)
+    finally:
+        stop.set()
+        if run_loop:
+            loop.join(WAIT_S)
+        server.close()
+        runtime.close()
+
+
+def call(port: int, method: str, path: str, *, raw: bytes | None = None) -> tuple[int, Any]:
+    """One request on a fresh connection; the status and the decoded JSON body."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        conn.request(method, path, body=raw, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def post(port: int, body: object) -> tuple[int, Any]:
+    return call(port, "POST", COMPLETIONS, raw=json.dumps(body).encode())
+
+
+def served_ok(port: int) -> None:
+    status, reply = post(port, {"prompt": "a b", "max_tokens": 1, "temperature": 0})
+    assert status == 200, reply
+
+
+@pytest.mark.reliability(
+    "bad input",
+    "HTTP prompt lists over max_batch, and prompts over the queue",
+    tries=2,
+    outcome="400 too_many_prompts; 503 queue_full counting prompts, not requests",
+)
+def test_every_prompt_counts_against_max_batch_and_the_queue(model_dir: ModelDir) -> None:
+    """A request with more prompts than max_batch is a 400; prompts, not requests, fill the
+    queue, so a second request whose prompts do not fit is a 503 queue_full at once."""
+    for served in start_server(
+        model_dir.first, run_loop=False, max_batch=2, max_queue=3, request_timeout_s=2.0
+    ):
+        status, reply = post(served.port, {"prompt": ["a", "b", "c"], "max_tokens": 1})
+        assert (status, reply["error"]["code"]) == (400, "too_many_prompts"), reply
+        waiting: list[tuple[int, Any]] = []
+        first = threading.Thread(
+            target=lambda: waiting.append(post(served.port, {"prompt": ["a", "b"]}))
+        )
+        first.start()
+        wait_for(
+            lambda: served.batcher.status()["queued_prompts"] == 2, timeout=WAIT_S, what="queued"
+        )
+        status, reply = post(served.port, {"prompt": ["c", "d"]})
+        assert (status, reply["error"]["code"]) == (503, "queue_full"), reply
+        first.join(WAIT_S)
+        assert not first.is_alive()
+
+
+def test_a_prompt_list_of_max_batch_is_served(model_dir: ModelDir) -> None:
+    """Paired: a list of exactly max_batch prompts is served, one choice per prompt."""
+    for served in start_server(model_dir.first, max_batch=2, max_queue=2):
+        status, reply = post(served.port, {"prompt": ["a", "b"], "max_tokens": 1})
+        assert status == 200, reply
+        assert len(reply["choices"]) == 2
+
+
+BAD_BODIES = {
+    "temperature NaN": b'{"prompt": "a", "temperature": NaN}',
+    "temperature Infinity": b'{"prompt": "a", "temperature": Infinity}',
+    "temperature -Infinity": b'{"prompt": "a", "temperature": -Infinity}',
+    "temperature 1e999": b'{"prompt": "a", "temperature": 1e999}',
+    "100,000-deep array": b"[" * 100_000 + b"]" * 100_000,
+    "100,000-deep prompt": b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+}
+
+
+@pytest.mark.reliability(
+    "bad input",
+    "HTTP bodies with NaN, Infinity, 1e999 or 100,000-deep nesting",
+    tries=len(BAD_BODIES),
+    outcome="400 with an OpenAI-style error body; the server keeps serving",
+)
+def test_non_finite_numbers_and_deep_nesting_get_a_400(model_dir: ModelDir) -> None:
+    """Non-finite numbers and deeply nested JSON are answered 400 with an error body, never a
+    dropped connection; the server keeps serving."""
+    for served in start_server(model_dir.first):
+        for what, body in BAD_BODIES.items():
+            status, reply = call(served.port, "POST", COMPLETIONS, raw=body)
+            assert status == 400, (what, reply)
+            assert reply["error"]["type"] == "invalid_request_error", (what, reply)
+        served_ok(served.port)
+
+
+@pytest.mark.reliability(
+    "bad input",
+    "HTTP connections idle, or stalled mid-body",
+    tries=2,
+    outcome="closed after idle_timeout_s; a stalled body answered 408",
+)
+def test_idle_and_stalled_connections_are_closed(model_dir: ModelDir) -> None:
+    """A connection that sends nothing is closed after idle_timeout_s; one whose body stalls
+    gets a 408 and is closed."""
+    options = HttpOptions(port=0, idle_timeout_s=0.5)
+    for served in start_server(model_dir.first, http=options):
+        with socket.create_connection(("127.0.0.1", served.port), timeout=WAIT_S) as idle:
+            assert idle.recv(1) == b""  # closed by the server, not by this side's timeout
+        with socket.create_connection(("127.0.0.1", served.port), timeout=WAIT_S) as stalled:
+            stalled.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{}"
+            )
+            answer = b""
+            while chunk := stalled.recv(65536):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        served_ok(served.port)
+
+
+@pytest.mark.reliability(
+    "bad input",
+    "HTTP connections past max_connections (held open with keep-alive)",
+    tries=1,
+    outcome="503 too_many_connections at once; served again once one closes",
+)
+def test_connections_past_the_limit_get_503(model_dir: ModelDir) -> None:
+    """With max_connections connections held open, another one is answered 503 at once; once
+    one closes, requests are served again."""
+    limit = 3
+    for served in start_server(model_dir.first, http=HttpOptions(port=0, max_connections=limit)):
+        held = [
+            http.client.HTTPConnection("127.0.0.1", served.port, timeout=WAIT_S)
+            for _ in range(limit)
+        ]
+        try:
+            for conn in held:  # each is accepted and served; keep-alive then holds its thread
+                conn.request("GET", "/health")
+                assert conn.getresponse().read()
+            status, reply = call(served.port, "GET", "/health")
+            assert (status, reply["error"]["code"]) == (503, "too_many_connections"), reply
+        finally:
+            held.pop().close()
+        wait_for(lambda: call(served.port, "GET", "/health")[0] == 200, timeout=WAIT_S, what="200")
+        for conn in held:
+            conn.close()
+
+
+def listen_backlog(port: int) -> int:
+    """The backlog of the socket listening on ``port`` (``ss`` shows it as Send-Q)."""
+    out = subprocess.run(
+        ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout.split()
+    return int(out[2])
+
+
+@pytest.mark.reliability(
+    "bad input",
+    "HTTP burst of 200 connections at once",
+    tries=200,
+    outcome="listen backlog >= 128; every connection answered 200 or 503, none reset",
+)
+def test_a_burst_of_connections_is_answered_not_reset(model_dir: ModelDir) -> None:
+    """The listen backlog is sized for the connection limit (at least MIN_BACKLOG), and each of
+    200 connections opened at once gets an HTTP answer: 200, or 503 past the limit."""
+    for served in start_server(model_dir.first, http=HttpOptions(port=0, max_connections=16)):
+        assert listen_backlog(served.port) >= MIN_BACKLOG
+        request = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        socks = [
+            socket.create_connection(("127.0.0.1", served.port), timeout=WAIT_S) for _ in range(200)
+        ]
+        statuses = []
+        try:
+            for sock in socks:
+                sock.sendall(request)
+            for sock in socks:
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+                statuses.append(answer.split(b" ", 2)[1])
+        finally:
+            for sock in socks:
+                sock.close()
+        assert set(statuses) <= {b"200", b"503"}, statuses
+        assert len(statuses) == 200
+        served_ok(served.port)

@@ -1,0 +1,231 @@
+"""Writers that rewrite a shard in place, through real agent and runtime processes.
+
+A writer that keeps its descriptor open and pauses mid-write (here on a preallocated file, the
+worst case: the unwritten part reads as zeros) must never get a mixed version planned: the agent
+holds the shard while anyone has it open for writing and plans it once the writer is done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hostile import MODEL, TENSOR, Live, live_processes
+from processes import wait_for
+from runtime_helpers import Q
+
+from ggufswap.agent.reconcile import reconcile
+from ggufswap.agent.scrub import Scrubber
+from ggufswap.agent.writers import writer_of
+from ggufswap.config import VerifyMode
+from ggufswap.ipc import DealerClient, Fields, MessageType, SlotState, TensorEntry, make_message
+from ggufswap.shards import (
+    Fingerprinter,
+    Layout,
+    TensorRecord,
+    fingerprint,
+    open_shard_set,
+    requantize,
+    tiny_moe,
+    write_model,
+)
+
+WAIT_S = 60.0
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[Live]:
+    with live_processes(tmp_path) as processes:
+        yield processes
+
+
+def writing(live: Live) -> list[dict[str, Any]]:
+    model = live.status(live.agent_status).get("models", {}).get(MODEL, {})
+    return list(model.get("writing_shards", []))
+
+
+def runtime_entry(live: Live) -> dict[str, Any]:
+    with DealerClient(live.control) as client:
+        client.send(make_message(MessageType.STATE))
+        state = wait_for(lambda: client.poll(0.2), timeout=WAIT_S, what="the runtime's state")
+    return dict(state[Fields.TENSORS][TENSOR])
+
+
+def test_the_lease_probe_sees_descriptors_and_shared_mappings(tmp_path: Path) -> None:
+    """``writer_of`` names a file open for writing, or mapped shared and writable after its
+    descriptor closed; a file only open for reading, or no longer open, has no writer."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 4096)
+    assert writer_of(str(path)) is None
+    with open(path, "rb"):
+        assert writer_of(str(path)) is None
+    with open(path, "r+b") as f:
+        assert writer_of(str(path)) is not None
+        mapping = mmap.mmap(f.fileno(), 4096)
+    assert writer_of(str(path)) is not None  # the mapping keeps the file open for writing
+    mapping.close()
+    assert writer_of(str(path)) is None
+
+
+@pytest.mark.reliability(
+    "faults",
+    "in-place writer: preallocates the shard, writes half, pauses with the descriptor open",
+    tries=1,
+    outcome="held while open for writing (never planned torn or zero-filled); the complete "
+    "version committed once after close; runtime fingerprint = the final file's",
+)
+def test_an_in_place_writer_pausing_mid_write_is_never_planned(live: Live) -> None:
+    """While a writer holds the shard open mid-rewrite the agent reports it as being written and
+    plans nothing; after the writer closes it, the complete new version is committed once."""
+    shard = Path(open_shard_set(live.first).tensors[TENSOR].path)
+    new = shard.parent.parent / "new.gguf"
+    requantize(shard, TENSOR, Q.Q4_0, out=new)
+    data = new.read_bytes()
+    half = len(data) // 2
+    assert live.weight_version() == 0
+    with open(shard, "r+b") as f:
+        f.truncate(0)
+        f.truncate(len(data))  # preallocated: the rest reads as zeros until written
+        f.write(data[:half])
+        f.flush()
+        os.fsync(f.fileno())
+        wait_for(
+            lambda: writing(live) or live.weight_version() != 0,
+            timeout=WAIT_S,
+            what="the shard held as being written, or a plan from it",
+        )
+        assert live.weight_version() == 0, "a plan was made from a file being written"
+        held = writing(live)
+        assert held[0]["path"] == str(shard), held
+        assert "open for writing" in held[0]["reason"], held
+        # Scans while it is open keep holding it (each settle window looks again).
+        scans = live.status(live.agent_status)["scans"]["count"]
+        wait_for(
+            lambda: live.status(live.agent_status)["scans"]["count"] >= scans + 3,
+            timeout=WAIT_S,
+            what="three more scans",
+        )
+        assert writing(live), "still held while the writer has it open"
+        assert live.weight_version() == 0, "nothing is planned from a file being written"
+        f.write(data[half:])
+    wait_for(lambda: live.weight_version() == 1, timeout=WAIT_S, what="the commit")
+    wait_for(lambda: not writing(live), timeout=WAIT_S, what="the hold released")
+    entry = runtime_entry(live)
+    final = open_shard_set(live.first).tensors[TENSOR]
+    assert entry[Fields.Tensor.FINGERPRINT] == Fingerprinter()(final)
+    assert live.weight_version() == 1, "committed exactly once"
+    live.alive()
+
+
+def reconciled(live: Live) -> bool:
+    """The link has planned from the latest scan and has nothing in flight."""
+    model = live.status(live.agent_status)["models"][MODEL]
+    link = model["link"]
+    return bool(
+        link["reconciled_generation"] == model["generation"] and link["pending_plan"] is None
+    )
+
+
+def rows_reversed(data: bytes, rows: int) -> bytes:
+    """The tensor's rows in reverse order: other bytes, every row still a valid encoding."""
+    size = len(data) // rows
+    return b"".join(data[i * size : (i + 1) * size] for i in reversed(range(rows)))
+
+
+def runtime_has_the_files_bytes(live: Live) -> bool:
+    record = open_shard_set(live.first).tensors[TENSOR]
+    return bool(runtime_entry(live)[Fields.Tensor.FINGERPRINT] == fingerprint(record))
+
+
+@pytest.mark.reliability(
+    "faults",
+    "writes through a MAP_SHARED mapping made after the descriptor closed (no inotify event)",
+    tries=1,
+    outcome="held while mapped writable (looked at every settle window); the new bytes "
+    "committed once after munmap; runtime fingerprint = the file's bytes",
+)
+def test_writes_through_a_shared_mapping_are_loaded_after_munmap(live: Live) -> None:
+    """A process maps the shard shared and writable and closes its descriptor (the only event);
+    once the agent has scanned after that, it writes through the mapping (no event at all). The
+    agent holds the shard while the mapping exists and loads the new bytes after munmap."""
+    record = open_shard_set(live.first).tensors[TENSOR]
+    rows = record.nbytes // (record.nbytes // max(1, record.ne[-1]))
+    assert live.weight_version() == 0
+    scans = wait_for(
+        lambda: live.status(live.agent_status).get("scans", {}).get("count"),
+        timeout=WAIT_S,
+        what="the agent's first scan",
+    )
+    start, end = record.offset, record.offset + record.nbytes
+    with open(record.path, "r+b") as f:
+        f.seek(start)
+        original = f.read(record.nbytes)
+        f.seek(start)
+        f.write(original)  # the same bytes: only so that the close below is reported
+        mapping = mmap.mmap(f.fileno(), 0)
+    try:
+        # The close above is the last event: wait until the agent has scanned after it.
+        wait_for(
+            lambda: live.status(live.agent_status)["scans"]["count"] > scans,
+            timeout=WAIT_S,
+            what="a scan after the close",
+        )
+        wait_for(lambda: reconciled(live), timeout=WAIT_S, what="the link to plan from it")
+        mapping[start:end] = rows_reversed(original, rows)
+        assert bytes(mapping[start:end]) != original
+    finally:
+        mapping.close()  # no msync: the pages are still dirty
+    wait_for(lambda: runtime_has_the_files_bytes(live), timeout=WAIT_S, what="the new bytes")
+    assert live.weight_version() == 1
+    live.alive()
+
+
+@pytest.mark.reliability(
+    "faults",
+    "bytes changed under an equal file identity (a second write into dirty mapped pages)",
+    tries=1,
+    outcome="the scrub's fresh hash differs from the runtime's: reported, planned by "
+    "fingerprint; equal bytes not reported",
+)
+def test_the_scrub_finds_bytes_changed_under_an_equal_identity(tmp_path: Path) -> None:
+    """When the runtime's fingerprint of a tensor differs from its bytes on disk although the
+    record (file identity included) is equal, the scrub reports it (what a second write into
+    dirty mapped pages leaves: new bytes, the same mtime and ctime); equal bytes are not
+    reported."""
+    first = Path(write_model(tiny_moe(), tmp_path, layout=Layout.PER_TENSOR)[0])
+    record = open_shard_set(first).tensors[TENSOR]
+    entry = TensorEntry(record=record, fingerprint=fingerprint(record), slot=SlotState.ON_ORIGINAL)
+    found: list[tuple[TensorRecord, str]] = []
+    stale: list[bool] = []
+
+    def scrubber(loaded: TensorEntry) -> Scrubber:
+        return Scrubber(
+            model=MODEL,
+            rate=1 << 30,
+            view=lambda: ({TENSOR: loaded.record}, {TENSOR: loaded}),
+            on_changed=lambda r, d: found.append((r, d)),
+            on_stale=lambda: stale.append(True),
+        )
+
+    scrubber(entry).step()
+    assert (found, stale) == ([], [])
+    changed = dataclasses.replace(entry, fingerprint="0" * 32)  # the runtime loaded other bytes
+    scrubber(changed).step()
+    assert found == [(record, fingerprint(record))]
+    assert stale == []
+    plan = reconcile(
+        {TENSOR: record},
+        {TENSOR: changed},
+        model=MODEL,
+        base_version=0,
+        verify=VerifyMode.CHECKSUM,
+        fingerprint=fingerprint,
+        suspect=frozenset({TENSOR}),
+    ).plan
+    assert plan is not None
+    assert plan.names() == (TENSOR,)
