@@ -33,6 +33,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from ggufswap._logsetup import configure_logging
+from ggufswap.runtime._ik_interleaved import INTERLEAVED
 from ggufswap.runtime._ik_kernels import IK_KERNELS
 from ggufswap.runtime.dequant import KERNEL_TYPES, dequantize
 from ggufswap.runtime.threads import AppliedThreads, apply_thread_policy, resolve_threads
@@ -130,7 +131,9 @@ def run(
     try:
         return [
             _measure(ggml_type, size, repeats=repeats, rounds=rounds, applied=applied)
-            for ggml_type in sorted(KERNEL_TYPES - IK_KERNELS.keys(), key=lambda t: t.name)
+            for ggml_type in sorted(
+                KERNEL_TYPES - IK_KERNELS.keys() - INTERLEAVED.keys(), key=lambda t: t.name
+            )
             if not types or ggml_type.name in types
         ] + [
             _measure_ik(ggml_type, size, repeats=repeats, rounds=rounds, applied=applied)

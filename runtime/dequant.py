@@ -25,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ggufswap.runtime import _compiled
 from ggufswap.runtime._dequant_kernels import KERNELS, Arena, Kernel
+from ggufswap.runtime._ik_interleaved import INTERLEAVED, deinterleave
 from ggufswap.runtime._ik_kernels import IK_KERNELS, dequantize_ik
 from ggufswap.runtime.errors import UnsupportedTypeError
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, Origin, row_nbytes
@@ -34,8 +35,8 @@ __all__ = ["KERNEL_TYPES", "dequantize", "has_kernel"]
 
 log = structlog.get_logger(__name__)
 
-KERNEL_TYPES: frozenset[GGMLType] = frozenset(GGMLType(int(t)) for t in KERNELS) | frozenset(
-    IK_KERNELS
+KERNEL_TYPES: frozenset[GGMLType] = (
+    frozenset(GGMLType(int(t)) for t in KERNELS) | frozenset(IK_KERNELS) | frozenset(INTERLEAVED)
 )
 
 # Output elements per kernel call on the CPU: a 4 MiB float32 chunk stays in the last-level cache
@@ -82,6 +83,19 @@ def dequantize(
     shape = tuple(reversed(ne))
     if out is not None:
         _check_out(out, shape, dtype, raw.device)
+    if known in INTERLEAVED:
+        # ik's row-interleaved types: the base type's bytes, decoded by the base type's kernel
+        ilv = INTERLEAVED[known].ilv
+        rows = math.prod(ne[1:])
+        if rows % ilv:
+            msg = f"{known.name} stores rows in groups of {ilv}: {rows} rows (shape {ne})"
+            raise ValueError(msg)
+        if raw.data_ptr() % 8 != 0 or not raw.is_contiguous():
+            raw = raw.clone(memory_format=torch.contiguous_format)
+        spec = INTERLEAVED[known]
+        base = deinterleave(raw, known, ne)
+        result = dequantize(base, spec.base, ne, dtype=dtype, strict=strict, out=out)
+        return result.add_(0.0) if spec.positive_zero else result  # -0.0 + 0.0 is +0.0
     if known in IK_KERNELS:
         if raw.data_ptr() % 8 != 0 or not raw.is_contiguous():
             raw = raw.clone(memory_format=torch.contiguous_format)

@@ -1,0 +1,388 @@
+"""ik_llama.cpp's row-interleaved types (``_R4``/``_R8``): undo the interleave, then decode.
+
+ik stores each group of ``interleave`` consecutive rows of such a type together (its
+``repack_*`` functions in ``ggml/src/iqk/iqk_quantize.cpp`` at commit 8337e4cd3): the group's
+per-row headers first (the row scales of the rows, one after the other), then one *big block* per
+block column, holding block ``ib`` of every row of the group with their fields interleaved (the
+``d`` of the rows side by side, then the quants of the rows 4 bytes at a time, nibbles and high
+bits regrouped). Every repack here is a pure permutation of the base type's bits: nothing is
+rounded or recomputed, the group holds exactly the bits of its rows in the base type.
+
+So the decoder inverts the permutation and hands the base type's rows to the base type's own
+kernel; ik's ``dequantize_row_*_r4``/``_r8`` compute the same floats as its base type's
+``dequantize_row_*`` (the golden files in ``tests/fixtures/ik_golden`` check every type here bit
+for bit). The permutation of one big block is found once per type by running a transcription of
+ik's repack loop on *labelled bits* (each base bit carries its own index; shifts, masks and ORs
+move labels), so the code below reads like ik's C and the inverse is exact by construction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from ggufswap.shards.ggml_types import LAYOUTS, GGMLType
+
+__all__ = ["INTERLEAVED", "Interleaved", "deinterleave"]
+
+_WIDTH = 32  # bits of an intermediate value (C's int arithmetic), truncated to 8 on a byte store
+
+
+class _Bits:
+    """A value whose bits are labels: ``lab[i]`` is the base bit now at bit ``i`` (-1: zero)."""
+
+    __slots__ = ("lab",)
+
+    def __init__(self, lab: np.ndarray) -> None:
+        self.lab = lab
+
+    def __and__(self, mask: int) -> _Bits:
+        keep = np.array([(mask >> i) & 1 for i in range(_WIDTH)], dtype=bool)
+        return _Bits(np.where(keep, self.lab, -1))
+
+    def __rshift__(self, n: int) -> _Bits:
+        lab = np.full(_WIDTH, -1)
+        lab[: _WIDTH - n] = self.lab[n:]
+        return _Bits(lab)
+
+    def __lshift__(self, n: int) -> _Bits:
+        lab = np.full(_WIDTH, -1)
+        lab[n:] = self.lab[: _WIDTH - n]
+        return _Bits(lab)
+
+    def __or__(self, other: _Bits) -> _Bits:
+        both = (self.lab >= 0) & (other.lab >= 0)
+        assert not both.any(), "overlapping bits"
+        return _Bits(np.maximum(self.lab, other.lab))
+
+
+_ZERO = _Bits(np.full(_WIDTH, -1))
+
+
+class _Block:
+    """A block's bytes as labelled values; ``b[off]`` reads a byte, ``b[off] = v`` stores the
+    low 8 bits of ``v`` (``|=`` works as in C)."""
+
+    def __init__(self, nbytes: int, first_label: int | None = None) -> None:
+        self.bytes: list[_Bits] = []
+        for j in range(nbytes):
+            lab = np.full(_WIDTH, -1)
+            if first_label is not None:
+                lab[:8] = np.arange(8) + first_label + 8 * j
+            self.bytes.append(_Bits(lab))
+
+    def __getitem__(self, off: int) -> _Bits:
+        return self.bytes[off]
+
+    def __setitem__(self, off: int, v: _Bits) -> None:
+        lab = v.lab.copy()
+        lab[8:] = -1
+        self.bytes[off] = _Bits(lab)
+
+    def copy(self, dst_off: int, src: _Block, src_off: int, count: int) -> None:
+        for j in range(count):
+            self[dst_off + j] = src[src_off + j]
+
+
+Repack = Callable[[list[_Block], _Block], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Interleaved:
+    """A row-interleaved type: its base type, how many rows a group holds, and ik's repack of
+    one big block (``ilv`` base blocks in, one big block out) transcribed to Python."""
+
+    base: GGMLType
+    ilv: int
+    repack: Repack
+    # ik's decoder computes d * q + (-16 d) (-32 d for Q6_0) where the base computes
+    # d * (q - 16): one rounding of the same exact value either way (fused), except that an
+    # exact zero is +0.0 in ik's form and -0.0 in the base's for a negative d.
+    positive_zero: bool = False
+
+
+# --- ik's repack_* loops, one big block (ggml/src/iqk/iqk_quantize.cpp) ------------------------
+
+
+def _d(y: _Block, x: list[_Block], src_off: int, dst_off: int = 0) -> None:
+    """``y.d[k] = x[k].d`` (fp16) for every row ``k``."""
+    for k, xk in enumerate(x):
+        y.copy(dst_off + 2 * k, xk, src_off, 2)
+
+
+def _rp_q4_0_r8(x: list[_Block], y: _Block) -> None:  # repack_q4_0 / repack_mxfp4 shape
+    _d(y, x, 0)
+    for k in range(8):
+        for ll in range(4):
+            for i in range(4):
+                y[16 + 32 * ll + 4 * k + i] = x[k][2 + 4 * ll + i]
+
+
+def _rp_q8_0_r8(x: list[_Block], y: _Block) -> None:
+    _d(y, x, 0)
+    for ll in range(4):
+        for k in range(8):
+            for i in range(4):
+                y[16 + 32 * ll + 4 * k + i] = x[k][2 + i + 4 * ll]
+                y[16 + 32 * ll + 4 * k + i + 128] = x[k][2 + i + 4 * ll + 16]
+
+
+def _nl_qs(y: _Block, yq: int, x: _Block, xq: int, k: int, *, stride: int) -> None:
+    """The IQ4_NL/IQ4_KS nibble regrouping of one 32-value block (``qs`` at ``xq``)."""
+    for i in range(4):
+        y[yq + 4 * k + i] = (x[xq + i] & 0xF) | ((x[xq + i + 8] & 0x0F) << 4)
+        y[yq + 4 * k + i + stride] = (x[xq + i] >> 4) | (x[xq + i + 8] & 0xF0)
+        y[yq + 4 * k + i + 2 * stride] = (x[xq + i + 4] & 0xF) | ((x[xq + i + 12] & 0x0F) << 4)
+        y[yq + 4 * k + i + 3 * stride] = (x[xq + i + 4] >> 4) | (x[xq + i + 12] & 0xF0)
+
+
+def _rp_iq4_nl_r4(x: list[_Block], y: _Block) -> None:
+    _d(y, x, 0)
+    for k in range(4):
+        _nl_qs(y, 8, x[k], 2, k, stride=16)
+
+
+def _rp_iq4_ks_r4(x: list[_Block], y: _Block) -> None:
+    # block_iq4_ks: scales[8], qs[128]; r4: scales[32], qs[512]
+    for k in range(4):
+        for ib in range(8):
+            y[4 * ib + k] = x[k][ib]
+            _nl_qs(y, 32 + 64 * ib, x[k], 8 + 16 * ib, k, stride=16)
+
+
+def _q5_0_levels(x: _Block) -> list[_Bits]:
+    """convert_q5_0: the 5-bit quants of a block_q5_0 (d, qh[4], qs[16])."""
+    qh = [x[2 + j] for j in range(4)]
+
+    def hbit(n: int) -> _Bits:  # bit n of the 32-bit qh
+        return qh[n // 8] >> (n % 8) & 1
+
+    levels = [_ZERO] * 32
+    for j in range(16):
+        levels[j] = (x[6 + j] & 0x0F) | (hbit(j) << 4)
+        levels[j + 16] = (x[6 + j] >> 4) | (hbit(j + 16) << 4)
+    return levels
+
+
+def _q6_0_levels(x: _Block) -> list[_Bits]:
+    """convert_q6_0: the 6-bit quants of a block_q6_0 (d, qh[8], qs[16])."""
+    levels = [_ZERO] * 32
+    for j in range(16):
+        h = x[2 + j % 8] >> 4 * (j // 8)
+        levels[j] = (x[10 + j] & 0x0F) | ((h << 4) & 0x30)
+        levels[j + 16] = (x[10 + j] >> 4) | ((h << 2) & 0x30)
+    return levels
+
+
+def _rp_q5_0_r4(x: list[_Block], y: _Block) -> None:
+    # r4: d[4] (8), qh[16], qs[64]
+    _d(y, x, 0)
+    for k in range(4):
+        lv = _q5_0_levels(x[k])
+        for ll in range(4):
+            l1 = 4 * (ll // 2) + 16 * (ll % 2)
+            l2 = l1 + 8
+            for i in range(4):
+                y[24 + 4 * k + i + 16 * ll] = (lv[i + l1] & 0xF) | ((lv[i + l2] & 0xF) << 4)
+                h = ((lv[i + l1] >> 4) | ((lv[i + l2] >> 4) << 4)) << ll
+                y[8 + 4 * k + i] = y[8 + 4 * k + i] | h
+
+
+def _rp_q6_0_r4(x: list[_Block], y: _Block) -> None:
+    # r4: d[4] (8), qh[32], qs[64]
+    _d(y, x, 0)
+    for k in range(4):
+        lv = _q6_0_levels(x[k])
+        for ll in range(4):
+            l1 = 4 * (ll // 2) + 16 * (ll % 2)
+            l2 = l1 + 8
+            for i in range(4):
+                y[40 + 4 * k + i + 16 * ll] = (lv[i + l1] & 0xF) | ((lv[i + l2] & 0xF) << 4)
+                h = ((lv[i + l1] >> 4) | ((lv[i + l2] >> 4) << 4)) << 2 * (ll // 2)
+                at = 8 + 4 * k + i + 16 * (ll % 2)
+                y[at] = y[at] | h
+
+
+def _rp_iq4_xs_r8(x: list[_Block], y: _Block) -> None:
+    # block_iq4_xs: d, scales_h (u16), scales_l[4], qs[128]
+    # r8: d[8] (16), scales_h[16], scales_l[32], qs[1024]
+    _d(y, x, 0)
+    sh16 = [x[k][2] | (x[k][3] << 8) for k in range(8)]
+    for k in range(8):
+        for ib in range(8):
+            sl = (x[k][4 + ib // 2] >> 4 * (ib % 2)) & 0xF
+            sh = (sh16[k] >> 2 * ib) & 3
+            i = 8 * ib + k
+            y[32 + i % 32] = y[32 + i % 32] | (sl << 4 * (i // 32))
+            y[16 + i % 16] = y[16 + i % 16] | (sh << 2 * (i // 16))
+            q = 8 + 16 * ib
+            for j in range(4):
+                yq = 64 + 128 * ib + 4 * k + j
+                y[yq] = (x[k][q + j] & 0xF) | ((x[k][q + j + 4] & 0xF) << 4)
+                y[yq + 32] = (x[k][q + j + 8] & 0xF) | ((x[k][q + j + 12] & 0xF) << 4)
+                y[yq + 64] = (x[k][q + j] >> 4) | ((x[k][q + j + 4] >> 4) << 4)
+                y[yq + 96] = (x[k][q + j + 8] >> 4) | ((x[k][q + j + 12] >> 4) << 4)
+
+
+def _scale_min_k4(j: int, q: list[_Bits]) -> tuple[_Bits, _Bits]:
+    """get_scale_min_k4 on a block_q4_K's 12 scale bytes."""
+    if j < 4:
+        return q[j] & 63, q[j + 4] & 63
+    return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+
+
+def _rp_q4_k_r4(x: list[_Block], y: _Block) -> None:
+    # block_q4_K: d, dmin, scales[12], qs[128]; r4: d[8] (16), scales_h[16], scales_l[32],
+    # qs[512]
+    for k in range(4):
+        y.copy(2 * k, x[k], 0, 2)
+        y.copy(2 * (k + 4), x[k], 2, 2)
+        sc = [x[k][4 + j] for j in range(12)]
+        lv = [_ZERO] * 256
+        ld, lm = [_ZERO] * 8, [_ZERO] * 8
+        for ib64 in range(4):
+            for half in range(2):
+                j = 2 * ib64 + half
+                ld[j], lm[j] = _scale_min_k4(j, sc)
+            for j in range(32):
+                lv[64 * ib64 + j] = x[k][16 + 32 * ib64 + j] & 0xF
+                lv[64 * ib64 + j + 32] = x[k][16 + 32 * ib64 + j] >> 4
+        for ib in range(8):
+            y[32 + 4 * ib + k] = (ld[ib] & 0xF) | ((lm[ib] & 0xF) << 4)
+            h = (ld[ib] >> 4) | ((lm[ib] >> 4) << 2)
+            at = 16 + (4 * ib + k) % 16
+            y[at] = y[at] | (h << 4 * ((4 * ib + k) // 16))
+            for i in range(4):
+                b = 64 + 64 * ib + 4 * k + i
+                y[b] = lv[32 * ib + i] | (lv[32 * ib + i + 8] << 4)
+                y[b + 16] = lv[32 * ib + i + 16] | (lv[32 * ib + i + 24] << 4)
+                y[b + 32] = lv[32 * ib + i + 4] | (lv[32 * ib + i + 12] << 4)
+                y[b + 48] = lv[32 * ib + i + 20] | (lv[32 * ib + i + 28] << 4)
+
+
+def _rp_q6_k_r4(x: list[_Block], y: _Block) -> None:
+    # block_q6_K: ql[128], qh[64], scales[16], d; r4: d[4] (8), scales[64], qh[256], ql[512]
+    for k in range(4):
+        y.copy(2 * k, x[k], 208, 2)
+        lv = [_ZERO] * 256
+        for n in range(2):
+            ql, qh = 64 * n, 128 + 32 * n
+            for ll in range(32):
+                b = 128 * n + ll
+                lv[b] = (x[k][ql + ll] & 0xF) | (((x[k][qh + ll] >> 0) & 3) << 4)
+                lv[b + 32] = (x[k][ql + ll + 32] & 0xF) | (((x[k][qh + ll] >> 2) & 3) << 4)
+                lv[b + 64] = (x[k][ql + ll] >> 4) | (((x[k][qh + ll] >> 4) & 3) << 4)
+                lv[b + 96] = (x[k][ql + ll + 32] >> 4) | (((x[k][qh + ll] >> 6) & 3) << 4)
+        for ib in range(8):
+            y[8 + 8 * ib + k] = x[k][192 + 2 * ib]
+            y[8 + 8 * ib + k + 4] = x[k][192 + 2 * ib + 1]
+            for i in range(4):
+                q = 32 * ib + i
+                lo = 328 + 64 * ib + 4 * k + i
+                y[lo] = (lv[q] & 0xF) | ((lv[q + 8] & 0xF) << 4)
+                y[lo + 16] = (lv[q + 16] & 0xF) | ((lv[q + 24] & 0xF) << 4)
+                y[lo + 32] = (lv[q + 4] & 0xF) | ((lv[q + 12] & 0xF) << 4)
+                y[lo + 48] = (lv[q + 20] & 0xF) | ((lv[q + 28] & 0xF) << 4)
+                hi = 72 + 32 * ib + 4 * k + i
+                y[hi] = (
+                    (lv[q] >> 4)
+                    | ((lv[q + 8] >> 4) << 2)
+                    | ((lv[q + 4] >> 4) << 4)
+                    | ((lv[q + 12] >> 4) << 6)
+                )
+                y[hi + 16] = (
+                    (lv[q + 16] >> 4)
+                    | ((lv[q + 24] >> 4) << 2)
+                    | ((lv[q + 20] >> 4) << 4)
+                    | ((lv[q + 28] >> 4) << 6)
+                )
+
+
+T = GGMLType
+INTERLEAVED: dict[GGMLType, Interleaved] = {
+    T.Q4_0_R8: Interleaved(T.Q4_0, 8, _rp_q4_0_r8),
+    T.Q8_0_R8: Interleaved(T.Q8_0, 8, _rp_q8_0_r8),
+    T.Q5_0_R4: Interleaved(T.Q5_0, 4, _rp_q5_0_r4, positive_zero=True),
+    T.Q6_0_R4: Interleaved(T.Q6_0, 4, _rp_q6_0_r4, positive_zero=True),
+    T.IQ4_NL_R4: Interleaved(T.IQ4_NL, 4, _rp_iq4_nl_r4),
+    T.IQ4_XS_R8: Interleaved(T.IQ4_XS, 8, _rp_iq4_xs_r8),
+    T.IQ4_KS_R4: Interleaved(T.IQ4_KS, 4, _rp_iq4_ks_r4),
+    T.Q4_K_R4: Interleaved(T.Q4_K, 4, _rp_q4_k_r4),
+    T.Q6_K_R4: Interleaved(T.Q6_K, 4, _rp_q6_k_r4),
+}
+del T
+
+
+# --- the inverse permutation, and applying it with torch ----------------------------------------
+
+
+@lru_cache(maxsize=64)
+def _inverse(ggml_type: GGMLType) -> tuple[int, np.ndarray]:
+    """``(unit, src)``: the big block undone in units of ``unit`` bits (8, 4, 2 or 1): base unit
+    ``u`` (row-major over the group's ``ilv`` blocks) is the big block's unit ``src[u]``."""
+    spec = INTERLEAVED[ggml_type]
+    ts = LAYOUTS[ggml_type].type_size
+    x = [_Block(ts, first_label=8 * ts * k) for k in range(spec.ilv)]
+    y = _Block(spec.ilv * ts)
+    spec.repack(x, y)
+    labels = np.stack([b.lab[:8] for b in y.bytes]).reshape(-1)  # big block bit -> base bit
+    nbits = 8 * spec.ilv * ts
+    if sorted(labels.tolist()) != list(range(nbits)):
+        msg = f"{ggml_type.name}: the repack is not a permutation of the base bits"
+        raise AssertionError(msg)
+    for unit in (8, 4, 2, 1):
+        chunks = labels.reshape(-1, unit)
+        aligned = (chunks[:, 0] % unit == 0) & (np.diff(chunks, axis=1) == 1).all(axis=1)
+        if aligned.all():
+            break
+    src = np.empty(nbits // unit, dtype=np.int64)
+    src[labels.reshape(-1, unit)[:, 0] // unit] = np.arange(nbits // unit)
+    return unit, src
+
+
+@lru_cache(maxsize=64)
+def _index(ggml_type: GGMLType, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(_inverse(ggml_type)[1]).to(device)
+
+
+def _units(b: torch.Tensor, unit: int) -> torch.Tensor:
+    """uint8 ``[..., n]`` -> ``[..., n * 8 / unit]`` fields of ``unit`` bits, low bits first."""
+    if unit == 8:
+        return b
+    shifts = torch.arange(0, 8, unit, dtype=torch.uint8, device=b.device)
+    return ((b.unsqueeze(-1) >> shifts) & ((1 << unit) - 1)).flatten(-2)
+
+
+def _pack(u: torch.Tensor, unit: int) -> torch.Tensor:
+    if unit == 8:
+        return u
+    per = 8 // unit
+    shifts = torch.arange(0, 8, unit, dtype=torch.uint8, device=u.device)
+    parts = u.unflatten(-1, (-1, per)) << shifts
+    out = parts[..., 0]
+    for j in range(1, per):
+        out = out | parts[..., j]
+    return out
+
+
+def deinterleave(raw: torch.Tensor, ggml_type: GGMLType, ne: tuple[int, ...]) -> torch.Tensor:
+    """The base type's bytes of the tensor ``raw`` (1-D uint8, exactly its bytes, rows a
+    multiple of the interleave, already checked), on ``raw``'s device."""
+    spec = INTERLEAVED[ggml_type]
+    layout = LAYOUTS[ggml_type]
+    ilv, ts, meta = spec.ilv, layout.type_size, layout.row_meta
+    nb = ne[0] // layout.block_size
+    groups = math.prod(ne[1:]) // ilv
+    g = raw.view(groups, ilv * (meta + nb * ts))
+    unit, _ = _inverse(ggml_type)
+    big = g[:, ilv * meta :].reshape(groups, nb, ilv * ts)
+    blocks = _pack(_units(big, unit)[..., _index(ggml_type, raw.device)], unit)
+    blocks = blocks.view(groups, nb, ilv, ts).transpose(1, 2).reshape(groups, ilv, nb * ts)
+    if meta:
+        blocks = torch.cat((g[:, : ilv * meta].reshape(groups, ilv, meta), blocks), dim=2)
+    return blocks.reshape(-1)
