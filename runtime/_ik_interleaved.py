@@ -303,6 +303,221 @@ def _rp_q6_k_r4(x: list[_Block], y: _Block) -> None:
                 )
 
 
+def _or(y: _Block, at: int, v: _Bits) -> None:
+    """``y[at] |= v``."""
+    y[at] = y[at] | v
+
+
+def _u16(x: _Block, off: int) -> _Bits:
+    return x[off] | (x[off + 1] << 8)
+
+
+def _pack4(y: _Block, at: int, lv: list[_Bits], q: int) -> None:
+    """The 4-bit low parts of a 32-value block's levels ``lv[q:q+32]``, 4 rows interleaved
+    (``at`` = qs + 64*ib + 4*k + i); ``q`` = 32*ib + i."""
+    y[at] = (lv[q] & 0xF) | ((lv[q + 8] & 0xF) << 4)
+    y[at + 16] = (lv[q + 16] & 0xF) | ((lv[q + 24] & 0xF) << 4)
+    y[at + 32] = (lv[q + 4] & 0xF) | ((lv[q + 12] & 0xF) << 4)
+    y[at + 48] = (lv[q + 20] & 0xF) | ((lv[q + 28] & 0xF) << 4)
+
+
+def _pack2(y: _Block, at: int, lv: list[_Bits], q: int) -> None:
+    """The 2-bit low parts (``at`` = qs + 32*ib + 4*k + i; ``q`` = 32*ib + i)."""
+    for half in range(2):
+        v = _ZERO
+        for j in range(4):
+            v = v | ((lv[q + 16 * half + 4 * j] & 3) << 2 * j)
+        y[at + 16 * half] = v
+
+
+def _high_bits(lv: list[_Bits], q: int, order: tuple[int, ...], shift: int) -> _Bits:
+    """One byte of high bits: bit ``j`` is ``lv[q + order[j]] >> shift``."""
+    v = _ZERO
+    for j, o in enumerate(order):
+        v = v | ((lv[q + o] >> shift) << j)
+    return v
+
+
+def _extra_r4(y: _Block, k: int, extra: _Bits, ib: int) -> None:
+    """IQ*_K: the two ``extra`` bits of sub-block ``ib`` of row ``k`` (r4 ``extra`` at 8)."""
+    _or(y, 8 + k, ((extra >> 2 * ib) & 1) << ib)
+    _or(y, 12 + k, ((extra >> (2 * ib + 1)) & 1) << ib)
+
+
+def _rp_q2_k_r4(x: list[_Block], y: _Block) -> None:
+    # block_q2_K: scales[16], qs[64], d, dmin; r4: d[8] (16), scales[64], qs[256]
+    for k in range(4):
+        y.copy(2 * k, x[k], 80, 2)
+        y.copy(2 * (k + 4), x[k], 82, 2)
+        for ib in range(16):
+            y[16 + 4 * ib + k] = x[k][ib]
+        lv = [_ZERO] * 256
+        for n in range(2):
+            for j in range(32):
+                for s in range(4):
+                    lv[128 * n + j + 32 * s] = (x[k][16 + 32 * n + j] >> 2 * s) & 3
+        for ib in range(8):
+            for i in range(4):
+                _pack2(y, 80 + 32 * ib + 4 * k + i, lv, 32 * ib + i)
+
+
+def _rp_q3_k_r4(x: list[_Block], y: _Block) -> None:
+    # block_q3_K: hmask[32], qs[64], scales[12], d; r4: d[4] (8), scales_h[16], scales_l[32],
+    # qh[128], qs[256]
+    for k in range(4):
+        y.copy(2 * k, x[k], 108, 2)
+        aux = [
+            x[k][96 + 4 * a] | (x[k][97 + 4 * a] << 8) | (x[k][98 + 4 * a] << 16) for a in range(3)
+        ]
+        aux = [a | (x[k][99 + 4 * n] << 24) for n, a in enumerate(aux)]
+        m1, m2 = 0x03030303, 0x0F0F0F0F
+        tmp = aux[2]
+        aux = [
+            (aux[0] & m2) | (((tmp >> 0) & m1) << 4),
+            (aux[1] & m2) | (((tmp >> 2) & m1) << 4),
+            ((aux[0] >> 4) & m2) | (((tmp >> 4) & m1) << 4),
+            ((aux[1] >> 4) & m2) | (((tmp >> 6) & m1) << 4),
+        ]
+        ld = [(aux[j // 4] >> 8 * (j % 4)) & 0xFF for j in range(16)]
+        lv = [_ZERO] * 256
+        for n in range(2):
+            for j in range(4):
+                for ll in range(32):
+                    low = (x[k][32 + 32 * n + ll] >> 2 * j) & 3
+                    lv[128 * n + 32 * j + ll] = low | (((x[k][ll] >> (4 * n + j)) & 1) << 2)
+        for ib in range(8):
+            for half in range(2):
+                at = 8 * ib + k + 4 * half
+                _or(y, 24 + at % 32, (ld[2 * ib + half] & 0xF) << 4 * (at // 32))
+                _or(y, 8 + at % 16, (ld[2 * ib + half] >> 4) << 2 * (at // 16))
+            for i in range(4):
+                q = 32 * ib + i
+                _pack2(y, 184 + 32 * ib + 4 * k + i, lv, q)
+                y[56 + 16 * ib + 4 * k + i] = _high_bits(lv, q, (0, 4, 8, 12, 16, 20, 24, 28), 2)
+
+
+def _rp_q5_k_r4(x: list[_Block], y: _Block) -> None:
+    # block_q5_K: d, dmin, scales[12], qh[32], qs[128]; r4: d[8] (16), scales_h[16],
+    # scales_l[32], qh[128], qs[512]
+    for k in range(4):
+        y.copy(2 * k, x[k], 0, 2)
+        y.copy(2 * (k + 4), x[k], 2, 2)
+        sc = [x[k][4 + j] for j in range(12)]
+        lv = [_ZERO] * 256
+        ld, lm = [_ZERO] * 8, [_ZERO] * 8
+        for ib64 in range(4):
+            for half in range(2):
+                j = 2 * ib64 + half
+                ld[j], lm[j] = _scale_min_k4(j, sc)
+            for j in range(32):
+                qs, qh = x[k][48 + 32 * ib64 + j], x[k][16 + j]
+                lv[64 * ib64 + j] = (qs & 0xF) | (((qh >> 2 * ib64) & 1) << 4)
+                lv[64 * ib64 + j + 32] = (qs >> 4) | (((qh >> (2 * ib64 + 1)) & 1) << 4)
+        for ib in range(8):
+            y[32 + 4 * ib + k] = (ld[ib] & 0xF) | ((lm[ib] & 0xF) << 4)
+            h = (ld[ib] >> 4) | ((lm[ib] >> 4) << 2)
+            _or(y, 16 + (4 * ib + k) % 16, h << 4 * ((4 * ib + k) // 16))
+            for i in range(4):
+                q = 32 * ib + i
+                _pack4(y, 192 + 64 * ib + 4 * k + i, lv, q)
+                y[64 + 16 * ib + 4 * k + i] = _high_bits(lv, q, (0, 8, 4, 12, 16, 24, 20, 28), 4)
+
+
+def _iq_k_scales(y: _Block, k: int, ib: int, sl: _Bits, sh: tuple[_Bits, _Bits] | None) -> None:
+    """IQ2_K..IQ5_K: the two 4-bit low scales (and 2-bit high scales) of sub-block ``ib``;
+    r4 ``scales_l`` at 32 (IQ2_K: ``scales`` at 16), ``scales_h`` at 16."""
+    lo = 32 if sh is not None else 16
+    for half in range(2):
+        i = 8 * ib + k + 4 * half
+        _or(y, lo + i % 32, ((sl >> 4 * half) & 0xF) << 4 * (i // 32))
+        if sh is not None:
+            _or(y, 16 + i % 16, sh[half] << 2 * (i // 16))
+
+
+def _rp_iq2_k_r4(x: list[_Block], y: _Block) -> None:
+    # block_iq2_k: d, extra, scales[8], qs[64]; r4: d[4], extra[8], scales[32], qs[256]
+    _d(y, x, 0)
+    for k in range(4):
+        extra = _u16(x[k], 2)
+        lv = [_ZERO] * 256
+        for ib32 in range(8):
+            for j in range(32):
+                lv[32 * ib32 + j] = (x[k][12 + 32 * (ib32 // 4) + j] >> 2 * (ib32 % 4)) & 3
+        for ib in range(8):
+            _extra_r4(y, k, extra, ib)
+            _iq_k_scales(y, k, ib, x[k][4 + ib], None)
+            for i in range(4):
+                _pack2(y, 48 + 32 * ib + 4 * k + i, lv, 32 * ib + i)
+
+
+def _rp_iq3_k_r4(x: list[_Block], y: _Block) -> None:
+    # block_iq3_k: d, extra, scales_h (u16), scales_l[8], qs[64], qh[32]
+    # r4: d[4], extra[8], scales_h[8], scales_l[32], qs[256], qh[128]
+    _d(y, x, 0)
+    for k in range(4):
+        extra, sh = _u16(x[k], 2), _u16(x[k], 4)
+        lv = [_ZERO] * 256
+        for ib32 in range(8):
+            for j in range(32):
+                low = (x[k][14 + 32 * (ib32 // 4) + j] >> 2 * (ib32 % 4)) & 3
+                lv[32 * ib32 + j] = low | (((x[k][78 + j] >> ib32) & 1) << 2)
+        for ib in range(8):
+            _extra_r4(y, k, extra, ib)
+            for half in range(2):
+                i = 8 * ib + k + 4 * half
+                _or(y, 24 + i % 32, ((x[k][6 + ib] >> 4 * half) & 0xF) << 4 * (i // 32))
+                _or(y, 16 + i % 8, ((sh >> (2 * ib + half)) & 1) << (i // 8))
+            for i in range(4):
+                q = 32 * ib + i
+                _pack2(y, 56 + 32 * ib + 4 * k + i, lv, q)
+                order = (0, 4, 8, 12, 16, 20, 24, 28)
+                y[312 + 16 * ib + 4 * k + i] = _high_bits(lv, q, order, 2)
+
+
+def _iq45_k_scales(y: _Block, x: _Block, k: int, ib: int) -> None:
+    sh = x[4 + ib // 2] >> 4 * (ib % 2)
+    _iq_k_scales(y, k, ib, x[8 + ib], (sh & 3, (sh >> 2) & 3))
+
+
+def _rp_iq4_k_r4(x: list[_Block], y: _Block) -> None:
+    # block_iq4_k: d, extra, scales_h[4], scales_l[8], qs[128]
+    # r4: d[4], extra[8], scales_h[16], scales_l[32], qs[512]
+    _d(y, x, 0)
+    for k in range(4):
+        extra = _u16(x[k], 2)
+        for ib in range(8):
+            _extra_r4(y, k, extra, ib)
+            _iq45_k_scales(y, x[k], k, ib)
+    for ib in range(8):
+        for k in range(4):
+            _nl_qs(y, 64 + 64 * ib, x[k], 16 + 16 * ib, k, stride=16)
+
+
+def _rp_iq5_k_r4(x: list[_Block], y: _Block) -> None:
+    # block_iq5_k: d, extra, scales_h[4], scales_l[8], qs[128], qh[32]
+    # r4: d[4], extra[8], scales_h[16], scales_l[32], qs[512], qh[128]
+    _d(y, x, 0)
+    for k in range(4):
+        extra = _u16(x[k], 2)
+        lv = [_ZERO] * 256
+        for ib64 in range(4):
+            qh = 144 + 32 * (ib64 // 4)
+            shift = 2 * (ib64 % 4)
+            for j in range(16):
+                for h in range(2):
+                    qs_b, qh_b = x[k][16 + 32 * ib64 + j + 16 * h], x[k][qh + j + 16 * h]
+                    lv[64 * ib64 + j + 16 * h] = (qs_b & 0xF) | (((qh_b >> shift) & 1) << 4)
+                    lv[64 * ib64 + j + 16 * h + 32] = (qs_b >> 4) | (((qh_b >> shift) & 2) << 3)
+        for ib in range(8):
+            _extra_r4(y, k, extra, ib)
+            _iq45_k_scales(y, x[k], k, ib)
+            for i in range(4):
+                q = 32 * ib + i
+                _pack4(y, 64 + 64 * ib + 4 * k + i, lv, q)
+                order = (0, 8, 16, 24, 4, 12, 20, 28)
+                y[576 + 16 * ib + 4 * k + i] = _high_bits(lv, q, order, 4)
+
+
 T = GGMLType
 INTERLEAVED: dict[GGMLType, Interleaved] = {
     T.Q4_0_R8: Interleaved(T.Q4_0, 8, _rp_q4_0_r8),
@@ -314,6 +529,13 @@ INTERLEAVED: dict[GGMLType, Interleaved] = {
     T.IQ4_KS_R4: Interleaved(T.IQ4_KS, 4, _rp_iq4_ks_r4),
     T.Q4_K_R4: Interleaved(T.Q4_K, 4, _rp_q4_k_r4),
     T.Q6_K_R4: Interleaved(T.Q6_K, 4, _rp_q6_k_r4),
+    T.Q2_K_R4: Interleaved(T.Q2_K, 4, _rp_q2_k_r4),
+    T.Q3_K_R4: Interleaved(T.Q3_K, 4, _rp_q3_k_r4),
+    T.Q5_K_R4: Interleaved(T.Q5_K, 4, _rp_q5_k_r4),
+    T.IQ2_K_R4: Interleaved(T.IQ2_K, 4, _rp_iq2_k_r4),
+    T.IQ3_K_R4: Interleaved(T.IQ3_K, 4, _rp_iq3_k_r4),
+    T.IQ4_K_R4: Interleaved(T.IQ4_K, 4, _rp_iq4_k_r4),
+    T.IQ5_K_R4: Interleaved(T.IQ5_K, 4, _rp_iq5_k_r4),
 }
 del T
 

@@ -60,14 +60,7 @@ def read_golden(path: Path) -> dict[str, Any]:
 GOLDEN_TYPES = sorted(MANIFEST["types"])
 # Golden files whose type has no decoder yet (row-interleaved types still to transcribe).
 UNDECODED = {
-    "q2_k_r4",
-    "q3_k_r4",
-    "q5_k_r4",
     "q8_k_r8",
-    "iq2_k_r4",
-    "iq3_k_r4",
-    "iq4_k_r4",
-    "iq5_k_r4",
     "iq5_ks_r4",
     "iq2_xxs_r4",
     "iq2_xs_r4",
