@@ -104,6 +104,10 @@ class Interleaved:
     # d * (q - 16): one rounding of the same exact value either way (fused), except that an
     # exact zero is +0.0 in ik's form and -0.0 in the base's for a negative d.
     positive_zero: bool = False
+    # Byte offsets in the big block whose bits 1..7 hold ik's scrambled_sign of 7 sign bits
+    # (the prefix XOR r_i = s_0 ^ ... ^ s_i; the repacks below treat it as identity, and the
+    # decoder undoes it, s_i = r_i ^ r_(i-1), before the permutation).
+    scrambled: tuple[int, ...] = ()
 
 
 # --- ik's repack_* loops, one big block (ggml/src/iqk/iqk_quantize.cpp) ------------------------
@@ -518,6 +522,123 @@ def _rp_iq5_k_r4(x: list[_Block], y: _Block) -> None:
                 y[576 + 16 * ib + 4 * k + i] = _high_bits(lv, q, order, 4)
 
 
+def _iq5_levels(x: _Block, qs: int, qh: int) -> list[_Bits]:
+    """convert_iq5_k: the 5-bit levels of an IQ5_K/IQ5_KS block (``qs``/``qh`` offsets)."""
+    lv = [_ZERO] * 256
+    for ib64 in range(4):
+        shift = 2 * ib64
+        for j in range(16):
+            for h in range(2):
+                qs_b, qh_b = x[qs + 32 * ib64 + j + 16 * h], x[qh + j + 16 * h]
+                lv[64 * ib64 + j + 16 * h] = (qs_b & 0xF) | (((qh_b >> shift) & 1) << 4)
+                lv[64 * ib64 + j + 16 * h + 32] = (qs_b >> 4) | (((qh_b >> shift) & 2) << 3)
+    return lv
+
+
+def _rp_iq5_ks_r4(x: list[_Block], y: _Block) -> None:
+    # block_iq5_ks: scales[8], qs[128], qh[32]; r4: scales[32], qs[512], qh[128]
+    for k in range(4):
+        lv = _iq5_levels(x[k], 8, 136)
+        for ib in range(8):
+            y[4 * ib + k] = x[k][ib]
+            for i in range(4):
+                q = 32 * ib + i
+                _pack4(y, 32 + 64 * ib + 4 * k + i, lv, q)
+                order = (0, 8, 16, 24, 4, 12, 20, 28)
+                y[544 + 16 * ib + 4 * k + i] = _high_bits(lv, q, order, 4)
+
+
+def _rp_iq2_bn_r4(x: list[_Block], y: _Block) -> None:
+    # block_iq2_bn: qs[16]; r4: qs[64]
+    for k in range(4):
+        for ll in range(4):
+            for i in range(4):
+                v = _ZERO
+                for j in range(4):
+                    v = v | (((x[k][i + 4 * j] >> 2 * ll) & 3) << 2 * j)
+                y[4 * k + i + 16 * ll] = v
+
+
+def _rp_iq2_s_r4(x: list[_Block], y: _Block) -> None:
+    # block_iq2_s: d, qs[32], signs[32], qh[8], scales[8]
+    # r4: d[4], qs[128], qh[32], signs[128], scales[32]
+    _d(y, x, 0)
+    for k in range(4):
+        for ib in range(8):
+            y[296 + 4 * ib + k] = x[k][74 + ib]
+            for i in range(4):
+                y[8 + 16 * ib + 4 * k + i] = x[k][2 + 4 * ib + i]
+                y[168 + 16 * ib + 4 * k + i] = x[k][34 + 4 * ib + i]
+            y[136 + 4 * ib + k] = x[k][66 + ib]
+
+
+def _rp_iq3_s_r4(x: list[_Block], y: _Block) -> None:
+    # block_iq3_s: d, qs[64], qh[8], signs[32], scales[4]
+    # r4: d[4], qs[256], qh[32], signs[128], scales[16]
+    _d(y, x, 0)
+    for k in range(4):
+        for ib in range(4):
+            j = 8 * ib + k
+            _or(y, 424 + j % 16, (x[k][106 + ib] & 0xF) << 4 * (j // 16))
+            _or(y, 424 + (j + 4) % 16, (x[k][106 + ib] >> 4) << 4 * ((j + 4) // 16))
+        for ib in range(8):
+            y[264 + 4 * ib + k] = x[k][66 + ib]
+            for i in range(4):
+                y[8 + 32 * ib + k + 8 * i] = x[k][2 + 8 * ib + i]
+                y[8 + 32 * ib + k + 8 * i + 4] = x[k][2 + 8 * ib + i + 4]
+            for i in range(4):
+                v = _ZERO
+                for b in range(4):
+                    sb = x[k][74 + 4 * ib + b]
+                    v = v | (((sb >> i) & 1) << 2 * b) | (((sb >> (4 + i)) & 1) << (2 * b + 1))
+                y[296 + 16 * ib + 4 * k + i] = v
+
+
+def _sas(y: _Block, at: int, a: _Bits) -> None:
+    """IQ2_XXS/IQ3_XXS: ``ysas`` at byte ``at`` from the 32-bit signs-and-scale word ``a``
+    (four 7-bit sign groups, each with one bit of the 4-bit scale; scrambled_sign taken as
+    identity, see ``Interleaved.scrambled``)."""
+    for n in range(4):
+        y[at + n] = (((a >> 7 * n) & 127) << 1) | ((a >> (28 + n)) & 1)
+
+
+def _u32(x: _Block, off: int) -> _Bits:
+    return x[off] | (x[off + 1] << 8) | (x[off + 2] << 16) | (x[off + 3] << 24)
+
+
+def _rp_iq2_xxs_r4(x: list[_Block], y: _Block) -> None:
+    # block_iq2_xxs: d, qs[64] (per 32 values: 4 grid bytes, a signs/scale word)
+    # r4: d[4], sas[128], qs[128]
+    _d(y, x, 0)
+    for k in range(4):
+        for ib in range(8):
+            for i in range(4):
+                y[136 + 16 * ib + 4 * k + i] = x[k][2 + 8 * ib + i]
+            _sas(y, 8 + 4 * (4 * ib + k), _u32(x[k], 2 + 8 * ib + 4))
+
+
+def _rp_iq3_xxs_r4(x: list[_Block], y: _Block) -> None:
+    # block_iq3_xxs: d, qs[64] grid bytes, sas[32]; r4: d[4], sas[128], qs[256]
+    _d(y, x, 0)
+    for k in range(4):
+        for ib in range(8):
+            for i in range(8):
+                y[136 + 32 * ib + 8 * k + i] = x[k][2 + 8 * ib + i]
+            _sas(y, 8 + 4 * (4 * ib + k), _u32(x[k], 66 + 4 * ib))
+
+
+def _rp_iq2_xs_r4(x: list[_Block], y: _Block) -> None:
+    # block_iq2_xs: d, qs[32] (u16: 9-bit grid index, 7 sign bits), scales[8]
+    # r4: d[4], qs[128] (u16), scales[32]
+    _d(y, x, 0)
+    for k in range(4):
+        for ib in range(8):
+            for i in range(4):
+                at = 8 + 2 * (16 * ib + 4 * k + i)
+                y.copy(at, x[k], 2 + 2 * (4 * ib + i), 2)  # sign bits: see scrambled
+            y[264 + 4 * ib + k] = x[k][66 + ib]
+
+
 T = GGMLType
 INTERLEAVED: dict[GGMLType, Interleaved] = {
     T.Q4_0_R8: Interleaved(T.Q4_0, 8, _rp_q4_0_r8),
@@ -536,6 +657,13 @@ INTERLEAVED: dict[GGMLType, Interleaved] = {
     T.IQ3_K_R4: Interleaved(T.IQ3_K, 4, _rp_iq3_k_r4),
     T.IQ4_K_R4: Interleaved(T.IQ4_K, 4, _rp_iq4_k_r4),
     T.IQ5_K_R4: Interleaved(T.IQ5_K, 4, _rp_iq5_k_r4),
+    T.IQ5_KS_R4: Interleaved(T.IQ5_KS, 4, _rp_iq5_ks_r4),
+    T.IQ2_BN_R4: Interleaved(T.IQ2_BN, 4, _rp_iq2_bn_r4),
+    T.IQ2_S_R4: Interleaved(T.IQ2_S, 4, _rp_iq2_s_r4),
+    T.IQ3_S_R4: Interleaved(T.IQ3_S, 4, _rp_iq3_s_r4),
+    T.IQ2_XXS_R4: Interleaved(T.IQ2_XXS, 4, _rp_iq2_xxs_r4, scrambled=tuple(range(8, 136))),
+    T.IQ3_XXS_R4: Interleaved(T.IQ3_XXS, 4, _rp_iq3_xxs_r4, scrambled=tuple(range(8, 136))),
+    T.IQ2_XS_R4: Interleaved(T.IQ2_XS, 4, _rp_iq2_xs_r4, scrambled=tuple(range(9, 264, 2))),
 }
 del T
 
@@ -572,6 +700,24 @@ def _index(ggml_type: GGMLType, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(_inverse(ggml_type)[1]).to(device)
 
 
+def _unscramble_table() -> np.ndarray:
+    """uint8 ``[256]``: a byte with scrambled_sign's 7 bits in bits 1..7 -> the sign bits."""
+    b = np.arange(256, dtype=np.int64)
+    r = b >> 1
+    signs = (r ^ (r << 1)) & 0x7F
+    return ((signs << 1) | (b & 1)).astype(np.uint8)
+
+
+@lru_cache(maxsize=8)
+def _unscramble(device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(_unscramble_table()).to(device=device, dtype=torch.int64)
+
+
+@lru_cache(maxsize=64)
+def _scrambled(ggml_type: GGMLType, device: torch.device) -> torch.Tensor:
+    return torch.tensor(INTERLEAVED[ggml_type].scrambled, dtype=torch.int64, device=device)
+
+
 def _units(b: torch.Tensor, unit: int) -> torch.Tensor:
     """uint8 ``[..., n]`` -> ``[..., n * 8 / unit]`` fields of ``unit`` bits, low bits first."""
     if unit == 8:
@@ -603,6 +749,10 @@ def deinterleave(raw: torch.Tensor, ggml_type: GGMLType, ne: tuple[int, ...]) ->
     g = raw.view(groups, ilv * (meta + nb * ts))
     unit, _ = _inverse(ggml_type)
     big = g[:, ilv * meta :].reshape(groups, nb, ilv * ts)
+    if spec.scrambled:
+        at = _scrambled(ggml_type, raw.device)
+        big = big.clone()
+        big[..., at] = _unscramble(raw.device)[big[..., at].long()].to(torch.uint8)
     blocks = _pack(_units(big, unit)[..., _index(ggml_type, raw.device)], unit)
     blocks = blocks.view(groups, nb, ilv, ts).transpose(1, 2).reshape(groups, ilv, nb * ts)
     if meta:
