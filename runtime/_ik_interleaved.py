@@ -23,9 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+import gguf.quants as gq
 import numpy as np
 import torch
 
+from ggufswap.runtime._iq_kernels import _grid_rows
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType
 
 __all__ = ["INTERLEAVED", "Interleaved", "deinterleave"]
@@ -97,7 +99,7 @@ class Interleaved:
     """A row-interleaved type: its base type, how many rows a group holds, and ik's repack of
     one big block (``ilv`` base blocks in, one big block out) transcribed to Python."""
 
-    base: GGMLType
+    base: GGMLType | None  # None: no such file type; ``decode`` reads the de-interleaved bytes
     ilv: int
     repack: Repack
     # ik's decoder computes d * q + (-16 d) (-32 d for Q6_0) where the base computes
@@ -108,6 +110,7 @@ class Interleaved:
     # (the prefix XOR r_i = s_0 ^ ... ^ s_i; the repacks below treat it as identity, and the
     # decoder undoes it, s_i = r_i ^ r_(i-1), before the permutation).
     scrambled: tuple[int, ...] = ()
+    decode: Callable[[torch.Tensor, int], torch.Tensor] | None = None  # (bytes, n_per_row)
 
 
 # --- ik's repack_* loops, one big block (ggml/src/iqk/iqk_quantize.cpp) ------------------------
@@ -639,6 +642,90 @@ def _rp_iq2_xs_r4(x: list[_Block], y: _Block) -> None:
             y[264 + 4 * ib + k] = x[k][66 + ib]
 
 
+def _rp_q8_k_r8(x: list[_Block], y: _Block) -> None:
+    # de-interleaved block (this module's own, no ggml type): d (fp16), qs[256]
+    # r8: d[8] (fp16), qs[2048]
+    _d(y, x, 0)
+    for k in range(8):
+        for ib in range(64):
+            for i in range(4):
+                y[16 + 32 * ib + 4 * k + i] = x[k][2 + 4 * ib + i]
+
+
+def _decode_q8_k_r8(base: torch.Tensor, n_per_row: int) -> torch.Tensor:
+    """Q8_K_R8's de-interleaved blocks (fp16 ``d``, 256 int8) -> float32 ``d * q``, as ik's
+    dequantize_row_q8_k_r8 (one product, so exact). Q8_K_R8 is not a repack of Q8_K's bytes:
+    ik rounds Q8_K's float32 ``d`` to fp16 and drops its ``bsums``, so there is no base type."""
+    blocks = base.view(-1, 258)
+    d = blocks[:, :2].contiguous().view(torch.float16).to(torch.float32)
+    return (d * blocks[:, 2:].view(torch.int8).to(torch.float32)).reshape(-1, n_per_row)
+
+
+@lru_cache(maxsize=4)
+def _iq1s_grid(device: torch.device) -> torch.Tensor:
+    """float32 ``[2048, 8]``: ggml's iq1s_grid (values -1, 0, 1), from gguf-py's table."""
+    return torch.tensor(_grid_rows(gq.IQ1_S), dtype=torch.float32, device=device)
+
+
+_IQ1_DELTA = 0.125  # IQ1S_DELTA, IQ1M_DELTA
+
+
+def _iq1_rows(base: torch.Tensor, n_per_row: int, bpb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``2 + blocks * bpb`` bytes -> (fp16 row scale as float32 ``[rows, 1, 1]``,
+    blocks ``[rows, n_per_row / 32, bpb]`` as int32)."""
+    nb = n_per_row // 32
+    rows = base.view(-1, 2 + nb * bpb)
+    d = rows[:, :2].contiguous().view(torch.float16).to(torch.float32).view(-1, 1, 1)
+    return d, rows[:, 2:].reshape(rows.shape[0], nb, bpb).to(torch.int32)
+
+
+def _rp_iq1_s_r4(x: list[_Block], y: _Block) -> None:
+    # de-interleaved block of one row (this module's own): qs[4], qh (u16)
+    # r4 (after the 4 fp16 row scales): qs[16], qh[4] (u16)
+    for k in range(4):
+        for i in range(4):
+            y[4 * i + k] = x[k][i]
+        y.copy(16 + 2 * k, x[k], 4, 2)
+
+
+def _decode_iq1_s_r4(base: torch.Tensor, n_per_row: int) -> torch.Tensor:
+    """ik's dequantize_row_iq1_s_r4: ``dl * (grid + shift)``, ``dl = d * (2 s + 1)``."""
+    d, b = _iq1_rows(base, n_per_row, 6)
+    qh = b[..., 4] | (b[..., 5] << 8)  # [rows, nb]
+    shift = torch.where((qh & 0x8000) != 0, -_IQ1_DELTA, _IQ1_DELTA).unsqueeze(-1)
+    dl = d * (2 * ((qh >> 12) & 7) + 1).to(torch.float32).unsqueeze(-1)
+    idx = b[..., :4] | (((qh.unsqueeze(-1) >> (3 * torch.arange(4, device=b.device))) & 7) << 8)
+    grid = _iq1s_grid(b.device)[idx]  # [rows, nb, 4, 8]
+    values = dl.unsqueeze(-1) * (grid + shift.unsqueeze(-1))
+    return values.reshape(-1, n_per_row)
+
+
+def _rp_iq1_m_r4(x: list[_Block], y: _Block) -> None:
+    # de-interleaved block of one row (this module's own): qs[4], qh[2], scales[1]
+    # r4: qs[16], qh[8], scales[4]
+    for k in range(4):
+        for i in range(4):
+            y[4 * i + k] = x[k][i]
+        y[16 + k] = x[k][4]
+        y[20 + k] = x[k][5]
+        y[24 + k] = x[k][6]
+
+
+def _decode_iq1_m_r4(base: torch.Tensor, n_per_row: int) -> torch.Tensor:
+    """ik's dequantize_row_iq1_m_r4: per 16 values ``dl * (grid + delta)``, ``dl = d * s``."""
+    d, b = _iq1_rows(base, n_per_row, 7)
+    sc = b[..., 6:7]
+    dl = d * torch.cat((sc & 0xF, sc >> 4), dim=-1).to(torch.float32)  # [rows, nb, 2]
+    qh = b[..., 4:6]  # [rows, nb, 2]
+    lo = torch.stack((qh & 0x07, qh & 0x70), dim=-1)  # [rows, nb, 2, 2]
+    idx = b[..., :4].reshape(*qh.shape, 2) | (lo << torch.tensor((8, 4), device=b.device))
+    bits = torch.stack((qh & 0x08, qh & 0x80), dim=-1)
+    delta = torch.where(bits != 0, -_IQ1_DELTA, _IQ1_DELTA)
+    grid = _iq1s_grid(b.device)[idx]  # [rows, nb, 2, 2, 8]
+    values = dl[..., None, None] * (grid + delta.unsqueeze(-1))
+    return values.reshape(-1, n_per_row)
+
+
 T = GGMLType
 INTERLEAVED: dict[GGMLType, Interleaved] = {
     T.Q4_0_R8: Interleaved(T.Q4_0, 8, _rp_q4_0_r8),
@@ -664,6 +751,9 @@ INTERLEAVED: dict[GGMLType, Interleaved] = {
     T.IQ2_XXS_R4: Interleaved(T.IQ2_XXS, 4, _rp_iq2_xxs_r4, scrambled=tuple(range(8, 136))),
     T.IQ3_XXS_R4: Interleaved(T.IQ3_XXS, 4, _rp_iq3_xxs_r4, scrambled=tuple(range(8, 136))),
     T.IQ2_XS_R4: Interleaved(T.IQ2_XS, 4, _rp_iq2_xs_r4, scrambled=tuple(range(9, 264, 2))),
+    T.Q8_K_R8: Interleaved(None, 8, _rp_q8_k_r8, decode=_decode_q8_k_r8),
+    T.IQ1_S_R4: Interleaved(None, 4, _rp_iq1_s_r4, decode=_decode_iq1_s_r4),
+    T.IQ1_M_R4: Interleaved(None, 4, _rp_iq1_m_r4, decode=_decode_iq1_m_r4),
 }
 del T
 

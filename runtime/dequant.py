@@ -94,6 +94,10 @@ def dequantize(
             raw = raw.clone(memory_format=torch.contiguous_format)
         spec = INTERLEAVED[known]
         base = deinterleave(raw, known, ne)
+        if spec.base is None:
+            assert spec.decode is not None
+            values = spec.decode(base, ne[0]).view(shape)
+            return values.to(dtype) if out is None else out.copy_(values)
         result = dequantize(base, spec.base, ne, dtype=dtype, strict=strict, out=out)
         return result.add_(0.0) if spec.positive_zero else result  # -0.0 + 0.0 is +0.0
     if known in IK_KERNELS:
