@@ -14,7 +14,7 @@ import pytest
 import torch
 from ggufbytes import TI, build, kv_str
 
-from ggufswap.runtime import dequant
+from ggufswap.runtime import dequant, qmatmul
 from ggufswap.runtime._ik_interleaved import INTERLEAVED
 from ggufswap.runtime._ik_kernels import IK_KERNELS
 from ggufswap.runtime.errors import UnsupportedTypeError
@@ -256,3 +256,26 @@ def test_docs_list_every_type_with_its_layout() -> None:
         if t in IK_KERNELS:
             assert source == "golden files"
     assert MANIFEST["commit"] in docs
+
+
+@pytest.mark.parametrize("name", ["q4_0_r8", "iq4_ks_r4", "iq1_s_r4", "q8_k_r8"])
+def test_native_product_of_interleaved_matrix(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Native storage multiplies a row-interleaved matrix as its decoded values do, decoding it
+    in bands of whole groups (here 16 rows per band of a 32-row matrix)."""
+    g = _golden(name)
+    t = ggml_type(g["code"])
+    assert t is not None
+    quant = np.concatenate((g["quant"], g["quant"]))
+    rows, cols = 2 * g["rows"], g["n_per_row"]
+    raw = torch.from_numpy(quant)
+    w = dequant.dequantize(raw, t, (cols, rows), strict=True)
+    half = torch.from_numpy(g["dequant"].copy())
+    assert torch.equal(w[: g["rows"]], half)
+    assert torch.equal(w[g["rows"] :], half)
+    monkeypatch.setattr(qmatmul, "SCRATCH_BYTES", 1)  # the smallest band: 16 rows
+    matrix = qmatmul.QuantizedMatrix(raw, t, (rows, cols), "blk.0.ffn_up.weight")
+    ilv = g["interleave"]
+    assert torch.equal(matrix.decode(torch.float32, ilv, 2 * ilv), w[ilv : 2 * ilv])
+    for n in (1, 16):
+        x = torch.randn(n, cols)
+        assert torch.allclose(matrix.linear(x, dtype=torch.float32), x @ w.T, rtol=1e-5, atol=1e-4)
