@@ -104,7 +104,10 @@ def dequantize(
         if raw.data_ptr() % 8 != 0 or not raw.is_contiguous():
             raw = raw.clone(memory_format=torch.contiguous_format)
         result = _empty(math.prod(ne), dtype, raw.device) if out is None else out
-        dequantize_ik(raw, known, ne, result.view(-1))
+        if _compiled.handles(known, ne[0], raw.device):
+            _decode_compiled_rows(raw, known, ne, result.view(-1))
+        else:
+            dequantize_ik(raw, known, ne, result.view(-1))
         return result.view(shape)
     if LAYOUTS[known].origin is not Origin.MAINLINE:
         msg = f"no dequantization kernel for {known.name} (an ik_llama.cpp type)"
@@ -276,6 +279,28 @@ def _decode_compiled(
         kernels.decode(part.data_ptr(), int(ggml_type), stop - start, scratch.data_ptr(), threads)
         out[start:stop].copy_(scratch[: stop - start])
     return out
+
+
+def _decode_compiled_rows(
+    raw: torch.Tensor, ggml_type: GGMLType, ne: tuple[int, ...], out: torch.Tensor
+) -> None:
+    """The compiled decoder for a type with a per-row header (ik's IQ4_KS): whole rows at a
+    time, float32 straight into ``out`` or through a float32 chunk for another dtype."""
+    kernels, threads = _compiled.module(), torch.get_num_threads()
+    cols, rows = ne[0], math.prod(ne[1:])
+    row_bytes = row_nbytes(ggml_type, cols)
+    if out.dtype == torch.float32:
+        kernels.decode(raw.data_ptr(), int(ggml_type), rows * cols, out.data_ptr(), threads, cols)
+        return
+    chunk = max(1, _CPU_CHUNK_ELEMENTS // cols)
+    scratch = _arena(raw.device).take("compiled_f32", min(chunk, rows) * cols, torch.float32)
+    for start in range(0, rows, chunk):
+        count = min(chunk, rows - start)
+        part = raw[start * row_bytes : (start + count) * row_bytes]
+        kernels.decode(
+            part.data_ptr(), int(ggml_type), count * cols, scratch.data_ptr(), threads, cols
+        )
+        out[start * cols : (start + count) * cols].copy_(scratch[: count * cols])
 
 
 def _fallback(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from ggufbytes import TI, build, kv_str
 
-from ggufswap.runtime import dequant, qmatmul
+from ggufswap.runtime import _compiled, dequant, qmatmul
 from ggufswap.runtime._ik_interleaved import INTERLEAVED
 from ggufswap.runtime._ik_kernels import IK_KERNELS
 from ggufswap.runtime.errors import UnsupportedTypeError
@@ -67,6 +67,27 @@ def _golden(name: str) -> dict[str, Any]:
     return read_golden(GOLDEN / MANIFEST["types"][name]["file"])
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def cpu_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
+    """With the compiled decoder (where the install built it; it handles IQ4_KS) and with the
+    torch kernels alone: both must give ik's floats bit for bit."""
+    if request.param == "compiled":
+        if not _compiled.available():
+            pytest.skip("the compiled kernels were not built (no C compiler at install)")
+        yield request.param
+        return
+    with _compiled.disabled():
+        yield request.param
+
+
+def test_compiled_decoder_handles_iq4_ks() -> None:
+    """The compiled decoder takes IQ4_KS (row header included) where it was built."""
+    if not _compiled.available():
+        pytest.skip("the compiled kernels were not built (no C compiler at install)")
+    assert GGMLType.IQ4_KS in _compiled.types()
+    assert _compiled.handles(GGMLType.IQ4_KS, 512, torch.device("cpu"))
+
+
 def test_mainline_codes_match_gguf() -> None:
     """Every gguf type is in the table under the same code and name, with gguf's sizes, and its
     member compares and hashes equal to gguf's."""
@@ -108,7 +129,7 @@ def test_undecoded_golden_types() -> None:
 
 
 @pytest.mark.parametrize("name", DECODED_TYPES)
-def test_golden_dequantize_bitwise(name: str) -> None:
+def test_golden_dequantize_bitwise(name: str, cpu_kernels: str) -> None:
     """Dequantization equals ik_llama.cpp's float output bit for bit."""
     g = _golden(name)
     t = ggml_type(g["code"])
@@ -125,7 +146,7 @@ def test_golden_dequantize_bitwise(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", DECODED_TYPES)
-def test_golden_dequantize_rows_independent(name: str) -> None:
+def test_golden_dequantize_rows_independent(name: str, cpu_kernels: str) -> None:
     """Rows (row-interleaved types: groups of rows) decoded one at a time, into a given ``out``
     and as bfloat16, match the whole tensor."""
     g = _golden(name)
@@ -258,10 +279,13 @@ def test_docs_list_every_type_with_its_layout() -> None:
     assert MANIFEST["commit"] in docs
 
 
-@pytest.mark.parametrize("name", ["q4_0_r8", "iq4_ks_r4", "iq1_s_r4", "q8_k_r8"])
-def test_native_product_of_interleaved_matrix(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    """Native storage multiplies a row-interleaved matrix as its decoded values do, decoding it
-    in bands of whole groups (here 16 rows per band of a 32-row matrix)."""
+@pytest.mark.parametrize("name", ["q4_0_r8", "iq4_ks_r4", "iq1_s_r4", "q8_k_r8", "iq4_ks"])
+def test_native_product_of_ik_matrix(
+    monkeypatch: pytest.MonkeyPatch, name: str, cpu_kernels: str
+) -> None:
+    """Native storage multiplies an ik-typed matrix (IQ4_KS: the compiled fused product where
+    built) as its decoded values do; a row-interleaved one is decoded in bands of whole groups
+    (here 16 rows per band of a 32-row matrix)."""
     g = _golden(name)
     t = ggml_type(g["code"])
     assert t is not None
@@ -274,7 +298,7 @@ def test_native_product_of_interleaved_matrix(monkeypatch: pytest.MonkeyPatch, n
     assert torch.equal(w[g["rows"] :], half)
     monkeypatch.setattr(qmatmul, "SCRATCH_BYTES", 1)  # the smallest band: 16 rows
     matrix = qmatmul.QuantizedMatrix(raw, t, (rows, cols), "blk.0.ffn_up.weight")
-    ilv = g["interleave"]
+    ilv = max(g["interleave"], 1)
     assert torch.equal(matrix.decode(torch.float32, ilv, 2 * ilv), w[ilv : 2 * ilv])
     for n in (1, 16):
         x = torch.randn(n, cols)

@@ -13,9 +13,15 @@
  * Python interface (pointers are the integer data_ptr() of contiguous tensors, checked by the
  * caller, runtime/qmatmul.py):
  *   matmul(w, type, rows, cols, x, n, y, threads) -> None
- *   decode(w, type, n_values, out, threads=1)    (blocks to float32: dequantization on the CPU)
+ *   decode(w, type, n_values, out, threads=1, cols=0)  (blocks to float32: dequantization on
+ *                                                 the CPU; cols, the row length, is required by
+ *                                                 types with a per-row header)
  *   block_size(type) -> int                      (values per kernel block: plain types use 64)
  *   types() -> tuple[int, ...]                   (GGML type ids handled here)
+ *
+ * ik_llama.cpp's IQ4_KS has a per-row header (row_meta bytes, its float32 row scale) before the
+ * row's blocks; its decoder takes the row scale as an argument. Its values are ik's CPU
+ * dequantize_row_iq4_ks (the golden files in tests/fixtures/ik_golden, compared bit for bit).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,7 +33,7 @@
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
-    T_IQ4_XS = 23, T_BF16 = 30,
+    T_IQ4_XS = 23, T_BF16 = 30, T_IQ4_KS = 144,
 };
 
 #define LANES 8
@@ -220,6 +226,23 @@ static inline __attribute__((always_inline)) void dec_iq4_xs(const uint8_t *b, f
     }
 }
 
+/* ik's IQ4_KS: scales[8] (bit 0: the shifted grid, bits 1-7: scale + 127), qs[128]; the row
+ * scale d comes from the row header. dl = d * s is rounded first, as ik does. */
+static const int8_t IQ4_KVALUES_SHIFTED[16] = {-123, -100, -79, -61, -45, -31, -18, -6,
+                                               5,    17,   29,  42,  57,  73,  93,  117};
+
+static inline __attribute__((always_inline)) void dec_iq4_ks(const uint8_t *b, float *y,
+                                                             float d) {
+    const uint8_t *qs = b + 8;
+    for (int ib = 0; ib < 8; ib++) {
+        float dl = d * (float)((b[ib] & 254) - 127);
+        const int8_t *values = (b[ib] & 1) ? IQ4_KVALUES_SHIFTED : IQ4_KVALUES;
+        const uint8_t *q = qs + 16 * ib;
+        for (int j = 0; j < 16; j++) y[32 * ib + j] = dl * (float)values[q[j] & 0xF];
+        for (int j = 0; j < 16; j++) y[32 * ib + 16 + j] = dl * (float)values[q[j] >> 4];
+    }
+}
+
 static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *b, float *y) {
     float d = rdh(b), dmin = rdh(b + 2);
     const uint8_t *scales = b + 4, *q = b + 16;
@@ -277,6 +300,7 @@ typedef struct {
     int type;
     int block_size; /* values per kernel block */
     int type_size;  /* bytes per kernel block */
+    int row_meta;   /* bytes of per-row header (a float32 row scale) before the row's blocks */
 } qtype;
 
 static const qtype QTYPES[] = {
@@ -285,6 +309,7 @@ static const qtype QTYPES[] = {
     {T_Q5_1, 32, 24},          {T_Q8_0, 32, 34},          {T_Q4_K, 256, 144},
     {T_Q5_K, 256, 176},        {T_Q6_K, 256, 210},        {T_Q2_K, 256, 84},
     {T_Q3_K, 256, 110},        {T_IQ4_NL, 32, 18},        {T_IQ4_XS, 256, 136},
+    {T_IQ4_KS, 256, 136, 4},
 };
 #define N_QTYPES (sizeof(QTYPES) / sizeof(QTYPES[0]))
 
@@ -297,9 +322,13 @@ static const qtype *find_type(int type) {
 /* Decode `count` consecutive blocks. The switch names each decoder directly, so that they are
  * inlined into (and vectorised with) each target clone of the caller. */
 static inline __attribute__((always_inline)) void decode_step(int type, const uint8_t *src,
-                                                              long count, float *dst) {
+                                                              long count, float *dst,
+                                                              float row_d) {
 #define STEP(fn, bs, ts)                                                                       \
     for (long k = 0; k < count; k++) fn(src + (size_t)k * (ts), dst + k * (bs));              \
+    return;
+#define STEP_D(fn, bs, ts)                                                                     \
+    for (long k = 0; k < count; k++) fn(src + (size_t)k * (ts), dst + k * (bs), row_d);       \
     return;
     switch (type) {
     case T_F32: STEP(dec_f32, PLAIN, 4 * PLAIN)
@@ -317,9 +346,11 @@ static inline __attribute__((always_inline)) void decode_step(int type, const ui
     case T_Q4_K: STEP(dec_q4_k, 256, 144)
     case T_Q5_K: STEP(dec_q5_k, 256, 176)
     case T_Q6_K: STEP(dec_q6_k, 256, 210)
+    case T_IQ4_KS: STEP_D(dec_iq4_ks, 256, 136)
     default: return;
     }
 #undef STEP
+#undef STEP_D
 }
 
 /* -- the product ------------------------------------------------------------------------- */
@@ -334,6 +365,13 @@ typedef struct {
 
 /* Blocks decoded per step: MAX_BLOCK values, so that the dot loop runs long. */
 static int step_blocks(const qtype *t) { return MAX_BLOCK / t->block_size; }
+
+/* The float32 row scale in a row's header (0 for types without one). */
+static float row_scale(const qtype *t, const uint8_t *row) {
+    float d = 0.0f;
+    if (t->row_meta) memcpy(&d, row, sizeof(d));
+    return d;
+}
 
 /* a[l] += sum over i = l (mod LANES) of w[i] * x[i], for len a multiple of LANES. */
 static inline void dot_lanes(const float *restrict w, const float *restrict x, long len,
@@ -353,13 +391,15 @@ CLONES static void *run_rows(void *arg) {
     float wb[MAX_BLOCK];
     float *acc = (float *)malloc(sizeof(float) * LANES * (size_t)j->n);
     if (acc == NULL) return (void *)1;
-    size_t row_bytes = (size_t)nb * t->type_size;
+    size_t row_bytes = (size_t)t->row_meta + (size_t)nb * t->type_size;
     for (long r = j->r0; r < j->r1; r++) {
         const uint8_t *row = j->w + (size_t)r * row_bytes;
+        float row_d = row_scale(t, row);
+        row += t->row_meta;
         memset(acc, 0, sizeof(float) * LANES * (size_t)j->n);
         for (long b = 0; b < nb; b += per) {
             long take = nb - b < per ? nb - b : per;
-            decode_step(t->type, row + (size_t)b * t->type_size, take, wb);
+            decode_step(t->type, row + (size_t)b * t->type_size, take, wb, row_d);
             long len = take * t->block_size;
             const float *xk = j->x + b * t->block_size;
             for (long n = 0; n < j->n; n++) /* every block size is a multiple of LANES */
@@ -421,13 +461,24 @@ typedef struct {
     const uint8_t *src;
     float *dst;
     long b0, b1;
+    long row_blocks; /* blocks per row (types with a row header; 0 otherwise) */
 } decode_job;
 
 CLONES static void *decode_range(void *arg) {
     const decode_job *j = (const decode_job *)arg;
     const qtype *t = j->t;
-    for (long b = j->b0; b < j->b1; b++)
-        decode_step(t->type, j->src + (size_t)b * t->type_size, 1, j->dst + (size_t)b * t->block_size);
+    if (j->row_blocks == 0) {
+        for (long b = j->b0; b < j->b1; b++)
+            decode_step(t->type, j->src + (size_t)b * t->type_size, 1,
+                        j->dst + (size_t)b * t->block_size, 0.0f);
+        return NULL;
+    }
+    size_t row_bytes = (size_t)t->row_meta + (size_t)j->row_blocks * t->type_size;
+    for (long b = j->b0; b < j->b1; b++) {
+        const uint8_t *row = j->src + (size_t)(b / j->row_blocks) * row_bytes;
+        const uint8_t *block = row + t->row_meta + (size_t)(b % j->row_blocks) * t->type_size;
+        decode_step(t->type, block, 1, j->dst + (size_t)b * t->block_size, row_scale(t, row));
+    }
     return NULL;
 }
 
@@ -435,14 +486,19 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long w, out;
     int type, threads = 1;
-    long n_values;
-    if (!PyArg_ParseTuple(args, "KilK|i", &w, &type, &n_values, &out, &threads)) return NULL;
+    long n_values, cols = 0;
+    if (!PyArg_ParseTuple(args, "KilK|il", &w, &type, &n_values, &out, &threads, &cols))
+        return NULL;
     const qtype *t = find_type(type);
     if (t == NULL) return PyErr_Format(PyExc_ValueError, "no kernel for GGML type %d", type);
     if (n_values < 0 || n_values % t->block_size != 0)
         return PyErr_Format(PyExc_ValueError, "%ld values are not whole blocks of %d", n_values,
                             t->block_size);
+    if (t->row_meta && (cols <= 0 || cols % t->block_size != 0 || n_values % cols != 0))
+        return PyErr_Format(PyExc_ValueError, "GGML type %d needs whole rows (cols=%ld)", type,
+                            cols);
     long n_blocks = n_values / t->block_size;
+    long row_blocks = t->row_meta ? cols / t->block_size : 0;
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
     if (threads > n_blocks) threads = n_blocks > 0 ? (int)n_blocks : 1;
@@ -452,7 +508,8 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (int i = 0; i < threads; i++)
         jobs[i] = (decode_job){t, (const uint8_t *)(uintptr_t)w, (float *)(uintptr_t)out,
-                               n_blocks * i / threads, n_blocks * (i + 1) / threads};
+                               n_blocks * i / threads, n_blocks * (i + 1) / threads,
+                               row_blocks};
     for (int i = 1; i < threads; i++)
         started[i] = pthread_create(&tids[i], NULL, decode_range, &jobs[i]) == 0;
     for (int i = 1; i < threads; i++)
