@@ -237,9 +237,11 @@ static inline __attribute__((always_inline)) void dec_iq4_ks(const uint8_t *b, f
     for (int ib = 0; ib < 8; ib++) {
         float dl = d * (float)((b[ib] & 254) - 127);
         const int8_t *values = (b[ib] & 1) ? IQ4_KVALUES_SHIFTED : IQ4_KVALUES;
+        float scaled[16]; /* the same products, taken once per sub-block */
+        for (int v = 0; v < 16; v++) scaled[v] = dl * (float)values[v];
         const uint8_t *q = qs + 16 * ib;
-        for (int j = 0; j < 16; j++) y[32 * ib + j] = dl * (float)values[q[j] & 0xF];
-        for (int j = 0; j < 16; j++) y[32 * ib + 16 + j] = dl * (float)values[q[j] >> 4];
+        for (int j = 0; j < 16; j++) y[32 * ib + j] = scaled[q[j] & 0xF];
+        for (int j = 0; j < 16; j++) y[32 * ib + 16 + j] = scaled[q[j] >> 4];
     }
 }
 
@@ -474,10 +476,13 @@ CLONES static void *decode_range(void *arg) {
         return NULL;
     }
     size_t row_bytes = (size_t)t->row_meta + (size_t)j->row_blocks * t->type_size;
-    for (long b = j->b0; b < j->b1; b++) {
+    for (long b = j->b0; b < j->b1;) { /* the run of blocks up to the end of b's row */
+        long in_row = b % j->row_blocks, take = j->row_blocks - in_row;
+        if (take > j->b1 - b) take = j->b1 - b;
         const uint8_t *row = j->src + (size_t)(b / j->row_blocks) * row_bytes;
-        const uint8_t *block = row + t->row_meta + (size_t)(b % j->row_blocks) * t->type_size;
-        decode_step(t->type, block, 1, j->dst + (size_t)b * t->block_size, row_scale(t, row));
+        const uint8_t *block = row + t->row_meta + (size_t)in_row * t->type_size;
+        decode_step(t->type, block, take, j->dst + (size_t)b * t->block_size, row_scale(t, row));
+        b += take;
     }
     return NULL;
 }
