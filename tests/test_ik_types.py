@@ -69,7 +69,7 @@ def _golden(name: str) -> dict[str, Any]:
 
 @pytest.fixture(params=["compiled", "torch"])
 def cpu_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
-    """With the compiled decoder (where the install built it; it handles IQ4_KS) and with the
+    """With the compiled decoder (where the install built it; it handles COMPILED_IK) and with the
     torch kernels alone: both must give ik's floats bit for bit."""
     if request.param == "compiled":
         if not _compiled.available():
@@ -80,12 +80,17 @@ def cpu_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
         yield request.param
 
 
-def test_compiled_decoder_handles_iq4_ks() -> None:
-    """The compiled decoder takes IQ4_KS (row header included) where it was built."""
+COMPILED_IK = (GGMLType.IQ4_KS, GGMLType.IQ4_KSS, GGMLType.IQ4_K, GGMLType.IQ5_K)
+
+
+@pytest.mark.parametrize("t", COMPILED_IK, ids=lambda t: t.name)
+def test_compiled_decoder_handles_ik_types(t: GGMLType) -> None:
+    """The compiled decoder takes these ik types (row header included) where it was built, so
+    the golden tests run them under both kernels."""
     if not _compiled.available():
         pytest.skip("the compiled kernels were not built (no C compiler at install)")
-    assert GGMLType.IQ4_KS in _compiled.types()
-    assert _compiled.handles(GGMLType.IQ4_KS, 512, torch.device("cpu"))
+    assert t in _compiled.types()
+    assert _compiled.handles(t, 512, torch.device("cpu"))
 
 
 def test_mainline_codes_match_gguf() -> None:
@@ -279,7 +284,9 @@ def test_docs_list_every_type_with_its_layout() -> None:
     assert MANIFEST["commit"] in docs
 
 
-@pytest.mark.parametrize("name", ["q4_0_r8", "iq4_ks_r4", "iq1_s_r4", "q8_k_r8", "iq4_ks"])
+@pytest.mark.parametrize(
+    "name", ["q4_0_r8", "iq4_ks_r4", "iq1_s_r4", "q8_k_r8", "iq4_ks", "iq4_kss", "iq4_k", "iq5_k"]
+)
 def test_native_product_of_ik_matrix(
     monkeypatch: pytest.MonkeyPatch, name: str, cpu_kernels: str
 ) -> None:

@@ -19,9 +19,10 @@
  *   block_size(type) -> int                      (values per kernel block: plain types use 64)
  *   types() -> tuple[int, ...]                   (GGML type ids handled here)
  *
- * ik_llama.cpp's IQ4_KS has a per-row header (row_meta bytes, its float32 row scale) before the
- * row's blocks; its decoder takes the row scale as an argument. Its values are ik's CPU
- * dequantize_row_iq4_ks (the golden files in tests/fixtures/ik_golden, compared bit for bit).
+ * ik_llama.cpp's IQ4_K, IQ5_K, IQ4_KS and IQ4_KSS: values are ik's CPU dequantize_row_* (the
+ * golden files in tests/fixtures/ik_golden, compared bit for bit). IQ4_KS/IQ4_KSS have a per-row
+ * header (row_meta bytes, their float32 row scale) before the row's blocks; their decoders take
+ * the row scale as an argument.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,7 +34,7 @@
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
-    T_IQ4_XS = 23, T_BF16 = 30, T_IQ4_KS = 144,
+    T_IQ4_XS = 23, T_BF16 = 30, T_IQ4_K = 139, T_IQ5_K = 140, T_IQ4_KS = 144, T_IQ4_KSS = 146,
 };
 
 #define LANES 8
@@ -245,6 +246,80 @@ static inline __attribute__((always_inline)) void dec_iq4_ks(const uint8_t *b, f
     }
 }
 
+/* 16 values of a sub-block: dl times the grid value of each nibble (the products taken once). */
+static inline __attribute__((always_inline)) void nibble_run(float dl, const int8_t *values,
+                                                             const uint8_t *q, int hi, float *y) {
+    float scaled[16];
+    for (int v = 0; v < 16; v++) scaled[v] = dl * (float)values[v];
+    for (int j = 0; j < 16; j++) y[j] = scaled[hi ? q[j] >> 4 : q[j] & 0xF];
+}
+
+/* ik's IQ4_KSS: per sub-block of 32, 8 uint16: bit 0 of each is one bit of the scale byte (as
+ * IQ4_KS's), the rest x ^ (x >> 1) (bit 0 cleared) are four nibbles. */
+static inline __attribute__((always_inline)) void dec_iq4_kss(const uint8_t *b, float *y,
+                                                              float d) {
+    for (int ib = 0; ib < 8; ib++) {
+        uint8_t q[16];
+        int ls = 0;
+        for (int k = 0; k < 8; k++) {
+            uint16_t w = rd16(b + 16 * ib + 2 * k);
+            ls |= (w & 1) << k;
+            uint16_t aux = w & 0xFFFE;
+            aux ^= aux >> 1;
+            q[2 * k] = (uint8_t)(aux & 0xFF);
+            q[2 * k + 1] = (uint8_t)(aux >> 8);
+        }
+        float dl = d * (float)((ls & 254) - 127);
+        const int8_t *values = (ls & 1) ? IQ4_KVALUES_SHIFTED : IQ4_KVALUES;
+        nibble_run(dl, values, q, 0, y + 32 * ib);
+        nibble_run(dl, values, q, 1, y + 32 * ib + 16);
+    }
+}
+
+/* IQ4_K/IQ5_K 6-bit scale of sub-block s (of 16): nibble s % 2 of scales_l[s / 2], bits
+ * 2 * (s % 4) of scales_h[s / 4] above it, minus 32. */
+static inline __attribute__((always_inline)) int k_scale6(const uint8_t *b, int s) {
+    int low = (b[8 + s / 2] >> (4 * (s % 2))) & 0xF, high = (b[4 + s / 4] >> (2 * (s % 4))) & 3;
+    return (low | (high << 4)) - 32;
+}
+
+/* ik's IQ4_K: d, extra (u16: shifted grid per sub-block of 16), scales_h[4], scales_l[8],
+ * qs[128]; sub-block s = 2 * ib + h: nibble h of qs[16 * ib + j]. */
+static inline __attribute__((always_inline)) void dec_iq4_k(const uint8_t *b, float *y) {
+    float d = rdh(b);
+    uint16_t extra = rd16(b + 2);
+    for (int s = 0; s < 16; s++) {
+        float dl = d * (float)k_scale6(b, s);
+        const int8_t *values = (extra >> s) & 1 ? IQ4_KVALUES_SHIFTED : IQ4_KVALUES;
+        nibble_run(dl, values, b + 16 + 16 * (s / 2), s % 2, y + 16 * s);
+    }
+}
+
+static const int8_t IQ5_KVALUES[64] = {
+    -126, -114, -103, -92, -83, -74, -65, -57, -50, -43, -36, -30, -24, -18, -12, -6,
+    -1,   5,    11,   17,  23,  29,  36,  43,  51,  59,  68,  77,  87,  97,  109, 121,
+    -124, -112, -101, -90, -81, -72, -63, -55, -48, -41, -34, -28, -22, -16, -10, -4,
+    1,    7,    13,   19,  25,  31,  38,  45,  53,  61,  70,  79,  89,  99,  111, 123};
+
+/* ik's IQ5_K: as IQ4_K, then qh[32] at 144; sub-block t = 4 * ib64 + 2 * nib + half: nibble nib
+ * of qs[32 * ib64 + 16 * half + j], 5th bit: bit 2 * ib64 + nib of qh[16 * half + j]. */
+static inline __attribute__((always_inline)) void dec_iq5_k(const uint8_t *b, float *y) {
+    float d = rdh(b);
+    uint16_t extra = rd16(b + 2);
+    for (int t = 0; t < 16; t++) {
+        int ib64 = t / 4, nib = (t / 2) % 2, half = t % 2;
+        float dl = d * (float)k_scale6(b, t);
+        const int8_t *values = IQ5_KVALUES + 32 * ((extra >> t) & 1);
+        float scaled[32];
+        for (int v = 0; v < 32; v++) scaled[v] = dl * (float)values[v];
+        const uint8_t *qs = b + 16 + 32 * ib64 + 16 * half, *qh = b + 144 + 16 * half;
+        for (int j = 0; j < 16; j++) {
+            int q = ((qs[j] >> (4 * nib)) & 0xF) | (((qh[j] >> (2 * ib64 + nib)) & 1) << 4);
+            y[16 * t + j] = scaled[q];
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *b, float *y) {
     float d = rdh(b), dmin = rdh(b + 2);
     const uint8_t *scales = b + 4, *q = b + 16;
@@ -311,7 +386,8 @@ static const qtype QTYPES[] = {
     {T_Q5_1, 32, 24},          {T_Q8_0, 32, 34},          {T_Q4_K, 256, 144},
     {T_Q5_K, 256, 176},        {T_Q6_K, 256, 210},        {T_Q2_K, 256, 84},
     {T_Q3_K, 256, 110},        {T_IQ4_NL, 32, 18},        {T_IQ4_XS, 256, 136},
-    {T_IQ4_KS, 256, 136, 4},
+    {T_IQ4_KS, 256, 136, 4},   {T_IQ4_KSS, 256, 128, 4},  {T_IQ4_K, 256, 144, 0},
+    {T_IQ5_K, 256, 176, 0},
 };
 #define N_QTYPES (sizeof(QTYPES) / sizeof(QTYPES[0]))
 
@@ -349,6 +425,9 @@ static inline __attribute__((always_inline)) void decode_step(int type, const ui
     case T_Q5_K: STEP(dec_q5_k, 256, 176)
     case T_Q6_K: STEP(dec_q6_k, 256, 210)
     case T_IQ4_KS: STEP_D(dec_iq4_ks, 256, 136)
+    case T_IQ4_KSS: STEP_D(dec_iq4_kss, 256, 128)
+    case T_IQ4_K: STEP(dec_iq4_k, 256, 144)
+    case T_IQ5_K: STEP(dec_iq5_k, 256, 176)
     default: return;
     }
 #undef STEP
