@@ -80,7 +80,7 @@ def cpu_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
         yield request.param
 
 
-COMPILED_IK = (GGMLType.IQ4_KS, GGMLType.IQ4_KSS, GGMLType.IQ4_K, GGMLType.IQ5_K)
+COMPILED_IK = (GGMLType.IQ4_KS, GGMLType.IQ4_KSS, GGMLType.IQ4_K, GGMLType.IQ5_K, GGMLType.IQ2_KS)
 
 
 @pytest.mark.parametrize("t", COMPILED_IK, ids=lambda t: t.name)
@@ -285,7 +285,18 @@ def test_docs_list_every_type_with_its_layout() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["q4_0_r8", "iq4_ks_r4", "iq1_s_r4", "q8_k_r8", "iq4_ks", "iq4_kss", "iq4_k", "iq5_k"]
+    "name",
+    [
+        "q4_0_r8",
+        "iq4_ks_r4",
+        "iq1_s_r4",
+        "q8_k_r8",
+        "iq4_ks",
+        "iq4_kss",
+        "iq4_k",
+        "iq5_k",
+        "iq2_ks",
+    ],
 )
 def test_native_product_of_ik_matrix(
     monkeypatch: pytest.MonkeyPatch, name: str, cpu_kernels: str

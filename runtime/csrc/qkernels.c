@@ -19,10 +19,10 @@
  *   block_size(type) -> int                      (values per kernel block: plain types use 64)
  *   types() -> tuple[int, ...]                   (GGML type ids handled here)
  *
- * ik_llama.cpp's IQ4_K, IQ5_K, IQ4_KS and IQ4_KSS: values are ik's CPU dequantize_row_* (the
- * golden files in tests/fixtures/ik_golden, compared bit for bit). IQ4_KS/IQ4_KSS have a per-row
- * header (row_meta bytes, their float32 row scale) before the row's blocks; their decoders take
- * the row scale as an argument.
+ * ik_llama.cpp's IQ4_K, IQ5_K, IQ4_KS, IQ4_KSS and IQ2_KS: values are ik's CPU dequantize_row_*
+ * (the golden files in tests/fixtures/ik_golden, compared bit for bit). IQ4_KS/IQ4_KSS/IQ2_KS
+ * have a per-row header (row_meta bytes: the row scale, float32 in 4 bytes, fp16 in 2) before
+ * the row's blocks; their decoders take the row scale as an argument.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,7 +34,8 @@
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
-    T_IQ4_XS = 23, T_BF16 = 30, T_IQ4_K = 139, T_IQ5_K = 140, T_IQ4_KS = 144, T_IQ4_KSS = 146,
+    T_IQ4_XS = 23, T_BF16 = 30, T_IQ4_K = 139, T_IQ5_K = 140, T_IQ4_KS = 144, T_IQ2_KS = 145,
+    T_IQ4_KSS = 146,
 };
 
 #define LANES 8
@@ -320,6 +321,25 @@ static inline __attribute__((always_inline)) void dec_iq5_k(const uint8_t *b, fl
     }
 }
 
+/* ik's IQ2_KS: extra (u16), scales[4], qs[64]; sub-block s of 32: scale nibble s % 2 of
+ * scales[s / 2] with bit 8 + s of extra as its 5th bit, minus 16; 2-bit field s % 4 of
+ * qs[32 * (s / 4) + j]; bit s of extra picks the shifted grid. */
+static const int8_t IQ2_KVALUES[8] = {-31, -13, 1, 17, -26, -8, 6, 22};
+
+static inline __attribute__((always_inline)) void dec_iq2_ks(const uint8_t *b, float *y,
+                                                             float d) {
+    uint16_t extra = rd16(b);
+    for (int s = 0; s < 8; s++) {
+        int sc = ((b[2 + s / 2] >> (4 * (s % 2))) & 0xF) | (((extra >> (8 + s)) & 1) << 4);
+        float dl = d * (float)(sc - 16);
+        const int8_t *values = IQ2_KVALUES + 4 * ((extra >> s) & 1);
+        float scaled[4];
+        for (int v = 0; v < 4; v++) scaled[v] = dl * (float)values[v];
+        const uint8_t *qs = b + 6 + 32 * (s / 4);
+        for (int j = 0; j < 32; j++) y[32 * s + j] = scaled[(qs[j] >> (2 * (s % 4))) & 3];
+    }
+}
+
 static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *b, float *y) {
     float d = rdh(b), dmin = rdh(b + 2);
     const uint8_t *scales = b + 4, *q = b + 16;
@@ -387,7 +407,7 @@ static const qtype QTYPES[] = {
     {T_Q5_K, 256, 176},        {T_Q6_K, 256, 210},        {T_Q2_K, 256, 84},
     {T_Q3_K, 256, 110},        {T_IQ4_NL, 32, 18},        {T_IQ4_XS, 256, 136},
     {T_IQ4_KS, 256, 136, 4},   {T_IQ4_KSS, 256, 128, 4},  {T_IQ4_K, 256, 144, 0},
-    {T_IQ5_K, 256, 176, 0},
+    {T_IQ5_K, 256, 176, 0},    {T_IQ2_KS, 256, 70, 2},
 };
 #define N_QTYPES (sizeof(QTYPES) / sizeof(QTYPES[0]))
 
@@ -426,6 +446,7 @@ static inline __attribute__((always_inline)) void decode_step(int type, const ui
     case T_Q6_K: STEP(dec_q6_k, 256, 210)
     case T_IQ4_KS: STEP_D(dec_iq4_ks, 256, 136)
     case T_IQ4_KSS: STEP_D(dec_iq4_kss, 256, 128)
+    case T_IQ2_KS: STEP_D(dec_iq2_ks, 256, 70)
     case T_IQ4_K: STEP(dec_iq4_k, 256, 144)
     case T_IQ5_K: STEP(dec_iq5_k, 256, 176)
     default: return;
@@ -447,10 +468,11 @@ typedef struct {
 /* Blocks decoded per step: MAX_BLOCK values, so that the dot loop runs long. */
 static int step_blocks(const qtype *t) { return MAX_BLOCK / t->block_size; }
 
-/* The float32 row scale in a row's header (0 for types without one). */
+/* The row scale in a row's header: float32 (4 bytes) or fp16 (2); 0 for types without one. */
 static float row_scale(const qtype *t, const uint8_t *row) {
     float d = 0.0f;
-    if (t->row_meta) memcpy(&d, row, sizeof(d));
+    if (t->row_meta == 2) d = rdh(row);
+    else if (t->row_meta) memcpy(&d, row, sizeof(d));
     return d;
 }
 
