@@ -80,7 +80,14 @@ def cpu_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
         yield request.param
 
 
-COMPILED_IK = (GGMLType.IQ4_KS, GGMLType.IQ4_KSS, GGMLType.IQ4_K, GGMLType.IQ5_K, GGMLType.IQ2_KS)
+COMPILED_IK = (
+    GGMLType.IQ4_KS,
+    GGMLType.IQ4_KSS,
+    GGMLType.IQ4_K,
+    GGMLType.IQ5_K,
+    GGMLType.IQ2_KS,
+    GGMLType.IQ3_KS,
+)
 
 
 @pytest.mark.parametrize("t", COMPILED_IK, ids=lambda t: t.name)
@@ -296,6 +303,7 @@ def test_docs_list_every_type_with_its_layout() -> None:
         "iq4_k",
         "iq5_k",
         "iq2_ks",
+        "iq3_ks",
     ],
 )
 def test_native_product_of_ik_matrix(

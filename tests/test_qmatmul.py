@@ -22,7 +22,14 @@ pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
 # Mainline types (gguf.quants is their reference); ik's types are checked against ik's golden
 # files in tests/test_ik_types.py, under both kernels.
-IK_COMPILED = {GGMLType.IQ4_K, GGMLType.IQ5_K, GGMLType.IQ4_KS, GGMLType.IQ4_KSS, GGMLType.IQ2_KS}
+IK_COMPILED = {
+    GGMLType.IQ4_K,
+    GGMLType.IQ5_K,
+    GGMLType.IQ4_KS,
+    GGMLType.IQ4_KSS,
+    GGMLType.IQ2_KS,
+    GGMLType.IQ3_KS,
+}
 COMPILED = sorted((t for t in _compiled.types() if t not in IK_COMPILED), key=int)
 needs_kernels = pytest.mark.skipif(
     not COMPILED, reason="the compiled kernels were not built (no C compiler at install)"

@@ -19,9 +19,9 @@
  *   block_size(type) -> int                      (values per kernel block: plain types use 64)
  *   types() -> tuple[int, ...]                   (GGML type ids handled here)
  *
- * ik_llama.cpp's IQ4_K, IQ5_K, IQ4_KS, IQ4_KSS and IQ2_KS: values are ik's CPU dequantize_row_*
- * (the golden files in tests/fixtures/ik_golden, compared bit for bit). IQ4_KS/IQ4_KSS/IQ2_KS
- * have a per-row header (row_meta bytes: the row scale, float32 in 4 bytes, fp16 in 2) before
+ * ik_llama.cpp's IQ4_K, IQ5_K, IQ4_KS, IQ4_KSS, IQ2_KS and IQ3_KS: values are ik's CPU
+ * dequantize_row_* (the golden files in tests/fixtures/ik_golden, compared bit for bit). The _KS
+ * types have a per-row header (row_meta bytes: the row scale, float32 in 4 bytes, fp16 in 2) before
  * the row's blocks; their decoders take the row scale as an argument.
  */
 #define PY_SSIZE_T_CLEAN
@@ -35,7 +35,7 @@ enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
     T_IQ4_XS = 23, T_BF16 = 30, T_IQ4_K = 139, T_IQ5_K = 140, T_IQ4_KS = 144, T_IQ2_KS = 145,
-    T_IQ4_KSS = 146,
+    T_IQ4_KSS = 146, T_IQ3_KS = 156,
 };
 
 #define LANES 8
@@ -340,6 +340,27 @@ static inline __attribute__((always_inline)) void dec_iq2_ks(const uint8_t *b, f
     }
 }
 
+/* ik's IQ3_KS: extra (u16), scales[4], qs[64], qh[32]; sub-block s of 32: scale nibble s / 4 of
+ * scales[s % 4] with bit s of extra as its 5th bit, minus 16; bit 8 + s of extra picks the
+ * shifted grid; 2-bit field s % 4 of qs[32 * (s / 4) + j], 3rd bit: bit s of qh[j]. */
+static const int8_t IQ3_KVALUES[16] = {-63, -40, -23, -10, 1,  13, 28, 47,
+                                       -59, -36, -19, -6,  5,  17, 32, 51};
+
+static inline __attribute__((always_inline)) void dec_iq3_ks(const uint8_t *b, float *y,
+                                                             float d) {
+    uint16_t extra = rd16(b);
+    for (int s = 0; s < 8; s++) {
+        int sc = ((b[2 + s % 4] >> (4 * (s / 4))) & 0xF) | (((extra >> s) & 1) << 4);
+        float dl = d * (float)(sc - 16);
+        const int8_t *values = IQ3_KVALUES + 8 * ((extra >> (8 + s)) & 1);
+        float scaled[8];
+        for (int v = 0; v < 8; v++) scaled[v] = dl * (float)values[v];
+        const uint8_t *qs = b + 6 + 32 * (s / 4), *qh = b + 70;
+        for (int j = 0; j < 32; j++)
+            y[32 * s + j] = scaled[((qs[j] >> (2 * (s % 4))) & 3) | (((qh[j] >> s) & 1) << 2)];
+    }
+}
+
 static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *b, float *y) {
     float d = rdh(b), dmin = rdh(b + 2);
     const uint8_t *scales = b + 4, *q = b + 16;
@@ -407,7 +428,7 @@ static const qtype QTYPES[] = {
     {T_Q5_K, 256, 176},        {T_Q6_K, 256, 210},        {T_Q2_K, 256, 84},
     {T_Q3_K, 256, 110},        {T_IQ4_NL, 32, 18},        {T_IQ4_XS, 256, 136},
     {T_IQ4_KS, 256, 136, 4},   {T_IQ4_KSS, 256, 128, 4},  {T_IQ4_K, 256, 144, 0},
-    {T_IQ5_K, 256, 176, 0},    {T_IQ2_KS, 256, 70, 2},
+    {T_IQ5_K, 256, 176, 0},    {T_IQ2_KS, 256, 70, 2},    {T_IQ3_KS, 256, 102, 2},
 };
 #define N_QTYPES (sizeof(QTYPES) / sizeof(QTYPES[0]))
 
@@ -447,6 +468,7 @@ static inline __attribute__((always_inline)) void decode_step(int type, const ui
     case T_IQ4_KS: STEP_D(dec_iq4_ks, 256, 136)
     case T_IQ4_KSS: STEP_D(dec_iq4_kss, 256, 128)
     case T_IQ2_KS: STEP_D(dec_iq2_ks, 256, 70)
+    case T_IQ3_KS: STEP_D(dec_iq3_ks, 256, 102)
     case T_IQ4_K: STEP(dec_iq4_k, 256, 144)
     case T_IQ5_K: STEP(dec_iq5_k, 256, 176)
     default: return;
