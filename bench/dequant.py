@@ -12,8 +12,12 @@ the header, so that figures taken on different days compare. Targets (median rat
 CPU) are marked. F32 has no meaningful ratio: gguf returns a view of the bytes, ours a copy.
 
 ik_llama.cpp's types have no numpy decoder to compare with: their rows (written by the project's
-writer, valid blocks) report GB/s of float32 output and the ratio of our Q8_0 ``dequantize`` time
-on the same element count, measured in the same rounds (``ratio`` > 1: faster than Q8_0).
+writer, valid blocks; the row-interleaved ``_R4``/``_R8`` types: ik's own bytes from the golden
+files in ``tests/fixtures/ik_golden``, tiled to the size) report GB/s of float32 output and the
+ratio of our Q8_0 ``dequantize`` time on the same element count, measured in the same rounds
+(``ratio`` > 1: faster than Q8_0). A type the compiled decoder handles (``IQ4_KS``) also reports
+the torch kernels' GB/s (``torch GB/s``), measured in the same rounds with the compiled decoder
+turned off.
 ``run(quick)`` returns the rows (name, baseline_s, ours_s, ratio, target, plus the per-round
 ratios and the into-buffer figures) for ``bench/run_all.py``.
 """
@@ -21,11 +25,13 @@ ratios and the into-buffer figures) for ``bench/run_all.py``.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 import warnings
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,11 +39,15 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from ggufswap._logsetup import configure_logging
+from ggufswap.runtime import _compiled
+from ggufswap.runtime._ik_interleaved import INTERLEAVED
 from ggufswap.runtime._ik_kernels import IK_KERNELS
 from ggufswap.runtime.dequant import KERNEL_TYPES, dequantize
 from ggufswap.runtime.threads import AppliedThreads, apply_thread_policy, resolve_threads
 from ggufswap.shards._synth import synth_ik_tensor
-from ggufswap.shards.ggml_types import GGMLType
+from ggufswap.shards.ggml_types import LAYOUTS, GGMLType
+
+GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "ik_golden"
 
 TARGET_RATIO = 10.0
 ROUNDS = 3
@@ -130,11 +140,13 @@ def run(
     try:
         return [
             _measure(ggml_type, size, repeats=repeats, rounds=rounds, applied=applied)
-            for ggml_type in sorted(KERNEL_TYPES - IK_KERNELS.keys(), key=lambda t: t.name)
+            for ggml_type in sorted(
+                KERNEL_TYPES - IK_KERNELS.keys() - INTERLEAVED.keys(), key=lambda t: t.name
+            )
             if not types or ggml_type.name in types
         ] + [
             _measure_ik(ggml_type, size, repeats=repeats, rounds=rounds, applied=applied)
-            for ggml_type in sorted(IK_KERNELS, key=lambda t: t.name)
+            for ggml_type in sorted(IK_KERNELS.keys() | INTERLEAVED.keys(), key=lambda t: t.name)
             if not types or ggml_type.name in types
         ]
     finally:
@@ -191,6 +203,22 @@ def _measure(
     }
 
 
+def _golden_tiled(ggml_type: GGMLType, rows: int, cols: int) -> np.ndarray:
+    """ik's bytes of a row-interleaved type from its golden file, tiled to ``rows x cols``: each
+    group's block columns repeated (its row headers kept), then the groups repeated."""
+    manifest = json.loads((GOLDEN / "manifest.json").read_text())
+    entry = next(e for e in manifest["types"].values() if e["code"] == int(ggml_type))
+    data = (GOLDEN / entry["file"]).read_bytes()
+    g_rows, g_cols, ilv = entry["rows"], entry["n_per_row"], entry["interleave"]
+    layout = LAYOUTS[ggml_type]
+    quant = np.frombuffer(data, np.uint8, g_rows * entry["bytes_per_row"], 64)
+    groups = quant.reshape(g_rows // ilv, -1)
+    head = ilv * layout.row_meta
+    blocks = np.tile(groups[:, head:], (1, cols // g_cols))
+    tiled = np.concatenate((groups[:, :head], blocks), axis=1)
+    return np.tile(tiled, (rows // g_rows, 1)).reshape(-1)
+
+
 def _measure_ik(
     ggml_type: GGMLType,
     size: tuple[int, int],
@@ -202,25 +230,36 @@ def _measure_ik(
     """An ik_llama.cpp type against our own Q8_0 decoder on as many elements (no numpy code)."""
     rows, cols = size
     ne = (cols, rows)
-    raw = torch.from_numpy(synth_ik_tensor(np.random.default_rng(0), ggml_type, ne, std=1.0))
+    if ggml_type in INTERLEAVED:
+        raw = torch.from_numpy(_golden_tiled(ggml_type, rows, cols))
+    else:
+        raw = torch.from_numpy(synth_ik_tensor(np.random.default_rng(0), ggml_type, ne, std=1.0))
     q8 = torch.from_numpy(_random_bytes(GGMLQuantizationType.Q8_0, rows, cols).reshape(-1))
     dequantize(raw, ggml_type, ne)  # warm up lookup tables and the allocator
     into = torch.empty(rows, cols)
+    compiled = _compiled.handles(ggml_type, cols, raw.device)
+
+    def torch_only() -> None:
+        with _compiled.disabled():
+            dequantize(raw, ggml_type, ne)
+
     times = [
         _best_of(
             [
                 partial(dequantize, q8, GGMLQuantizationType.Q8_0, ne),
                 partial(dequantize, raw, ggml_type, ne),
                 partial(dequantize, raw, ggml_type, ne, out=into),
+                *([torch_only] if compiled else []),
             ],
             repeats,
         )
         for _ in range(rounds)
     ]
-    ratios = [base / ours for base, ours, _ in times]
-    ratios_into = [base / ours_into for base, _, ours_into in times]
+    ratios = [t[0] / t[1] for t in times]
+    ratios_into = [t[0] / t[2] for t in times]
     median_round = sorted(range(rounds), key=lambda i: ratios[i])[(rounds - 1) // 2]
-    baseline_s, ours_s, into_s = times[median_round]
+    baseline_s, ours_s, into_s = times[median_round][:3]
+    torch_s = statistics.median(t[3] for t in times) if compiled else ours_s
     return {
         "name": f"dequant.{ggml_type.name}",
         "baseline": "Q8_0 (ours)",
@@ -234,6 +273,8 @@ def _measure_ik(
         "ratio_into_min": min(ratios_into),
         "target": None,
         "gb_per_s": rows * cols * 4 / ours_s / 1e9,
+        "kernel": "compiled" if compiled else "torch",
+        "torch_gb_per_s": rows * cols * 4 / torch_s / 1e9,
         "mb_per_s": raw.numel() / ours_s / 1e6,
         "elements_per_s": rows * cols / ours_s,
         "threads": applied.intra_op,
@@ -285,12 +326,15 @@ def main() -> int:
             "\nik_llama.cpp types (no numpy decoder): ratio = our Q8_0 time / this type's time, "
             "same elements, same rounds; GB/s of float32 output"
         )
-        print(f"{'type':<8} {'Q8_0 ms':>8} {'ours ms':>8} {'GB/s':>6} {'ratio':>6} {'min':>6}")
+        print(
+            f"{'type':<10} {'Q8_0 ms':>8} {'ours ms':>8} {'GB/s':>6} {'ratio':>6} {'min':>6}"
+            f"  {'kernel':<8} {'torch GB/s':>10}"
+        )
         for row in ik_rows:
             print(
-                f"{str(row['name']).removeprefix('dequant.'):<8} {row['baseline_s'] * 1e3:>8.2f} "
+                f"{str(row['name']).removeprefix('dequant.'):<10} {row['baseline_s'] * 1e3:>8.2f} "
                 f"{row['ours_s'] * 1e3:>8.2f} {row['gb_per_s']:>6.2f} {row['ratio']:>5.2f}x "
-                f"{row['ratio_min']:>5.2f}x"
+                f"{row['ratio_min']:>5.2f}x  {row['kernel']:<8} {row['torch_gb_per_s']:>10.2f}"
             )
     return 0
 

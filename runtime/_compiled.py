@@ -14,7 +14,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType
+
+from ggufswap.shards.ggml_types import GGMLType
 
 __all__ = ["available", "disabled", "handles", "module", "types"]
 
@@ -29,8 +30,10 @@ def _load() -> ModuleType | None:
 
 
 _module = _load()
-_TYPES: frozenset[GGMLQuantizationType] = (
-    frozenset() if _module is None else frozenset(GGMLQuantizationType(t) for t in _module.types())
+# The project's type table (a mainline member equals gguf's GGMLQuantizationType member of the
+# same code; ik_llama.cpp's IQ4_KS has no gguf member).
+_TYPES: frozenset[GGMLType] = (
+    frozenset() if _module is None else frozenset(GGMLType(t) for t in _module.types())
 )
 _BLOCK = {t: 0 if _module is None else int(_module.block_size(int(t))) for t in _TYPES}
 
@@ -44,7 +47,7 @@ def available() -> bool:
     return _module is not None and _Switch.enabled
 
 
-def types() -> frozenset[GGMLQuantizationType]:
+def types() -> frozenset[GGMLType]:
     """GGML types the compiled kernels handle (empty when they are unavailable)."""
     return _TYPES if available() else frozenset()
 
@@ -55,7 +58,7 @@ def handles(ggml_type: int, row: int, device: torch.device) -> bool:
         available()
         and device.type == "cpu"
         and ggml_type in _TYPES
-        and row % _BLOCK[GGMLQuantizationType(ggml_type)] == 0
+        and row % _BLOCK[GGMLType(ggml_type)] == 0
     )
 
 

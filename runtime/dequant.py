@@ -25,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ggufswap.runtime import _compiled
 from ggufswap.runtime._dequant_kernels import KERNELS, Arena, Kernel
+from ggufswap.runtime._ik_interleaved import INTERLEAVED, deinterleave
 from ggufswap.runtime._ik_kernels import IK_KERNELS, dequantize_ik
 from ggufswap.runtime.errors import UnsupportedTypeError
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, Origin, row_nbytes
@@ -34,8 +35,8 @@ __all__ = ["KERNEL_TYPES", "dequantize", "has_kernel"]
 
 log = structlog.get_logger(__name__)
 
-KERNEL_TYPES: frozenset[GGMLType] = frozenset(GGMLType(int(t)) for t in KERNELS) | frozenset(
-    IK_KERNELS
+KERNEL_TYPES: frozenset[GGMLType] = (
+    frozenset(GGMLType(int(t)) for t in KERNELS) | frozenset(IK_KERNELS) | frozenset(INTERLEAVED)
 )
 
 # Output elements per kernel call on the CPU: a 4 MiB float32 chunk stays in the last-level cache
@@ -82,11 +83,31 @@ def dequantize(
     shape = tuple(reversed(ne))
     if out is not None:
         _check_out(out, shape, dtype, raw.device)
+    if known in INTERLEAVED:
+        # ik's row-interleaved types: the base type's bytes, decoded by the base type's kernel
+        ilv = INTERLEAVED[known].ilv
+        rows = math.prod(ne[1:])
+        if rows % ilv:
+            msg = f"{known.name} stores rows in groups of {ilv}: {rows} rows (shape {ne})"
+            raise ValueError(msg)
+        if raw.data_ptr() % 8 != 0 or not raw.is_contiguous():
+            raw = raw.clone(memory_format=torch.contiguous_format)
+        spec = INTERLEAVED[known]
+        base = deinterleave(raw, known, ne)
+        if spec.base is None:
+            assert spec.decode is not None
+            values = spec.decode(base, ne[0]).view(shape)
+            return values.to(dtype) if out is None else out.copy_(values)
+        result = dequantize(base, spec.base, ne, dtype=dtype, strict=strict, out=out)
+        return result.add_(0.0) if spec.positive_zero else result  # -0.0 + 0.0 is +0.0
     if known in IK_KERNELS:
         if raw.data_ptr() % 8 != 0 or not raw.is_contiguous():
             raw = raw.clone(memory_format=torch.contiguous_format)
         result = _empty(math.prod(ne), dtype, raw.device) if out is None else out
-        dequantize_ik(raw, known, ne, result.view(-1))
+        if _compiled.handles(known, ne[0], raw.device):
+            _decode_compiled_rows(raw, known, ne, result.view(-1))
+        else:
+            dequantize_ik(raw, known, ne, result.view(-1))
         return result.view(shape)
     if LAYOUTS[known].origin is not Origin.MAINLINE:
         msg = f"no dequantization kernel for {known.name} (an ik_llama.cpp type)"
@@ -258,6 +279,28 @@ def _decode_compiled(
         kernels.decode(part.data_ptr(), int(ggml_type), stop - start, scratch.data_ptr(), threads)
         out[start:stop].copy_(scratch[: stop - start])
     return out
+
+
+def _decode_compiled_rows(
+    raw: torch.Tensor, ggml_type: GGMLType, ne: tuple[int, ...], out: torch.Tensor
+) -> None:
+    """The compiled decoder for a type with a per-row header (ik's IQ4_KS): whole rows at a
+    time, float32 straight into ``out`` or through a float32 chunk for another dtype."""
+    kernels, threads = _compiled.module(), torch.get_num_threads()
+    cols, rows = ne[0], math.prod(ne[1:])
+    row_bytes = row_nbytes(ggml_type, cols)
+    if out.dtype == torch.float32:
+        kernels.decode(raw.data_ptr(), int(ggml_type), rows * cols, out.data_ptr(), threads, cols)
+        return
+    chunk = max(1, _CPU_CHUNK_ELEMENTS // cols)
+    scratch = _arena(raw.device).take("compiled_f32", min(chunk, rows) * cols, torch.float32)
+    for start in range(0, rows, chunk):
+        count = min(chunk, rows - start)
+        part = raw[start * row_bytes : (start + count) * row_bytes]
+        kernels.decode(
+            part.data_ptr(), int(ggml_type), count * cols, scratch.data_ptr(), threads, cols
+        )
+        out[start * cols : (start + count) * cols].copy_(scratch[: count * cols])
 
 
 def _fallback(

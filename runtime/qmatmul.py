@@ -121,7 +121,8 @@ class QuantizedMatrix:
         ``SCRATCH_BYTES`` each), so that no matrix, however large (an output head of a big
         vocabulary), needs its whole float copy."""
         rows, cols = self.shape
-        band = max(1, SCRATCH_BYTES // (cols * dtype.itemsize))
+        # a multiple of 16 rows: ik's row-interleaved types decode whole groups of 4, 8 or 16
+        band = max(16, SCRATCH_BYTES // (cols * dtype.itemsize) // 16 * 16)
         xd = x.to(device=self.raw.device, dtype=dtype)
         if band >= rows:
             return F.linear(xd, self.decode(dtype))

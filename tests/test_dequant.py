@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from ggufswap.runtime import _compiled
 from ggufswap.runtime import dequant as dq
+from ggufswap.runtime._ik_interleaved import INTERLEAVED
 from ggufswap.runtime._ik_kernels import IK_KERNELS
 from ggufswap.runtime.dequant import KERNEL_TYPES, dequantize, has_kernel
 from ggufswap.runtime.errors import UnsupportedTypeError
@@ -37,7 +38,7 @@ def cpu_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 # ik_llama.cpp's types (and Q1_0) have no gguf reference: tests/test_ik_types.py checks them.
-KERNEL_LIST = sorted(KERNEL_TYPES - IK_KERNELS.keys(), key=lambda t: t.name)
+KERNEL_LIST = sorted(KERNEL_TYPES - IK_KERNELS.keys() - INTERLEAVED.keys(), key=lambda t: t.name)
 # Types gguf can quantize, so real-looking data can be round-tripped through them.
 QUANTIZABLE = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 # Byte offsets of each block's fp16 scale fields.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,8 @@ import pytest
 import torch
 from ggufbytes import TI, build, kv_str
 
-from ggufswap.runtime import dequant
+from ggufswap.runtime import _compiled, dequant, qmatmul
+from ggufswap.runtime._ik_interleaved import INTERLEAVED
 from ggufswap.runtime._ik_kernels import IK_KERNELS
 from ggufswap.runtime.errors import UnsupportedTypeError
 from ggufswap.shards import TensorLayoutError, TruncatedError, read_header
@@ -35,7 +36,7 @@ HEADER = struct.Struct("<8sIi16siiQIIII")  # crosscheck/ik/golden.c's 64-byte he
 def read_golden(path: Path) -> dict[str, Any]:
     """One golden file (the layout of crosscheck/ik/make_golden.py's read_golden)."""
     data = path.read_bytes()
-    magic, hsize, code, name, n_per_row, rows, row_size, _flags, blck, tsize, meta = (
+    magic, hsize, code, name, n_per_row, rows, row_size, flags, blck, tsize, meta = (
         HEADER.unpack_from(data)
     )
     assert magic == b"IKGOLD1\0", f"{path}: not a golden file"
@@ -50,16 +51,53 @@ def read_golden(path: Path) -> dict[str, Any]:
         "blck_size": blck,
         "type_size": tsize,
         "row_meta_size": meta,
+        "interleave": flags >> 8 & 0xFF,
         "quant": np.frombuffer(data, dtype=np.uint8, count=qbytes, offset=hsize),
         "dequant": np.frombuffer(data, dtype="<f4", offset=hsize + qbytes).reshape(rows, -1),
     }
 
 
 GOLDEN_TYPES = sorted(MANIFEST["types"])
+# Golden files whose type has no decoder (none at present; a new golden type starts here).
+UNDECODED: set[str] = set()
+DECODED_TYPES = [name for name in GOLDEN_TYPES if name not in UNDECODED]
 
 
 def _golden(name: str) -> dict[str, Any]:
     return read_golden(GOLDEN / MANIFEST["types"][name]["file"])
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def cpu_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
+    """With the compiled decoder (where the install built it; it handles COMPILED_IK) and with the
+    torch kernels alone: both must give ik's floats bit for bit."""
+    if request.param == "compiled":
+        if not _compiled.available():
+            pytest.skip("the compiled kernels were not built (no C compiler at install)")
+        yield request.param
+        return
+    with _compiled.disabled():
+        yield request.param
+
+
+COMPILED_IK = (
+    GGMLType.IQ4_KS,
+    GGMLType.IQ4_KSS,
+    GGMLType.IQ4_K,
+    GGMLType.IQ5_K,
+    GGMLType.IQ2_KS,
+    GGMLType.IQ3_KS,
+)
+
+
+@pytest.mark.parametrize("t", COMPILED_IK, ids=lambda t: t.name)
+def test_compiled_decoder_handles_ik_types(t: GGMLType) -> None:
+    """The compiled decoder takes these ik types (row header included) where it was built, so
+    the golden tests run them under both kernels."""
+    if not _compiled.available():
+        pytest.skip("the compiled kernels were not built (no C compiler at install)")
+    assert t in _compiled.types()
+    assert _compiled.handles(t, 512, torch.device("cpu"))
 
 
 def test_mainline_codes_match_gguf() -> None:
@@ -92,12 +130,22 @@ def test_golden_layout_matches_table(name: str) -> None:
     assert tensor_nbytes(t, (g["n_per_row"], g["rows"])) == g["quant"].size
 
 
-@pytest.mark.parametrize("name", GOLDEN_TYPES)
-def test_golden_dequantize_bitwise(name: str) -> None:
+def test_undecoded_golden_types() -> None:
+    """Exactly the golden types listed as undecoded lack a kernel (a new kernel moves its type
+    out of the list, and so under the bit-for-bit tests)."""
+    assert UNDECODED <= set(GOLDEN_TYPES)
+    for name in GOLDEN_TYPES:
+        t = ggml_type(MANIFEST["types"][name]["code"])
+        assert t is not None
+        assert dequant.has_kernel(t) == (name not in UNDECODED), name
+
+
+@pytest.mark.parametrize("name", DECODED_TYPES)
+def test_golden_dequantize_bitwise(name: str, cpu_kernels: str) -> None:
     """Dequantization equals ik_llama.cpp's float output bit for bit."""
     g = _golden(name)
     t = ggml_type(g["code"])
-    assert t in IK_KERNELS
+    assert t in IK_KERNELS or t in INTERLEAVED
     assert dequant.has_kernel(t)
     raw = torch.from_numpy(g["quant"].copy())
     got = dequant.dequantize(raw, t, (g["n_per_row"], g["rows"]), strict=True)
@@ -109,20 +157,36 @@ def test_golden_dequantize_bitwise(name: str) -> None:
     )
 
 
-@pytest.mark.parametrize("name", GOLDEN_TYPES)
-def test_golden_dequantize_rows_independent(name: str) -> None:
-    """Rows decoded one at a time, into a given ``out`` and as bfloat16, match the whole tensor."""
+@pytest.mark.parametrize("name", DECODED_TYPES)
+def test_golden_dequantize_rows_independent(name: str, cpu_kernels: str) -> None:
+    """Rows (row-interleaved types: groups of rows) decoded one at a time, into a given ``out``
+    and as bfloat16, match the whole tensor."""
     g = _golden(name)
     t = ggml_type(g["code"])
     assert t is not None
     want = torch.from_numpy(g["dequant"].copy())
-    for r in range(g["rows"]):
-        row = torch.from_numpy(g["quant"][r * g["row_size"] : (r + 1) * g["row_size"]].copy())
-        out = torch.empty(1, g["n_per_row"])
-        dequant.dequantize(row, t, (g["n_per_row"], 1), out=out)
-        assert torch.equal(out[0].view(torch.int32), want[r].view(torch.int32))
-        half = dequant.dequantize(row, t, (g["n_per_row"], 1), dtype=torch.bfloat16)
-        assert torch.equal(half[0], want[r].to(torch.bfloat16))
+    step = max(g["interleave"], 1)
+    for r in range(0, g["rows"], step):
+        part = g["quant"][r * g["row_size"] : (r + step) * g["row_size"]]
+        rows = torch.from_numpy(part.copy())
+        out = torch.empty(step, g["n_per_row"])
+        dequant.dequantize(rows, t, (g["n_per_row"], step), out=out)
+        assert torch.equal(out.view(torch.int32), want[r : r + step].view(torch.int32))
+        half = dequant.dequantize(rows, t, (g["n_per_row"], step), dtype=torch.bfloat16)
+        assert torch.equal(half, want[r : r + step].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", ["q4_0_r8", "iq4_ks_r4", "q6_k_r4"])
+def test_interleaved_rows_must_fill_groups(name: str) -> None:
+    """A row-interleaved tensor whose row count is not a multiple of its interleave is refused,
+    naming the type (a group is the unit ik stores)."""
+    g = _golden(name)
+    t = ggml_type(g["code"])
+    assert t is not None
+    rows = g["interleave"] + 1
+    raw = torch.from_numpy(g["quant"][: rows * g["row_size"]].copy())
+    with pytest.raises(ValueError, match=f"{t.name} stores rows in groups of {g['interleave']}"):
+        dequant.dequantize(raw, t, (g["n_per_row"], rows))
 
 
 @pytest.mark.parametrize("name", ["iq4_ks", "iq1_bn", "q6_0", "iq2_kt"])
@@ -194,7 +258,7 @@ def test_reader_refuses_unknown_code(gguf_file: Callable[..., Path]) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", GOLDEN_TYPES)
+@pytest.mark.parametrize("name", DECODED_TYPES)
 def test_golden_dequantize_cuda(name: str) -> None:
     """The same kernels on a CUDA device give ik_llama.cpp's CPU floats bit for bit."""
     g = _golden(name)
@@ -222,6 +286,46 @@ def test_docs_list_every_type_with_its_layout() -> None:
         assert origin == layout.origin.value
         assert (int(block), int(size)) == (layout.block_size, layout.type_size)
         assert meta == (f"{layout.row_meta} B" if layout.row_meta else "—")
-        if t in IK_KERNELS:
+        if t in IK_KERNELS or t in INTERLEAVED:
             assert source == "golden files"
     assert MANIFEST["commit"] in docs
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "q4_0_r8",
+        "iq4_ks_r4",
+        "iq1_s_r4",
+        "q8_k_r8",
+        "iq4_ks",
+        "iq4_kss",
+        "iq4_k",
+        "iq5_k",
+        "iq2_ks",
+        "iq3_ks",
+    ],
+)
+def test_native_product_of_ik_matrix(
+    monkeypatch: pytest.MonkeyPatch, name: str, cpu_kernels: str
+) -> None:
+    """Native storage multiplies an ik-typed matrix (IQ4_KS: the compiled fused product where
+    built) as its decoded values do; a row-interleaved one is decoded in bands of whole groups
+    (here 16 rows per band of a 32-row matrix)."""
+    g = _golden(name)
+    t = ggml_type(g["code"])
+    assert t is not None
+    quant = np.concatenate((g["quant"], g["quant"]))
+    rows, cols = 2 * g["rows"], g["n_per_row"]
+    raw = torch.from_numpy(quant)
+    w = dequant.dequantize(raw, t, (cols, rows), strict=True)
+    half = torch.from_numpy(g["dequant"].copy())
+    assert torch.equal(w[: g["rows"]], half)
+    assert torch.equal(w[g["rows"] :], half)
+    monkeypatch.setattr(qmatmul, "SCRATCH_BYTES", 1)  # the smallest band: 16 rows
+    matrix = qmatmul.QuantizedMatrix(raw, t, (rows, cols), "blk.0.ffn_up.weight")
+    ilv = max(g["interleave"], 1)
+    assert torch.equal(matrix.decode(torch.float32, ilv, 2 * ilv), w[ilv : 2 * ilv])
+    for n in (1, 16):
+        x = torch.randn(n, cols)
+        assert torch.allclose(matrix.linear(x, dtype=torch.float32), x @ w.T, rtol=1e-5, atol=1e-4)

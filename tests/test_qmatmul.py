@@ -16,10 +16,21 @@ from runtime_helpers import one_thread
 
 from ggufswap.runtime import QuantizedMatrix, _compiled, qmatmul
 from ggufswap.shards import _synth
+from ggufswap.shards.ggml_types import GGMLType
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
-COMPILED = sorted(_compiled.types(), key=int)
+# Mainline types (gguf.quants is their reference); ik's types are checked against ik's golden
+# files in tests/test_ik_types.py, under both kernels.
+IK_COMPILED = {
+    GGMLType.IQ4_K,
+    GGMLType.IQ5_K,
+    GGMLType.IQ4_KS,
+    GGMLType.IQ4_KSS,
+    GGMLType.IQ2_KS,
+    GGMLType.IQ3_KS,
+}
+COMPILED = sorted((t for t in _compiled.types() if t not in IK_COMPILED), key=int)
 needs_kernels = pytest.mark.skipif(
     not COMPILED, reason="the compiled kernels were not built (no C compiler at install)"
 )
@@ -43,6 +54,7 @@ def test_the_kernels_cover_the_common_types() -> None:
     expected = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
     expected |= {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS}
     assert set(COMPILED) == expected
+    assert set(_compiled.types()) == expected | IK_COMPILED
 
 
 @needs_kernels

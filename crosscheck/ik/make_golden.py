@@ -24,7 +24,15 @@ writes the quantized bytes and the float32 output; its header comment gives the 
 Caveat (documented per type in the manifest): ik's CPU ``to_float`` for ``iq1_bn``/``iq2_bn``
 decodes the blocks only and ignores the per-row scale in the row header (its CUDA decoder applies
 it), so their golden output is ``row_scale * to_float(row bytes after the header)``, the way the
-CUDA decoder reads them. Row-interleaved types (``_r4``/``_r8``/``_r16``) are not produced.
+CUDA decoder reads them.
+
+Row-interleaved types (``_r4``/``_r8``/``_r16``): 16 rows (the first 3 are the other types' rows),
+quantized the same way; ik stores each group of ``interleave`` rows together, so ``golden.c``
+decodes a group with one ``to_float`` call on its start (``k = interleave * n_per_row``, as ik's
+``dequantize_row_*_r4`` expect) and records the interleave in bits 8..15 of the header flags.
+``bf16_r16`` has no ``to_float`` in ik's type traits, and ``mxfp4_r8``'s ``to_float`` overruns
+its output at this commit (``dequantize_row_mxfp4_r8`` loops over ``k / 32`` blocks, eight
+groups' worth); neither is produced (``not_produced`` in the manifest says why).
 
 Usage::
 
@@ -64,6 +72,15 @@ CMAKE_FLAGS = [
 MAGIC = b"IKGOLD1\0"
 HEADER = struct.Struct("<8sIi16siiQIIII")  # 64 bytes, see golden.c
 FLAG_BN_SCALED = 1
+INTERLEAVE_SHIFT = 8  # flags bits 8..15: rows stored together (0 for non-interleaved types)
+
+NOT_PRODUCED = {
+    "bf16_r16": "ik's type traits give it no to_float (nor from_float) at this commit",
+    "mxfp4_r8": (
+        "ik's CPU to_float (dequantize_row_mxfp4_r8) loops over k/32 blocks with k = 8 rows, "
+        "eight times the group's blocks, and overruns its output (glibc aborts) at this commit"
+    ),
+}
 
 CAVEATS = {
     "iq1_bn": (
@@ -83,15 +100,19 @@ CAVEATS = {
 FORMAT = (
     "little-endian: magic 'IKGOLD1\\0' (8), u32 header size (64), i32 type code, char[16] name, "
     "i32 n_per_row, i32 nrows, u64 row_size, u32 flags (bit 0: output = row header scale x "
-    "to_float after the header), u32 blck_size, u32 type_size, u32 row_meta_size; then nrows x "
-    "row_size quantized bytes (row r at offset 64 + r*row_size, its first row_meta_size bytes "
-    "are the per-row header); then nrows x n_per_row float32 (ggml's CPU to_float output)"
+    "to_float after the header; bits 8..15: row interleave, 0 if none), u32 blck_size, "
+    "u32 type_size, u32 row_meta_size; then nrows x row_size quantized bytes (row r at offset "
+    "64 + r*row_size, its first row_meta_size bytes are the per-row header; an interleaved "
+    "type's group of `interleave` rows is stored as a whole in those rows' bytes); then nrows x "
+    "n_per_row float32 (ggml's CPU to_float output)"
 )
 
 DATA = (
     "3 rows x 512: Irwin-Hall(4) values from a 64-bit LCG (seed 0x1234abcd5678ef01), unit "
     "variance, rows scaled by 1, 1/32, 7.5; element 17 of row 0 times 6; row 2 elements "
-    "288..319 zero; quantized with ggml_quantize_chunk without an imatrix"
+    "288..319 zero; quantized with ggml_quantize_chunk without an imatrix. Row-interleaved "
+    "types: 16 rows, the same 3 then rows scaled by 0.25, 2, 1/8, 3, 0.5, 1.5, 1/16, 4, 0.75, "
+    "1.25, 6, 0.375, 2.5 (the LCG continues)"
 )
 
 
@@ -192,7 +213,8 @@ def generate(exe: Path, out_dir: Path, commit: str) -> dict[str, Any]:
             if not fields or fields[0] not in ("OK", "FAIL"):
                 continue  # ggml's own chatter on stdout
             if fields[0] == "FAIL":
-                failed[fields[1]] = f"code {fields[2]}: {fields[3]}"
+                why = NOT_PRODUCED.get(fields[1], "")
+                failed[fields[1]] = f"code {fields[2]}: {fields[3]}" + (f"; {why}" if why else "")
                 continue
             name = fields[1]
             golden = read_golden(Path(tmp) / f"{name}.bin")
@@ -213,6 +235,7 @@ def generate(exe: Path, out_dir: Path, commit: str) -> dict[str, Any]:
                 "n_per_row": golden["n_per_row"],
                 "rows": golden["rows"],
                 "flags": golden["flags"],
+                "interleave": golden["flags"] >> INTERLEAVE_SHIFT & 0xFF,
                 "rel_rmse_vs_source": float(fields[8]),
                 "sha256": hashlib.sha256((Path(tmp) / f"{name}.bin").read_bytes()).hexdigest(),
             }
@@ -220,6 +243,9 @@ def generate(exe: Path, out_dir: Path, commit: str) -> dict[str, Any]:
                 entry["caveat"] = CAVEATS[name]
             is_bn = name in ("iq1_bn", "iq2_bn")
             assert bool(golden["flags"] & FLAG_BN_SCALED) == is_bn, f"{name}: flags"
+            interleave = entry["interleave"]
+            assert (interleave > 0) == ("_r" in name), f"{name}: interleave {interleave}"
+            assert golden["rows"] % max(interleave, 1) == 0, f"{name}: rows"
             types[name] = entry
         if done.returncode not in (0, 2) or not types:
             sys.exit(f"make_golden: golden exited with status {done.returncode}")
@@ -240,10 +266,7 @@ def generate(exe: Path, out_dir: Path, commit: str) -> dict[str, Any]:
             "the CPU to_float of ggml's type traits, one call per row on the row's bytes "
             "(per-row header included), after ggml_init()"
         ),
-        "not_produced": {
-            "row-interleaved types (_r4, _r8, _r16)": "not part of this set",
-            **failed,
-        },
+        "not_produced": failed,
         "types": dict(sorted(types.items(), key=lambda item: item[1]["code"])),
     }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")

@@ -13,9 +13,16 @@
  * Python interface (pointers are the integer data_ptr() of contiguous tensors, checked by the
  * caller, runtime/qmatmul.py):
  *   matmul(w, type, rows, cols, x, n, y, threads) -> None
- *   decode(w, type, n_values, out, threads=1)    (blocks to float32: dequantization on the CPU)
+ *   decode(w, type, n_values, out, threads=1, cols=0)  (blocks to float32: dequantization on
+ *                                                 the CPU; cols, the row length, is required by
+ *                                                 types with a per-row header)
  *   block_size(type) -> int                      (values per kernel block: plain types use 64)
  *   types() -> tuple[int, ...]                   (GGML type ids handled here)
+ *
+ * ik_llama.cpp's IQ4_K, IQ5_K, IQ4_KS, IQ4_KSS, IQ2_KS and IQ3_KS: values are ik's CPU
+ * dequantize_row_* (the golden files in tests/fixtures/ik_golden, compared bit for bit). The _KS
+ * types have a per-row header (row_meta bytes: the row scale, float32 in 4 bytes, fp16 in 2) before
+ * the row's blocks; their decoders take the row scale as an argument.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,7 +34,8 @@
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
-    T_IQ4_XS = 23, T_BF16 = 30,
+    T_IQ4_XS = 23, T_BF16 = 30, T_IQ4_K = 139, T_IQ5_K = 140, T_IQ4_KS = 144, T_IQ2_KS = 145,
+    T_IQ4_KSS = 146, T_IQ3_KS = 156,
 };
 
 #define LANES 8
@@ -220,6 +228,139 @@ static inline __attribute__((always_inline)) void dec_iq4_xs(const uint8_t *b, f
     }
 }
 
+/* ik's IQ4_KS: scales[8] (bit 0: the shifted grid, bits 1-7: scale + 127), qs[128]; the row
+ * scale d comes from the row header. dl = d * s is rounded first, as ik does. */
+static const int8_t IQ4_KVALUES_SHIFTED[16] = {-123, -100, -79, -61, -45, -31, -18, -6,
+                                               5,    17,   29,  42,  57,  73,  93,  117};
+
+static inline __attribute__((always_inline)) void dec_iq4_ks(const uint8_t *b, float *y,
+                                                             float d) {
+    const uint8_t *qs = b + 8;
+    for (int ib = 0; ib < 8; ib++) {
+        float dl = d * (float)((b[ib] & 254) - 127);
+        const int8_t *values = (b[ib] & 1) ? IQ4_KVALUES_SHIFTED : IQ4_KVALUES;
+        float scaled[16]; /* the same products, taken once per sub-block */
+        for (int v = 0; v < 16; v++) scaled[v] = dl * (float)values[v];
+        const uint8_t *q = qs + 16 * ib;
+        for (int j = 0; j < 16; j++) y[32 * ib + j] = scaled[q[j] & 0xF];
+        for (int j = 0; j < 16; j++) y[32 * ib + 16 + j] = scaled[q[j] >> 4];
+    }
+}
+
+/* 16 values of a sub-block: dl times the grid value of each nibble (the products taken once). */
+static inline __attribute__((always_inline)) void nibble_run(float dl, const int8_t *values,
+                                                             const uint8_t *q, int hi, float *y) {
+    float scaled[16];
+    for (int v = 0; v < 16; v++) scaled[v] = dl * (float)values[v];
+    for (int j = 0; j < 16; j++) y[j] = scaled[hi ? q[j] >> 4 : q[j] & 0xF];
+}
+
+/* ik's IQ4_KSS: per sub-block of 32, 8 uint16: bit 0 of each is one bit of the scale byte (as
+ * IQ4_KS's), the rest x ^ (x >> 1) (bit 0 cleared) are four nibbles. */
+static inline __attribute__((always_inline)) void dec_iq4_kss(const uint8_t *b, float *y,
+                                                              float d) {
+    for (int ib = 0; ib < 8; ib++) {
+        uint8_t q[16];
+        int ls = 0;
+        for (int k = 0; k < 8; k++) {
+            uint16_t w = rd16(b + 16 * ib + 2 * k);
+            ls |= (w & 1) << k;
+            uint16_t aux = w & 0xFFFE;
+            aux ^= aux >> 1;
+            q[2 * k] = (uint8_t)(aux & 0xFF);
+            q[2 * k + 1] = (uint8_t)(aux >> 8);
+        }
+        float dl = d * (float)((ls & 254) - 127);
+        const int8_t *values = (ls & 1) ? IQ4_KVALUES_SHIFTED : IQ4_KVALUES;
+        nibble_run(dl, values, q, 0, y + 32 * ib);
+        nibble_run(dl, values, q, 1, y + 32 * ib + 16);
+    }
+}
+
+/* IQ4_K/IQ5_K 6-bit scale of sub-block s (of 16): nibble s % 2 of scales_l[s / 2], bits
+ * 2 * (s % 4) of scales_h[s / 4] above it, minus 32. */
+static inline __attribute__((always_inline)) int k_scale6(const uint8_t *b, int s) {
+    int low = (b[8 + s / 2] >> (4 * (s % 2))) & 0xF, high = (b[4 + s / 4] >> (2 * (s % 4))) & 3;
+    return (low | (high << 4)) - 32;
+}
+
+/* ik's IQ4_K: d, extra (u16: shifted grid per sub-block of 16), scales_h[4], scales_l[8],
+ * qs[128]; sub-block s = 2 * ib + h: nibble h of qs[16 * ib + j]. */
+static inline __attribute__((always_inline)) void dec_iq4_k(const uint8_t *b, float *y) {
+    float d = rdh(b);
+    uint16_t extra = rd16(b + 2);
+    for (int s = 0; s < 16; s++) {
+        float dl = d * (float)k_scale6(b, s);
+        const int8_t *values = (extra >> s) & 1 ? IQ4_KVALUES_SHIFTED : IQ4_KVALUES;
+        nibble_run(dl, values, b + 16 + 16 * (s / 2), s % 2, y + 16 * s);
+    }
+}
+
+static const int8_t IQ5_KVALUES[64] = {
+    -126, -114, -103, -92, -83, -74, -65, -57, -50, -43, -36, -30, -24, -18, -12, -6,
+    -1,   5,    11,   17,  23,  29,  36,  43,  51,  59,  68,  77,  87,  97,  109, 121,
+    -124, -112, -101, -90, -81, -72, -63, -55, -48, -41, -34, -28, -22, -16, -10, -4,
+    1,    7,    13,   19,  25,  31,  38,  45,  53,  61,  70,  79,  89,  99,  111, 123};
+
+/* ik's IQ5_K: as IQ4_K, then qh[32] at 144; sub-block t = 4 * ib64 + 2 * nib + half: nibble nib
+ * of qs[32 * ib64 + 16 * half + j], 5th bit: bit 2 * ib64 + nib of qh[16 * half + j]. */
+static inline __attribute__((always_inline)) void dec_iq5_k(const uint8_t *b, float *y) {
+    float d = rdh(b);
+    uint16_t extra = rd16(b + 2);
+    for (int t = 0; t < 16; t++) {
+        int ib64 = t / 4, nib = (t / 2) % 2, half = t % 2;
+        float dl = d * (float)k_scale6(b, t);
+        const int8_t *values = IQ5_KVALUES + 32 * ((extra >> t) & 1);
+        float scaled[32];
+        for (int v = 0; v < 32; v++) scaled[v] = dl * (float)values[v];
+        const uint8_t *qs = b + 16 + 32 * ib64 + 16 * half, *qh = b + 144 + 16 * half;
+        for (int j = 0; j < 16; j++) {
+            int q = ((qs[j] >> (4 * nib)) & 0xF) | (((qh[j] >> (2 * ib64 + nib)) & 1) << 4);
+            y[16 * t + j] = scaled[q];
+        }
+    }
+}
+
+/* ik's IQ2_KS: extra (u16), scales[4], qs[64]; sub-block s of 32: scale nibble s % 2 of
+ * scales[s / 2] with bit 8 + s of extra as its 5th bit, minus 16; 2-bit field s % 4 of
+ * qs[32 * (s / 4) + j]; bit s of extra picks the shifted grid. */
+static const int8_t IQ2_KVALUES[8] = {-31, -13, 1, 17, -26, -8, 6, 22};
+
+static inline __attribute__((always_inline)) void dec_iq2_ks(const uint8_t *b, float *y,
+                                                             float d) {
+    uint16_t extra = rd16(b);
+    for (int s = 0; s < 8; s++) {
+        int sc = ((b[2 + s / 2] >> (4 * (s % 2))) & 0xF) | (((extra >> (8 + s)) & 1) << 4);
+        float dl = d * (float)(sc - 16);
+        const int8_t *values = IQ2_KVALUES + 4 * ((extra >> s) & 1);
+        float scaled[4];
+        for (int v = 0; v < 4; v++) scaled[v] = dl * (float)values[v];
+        const uint8_t *qs = b + 6 + 32 * (s / 4);
+        for (int j = 0; j < 32; j++) y[32 * s + j] = scaled[(qs[j] >> (2 * (s % 4))) & 3];
+    }
+}
+
+/* ik's IQ3_KS: extra (u16), scales[4], qs[64], qh[32]; sub-block s of 32: scale nibble s / 4 of
+ * scales[s % 4] with bit s of extra as its 5th bit, minus 16; bit 8 + s of extra picks the
+ * shifted grid; 2-bit field s % 4 of qs[32 * (s / 4) + j], 3rd bit: bit s of qh[j]. */
+static const int8_t IQ3_KVALUES[16] = {-63, -40, -23, -10, 1,  13, 28, 47,
+                                       -59, -36, -19, -6,  5,  17, 32, 51};
+
+static inline __attribute__((always_inline)) void dec_iq3_ks(const uint8_t *b, float *y,
+                                                             float d) {
+    uint16_t extra = rd16(b);
+    for (int s = 0; s < 8; s++) {
+        int sc = ((b[2 + s % 4] >> (4 * (s / 4))) & 0xF) | (((extra >> s) & 1) << 4);
+        float dl = d * (float)(sc - 16);
+        const int8_t *values = IQ3_KVALUES + 8 * ((extra >> (8 + s)) & 1);
+        float scaled[8];
+        for (int v = 0; v < 8; v++) scaled[v] = dl * (float)values[v];
+        const uint8_t *qs = b + 6 + 32 * (s / 4), *qh = b + 70;
+        for (int j = 0; j < 32; j++)
+            y[32 * s + j] = scaled[((qs[j] >> (2 * (s % 4))) & 3) | (((qh[j] >> s) & 1) << 2)];
+    }
+}
+
 static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *b, float *y) {
     float d = rdh(b), dmin = rdh(b + 2);
     const uint8_t *scales = b + 4, *q = b + 16;
@@ -277,6 +418,7 @@ typedef struct {
     int type;
     int block_size; /* values per kernel block */
     int type_size;  /* bytes per kernel block */
+    int row_meta;   /* bytes of per-row header (a float32 row scale) before the row's blocks */
 } qtype;
 
 static const qtype QTYPES[] = {
@@ -285,6 +427,8 @@ static const qtype QTYPES[] = {
     {T_Q5_1, 32, 24},          {T_Q8_0, 32, 34},          {T_Q4_K, 256, 144},
     {T_Q5_K, 256, 176},        {T_Q6_K, 256, 210},        {T_Q2_K, 256, 84},
     {T_Q3_K, 256, 110},        {T_IQ4_NL, 32, 18},        {T_IQ4_XS, 256, 136},
+    {T_IQ4_KS, 256, 136, 4},   {T_IQ4_KSS, 256, 128, 4},  {T_IQ4_K, 256, 144, 0},
+    {T_IQ5_K, 256, 176, 0},    {T_IQ2_KS, 256, 70, 2},    {T_IQ3_KS, 256, 102, 2},
 };
 #define N_QTYPES (sizeof(QTYPES) / sizeof(QTYPES[0]))
 
@@ -297,9 +441,13 @@ static const qtype *find_type(int type) {
 /* Decode `count` consecutive blocks. The switch names each decoder directly, so that they are
  * inlined into (and vectorised with) each target clone of the caller. */
 static inline __attribute__((always_inline)) void decode_step(int type, const uint8_t *src,
-                                                              long count, float *dst) {
+                                                              long count, float *dst,
+                                                              float row_d) {
 #define STEP(fn, bs, ts)                                                                       \
     for (long k = 0; k < count; k++) fn(src + (size_t)k * (ts), dst + k * (bs));              \
+    return;
+#define STEP_D(fn, bs, ts)                                                                     \
+    for (long k = 0; k < count; k++) fn(src + (size_t)k * (ts), dst + k * (bs), row_d);       \
     return;
     switch (type) {
     case T_F32: STEP(dec_f32, PLAIN, 4 * PLAIN)
@@ -317,9 +465,16 @@ static inline __attribute__((always_inline)) void decode_step(int type, const ui
     case T_Q4_K: STEP(dec_q4_k, 256, 144)
     case T_Q5_K: STEP(dec_q5_k, 256, 176)
     case T_Q6_K: STEP(dec_q6_k, 256, 210)
+    case T_IQ4_KS: STEP_D(dec_iq4_ks, 256, 136)
+    case T_IQ4_KSS: STEP_D(dec_iq4_kss, 256, 128)
+    case T_IQ2_KS: STEP_D(dec_iq2_ks, 256, 70)
+    case T_IQ3_KS: STEP_D(dec_iq3_ks, 256, 102)
+    case T_IQ4_K: STEP(dec_iq4_k, 256, 144)
+    case T_IQ5_K: STEP(dec_iq5_k, 256, 176)
     default: return;
     }
 #undef STEP
+#undef STEP_D
 }
 
 /* -- the product ------------------------------------------------------------------------- */
@@ -334,6 +489,14 @@ typedef struct {
 
 /* Blocks decoded per step: MAX_BLOCK values, so that the dot loop runs long. */
 static int step_blocks(const qtype *t) { return MAX_BLOCK / t->block_size; }
+
+/* The row scale in a row's header: float32 (4 bytes) or fp16 (2); 0 for types without one. */
+static float row_scale(const qtype *t, const uint8_t *row) {
+    float d = 0.0f;
+    if (t->row_meta == 2) d = rdh(row);
+    else if (t->row_meta) memcpy(&d, row, sizeof(d));
+    return d;
+}
 
 /* a[l] += sum over i = l (mod LANES) of w[i] * x[i], for len a multiple of LANES. */
 static inline void dot_lanes(const float *restrict w, const float *restrict x, long len,
@@ -353,13 +516,15 @@ CLONES static void *run_rows(void *arg) {
     float wb[MAX_BLOCK];
     float *acc = (float *)malloc(sizeof(float) * LANES * (size_t)j->n);
     if (acc == NULL) return (void *)1;
-    size_t row_bytes = (size_t)nb * t->type_size;
+    size_t row_bytes = (size_t)t->row_meta + (size_t)nb * t->type_size;
     for (long r = j->r0; r < j->r1; r++) {
         const uint8_t *row = j->w + (size_t)r * row_bytes;
+        float row_d = row_scale(t, row);
+        row += t->row_meta;
         memset(acc, 0, sizeof(float) * LANES * (size_t)j->n);
         for (long b = 0; b < nb; b += per) {
             long take = nb - b < per ? nb - b : per;
-            decode_step(t->type, row + (size_t)b * t->type_size, take, wb);
+            decode_step(t->type, row + (size_t)b * t->type_size, take, wb, row_d);
             long len = take * t->block_size;
             const float *xk = j->x + b * t->block_size;
             for (long n = 0; n < j->n; n++) /* every block size is a multiple of LANES */
@@ -421,13 +586,27 @@ typedef struct {
     const uint8_t *src;
     float *dst;
     long b0, b1;
+    long row_blocks; /* blocks per row (types with a row header; 0 otherwise) */
 } decode_job;
 
 CLONES static void *decode_range(void *arg) {
     const decode_job *j = (const decode_job *)arg;
     const qtype *t = j->t;
-    for (long b = j->b0; b < j->b1; b++)
-        decode_step(t->type, j->src + (size_t)b * t->type_size, 1, j->dst + (size_t)b * t->block_size);
+    if (j->row_blocks == 0) {
+        for (long b = j->b0; b < j->b1; b++)
+            decode_step(t->type, j->src + (size_t)b * t->type_size, 1,
+                        j->dst + (size_t)b * t->block_size, 0.0f);
+        return NULL;
+    }
+    size_t row_bytes = (size_t)t->row_meta + (size_t)j->row_blocks * t->type_size;
+    for (long b = j->b0; b < j->b1;) { /* the run of blocks up to the end of b's row */
+        long in_row = b % j->row_blocks, take = j->row_blocks - in_row;
+        if (take > j->b1 - b) take = j->b1 - b;
+        const uint8_t *row = j->src + (size_t)(b / j->row_blocks) * row_bytes;
+        const uint8_t *block = row + t->row_meta + (size_t)in_row * t->type_size;
+        decode_step(t->type, block, take, j->dst + (size_t)b * t->block_size, row_scale(t, row));
+        b += take;
+    }
     return NULL;
 }
 
@@ -435,14 +614,19 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long w, out;
     int type, threads = 1;
-    long n_values;
-    if (!PyArg_ParseTuple(args, "KilK|i", &w, &type, &n_values, &out, &threads)) return NULL;
+    long n_values, cols = 0;
+    if (!PyArg_ParseTuple(args, "KilK|il", &w, &type, &n_values, &out, &threads, &cols))
+        return NULL;
     const qtype *t = find_type(type);
     if (t == NULL) return PyErr_Format(PyExc_ValueError, "no kernel for GGML type %d", type);
     if (n_values < 0 || n_values % t->block_size != 0)
         return PyErr_Format(PyExc_ValueError, "%ld values are not whole blocks of %d", n_values,
                             t->block_size);
+    if (t->row_meta && (cols <= 0 || cols % t->block_size != 0 || n_values % cols != 0))
+        return PyErr_Format(PyExc_ValueError, "GGML type %d needs whole rows (cols=%ld)", type,
+                            cols);
     long n_blocks = n_values / t->block_size;
+    long row_blocks = t->row_meta ? cols / t->block_size : 0;
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
     if (threads > n_blocks) threads = n_blocks > 0 ? (int)n_blocks : 1;
@@ -452,7 +636,8 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (int i = 0; i < threads; i++)
         jobs[i] = (decode_job){t, (const uint8_t *)(uintptr_t)w, (float *)(uintptr_t)out,
-                               n_blocks * i / threads, n_blocks * (i + 1) / threads};
+                               n_blocks * i / threads, n_blocks * (i + 1) / threads,
+                               row_blocks};
     for (int i = 1; i < threads; i++)
         started[i] = pthread_create(&tids[i], NULL, decode_range, &jobs[i]) == 0;
     for (int i = 1; i < threads; i++)
