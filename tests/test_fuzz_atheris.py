@@ -37,11 +37,11 @@ def _seed(target: str, corpus: Path) -> None:
         return
     from ggufswap.ipc import Job, MessageType, Plan, encode, make_message, plan_to_wire
     from ggufswap.shards import FileIdentity, TensorRecord
-    from ggufswap.shards.records import GGMLQuantizationType
+    from ggufswap.shards.ggml_types import GGMLType
 
     record = TensorRecord(
         "blk.0.ffn_down_exps.weight",
-        GGMLQuantizationType.Q8_0,
+        GGMLType.Q8_0,
         (64, 64, 4),
         192,
         17408,
