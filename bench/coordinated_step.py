@@ -16,6 +16,8 @@ import ast
 import datetime
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -73,17 +75,47 @@ def _rank(rank: int, ranks: int, first: str, init: str, steps: int, out: str) ->
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=2000)
-    args = parser.parse_args()
+def measure(ranks: int, steps: int) -> dict[str, float]:
+    """Rank 0's medians (µs per call): ``alone``, ``grouped``, ``forward``."""
     with tempfile.TemporaryDirectory() as tmp:
         first = write_model(tiny_dense(), tmp, layout=Layout.SINGLE)[0]
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
         out = os.path.join(tmp, "result")
-        mp.spawn(_rank, args=(args.ranks, first, init, args.steps, out), nprocs=args.ranks)
-        medians = ast.literal_eval(Path(out).read_text())
+        mp.spawn(_rank, args=(ranks, first, init, steps, out), nprocs=ranks)
+        medians: dict[str, float] = ast.literal_eval(Path(out).read_text())
+    return medians
+
+
+def run(quick: bool) -> list[dict[str, object]]:
+    """The row for ``bench/run_all.py``: coordination is a cost, so there is no target. The
+    ranks are spawned from this file run as a script (``run_all`` loads it under a name the
+    spawned processes could not import)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "medians")
+        steps = "200" if quick else "2000"
+        command = [sys.executable, __file__, "--steps", steps, "--medians", str(out)]
+        subprocess.run(command, check=True, capture_output=True, timeout=600)
+        medians = ast.literal_eval(out.read_text())
+    return [
+        {
+            "name": "at_batch_boundary: no group vs a 2-rank gloo group",
+            "baseline_s": medians["alone"] / 1e6,
+            "ours_s": medians["grouped"] / 1e6,
+            "ratio": medians["alone"] / medians["grouped"],
+            "target": None,
+        }
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--medians", type=Path, help="also write the medians here (for run())")
+    args = parser.parse_args()
+    medians = measure(args.ranks, args.steps)
+    if args.medians is not None:
+        args.medians.write_text(repr(medians))
     alone, grouped, forward = medians["alone"], medians["grouped"], medians["forward"]
     print(f"ranks={args.ranks} steps={args.steps} (median of {ROUNDS} rounds, rank 0, 1 thread)")
     print(f"at_batch_boundary, no group:    {alone:10.2f} us/step (baseline)")
