@@ -33,7 +33,7 @@ from ggufswap.agent.debounce import Debouncer
 from ggufswap.agent.errors import AgentError, DaemonStateError, WatchError, WatchLimitError
 from ggufswap.agent.index import Health, ModelIndex, ModelSnapshot, WatchRoot
 from ggufswap.agent.link import RuntimeLink
-from ggufswap.agent.status import status_handler, status_line
+from ggufswap.agent.status import runtimes_view, status_handler, status_line
 from ggufswap.agent.watch import (
     INOTIFY_WATCHES_SYSCTL,
     ChangeQueue,
@@ -76,6 +76,8 @@ class _Model:
     index: ModelIndex
     link: RuntimeLink | None
     dirty: bool = True
+    # One more link per ``replicas`` endpoint: each reconciles its own runtime against the files.
+    replicas: list[RuntimeLink] = field(default_factory=list)
     last_health: dict[str, Health] = field(default_factory=dict)
 
 
@@ -86,6 +88,11 @@ class _Watch:
     why: str
     identity: tuple[int, int] | None
     models: set[str] = field(default_factory=set)
+
+
+def _links(slot: _Model) -> list[RuntimeLink]:
+    """The model's runtime links: its ``runtime`` first, then its ``replicas``."""
+    return ([slot.link] if slot.link is not None else []) + slot.replicas
 
 
 def _dir_identity(path: str) -> tuple[int, int] | None:
@@ -219,17 +226,21 @@ class AgentDaemon:
         self._sync_watches()  # link targets found by the first scan
         for slot in self._models.values():
             if self._connect:
-                slot.link = RuntimeLink(
-                    slot.config,
-                    fingerprinter=self._fingerprinter,
-                    options=self._options,
-                    heartbeat_interval_s=self._heartbeat_s,
-                    state_refresh_s=config.agent.rescan_interval_s,
-                    on_stale=self._on_stale,
+                slot.link, *slot.replicas = (
+                    RuntimeLink(
+                        dataclasses.replace(slot.config, runtime=endpoint, replicas=()),
+                        fingerprinter=self._fingerprinter,
+                        options=self._options,
+                        heartbeat_interval_s=self._heartbeat_s,
+                        state_refresh_s=config.agent.rescan_interval_s,
+                        on_stale=self._on_stale,
+                    )
+                    for endpoint in (slot.config.runtime, *slot.config.replicas)
                 )
-                if slot.index.snapshot is not None:
-                    slot.link.set_desired(slot.index.snapshot)
-                slot.link.start()
+                for link in _links(slot):
+                    if slot.index.snapshot is not None:
+                        link.set_desired(slot.index.snapshot)
+                    link.start()
         self._next_rescan = now + config.agent.rescan_interval_s
         self._next_root_check = now + ROOT_CHECK_S
 
@@ -433,8 +444,8 @@ class AgentDaemon:
                     # Held because another process has it open for writing: no event may come
                     # when it stops (an mmap writer), so look again after a settle window.
                     self._route(shard.path, now)
-            if slot.link is not None:
-                slot.link.set_desired(snapshot)
+            for link in _links(slot):
+                link.set_desired(snapshot)
         if scanned:
             self._sync_watches()  # new or vanished link targets
             self._publish()
@@ -525,6 +536,8 @@ class AgentDaemon:
         for name, slot in list(self._models.items()):
             body = models.setdefault(name, {})
             body["link"] = slot.link.status() if slot.link is not None else None
+            if slot.replicas:
+                body.update(runtimes_view([link.status() for link in _links(slot)]))
         return {
             "pid": os.getpid(),
             "uptime_s": round(time.monotonic() - self._started_at, 3),
@@ -566,8 +579,8 @@ class AgentDaemon:
 
     def _teardown_models(self) -> None:
         for slot in self._models.values():
-            if slot.link is not None:
-                slot.link.stop(STOP_STEP_TIMEOUT_S)
+            for link in _links(slot):
+                link.stop(STOP_STEP_TIMEOUT_S)
         self._models.clear()
         for directory in list(self._watches):
             self._unwatch(directory)
@@ -582,8 +595,8 @@ class AgentDaemon:
         log.info("agent.stopping")
         # 1. links: each stops within STOP_STEP_TIMEOUT_S; plans in flight stay with the runtime.
         for slot in self._models.values():
-            if slot.link is not None:
-                slot.link.stop(STOP_STEP_TIMEOUT_S)
+            for link in _links(slot):
+                link.stop(STOP_STEP_TIMEOUT_S)
         # 2. watcher threads.
         for watcher in self._watchers.values():
             watcher.stop(STOP_STEP_TIMEOUT_S)

@@ -53,6 +53,24 @@ def status_handler(build: Callable[[], dict[str, Any]]) -> Handler:
     return handle
 
 
+def runtimes_view(runtimes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The model-level view of a model served by several runtimes (``models[].replicas``), from
+    each link's status: the weight version each runtime serves (each counts its own commits), and
+    whether all of them serve the files as last scanned (each reported its state, reconciled the
+    newest scan, and has no plan in flight)."""
+    newest = max(r["reconciled_generation"] for r in runtimes)
+    return {
+        "runtimes": runtimes,
+        "weight_versions": {r["endpoint"]: r["weight_version"] for r in runtimes},
+        "in_sync": all(
+            r["weight_version"] is not None
+            and r["pending_plan"] is None
+            and r["reconciled_generation"] == newest
+            for r in runtimes
+        ),
+    }
+
+
 def status_line(status: Mapping[str, Any]) -> str:
     """One line for ``systemctl status`` (sd_notify ``STATUS=``)."""
     parts = []
@@ -66,5 +84,8 @@ def status_line(status: Mapping[str, Any]) -> str:
             text += f", runtime {link.get('state')}"
             if link.get("weight_version") is not None:
                 text += f" v{link['weight_version']}"
+        if "runtimes" in model:
+            text += f", {len(model['runtimes'])} runtimes"
+            text += ", in sync" if model.get("in_sync") else ", syncing"
         parts.append(text)
     return "; ".join(parts) or "no models"

@@ -51,6 +51,7 @@ AGENT_KEYS = ("status_endpoint", "rescan_interval_s", "metrics_port", "log_level
 MODEL_KEYS = (
     "name",
     "runtime",
+    "replicas",
     "watch",
     "ignore",
     "settle_ms",
@@ -265,6 +266,7 @@ class _Builder:
         return ModelConfig(
             name=name,
             runtime=self.r.get(sec, "runtime", self.v.connect_endpoint, ""),  # "" until defaulted
+            replicas=self.r.get(sec, "replicas", self.v.list_of(self.v.connect_endpoint), ()),
             watch=self.r.get(sec, "watch", watch_list, ()),
             ignore=self.r.get(sec, "ignore", self.v.list_of(self.v.glob), DEFAULT_IGNORE),
             settle_ms=self.r.get(sec, "settle_ms", self.v.integer(minimum=0), 250),

@@ -118,6 +118,8 @@ class ModelConfig:
     name: str
     runtime: str  # the runtime's control endpoint
     watch: tuple[WatchConfig, ...]
+    # More runtimes serving the same model (replicas, or other groups' rank 0): each gets its plans.
+    replicas: tuple[str, ...] = ()
     ignore: tuple[str, ...] = DEFAULT_IGNORE
     settle_ms: int = 250
     tensors: TensorFilter = field(default_factory=TensorFilter)

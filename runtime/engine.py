@@ -39,7 +39,8 @@ from ggufswap.ipc import (
     Reason,
 )
 from ggufswap.runtime.commit import commit
-from ggufswap.runtime.errors import PlanRejected, StagingFailed
+from ggufswap.runtime.coordinated import Coordinator, Decision
+from ggufswap.runtime.errors import PlanRejected, RuntimeLibraryError, StagingFailed
 from ggufswap.runtime.plans import Follower, PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
 from ggufswap.runtime.qmatmul import KERNELS
@@ -78,8 +79,13 @@ class HotSwapRuntime:
         model_name: str,
         allowed_roots: Sequence[str],
         stable_pointers: bool | None = None,
+        coordinator: Coordinator | None = None,
     ) -> None:
         self.store = store
+        # Set when the runtime is one rank of a group: plans commit on every rank or on none.
+        self._coordinator = coordinator
+        # Plans the group rejected before this rank staged them: plan id -> (ticket, reasons).
+        self._doomed: dict[str, tuple[PlanTicket, tuple[Reason, ...]]] = {}
         self.model_name = model_name
         self.allowed_roots = [os.path.realpath(r) for r in allowed_roots]
         self._stable = stable_pointers
@@ -124,11 +130,14 @@ class HotSwapRuntime:
         stable_pointers: bool | None = None,
         model_name: str | None = None,
         progress: bool = False,
+        group: torch.distributed.ProcessGroup | bool | None = None,
     ) -> HotSwapRuntime:
         """Load the shard set containing ``model`` onto ``pools`` and start the stager.
 
         ``storage=AUTO`` is resolved here (:func:`~ggufswap.runtime.store.choose_storage`);
         ``decoded_cache`` bounds the decoded dense tensors native storage keeps (bytes).
+        ``group``: a ``torch.distributed`` process group (``True``: the default group) makes
+        this runtime one rank of a coordinated commit (:mod:`ggufswap.runtime.coordinated`).
         """
         shards = open_shard_set(model, cache=HeaderCache())
         pool_set = PoolSet(pools or [], fallback=fallback_pool)
@@ -163,7 +172,16 @@ class HotSwapRuntime:
             seconds=round(report.seconds, 3),
             gb_per_s=round(report.bytes_read / report.seconds / 1e9, 3) if report.seconds else None,
         )
-        runtime = cls(store, model_name=name, allowed_roots=roots, stable_pointers=stable_pointers)
+        coordinator = None
+        if group is not None and group is not False:
+            coordinator = Coordinator(None if group is True else group)
+        runtime = cls(
+            store,
+            model_name=name,
+            allowed_roots=roots,
+            stable_pointers=stable_pointers,
+            coordinator=coordinator,
+        )
         runtime.shards = shards
         return runtime
 
@@ -213,8 +231,12 @@ class HotSwapRuntime:
         with self._submit_lock:
             return self._submit(plan, follow)
 
-    def _submit(self, plan: Plan, follow: Follower | None) -> PlanTicket:
+    def _submit(self, plan: Plan, follow: Follower | None, *, mirror: bool = False) -> PlanTicket:
+        # ``mirror``: a plan the group's leader handed to this rank; only a plan still in flight
+        # here is the same one (the leader took it anew: so does this rank).
         known = self._tickets.get(plan.plan_id)
+        if known is not None and mirror and known.state.final:
+            known = None
         if known is not None and known.state is not PlanState.REJECTED:
             if follow is not None:
                 known.follow(follow)
@@ -240,6 +262,9 @@ class HotSwapRuntime:
             )
         if reasons:
             self._finish_rejected(ticket, reasons)
+        if self._coordinator is not None and (mirror or not reasons):
+            # The leader hands on what it accepted; another rank votes on all it was handed.
+            self._coordinator.track(ticket, broadcast=not mirror)
         if follow is not None:
             ticket.follow(follow)
         if reasons:
@@ -252,6 +277,11 @@ class HotSwapRuntime:
 
     def apply(self, plan: Plan, *, timeout: float = 60.0) -> PlanTicket:
         """Submit, wait until staged and commit now (for callers without a serving loop)."""
+        if self._coordinator is not None:
+            raise RuntimeLibraryError(
+                "apply() is not for a rank of a coordinated group: submit() on the leader and "
+                "call at_batch_boundary() at the same steps on every rank"
+            )
         ticket = self.submit(plan)
         deadline = time.monotonic() + timeout
         while not ticket.state.final and time.monotonic() < deadline:
@@ -312,6 +342,12 @@ class HotSwapRuntime:
             self._finish_rejected(ticket, [_SHUTTING_DOWN])
             self._settled(1)
             return
+        with self._cond:
+            doom = self._doomed.pop(ticket.plan_id, None)
+        if doom is not None and doom[0] is ticket:  # the group rejected it already
+            self._finish_rejected(ticket, list(doom[1]))
+            self._settled(1)
+            return
         ticket.move(PlanState.STAGING)
         started = time.monotonic()
         try:
@@ -330,12 +366,14 @@ class HotSwapRuntime:
         ticket.move(PlanState.STAGED)
         with self._cond:
             closing = self._closed
-            if not closing:
+            doom = self._doomed.pop(ticket.plan_id, None)
+            doomed = doom is not None and doom[0] is ticket  # rejected by the group meanwhile
+            if not closing and not doomed:
                 self._staged.append((ticket, staged))
                 self._cond.notify_all()
-        if closing:  # close() ran while this plan was staging: it will never be committed
+        if closing or doomed:  # it will never be committed
             staged.discard()
-            self._finish_rejected(ticket, [_SHUTTING_DOWN])
+            self._finish_rejected(ticket, list(doom[1]) if doom and doomed else [_SHUTTING_DOWN])
             self._settled(1)
             return
         # Published once the plan can be committed (a listener may commit it at once); the
@@ -352,16 +390,20 @@ class HotSwapRuntime:
         """Commit every staged plan; return the weight version the next batch runs on.
 
         Call it from the inference loop between two batches. With nothing staged it costs one
-        attribute check.
+        attribute check. A rank of a coordinated group makes one collective here at every call
+        and commits only what every rank has staged, so every rank calls it at the same steps.
         """
+        agreed = self._agree() if self._coordinator is not None else None
         if not self._staged:
             return self.store.weight_version
         with self._commit_lock:
             started = time.perf_counter()
             committed: list[PlanTicket] = []
             retired: list[Buffer] = []
-            while self._staged:
+            while self._staged and (agreed is None or self._staged[0][0].plan_id in agreed):
                 committed.append(self._commit_one(*self._staged.popleft(), retired))
+            if not committed:
+                return self.store.weight_version
             version = self.store.weight_version
             # A failing callback must not leave the commit's bookkeeping undone (the stager
             # would wait forever on a ticket never marked committed): the first error is
@@ -410,6 +452,37 @@ class HotSwapRuntime:
             log.error("commit.callback_failed", weight_version=version, errors=len(errors))
             raise errors[0]
         return version
+
+    def _agree(self) -> set[str]:
+        """One step of the group's agreement: take the leader's new plans, reject what any rank
+        failed, and return the ids of the staged plans every rank may commit now."""
+        assert self._coordinator is not None, "only a rank of a group agrees"
+        with self._cond:
+            staged_ids = [t.plan_id for t, _ in self._staged]
+        incoming, verdicts = self._coordinator.step(staged_ids)
+        for plan in incoming:
+            with self._submit_lock:
+                self._submit(plan, None, mirror=True)
+        agreed: set[str] = set()
+        for plan_id, (ticket, verdict) in self._coordinator.settle(verdicts).items():
+            if verdict.decision is Decision.COMMIT:
+                agreed.add(plan_id)
+            elif not ticket.state.final:
+                self._reject_for_group(ticket, verdict.reasons)
+        return agreed
+
+    def _reject_for_group(self, ticket: PlanTicket, reasons: tuple[Reason, ...]) -> None:
+        """Reject a plan another rank failed: now if staged, else when the stager reaches it."""
+        with self._commit_lock, self._cond:
+            entry = next((e for e in self._staged if e[0] is ticket), None)
+            if entry is not None:
+                self._staged.remove(entry)
+            else:
+                self._doomed[ticket.plan_id] = (ticket, reasons)
+        if entry is not None:
+            entry[1].discard()
+            self._finish_rejected(ticket, list(reasons))
+            self._settled(1)
 
     def _after_staged_published(self, ticket: PlanTicket) -> None:
         """Wait (briefly) until the stager has delivered the plan's ``plan.staged``, so that
@@ -460,7 +533,7 @@ class HotSwapRuntime:
             else round(self.last_stall_s * 1e3, 3),
             "bytes_reloaded": self.bytes_reloaded,
             "recent_plans": [t.summary() for t in recent],
-        }
+        } | ({"group": self._coordinator.status()} if self._coordinator is not None else {})
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the stager; queued and staged plans are rejected (nothing half-applied)."""
