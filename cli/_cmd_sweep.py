@@ -76,8 +76,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--storage",
         choices=("dequantized", "native", "auto"),
-        default="dequantized",
-        help="how the in-process runtime holds weights (with --config: runtime.storage)",
+        help="how the in-process runtime holds weights: dequantized, native with --numerics "
+        "ggml (with --config: runtime.storage)",
+    )
+    parser.add_argument(
+        "--numerics",
+        choices=("exact", "ggml"),
+        default="exact",
+        help="exact: float products; ggml: activations rounded as llama.cpp's CPU kernels round "
+        "them, for figures comparable with llama-perplexity's (native storage; docs/sweep.md)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_threads_option(parser)
@@ -97,6 +104,8 @@ def _problems(args: argparse.Namespace) -> list[str]:
             problems.append(f"--source expects TYPE=MODEL, found {item!r}")
     if args.config is not None and args.source:
         problems.append("--source is for the in-process sweep (--model); --config requantizes")
+    if args.numerics == "ggml" and args.storage not in (None, "native"):
+        problems.append(f"--numerics ggml needs --storage native, found {args.storage}")
     return problems
 
 
@@ -155,6 +164,7 @@ def _sweep(
 ) -> SweepReport:
     # torch is imported only by the commands that run a model
     from ggufswap.config import Storage
+    from ggufswap.runtime.models import Numerics
     from ggufswap.runtime.serving.sweep import SweepOptions, run_sweep
     from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
 
@@ -163,7 +173,8 @@ def _sweep(
         n_ctx=args.ctx,
         max_chunks=args.chunks,
         verify_chunks=args.verify_chunks,
-        storage=Storage(args.storage),
+        storage=Storage(args.storage or ("native" if args.numerics == "ggml" else "dequantized")),
+        numerics=Numerics(args.numerics),
     )
     return run_sweep(
         args.model,
@@ -196,6 +207,7 @@ def _process_sweep(args: argparse.Namespace, recipe: Recipe) -> SweepReport:
         n_ctx=args.ctx,
         max_chunks=args.chunks,
         threads=args.threads,
+        numerics=args.numerics,
     )
     print(
         f"ggufswap sweep: starting the runtime and the agent (logs in {out_dir}/logs)",
