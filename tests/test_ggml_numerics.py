@@ -26,7 +26,7 @@ from ggufswap.shards.ggml_types import GGMLType
 
 MANIFEST, CASES = xcheck.load_golden()
 # A handful of representative cases: each activation rounding (F16, Q8_0, Q8_1, Q8_K), dense
-# and MoE experts, gemma3's GELU table.
+# and MoE experts, gemma3's GELU table, deepseek2's per-head products.
 GGML_CASES = (
     "tiny-dense/F16",
     "tiny-dense/Q8_0",
@@ -37,6 +37,8 @@ GGML_CASES = (
     "gemma3/Q4_K",
     "gemma3/Q8_0",
     "llama-moe/Q4_K",
+    "deepseek2/Q8_0",
+    "deepseek2/Q4_K",
 )
 # What the emulation achieves through the fixtures' int16 codes of llama.cpp's logits (an F32
 # case replays at 3.2e-10): 3e-10 to 4e-10 for F16 and the 32-blocks, 1.5e-9 to 3e-9 for the
