@@ -58,6 +58,13 @@ def register(subparsers: Any) -> None:
         help="serve the control endpoint of --config and re-evaluate after every committed plan",
     )
     parser.add_argument("--config", metavar="FILE", help="YAML configuration (runtime section)")
+    parser.add_argument(
+        "--numerics",
+        choices=("exact", "ggml"),
+        default="exact",
+        help="exact: float products; ggml: activations rounded as llama.cpp's CPU kernels round "
+        "them (native storage: with --config, runtime.storage: native)",
+    )
     add_threads_option(parser)
     parser.set_defaults(func=run)
 
@@ -105,8 +112,9 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
 
 def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int:
     # torch is imported only by the commands that run a model
+    from ggufswap.config import Storage
     from ggufswap.runtime import HotSwapRuntime
-    from ggufswap.runtime.models import HParams, build_model
+    from ggufswap.runtime.models import HParams, ModelError, build_model
     from ggufswap.runtime.serving import GgufTokenizer
     from ggufswap.runtime.serving.daemon import open_runtime
     from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
@@ -114,11 +122,19 @@ def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int
     rc = config.runtime if config is not None else None
     apply_thread_policy(resolve_threads(flag=args.threads, config=rc.threads if rc else None))
     signals = ProcessSignals().install() if args.hot_swap else None
-    runtime = open_runtime(config) if config is not None else HotSwapRuntime.open(args.model)
+    storage = Storage.NATIVE if args.numerics == "ggml" else Storage.DEQUANTIZED
+    if config is not None:
+        runtime = open_runtime(config)
+    else:
+        runtime = HotSwapRuntime.open(args.model, storage=storage)
     try:
         assert runtime.shards is not None, "open() always records the shard set"
         hparams = HParams.from_metadata(runtime.shards.metadata)
-        model = build_model(hparams, runtime.store, store=runtime.store)
+        try:
+            model = build_model(hparams, runtime.store, store=runtime.store, numerics=args.numerics)
+        except ModelError as exc:
+            print(f"ggufswap perplexity: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         tokenizer = GgufTokenizer.from_file(runtime.shards.first.path)
         ctx = min(args.ctx, hparams.context_length)
         if ctx < args.ctx:

@@ -76,8 +76,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--storage",
         choices=("dequantized", "native", "auto"),
-        default="dequantized",
-        help="how the in-process runtime holds weights (with --config: runtime.storage)",
+        help="how the in-process runtime holds weights: dequantized, native with --numerics "
+        "ggml (with --config: runtime.storage)",
+    )
+    parser.add_argument(
+        "--numerics",
+        choices=("exact", "ggml"),
+        default="exact",
+        help="exact: float products; ggml: activations rounded as llama.cpp's CPU kernels round "
+        "them, for figures comparable with llama-perplexity's (native storage; docs/sweep.md)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -117,6 +124,8 @@ def _problems(args: argparse.Namespace) -> list[str]:
         problems.append("--ray runs in-process workers (--model); it does not take --config")
     if args.ray_workers is not None and (args.ray is None or args.ray_workers < 1):
         problems.append(f"--ray-workers must be >= 1 and needs --ray, found {args.ray_workers}")
+    if args.numerics == "ggml" and args.storage not in (None, "native"):
+        problems.append(f"--numerics ggml needs --storage native, found {args.storage}")
     return problems
 
 
@@ -178,6 +187,7 @@ def _sweep(
 ) -> SweepReport:
     # torch is imported only by the commands that run a model
     from ggufswap.config import Storage
+    from ggufswap.runtime.models import Numerics
     from ggufswap.runtime.serving.sweep import SweepOptions, run_sweep
     from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
 
@@ -186,7 +196,8 @@ def _sweep(
         n_ctx=args.ctx,
         max_chunks=args.chunks,
         verify_chunks=args.verify_chunks,
-        storage=Storage(args.storage),
+        storage=Storage(args.storage or ("native" if args.numerics == "ggml" else "dequantized")),
+        numerics=Numerics(args.numerics),
         plot=not args.no_plot,
     )
     return run_sweep(
@@ -203,6 +214,7 @@ def _sweep(
 
 def _ray_sweep(args: argparse.Namespace, text: str, recipe: Recipe) -> SweepReport:
     from ggufswap.config import Storage
+    from ggufswap.runtime.models import Numerics
     from ggufswap.runtime.serving.sweep import SweepError, SweepOptions
     from ggufswap.shards.writer import parse_type
 
@@ -214,7 +226,8 @@ def _ray_sweep(args: argparse.Namespace, text: str, recipe: Recipe) -> SweepRepo
         n_ctx=args.ctx,
         max_chunks=args.chunks,
         verify_chunks=args.verify_chunks,
-        storage=Storage(args.storage),
+        storage=Storage(args.storage or ("native" if args.numerics == "ggml" else "dequantized")),
+        numerics=Numerics(args.numerics),
     )
     sources = {}
     for item in args.source:
@@ -262,6 +275,7 @@ def _process_sweep(args: argparse.Namespace, recipe: Recipe) -> SweepReport:
         n_ctx=args.ctx,
         max_chunks=args.chunks,
         threads=args.threads,
+        numerics=args.numerics,
     )
     print(
         f"ggufswap sweep: starting the runtime and the agent (logs in {out_dir}/logs)",

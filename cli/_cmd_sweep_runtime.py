@@ -35,6 +35,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--out", required=True, type=Path, metavar="DIR")
     parser.add_argument("--ctx", type=int, required=True, metavar="N")
     parser.add_argument("--chunks", type=int, metavar="N")
+    parser.add_argument("--numerics", choices=("exact", "ggml"), default="exact")
     add_threads_option(parser)
     parser.set_defaults(func=run)
 
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from ggufswap.config import ConfigError, load_config
     from ggufswap.ipc import Event, PlanStagedEvent
     from ggufswap.runtime.control import ControlServer
-    from ggufswap.runtime.models import HParams, build_model
+    from ggufswap.runtime.models import HParams, ModelError, Numerics, build_model
     from ggufswap.runtime.serving import GgufTokenizer
     from ggufswap.runtime.serving.daemon import open_runtime
     from ggufswap.runtime.serving.kld import BaseLogProbs, KldError, text_chunks
@@ -94,16 +95,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         assert runtime.shards is not None, "open() keeps the shard set"
         hparams = HParams.from_metadata(runtime.shards.metadata)
-        model = build_model(hparams, runtime.store, store=runtime.store)
+        numerics = Numerics(args.numerics)
+        model = build_model(hparams, runtime.store, store=runtime.store, numerics=numerics)
         tokens, bos = text_tokens(GgufTokenizer.from_file(runtime.shards.first.path), text)
         chunks = text_chunks(
             tokens, n_ctx=min(args.ctx, hparams.context_length), max_chunks=args.chunks
         )
-        evaluator = ChunkEvaluator(model, chunks, bos)
+        evaluator = ChunkEvaluator(model, chunks, bos, numerics=numerics)
         args.out.mkdir(parents=True, exist_ok=True)
         baseline = evaluator.baseline(args.out, runtime.shards.tensors)
         base = BaseLogProbs(args.out / BASELINE_LOGITS)
-    except (BaselineMismatch, KldError) as exc:
+    except (BaselineMismatch, KldError, ModelError) as exc:
         runtime.close()
         print(f"ggufswap sweep-runtime: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -67,6 +67,7 @@ class ProcessTarget:
         n_ctx: int,
         max_chunks: int | None,
         threads: int | None = None,
+        numerics: str = "exact",
         commit_timeout_s: float = COMMIT_TIMEOUT_S,
     ) -> None:
         rc = config.require_runtime()
@@ -83,6 +84,7 @@ class ProcessTarget:
         self.n_ctx = n_ctx
         self.max_chunks = max_chunks
         self.threads = threads
+        self.numerics = numerics
         self.commit_timeout_s = commit_timeout_s
         self.saved_dir = out_dir / ORIGINALS
         self.children: list[Child] = []
@@ -116,6 +118,7 @@ class ProcessTarget:
             args += ["--chunks", str(self.max_chunks)]
         if self.threads is not None:
             args += ["--threads", str(self.threads)]
+        args += ["--numerics", self.numerics]
         runtime = Child("runtime", args, log_path=logs / "runtime.log")
         self.children.append(runtime)
         self._record_children()

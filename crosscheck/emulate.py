@@ -1,4 +1,8 @@
-"""An experiment, not a product path: ggml's CPU activation rounding, emulated in the decoder.
+"""An experiment: ggml's CPU activation rounding patched into a decoder, with its variants.
+
+The product path is ``build_model(..., numerics="ggml")`` (``ggufswap.runtime.models.
+ggml_numerics``, whose rounding this module uses); this patch adds what studies need: float64
+products, and leaving out Q8_1's F16 block sums (``q8_1_sums=False``, ``q4_1_study.py``).
 
 ggml's CPU matrix multiply does not multiply a quantized weight by float activations: it first
 converts the activations to the weight type's ``vec_dot_type`` and takes integer dot products.
@@ -34,35 +38,13 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from ggufswap.runtime.models import deepseek2, gpt_oss, llama
 from ggufswap.runtime.models.deepseek2 import RoutedExperts
+from ggufswap.runtime.models.ggml_numerics import VEC_DOT, gelu, q8_blocks, round_activations
 from ggufswap.runtime.models.hparams import Gating
 from ggufswap.runtime.models.llama import MoEFeedForward
+from ggufswap.shards.ggml_types import GGMLType
 
 Q = GGMLQuantizationType
-K_QUANTS = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-Q8_TYPES = frozenset({Q.Q4_0, Q.Q8_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.MXFP4})
 Q4_1_BLOCK_BYTES = 20  # d (f16), m (f16), qs[16]
-
-
-def _q8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q8_0/Q8_1 rounding of ``x [N, K]``: rounded values, per-block F16 scale, integer sums."""
-    blocks = x.reshape(x.shape[0], -1, 32)  # [N, K/32, 32]
-    amax = blocks.abs().amax(-1, keepdim=True)
-    d = amax / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(blocks * inv)  # half to even, as the AVX2 kernels round
-    d16 = d.half().float()
-    return (q * d16).reshape(x.shape), d, q.sum(-1)
-
-
-def _q8_k(x: torch.Tensor) -> torch.Tensor:
-    """Q8_K rounding of ``x [N, K]`` (quantize_row_q8_K_ref)."""
-    blocks = x.reshape(x.shape[0], -1, 256)
-    idx = blocks.abs().argmax(-1, keepdim=True)
-    peak = blocks.gather(-1, idx)  # the signed value of largest magnitude
-    iscale = torch.where(peak != 0, -127.0 / peak, torch.zeros_like(peak))
-    q = torch.clamp(torch.round(iscale * blocks), max=127)
-    d = torch.where(peak != 0, 1.0 / iscale, torch.zeros_like(peak))
-    return (q * d).reshape(x.shape)
 
 
 class _Weight:
@@ -74,36 +56,24 @@ class _Weight:
 
 
 def _emulated(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, info: _Weight) -> Any:
-    t, flat = info.ggml_type, x.reshape(-1, x.shape[-1]).to(torch.float64)
+    """The product in float64 on activations rounded by the package's ggml numerics."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    vec_dot = VEC_DOT.get(GGMLType(int(info.ggml_type)), GGMLType.F32)
+    xq = round_activations(flat, vec_dot).double()
     extra = None
-    if t == Q.F16:
-        xq = flat.half().double()
-    elif t in K_QUANTS:
-        xq = _q8_k(flat.float()).double()
-    elif t in Q8_TYPES:
-        xq32, d, qsum = _q8_blocks(flat.float())
-        xq = xq32.double()
-        if t == Q.Q4_1 and info.mins is not None:
-            s16 = (d[..., 0] * qsum).half().double()  # Q8_1's s, rounded to F16
-            extra = (s16 - d[..., 0].half().double() * qsum.double()) @ info.mins.double().T
-    else:
-        xq = flat
+    if vec_dot is GGMLType.Q8_1 and info.mins is not None:
+        _, d, qsum = q8_blocks(flat)
+        s16 = (d[..., 0] * qsum).half().double()  # Q8_1's s, rounded to F16
+        extra = (s16 - d[..., 0].half().double() * qsum.double()) @ info.mins.double().T
     y = F.linear(xq, w.double(), None if b is None else b.double())
     if extra is not None:
         y = y + extra
     return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-_GELU = F.gelu
-
-
 def _gelu_fp16_table(input: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """ggml_vec_gelu_f32 / ggml_vec_geglu_f32 with GGML_GELU_FP16: the tanh GELU of the input
-    rounded to F16, itself rounded to F16; the identity from 10 up, zero from -10 down."""
     assert approximate == "tanh", "ggml's table holds the tanh GELU"
-    x = input
-    table = _GELU(x.half().float(), approximate="tanh").half().float()
-    return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, table))
+    return gelu(input)
 
 
 def _q4_1_mins(reader: GGUFReader, name: str) -> torch.Tensor:

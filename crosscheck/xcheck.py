@@ -431,20 +431,27 @@ def project_logits(
     tokens: tuple[int, ...] = TOKENS,
     *,
     within: Callable[[Any, Path], AbstractContextManager[None]] | None = None,
+    numerics: str = "exact",
 ) -> np.ndarray:
     """``[T, V]`` logits of the project's decoder over ``path``, read through the tensor store
     as the server does (``HotSwapRuntime.open``, ``HParams.from_metadata``, ``build_model``);
-    ``within(runtime, path)`` wraps the forward (``emulate.emulating``)."""
+    ``within(runtime, path)`` wraps the forward (``emulate.emulating``). ``numerics="ggml"``:
+    the decoder rounds as ggml's CPU kernels do (native storage)."""
     import torch
 
+    from ggufswap.config import Storage
     from ggufswap.runtime import HotSwapRuntime
     from ggufswap.runtime.models import HParams, build_model
 
-    runtime = HotSwapRuntime.open(path)
+    storage = Storage.NATIVE if numerics == "ggml" else Storage.DEQUANTIZED
+    runtime = HotSwapRuntime.open(path, storage=storage)
     try:
         assert runtime.shards is not None, "open() keeps the shard set"
         model = build_model(
-            HParams.from_metadata(runtime.shards.metadata), runtime.store, store=runtime.store
+            HParams.from_metadata(runtime.shards.metadata),
+            runtime.store,
+            store=runtime.store,
+            numerics=numerics,
         )
         with torch.inference_mode(), within(runtime, path) if within else nullcontext():
             out = model(torch.tensor([tokens], dtype=torch.int64))[0]

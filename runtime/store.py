@@ -230,6 +230,20 @@ class TensorStore:
         matrix = QuantizedMatrix(raw, record.ggml_type, shape, name, decoded=cached)
         return matrix if matrix.compiled else self.weight(name)
 
+    def blocks(self, name: str) -> QuantizedMatrix | None:
+        """A 2-D tensor's GGUF blocks in native storage, whatever its type and the kernels (what
+        ggml's numerics need: the type, and the bytes); None elsewhere (dequantized storage, a
+        split or derived tensor)."""
+        slot = self.slots.get(name)
+        if slot is None or self.storage is not Storage.NATIVE or slot.is_split:
+            return None
+        record = slot.record
+        if len(record.ne) != 2:
+            return None
+        raw = slot.active.tensor[: record.nbytes]
+        cached = (lambda: self.weight(name)) if self._dense_cached else None
+        return QuantizedMatrix(raw, record.ggml_type, (record.ne[1], record.ne[0]), name, cached)
+
     def _is_view(self, record: TensorRecord) -> bool:
         """Whether native bytes of ``record`` already are compute-dtype values (read as a view)."""
         return _PLAIN_DTYPES.get(record.ggml_type) == self.compute_dtype

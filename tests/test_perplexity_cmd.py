@@ -16,6 +16,7 @@ from processes import GGUFSWAP, Proc, status_of, wait_for
 from runtime_helpers import ModelDir, Q, one_thread
 
 from ggufswap._cmd_perplexity import text_windows
+from ggufswap.config import Storage
 from ggufswap.ipc import DealerClient, Fields, MessageType, make_message, plan_to_wire
 from ggufswap.ipc.plan import Plan
 from ggufswap.runtime import HotSwapRuntime
@@ -49,13 +50,19 @@ def text_file(tmp_path: Path) -> Path:
     return path
 
 
-def reference(first: Path, text: Path, *, ctx: int = CTX, batch: int = BATCH) -> float:
+def reference(
+    first: Path, text: Path, *, ctx: int = CTX, batch: int = BATCH, numerics: str = "exact"
+) -> float:
     """The perplexity of a fresh in-process load of the files as they are now."""
-    runtime = HotSwapRuntime.open(first)
+    storage = Storage.NATIVE if numerics == "ggml" else Storage.DEQUANTIZED
+    runtime = HotSwapRuntime.open(first, storage=storage)
     try:
         assert runtime.shards is not None, "open() keeps the shard set"
         model = build_model(
-            HParams.from_metadata(runtime.shards.metadata), runtime.store, store=runtime.store
+            HParams.from_metadata(runtime.shards.metadata),
+            runtime.store,
+            store=runtime.store,
+            numerics=numerics,
         )
         windows = text_windows(GgufTokenizer.from_file(first), text.read_text(), ctx=ctx)
         total = NllStats()
@@ -96,6 +103,22 @@ def test_perplexity_of_a_model_on_english_text(tmp_path: Path, text_file: Path) 
     plain = ggufswap("perplexity", "--model", str(models.first), "--text", str(text_file))
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.startswith("weight_version 0: perplexity ")
+
+
+def test_perplexity_with_ggml_numerics(tmp_path: Path, text_file: Path) -> None:
+    """--numerics ggml evaluates with llama.cpp's activation rounding: the in-process figure of
+    a decoder with those numerics, close to the exact one but not equal to it."""
+    models = ModelDir.write(tmp_path / "model", tiny_dense())
+    run = ggufswap(
+        "perplexity", "--model", str(models.first), "--text", str(text_file),
+        "--ctx", str(CTX), "--batch", str(BATCH), "--json", "--numerics", "ggml",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    ppl = json.loads(run.stdout)["perplexity"]
+    assert ppl == pytest.approx(reference(models.first, text_file, numerics="ggml"), rel=1e-9)
+    exact = reference(models.first, text_file)
+    assert ppl != exact
+    assert ppl == pytest.approx(exact, rel=1e-2)
 
 
 @pytest.mark.parametrize(

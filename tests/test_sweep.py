@@ -20,14 +20,16 @@ import torch
 from processes import GGUFSWAP, wait_for
 from runtime_helpers import ModelDir, Q, one_thread
 
+from ggufswap.config import Storage
 from ggufswap.runtime import HotSwapRuntime
-from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.models import HParams, Numerics, build_model
 from ggufswap.runtime.serving import GgufTokenizer
 from ggufswap.runtime.serving.kld import eval_batch, first_scored, text_chunks
 from ggufswap.runtime.serving.recipe import Recipe
 from ggufswap.runtime.serving.sweep import (
     InProcessTarget,
     Sweep,
+    SweepError,
     SweepOptions,
     run_sweep,
     text_tokens,
@@ -320,3 +322,23 @@ def test_tensors_from_a_model_in_the_target_type(tmp_path: Path) -> None:
     (refused,) = report.refused
     assert refused["key"] == "blk.0.attn_q.weight@q5_1"
     assert "holds it as Q4_0, not Q5_1" in refused["why"]
+
+
+def test_ggml_numerics_are_recorded_and_a_resume_must_match(tmp_path: Path) -> None:
+    """A sweep with numerics "ggml" records them with its baseline; resuming its journal with
+    other numerics is refused, as is "ggml" over dequantized storage."""
+    model = ModelDir.write(tmp_path / "model", tiny_dense())
+    recipe = Recipe.from_document({"quants": ["q4_0"], "tensors": [{"match": r"^blk\.0\.attn_q"}]})
+    out = tmp_path / "out"
+    ggml = SweepOptions(n_ctx=CTX, max_chunks=2, storage=Storage.NATIVE, numerics=Numerics.GGML)
+    report = run_sweep(model.first, text=english(), recipe=recipe, out_dir=out, options=ggml)
+    assert len(report.journal) == 1
+    assert json.loads((out / "baseline.json").read_text())["numerics"] == "ggml"
+    exact = SweepOptions(n_ctx=CTX, max_chunks=2, storage=Storage.NATIVE)
+    with pytest.raises(SweepError, match="computed with numerics 'ggml'"):
+        run_sweep(model.first, text=english(), recipe=recipe, out_dir=out, options=exact)
+    dequantized = SweepOptions(n_ctx=CTX, max_chunks=2, numerics=Numerics.GGML)
+    with pytest.raises(SweepError, match="storage is dequantized, it needs native"):
+        run_sweep(
+            model.first, text=english(), recipe=recipe, out_dir=tmp_path / "o2", options=dequantized
+        )

@@ -15,6 +15,7 @@ from ggufswap.runtime.models.errors import (
     ModelError,
 )
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer
+from ggufswap.runtime.models.ggml_numerics import Numerics
 from ggufswap.runtime.models.glm4moe import Glm4MoeTransformer
 from ggufswap.runtime.models.gpt_oss import GptOssTransformer
 from ggufswap.runtime.models.hparams import Arch, HParams, RopeType
@@ -37,6 +38,7 @@ __all__ = [
     "KVCacheError",
     "MissingWeightError",
     "ModelError",
+    "Numerics",
     "RopeType",
     "Transformer",
     "WeightProvider",

@@ -33,9 +33,11 @@ from torch import Tensor, nn
 
 from ggufswap.runtime.models import llama as base
 from ggufswap.runtime.models.errors import HParamsError
+from ggufswap.runtime.models.ggml_numerics import GgmlWeights
 from ggufswap.runtime.models.hparams import Arch, Gating, HParams, MLAShape
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
 from ggufswap.runtime.models.llama import (
+    ExpertStack,
     FeedForward,
     RopeTables,
     WeightProvider,
@@ -108,12 +110,21 @@ def _yarn_corr_dims(c: HParams, n_dims: int) -> tuple[float, float]:
     return max(0.0, start), min(n_dims - 1.0, end)
 
 
-def head_linear(x: Tensor, w: Tensor) -> Tensor:
+def head_linear(x: Tensor, w: Tensor | ExpertStack) -> Tensor:
     """Per-head ``x[..., h, :] @ w[h].T``: ``x [..., H, K]``, ``w [H, N, K]`` -> ``[..., H, N]``,
-    in ``w``'s device and dtype, back in ``x``'s."""
+    in ``w``'s device and dtype, back in ``x``'s. With ggml's numerics ``w`` is the per-head
+    matrices (ggml's batched product: each head's rows rounded for its type)."""
+    if not isinstance(w, Tensor):
+        return torch.stack([base.linear(x[..., h, :], w[h]) for h in range(w.shape[0])], dim=-2)
     xw = x.to(device=w.device, dtype=w.dtype)
     y = torch.einsum("...hk,hnk->...hn", xw, w)
     return y.to(device=x.device, dtype=x.dtype)
+
+
+def _heads(weights: WeightProvider, name: str) -> Tensor | ExpertStack:
+    """``attn_k_b`` / ``attn_v_b``: the stacked tensor, or with ggml's numerics its per-head
+    matrices."""
+    return weights.experts(name) if isinstance(weights, GgmlWeights) else weights.weight(name)
 
 
 class LatentAttention(nn.Module):
@@ -184,7 +195,7 @@ class LatentAttention(nn.Module):
         """attn_k_b turns the queries into latent queries; one key/value head (the latent and
         the rope key) serves every query head; attn_v_b decompresses each head's output."""
         rank, w = self.m.kv_lora_rank, self.weights
-        q_lat = head_linear(q_nope, w.weight(self.wk_b))  # [B, T, H, rank]
+        q_lat = head_linear(q_nope, _heads(w, self.wk_b))  # [B, T, H, rank]
         q = torch.cat((q_lat, q_pe), dim=-1).transpose(1, 2)  # [B, H, T, rank + rot]
         k = torch.cat((latent[:, :, None], k_pe), dim=-1).transpose(1, 2)  # [B, 1, T, rank+rot]
         if cache is not None:  # the values are the keys' latent part: cache nothing twice
@@ -199,7 +210,7 @@ class LatentAttention(nn.Module):
             is_causal=mask is None,
             scale=self.config.attn_scale,
         )  # [B, H, T, rank]
-        return head_linear(y.transpose(1, 2), w.weight(self.wv_b))  # [B, T, H, v]
+        return head_linear(y.transpose(1, 2), _heads(w, self.wv_b))  # [B, T, H, v]
 
     def _decompressed(
         self,

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ggufswap.runtime import QuantizedMatrix
 from ggufswap.runtime.models.errors import MissingWeightError
+from ggufswap.runtime.models.ggml_numerics import GgmlMatrix, gelu
 from ggufswap.runtime.models.hparams import Activation, Arch, HParams, RopeType
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
 from ggufswap.shards.keys import TensorNames
@@ -37,7 +38,7 @@ class ExpertStack(Protocol):
     @property
     def shape(self) -> torch.Size: ...
 
-    def __getitem__(self, e: int, /) -> Tensor | QuantizedMatrix: ...
+    def __getitem__(self, e: int, /) -> Tensor | QuantizedMatrix | GgmlMatrix: ...
 
 
 class WeightProvider(Protocol):
@@ -51,9 +52,10 @@ class WeightProvider(Protocol):
         """A stacked expert tensor; ``[e]`` is expert ``e`` on the device that holds it."""
         ...
 
-    def matrix(self, name: str) -> Tensor | QuantizedMatrix:
+    def matrix(self, name: str) -> Tensor | QuantizedMatrix | GgmlMatrix:
         """A weight ``linear`` multiplies by: the tensor, or (native storage) its GGUF blocks
-        where multiplying from them is the cheaper way."""
+        where multiplying from them is the cheaper way, or (numerics "ggml") its blocks to
+        multiply as ggml does."""
         ...
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -106,12 +108,15 @@ class DictWeightProvider:
         return iter(self._tensors)
 
 
-def linear(x: Tensor, w: Tensor | QuantizedMatrix, b: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, w: Tensor | QuantizedMatrix | GgmlMatrix, b: Tensor | None = None) -> Tensor:
     """``x @ w.T (+ b)`` on ``w``'s device and dtype; the result returns to ``x``'s device/dtype.
 
     ``w`` may be a matrix still in its GGUF blocks (native storage's experts): it multiplies
-    from them (:class:`~ggufswap.runtime.QuantizedMatrix`).
+    from them (:class:`~ggufswap.runtime.QuantizedMatrix`); or a weight of a decoder with ggml's
+    numerics: the activations are rounded as ggml's CPU matmul rounds them (:mod:`.ggml_numerics`).
     """
+    if isinstance(w, GgmlMatrix):
+        return w.linear(x, b)
     if isinstance(w, QuantizedMatrix):
         y = w.linear(x, dtype=x.dtype if x.is_floating_point() else torch.float32)
         if b is not None:
@@ -289,7 +294,7 @@ class Attention(nn.Module):
         return self._proj(y, self.wo, self.bo)  # [B, T, D]
 
 
-Matrix: TypeAlias = "Tensor | QuantizedMatrix"
+Matrix: TypeAlias = "Tensor | QuantizedMatrix | GgmlMatrix"
 
 
 def swiglu(x: Tensor, gate: Matrix, up: Matrix, down: Matrix) -> Tensor:
@@ -298,8 +303,11 @@ def swiglu(x: Tensor, gate: Matrix, up: Matrix, down: Matrix) -> Tensor:
 
 
 def geglu(x: Tensor, gate: Matrix, up: Matrix, down: Matrix) -> Tensor:
-    """``down(gelu_tanh(gate(x)) * up(x))``: llama.cpp's LLM_FFN_GELU + LLM_FFN_PAR (gemma)."""
-    return linear(F.gelu(linear(x, gate), approximate="tanh") * linear(x, up), down)
+    """``down(gelu_tanh(gate(x)) * up(x))``: llama.cpp's LLM_FFN_GELU + LLM_FFN_PAR (gemma); with
+    ggml's numerics (a :class:`GgmlMatrix` gate), GELU through ggml's F16 table."""
+    g = linear(x, gate)
+    act = gelu(g) if isinstance(gate, GgmlMatrix) else F.gelu(g, approximate="tanh")
+    return linear(act * linear(x, up), down)
 
 
 GATED_FFN: Final = {Activation.SILU: swiglu, Activation.GELU_TANH: geglu}

@@ -8,6 +8,9 @@
 - ``glm4moe``: ``glm4moe.Glm4MoeTransformer`` (its NextN/MTP blocks are loaded, never run).
 - ``gpt-oss``: ``gpt_oss.GptOssTransformer``.
 
+Each computes in float (``numerics="exact"``), or as ggml's CPU kernels round
+(``numerics="ggml"``, :mod:`.ggml_numerics`: figures comparable with llama.cpp's).
+
 Both read every weight through the provider at forward time. A tied output head is read from
 ``token_embd.weight``'s own slot rather than copied, so a swap of the embedding is the head's swap
 too; no supported architecture builds a fused or pre-scaled copy of a weight at load. When a
@@ -21,8 +24,9 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Final
 
 from ggufswap.runtime.models.deepseek2 import Deepseek2Transformer
-from ggufswap.runtime.models.errors import MissingWeightError
+from ggufswap.runtime.models.errors import MissingWeightError, ModelError
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer
+from ggufswap.runtime.models.ggml_numerics import GgmlWeights, Numerics
 from ggufswap.runtime.models.glm4moe import Glm4MoeTransformer
 from ggufswap.runtime.models.gpt_oss import GptOssTransformer
 from ggufswap.runtime.models.hparams import Arch, HParams
@@ -64,9 +68,20 @@ def unused_tensors(model: Decoder, names: Iterable[str]) -> list[str]:
 
 
 def build_model(
-    config: HParams, weights: WeightProvider, *, store: TensorStore | None = None
+    config: HParams,
+    weights: WeightProvider,
+    *,
+    store: TensorStore | None = None,
+    numerics: Numerics | str = Numerics.EXACT,
 ) -> Decoder:
-    """The decoder for ``config.arch`` over ``weights`` (the store itself when serving)."""
+    """The decoder for ``config.arch`` over ``weights`` (the store itself when serving).
+
+    ``numerics="ggml"`` multiplies as ggml's CPU kernels do (:mod:`.ggml_numerics`): it reads
+    the ``store`` (native storage) through :class:`~.ggml_numerics.GgmlWeights`."""
+    if Numerics(numerics) is Numerics.GGML:
+        if store is None or weights is not store:
+            raise ModelError("numerics 'ggml' reads the weights' blocks: pass the tensor store")
+        weights = GgmlWeights(store)
     model = DECODERS[config.arch](config, weights)
     if store is not None:
         required: Mapping[str, tuple[int, ...]] = model.required

@@ -38,7 +38,7 @@ from gguf import GGMLQuantizationType
 from ggufswap.config import Storage
 from ggufswap.ipc import Event, Job, Plan, PlanCommittedEvent
 from ggufswap.runtime import HotSwapRuntime, PlanState
-from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.models import HParams, ModelError, Numerics, build_model
 from ggufswap.runtime.serving.errors import ServingError
 from ggufswap.runtime.serving.kld import BaseLogProbs, first_scored, text_chunks
 from ggufswap.runtime.serving.recipe import Recipe, Round, Skip, plan_rounds, qtype_name
@@ -81,6 +81,7 @@ class SweepOptions:
     commit_timeout_s: float = COMMIT_TIMEOUT_S
     storage: Storage = Storage.DEQUANTIZED
     plot: bool = False  # write OUT/sweep.png when matplotlib is installed (the CLI does)
+    numerics: Numerics = Numerics.EXACT  # "ggml": llama.cpp's CPU rounding (native storage)
 
 
 @dataclass(kw_only=True)
@@ -414,7 +415,12 @@ def run_sweep(
     try:
         assert runtime.shards is not None, "open() keeps the shard set"
         hparams = HParams.from_metadata(runtime.shards.metadata)
-        model = build_model(hparams, runtime.store, store=runtime.store)
+        try:
+            model = build_model(
+                hparams, runtime.store, store=runtime.store, numerics=options.numerics
+            )
+        except ModelError as exc:
+            raise SweepError(str(exc)) from None
         tokens, bos = text_tokens(GgufTokenizer.from_file(runtime.shards.first.path), text)
         n_ctx = min(options.n_ctx, hparams.context_length)
         chunks = text_chunks(tokens, n_ctx=n_ctx, max_chunks=options.max_chunks)
@@ -425,7 +431,7 @@ def run_sweep(
             )
         target = InProcessTarget(
             runtime=runtime,
-            evaluator=ChunkEvaluator(model, chunks, bos),
+            evaluator=ChunkEvaluator(model, chunks, bos, numerics=options.numerics),
             sources=sources,
             out_dir=out_dir,
             commit_timeout_s=options.commit_timeout_s,

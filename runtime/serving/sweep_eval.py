@@ -22,7 +22,7 @@ import structlog
 import torch
 from torch import Tensor
 
-from ggufswap.runtime.models import Decoder
+from ggufswap.runtime.models import Decoder, Numerics
 from ggufswap.runtime.serving.errors import ServingError
 from ggufswap.runtime.serving.kld import (
     BaseLogProbs,
@@ -49,8 +49,16 @@ class BaselineMismatch(ServingError):
 class ChunkEvaluator:
     """Evaluates ``chunks`` ``[C, n_ctx]`` (the text's tokens) with ``model``."""
 
-    def __init__(self, model: Decoder, chunks: np.ndarray, bos_id: int | None) -> None:
+    def __init__(
+        self,
+        model: Decoder,
+        chunks: np.ndarray,
+        bos_id: int | None,
+        *,
+        numerics: Numerics = Numerics.EXACT,
+    ) -> None:
         self.model = model
+        self.numerics = Numerics(numerics)  # the model's, recorded with the baseline
         self.chunks = chunks
         self.batch = eval_batch(chunks, bos_id)  # [C, n_ctx] as evaluated
         self.n_ctx = int(chunks.shape[1])
@@ -87,8 +95,15 @@ class ChunkEvaluator:
         identity = self.identity(originals)
         if path.exists() and (out_dir / BASELINE_LOGITS).exists():
             stored = json.loads(path.read_text())
-            if stored.get("identity") == identity:
+            numerics = stored.get("numerics", Numerics.EXACT.value)  # absent: before the option
+            if stored.get("identity") == identity and numerics == self.numerics.value:
                 return dict(stored)
+            if (out_dir / JOURNAL).exists() and numerics != self.numerics.value:
+                raise BaselineMismatch(
+                    f"{out_dir} holds a sweep computed with numerics {numerics!r} ({path}), "
+                    f"this one computes with {self.numerics.value!r}; use the same --numerics "
+                    "or a new --out"
+                )
             if (out_dir / JOURNAL).exists():
                 raise BaselineMismatch(
                     f"{out_dir} holds the sweep of another model, text or context "
@@ -112,6 +127,7 @@ class ChunkEvaluator:
         writer.path.replace(out_dir / BASELINE_LOGITS)
         record = {
             "identity": identity,
+            "numerics": self.numerics.value,
             "n_vocab": writer.n_vocab,
             "ppl": float(np.exp(nll_sum / count)),
             "count": count,

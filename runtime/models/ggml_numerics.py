@@ -1,0 +1,267 @@
+"""ggml's CPU arithmetic for the reference decoders: ``numerics="ggml"``.
+
+The decoders compute in float by default (``numerics="exact"``): a weight's decoded values times
+float activations. ggml's CPU matrix multiply does not: it first rounds the activations to the
+weight type's ``vec_dot_type`` (``VEC_DOT``) and takes integer dot products per block, and gemma's
+GELU reads a table of F16 values. llama.cpp's figures carry that rounding, so a small weight change
+(a Q5_0 tensor requantized to Q8_0) moves its KL divergence to the level of the rounding noise
+(docs/models.md, finding 3; docs/sweep.md). With ``numerics="ggml"`` the decoders round exactly as
+ggml does and reproduce llama.cpp's logits to float-summation noise, so a sweep's figures compare
+with ``llama-perplexity --kl-divergence``'s.
+
+- F16 / BF16 weights: activations rounded to F16 / BF16.
+- Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4, ...: activations as Q8_0 (blocks of 32, ``d = amax / 127``
+  stored as F16, ``q = round(x * 127 / amax)``, half to even as the AVX2 kernels round).
+- Q4_1, Q5_1: Q8_1 (Q8_0's values plus ``s = d * sum(q)`` stored as F16): the dot product is
+  ``d_w d_x sum(q_w q_x) + m_w s_x``, so the weight block minimum ``m_w`` meets an F16-rounded sum
+  (read from the weight's blocks).
+- K-quants and the i-quants of 256: Q8_K (blocks of 256, ``q = nearest_int(-127 x / peak)``, the
+  float scale ``-peak / 127``).
+- F32 weights (norms, routers, F32 matrices): exact, as ggml multiplies them in float.
+
+How: ``build_model(..., numerics="ggml")`` gives the decoder a :class:`GgmlWeights` over the
+store (native storage: the weight's type and blocks are at hand); its ``matrix`` and
+``experts(...)[e]`` return :class:`GgmlMatrix`, which ``llama.linear`` multiplies with the
+rounding above, and ``geglu`` uses :func:`gelu` when its gate is one. The products multiply
+the rounded activations by the decoded weights (gguf-py's values, bit for bit), in float32, or
+float64 where ggml's F16 dot products need the wider sums.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+import torch
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
+from torch import Tensor
+
+from ggufswap.config import Storage
+from ggufswap.runtime import QuantizedMatrix
+from ggufswap.runtime.models.errors import ModelError
+from ggufswap.shards.ggml_types import GGMLType
+
+if TYPE_CHECKING:
+    from ggufswap.runtime import TensorStore
+
+__all__ = [
+    "VEC_DOT",
+    "GgmlMatrix",
+    "GgmlWeights",
+    "Numerics",
+    "gelu",
+    "q8_blocks",
+    "q8_k",
+    "round_activations",
+]
+
+
+class Numerics(enum.StrEnum):
+    """How the decoders multiply: in float, or with ggml's CPU activation rounding."""
+
+    EXACT = "exact"
+    GGML = "ggml"
+
+
+T = GGMLType
+# ggml-cpu.c's type_traits_cpu[type].vec_dot_type: what a matmul rounds the activations to.
+VEC_DOT: Final[Mapping[GGMLType, GGMLType]] = {
+    T.F32: T.F32,
+    T.F16: T.F16,
+    T.BF16: T.BF16,
+    **dict.fromkeys((T.Q4_0, T.Q5_0, T.Q8_0, T.IQ4_NL, T.MXFP4, T.NVFP4, T.Q1_0), T.Q8_0),
+    **dict.fromkeys((T.Q4_1, T.Q5_1), T.Q8_1),
+    **dict.fromkeys(
+        (
+            T.Q2_K,
+            T.Q3_K,
+            T.Q4_K,
+            T.Q5_K,
+            T.Q6_K,
+            T.IQ2_XXS,
+            T.IQ2_XS,
+            T.IQ2_S,
+            T.IQ3_XXS,
+            T.IQ3_S,
+            T.IQ1_S,
+            T.IQ1_M,
+            T.IQ4_XS,
+            T.TQ1_0,
+            T.TQ2_0,
+        ),
+        T.Q8_K,
+    ),
+}
+Q8_BLOCK: Final = 32
+Q8_K_BLOCK: Final = 256
+# Q4_1 and Q5_1 blocks start with d (F16) then m (F16): the minimum at bytes 2..4.
+_MIN_OFFSET: Final = 2
+# Products whose float32 sums alone differ from ggml's by more than float noise (F16 weights:
+# mean KLD 5e-8 against llama.cpp on tiny-dense, 3e-10 with float64 sums); the 8-bit
+# activation types agree to the fixtures' resolution in float32.
+_WIDE_SUMS: Final = frozenset({T.F16, T.BF16})
+# ggml's GELU table: the identity from here up, zero from minus this down.
+GELU_CLAMP: Final = 10.0
+_TORCH_GELU: Final = F.gelu  # torch's, whatever patches F.gelu later (crosscheck/emulate.py)
+
+
+def q8_blocks(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Q8_0 rounding of ``x [N, K]`` (float32): ``(values, d [N, K/32, 1], sum q [N, K/32])``
+    where ``values = q * F16(d)`` (quantize_row_q8_0's AVX2 path: ``q = round(x * 127/amax)``)."""
+    blocks = x.reshape(x.shape[0], -1, Q8_BLOCK)  # [N, K/32, 32]
+    amax = blocks.abs().amax(-1, keepdim=True)
+    d = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv)  # half to even
+    return (q * d.half().float()).reshape(x.shape), d, q.sum(-1)
+
+
+def q8_k(x: Tensor) -> Tensor:
+    """Q8_K rounding of ``x [N, K]`` (quantize_row_q8_K_ref): ``q * d`` per block of 256."""
+    blocks = x.reshape(x.shape[0], -1, Q8_K_BLOCK)
+    peak = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # signed, largest magnitude
+    iscale = torch.where(peak != 0, -127.0 / peak, torch.zeros_like(peak))
+    q = torch.clamp(torch.round(iscale * blocks), max=127)
+    d = torch.where(peak != 0, 1.0 / iscale, torch.zeros_like(peak))
+    return (q * d).reshape(x.shape)
+
+
+def round_activations(x: Tensor, vec_dot: GGMLType) -> Tensor:
+    """``x [N, K]`` (float32) as ggml holds it for a product with ``vec_dot`` (Q8_1 as Q8_0:
+    its sums are :class:`GgmlMatrix`'s correction)."""
+    if vec_dot is T.F16:
+        return x.half().float()
+    if vec_dot is T.BF16:
+        return x.bfloat16().float()
+    if vec_dot in (T.Q8_0, T.Q8_1):
+        return q8_blocks(x)[0]
+    if vec_dot is T.Q8_K:
+        return q8_k(x)
+    assert vec_dot is T.F32, f"no rounding for vec_dot type {vec_dot.name}"
+    return x
+
+
+def gelu(x: Tensor) -> Tensor:
+    """ggml_vec_gelu_f32 / ggml_vec_geglu_f32 with GGML_GELU_FP16: the tanh GELU of the input
+    rounded to F16, itself rounded to F16; the identity from 10 up, zero from -10 down."""
+    xf = x.float()
+    table = _TORCH_GELU(xf.half().float(), approximate="tanh").half().float()
+    zero = torch.zeros_like(xf)
+    out = torch.where(xf <= -GELU_CLAMP, zero, torch.where(xf >= GELU_CLAMP, xf, table))
+    return out.to(x.dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class GgmlMatrix:
+    """A weight (its GGUF blocks) that ``linear`` multiplies as ggml's CPU matmul does."""
+
+    blocks: QuantizedMatrix
+
+    @property
+    def vec_dot(self) -> GGMLType:
+        t = GGMLType(self.blocks.ggml_type)
+        if t not in VEC_DOT:
+            raise ModelError(
+                f"{self.blocks.name}: numerics 'ggml' knows no activation rounding for {t.name} "
+                "(ggml-cpu's vec_dot_type); use numerics 'exact'"
+            )
+        return VEC_DOT[t]
+
+    def values(self) -> Tensor:
+        """The decoded ``[rows, cols]`` float32 weight (the store's decoded copy, or scratch)."""
+        if self.blocks.decoded is not None:
+            return self.blocks.decoded().float()
+        return self.blocks.decode(torch.float32)
+
+    def linear(self, x: Tensor, b: Tensor | None = None) -> Tensor:
+        """``x @ W.T (+ b)`` with ``x`` rounded to the weight's ``vec_dot`` type; the result in
+        ``x``'s device and dtype."""
+        rows, cols = self.blocks.shape
+        vec_dot = self.vec_dot
+        device = self.blocks.device
+        flat = x.reshape(-1, cols).to(device=device, dtype=torch.float32)  # [N, K]
+        xq = round_activations(flat, vec_dot)
+        if vec_dot in _WIDE_SUMS:
+            y = F.linear(xq.double(), self.values().double()).float()  # [N, rows]
+        else:
+            y = F.linear(xq, self.values())
+        if vec_dot is T.Q8_1:
+            y = y + self._q8_1_correction(flat)
+        if b is not None:
+            y = y + b.to(device=device, dtype=torch.float32)
+        return y.reshape(*x.shape[:-1], rows).to(device=x.device, dtype=x.dtype)
+
+    def _q8_1_correction(self, x: Tensor) -> Tensor:
+        """``[N, rows]``: ``sum_blocks m_w (F16(d sum q) - F16(d) sum q)``, what Q8_1's rounded
+        block sums add to the product of the rounded values."""
+        _, d, qsum = q8_blocks(x)
+        d = d[..., 0]  # [N, K/32]
+        s16 = (d * qsum).half().float()
+        return (s16 - d.half().float() * qsum) @ self._mins().T
+
+    def _mins(self) -> Tensor:
+        """``[rows, K/32]`` float32 block minima of a Q4_1 / Q5_1 weight."""
+        rows, cols = self.blocks.shape
+        raw = self.blocks.raw.reshape(rows * cols // Q8_BLOCK, -1)  # one block a row
+        mins = raw[:, _MIN_OFFSET : _MIN_OFFSET + 2].contiguous().view(torch.float16)
+        return mins.float().reshape(rows, cols // Q8_BLOCK)
+
+
+class _GgmlExperts:
+    """A stacked expert tensor whose ``[e]`` is a :class:`GgmlMatrix` (a stack of bias rows,
+    2-D, gives its rows as they are)."""
+
+    def __init__(self, stack: object) -> None:
+        self.stack = stack
+
+    @property
+    def shape(self) -> torch.Size:
+        shape: torch.Size = self.stack.shape  # type: ignore[attr-defined]
+        return shape
+
+    def __getitem__(self, e: int, /) -> Tensor | GgmlMatrix:
+        item = self.stack[e]  # type: ignore[index]
+        return GgmlMatrix(item) if isinstance(item, QuantizedMatrix) else item
+
+
+class GgmlWeights:
+    """The store as a decoder's weight provider, its matrices multiplied as ggml multiplies them.
+
+    Reads go through the store at forward time (a committed swap is what the next forward
+    computes with). Needs native storage (the weights' blocks and types) and float32 compute.
+    """
+
+    def __init__(self, store: TensorStore) -> None:
+        problems = []
+        if store.storage is not Storage.NATIVE:
+            problems.append(f"storage is {store.storage.value}, it needs native")
+        if store.compute_dtype != torch.float32:
+            problems.append(f"compute dtype is {store.compute_dtype}, it needs float32")
+        if problems:
+            raise ModelError(
+                "numerics 'ggml' rounds activations by the type of each weight's GGUF blocks: "
+                + "; ".join(problems)
+                + " (runtime.storage: native, or --storage native)"
+            )
+        self.store = store
+
+    def weight(self, name: str) -> Tensor:
+        return self.store.weight(name)
+
+    def experts(self, name: str) -> _GgmlExperts:
+        return _GgmlExperts(self.store.experts(name))
+
+    def matrix(self, name: str) -> Tensor | GgmlMatrix:
+        blocks = self.store.blocks(name)
+        return self.store.weight(name) if blocks is None else GgmlMatrix(blocks)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.store.shape(name)
+
+    def rows(self, name: str, ids: Tensor) -> Tensor:
+        return self.store.rows(name, ids)
+
+    def has(self, name: str) -> bool:
+        return self.store.has(name)
