@@ -47,7 +47,7 @@ class Replicas:
     def start(self, name: str) -> None:
         args = ["agent", "--config", str(self.agent_config)]
         if name != "agent":
-            args = ["runtime", "--config", str(self.configs[name])]
+            args = ["runtime", "--config", str(self.configs[name]), "--mode", "probe"]
         log = self.tmp / f"{name}-{len(list(self.tmp.glob(f'{name}-*.log')))}.log"
         self.procs[name] = Proc(args, log=log)
         if name != "agent":

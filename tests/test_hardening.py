@@ -271,7 +271,9 @@ def test_non_utf8_names_are_carried_byte_for_byte(tmp_path: Path) -> None:
     )
     control = f"ipc://{run_dir}/rt.sock"
     agent_status = f"ipc://{run_dir}/agent.sock"
-    runtime = Proc(["runtime", "--config", str(config)], log=tmp_path / "runtime.log")
+    runtime = Proc(
+        ["runtime", "--config", str(config), "--mode", "probe"], log=tmp_path / "runtime.log"
+    )
     agent: Proc | None = None
     try:
         wait_for(lambda: status_of(control), timeout=STARTUP_TIMEOUT_S, what="the runtime")
