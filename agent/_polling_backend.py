@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import threading
 
-import structlog
-
 from ggufswap.agent.errors import WatchError
 from ggufswap.agent.watch import ChangeQueue, Watcher
 from ggufswap.config import WatchBackend
+from ggufswap.logs import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _Stamp = tuple[int, int, int, int]
 _MISSING: _Stamp = (-1, -1, -1, -1)

@@ -13,13 +13,12 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-import structlog
-
 from ggufswap.agent.errors import BackendUnavailable, WatchError, WatchLimitError
 from ggufswap.agent.watch import INOTIFY_WATCHES_SYSCTL, ChangeQueue, Watcher
 from ggufswap.config import WatchBackend
+from ggufswap.logs import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 NOTIFIER_TIMEOUT_MS = 200
 

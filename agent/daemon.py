@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from ggufswap.agent.debounce import Debouncer
 from ggufswap.agent.errors import AgentError, DaemonStateError, WatchError, WatchLimitError
 from ggufswap.agent.index import Health, ModelIndex, ModelSnapshot, WatchRoot
@@ -45,9 +43,10 @@ from ggufswap.agent.watch import (
 from ggufswap.config import Config, ConfigError, ModelConfig, WatchBackend, load_config
 from ggufswap.ipc import RequestServer, SocketOptions
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
+from ggufswap.logs import get_logger
 from ggufswap.shards import Fingerprinter, HeaderCache
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 MAX_WAIT_S = 0.2
 ROOT_CHECK_S = 0.5

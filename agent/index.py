@@ -22,14 +22,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-import structlog
-
 from ggufswap.agent.writers import writer_of
 from ggufswap.config import ModelConfig, WatchConfig
+from ggufswap.logs import get_logger
 from ggufswap.shards import HeaderCache, ShardError, ShardHeader, ShardSet, TensorRecord
 from ggufswap.shards.shardset import split_prefix
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class Health(str, enum.Enum):

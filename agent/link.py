@@ -34,8 +34,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from ggufswap.agent._actual import ActualState
 from ggufswap.agent.errors import LinkStateError
 from ggufswap.agent.index import ModelSnapshot
@@ -62,9 +60,10 @@ from ggufswap.ipc import (
     state_from_wire,
 )
 from ggufswap.ipc.messages import StateRequest, state_request_to_wire
+from ggufswap.logs import get_logger
 from ggufswap.shards import Fingerprinter, TensorRecord
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 TICK_S = 0.05  # longest wait of the link thread (latency of a new desired state)
 HISTORY = 20  # finished plans kept for status

@@ -24,13 +24,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 
-import structlog
-
 from ggufswap.ipc import TensorEntry
+from ggufswap.logs import get_logger
 from ggufswap.shards import ShardError, TensorRecord
 from ggufswap.shards.fingerprint import fingerprint
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 IDLE_S = 1.0  # wait between looks when nothing is in sync yet
 

@@ -19,13 +19,12 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-import structlog
-
 from ggufswap.agent._fstype import FsInfo, fs_info
 from ggufswap.agent.errors import BackendUnavailable
 from ggufswap.config import WatchBackend
+from ggufswap.logs import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 INOTIFY_QUEUE_SYSCTL = "fs.inotify.max_queued_events"
 INOTIFY_WATCHES_SYSCTL = "fs.inotify.max_user_watches"

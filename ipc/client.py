@@ -20,7 +20,6 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import structlog
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -28,8 +27,9 @@ from ggufswap.ipc.codec import decode, encode
 from ggufswap.ipc.errors import IpcError, PeerTimeout
 from ggufswap.ipc.messages import Fields, MessageType, Topic, make_message
 from ggufswap.ipc.sockets import DEFAULT_OPTIONS, SocketOptions, connect_endpoint, make_socket
+from ggufswap.logs import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def _ms(seconds: float) -> int:

@@ -36,11 +36,10 @@ import socket
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 
-import structlog
-
 from ggufswap.ipc.errors import NotifySocketError
+from ggufswap.logs import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Environment variables set by systemd for the service's main process.
 ENV_NOTIFY_SOCKET = "NOTIFY_SOCKET"

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import structlog
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -42,8 +41,9 @@ from ggufswap.ipc.events import Event, event_message
 from ggufswap.ipc.messages import ErrorCode, Fields, MessageType, make_error, make_reply
 from ggufswap.ipc.schema import parse_message
 from ggufswap.ipc.sockets import DEFAULT_OPTIONS, Binding, SocketOptions, bind_endpoint, make_socket
+from ggufswap.logs import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

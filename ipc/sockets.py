@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol
 
-import structlog
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
@@ -36,8 +35,9 @@ from zmq.auth.thread import ThreadAuthenticator
 from ggufswap.config.endpoints import default_runtime_dir, socket_dir_problem
 from ggufswap.ipc.codec import DEFAULT_MAX_MSG_SIZE
 from ggufswap.ipc.errors import EndpointInUse, InsecureEndpoint, IpcError
+from ggufswap.logs import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_LINGER_MS = 200
 DEFAULT_HWM = 1000

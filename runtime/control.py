@@ -19,8 +19,6 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import structlog
-
 from ggufswap.config import Config
 from ggufswap.ipc import (
     Committed,
@@ -46,11 +44,12 @@ from ggufswap.ipc import (
 )
 from ggufswap.ipc.errors import UnknownMessageType
 from ggufswap.ipc.messages import StateRequest
+from ggufswap.logs import get_logger
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.plans import PlanState, PlanTicket
 from ggufswap.runtime.store import Slot
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 Reply = Mapping[str, Any]
 

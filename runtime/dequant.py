@@ -19,10 +19,10 @@ import math
 import threading
 
 import numpy as np
-import structlog
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ggufswap.logs import get_logger
 from ggufswap.runtime import _compiled
 from ggufswap.runtime._dequant_kernels import KERNELS, Arena, Kernel
 from ggufswap.runtime._ik_interleaved import INTERLEAVED, deinterleave
@@ -33,7 +33,7 @@ from ggufswap.shards.ggml_types import ggml_type as ggml_type_of
 
 __all__ = ["KERNEL_TYPES", "dequantize", "has_kernel"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 KERNEL_TYPES: frozenset[GGMLType] = (
     frozenset(GGMLType(int(t)) for t in KERNELS) | frozenset(IK_KERNELS) | frozenset(INTERLEAVED)

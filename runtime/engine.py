@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-import structlog
 import torch
 
 from ggufswap.config import DEFAULT_DECODED_CACHE, Storage
@@ -38,6 +37,7 @@ from ggufswap.ipc import (
     PlanStagedEvent,
     Reason,
 )
+from ggufswap.logs import get_logger
 from ggufswap.runtime.commit import commit
 from ggufswap.runtime.coordinated import Coordinator, Decision
 from ggufswap.runtime.errors import PlanRejected, RuntimeLibraryError, StagingFailed
@@ -54,7 +54,7 @@ from ggufswap.runtime.store import (
 from ggufswap.runtime.validate import validate_plan
 from ggufswap.shards import HeaderCache, Keys, ShardSet, open_shard_set
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # How long a commit holds its plan.committed event back for the stager to finish delivering the
 # plan's plan.staged (listeners run there; a slow one delays the commit's event, not the commit).

@@ -29,13 +29,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-import structlog
 import torch
 import xxhash
 
+from ggufswap.logs import get_logger
 from ggufswap.shards import TensorRecord, open_verified, read_range
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 CHUNK_BYTES: Final = 8 << 20  # per read: big enough for sequential I/O, small enough for cache
 RING: Final = 3  # staged chunk buffers: one being read, one being decoded, one spare

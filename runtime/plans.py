@@ -13,13 +13,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import structlog
-
 from ggufswap.ipc import Plan, Reason
 from ggufswap.ipc.messages import reasons_to_wire
+from ggufswap.logs import get_logger
 from ggufswap.runtime.errors import PlanStateError
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class PlanState(enum.Enum):

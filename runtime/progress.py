@@ -12,9 +12,9 @@ import os
 import time
 from typing import Any, Final
 
-import structlog
+from ggufswap.logs import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 INTERVAL_ENV: Final = "GGUFSWAP_PROGRESS_INTERVAL_S"
 DEFAULT_INTERVAL_S: Final = 5.0

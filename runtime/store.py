@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import structlog
 import torch
 
 from ggufswap.config import DEFAULT_DECODED_CACHE, Storage
 from ggufswap.ipc import SlotState
+from ggufswap.logs import get_logger
 from ggufswap.runtime.dequant import dequantize
 from ggufswap.runtime.errors import PoolFull
 from ggufswap.runtime.families import DerivedTensor, block_of, expert_of, family_of
@@ -40,7 +40,7 @@ from ggufswap.runtime.split import (
 )
 from ggufswap.shards import GGMLType, ShardSet, TensorRecord
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # GGML types whose bytes are already a torch dtype: read as a view when that is the compute dtype.
 _PLAIN_DTYPES = {

@@ -23,10 +23,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import structlog
 import torch
 
 from ggufswap.config import AUTO_THREADS, MAX_THREADS
+from ggufswap.logs import get_logger
 
 __all__ = [
     "AppliedThreads",
@@ -37,7 +37,7 @@ __all__ = [
     "resolve_threads",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class ThreadSource(str, enum.Enum):

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-import structlog
+from ggufswap.logs import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 TEMP_INFIX = ".tmp-"
 DEFAULT_MODE = 0o644

@@ -25,7 +25,6 @@ from types import MappingProxyType
 from typing import Any, Final
 
 import numpy as np
-import structlog
 from gguf import (
     GGML_QUANT_VERSION,
     MODEL_TENSOR,
@@ -35,6 +34,7 @@ from gguf import (
     LlamaFileType,
 )
 
+from ggufswap.logs import get_logger
 from ggufswap.shards import _synth, ggml_types
 from ggufswap.shards._arch_spec import (
     glm_errors,
@@ -55,7 +55,7 @@ from ggufswap.shards.ggml_types import GGMLType
 from ggufswap.shards.ggml_types import ggml_type as ggml_type_of
 from ggufswap.shards.keys import Arch, TensorNames, tensor_template
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 Q = GGMLQuantizationType
 WRITABLE_TYPES: Final = _synth.WRITABLE_TYPES

@@ -25,7 +25,7 @@ WAIT_S = 60.0
 
 def python(code: str, *, env: dict[str, str] | None = None) -> str:
     """Run ``code`` in a fresh interpreter (torch's thread pools untouched); the last line it
-    prints (structlog's unconfigured default logs to stdout before it)."""
+    prints (library log lines go to stderr while structlog is unconfigured)."""
     run = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,

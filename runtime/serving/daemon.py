@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import structlog
 import torch
 
 from ggufswap.config import Config
 from ggufswap.ipc import PlanCommittedEvent
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
+from ggufswap.logs import get_logger
 from ggufswap.runtime.control import ControlServer
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.models.hparams import HParams
@@ -30,7 +30,7 @@ from ggufswap.runtime.serving.serve import Mode, ServeLoop, ServeOptions
 from ggufswap.runtime.store import Placement
 from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 10.0
 

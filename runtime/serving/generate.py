@@ -40,10 +40,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import structlog
 import torch
 
 from ggufswap import ipc
+from ggufswap.logs import get_logger
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.runtime.models.registry import Decoder
@@ -51,7 +51,7 @@ from ggufswap.runtime.serving.errors import Closed, InvalidRequest, QueueFull
 from ggufswap.runtime.serving.streaming import first_stop, sendable_end
 from ggufswap.runtime.serving.tokenizer import GgufTokenizer
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 IDLE_WAIT_S: Final = 0.1  # an idle loop wakes on a request or a staged plan, or this often
 

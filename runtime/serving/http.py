@@ -32,8 +32,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Final
 
-import structlog
-
+from ggufswap.logs import get_logger
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.models.registry import Decoder
 from ggufswap.runtime.serving.chat import ROLES, ChatTemplate, ChatTemplateError
@@ -52,7 +51,7 @@ from ggufswap.runtime.serving.generate import (
 )
 from ggufswap.runtime.serving.tokenizer import GgufTokenizer
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 MAX_BODY_BYTES: Final = 1 << 20
 MAX_STOP_STRINGS: Final = 4  # as OpenAI's API

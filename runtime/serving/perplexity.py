@@ -13,12 +13,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
-import structlog
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor
 
-log = structlog.get_logger(__name__)
+from ggufswap.logs import get_logger
+
+log = get_logger(__name__)
 
 LanguageModel = Callable[[Tensor], Tensor]  # tokens [B, T] int64 -> logits [B, T, V]
 

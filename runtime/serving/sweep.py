@@ -32,11 +32,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol
 
-import structlog
 from gguf import GGMLQuantizationType
 
 from ggufswap.config import Storage
 from ggufswap.ipc import Event, Job, Plan, PlanCommittedEvent
+from ggufswap.logs import get_logger
 from ggufswap.runtime import HotSwapRuntime, PlanState
 from ggufswap.runtime.models import HParams, ModelError, Numerics, build_model
 from ggufswap.runtime.serving.errors import ServingError
@@ -53,7 +53,7 @@ from ggufswap.runtime.serving.sweep_sources import SourceError, TensorSources
 from ggufswap.runtime.serving.tokenizer import GgufTokenizer
 from ggufswap.shards import ShardSet, TensorRecord, open_shard_set
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 REPORT_JSON: Final = "report.json"
 COMMIT_TIMEOUT_S: Final = 120.0

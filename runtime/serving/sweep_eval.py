@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
-import structlog
 import torch
 from torch import Tensor
 
+from ggufswap.logs import get_logger
 from ggufswap.runtime.models import Decoder, Numerics
 from ggufswap.runtime.serving.errors import ServingError
 from ggufswap.runtime.serving.kld import (
@@ -36,7 +36,7 @@ from ggufswap.runtime.serving.kld import (
 from ggufswap.runtime.serving.sweep_results import JOURNAL, write_text
 from ggufswap.shards import TensorRecord
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 BASELINE_LOGITS: Final = "baseline.logits"
 BASELINE_JSON: Final = "baseline.json"

@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any, BinaryIO, Final
 
 import ray
-import structlog
 from gguf import GGMLQuantizationType
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+from ggufswap.logs import get_logger
 from ggufswap.runtime.serving.kld import BaseLogProbs, text_chunks
 from ggufswap.runtime.serving.recipe import Recipe, Round, plan_rounds
 from ggufswap.runtime.serving.sweep import (
@@ -55,7 +55,7 @@ from ggufswap.runtime.serving.sweep_eval import BASELINE_JSON, BASELINE_LOGITS
 from ggufswap.runtime.serving.sweep_results import JOURNAL, Journal, write_csvs, write_text
 from ggufswap.shards import TensorRecord
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 CURRENT_ROUND: Final = "current_round"  # in a worker's work dir: the key of the round it holds
 WORKERS_DIR: Final = "ray-workers"
