@@ -6,8 +6,11 @@
  * statement, in float32 and in its order: setup.py compiles this file with -ffp-contract=off (no
  * fused multiply-adds) and without -ffast-math, so every product and sum rounds as ggml's do.
  * fp16 fields are rounded to nearest even by a software conversion (numpy's, which is also what
- * F16C does), so the bytes do not depend on the CPU. tests/test_kquants.py checks the output of
- * both implementations against the bytes ggml wrote, and against each other on random data.
+ * F16C does), so the bytes do not depend on the CPU. Two changes of form, not of arithmetic, for
+ * speed: make_qkx2_quants (Q2_K, Q4_K, Q5_K) runs on all sub-blocks of a super-block at once, one
+ * lane each, and best_index_int8 (IQ4) finds its bracket in a table instead of a binary search.
+ * tests/test_kquants.py checks the output of both implementations against the bytes ggml wrote,
+ * and against each other on random data.
  *
  * Python interface:
  *   quantize(type, src, dst) -> None   src: C-contiguous float32 buffer of whole blocks;
@@ -116,14 +119,29 @@ static inline int nearest_int(float fval) {
     return (i & 0x007fffff) - 0x00400000;
 }
 
+/* ggml's best_index_int8(16, kvalues_iq4nl, x) without its binary search (whose branches the CPU
+ * mispredicts): inside (val[0], val[15]) the search ends at mu, the first value above x, and for
+ * integer values "val > x" is "val > floor(x)", so a table indexed by floor(x) gives mu. Outside,
+ * and for NaN (which the search takes to 15), the same answers as ggml's. */
+static int8_t IQ4_MU[256]; /* by floor(x) + 128, for floor(x) in [-127, 112] */
+
+static void init_iq4_table(void) {
+    for (int k = -128; k < 128; ++k) {
+        int mu = 15;
+        for (int i = 0; i < 16; ++i) {
+            if (IQ4NL_VALUES[i] > k) {
+                mu = i;
+                break;
+            }
+        }
+        IQ4_MU[k + 128] = (int8_t)MAX(1, MIN(15, mu));
+    }
+}
+
 static inline int best_index_int8(int n, const int8_t *val, float x) {
     if (x <= val[0]) return 0;
-    if (x >= val[n - 1]) return n - 1;
-    int ml = 0, mu = n - 1;
-    while (mu - ml > 1) {
-        int mav = (ml + mu) / 2;
-        if (x < val[mav]) mu = mav; else ml = mav;
-    }
+    if (x >= val[n - 1] || x != x) return n - 1;
+    int mu = IQ4_MU[(int)floorf(x) + 128];
     return x - val[mu - 1] < val[mu] - x ? mu - 1 : mu;
 }
 
@@ -225,74 +243,106 @@ static float make_q3_quants(int n, int nmax, const float *x, int8_t *L) {
     return suml2 > 0.0f ? sumlx / suml2 : 0.0f;
 }
 
-static float make_qkx2_quants(int n, int nmax, const float *x, const float *weights, uint8_t *L,
-                              float *the_min, uint8_t *Laux, float rmin, float rdelta, int nstep,
-                              bool use_mad) {
-    float min = x[0];
-    float max = x[0];
-    float sum_w = weights[0];
-    float sum_x = sum_w * x[0];
+/* ggml's make_qkx2_quants on G groups at once, for speed: lane g is group g, and xt, wt, L are
+ * laid out [n][G] (position-major). Each lane does exactly the scalar function's operations in
+ * its order (the sums stay sequential within a lane), so the compiler can vectorize across lanes
+ * without reassociating anything (-ffp-contract=off, no -ffast-math). The scalar branches become
+ * per-lane selects; a lane that the scalar code would leave early (max == min) computes values
+ * that are discarded at the end. */
+#define MAX_LANES 16
+static inline __attribute__((always_inline)) void make_qkx2_lanes(
+    const int n, const int G, const int nmax, const float *xt, const float *wt, uint8_t *L,
+    float *scale_out, float *min_out, const float rmin, const float rdelta, const int nstep,
+    const bool use_mad) {
+    float mn[MAX_LANES], mx[MAX_LANES], sum_w[MAX_LANES], sum_x[MAX_LANES], scale[MAX_LANES];
+    float best[MAX_LANES], iscale[MAX_LANES], flat_min[MAX_LANES];
+    float sum_l[MAX_LANES], sum_l2[MAX_LANES], sum_xl[MAX_LANES], ts[MAX_LANES], tm[MAX_LANES];
+    float cur[MAX_LANES];
+    int take[MAX_LANES], flat[MAX_LANES];
+    uint8_t Laux[32 * MAX_LANES];
+    for (int g = 0; g < G; ++g) {
+        mn[g] = xt[g];
+        mx[g] = xt[g];
+        sum_w[g] = wt[g];
+        sum_x[g] = sum_w[g] * xt[g];
+    }
     for (int i = 1; i < n; ++i) {
-        if (x[i] < min) min = x[i];
-        if (x[i] > max) max = x[i];
-        float w = weights[i];
-        sum_w += w;
-        sum_x += w * x[i];
+        for (int g = 0; g < G; ++g) {
+            const float xi = xt[i * G + g], w = wt[i * G + g];
+            mn[g] = xi < mn[g] ? xi : mn[g];
+            mx[g] = xi > mx[g] ? xi : mx[g];
+            sum_w[g] += w;
+            sum_x[g] += w * xi;
+        }
     }
-    if (min > 0) min = 0;
-    if (max == min) {
-        for (int i = 0; i < n; ++i) L[i] = 0;
-        *the_min = -min;
-        return 0.f;
+    for (int g = 0; g < G; ++g) {
+        mn[g] = mn[g] > 0 ? 0.f : mn[g];
+        flat[g] = mx[g] == mn[g];
+        flat_min[g] = -mn[g];
+        iscale[g] = nmax / (mx[g] - mn[g]);
+        scale[g] = 1 / iscale[g];
+        best[g] = 0;
     }
-    float iscale = nmax / (max - min);
-    float scale = 1 / iscale;
-    float best_error = 0;
     for (int i = 0; i < n; ++i) {
-        int l = nearest_int(iscale * (x[i] - min));
-        L[i] = (uint8_t)MAX(0, MIN(nmax, l));
-        float diff = scale * L[i] + min - x[i];
-        diff = use_mad ? fabsf(diff) : diff * diff;
-        float w = weights[i];
-        best_error += w * diff;
+        for (int g = 0; g < G; ++g) {
+            const float xi = xt[i * G + g], w = wt[i * G + g];
+            int l = nearest_int(iscale[g] * (xi - mn[g]));
+            l = MAX(0, MIN(nmax, l));
+            L[i * G + g] = (uint8_t)l;
+            float diff = scale[g] * l + mn[g] - xi;
+            diff = use_mad ? fabsf(diff) : diff * diff;
+            best[g] += w * diff;
+        }
     }
     for (int is = 0; is <= nstep; ++is) {
-        iscale = (rmin + rdelta * is + nmax) / (max - min);
-        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+        for (int g = 0; g < G; ++g) {
+            iscale[g] = (rmin + rdelta * is + nmax) / (mx[g] - mn[g]);
+            sum_l[g] = sum_l2[g] = sum_xl[g] = 0;
+        }
         for (int i = 0; i < n; ++i) {
-            int l = nearest_int(iscale * (x[i] - min));
-            l = MAX(0, MIN(nmax, l));
-            Laux[i] = (uint8_t)l;
-            float w = weights[i];
-            sum_l += w * l;
-            sum_l2 += w * l * l;
-            sum_xl += w * l * x[i];
-        }
-        float D = sum_w * sum_l2 - sum_l * sum_l;
-        if (D > 0) {
-            float this_scale = (sum_w * sum_xl - sum_x * sum_l) / D;
-            float this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
-            if (this_min > 0) {
-                this_min = 0;
-                this_scale = sum_xl / sum_l2;
+            for (int g = 0; g < G; ++g) {
+                const float xi = xt[i * G + g], w = wt[i * G + g];
+                int l = nearest_int(iscale[g] * (xi - mn[g]));
+                l = MAX(0, MIN(nmax, l));
+                Laux[i * G + g] = (uint8_t)l;
+                sum_l[g] += w * l;
+                sum_l2[g] += w * l * l;
+                sum_xl[g] += w * l * xi;
             }
-            float cur_error = 0;
-            for (int i = 0; i < n; ++i) {
-                float diff = this_scale * Laux[i] + this_min - x[i];
+        }
+        for (int g = 0; g < G; ++g) {
+            const float D = sum_w[g] * sum_l2[g] - sum_l[g] * sum_l[g];
+            float this_scale = (sum_w[g] * sum_xl[g] - sum_x[g] * sum_l[g]) / D;
+            float this_min = (sum_l2[g] * sum_x[g] - sum_l[g] * sum_xl[g]) / D;
+            const int positive = this_min > 0;
+            ts[g] = positive ? sum_xl[g] / sum_l2[g] : this_scale;
+            tm[g] = positive ? 0.f : this_min;
+            take[g] = D > 0;
+            cur[g] = 0;
+        }
+        for (int i = 0; i < n; ++i) {
+            for (int g = 0; g < G; ++g) {
+                const float xi = xt[i * G + g], w = wt[i * G + g];
+                float diff = ts[g] * Laux[i * G + g] + tm[g] - xi;
                 diff = use_mad ? fabsf(diff) : diff * diff;
-                float w = weights[i];
-                cur_error += w * diff;
-            }
-            if (cur_error < best_error) {
-                for (int i = 0; i < n; ++i) L[i] = Laux[i];
-                best_error = cur_error;
-                scale = this_scale;
-                min = this_min;
+                cur[g] += w * diff;
             }
         }
+        for (int g = 0; g < G; ++g) {
+            take[g] = take[g] && cur[g] < best[g];
+            best[g] = take[g] ? cur[g] : best[g];
+            scale[g] = take[g] ? ts[g] : scale[g];
+            mn[g] = take[g] ? tm[g] : mn[g];
+        }
+        for (int i = 0; i < n; ++i)
+            for (int g = 0; g < G; ++g) L[i * G + g] = take[g] ? Laux[i * G + g] : L[i * G + g];
     }
-    *the_min = -min;
-    return scale;
+    for (int g = 0; g < G; ++g) {
+        scale_out[g] = flat[g] ? 0.f : scale[g];
+        min_out[g] = flat[g] ? flat_min[g] : -mn[g];
+    }
+    for (int i = 0; i < n; ++i)
+        for (int g = 0; g < G; ++g) L[i * G + g] = flat[g] ? 0 : L[i * G + g];
 }
 
 static inline void get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
@@ -310,15 +360,23 @@ static inline void get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t
 /* block_q2_K: scales[16] qs[64] d dmin (84 bytes) */
 static void quantize_q2_k(const float *x, uint8_t *y) {
     uint8_t *scales_q = y, *qs = y + 16, *d_p = y + 80, *dmin_p = y + 82;
-    uint8_t L[QK_K], Laux[16];
-    float weights[16], mins[QK_K / 16], scales[QK_K / 16];
+    uint8_t L[QK_K];
+    float mins[QK_K / 16], scales[QK_K / 16];
     const float q4scale = 15.f;
     float max_scale = 0;
     float max_min = 0;
+    float xt[QK_K], wt[QK_K];
+    uint8_t Lt[QK_K];
     for (int j = 0; j < QK_K / 16; ++j) {
-        for (int l = 0; l < 16; ++l) weights[l] = fabsf(x[16 * j + l]);
-        scales[j] = make_qkx2_quants(16, 3, x + 16 * j, weights, L + 16 * j, &mins[j], Laux, -0.5f,
-                                     0.1f, 15, true);
+        for (int l = 0; l < 16; ++l) {
+            xt[l * 16 + j] = x[16 * j + l];
+            wt[l * 16 + j] = fabsf(x[16 * j + l]);
+        }
+    }
+    make_qkx2_lanes(16, 16, 3, xt, wt, Lt, scales, mins, -0.5f, 0.1f, 15, true);
+    for (int j = 0; j < QK_K / 16; ++j)
+        for (int l = 0; l < 16; ++l) L[16 * j + l] = Lt[l * 16 + j];
+    for (int j = 0; j < QK_K / 16; ++j) {
         float scale = scales[j];
         if (scale > max_scale) max_scale = scale;
         float min = mins[j];
@@ -433,17 +491,27 @@ static void quantize_q3_k(const float *x, uint8_t *y) {
 static void quantize_q45_k(const float *x, uint8_t *y, uint8_t *L, int nmax, float rmin,
                            int nstep) {
     uint8_t *d_p = y, *dmin_p = y + 2, *sc_q = y + 4;
-    uint8_t Laux[32];
-    float weights[32], mins[QK_K / 32], scales[QK_K / 32];
+    float mins[QK_K / 32], scales[QK_K / 32];
     float max_scale = 0;
     float max_min = 0;
+    float xt[QK_K], wt[QK_K], sum_x2[8], av_x[8];
+    uint8_t Lt[QK_K];
     for (int j = 0; j < QK_K / 32; ++j) {
-        float sum_x2 = 0;
-        for (int l = 0; l < 32; ++l) sum_x2 += x[32 * j + l] * x[32 * j + l];
-        float av_x = sqrtf(sum_x2 / 32);
-        for (int l = 0; l < 32; ++l) weights[l] = av_x + fabsf(x[32 * j + l]);
-        scales[j] = make_qkx2_quants(32, nmax, x + 32 * j, weights, L + 32 * j, &mins[j], Laux,
-                                     rmin, 0.1f, nstep, false);
+        sum_x2[j] = 0;
+        for (int l = 0; l < 32; ++l) xt[l * 8 + j] = x[32 * j + l];
+    }
+    for (int l = 0; l < 32; ++l)
+        for (int j = 0; j < 8; ++j) sum_x2[j] += xt[l * 8 + j] * xt[l * 8 + j];
+    for (int j = 0; j < 8; ++j) av_x[j] = sqrtf(sum_x2[j] / 32);
+    for (int l = 0; l < 32; ++l)
+        for (int j = 0; j < 8; ++j) wt[l * 8 + j] = av_x[j] + fabsf(xt[l * 8 + j]);
+    if (nmax == 15)
+        make_qkx2_lanes(32, 8, 15, xt, wt, Lt, scales, mins, rmin, 0.1f, nstep, false);
+    else
+        make_qkx2_lanes(32, 8, 31, xt, wt, Lt, scales, mins, rmin, 0.1f, nstep, false);
+    for (int j = 0; j < 8; ++j)
+        for (int l = 0; l < 32; ++l) L[32 * j + l] = Lt[l * 8 + j];
+    for (int j = 0; j < QK_K / 32; ++j) {
         float scale = scales[j];
         if (scale > max_scale) max_scale = scale;
         float min = mins[j];
@@ -577,7 +645,7 @@ static void quantize_iq4_impl(int super_block_size, const float *x, uint8_t *dh,
     const int block_size = 32, ntry = 7;
     const int8_t *values = IQ4NL_VALUES;
     uint8_t L[QK_K];
-    float scales[QK_K / 32], weight[32];
+    float scales[QK_K / 32] = {0}, weight[32];
     memset(q4, 0, (size_t)super_block_size / 2);
     put_fp16(dh, 0.f);
     float max_scale = 0, amax_scale = 0;
@@ -759,4 +827,7 @@ static struct PyModuleDef MODULE = {
     -1, METHODS, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__kquants(void) { return PyModule_Create(&MODULE); }
+PyMODINIT_FUNC PyInit__kquants(void) {
+    init_iq4_table();
+    return PyModule_Create(&MODULE);
+}
