@@ -25,6 +25,7 @@ setup(
             # No FMA contraction, no fast-math: ggml's float32 operations, each rounded, in order
             # (-O3 vectorizes across independent sub-blocks only; sums are never reassociated).
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c11"],
+            extra_link_args=["-pthread"],
             optional=True,
         ),
     ]

@@ -23,6 +23,7 @@ numpy code otherwise; both write the same bytes (``tests/test_kquants.py`` runs 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -516,8 +517,21 @@ def compiled_available() -> bool:
     return _COMPILED is not None
 
 
+def _default_threads(n_values: int) -> int:
+    """This process's CPUs, at most 8, and one per 64 Ki values at least."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8, n_values >> 16))
+
+
 def quantize(
-    values: np.ndarray, ggml_type: GGMLQuantizationType, *, compiled: bool | None = None
+    values: np.ndarray,
+    ggml_type: GGMLQuantizationType,
+    *,
+    compiled: bool | None = None,
+    threads: int | None = None,
 ) -> np.ndarray:
     """Quantize float32 values (any shape; the size a multiple of the block size) to the raw
     bytes ``ggml_quantize_chunk`` writes for ``ggml_type`` without an importance matrix.
@@ -525,7 +539,9 @@ def quantize(
     Returns flat uint8. Rows do not matter to these types: blocks never span two rows when the
     row length is a multiple of the block size, which the caller checks. ``compiled``: None uses
     the compiled quantizers where they were built, False the numpy code, True requires the
-    compiled ones (RuntimeError where they were not built).
+    compiled ones (RuntimeError where they were not built). ``threads``: how many threads the
+    compiled quantizers split the blocks over (default: the process's CPUs, at most 8, none for
+    small tensors); the bytes do not depend on it.
     """
     if ggml_type not in _QUANTIZERS:
         names = ", ".join(t.name for t in TYPES)
@@ -546,7 +562,8 @@ def quantize(
             f"{ggml_type.name}: the compiled quantizers (ggufswap.shards._kquants) were not built"
         )
     if compiled:
-        _COMPILED.quantize(int(ggml_type), flat, out)
+        n_threads = _default_threads(flat.size) if threads is None else threads
+        _COMPILED.quantize(int(ggml_type), flat, out, n_threads)
         return out.reshape(-1)
     step = max(1, _CHUNK_ELEMENTS // block_size)
     with np.errstate(all="ignore"):  # lanes that ggml's code skips divide by zero here

@@ -145,8 +145,9 @@ def _random_rows(rng: np.random.Generator, n: int) -> np.ndarray:
 @pytest.mark.skipif(not kquants.compiled_available(), reason="_kquants was not built")
 @pytest.mark.parametrize("ggml_type", kquants.TYPES, ids=lambda t: t.name)
 def test_compiled_and_numpy_write_the_same_bytes(ggml_type: Q) -> None:
-    """The compiled quantizers and the numpy ones agree byte for byte on random data with zeros,
-    tiny, huge, denormal, constant and sparse rows, and on rows holding NaN and infinities."""
+    """The compiled quantizers (one thread or three) and the numpy ones agree byte for byte on
+    random data with zeros, tiny, huge, denormal, constant and sparse rows, and on rows holding
+    NaN and infinities."""
     rng = np.random.default_rng(int(ggml_type))
     rows = _random_rows(rng, 1024)
     special = rows[:4].copy()
@@ -156,8 +157,10 @@ def test_compiled_and_numpy_write_the_same_bytes(ggml_type: Q) -> None:
     special[3, 1:40] = np.nan
     for values in (rows, special, rng.standard_normal((64, 2048)).astype(np.float32)):
         numpy_bytes = kquants.quantize(values, ggml_type, compiled=False)
-        compiled_bytes = kquants.quantize(values, ggml_type, compiled=True)
+        compiled_bytes = kquants.quantize(values, ggml_type, compiled=True, threads=1)
         assert compiled_bytes.shape == numpy_bytes.shape
+        threaded = kquants.quantize(values, ggml_type, compiled=True, threads=3)
+        assert bytes(threaded) == bytes(compiled_bytes)
         _block, type_size = GGML_QUANT_SIZES[ggml_type]
         bad = np.nonzero(
             np.any(compiled_bytes.reshape(-1, type_size) != numpy_bytes.reshape(-1, type_size), 1)

@@ -13,14 +13,18 @@
  * and against each other on random data.
  *
  * Python interface:
- *   quantize(type, src, dst) -> None   src: C-contiguous float32 buffer of whole blocks;
+ *   quantize(type, src, dst, threads=1) -> None
+ *                                      src: C-contiguous float32 buffer of whole blocks;
  *                                      dst: writable buffer of exactly the blocks' bytes.
- *                                      The GIL is released while quantizing.
+ *                                      The GIL is released while quantizing; the blocks are
+ *                                      split over `threads` POSIX threads (each block is
+ *                                      independent: the bytes do not depend on the split).
  *   types() -> tuple[int, ...]         GGML type ids quantized here
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
@@ -768,11 +772,27 @@ static const qtype *find_type(int type) {
     return NULL;
 }
 
+typedef struct {
+    const qtype *t;
+    const float *x;
+    uint8_t *y;
+    Py_ssize_t b0, b1;
+} quantize_job;
+
+static void *quantize_range(void *arg) {
+    const quantize_job *j = (const quantize_job *)arg;
+    for (Py_ssize_t b = j->b0; b < j->b1; b++)
+        j->t->quantize(j->x + b * j->t->block_size, j->y + b * j->t->type_size);
+    return NULL;
+}
+
+#define MAX_THREADS 64
+
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
     (void)self;
-    int type;
+    int type, threads = 1;
     Py_buffer src, dst;
-    if (!PyArg_ParseTuple(args, "iy*w*", &type, &src, &dst)) return NULL;
+    if (!PyArg_ParseTuple(args, "iy*w*|i", &type, &src, &dst, &threads)) return NULL;
     PyObject *result = NULL;
     const qtype *t = find_type(type);
     if (t == NULL) goto done;
@@ -792,11 +812,23 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
                      dst.len, n_blocks, n_blocks * t->type_size);
         goto done;
     }
-    const float *x = (const float *)src.buf;
-    uint8_t *y = (uint8_t *)dst.buf;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > n_blocks) threads = n_blocks > 0 ? (int)n_blocks : 1;
+    quantize_job jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t b = 0; b < n_blocks; b++)
-        t->quantize(x + b * t->block_size, y + b * t->type_size);
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (quantize_job){t, (const float *)src.buf, (uint8_t *)dst.buf,
+                                 n_blocks * i / threads, n_blocks * (i + 1) / threads};
+    for (int i = 1; i < threads; i++)
+        started[i] = pthread_create(&tids[i], NULL, quantize_range, &jobs[i]) == 0;
+    for (int i = 1; i < threads; i++)
+        if (!started[i]) quantize_range(&jobs[i]); /* no thread: run it here */
+    quantize_range(&jobs[0]);
+    for (int i = 1; i < threads; i++)
+        if (started[i]) pthread_join(tids[i], NULL);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
