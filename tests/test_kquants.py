@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -183,3 +185,23 @@ def test_compiled_quantizer_checks_its_buffers() -> None:
         _kquants.quantize(int(Q.Q4_K), np.zeros(256, dtype=np.float32), bytearray(100))
     with pytest.raises(ValueError, match="no compiled quantizer for GGML type 8"):
         _kquants.quantize(8, np.zeros(32, dtype=np.float32), bytearray(34))
+
+
+def test_numpy_fallback_when_the_extension_is_missing() -> None:
+    """Without the compiled extension (an install with no C compiler), kquants still imports,
+    says so, and quantizes with numpy to ggml's golden bytes."""
+    script = (
+        "import sys\n"
+        "sys.modules['ggufswap.shards._kquants'] = None  # the import fails as if never built\n"
+        "import numpy as np\n"
+        "from gguf import GGMLQuantizationType as Q\n"
+        "from ggufswap.shards import kquants\n"
+        "assert not kquants.compiled_available() and not kquants.COMPILED_TYPES\n"
+        f"src = np.fromfile({str(GOLDEN / 'source.f32')!r}, dtype='<f4')[:1024]\n"
+        "sys.stdout.write(bytes(kquants.quantize(src, Q.Q4_K)).hex())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert bytes.fromhex(done.stdout) == bytes(_golden(Q.Q4_K)[: 4 * 144])
