@@ -19,7 +19,7 @@ $(MODULES): FORCE
 	@echo "$(MODULE_LIST)" | cmp -s - $@ || echo "$(MODULE_LIST)" > $@
 
 # The compiled kernels (runtime/csrc) are built by the same install (setup.py).
-$(STAMP): pyproject.toml setup.py Makefile $(MODULES) $(wildcard runtime/csrc/*.c)
+$(STAMP): pyproject.toml setup.py Makefile $(MODULES) $(wildcard runtime/csrc/*.c shards/csrc/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
 	rm -rf build/__editable__.*

@@ -1,15 +1,16 @@
-"""Speed of the reference K-quant/IQ4 quantizers (``shards.kquants``) against gguf-py's Q8_0.
+"""Speed of the reference K-quant/IQ4 quantizers (``shards.kquants``): compiled against numpy.
 
     python bench/quantize.py [--quick] [--types Q4_K IQ4_XS ...] [--repeats 3] [--cpu N]
 
 The same float32 tensor (4096-value rows of N(0, 0.02): 256 rows, 4 MiB; 64 rows with --quick)
-is quantized by ``kquants.quantize`` to each type and, as the baseline measured in the same run,
-by ``gguf.quants.quantize`` to Q8_0 (vectorized numpy like ours, but a one-pass algorithm, where
-the K-quants search 16 to 21 candidate scales per sub-block). Each figure is the best of
-``--repeats`` interleaved runs of both. Both are single-threaded numpy; the process is pinned to
-one CPU (``--cpu``, default the first of its affinity mask) while measuring, so figures taken on
-different days compare. ``ratio`` is baseline seconds / ours (below 1: slower than Q8_0).
-``run(quick)`` returns the rows for ``bench/run_all.py``.
+is quantized to each type by the compiled quantizers (``shards/csrc/kquants.c``, ours) and, as
+the baseline measured in the same run, by the numpy ones (``compiled=False``: the same bytes);
+gguf-py's numpy Q8_0 (a one-pass algorithm, where the K-quants search 16 to 21 candidate scales
+per sub-block) is timed beside them for scale. Each figure is the best of ``--repeats``
+interleaved runs. All are single-threaded; the process is pinned to one CPU (``--cpu``, default
+the first of its affinity mask) while measuring, so figures taken on different days compare.
+``ratio`` is numpy seconds / compiled seconds. Without the compiled extension, ours is numpy
+(ratio 1). ``run(quick)`` returns the rows for ``bench/run_all.py``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def run(
     repeats: int = 3,
     cpu: int | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per type: Q8_0 (gguf-py) seconds, ours, the ratio and ours in MB/s of input."""
+    """One row per type: numpy seconds, compiled seconds, the ratio, MB/s of input of each and
+    of gguf-py's Q8_0."""
     selected = [GGMLQuantizationType[t.upper()] for t in types] if types else list(kquants.TYPES)
     rows = 64 if quick else 256
     x = np.random.default_rng(0).standard_normal((rows, COLS), dtype=np.float32)
@@ -56,9 +58,10 @@ def run(
     try:
         out = []
         for ggml_type in selected:
-            baseline_s, ours_s = _best(
+            q8_s, baseline_s, ours_s = _best(
                 [
                     lambda: quants.quantize(x, GGMLQuantizationType.Q8_0),
+                    lambda t=ggml_type: kquants.quantize(x, t, compiled=False),
                     lambda t=ggml_type: kquants.quantize(x, t),
                 ],
                 repeats,
@@ -72,6 +75,8 @@ def run(
                     "target": None,
                     "ours_mb_s": x.nbytes / ours_s / 1e6,
                     "baseline_mb_s": x.nbytes / baseline_s / 1e6,
+                    "q8_0_mb_s": x.nbytes / q8_s / 1e6,
+                    "compiled": ggml_type in kquants.COMPILED_TYPES,
                     "cpu": pinned,
                 }
             )
@@ -89,11 +94,12 @@ def main() -> int:
     args = parser.parse_args()
     results = run(args.quick, args.types, repeats=args.repeats, cpu=args.cpu)
     print(f"numpy {np.__version__}, one thread pinned to CPU {results[0]['cpu']}")
-    print(f"{'':32} {'Q8_0 (gguf-py)':>16} {'ours':>12} {'ratio':>8}")
+    print(f"{'':32} {'numpy':>12} {'compiled':>12} {'ratio':>8} {'Q8_0 (gguf-py)':>16}")
     for r in results:
+        compiled = f"{r['ours_mb_s']:7.2f} MB/s" if r["compiled"] else "  not built"
         print(
-            f"{r['name']:32} {r['baseline_mb_s']:11.1f} MB/s {r['ours_mb_s']:7.2f} MB/s "
-            f"{r['ratio']:8.4f}"
+            f"{r['name']:32} {r['baseline_mb_s']:7.2f} MB/s {compiled} {r['ratio']:8.2f} "
+            f"{r['q8_0_mb_s']:11.1f} MB/s"
         )
     return 0
 

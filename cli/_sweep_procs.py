@@ -9,10 +9,18 @@ version and reports the figures and logit digests in its ``status``; a restore c
 originals back. The model must be laid out one tensor per shard (``ggufswap split
 --per-tensor``): a round then rewrites only its tensors' shards. Before the children start, and
 when the sweep ends or fails, every shard with a saved original is put back.
+
+The agent runs with ``OUT/agent.yaml``: the config with the ``settle_ms`` of the sweep's model
+lowered to :data:`SWEEP_SETTLE_MS`. Every write the sweep makes is a rename of a complete file
+(one inotify event, nothing left to settle), so the window the config keeps for other writers
+(files copied in slow chunks) only delays each swap and restore. Where the copy would not load
+as the same config (relative paths resolve against the config's directory), the agent gets the
+config itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import json
 import os
@@ -23,10 +31,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+import yaml
 from gguf import GGMLQuantizationType
 
 from ggufswap._demo_procs import Child, CommitEvents, DemoError, poll_until, status_of
-from ggufswap.config import Config
+from ggufswap.config import Config, ConfigError, load_config
 from ggufswap.runtime.serving.kld import BaseLogProbs
 from ggufswap.runtime.serving.sweep import (
     COMMIT_TIMEOUT_S,
@@ -52,6 +61,10 @@ EVAL_TIMEOUT_S: Final = 3600.0
 ORIGINALS: Final = "originals"
 CHILDREN: Final = "children.json"
 LEFTOVER_STOP_S: Final = 15.0
+AGENT_CONFIG: Final = "agent.yaml"
+# The agent's settle window for the sweep's own model: long enough for the renames of a group's
+# shards (a loop of rename calls) to arrive as one change, far below the config default (250 ms).
+SWEEP_SETTLE_MS: Final = 20
 
 
 class ProcessTarget:
@@ -77,6 +90,8 @@ class ProcessTarget:
                 "(the sweep reads commits and results there)"
             )
         self.config_path = config_path
+        self.config = config
+        self.agent_config_path = config_path  # OUT/agent.yaml once start() has written it
         self.rc = rc
         self.agent_status = config.agent.status_endpoint
         self.text = text
@@ -129,13 +144,52 @@ class ProcessTarget:
         )
         self._required = frozenset(sweep.get("required") or ())
         self._version = max(int(v) for v in sweep["results"])
+        self.agent_config_path = self.write_agent_config()
         agent = Child(
-            "agent", ["agent", "--config", str(self.config_path)], log_path=logs / "agent.log"
+            "agent",
+            ["agent", "--config", str(self.agent_config_path)],
+            log_path=logs / "agent.log",
         )
         self.children.append(agent)
         self._record_children()
         self._wait(lambda: status_of(self.agent_status), what="the agent", timeout_s=60.0)
         return self
+
+    def write_agent_config(self) -> Path:
+        """``OUT/agent.yaml``: the config with the sweep's model settling for
+        :data:`SWEEP_SETTLE_MS` (a lower ``settle_ms`` is kept); the config itself where the copy
+        would not load as the same config but for that."""
+        ours = [m.runtime == self.rc.control_endpoint for m in self.config.models]
+        try:
+            doc = yaml.safe_load(self.config_path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            return self.config_path
+        entries = doc.get("models") if isinstance(doc, dict) else None
+        if not isinstance(entries, list) or len(entries) != len(ours):
+            return self.config_path
+        if not all(isinstance(e, dict) for e in entries):
+            return self.config_path
+        for entry, model, mine in zip(entries, self.config.models, ours, strict=True):
+            if mine:
+                entry["settle_ms"] = min(model.settle_ms, SWEEP_SETTLE_MS)
+        path = self.out_dir / AGENT_CONFIG
+        write_text(path, yaml.safe_dump(doc, sort_keys=False))
+        expected = dataclasses.replace(
+            self.config,
+            source=path,
+            models=tuple(
+                dataclasses.replace(m, settle_ms=min(m.settle_ms, SWEEP_SETTLE_MS)) if mine else m
+                for m, mine in zip(self.config.models, ours, strict=True)
+            ),
+        )
+        try:
+            same = load_config(path) == expected
+        except ConfigError:
+            same = False
+        if not same:
+            path.unlink()
+            return self.config_path
+        return path
 
     def _record_children(self) -> None:
         """Note the children's pids in ``OUT/children.json`` for :meth:`stop_leftovers`."""
@@ -154,10 +208,8 @@ class ProcessTarget:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue  # gone
-            if (
-                b"ggufswap" not in b" ".join(cmdline)
-                or str(self.config_path).encode() not in cmdline
-            ):
+            configs = {str(self.config_path).encode(), str(self.out_dir / AGENT_CONFIG).encode()}
+            if b"ggufswap" not in b" ".join(cmdline) or not configs & set(cmdline):
                 continue  # the pid was reused by another program
             os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + LEFTOVER_STOP_S

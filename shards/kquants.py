@@ -14,12 +14,18 @@ with bytes ``ggml_quantize_chunk`` wrote (``crosscheck/quant_golden.py``).
 Every function is vectorized over blocks: the per-element loops of the C code become loops over
 the 16 or 32 positions of a sub-block, each step one numpy operation on all sub-blocks at once.
 Arrays inside are laid out ``[position, group]`` so that each step reads a contiguous row.
+
+The same quantizers exist compiled (``shards/csrc/kquants.c``, the extension
+``ggufswap.shards._kquants`` that the install builds): ggml's code statement by statement, 20 to
+100 times faster (``bench/quantize.py``). :func:`quantize` uses it when it was built and this
+numpy code otherwise; both write the same bytes (``tests/test_kquants.py`` runs both).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -33,6 +39,17 @@ _IQ4_VALUES: Final = np.array(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=F32
 )
 _CHUNK_ELEMENTS: Final = 1 << 16  # values per pass: bounds the temporaries, fits in cache
+
+
+def _load_compiled() -> Any:
+    try:
+        from ggufswap.shards import _kquants  # type: ignore[attr-defined]
+    except ImportError:  # not built (no C compiler): the numpy code below runs
+        return None
+    return _kquants
+
+
+_COMPILED: Final = _load_compiled()
 
 Floats = np.ndarray  # float32
 Ints = np.ndarray  # int32
@@ -490,14 +507,41 @@ _QUANTIZERS: Final[dict[GGMLQuantizationType, Callable[[Floats], np.ndarray]]] =
     Q.IQ4_XS: _quantize_iq4_xs,
 }
 TYPES: Final = tuple(_QUANTIZERS)
+COMPILED_TYPES: Final = (
+    frozenset() if _COMPILED is None else frozenset(Q(t) for t in _COMPILED.types())
+)
 
 
-def quantize(values: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+def compiled_available() -> bool:
+    """Whether the compiled quantizers (``ggufswap.shards._kquants``) were built."""
+    return _COMPILED is not None
+
+
+def _default_threads(n_values: int) -> int:
+    """This process's CPUs, at most 8, and one per 64 Ki values at least."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8, n_values >> 16))
+
+
+def quantize(
+    values: np.ndarray,
+    ggml_type: GGMLQuantizationType,
+    *,
+    compiled: bool | None = None,
+    threads: int | None = None,
+) -> np.ndarray:
     """Quantize float32 values (any shape; the size a multiple of the block size) to the raw
     bytes ``ggml_quantize_chunk`` writes for ``ggml_type`` without an importance matrix.
 
     Returns flat uint8. Rows do not matter to these types: blocks never span two rows when the
-    row length is a multiple of the block size, which the caller checks.
+    row length is a multiple of the block size, which the caller checks. ``compiled``: None uses
+    the compiled quantizers where they were built, False the numpy code, True requires the
+    compiled ones (RuntimeError where they were not built). ``threads``: how many threads the
+    compiled quantizers split the blocks over (default: the process's CPUs, at most 8, none for
+    small tensors); the bytes do not depend on it.
     """
     if ggml_type not in _QUANTIZERS:
         names = ", ".join(t.name for t in TYPES)
@@ -511,6 +555,16 @@ def quantize(values: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
         )
     blocks = flat.reshape(-1, block_size)
     out = np.empty((blocks.shape[0], type_size), dtype=np.uint8)
+    if compiled is None:
+        compiled = ggml_type in COMPILED_TYPES
+    elif compiled and ggml_type not in COMPILED_TYPES:
+        raise RuntimeError(
+            f"{ggml_type.name}: the compiled quantizers (ggufswap.shards._kquants) were not built"
+        )
+    if compiled:
+        n_threads = _default_threads(flat.size) if threads is None else threads
+        _COMPILED.quantize(int(ggml_type), flat, out, n_threads)
+        return out.reshape(-1)
     step = max(1, _CHUNK_ELEMENTS // block_size)
     with np.errstate(all="ignore"):  # lanes that ggml's code skips divide by zero here
         for start in range(0, blocks.shape[0], step):

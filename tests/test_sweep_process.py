@@ -19,6 +19,8 @@ import yaml
 from processes import GGUFSWAP, wait_for
 from runtime_helpers import ModelDir, one_thread
 
+from ggufswap._sweep_procs import AGENT_CONFIG, SWEEP_SETTLE_MS, ProcessTarget
+from ggufswap.config import load_config
 from ggufswap.runtime.serving.recipe import Recipe
 from ggufswap.runtime.serving.sweep import SweepOptions, run_sweep
 from ggufswap.runtime.serving.sweep_results import Journal
@@ -97,6 +99,8 @@ def test_process_sweep_equals_the_in_process_sweep(tmp_path: Path, run_dir: Path
     )  # fmt: skip
     assert run.returncode == 0, run.stderr + run.stdout
     assert "4 of 4 rounds recorded" in run.stdout
+    # The agent ran with the sweep's short settle window (the group's renames still one round).
+    assert load_config(out / AGENT_CONFIG).models[0].settle_ms == SWEEP_SETTLE_MS
     process = Journal(out / "rounds.jsonl").records
     in_process = run_sweep(
         model.first,
@@ -180,3 +184,50 @@ def test_process_sweep_resumes_after_a_kill(tmp_path: Path, run_dir: Path) -> No
     assert len({json.loads(line)["key"] for line in lines}) == len(lines) == 12
     after = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
     assert after == before
+
+
+def _target(config: Path, out: Path) -> ProcessTarget:
+    out.mkdir(parents=True, exist_ok=True)
+    return ProcessTarget(
+        config_path=config,
+        config=load_config(config),
+        text=config,
+        out_dir=out,
+        n_ctx=CTX,
+        max_chunks=None,
+    )
+
+
+def test_agent_config_shortens_only_the_sweeps_model(tmp_path: Path, run_dir: Path) -> None:
+    """The agent's config is the user's with the sweep's model settling for SWEEP_SETTLE_MS; a
+    model served by another runtime keeps its window, and a window already shorter is kept."""
+    model = ModelDir.write(tmp_path / "model", tiny_dense())
+    config = tmp_path / "ggufswap.yaml"
+    write_config(config, model, run_dir)
+    doc = yaml.safe_load(config.read_text())
+    other = dict(doc["models"][0], name="other", runtime=f"ipc://{run_dir}/other.sock")
+    doc["models"].append(dict(other, settle_ms=300))
+    config.write_text(yaml.safe_dump(doc))
+    written = _target(config, tmp_path / "out").write_agent_config()
+    assert written == tmp_path / "out" / AGENT_CONFIG
+    agent = load_config(written)
+    assert [m.settle_ms for m in agent.models] == [SWEEP_SETTLE_MS, 300]
+    assert agent.models[1:] == load_config(config).models[1:]
+    doc["models"][0]["settle_ms"] = 5
+    config.write_text(yaml.safe_dump(doc))
+    agent = load_config(_target(config, tmp_path / "out2").write_agent_config())
+    assert [m.settle_ms for m in agent.models] == [5, 300]
+
+
+def test_agent_config_with_relative_paths_is_the_users(tmp_path: Path, run_dir: Path) -> None:
+    """A config whose relative paths would resolve elsewhere from OUT is given to the agent
+    as it is (its own settle window), and no agent.yaml is left behind."""
+    model = ModelDir.write(tmp_path / "model", tiny_dense())
+    config = tmp_path / "ggufswap.yaml"
+    write_config(config, model, run_dir)
+    doc = yaml.safe_load(config.read_text())
+    doc["models"][0]["watch"][0]["path"] = "model"
+    config.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "out"
+    assert _target(config, out).write_agent_config() == config
+    assert not (out / AGENT_CONFIG).exists()
