@@ -38,6 +38,7 @@ import structlog
 
 from ggufswap.agent._actual import ActualState
 from ggufswap.agent.errors import LinkStateError
+from ggufswap.agent.events import CommitFollower
 from ggufswap.agent.index import ModelSnapshot
 from ggufswap.agent.reconcile import reconcile
 from ggufswap.agent.scrub import Scrubber
@@ -48,6 +49,7 @@ from ggufswap.ipc import (
     IpcError,
     MessageType,
     Plan,
+    PlanCommittedEvent,
     Reason,
     RuntimeState,
     SocketOptions,
@@ -194,6 +196,11 @@ class RuntimeLink:
         self.outcomes: dict[str, int] = {}  # plans by outcome since start (for metrics)
         self.log = log.bind(model=model.name, endpoint=self.endpoint)
         self._suspect: set[str] = set()  # bytes changed under an equal identity (the scrub)
+        # The runtime's plan.committed events: a commit this link did not send is reconciled at
+        # once (agent/events.py), not at the next periodic refresh.
+        self._events = CommitFollower(control=self.endpoint, options=self._options)
+        self._foreign: PlanCommittedEvent | None = None  # a foreign commit not yet re-synced
+        self.foreign_commits = 0
         self._scrubber = (
             Scrubber(
                 model=model.name,
@@ -283,6 +290,7 @@ class RuntimeLink:
                 "refused": sorted(self._refused),
                 "last_error": self._last_error,
                 "scrub": self._scrubber.status() if self._scrubber is not None else None,
+                "events": {**self._events.status(), "foreign_commits": self.foreign_commits},
             }
 
     def history(self) -> list[PlanRecord]:
@@ -320,6 +328,7 @@ class RuntimeLink:
         finally:
             if self._client is not None:
                 self._client.close()
+            self._events.close()
             with self._lock:
                 self._state = LinkState.STOPPED
 
@@ -333,6 +342,17 @@ class RuntimeLink:
         now = time.monotonic()
         if msg is not None:
             self._handle(msg, now)
+        for event in self._events.commits():
+            self._on_commit_event(event)
+        if self._foreign is not None and self._state is LinkState.IDLE:
+            foreign, self._foreign = self._foreign, None
+            self.log.info(
+                "link.foreign_commit",
+                plan_id=foreign.plan_id,
+                weight_version=foreign.weight_version,
+                changed=list(foreign.changed[:20]),
+            )
+            self._sync(delta=True)  # then reconcile: the next plan restores the files' content
         if client.reconnects != self._reconnects_seen:
             self._reconnects_seen = client.reconnects
             self._peer_lost("no heartbeat reply")
@@ -458,6 +478,20 @@ class RuntimeLink:
             self._last_error = f"bad {msg_type} from {self.endpoint}: {exc}"
             self.log.warning("link.bad_message", type=msg_type, error=str(exc))
 
+    def _on_commit_event(self, event: PlanCommittedEvent) -> None:
+        """A ``plan.committed`` event: one of another client's plans (or of a plan this link
+        abandoned) moved the runtime's state; this link's own outcomes re-sync already."""
+        flight = self._in_flight
+        if flight is not None and flight.plan.plan_id == event.plan_id:
+            return
+        if any(
+            r.plan_id == event.plan_id and r.outcome is Outcome.COMMITTED for r in self._history
+        ):
+            return
+        with self._lock:
+            self.foreign_commits += 1
+        self._foreign = event
+
     def _on_state(self, state: RuntimeState, now: float) -> None:
         if self._state is not LinkState.SYNCING:
             return
@@ -480,6 +514,7 @@ class RuntimeLink:
             if refused is None and not (state.model and state.model != self.model.name):
                 self._last_error = None  # the outage's error is over
             self.log.info("link.reconnected", endpoint=self.endpoint)
+        self._events.follow(state.events)
         self._request_id = self._request = None
         self._timers.state_at = now
         self._move(LinkState.IDLE)

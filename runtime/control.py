@@ -234,6 +234,7 @@ class ControlServer:
             tensors=entries,
             instance=self.instance,
             since=since,
+            events=self.publisher.endpoint if self.publisher is not None else None,
         )
 
     def status(self) -> dict[str, Any]:
