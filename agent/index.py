@@ -24,6 +24,7 @@ from types import MappingProxyType
 
 import structlog
 
+from ggufswap.agent.stability import StabilityWindow
 from ggufswap.agent.writers import writer_of
 from ggufswap.config import ModelConfig, WatchConfig
 from ggufswap.shards import HeaderCache, ShardError, ShardHeader, ShardSet, TensorRecord
@@ -101,6 +102,7 @@ class ModelIndex:
         self.model = model
         self._cache = cache if cache is not None else HeaderCache()
         self._last_good: dict[str, ShardHeader] = {}
+        self._stability = StabilityWindow(settle_s=model.settle_ms / 1000)
         self._target_dirs: dict[str, WatchConfig] = {}
         self._roots = self._resolve_roots()
         self.snapshot: ModelSnapshot | None = None
@@ -183,6 +185,10 @@ class ModelIndex:
         if os.path.isdir(real):
             return None, ShardStatus(seen, real, Health.INVALID, "a directory, not a shard")
         writer = writer_of(real)
+        if writer is None:
+            # Changed within the settle window although no event said so (a writer the probe
+            # cannot see, writing through a mapping): read once its identity is stable.
+            writer = self._stability.unstable(real)
         if writer is not None:  # being rewritten in place: reading it now could mix versions
             held = previous if previous is not None and previous.path == real else None
             return _Found(seen, real, held, True), ShardStatus(
@@ -231,6 +237,7 @@ class ModelIndex:
         present = set(statuses)
         for gone in [p for p in self._last_good if p not in present]:
             del self._last_good[gone]
+        self._stability.keep({s.real_path for s in statuses.values()})
         desired, held = self._assemble(found, statuses, problems)
         admits = self.model.tensors.admits
         desired = {n: r for n, r in desired.items() if admits(n)}
