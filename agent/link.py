@@ -19,9 +19,10 @@ Requests are retried on a fresh socket after ``request_timeout_s`` (``retries`` 
 safe because ``state`` only reads (a retried one asks for the full state) and a plan's id is its
 content: the runtime answers a known plan id with its outcome instead of applying it again.
 
-Size: ~590 lines, kept in one module because the state table, the timers and the reply handlers
-all act on the one in-flight plan; the records it reports (``PlanRecord``, ``Outcome``) are the
-part that could move out next.
+Size: ~700 lines, kept in one module because the state table, the timers and the reply handlers
+all act on the one in-flight plan (the events subscription is ``agent/events.py``, the scrub
+``agent/scrub.py``); the records it reports (``PlanRecord``, ``Outcome``) are the part that
+should move out next.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import enum
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,7 +160,10 @@ class RuntimeLink:
         heartbeat_interval_s: float = 1.0,
         state_refresh_s: float = 300.0,
         on_stale: Callable[[str], None] | None = None,
+        scrub: bool = True,
     ) -> None:
+        """``scrub``: run the model's scrub on this link (the first of a model's links; the
+        others join it with :meth:`scrub_also`)."""
         self.model = model
         self.endpoint = model.runtime
         self._fingerprinter = fingerprinter if fingerprinter is not None else Fingerprinter()
@@ -201,15 +205,16 @@ class RuntimeLink:
         self._events = CommitFollower(control=self.endpoint, options=self._options)
         self._foreign: PlanCommittedEvent | None = None  # a foreign commit not yet re-synced
         self.foreign_commits = 0
+        self._scrub_peers: tuple[RuntimeLink, ...] = ()  # the model's other runtimes
         self._scrubber = (
             Scrubber(
                 model=model.name,
                 rate=model.scrub_bytes_per_s,
                 view=self._scrub_view,
-                on_changed=self.content_changed,
+                on_changed=self._scrub_changed,
                 on_stale=self._scrub_stale,
             )
-            if model.verify is VerifyMode.CHECKSUM and model.scrub_bytes_per_s > 0
+            if scrub and model.verify is VerifyMode.CHECKSUM and model.scrub_bytes_per_s > 0
             else None
         )
 
@@ -259,10 +264,24 @@ class RuntimeLink:
             self._suspect.add(record.name)
         self._scrub_stale()
 
-    def _scrub_view(self) -> tuple[Mapping[str, TensorRecord], Mapping[str, TensorEntry]]:
+    def scrub_also(self, links: Sequence[RuntimeLink]) -> None:
+        """Compare this link's scrub hashes with what ``links`` (the model's other runtimes,
+        on the same files) have loaded too: one scrub per model, not one per runtime."""
+        self._scrub_peers = tuple(links)
+
+    def _loaded(self) -> dict[str, TensorEntry]:
+        with self._lock:
+            return dict(self._actual.by_name)
+
+    def _scrub_view(
+        self,
+    ) -> tuple[Mapping[str, TensorRecord], list[Mapping[str, TensorEntry]]]:
         with self._lock:
             desired = self._desired.desired if self._desired is not None else {}
-            return desired, dict(self._actual.by_name)
+        return desired, [link._loaded() for link in (self, *self._scrub_peers)]
+
+    def _scrub_changed(self, runtime: int, record: TensorRecord, digest: str) -> None:
+        (self, *self._scrub_peers)[runtime].content_changed(record, digest)
 
     def _scrub_stale(self) -> None:
         if self._on_stale is not None:

@@ -213,15 +213,15 @@ def test_the_scrub_finds_bytes_changed_under_an_equal_identity(tmp_path: Path) -
     first = Path(write_model(tiny_moe(), tmp_path, layout=Layout.PER_TENSOR)[0])
     record = open_shard_set(first).tensors[TENSOR]
     entry = TensorEntry(record=record, fingerprint=fingerprint(record), slot=SlotState.ON_ORIGINAL)
-    found: list[tuple[TensorRecord, str]] = []
+    found: list[tuple[int, TensorRecord, str]] = []
     stale: list[bool] = []
 
-    def scrubber(loaded: TensorEntry) -> Scrubber:
+    def scrubber(*loaded: TensorEntry) -> Scrubber:
         return Scrubber(
             model=MODEL,
             rate=1 << 30,
-            view=lambda: ({TENSOR: loaded.record}, {TENSOR: loaded}),
-            on_changed=lambda r, d: found.append((r, d)),
+            view=lambda: ({TENSOR: record}, [{TENSOR: e} for e in loaded]),
+            on_changed=lambda i, r, d: found.append((i, r, d)),
             on_stale=lambda: stale.append(True),
         )
 
@@ -229,7 +229,7 @@ def test_the_scrub_finds_bytes_changed_under_an_equal_identity(tmp_path: Path) -
     assert (found, stale) == ([], [])
     changed = dataclasses.replace(entry, fingerprint="0" * 32)  # the runtime loaded other bytes
     scrubber(changed).step()
-    assert found == [(record, fingerprint(record))]
+    assert found == [(0, record, fingerprint(record))]
     assert stale == []
     plan = reconcile(
         {TENSOR: record},
@@ -242,3 +242,31 @@ def test_the_scrub_finds_bytes_changed_under_an_equal_identity(tmp_path: Path) -
     ).plan
     assert plan is not None
     assert plan.names() == (TENSOR,)
+
+
+@pytest.mark.reliability(
+    "faults",
+    "bytes changed under an equal identity, on a model served by 3 runtimes (replicas)",
+    tries=1,
+    outcome="one scrub per model: each tensor hashed once per pass (not once per runtime) and "
+    "compared with every runtime's fingerprint; only the runtime holding other bytes is told",
+)
+def test_one_scrub_per_model_compares_every_runtime(tmp_path: Path) -> None:
+    """With several runtimes of one model, the scrub hashes each tensor once and tells only the
+    runtimes whose fingerprint differs from the file's bytes."""
+    first = Path(write_model(tiny_moe(), tmp_path, layout=Layout.PER_TENSOR)[0])
+    record = open_shard_set(first).tensors[TENSOR]
+    same = TensorEntry(record=record, fingerprint=fingerprint(record), slot=SlotState.ON_ORIGINAL)
+    other = dataclasses.replace(same, fingerprint="0" * 32)
+    found: list[int] = []
+    scrubber = Scrubber(
+        model=MODEL,
+        rate=1 << 30,
+        view=lambda: ({TENSOR: record}, [{TENSOR: same}, {TENSOR: other}, {TENSOR: same}]),
+        on_changed=lambda i, r, d: found.append(i),
+        on_stale=lambda: None,
+    )
+    scrubber.step()
+    assert found == [1]
+    assert scrubber.hashed_bytes == record.nbytes, "hashed once for the three runtimes"
+    assert scrubber.found == 1
