@@ -186,9 +186,9 @@ def mapped(record: TensorRecord) -> tuple[mmap.mmap, bytes]:
 def test_a_shard_is_read_only_once_its_identity_is_stable(tmp_path: Path) -> None:
     """A writer the probe cannot see rewrites a tensor through a shared mapping one page at a
     time, pausing 0.3 s between pages, while the agent rescans every 0.2 s: the agent holds the
-    shard as long as its identity changed within the last settle window (1.5 s) and plans it
+    shard as long as its identity changed within the last settle window (3 s) and plans it
     once, when complete."""
-    with blind_processes(tmp_path, settle_ms=1500, rescan_s=0.2) as live:
+    with blind_processes(tmp_path, settle_ms=3000, rescan_s=0.2) as live:
         record = open_shard_set(live.first).tensors[TENSOR]
         mapping, original = mapped(record)
         new = rows(original, record.ne[-1], shift=0)
