@@ -233,9 +233,11 @@ class AgentDaemon:
                         heartbeat_interval_s=self._heartbeat_s,
                         state_refresh_s=config.agent.rescan_interval_s,
                         on_stale=self._on_stale,
+                        scrub=endpoint == slot.config.runtime,  # one scrub per model
                     )
                     for endpoint in (slot.config.runtime, *slot.config.replicas)
                 )
+                slot.link.scrub_also(slot.replicas)
                 for link in _links(slot):
                     if slot.index.snapshot is not None:
                         link.set_desired(slot.index.snapshot)

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from ggufswap.agent.stability import StabilityWindow
 from ggufswap.agent.writers import writer_of
 from ggufswap.config import ModelConfig, WatchConfig
 from ggufswap.logs import get_logger
@@ -100,6 +101,7 @@ class ModelIndex:
         self.model = model
         self._cache = cache if cache is not None else HeaderCache()
         self._last_good: dict[str, ShardHeader] = {}
+        self._stability = StabilityWindow(settle_s=model.settle_ms / 1000)
         self._target_dirs: dict[str, WatchConfig] = {}
         self._roots = self._resolve_roots()
         self.snapshot: ModelSnapshot | None = None
@@ -182,6 +184,10 @@ class ModelIndex:
         if os.path.isdir(real):
             return None, ShardStatus(seen, real, Health.INVALID, "a directory, not a shard")
         writer = writer_of(real)
+        if writer is None:
+            # Changed within the settle window although no event said so (a writer the probe
+            # cannot see, writing through a mapping): read once its identity is stable.
+            writer = self._stability.unstable(real)
         if writer is not None:  # being rewritten in place: reading it now could mix versions
             held = previous if previous is not None and previous.path == real else None
             return _Found(seen, real, held, True), ShardStatus(
@@ -230,6 +236,7 @@ class ModelIndex:
         present = set(statuses)
         for gone in [p for p in self._last_good if p not in present]:
             del self._last_good[gone]
+        self._stability.keep({s.real_path for s in statuses.values()})
         desired, held = self._assemble(found, statuses, problems)
         admits = self.model.tensors.admits
         desired = {n: r for n, r in desired.items() if admits(n)}

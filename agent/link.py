@@ -19,9 +19,10 @@ Requests are retried on a fresh socket after ``request_timeout_s`` (``retries`` 
 safe because ``state`` only reads (a retried one asks for the full state) and a plan's id is its
 content: the runtime answers a known plan id with its outcome instead of applying it again.
 
-Size: ~590 lines, kept in one module because the state table, the timers and the reply handlers
-all act on the one in-flight plan; the records it reports (``PlanRecord``, ``Outcome``) are the
-part that could move out next.
+Size: ~700 lines, kept in one module because the state table, the timers and the reply handlers
+all act on the one in-flight plan (the events subscription is ``agent/events.py``, the scrub
+``agent/scrub.py``); the records it reports (``PlanRecord``, ``Outcome``) are the part that
+should move out next.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ import enum
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ggufswap.agent._actual import ActualState
 from ggufswap.agent.errors import LinkStateError
+from ggufswap.agent.events import CommitFollower
 from ggufswap.agent.index import ModelSnapshot
 from ggufswap.agent.reconcile import reconcile
 from ggufswap.agent.scrub import Scrubber
@@ -46,6 +48,7 @@ from ggufswap.ipc import (
     IpcError,
     MessageType,
     Plan,
+    PlanCommittedEvent,
     Reason,
     RuntimeState,
     SocketOptions,
@@ -156,7 +159,10 @@ class RuntimeLink:
         heartbeat_interval_s: float = 1.0,
         state_refresh_s: float = 300.0,
         on_stale: Callable[[str], None] | None = None,
+        scrub: bool = True,
     ) -> None:
+        """``scrub``: run the model's scrub on this link (the first of a model's links; the
+        others join it with :meth:`scrub_also`)."""
         self.model = model
         self.endpoint = model.runtime
         self._fingerprinter = fingerprinter if fingerprinter is not None else Fingerprinter()
@@ -193,15 +199,21 @@ class RuntimeLink:
         self.outcomes: dict[str, int] = {}  # plans by outcome since start (for metrics)
         self.log = log.bind(model=model.name, endpoint=self.endpoint)
         self._suspect: set[str] = set()  # bytes changed under an equal identity (the scrub)
+        # The runtime's plan.committed events: a commit this link did not send is reconciled at
+        # once (agent/events.py), not at the next periodic refresh.
+        self._events = CommitFollower(control=self.endpoint, options=self._options)
+        self._foreign: PlanCommittedEvent | None = None  # a foreign commit not yet re-synced
+        self.foreign_commits = 0
+        self._scrub_peers: tuple[RuntimeLink, ...] = ()  # the model's other runtimes
         self._scrubber = (
             Scrubber(
                 model=model.name,
                 rate=model.scrub_bytes_per_s,
                 view=self._scrub_view,
-                on_changed=self.content_changed,
+                on_changed=self._scrub_changed,
                 on_stale=self._scrub_stale,
             )
-            if model.verify is VerifyMode.CHECKSUM and model.scrub_bytes_per_s > 0
+            if scrub and model.verify is VerifyMode.CHECKSUM and model.scrub_bytes_per_s > 0
             else None
         )
 
@@ -251,10 +263,24 @@ class RuntimeLink:
             self._suspect.add(record.name)
         self._scrub_stale()
 
-    def _scrub_view(self) -> tuple[Mapping[str, TensorRecord], Mapping[str, TensorEntry]]:
+    def scrub_also(self, links: Sequence[RuntimeLink]) -> None:
+        """Compare this link's scrub hashes with what ``links`` (the model's other runtimes,
+        on the same files) have loaded too: one scrub per model, not one per runtime."""
+        self._scrub_peers = tuple(links)
+
+    def _loaded(self) -> dict[str, TensorEntry]:
+        with self._lock:
+            return dict(self._actual.by_name)
+
+    def _scrub_view(
+        self,
+    ) -> tuple[Mapping[str, TensorRecord], list[Mapping[str, TensorEntry]]]:
         with self._lock:
             desired = self._desired.desired if self._desired is not None else {}
-            return desired, dict(self._actual.by_name)
+        return desired, [link._loaded() for link in (self, *self._scrub_peers)]
+
+    def _scrub_changed(self, runtime: int, record: TensorRecord, digest: str) -> None:
+        (self, *self._scrub_peers)[runtime].content_changed(record, digest)
 
     def _scrub_stale(self) -> None:
         if self._on_stale is not None:
@@ -282,6 +308,7 @@ class RuntimeLink:
                 "refused": sorted(self._refused),
                 "last_error": self._last_error,
                 "scrub": self._scrubber.status() if self._scrubber is not None else None,
+                "events": {**self._events.status(), "foreign_commits": self.foreign_commits},
             }
 
     def history(self) -> list[PlanRecord]:
@@ -319,6 +346,7 @@ class RuntimeLink:
         finally:
             if self._client is not None:
                 self._client.close()
+            self._events.close()
             with self._lock:
                 self._state = LinkState.STOPPED
 
@@ -332,6 +360,17 @@ class RuntimeLink:
         now = time.monotonic()
         if msg is not None:
             self._handle(msg, now)
+        for event in self._events.commits():
+            self._on_commit_event(event)
+        if self._foreign is not None and self._state is LinkState.IDLE:
+            foreign, self._foreign = self._foreign, None
+            self.log.info(
+                "link.foreign_commit",
+                plan_id=foreign.plan_id,
+                weight_version=foreign.weight_version,
+                changed=list(foreign.changed[:20]),
+            )
+            self._sync(delta=True)  # then reconcile: the next plan restores the files' content
         if client.reconnects != self._reconnects_seen:
             self._reconnects_seen = client.reconnects
             self._peer_lost("no heartbeat reply")
@@ -457,6 +496,20 @@ class RuntimeLink:
             self._last_error = f"bad {msg_type} from {self.endpoint}: {exc}"
             self.log.warning("link.bad_message", type=msg_type, error=str(exc))
 
+    def _on_commit_event(self, event: PlanCommittedEvent) -> None:
+        """A ``plan.committed`` event: one of another client's plans (or of a plan this link
+        abandoned) moved the runtime's state; this link's own outcomes re-sync already."""
+        flight = self._in_flight
+        if flight is not None and flight.plan.plan_id == event.plan_id:
+            return
+        if any(
+            r.plan_id == event.plan_id and r.outcome is Outcome.COMMITTED for r in self._history
+        ):
+            return
+        with self._lock:
+            self.foreign_commits += 1
+        self._foreign = event
+
     def _on_state(self, state: RuntimeState, now: float) -> None:
         if self._state is not LinkState.SYNCING:
             return
@@ -479,6 +532,7 @@ class RuntimeLink:
             if refused is None and not (state.model and state.model != self.model.name):
                 self._last_error = None  # the outage's error is over
             self.log.info("link.reconnected", endpoint=self.endpoint)
+        self._events.follow(state.events)
         self._request_id = self._request = None
         self._timers.state_at = now
         self._move(LinkState.IDLE)

@@ -17,12 +17,16 @@ compares with the fingerprint the runtime reports:
 After hashing ``n`` bytes the thread waits ``n / rate`` seconds, so the scrub never reads faster
 than ``scrub_rate`` on average; a full pass over a model of ``S`` bytes takes about ``S / rate``,
 which bounds the detection latency.
+
+One scrub per model, however many runtimes serve it (``replicas``): the files are the same, so
+each tensor is hashed once and the hash compared with what every runtime reports (the view
+gives one actual state per runtime; ``on_changed`` names the runtime by its index there).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from ggufswap.ipc import TensorEntry
 from ggufswap.logs import get_logger
@@ -34,7 +38,9 @@ log = get_logger(__name__)
 IDLE_S = 1.0  # wait between looks when nothing is in sync yet
 
 
-View = Callable[[], tuple[Mapping[str, TensorRecord], Mapping[str, TensorEntry]]]
+# (desired, the actual state of each runtime of the model)
+View = Callable[[], tuple[Mapping[str, TensorRecord], Sequence[Mapping[str, TensorEntry]]]]
+Changed = Callable[[int, TensorRecord, str], None]  # (runtime index, record, digest now)
 
 
 def _same_source(loaded: TensorRecord, record: TensorRecord) -> bool:
@@ -55,7 +61,7 @@ class Scrubber:
         model: str,
         rate: int,
         view: View,
-        on_changed: Callable[[TensorRecord, str], None],
+        on_changed: Changed,
         on_stale: Callable[[], None],
     ) -> None:
         self.model = model
@@ -102,11 +108,16 @@ class Scrubber:
 
     def step(self) -> float:
         """Hash the next in-sync tensor; return how long to wait before the next one."""
-        desired, actual = self._view()
+        desired, actuals = self._view()
+
+        def loaded(name: str, actual: Mapping[str, TensorEntry]) -> TensorEntry | None:
+            entry = actual.get(name)
+            return (
+                entry if entry is not None and _same_source(entry.record, desired[name]) else None
+            )
+
         in_sync = sorted(
-            name
-            for name, record in desired.items()
-            if (entry := actual.get(name)) is not None and _same_source(entry.record, record)
+            name for name in desired if any(loaded(name, actual) for actual in actuals)
         )
         if not in_sync:
             return IDLE_S
@@ -116,7 +127,6 @@ class Scrubber:
             name = in_sync[0]
         self._cursor = name
         record = desired[name]
-        expected = actual[name].fingerprint
         try:
             digest = fingerprint(record)
         except (ShardError, OSError) as exc:
@@ -124,15 +134,24 @@ class Scrubber:
             self._on_stale()
             return IDLE_S
         self.hashed_bytes += record.nbytes
-        if expected is not None and digest != expected:
+        differs = [
+            (i, entry.fingerprint)
+            for i, actual in enumerate(actuals)
+            if (entry := loaded(name, actual)) is not None
+            and entry.fingerprint is not None
+            and entry.fingerprint != digest
+        ]
+        if differs:
             self.found += 1
+        for i, expected in differs:
             log.warning(
                 "scrub.content_changed",
                 model=self.model,
                 tensor=name,
                 path=record.path,
+                runtime=i,
                 expected=expected,
                 found=digest,
             )
-            self._on_changed(record, digest)
+            self._on_changed(i, record, digest)
         return record.nbytes / self.rate

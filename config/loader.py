@@ -277,7 +277,7 @@ class _Builder:
             verify=self.r.get(sec, "verify", self.v.choice(VerifyMode), VerifyMode.CHECKSUM),
             request_timeout_s=self.r.get(sec, "request_timeout_s", self.v.seconds, 5.0),
             retries=self.r.get(sec, "retries", self.v.integer(minimum=0), 3),
-            scrub_bytes_per_s=self.r.get(sec, "scrub_rate", self.v.size, 16 * 1000 * 1000),
+            scrub_bytes_per_s=self.r.get(sec, "scrub_rate", self.v.size_or_zero, 16 * 1000 * 1000),
         )
 
     def _watch_root(self, node: Node, key_path: str) -> Path:

@@ -309,6 +309,15 @@ class Subscriber:
             except (UnicodeDecodeError, IpcError) as exc:
                 log.warning("ipc.bad_event", endpoint=self.endpoint, error=str(exc))
 
+    def drain(self, limit: int = 256) -> list[tuple[str, dict[str, Any]]]:
+        """The events already received (at most ``limit``), without waiting."""
+        got: list[tuple[str, dict[str, Any]]] = []
+        while len(got) < limit and self._socket.poll(0, zmq.POLLIN):
+            event = self.recv(0.001)
+            if event is not None:
+                got.append(event)
+        return got
+
     def close(self) -> None:
         self._socket.close(linger=0)
 

@@ -108,6 +108,7 @@ class Fields:
     TENSORS = "tensors"
     SINCE = "since"  # state, state_reply: the weight version a delta starts from
     INSTANCE = "instance"  # state, state_reply: the runtime's weight history (versions' scope)
+    EVENTS = "events"  # state_reply: the runtime's event (PUB) endpoint, for clients to follow
     PLAN_ID = "plan_id"
     JOBS = "jobs"
     STALL_MS = "stall_ms"
@@ -415,6 +416,7 @@ class RuntimeState:
     tensors: tuple[TensorEntry, ...]
     instance: str | None = None
     since: int | None = None
+    events: str | None = None  # the runtime's PUB endpoint; None when it publishes none
 
     def by_name(self) -> dict[str, TensorEntry]:
         return {entry.record.name: entry for entry in self.tensors}
@@ -461,13 +463,16 @@ def state_to_wire(state: RuntimeState) -> dict[str, Any]:
             t.FINGERPRINT: entry.fingerprint,
             t.SLOT: entry.slot.value,
         }
-    return {
+    body: dict[str, Any] = {
         Fields.MODEL: state.model,
         Fields.WEIGHT_VERSION: state.weight_version,
         Fields.INSTANCE: state.instance,
         Fields.SINCE: state.since,
         Fields.TENSORS: tensors,
     }
+    if state.events is not None:
+        body[Fields.EVENTS] = state.events
+    return body
 
 
 def _entry_fast(raw: object, name: object) -> TensorEntry | None:
@@ -501,6 +506,7 @@ def state_from_wire(d: object) -> RuntimeState:
         _entry_fast(raw, name) or _entry_strict(raw, name) for name, raw in tensors_raw.items()
     )
     since, instance = m.get(Fields.SINCE), m.get(Fields.INSTANCE)
+    events = m.get(Fields.EVENTS)
     if since is not None and instance is None:
         raise MalformedMessage(
             f"field {Fields.INSTANCE!r}: a delta ({Fields.SINCE!r} = {since!r}) names the runtime "
@@ -514,6 +520,7 @@ def state_from_wire(d: object) -> RuntimeState:
         tensors=entries,
         instance=None if instance is None else c.as_str(instance, Fields.INSTANCE, nonempty=True),
         since=None if since is None else c.as_int(since, Fields.SINCE, minimum=0),
+        events=None if events is None else c.as_str(events, Fields.EVENTS, nonempty=True),
     )
 
 

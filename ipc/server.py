@@ -55,6 +55,9 @@ class Request:
     msg: Mapping[str, Any]
     type: MessageType
     body: object
+    # The connection's "Peer-Address" as libzmq reports it: on ipc:// "localhost:UID:GID:PID"
+    # (SO_PEERCRED of the connecting process), on tcp:// the peer's IP; None if unknown.
+    peer_address: str | None = None
 
 
 Handler = Callable[[Request], Mapping[str, Any] | None]
@@ -289,10 +292,15 @@ class RequestServer:
     def _drain_socket(self, sock: zmq.Socket[bytes]) -> None:
         for _ in range(_MAX_BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._handle(sock, frames)
+            try:
+                found = parts[-1].get("Peer-Address")
+            except zmq.ZMQError:  # no such property on this transport
+                found = None
+            address = found if isinstance(found, str) else None
+            self._handle(sock, [part.bytes for part in parts], address)
 
     def _send(
         self, sock: zmq.Socket[bytes], peer: bytes, envelope: list[bytes], data: bytes
@@ -313,7 +321,9 @@ class RequestServer:
             # EHOSTUNREACH: the peer is gone (ROUTER_MANDATORY); EAGAIN: its queue is full.
             self.log.warning("ipc.reply_dropped", peer=peer.hex(), error=str(exc))
 
-    def _handle(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+    def _handle(
+        self, sock: zmq.Socket[bytes], frames: list[bytes], address: str | None = None
+    ) -> None:
         peer, body = frames[0], frames[1:]
         envelope: list[bytes] = []
         if len(body) == 2 and body[0] == b"":  # a REQ peer: keep its empty delimiter
@@ -324,7 +334,7 @@ class RequestServer:
             )
             self._send(sock, peer, envelope, encode(error))
             return
-        reply = self._reply_to(peer, body[0])
+        reply = self._reply_to(peer, body[0], address)
         if reply is None:
             return
         try:
@@ -334,7 +344,9 @@ class RequestServer:
             data = encode(make_error(reply.get(Fields.IN_REPLY_TO), ErrorCode.INTERNAL, str(exc)))
         self._send(sock, peer, envelope, data)
 
-    def _reply_to(self, peer: bytes, payload: bytes) -> Mapping[str, Any] | None:
+    def _reply_to(
+        self, peer: bytes, payload: bytes, address: str | None = None
+    ) -> Mapping[str, Any] | None:
         try:
             msg = decode(payload, max_size=self._max_msg_size)
         except MessageTooLarge as exc:
@@ -351,7 +363,7 @@ class RequestServer:
             msg_type, body = parse_message(msg)
             if msg_type is MessageType.PING:
                 return make_reply(msg, MessageType.PONG, process=self.name, uptime_s=self.uptime_s)
-            return self._handler(Request(peer, msg, msg_type, body))
+            return self._handler(Request(peer, msg, msg_type, body, address))
         except UnknownMessageType as exc:
             self.log.warning("ipc.unknown_type", peer=peer.hex(), type=msg.get(Fields.TYPE))
             return make_error(msg_id, ErrorCode.UNKNOWN_TYPE, str(exc))

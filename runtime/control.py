@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from functools import partial
+from typing import Any, Final
 
 from ggufswap.config import Config
 from ggufswap.ipc import (
@@ -53,10 +55,44 @@ log = get_logger(__name__)
 
 Reply = Mapping[str, Any]
 
-# Plans one client (one ZeroMQ peer) may have queued or staging at once. The agent has one plan
-# in flight at a time; a client that floods plans gets ``rejected`` (stale: retry later) past
-# this, so its plans never queue ahead of more than this many of anyone else's.
+# Plans one client may have queued or staging at once. The agent has one plan in flight at a
+# time; a client that floods plans gets ``rejected`` (stale: retry later) past this. A client is
+# a process on ipc:// (SO_PEERCRED: all its connections count together), a connection on tcp://
+# (``peer_identity``).
 MAX_PLANS_IN_FLIGHT_PER_PEER = 4
+# Plans handed to the runtime at once: one staging or staged, one queued behind it so that the
+# stager never waits for the dispatcher. Every further plan waits in its client's queue here,
+# and the clients' queues are served round-robin: a plan waits behind at most this many plans
+# plus one of each other client with plans waiting.
+RUNTIME_WINDOW: Final = 2
+
+
+def peer_identity(request: Request, *, ipc: bool) -> str:
+    """Who sent ``request``, for the per-client limit and the round-robin.
+
+    On an ``ipc://`` endpoint: the connecting process, from the credentials the kernel gives
+    the socket (SO_PEERCRED, which libzmq reports as the ``Peer-Address`` ``host:UID:GID:PID``):
+    every connection a process opens is the same client, so more connections buy no more
+    turns, and no client can claim another's identity. Elsewhere (``tcp://``), the ZeroMQ
+    routing id, one per connection: an IP address would merge every client of one host (the
+    agent with whoever floods), and a CURVE key may be shared, so a connection is the finest
+    identity that cannot be forged.
+    """
+    address = request.peer_address
+    if ipc and address is not None:
+        parts = address.rsplit(":", 3)
+        if len(parts) == 4 and parts[1].isdigit() and parts[3].isdigit():
+            return f"uid {parts[1]} pid {parts[3]}"
+    return f"connection {request.peer.hex()}"
+
+
+@dataclasses.dataclass
+class _Waiting:
+    """A plan admitted and answered ``accepted``, waiting for its client's turn."""
+
+    plan: Plan
+    identity: str
+    answers: list[_Answer]
 
 
 class ControlServer:
@@ -93,8 +129,17 @@ class ControlServer:
             else None
         )
         self.publisher = Publisher(events_endpoint, options) if events_endpoint else None
-        self._peer_lock = threading.Lock()
-        self._peer_plans: dict[bytes, set[str]] = {}  # plans in flight, per client
+        self._ipc = control_endpoint.startswith("ipc://")
+        # The fair queue: guarded by one condition, which also wakes the dispatcher thread.
+        self._fair = threading.Condition()
+        self._peer_plans: dict[str, set[str]] = {}  # client -> plan ids queued here or handed
+        self._queues: dict[str, deque[_Waiting]] = {}  # client -> its plans waiting here
+        self._turns: deque[str] = deque()  # clients with plans waiting, in round-robin order
+        self._waiting: dict[str, _Waiting] = {}  # plan id -> where it waits
+        self._handed: set[str] = set()  # plan ids handed to the runtime, not yet final
+        self._stopping = False
+        self._dispatcher: threading.Thread | None = None
+        self.dispatched: list[tuple[str, str]] = []  # (client, plan id) of the last handed plans
         runtime.on_event(self._publish)
 
     @classmethod
@@ -120,9 +165,21 @@ class ControlServer:
         self.control.start()
         if self.status_server is not None:
             self.status_server.start()
+        self._dispatcher = threading.Thread(
+            target=self._dispatch, name="ggufswap-control-fair", daemon=True
+        )
+        self._dispatcher.start()
         return self
 
     def close(self) -> None:
+        # 1. the dispatcher: plans still waiting here are dropped (their clients re-plan from
+        # the runtime's state, which they never changed).
+        with self._fair:
+            self._stopping = True
+            self._fair.notify_all()
+        if self._dispatcher is not None:
+            self._dispatcher.join(5.0)
+            self._dispatcher = None
         self.control.stop()
         if self.status_server is not None:
             self.status_server.stop()
@@ -156,51 +213,128 @@ class ControlServer:
     def _plan(self, request: Request) -> Reply:
         plan = request.body
         assert isinstance(plan, Plan), "the request server parses a plan message into a Plan"
-        if not self._admit(request.peer, plan.plan_id):
-            busy = Rejected(
-                plan_id=plan.plan_id,
-                stale=True,
-                reasons=(
-                    Reason(
-                        "*",
-                        f"this client already has {MAX_PLANS_IN_FLIGHT_PER_PEER} plans in "
-                        "flight; resend after one of them is committed or rejected",
-                        stale=True,
-                    ),
-                ),
-            )
-            log.warning("control.peer_busy", plan_id=plan.plan_id, peer=request.peer.hex())
-            return make_reply(request.msg, MessageType.REJECTED, **rejected_to_wire(busy))
+        msg_id = str(request.msg[Fields.ID])
+        known = self.runtime.ticket(plan.plan_id)
+        if known is not None and known.state is not PlanState.REJECTED:
+            # A re-send of a plan the runtime has: answered with its state, counted once.
+            answer = _Answer(self.control, request.peer, msg_id)
+            self.runtime.submit(plan, follow=answer)
+            assert answer.first is not None, "submit follows the ticket, which answers at once"
+            return answer.first
+        identity = peer_identity(request, ipc=self._ipc)
+        accepted = make_reply(request.msg, MessageType.ACCEPTED, **{Fields.PLAN_ID: plan.plan_id})
+        with self._fair:
+            waiting = self._waiting.get(plan.plan_id)
+            if waiting is not None:  # a re-send of a plan waiting here: one more to answer
+                waiting.answers.append(
+                    _Answer(self.control, request.peer, msg_id, said_accepted=True)
+                )
+                return accepted
+            plans = self._peer_plans.setdefault(identity, set())
+            if len(plans) >= MAX_PLANS_IN_FLIGHT_PER_PEER:
+                return self._busy(request, plan, identity)
+            plans.add(plan.plan_id)
+            direct = not self._turns and len(self._handed) < RUNTIME_WINDOW
+            if direct:
+                self._handed.add(plan.plan_id)
+                self._note_dispatched(identity, plan.plan_id)
+            else:
+                answer = _Answer(self.control, request.peer, msg_id, said_accepted=True)
+                self._enqueue(_Waiting(plan, identity, [answer]))
+                return accepted
+        # The runtime has room and no one waits: handed over now, validated as it is.
         answer = _Answer(
             self.control,
             request.peer,
-            str(request.msg[Fields.ID]),
-            on_final=lambda: self._release(request.peer, plan.plan_id),
+            msg_id,
+            on_final=lambda: self._release(identity, plan.plan_id),
         )
         self.runtime.submit(plan, follow=answer)
         assert answer.first is not None, "submit follows the ticket, which answers at once"
         return answer.first
 
-    def _admit(self, peer: bytes, plan_id: str) -> bool:
-        """Count ``plan_id`` against ``peer``'s plans in flight; False when it has too many (a
-        plan the runtime already knows and has not rejected is a re-send: always admitted)."""
-        known = self.runtime.ticket(plan_id)
-        if known is not None and known.state is not PlanState.REJECTED:
-            return True
-        with self._peer_lock:
-            plans = self._peer_plans.setdefault(peer, set())
-            if len(plans) >= MAX_PLANS_IN_FLIGHT_PER_PEER:
-                return False
-            plans.add(plan_id)
-            return True
+    def _busy(self, request: Request, plan: Plan, identity: str) -> Reply:
+        busy = Rejected(
+            plan_id=plan.plan_id,
+            stale=True,
+            reasons=(
+                Reason(
+                    "*",
+                    f"this client ({identity}) already has {MAX_PLANS_IN_FLIGHT_PER_PEER} plans "
+                    "in flight; resend after one of them is committed or rejected",
+                    stale=True,
+                ),
+            ),
+        )
+        log.warning("control.peer_busy", plan_id=plan.plan_id, client=identity)
+        return make_reply(request.msg, MessageType.REJECTED, **rejected_to_wire(busy))
 
-    def _release(self, peer: bytes, plan_id: str) -> None:
-        with self._peer_lock:
-            plans = self._peer_plans.get(peer)
+    def _enqueue(self, waiting: _Waiting) -> None:
+        """Queue ``waiting`` behind its client's earlier plans (``_fair`` held)."""
+        queue = self._queues.get(waiting.identity)
+        if queue is None:
+            queue = self._queues[waiting.identity] = deque()
+            self._turns.append(waiting.identity)
+        queue.append(waiting)
+        self._waiting[waiting.plan.plan_id] = waiting
+        self._fair.notify_all()
+
+    def _note_dispatched(self, identity: str, plan_id: str) -> None:
+        self.dispatched.append((identity, plan_id))
+        del self.dispatched[:-64]
+
+    def _dispatch(self) -> None:
+        """The dispatcher thread: hands the next client's next plan to the runtime whenever it
+        has room (round-robin over the clients with plans waiting)."""
+        while True:
+            with self._fair:
+                self._fair.wait_for(
+                    lambda: self._stopping or (bool(self._turns) and self._room()), timeout=1.0
+                )
+                if self._stopping:
+                    return
+                if not (self._turns and self._room()):
+                    continue
+                identity = self._turns.popleft()
+                queue = self._queues[identity]
+                waiting = queue.popleft()
+                if queue:
+                    self._turns.append(identity)  # its next plan after everyone else's
+                else:
+                    del self._queues[identity]
+                plan_id = waiting.plan.plan_id
+                del self._waiting[plan_id]
+                self._handed.add(plan_id)
+                self._note_dispatched(identity, plan_id)
+            fanout = _Fanout(waiting.answers, on_final=partial(self._release, identity, plan_id))
+            try:
+                self.runtime.submit(waiting.plan, follow=fanout)
+            except Exception:  # a bug: the plan is dropped, its client re-plans
+                log.exception("control.dispatch_failed", plan_id=plan_id)
+                self._release(identity, plan_id)
+
+    def _room(self) -> bool:
+        return len(self._handed) < RUNTIME_WINDOW
+
+    def _release(self, identity: str, plan_id: str) -> None:
+        """``plan_id`` reached a final state: its client and the runtime have room again."""
+        with self._fair:
+            self._handed.discard(plan_id)
+            plans = self._peer_plans.get(identity)
             if plans is not None:
                 plans.discard(plan_id)
                 if not plans:
-                    del self._peer_plans[peer]
+                    del self._peer_plans[identity]
+            self._fair.notify_all()
+
+    def fairness(self) -> dict[str, Any]:
+        """The fair queue, for ``status``: plans waiting per client and handed to the runtime."""
+        with self._fair:
+            return {
+                "waiting": {identity: len(q) for identity, q in self._queues.items()},
+                "handed": len(self._handed),
+                "clients_in_flight": {i: len(p) for i, p in self._peer_plans.items()},
+            }
 
     # -- events ----------------------------------------------------------------------------
 
@@ -233,10 +367,12 @@ class ControlServer:
             tensors=entries,
             instance=self.instance,
             since=since,
+            events=self.publisher.endpoint if self.publisher is not None else None,
         )
 
     def status(self) -> dict[str, Any]:
         status = self.runtime.status()
+        status["control_queue"] = self.fairness()
         if self._extra_status is not None:
             status.update(self._extra_status())
         return status
@@ -259,11 +395,15 @@ class _Answer:
         request_id: str,
         *,
         on_final: Callable[[], None] | None = None,
+        said_accepted: bool = False,
     ) -> None:
         self._server = server
         self._peer = peer
         self._request_id = request_id
         self._on_final = on_final
+        # Answered ``accepted`` already (the plan waited in the fair queue): the first call
+        # sends only an outcome.
+        self._said_accepted = said_accepted
         self.first: Reply | None = None
 
     def __call__(self, ticket: PlanTicket) -> None:
@@ -271,11 +411,16 @@ class _Answer:
             self._on_final()
         if self.first is None:
             self.first = self._reply(ticket, MessageType.ACCEPTED)
+            if self._said_accepted and ticket.state.final:
+                self._send(self.first, ticket)
             return
         if ticket.state is PlanState.STAGING:
             return  # ``accepted`` said so already
+        self._send(self._reply(ticket, MessageType.STAGED), ticket)
+
+    def _send(self, reply: Reply, ticket: PlanTicket) -> None:
         try:
-            self._server.send_to(self._peer, self._reply(ticket, MessageType.STAGED))
+            self._server.send_to(self._peer, reply)
         except IpcError as exc:  # the server stopped: the peer re-plans from ``state``
             log.info("control.reply_dropped", plan_id=ticket.plan_id, error=str(exc))
 
@@ -293,3 +438,17 @@ class _Answer:
             outcome = Rejected(plan_id=ticket.plan_id, stale=ticket.stale, reasons=ticket.reasons)
             return make_reply(request, MessageType.REJECTED, **rejected_to_wire(outcome))
         return make_reply(request, in_flight, **{Fields.PLAN_ID: ticket.plan_id})
+
+
+class _Fanout:
+    """Follows one ticket for every request that asked for its plan while it waited."""
+
+    def __init__(self, answers: list[_Answer], *, on_final: Callable[[], None]) -> None:
+        self._answers = answers
+        self._on_final = on_final
+
+    def __call__(self, ticket: PlanTicket) -> None:
+        if ticket.state.final:
+            self._on_final()
+        for answer in self._answers:
+            answer(ticket)

@@ -21,6 +21,9 @@ CORE = "ggufswap.runtime"
 MODELS = "ggufswap.runtime.models"
 SERVING = "ggufswap.runtime.serving"
 RAY_SWEEP = "ggufswap.runtime.serving.sweep_ray"  # the one module that imports ray (an extra)
+# The modules that may import structlog: the loggers every module uses, and the command line's
+# configuration of them. Anything else logs through ggufswap.logs.get_logger.
+STRUCTLOG_USERS = frozenset({"ggufswap.logs", "ggufswap._logsetup"})
 AGENT_SIDE = ("ggufswap.shards", "ggufswap.config", "ggufswap.ipc", "ggufswap.agent")
 FOUNDATIONS = ("ggufswap.shards", "ggufswap.config", "ggufswap.ipc")
 # Import name -> repository folder (pyproject's package-dir; subpackages follow their folders).
@@ -105,6 +108,12 @@ def rules(graph: grimp.ImportGraph) -> list[Rule]:
             "only the Ray sweep imports ray",
             frozenset(_tree(graph, PACKAGE) - {RAY_SWEEP}),
             frozenset({"ray"}),
+            direct_only=True,
+        ),
+        Rule(
+            "modules log through ggufswap.logs.get_logger, never structlog directly",
+            frozenset(_tree(graph, PACKAGE) - STRUCTLOG_USERS),
+            frozenset({"structlog"}),
             direct_only=True,
         ),
         Rule(

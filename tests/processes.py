@@ -58,11 +58,19 @@ def status_of(endpoint: str, *, timeout: float = 1.0) -> dict[str, Any] | None:
 class Proc:
     """A ``ggufswap`` subprocess with its log in a file."""
 
-    def __init__(self, args: list[str], *, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        log: Path,
+        env: dict[str, str] | None = None,
+        wrapper: tuple[str, ...] = (),
+    ) -> None:
+        """``wrapper``: a command that runs ``ggufswap ARGS`` (``unshare ...``, ``setpriv ...``)."""
         self.log_path = log
         self._log = log.open("wb")
         self.popen = subprocess.Popen(
-            [GGUFSWAP, *args],
+            [*wrapper, GGUFSWAP, *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -146,6 +146,15 @@ def running_agent(
                 agent.start_loop()
             try:
                 agent.wait_in_sync()
+                if start_loop:
+                    # Files written just before the start are held until their identity has been
+                    # stable for settle_ms (agent/stability.py): begin from a settled index.
+                    wait_for(
+                        lambda: agent.status()["models"]["m"]["shards"]["settling"] == 0,
+                        timeout=30,
+                        what="every shard settled",
+                    )
+                    agent.wait_in_sync()
                 yield agent
             finally:
                 daemon.request_stop()

@@ -22,6 +22,9 @@ def model_config(directory: Path, **overrides: object) -> ModelConfig:
         "name": "m",
         "runtime": "ipc:///nonexistent/rt.sock",
         "watch": (WatchConfig(path=directory),),
+        # These scans run right after the writes, without the daemon's debouncer: no settle
+        # window (tests/test_writers.py covers the stability window).
+        "settle_ms": 0,
     }
     base.update(overrides)
     return ModelConfig(**base)  # type: ignore[arg-type]

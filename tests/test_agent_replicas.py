@@ -137,6 +137,8 @@ def test_agent_sends_each_plan_to_every_runtime_of_the_model(replicas: Replicas)
     }
     assert [r["endpoint"] for r in model["runtimes"]] == list(replicas.endpoints.values())
     assert all(r["plans_by_outcome"] == {"committed": 1} for r in model["runtimes"])
+    # One scrub for the model (on its first link), hashing each tensor once for both runtimes.
+    assert [r["scrub"] is not None for r in model["runtimes"]] == [True, False]
 
     # One runtime down: the model is out of sync; back (a fresh load of the files), in sync.
     replicas.procs["rt-b"].stop(timeout=60)  # a busy shared machine can be slow to exit

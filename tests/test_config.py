@@ -836,3 +836,14 @@ def test_fuzz_mutated_yaml_only_ever_raises_config_error(
     assert error.problems
     assert all(isinstance(p, ConfigProblem) for p in error.problems)
     assert str(error)
+
+
+def test_scrub_rate_zero_turns_the_scrub_off() -> None:
+    """``scrub_rate: 0`` is accepted (docs/configuration.md: it turns the scrub off); a
+    negative rate is not."""
+    config = load_config_text(MODEL + "    scrub_rate: 0\n")
+    assert config.models[0].scrub_bytes_per_s == 0
+    rated = load_config_text(MODEL + "    scrub_rate: 4MB\n")
+    assert rated.models[0].scrub_bytes_per_s == 4_000_000
+    with pytest.raises(ConfigError, match="scrub_rate"):
+        load_config_text(MODEL + "    scrub_rate: -1\n")

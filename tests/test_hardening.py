@@ -7,6 +7,7 @@ its row in the reliability matrix.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from flood_peer import FloodPeer
 from hostile import MODEL, STARTUP_TIMEOUT_S, TENSOR, RawPeer
 from processes import GGUFSWAP, Proc, status_of, wait_for, write_config
 from runtime_helpers import WAIT_S, ModelDir, Q, open_runtime
@@ -31,6 +33,7 @@ from ggufswap.ipc import (
     Job,
     MessageType,
     Plan,
+    PlanCommittedEvent,
     RequestServer,
     encode,
     make_message,
@@ -41,7 +44,11 @@ from ggufswap.ipc._check import MAX_PATH_COMPONENTS
 from ggufswap.ipc.errors import InsecureEndpoint
 from ggufswap.ipc.messages import MAX_PLAN_ID_LENGTH, MAX_PLAN_JOBS
 from ggufswap.runtime import HotSwapRuntime
-from ggufswap.runtime.control import MAX_PLANS_IN_FLIGHT_PER_PEER, ControlServer
+from ggufswap.runtime.control import (
+    MAX_PLANS_IN_FLIGHT_PER_PEER,
+    RUNTIME_WINDOW,
+    ControlServer,
+)
 from ggufswap.shards import Layout, open_shard_set, requantize, tiny_moe, write_model
 
 OUTPUT = "output.weight"
@@ -136,38 +143,96 @@ def test_plans_over_the_bounds_are_malformed(served: Served) -> None:
     outcome="flooder capped at 4 in flight, the rest rejected stale; the update commits "
     "after at most 4 of the flood's plans",
 )
-def test_a_flooding_client_cannot_queue_ahead_of_another(served: Served) -> None:
-    """A client with MAX_PLANS_IN_FLIGHT_PER_PEER plans in flight gets its further plans
-    rejected (stale, to resend later), so another client's plan is committed after at most that
-    many of the flood's."""
+def test_a_flooding_client_cannot_queue_ahead_of_another(served: Served, tmp_path: Path) -> None:
+    """A client (a process of its own) with MAX_PLANS_IN_FLIGHT_PER_PEER plans in flight gets
+    its further plans rejected (stale, to resend later), so another client's plan is committed
+    after at most that many of the flood's; then no client has anything in flight."""
     flood = 50
-    with (
-        RawPeer(served.control.control.endpoint) as flooder,
-        RawPeer(served.control.control.endpoint) as agent,
-    ):
-        ids = []
-        for i in range(flood):
-            msg_id, frame = plan_frame(served.model_dir.plan(f"flood-{i}", [OUTPUT]))
-            flooder.send([frame])
-            ids.append(msg_id)
-        first = {}
-        deadline = time.monotonic() + WAIT_S
-        while len(first) < flood and time.monotonic() < deadline:
-            for reply in flooder.replies(timeout=0.1, want=flood):
-                first.setdefault(reply[Fields.IN_REPLY_TO], reply[Fields.TYPE])
-        assert len(first) == flood
-        kinds = [first[i] for i in ids]
+    endpoint = served.control.control.endpoint
+    committed = committed_order(served.runtime)
+    frames = [plan_frame(served.model_dir.plan(f"flood-{i}", [OUTPUT])) for i in range(flood)]
+    with FloodPeer(endpoint, frames, connections=1, tmp=tmp_path) as flooder:
+        first = flooder.first_replies()
+        kinds = [first.get(msg_id) for msg_id, _ in frames]
         assert kinds.count("accepted") == MAX_PLANS_IN_FLIGHT_PER_PEER, kinds
         assert kinds.count("rejected") == flood - MAX_PLANS_IN_FLIGHT_PER_PEER, kinds
-        msg_id, frame = plan_frame(served.model_dir.plan("agent", [OUTPUT]))
-        agent.send([frame])
-        reply = outcome(agent, served.runtime, msg_id)
+        with RawPeer(endpoint) as agent:
+            msg_id, frame = plan_frame(served.model_dir.plan("agent", [OUTPUT]))
+            agent.send([frame])
+            # Queued before any commit (nothing commits until the loop below runs).
+            assert [r[Fields.TYPE] for r in agent.replies()] == ["accepted"]
+            reply = outcome(agent, served.runtime, msg_id)
         assert reply[Fields.TYPE] == "committed", reply
-        assert reply[Fields.WEIGHT_VERSION] <= MAX_PLANS_IN_FLIGHT_PER_PEER + 1, reply
-        # Once its plans are decided the flooder may send again.
-        msg_id, frame = plan_frame(served.model_dir.plan("flood-again", [OUTPUT]))
-        flooder.send([frame])
-        assert outcome(flooder, served.runtime, msg_id)[Fields.TYPE] == "committed"
+        assert committed.index("agent") <= MAX_PLANS_IN_FLIGHT_PER_PEER, committed
+        drain(served, committed, MAX_PLANS_IN_FLIGHT_PER_PEER + 1)
+    assert served.control.fairness()["clients_in_flight"] == {}
+
+
+def committed_order(runtime: HotSwapRuntime) -> list[str]:
+    """The plan ids the runtime commits from now on, in order (filled as it commits)."""
+    order: list[str] = []
+
+    def note(event: object) -> None:
+        if isinstance(event, PlanCommittedEvent):
+            order.append(event.plan_id)
+
+    runtime.on_event(note)
+    return order
+
+
+def drain(served: Served, committed: list[str], count: int) -> None:
+    """Act as the inference loop until ``count`` plans are committed."""
+    deadline = time.monotonic() + WAIT_S
+    while len(committed) < count and time.monotonic() < deadline:
+        served.runtime.at_batch_boundary()
+        served.runtime.wait_staged(0.05)
+    assert len(committed) == count, committed
+
+
+@pytest.mark.reliability(
+    "security",
+    "3 flooding processes, 4 connections each, 4 no-op plans per connection; then the agent's "
+    "update",
+    tries=48,
+    outcome="each process capped at 4 in flight over all its connections (SO_PEERCRED), the "
+    "rest rejected stale; clients served round-robin: the update committed after at most "
+    "RUNTIME_WINDOW + 3 flood plans",
+)
+def test_many_connections_do_not_starve_the_agents_update(served: Served, tmp_path: Path) -> None:
+    """Flooders that open many connections count as one client each (their process, from
+    SO_PEERCRED) and the runtime's control queue serves clients round-robin, so the agent's
+    update is committed after at most RUNTIME_WINDOW plans already handed to the runtime plus
+    one plan of each flooder, however many connections and plans they send."""
+    flooders, connections, per_connection = 3, 4, 4
+    endpoint = served.control.control.endpoint
+    committed = committed_order(served.runtime)
+    with contextlib.ExitStack() as stack:
+        floods = []
+        for f in range(flooders):
+            frames = [
+                plan_frame(served.model_dir.plan(f"flood-{f}-{i}", [OUTPUT]))
+                for i in range(connections * per_connection)
+            ]
+            peer = FloodPeer(endpoint, frames, connections=connections, tmp=tmp_path)
+            floods.append((stack.enter_context(peer), frames))
+        kinds = []
+        for peer, frames in floods:
+            first = peer.first_replies()
+            kinds.append([first.get(msg_id) for msg_id, _ in frames])
+        with RawPeer(endpoint) as agent:
+            msg_id, frame = plan_frame(served.model_dir.plan("agent", [OUTPUT]))
+            agent.send([frame])
+            # Queued before any commit (nothing commits until the loop below runs).
+            assert [r[Fields.TYPE] for r in agent.replies()] == ["accepted"]
+            reply = outcome(agent, served.runtime, msg_id)
+        assert reply[Fields.TYPE] == "committed", reply
+        position = committed.index("agent")  # flood plans committed before the agent's
+        assert position <= RUNTIME_WINDOW + flooders, (position, committed)
+        for each in kinds:  # every connection of a process counts against the one limit
+            assert each.count("accepted") == MAX_PLANS_IN_FLIGHT_PER_PEER, each
+            assert each.count("rejected") == len(each) - MAX_PLANS_IN_FLIGHT_PER_PEER, each
+        drain(served, committed, flooders * MAX_PLANS_IN_FLIGHT_PER_PEER + 1)
+    assert served.control.fairness() == {"waiting": {}, "handed": 0, "clients_in_flight": {}}
 
 
 # -- socket directories (finding 5) -----------------------------------------------------------

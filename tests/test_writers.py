@@ -124,10 +124,12 @@ def test_an_in_place_writer_pausing_mid_write_is_never_planned(live: Live) -> No
 
 def reconciled(live: Live) -> bool:
     """The link has planned from the latest scan and has nothing in flight."""
-    model = live.status(live.agent_status)["models"][MODEL]
-    link = model["link"]
+    model = live.status(live.agent_status).get("models", {}).get(MODEL, {})
+    link = model.get("link")
     return bool(
-        link["reconciled_generation"] == model["generation"] and link["pending_plan"] is None
+        link
+        and link["reconciled_generation"] == model["generation"]
+        and link["pending_plan"] is None
     )
 
 
@@ -142,42 +144,53 @@ def runtime_has_the_files_bytes(live: Live) -> bool:
     return bool(runtime_entry(live)[Fields.Tensor.FINGERPRINT] == fingerprint(record))
 
 
+def rewrite_in_place(path: str) -> None:
+    """Write a file's own bytes back through a descriptor: events (modify, close-write) and a
+    new identity, the same content."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        f.seek(0)
+        f.write(data)
+
+
 @pytest.mark.reliability(
     "faults",
     "writes through a MAP_SHARED mapping made after the descriptor closed (no inotify event)",
     tries=1,
-    outcome="held while mapped writable (looked at every settle window); the new bytes "
-    "committed once after munmap; runtime fingerprint = the file's bytes",
+    outcome="held while mapped writable, even by scans that other files' events cause; the new "
+    "bytes committed once after munmap; runtime fingerprint = the file's bytes",
 )
 def test_writes_through_a_shared_mapping_are_loaded_after_munmap(live: Live) -> None:
-    """A process maps the shard shared and writable and closes its descriptor (the only event);
-    once the agent has scanned after that, it writes through the mapping (no event at all). The
-    agent holds the shard while the mapping exists and loads the new bytes after munmap."""
-    record = open_shard_set(live.first).tensors[TENSOR]
+    """A process maps the shard shared and writable, closes its descriptor and writes through
+    the mapping: no event (the mapping keeps the file open: its close-write comes at munmap),
+    but the page fault moved the shard's mtime. Another shard's event makes the agent scan
+    while the mapping exists: it holds the mapped shard instead of loading it half written, and
+    loads the new bytes once, after munmap.
+
+    (Without the hold this test's earlier form passed as well: nothing made the agent scan
+    while the file was mapped, and munmap's close-write planned the final bytes.)"""
+    shards = open_shard_set(live.first).tensors
+    record = shards[TENSOR]
+    other = next(r for name, r in sorted(shards.items()) if r.path != record.path)
     rows = record.nbytes // (record.nbytes // max(1, record.ne[-1]))
+    wait_for(lambda: reconciled(live), timeout=WAIT_S, what="the agent in sync")
     assert live.weight_version() == 0
-    scans = wait_for(
-        lambda: live.status(live.agent_status).get("scans", {}).get("count"),
-        timeout=WAIT_S,
-        what="the agent's first scan",
-    )
     start, end = record.offset, record.offset + record.nbytes
     with open(record.path, "r+b") as f:
-        f.seek(start)
-        original = f.read(record.nbytes)
-        f.seek(start)
-        f.write(original)  # the same bytes: only so that the close below is reported
         mapping = mmap.mmap(f.fileno(), 0)
     try:
-        # The close above is the last event: wait until the agent has scanned after it.
-        wait_for(
-            lambda: live.status(live.agent_status)["scans"]["count"] > scans,
-            timeout=WAIT_S,
-            what="a scan after the close",
-        )
-        wait_for(lambda: reconciled(live), timeout=WAIT_S, what="the link to plan from it")
+        original = bytes(mapping[start:end])
         mapping[start:end] = rows_reversed(original, rows)
-        assert bytes(mapping[start:end]) != original
+        scans = live.status(live.agent_status)["scans"]["count"]
+        rewrite_in_place(other.path)  # events about another shard: the model is scanned
+        wait_for(
+            lambda: live.status(live.agent_status)["scans"]["count"] > scans and reconciled(live),
+            timeout=WAIT_S,
+            what="a scan while the shard is mapped, and the link's plan from it",
+        )
+        held = writing(live)
+        assert [h["path"] for h in held] == [record.path], held
+        assert live.weight_version() == 0, "planned from a file mapped writable"
     finally:
         mapping.close()  # no msync: the pages are still dirty
     wait_for(lambda: runtime_has_the_files_bytes(live), timeout=WAIT_S, what="the new bytes")
@@ -200,15 +213,15 @@ def test_the_scrub_finds_bytes_changed_under_an_equal_identity(tmp_path: Path) -
     first = Path(write_model(tiny_moe(), tmp_path, layout=Layout.PER_TENSOR)[0])
     record = open_shard_set(first).tensors[TENSOR]
     entry = TensorEntry(record=record, fingerprint=fingerprint(record), slot=SlotState.ON_ORIGINAL)
-    found: list[tuple[TensorRecord, str]] = []
+    found: list[tuple[int, TensorRecord, str]] = []
     stale: list[bool] = []
 
-    def scrubber(loaded: TensorEntry) -> Scrubber:
+    def scrubber(*loaded: TensorEntry) -> Scrubber:
         return Scrubber(
             model=MODEL,
             rate=1 << 30,
-            view=lambda: ({TENSOR: loaded.record}, {TENSOR: loaded}),
-            on_changed=lambda r, d: found.append((r, d)),
+            view=lambda: ({TENSOR: record}, [{TENSOR: e} for e in loaded]),
+            on_changed=lambda i, r, d: found.append((i, r, d)),
             on_stale=lambda: stale.append(True),
         )
 
@@ -216,7 +229,7 @@ def test_the_scrub_finds_bytes_changed_under_an_equal_identity(tmp_path: Path) -
     assert (found, stale) == ([], [])
     changed = dataclasses.replace(entry, fingerprint="0" * 32)  # the runtime loaded other bytes
     scrubber(changed).step()
-    assert found == [(record, fingerprint(record))]
+    assert found == [(0, record, fingerprint(record))]
     assert stale == []
     plan = reconcile(
         {TENSOR: record},
@@ -229,3 +242,31 @@ def test_the_scrub_finds_bytes_changed_under_an_equal_identity(tmp_path: Path) -
     ).plan
     assert plan is not None
     assert plan.names() == (TENSOR,)
+
+
+@pytest.mark.reliability(
+    "faults",
+    "bytes changed under an equal identity, on a model served by 3 runtimes (replicas)",
+    tries=1,
+    outcome="one scrub per model: each tensor hashed once per pass (not once per runtime) and "
+    "compared with every runtime's fingerprint; only the runtime holding other bytes is told",
+)
+def test_one_scrub_per_model_compares_every_runtime(tmp_path: Path) -> None:
+    """With several runtimes of one model, the scrub hashes each tensor once and tells only the
+    runtimes whose fingerprint differs from the file's bytes."""
+    first = Path(write_model(tiny_moe(), tmp_path, layout=Layout.PER_TENSOR)[0])
+    record = open_shard_set(first).tensors[TENSOR]
+    same = TensorEntry(record=record, fingerprint=fingerprint(record), slot=SlotState.ON_ORIGINAL)
+    other = dataclasses.replace(same, fingerprint="0" * 32)
+    found: list[int] = []
+    scrubber = Scrubber(
+        model=MODEL,
+        rate=1 << 30,
+        view=lambda: ({TENSOR: record}, [{TENSOR: same}, {TENSOR: other}, {TENSOR: same}]),
+        on_changed=lambda i, r, d: found.append(i),
+        on_stale=lambda: None,
+    )
+    scrubber.step()
+    assert found == [1]
+    assert scrubber.hashed_bytes == record.nbytes, "hashed once for the three runtimes"
+    assert scrubber.found == 1
