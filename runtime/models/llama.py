@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Final, Protocol, TypeAlias
+from typing import ClassVar, Final, Protocol, TypeAlias
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
@@ -416,17 +416,25 @@ class MoEFeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm attention and FFN with residuals."""
+    """Pre-norm attention and FFN with residuals: ``h = x + attn(attn_norm(x))``, then
+    ``h + ffn(ffn_norm(h))``. The other decoders' blocks of this shape subclass it and name
+    only what differs: the FFN's norm tensor, the attention and the FFN of each layer."""
+
+    ffn_norm_name: ClassVar[str] = TensorNames.FFN_NORM
+    attention_cls: ClassVar[type[nn.Module]] = Attention
 
     def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
         super().__init__()
         self.config, self.weights = config, weights
         self.attn_norm = spec.need(TensorNames.ATTN_NORM.format(layer), (config.n_embd,))
-        self.ffn_norm = spec.need(TensorNames.FFN_NORM.format(layer), (config.n_embd,))
-        self.attention = Attention(config, weights, layer, spec)
-        # llama.cpp's loaders of these architectures give experts to every block or to none.
-        ffn_cls = MoEFeedForward if config.is_moe else FeedForward
-        self.feed_forward: nn.Module = ffn_cls(config, weights, layer, spec)
+        self.ffn_norm = spec.need(self.ffn_norm_name.format(layer), (config.n_embd,))
+        self.attention = self.attention_cls(config, weights, layer, spec)
+        self.feed_forward = self.ffn_cls(layer)(config, weights, layer, spec)
+
+    def ffn_cls(self, layer: int) -> type[nn.Module]:
+        """The FFN of ``layer``: llama.cpp's loaders of the llama and qwen families give experts
+        to every block or to none."""
+        return MoEFeedForward if self.config.is_moe else FeedForward
 
     def forward(
         self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
@@ -437,23 +445,37 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(rms_norm(h, w(self.ffn_norm), eps))
 
 
-class Transformer(nn.Module):
-    """The decoder. ``forward(tokens [B, T]) -> logits [B, T, V]`` (float32)."""
+# A block's RoPE tables and attention mask ([T, S] bool, True = may attend; None = causal within
+# this forward).
+LayerInputs: TypeAlias = "tuple[RopeTables, Tensor | None]"
+
+
+class DecoderStack(nn.Module):
+    """What every decoder shares: embedding -> blocks -> final RMS norm -> head.
+
+    ``forward(tokens [B, T]) -> logits [B, T, V]`` (float32). A subclass names its ``block``
+    and builds its RoPE (``self.rope``) after this constructor; one whose layers differ in RoPE
+    or mask (sliding windows) overrides ``layer_inputs``. The ``n_layer_nextn`` trailing NextN/MTP
+    blocks (glm4moe, deepseek2) are loaded as llama.cpp loads them and never run.
+    """
+
+    block: ClassVar[type[nn.Module]] = TransformerBlock  # (config, weights, layer, spec)
+    rope: nn.Module
 
     def __init__(
         self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
     ) -> None:
         super().__init__()
         self.config, self.weights = config, weights
+        self.n_trunk = config.n_layer - config.n_layer_nextn  # NextN blocks are not run
         spec = _Spec()
         self.rope_freqs = rope_freqs_of(config, weights, spec)
         self.tok_embd = spec.need(TensorNames.TOKEN_EMBD, (config.n_vocab, config.n_embd))
         self.norm = spec.need(TensorNames.OUTPUT_NORM, (config.n_embd,))
         self.output = spec.need(output_name(config, weights), (config.n_vocab, config.n_embd))
         self.layers = nn.ModuleList(
-            TransformerBlock(config, weights, i, spec) for i in range(config.n_layer)
+            self.block(config, weights, i, spec) for i in range(self.n_trunk)
         )
-        self.rope = RotaryEmbedding(config, freq_scale=config.rope_freq_scale)
         self.required = dict(spec.required)  # every tensor a forward reads, with its shape
         _check(weights, spec, shapes=check_shapes)
 
@@ -463,25 +485,51 @@ class Transformer(nn.Module):
         """Logits of ``tokens`` at positions ``start_pos ..``; with ``cache`` they also attend to
         the cached positions (``start_pos`` must be ``cache.length``) and are appended to it."""
         # tokens: [B, T] int64 -> logits: [B, T, V] float32
-        w, seq = self.weights.weight, tokens.shape[1]
-        x = embed(tokens, self.weights, self.tok_embd, self.config.embed_scale)  # [B, T, D]
-        factors = None if self.rope_freqs is None else w(self.rope_freqs)
-        rope = self.rope(start_pos, seq, tokens.device, factors=factors)
-        mask = None  # without a cache: causal attention within this forward
+        c, seq = self.config, tokens.shape[1]
         if cache is not None:
             cache.check_continues(start_pos, seq)
-            mask = attention_mask(start_pos, seq, device=tokens.device)
-        for layer in self.layers:
+        x = embed(tokens, self.weights, self.tok_embd, c.embed_scale)  # [B, T, D]
+        inputs = self.layer_inputs(start_pos, seq, tokens.device, cached=cache is not None)
+        for layer, (rope, mask) in zip(self.layers, inputs, strict=True):
             x = layer(x, rope, mask, cache)
         if cache is not None:
             cache.advance(seq)
-        x = rms_norm(x, w(self.norm), self.config.norm_eps)
-        head = self.weights.matrix(self.output)
-        return lm_head(x, head, self.config.final_logit_softcap)  # [B, T, V]
+        x = rms_norm(x, self.weights.weight(self.norm), c.norm_eps)
+        return lm_head(x, self.weights.matrix(self.output), c.final_logit_softcap)  # [B, T, V]
+
+    def layer_inputs(
+        self, start: int, seq: int, device: torch.device, *, cached: bool
+    ) -> list[LayerInputs]:
+        """Each block's RoPE tables and mask for positions ``start .. start + seq - 1`` (with
+        ``cached``, over the cached keys too): here one RoPE and causal attention for all."""
+        if self.rope_freqs is None:
+            rope = self.rope(start, seq, device)
+        else:  # llama 3.1+ scaling: the factors as they are at this forward
+            rope = self.rope(start, seq, device, factors=self.weights.weight(self.rope_freqs))
+        mask = attention_mask(start, seq, device=device) if cached else None
+        return [(rope, mask)] * self.n_trunk
+
+    def by_kind(self, *, local: LayerInputs, global_: LayerInputs) -> list[LayerInputs]:
+        """``local`` for the sliding-window blocks, ``global_`` for the others."""
+        return [local if self.config.is_local_layer(i) else global_ for i in range(self.n_trunk)]
+
+    def unused(self, names: Iterable[str]) -> list[str]:
+        """The tensors among ``names`` no forward reads (NextN blocks'), sorted."""
+        return sorted(set(names) - set(self.required))
 
     def new_cache(self, *, max_len: int) -> KVCache:
         """An empty cache for one sequence of up to ``max_len`` positions (it grows past them)."""
-        return KVCache(n_layer=self.config.n_layer, max_len=max_len)
+        return KVCache(n_layer=self.n_trunk, max_len=max_len)
+
+
+class Transformer(DecoderStack):
+    """The llama-family decoder (llama, qwen2, qwen3, qwen2moe, qwen3moe)."""
+
+    def __init__(
+        self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
+    ) -> None:
+        super().__init__(config, weights, check_shapes=check_shapes)
+        self.rope = RotaryEmbedding(config, freq_scale=config.rope_freq_scale)
 
 
 def embed(tokens: Tensor, weights: WeightProvider, name: str, scale: float = 1.0) -> Tensor:
