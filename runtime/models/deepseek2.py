@@ -31,7 +31,6 @@ import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
 from ggufswap.runtime.models import llama as base
-from ggufswap.runtime.models.errors import HParamsError
 from ggufswap.runtime.models.ggml_numerics import GgmlWeights
 from ggufswap.runtime.models.hparams import Arch, Gating, HParams, MLAShape
 from ggufswap.runtime.models.kv_cache import KVCache
@@ -40,6 +39,7 @@ from ggufswap.runtime.models.llama import (
     ExpertStack,
     FeedForward,
     RopeTables,
+    RotaryEmbedding,
     TransformerBlock,
     WeightProvider,
     _Spec,
@@ -52,17 +52,15 @@ TN: Final = TensorNames
 WEIGHTS_SUM_MIN = 6.103515625e-5
 
 
-class YarnRotaryEmbedding(nn.Module):
-    """ggml's ``rope_yarn`` tables: theta mixes the interpolated (``freq_scale``) and extrapolated
-    angles along the correction ramp when ``ext_factor`` != 0, and cos/sin carry the magnitude
-    ``attn_factor`` (times ``1 + 0.1 ln(1/freq_scale)`` under YaRN)."""
+class YarnRotaryEmbedding(RotaryEmbedding):
+    """ggml's ``rope_yarn`` tables over ``n_rot`` dims: theta mixes the interpolated
+    (``freq_scale``) and extrapolated angles along the correction ramp when ``ext_factor`` != 0,
+    and cos/sin carry the magnitude ``attn_factor`` (times ``1 + 0.1 ln(1/freq_scale)`` under
+    YaRN)."""
 
     def __init__(self, config: HParams, n_rot: int) -> None:
-        super().__init__()
-        self.config, self.n_rot = config, n_rot
-        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
-        self._n_pos = 0
-        self._extend(config.context_length)
+        self.config = config
+        super().__init__(config, n_rot=n_rot, freq_scale=config.rope_freq_scale)
 
     def _extend(self, n_pos: int) -> None:
         c, n = self.config, self.n_rot
@@ -81,17 +79,6 @@ class YarnRotaryEmbedding(nn.Module):
         cos, sin = (theta.cos() * mscale).float(), (theta.sin() * mscale).float()
         self._tables = {torch.device("cpu"): (cos, sin)}
         self._n_pos = n_pos
-
-    def forward(self, start: int, length: int, device: torch.device) -> RopeTables:
-        """Tables for positions ``start .. start + length - 1`` on ``device``."""
-        if start + length > self._n_pos:
-            self._extend(2 * (start + length))
-        if device not in self._tables:
-            cos, sin = self._tables[torch.device("cpu")]
-            self._tables[device] = (cos.to(device), sin.to(device))
-        cos, sin = self._tables[device]
-        end = start + length
-        return RopeTables(cos[start:end], sin[start:end], self.n_rot, self.config.rope_type)
 
 
 def _yarn_corr_dims(c: HParams, n_dims: int) -> tuple[float, float]:
@@ -325,12 +312,12 @@ class Deepseek2Block(TransformerBlock):
 class Deepseek2Transformer(DecoderStack):
     """The deepseek2 decoder: latent attention, YaRN RoPE on its rope dims only."""
 
+    arch = Arch.DEEPSEEK2
     block = Deepseek2Block
 
     def __init__(
         self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
     ) -> None:
-        if config.arch is not Arch.DEEPSEEK2 or config.mla is None:
-            raise HParamsError(f"Deepseek2Transformer runs deepseek2, not {config.arch.value}")
         super().__init__(config, weights, check_shapes=check_shapes)
+        assert config.mla is not None, "deepseek2 configs carry their MLAShape"
         self.rope = YarnRotaryEmbedding(config, config.mla.n_rot)

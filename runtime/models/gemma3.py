@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ggufswap.runtime.models.errors import HParamsError
 from ggufswap.runtime.models.hparams import Arch, HParams
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
 from ggufswap.runtime.models.llama import (
@@ -72,13 +71,12 @@ class Gemma3Block(nn.Module):
 class Gemma3Transformer(DecoderStack):
     """The gemma3 decoder: sliding-window and global layers, each kind with its own RoPE base."""
 
+    arch = Arch.GEMMA3
     block = Gemma3Block
 
     def __init__(
         self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
     ) -> None:
-        if config.arch is not Arch.GEMMA3:
-            raise HParamsError(f"Gemma3Transformer runs gemma3, not {config.arch.value}")
         super().__init__(config, weights, check_shapes=check_shapes)
         self.rope_global = RotaryEmbedding(config, freq_scale=config.rope_freq_scale)
         self.rope_local = RotaryEmbedding(config, base=config.rope_base_local)

@@ -21,7 +21,6 @@ from typing import ClassVar
 from torch import nn
 
 from ggufswap.runtime.models.deepseek2 import lead_dense_ffn
-from ggufswap.runtime.models.errors import HParamsError
 from ggufswap.runtime.models.hparams import Arch, HParams
 from ggufswap.runtime.models.llama import (
     DecoderStack,
@@ -44,12 +43,11 @@ class Glm4MoeBlock(TransformerBlock):
 class Glm4MoeTransformer(DecoderStack):
     """The glm4moe decoder: llama's attention and RoPE, deepseek2's experts."""
 
+    arch = Arch.GLM4MOE
     block = Glm4MoeBlock
 
     def __init__(
         self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
     ) -> None:
-        if config.arch is not Arch.GLM4MOE:
-            raise HParamsError(f"Glm4MoeTransformer runs glm4moe, not {config.arch.value}")
         super().__init__(config, weights, check_shapes=check_shapes)
         self.rope = RotaryEmbedding(config, freq_scale=config.rope_freq_scale)

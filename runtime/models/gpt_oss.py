@@ -23,7 +23,6 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ggufswap.runtime.models.errors import HParamsError
 from ggufswap.runtime.models.gemma3 import sliding_window_mask
 from ggufswap.runtime.models.hparams import Arch, HParams
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
@@ -213,13 +212,12 @@ class GptOssBlock(TransformerBlock):
 class GptOssTransformer(DecoderStack):
     """The gpt-oss decoder: sliding-window and global layers, each kind with its own RoPE."""
 
+    arch = Arch.GPT_OSS
     block = GptOssBlock
 
     def __init__(
         self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
     ) -> None:
-        if config.arch is not Arch.GPT_OSS:
-            raise HParamsError(f"GptOssTransformer runs gpt-oss, not {config.arch.value}")
         super().__init__(config, weights, check_shapes=check_shapes)
         local_base = config.rope_base_local or config.rope_base
         self.rope_global = rotary(config, config.rope_base)
