@@ -13,7 +13,10 @@ kernel; ik's ``dequantize_row_*_r4``/``_r8`` compute the same floats as its base
 ``dequantize_row_*`` (the golden files in ``tests/fixtures/ik_golden`` check every type here bit
 for bit). The permutation of one big block is found once per type by running a transcription of
 ik's repack loop on *labelled bits* (each base bit carries its own index; shifts, masks and ORs
-move labels), so the code below reads like ik's C and the inverse is exact by construction.
+move labels), so the inverse is exact by construction. The types whose repack first converts a
+block to its levels (Q5_0, Q6_0, IQ4_NL, the k-quants, IQ*_K) are one table entry each: their row
+headers, their levels, and the planes ik packs the levels into (``_levels_repack``); the others
+read like ik's C.
 """
 
 from __future__ import annotations
@@ -122,6 +125,71 @@ def _d(y: _Block, x: list[_Block], src_off: int, dst_off: int = 0) -> None:
         y.copy(dst_off + 2 * k, xk, src_off, 2)
 
 
+def _or(y: _Block, at: int, v: _Bits) -> None:
+    """``y[at] |= v``."""
+    y[at] = y[at] | v
+
+
+def _u16(x: _Block, off: int) -> _Bits:
+    return x[off] | (x[off + 1] << 8)
+
+
+# Q5_0, Q6_0, the k-quants and IQ*_K: ik converts each row's block to its levels (one small int per
+# value; 32 a block, or 256 in 8 sub-blocks of 32), then writes them in planes of ``width``-bit
+# fields, four rows interleaved 4 bytes at a time; the row headers (d, dmin, extra, scales) apart.
+
+Levels = Callable[[_Block], list[_Bits]]  # a base block -> its levels
+Head = Callable[[_Block, _Block, int], None]  # (big block, row k's block, k): headers and scales
+
+
+@dataclass(frozen=True, slots=True)
+class _Plane:
+    """Bits ``shift .. shift + width`` of the levels, packed at ``at``: per sub-block ``ib``, row
+    ``k`` and ``i`` in 0..3, one byte per entry of ``fields`` (16 bytes apart) holding the levels
+    ``32 ib + i + o`` for ``o`` in the entry, lowest field first."""
+
+    at: int
+    fields: tuple[tuple[int, ...], ...]
+    width: int
+    shift: int = 0
+
+    def write(self, y: _Block, lv: list[_Bits], k: int) -> None:
+        mask, stride = (1 << self.width) - 1, 16 * len(self.fields)
+        for ib in range(len(lv) // 32):
+            for i in range(4):
+                q = 32 * ib + i
+                for n, offsets in enumerate(self.fields):
+                    v = _ZERO
+                    for j, o in enumerate(offsets):
+                        v = v | (((lv[q + o] >> self.shift) & mask) << self.width * j)
+                    y[self.at + stride * ib + 4 * k + i + 16 * n] = v
+
+
+_NIBBLES = ((0, 8), (16, 24), (4, 12), (20, 28))  # the low 4 bits, 4 bytes per 32 values
+_CRUMBS = ((0, 4, 8, 12), (16, 20, 24, 28))  # 2-bit fields, 2 bytes per 32 values
+_BIT2 = ((0, 4, 8, 12, 16, 20, 24, 28),)  # one high bit (bit 2) per value, q3_k / iq3_k
+_BIT4_K = ((0, 8, 4, 12, 16, 24, 20, 28),)  # one high bit (bit 4), q5_k
+_BIT4_IQ = ((0, 8, 16, 24, 4, 12, 20, 28),)  # one high bit (bit 4), iq5_k / iq5_ks
+
+
+def _levels_repack(head: Head, levels: Levels, *planes: _Plane) -> Repack:
+    """ik's repack of an r4 type given its row headers, its levels and their planes."""
+
+    def repack(x: list[_Block], y: _Block) -> None:
+        for k, xk in enumerate(x):
+            head(y, xk, k)
+            lv = levels(xk)
+            for plane in planes:
+                plane.write(y, lv, k)
+
+    return repack
+
+
+def _head_d(y: _Block, x: _Block, k: int) -> None:
+    """Row ``k``'s fp16 ``d`` (the block's first two bytes) to ``d[k]``."""
+    y.copy(2 * k, x, 0, 2)
+
+
 def _rp_q4_0_r8(x: list[_Block], y: _Block) -> None:  # repack_q4_0 / repack_mxfp4 shape
     _d(y, x, 0)
     for k in range(8):
@@ -139,27 +207,31 @@ def _rp_q8_0_r8(x: list[_Block], y: _Block) -> None:
                 y[16 + 32 * ll + 4 * k + i + 128] = x[k][2 + i + 4 * ll + 16]
 
 
-def _nl_qs(y: _Block, yq: int, x: _Block, xq: int, k: int, *, stride: int) -> None:
-    """The IQ4_NL/IQ4_KS nibble regrouping of one 32-value block (``qs`` at ``xq``)."""
-    for i in range(4):
-        y[yq + 4 * k + i] = (x[xq + i] & 0xF) | ((x[xq + i + 8] & 0x0F) << 4)
-        y[yq + 4 * k + i + stride] = (x[xq + i] >> 4) | (x[xq + i + 8] & 0xF0)
-        y[yq + 4 * k + i + 2 * stride] = (x[xq + i + 4] & 0xF) | ((x[xq + i + 12] & 0x0F) << 4)
-        y[yq + 4 * k + i + 3 * stride] = (x[xq + i + 4] >> 4) | (x[xq + i + 12] & 0xF0)
+def _nibbles(qs: int, n_blocks: int) -> Levels:
+    """The levels of IQ4_NL-style blocks: ``n_blocks`` runs of 16 ``qs`` bytes from ``qs``, low
+    nibbles the first 16 values of each 32, high nibbles the next 16."""
+
+    def levels(x: _Block) -> list[_Bits]:
+        lv = [_ZERO] * (32 * n_blocks)
+        for ib in range(n_blocks):
+            for j in range(16):
+                lv[32 * ib + j] = x[qs + 16 * ib + j] & 0xF
+                lv[32 * ib + j + 16] = x[qs + 16 * ib + j] >> 4
+        return lv
+
+    return levels
 
 
-def _rp_iq4_nl_r4(x: list[_Block], y: _Block) -> None:
-    _d(y, x, 0)
-    for k in range(4):
-        _nl_qs(y, 8, x[k], 2, k, stride=16)
+def _head_iq4_ks(y: _Block, x: _Block, k: int) -> None:
+    # block_iq4_ks / iq5_ks: scales[8]; r4: scales[32]
+    for ib in range(8):
+        y[4 * ib + k] = x[ib]
 
 
-def _rp_iq4_ks_r4(x: list[_Block], y: _Block) -> None:
-    # block_iq4_ks: scales[8], qs[128]; r4: scales[32], qs[512]
-    for k in range(4):
-        for ib in range(8):
-            y[4 * ib + k] = x[k][ib]
-            _nl_qs(y, 32 + 64 * ib, x[k], 8 + 16 * ib, k, stride=16)
+# block_iq4_nl: d, qs[16]; r4: d[4] (8), qs[64]. block_iq4_ks: scales[8], qs[128]; r4: scales[32],
+# qs[512]
+_rp_iq4_nl_r4 = _levels_repack(_head_d, _nibbles(2, 1), _Plane(8, _NIBBLES, 4))
+_rp_iq4_ks_r4 = _levels_repack(_head_iq4_ks, _nibbles(8, 8), _Plane(32, _NIBBLES, 4))
 
 
 def _q5_0_levels(x: _Block) -> list[_Bits]:
@@ -186,33 +258,16 @@ def _q6_0_levels(x: _Block) -> list[_Bits]:
     return levels
 
 
-def _rp_q5_0_r4(x: list[_Block], y: _Block) -> None:
-    # r4: d[4] (8), qh[16], qs[64]
-    _d(y, x, 0)
-    for k in range(4):
-        lv = _q5_0_levels(x[k])
-        for ll in range(4):
-            l1 = 4 * (ll // 2) + 16 * (ll % 2)
-            l2 = l1 + 8
-            for i in range(4):
-                y[24 + 4 * k + i + 16 * ll] = (lv[i + l1] & 0xF) | ((lv[i + l2] & 0xF) << 4)
-                h = ((lv[i + l1] >> 4) | ((lv[i + l2] >> 4) << 4)) << ll
-                y[8 + 4 * k + i] = y[8 + 4 * k + i] | h
-
-
-def _rp_q6_0_r4(x: list[_Block], y: _Block) -> None:
-    # r4: d[4] (8), qh[32], qs[64]
-    _d(y, x, 0)
-    for k in range(4):
-        lv = _q6_0_levels(x[k])
-        for ll in range(4):
-            l1 = 4 * (ll // 2) + 16 * (ll % 2)
-            l2 = l1 + 8
-            for i in range(4):
-                y[40 + 4 * k + i + 16 * ll] = (lv[i + l1] & 0xF) | ((lv[i + l2] & 0xF) << 4)
-                h = ((lv[i + l1] >> 4) | ((lv[i + l2] >> 4) << 4)) << 2 * (ll // 2)
-                at = 8 + 4 * k + i + 16 * (ll % 2)
-                y[at] = y[at] | h
+# r4: d[4] (8), qh[16] (Q6_0: [32]), qs[64]
+_rp_q5_0_r4 = _levels_repack(
+    _head_d,
+    _q5_0_levels,
+    _Plane(24, _NIBBLES, 4),
+    _Plane(8, ((0, 16, 4, 20, 8, 24, 12, 28),), 1, shift=4),
+)
+_rp_q6_0_r4 = _levels_repack(
+    _head_d, _q6_0_levels, _Plane(40, _NIBBLES, 4), _Plane(8, _CRUMBS, 2, shift=4)
+)
 
 
 def _rp_iq4_xs_r8(x: list[_Block], y: _Block) -> None:
@@ -243,191 +298,113 @@ def _scale_min_k4(j: int, q: list[_Bits]) -> tuple[_Bits, _Bits]:
     return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
 
 
-def _rp_q4_k_r4(x: list[_Block], y: _Block) -> None:
-    # block_q4_K: d, dmin, scales[12], qs[128]; r4: d[8] (16), scales_h[16], scales_l[32],
-    # qs[512]
-    for k in range(4):
-        y.copy(2 * k, x[k], 0, 2)
-        y.copy(2 * (k + 4), x[k], 2, 2)
-        sc = [x[k][4 + j] for j in range(12)]
-        lv = [_ZERO] * 256
-        ld, lm = [_ZERO] * 8, [_ZERO] * 8
-        for ib64 in range(4):
-            for half in range(2):
-                j = 2 * ib64 + half
-                ld[j], lm[j] = _scale_min_k4(j, sc)
-            for j in range(32):
-                lv[64 * ib64 + j] = x[k][16 + 32 * ib64 + j] & 0xF
-                lv[64 * ib64 + j + 32] = x[k][16 + 32 * ib64 + j] >> 4
-        for ib in range(8):
-            y[32 + 4 * ib + k] = (ld[ib] & 0xF) | ((lm[ib] & 0xF) << 4)
-            h = (ld[ib] >> 4) | ((lm[ib] >> 4) << 2)
-            at = 16 + (4 * ib + k) % 16
-            y[at] = y[at] | (h << 4 * ((4 * ib + k) // 16))
-            for i in range(4):
-                b = 64 + 64 * ib + 4 * k + i
-                y[b] = lv[32 * ib + i] | (lv[32 * ib + i + 8] << 4)
-                y[b + 16] = lv[32 * ib + i + 16] | (lv[32 * ib + i + 24] << 4)
-                y[b + 32] = lv[32 * ib + i + 4] | (lv[32 * ib + i + 12] << 4)
-                y[b + 48] = lv[32 * ib + i + 20] | (lv[32 * ib + i + 28] << 4)
+def _head_q4_k(y: _Block, x: _Block, k: int) -> None:
+    # block_q4_K / q5_K: d, dmin, scales[12]; r4: d[8] (16), scales_h[16], scales_l[32]
+    y.copy(2 * k, x, 0, 2)
+    y.copy(2 * (k + 4), x, 2, 2)
+    sc = [x[4 + j] for j in range(12)]
+    for ib in range(8):
+        ld, lm = _scale_min_k4(ib, sc)
+        y[32 + 4 * ib + k] = (ld & 0xF) | ((lm & 0xF) << 4)
+        h = (ld >> 4) | ((lm >> 4) << 2)
+        _or(y, 16 + (4 * ib + k) % 16, h << 4 * ((4 * ib + k) // 16))
 
 
-def _rp_q6_k_r4(x: list[_Block], y: _Block) -> None:
-    # block_q6_K: ql[128], qh[64], scales[16], d; r4: d[4] (8), scales[64], qh[256], ql[512]
-    for k in range(4):
-        y.copy(2 * k, x[k], 208, 2)
-        lv = [_ZERO] * 256
-        for n in range(2):
-            ql, qh = 64 * n, 128 + 32 * n
-            for ll in range(32):
-                b = 128 * n + ll
-                lv[b] = (x[k][ql + ll] & 0xF) | (((x[k][qh + ll] >> 0) & 3) << 4)
-                lv[b + 32] = (x[k][ql + ll + 32] & 0xF) | (((x[k][qh + ll] >> 2) & 3) << 4)
-                lv[b + 64] = (x[k][ql + ll] >> 4) | (((x[k][qh + ll] >> 4) & 3) << 4)
-                lv[b + 96] = (x[k][ql + ll + 32] >> 4) | (((x[k][qh + ll] >> 6) & 3) << 4)
-        for ib in range(8):
-            y[8 + 8 * ib + k] = x[k][192 + 2 * ib]
-            y[8 + 8 * ib + k + 4] = x[k][192 + 2 * ib + 1]
-            for i in range(4):
-                q = 32 * ib + i
-                lo = 328 + 64 * ib + 4 * k + i
-                y[lo] = (lv[q] & 0xF) | ((lv[q + 8] & 0xF) << 4)
-                y[lo + 16] = (lv[q + 16] & 0xF) | ((lv[q + 24] & 0xF) << 4)
-                y[lo + 32] = (lv[q + 4] & 0xF) | ((lv[q + 12] & 0xF) << 4)
-                y[lo + 48] = (lv[q + 20] & 0xF) | ((lv[q + 28] & 0xF) << 4)
-                hi = 72 + 32 * ib + 4 * k + i
-                y[hi] = (
-                    (lv[q] >> 4)
-                    | ((lv[q + 8] >> 4) << 2)
-                    | ((lv[q + 4] >> 4) << 4)
-                    | ((lv[q + 12] >> 4) << 6)
-                )
-                y[hi + 16] = (
-                    (lv[q + 16] >> 4)
-                    | ((lv[q + 24] >> 4) << 2)
-                    | ((lv[q + 20] >> 4) << 4)
-                    | ((lv[q + 28] >> 4) << 6)
-                )
+def _levels_q4_k(x: _Block) -> list[_Bits]:
+    # block_q4_K: qs[128] at 16
+    lv = [_ZERO] * 256
+    for ib64 in range(4):
+        for j in range(32):
+            lv[64 * ib64 + j] = x[16 + 32 * ib64 + j] & 0xF
+            lv[64 * ib64 + j + 32] = x[16 + 32 * ib64 + j] >> 4
+    return lv
 
 
-def _or(y: _Block, at: int, v: _Bits) -> None:
-    """``y[at] |= v``."""
-    y[at] = y[at] | v
+def _levels_q5_k(x: _Block) -> list[_Bits]:
+    # block_q5_K: qh[32] at 16, qs[128] at 48
+    lv = [_ZERO] * 256
+    for ib64 in range(4):
+        for j in range(32):
+            qs, qh = x[48 + 32 * ib64 + j], x[16 + j]
+            lv[64 * ib64 + j] = (qs & 0xF) | (((qh >> 2 * ib64) & 1) << 4)
+            lv[64 * ib64 + j + 32] = (qs >> 4) | (((qh >> (2 * ib64 + 1)) & 1) << 4)
+    return lv
 
 
-def _u16(x: _Block, off: int) -> _Bits:
-    return x[off] | (x[off + 1] << 8)
+def _head_q6_k(y: _Block, x: _Block, k: int) -> None:
+    # block_q6_K: scales[16] at 192, d at 208; r4: d[4] (8), scales[64]
+    y.copy(2 * k, x, 208, 2)
+    for ib in range(8):
+        y[8 + 8 * ib + k] = x[192 + 2 * ib]
+        y[8 + 8 * ib + k + 4] = x[192 + 2 * ib + 1]
 
 
-def _pack4(y: _Block, at: int, lv: list[_Bits], q: int) -> None:
-    """The 4-bit low parts of a 32-value block's levels ``lv[q:q+32]``, 4 rows interleaved
-    (``at`` = qs + 64*ib + 4*k + i); ``q`` = 32*ib + i."""
-    y[at] = (lv[q] & 0xF) | ((lv[q + 8] & 0xF) << 4)
-    y[at + 16] = (lv[q + 16] & 0xF) | ((lv[q + 24] & 0xF) << 4)
-    y[at + 32] = (lv[q + 4] & 0xF) | ((lv[q + 12] & 0xF) << 4)
-    y[at + 48] = (lv[q + 20] & 0xF) | ((lv[q + 28] & 0xF) << 4)
+def _levels_q6_k(x: _Block) -> list[_Bits]:
+    # block_q6_K: ql[128], qh[64]
+    lv = [_ZERO] * 256
+    for n in range(2):
+        ql, qh = 64 * n, 128 + 32 * n
+        for ll in range(32):
+            b = 128 * n + ll
+            lv[b] = (x[ql + ll] & 0xF) | (((x[qh + ll] >> 0) & 3) << 4)
+            lv[b + 32] = (x[ql + ll + 32] & 0xF) | (((x[qh + ll] >> 2) & 3) << 4)
+            lv[b + 64] = (x[ql + ll] >> 4) | (((x[qh + ll] >> 4) & 3) << 4)
+            lv[b + 96] = (x[ql + ll + 32] >> 4) | (((x[qh + ll] >> 6) & 3) << 4)
+    return lv
 
 
-def _pack2(y: _Block, at: int, lv: list[_Bits], q: int) -> None:
-    """The 2-bit low parts (``at`` = qs + 32*ib + 4*k + i; ``q`` = 32*ib + i)."""
-    for half in range(2):
-        v = _ZERO
+def _head_q2_k(y: _Block, x: _Block, k: int) -> None:
+    # block_q2_K: scales[16], qs[64], d, dmin; r4: d[8] (16), scales[64]
+    y.copy(2 * k, x, 80, 2)
+    y.copy(2 * (k + 4), x, 82, 2)
+    for ib in range(16):
+        y[16 + 4 * ib + k] = x[ib]
+
+
+def _levels_q2_k(x: _Block) -> list[_Bits]:
+    lv = [_ZERO] * 256
+    for n in range(2):
+        for j in range(32):
+            for s in range(4):
+                lv[128 * n + j + 32 * s] = (x[16 + 32 * n + j] >> 2 * s) & 3
+    return lv
+
+
+def _head_q3_k(y: _Block, x: _Block, k: int) -> None:
+    # block_q3_K: hmask[32], qs[64], scales[12], d; r4: d[4] (8), scales_h[16], scales_l[32]
+    y.copy(2 * k, x, 108, 2)
+    aux = [x[96 + 4 * a] | (x[97 + 4 * a] << 8) | (x[98 + 4 * a] << 16) for a in range(3)]
+    aux = [a | (x[99 + 4 * n] << 24) for n, a in enumerate(aux)]
+    m1, m2 = 0x03030303, 0x0F0F0F0F
+    tmp = aux[2]
+    aux = [
+        (aux[0] & m2) | (((tmp >> 0) & m1) << 4),
+        (aux[1] & m2) | (((tmp >> 2) & m1) << 4),
+        ((aux[0] >> 4) & m2) | (((tmp >> 4) & m1) << 4),
+        ((aux[1] >> 4) & m2) | (((tmp >> 6) & m1) << 4),
+    ]
+    ld = [(aux[j // 4] >> 8 * (j % 4)) & 0xFF for j in range(16)]
+    for ib in range(8):
+        for half in range(2):
+            at = 8 * ib + k + 4 * half
+            _or(y, 24 + at % 32, (ld[2 * ib + half] & 0xF) << 4 * (at // 32))
+            _or(y, 8 + at % 16, (ld[2 * ib + half] >> 4) << 2 * (at // 16))
+
+
+def _levels_q3_k(x: _Block) -> list[_Bits]:
+    lv = [_ZERO] * 256
+    for n in range(2):
         for j in range(4):
-            v = v | ((lv[q + 16 * half + 4 * j] & 3) << 2 * j)
-        y[at + 16 * half] = v
-
-
-def _high_bits(lv: list[_Bits], q: int, order: tuple[int, ...], shift: int) -> _Bits:
-    """One byte of high bits: bit ``j`` is ``lv[q + order[j]] >> shift``."""
-    v = _ZERO
-    for j, o in enumerate(order):
-        v = v | ((lv[q + o] >> shift) << j)
-    return v
+            for ll in range(32):
+                low = (x[32 + 32 * n + ll] >> 2 * j) & 3
+                lv[128 * n + 32 * j + ll] = low | (((x[ll] >> (4 * n + j)) & 1) << 2)
+    return lv
 
 
 def _extra_r4(y: _Block, k: int, extra: _Bits, ib: int) -> None:
     """IQ*_K: the two ``extra`` bits of sub-block ``ib`` of row ``k`` (r4 ``extra`` at 8)."""
     _or(y, 8 + k, ((extra >> 2 * ib) & 1) << ib)
     _or(y, 12 + k, ((extra >> (2 * ib + 1)) & 1) << ib)
-
-
-def _rp_q2_k_r4(x: list[_Block], y: _Block) -> None:
-    # block_q2_K: scales[16], qs[64], d, dmin; r4: d[8] (16), scales[64], qs[256]
-    for k in range(4):
-        y.copy(2 * k, x[k], 80, 2)
-        y.copy(2 * (k + 4), x[k], 82, 2)
-        for ib in range(16):
-            y[16 + 4 * ib + k] = x[k][ib]
-        lv = [_ZERO] * 256
-        for n in range(2):
-            for j in range(32):
-                for s in range(4):
-                    lv[128 * n + j + 32 * s] = (x[k][16 + 32 * n + j] >> 2 * s) & 3
-        for ib in range(8):
-            for i in range(4):
-                _pack2(y, 80 + 32 * ib + 4 * k + i, lv, 32 * ib + i)
-
-
-def _rp_q3_k_r4(x: list[_Block], y: _Block) -> None:
-    # block_q3_K: hmask[32], qs[64], scales[12], d; r4: d[4] (8), scales_h[16], scales_l[32],
-    # qh[128], qs[256]
-    for k in range(4):
-        y.copy(2 * k, x[k], 108, 2)
-        aux = [
-            x[k][96 + 4 * a] | (x[k][97 + 4 * a] << 8) | (x[k][98 + 4 * a] << 16) for a in range(3)
-        ]
-        aux = [a | (x[k][99 + 4 * n] << 24) for n, a in enumerate(aux)]
-        m1, m2 = 0x03030303, 0x0F0F0F0F
-        tmp = aux[2]
-        aux = [
-            (aux[0] & m2) | (((tmp >> 0) & m1) << 4),
-            (aux[1] & m2) | (((tmp >> 2) & m1) << 4),
-            ((aux[0] >> 4) & m2) | (((tmp >> 4) & m1) << 4),
-            ((aux[1] >> 4) & m2) | (((tmp >> 6) & m1) << 4),
-        ]
-        ld = [(aux[j // 4] >> 8 * (j % 4)) & 0xFF for j in range(16)]
-        lv = [_ZERO] * 256
-        for n in range(2):
-            for j in range(4):
-                for ll in range(32):
-                    low = (x[k][32 + 32 * n + ll] >> 2 * j) & 3
-                    lv[128 * n + 32 * j + ll] = low | (((x[k][ll] >> (4 * n + j)) & 1) << 2)
-        for ib in range(8):
-            for half in range(2):
-                at = 8 * ib + k + 4 * half
-                _or(y, 24 + at % 32, (ld[2 * ib + half] & 0xF) << 4 * (at // 32))
-                _or(y, 8 + at % 16, (ld[2 * ib + half] >> 4) << 2 * (at // 16))
-            for i in range(4):
-                q = 32 * ib + i
-                _pack2(y, 184 + 32 * ib + 4 * k + i, lv, q)
-                y[56 + 16 * ib + 4 * k + i] = _high_bits(lv, q, (0, 4, 8, 12, 16, 20, 24, 28), 2)
-
-
-def _rp_q5_k_r4(x: list[_Block], y: _Block) -> None:
-    # block_q5_K: d, dmin, scales[12], qh[32], qs[128]; r4: d[8] (16), scales_h[16],
-    # scales_l[32], qh[128], qs[512]
-    for k in range(4):
-        y.copy(2 * k, x[k], 0, 2)
-        y.copy(2 * (k + 4), x[k], 2, 2)
-        sc = [x[k][4 + j] for j in range(12)]
-        lv = [_ZERO] * 256
-        ld, lm = [_ZERO] * 8, [_ZERO] * 8
-        for ib64 in range(4):
-            for half in range(2):
-                j = 2 * ib64 + half
-                ld[j], lm[j] = _scale_min_k4(j, sc)
-            for j in range(32):
-                qs, qh = x[k][48 + 32 * ib64 + j], x[k][16 + j]
-                lv[64 * ib64 + j] = (qs & 0xF) | (((qh >> 2 * ib64) & 1) << 4)
-                lv[64 * ib64 + j + 32] = (qs >> 4) | (((qh >> (2 * ib64 + 1)) & 1) << 4)
-        for ib in range(8):
-            y[32 + 4 * ib + k] = (ld[ib] & 0xF) | ((lm[ib] & 0xF) << 4)
-            h = (ld[ib] >> 4) | ((lm[ib] >> 4) << 2)
-            _or(y, 16 + (4 * ib + k) % 16, h << 4 * ((4 * ib + k) // 16))
-            for i in range(4):
-                q = 32 * ib + i
-                _pack4(y, 192 + 64 * ib + 4 * k + i, lv, q)
-                y[64 + 16 * ib + 4 * k + i] = _high_bits(lv, q, (0, 8, 4, 12, 16, 24, 20, 28), 4)
 
 
 def _iq_k_scales(y: _Block, k: int, ib: int, sl: _Bits, sh: tuple[_Bits, _Bits] | None) -> None:
@@ -441,44 +418,45 @@ def _iq_k_scales(y: _Block, k: int, ib: int, sl: _Bits, sh: tuple[_Bits, _Bits] 
             _or(y, 16 + i % 16, sh[half] << 2 * (i // 16))
 
 
-def _rp_iq2_k_r4(x: list[_Block], y: _Block) -> None:
-    # block_iq2_k: d, extra, scales[8], qs[64]; r4: d[4], extra[8], scales[32], qs[256]
-    _d(y, x, 0)
-    for k in range(4):
-        extra = _u16(x[k], 2)
-        lv = [_ZERO] * 256
-        for ib32 in range(8):
-            for j in range(32):
-                lv[32 * ib32 + j] = (x[k][12 + 32 * (ib32 // 4) + j] >> 2 * (ib32 % 4)) & 3
-        for ib in range(8):
-            _extra_r4(y, k, extra, ib)
-            _iq_k_scales(y, k, ib, x[k][4 + ib], None)
-            for i in range(4):
-                _pack2(y, 48 + 32 * ib + 4 * k + i, lv, 32 * ib + i)
+def _head_iq2_k(y: _Block, x: _Block, k: int) -> None:
+    # block_iq2_k: d, extra, scales[8]; r4: d[4], extra[8], scales[32]
+    _head_d(y, x, k)
+    extra = _u16(x, 2)
+    for ib in range(8):
+        _extra_r4(y, k, extra, ib)
+        _iq_k_scales(y, k, ib, x[4 + ib], None)
 
 
-def _rp_iq3_k_r4(x: list[_Block], y: _Block) -> None:
-    # block_iq3_k: d, extra, scales_h (u16), scales_l[8], qs[64], qh[32]
-    # r4: d[4], extra[8], scales_h[8], scales_l[32], qs[256], qh[128]
-    _d(y, x, 0)
-    for k in range(4):
-        extra, sh = _u16(x[k], 2), _u16(x[k], 4)
-        lv = [_ZERO] * 256
-        for ib32 in range(8):
-            for j in range(32):
-                low = (x[k][14 + 32 * (ib32 // 4) + j] >> 2 * (ib32 % 4)) & 3
-                lv[32 * ib32 + j] = low | (((x[k][78 + j] >> ib32) & 1) << 2)
-        for ib in range(8):
-            _extra_r4(y, k, extra, ib)
-            for half in range(2):
-                i = 8 * ib + k + 4 * half
-                _or(y, 24 + i % 32, ((x[k][6 + ib] >> 4 * half) & 0xF) << 4 * (i // 32))
-                _or(y, 16 + i % 8, ((sh >> (2 * ib + half)) & 1) << (i // 8))
-            for i in range(4):
-                q = 32 * ib + i
-                _pack2(y, 56 + 32 * ib + 4 * k + i, lv, q)
-                order = (0, 4, 8, 12, 16, 20, 24, 28)
-                y[312 + 16 * ib + 4 * k + i] = _high_bits(lv, q, order, 2)
+def _levels_iq2_k(x: _Block) -> list[_Bits]:
+    # block_iq2_k: qs[64] at 12
+    lv = [_ZERO] * 256
+    for ib32 in range(8):
+        for j in range(32):
+            lv[32 * ib32 + j] = (x[12 + 32 * (ib32 // 4) + j] >> 2 * (ib32 % 4)) & 3
+    return lv
+
+
+def _head_iq3_k(y: _Block, x: _Block, k: int) -> None:
+    # block_iq3_k: d, extra, scales_h (u16), scales_l[8]
+    # r4: d[4], extra[8], scales_h[8], scales_l[32]
+    _head_d(y, x, k)
+    extra, sh = _u16(x, 2), _u16(x, 4)
+    for ib in range(8):
+        _extra_r4(y, k, extra, ib)
+        for half in range(2):
+            i = 8 * ib + k + 4 * half
+            _or(y, 24 + i % 32, ((x[6 + ib] >> 4 * half) & 0xF) << 4 * (i // 32))
+            _or(y, 16 + i % 8, ((sh >> (2 * ib + half)) & 1) << (i // 8))
+
+
+def _levels_iq3_k(x: _Block) -> list[_Bits]:
+    # block_iq3_k: qs[64] at 14, qh[32] at 78
+    lv = [_ZERO] * 256
+    for ib32 in range(8):
+        for j in range(32):
+            low = (x[14 + 32 * (ib32 // 4) + j] >> 2 * (ib32 % 4)) & 3
+            lv[32 * ib32 + j] = low | (((x[78 + j] >> ib32) & 1) << 2)
+    return lv
 
 
 def _iq45_k_scales(y: _Block, x: _Block, k: int, ib: int) -> None:
@@ -486,43 +464,14 @@ def _iq45_k_scales(y: _Block, x: _Block, k: int, ib: int) -> None:
     _iq_k_scales(y, k, ib, x[8 + ib], (sh & 3, (sh >> 2) & 3))
 
 
-def _rp_iq4_k_r4(x: list[_Block], y: _Block) -> None:
-    # block_iq4_k: d, extra, scales_h[4], scales_l[8], qs[128]
-    # r4: d[4], extra[8], scales_h[16], scales_l[32], qs[512]
-    _d(y, x, 0)
-    for k in range(4):
-        extra = _u16(x[k], 2)
-        for ib in range(8):
-            _extra_r4(y, k, extra, ib)
-            _iq45_k_scales(y, x[k], k, ib)
+def _head_iq45_k(y: _Block, x: _Block, k: int) -> None:
+    # block_iq4_k / iq5_k: d, extra, scales_h[4], scales_l[8]
+    # r4: d[4], extra[8], scales_h[16], scales_l[32]
+    _head_d(y, x, k)
+    extra = _u16(x, 2)
     for ib in range(8):
-        for k in range(4):
-            _nl_qs(y, 64 + 64 * ib, x[k], 16 + 16 * ib, k, stride=16)
-
-
-def _rp_iq5_k_r4(x: list[_Block], y: _Block) -> None:
-    # block_iq5_k: d, extra, scales_h[4], scales_l[8], qs[128], qh[32]
-    # r4: d[4], extra[8], scales_h[16], scales_l[32], qs[512], qh[128]
-    _d(y, x, 0)
-    for k in range(4):
-        extra = _u16(x[k], 2)
-        lv = [_ZERO] * 256
-        for ib64 in range(4):
-            qh = 144 + 32 * (ib64 // 4)
-            shift = 2 * (ib64 % 4)
-            for j in range(16):
-                for h in range(2):
-                    qs_b, qh_b = x[k][16 + 32 * ib64 + j + 16 * h], x[k][qh + j + 16 * h]
-                    lv[64 * ib64 + j + 16 * h] = (qs_b & 0xF) | (((qh_b >> shift) & 1) << 4)
-                    lv[64 * ib64 + j + 16 * h + 32] = (qs_b >> 4) | (((qh_b >> shift) & 2) << 3)
-        for ib in range(8):
-            _extra_r4(y, k, extra, ib)
-            _iq45_k_scales(y, x[k], k, ib)
-            for i in range(4):
-                q = 32 * ib + i
-                _pack4(y, 64 + 64 * ib + 4 * k + i, lv, q)
-                order = (0, 8, 16, 24, 4, 12, 20, 28)
-                y[576 + 16 * ib + 4 * k + i] = _high_bits(lv, q, order, 4)
+        _extra_r4(y, k, extra, ib)
+        _iq45_k_scales(y, x, k, ib)
 
 
 def _iq5_levels(x: _Block, qs: int, qh: int) -> list[_Bits]:
@@ -538,17 +487,38 @@ def _iq5_levels(x: _Block, qs: int, qh: int) -> list[_Bits]:
     return lv
 
 
-def _rp_iq5_ks_r4(x: list[_Block], y: _Block) -> None:
-    # block_iq5_ks: scales[8], qs[128], qh[32]; r4: scales[32], qs[512], qh[128]
-    for k in range(4):
-        lv = _iq5_levels(x[k], 8, 136)
-        for ib in range(8):
-            y[4 * ib + k] = x[k][ib]
-            for i in range(4):
-                q = 32 * ib + i
-                _pack4(y, 32 + 64 * ib + 4 * k + i, lv, q)
-                order = (0, 8, 16, 24, 4, 12, 20, 28)
-                y[544 + 16 * ib + 4 * k + i] = _high_bits(lv, q, order, 4)
+# r4 big blocks: headers, then the planes at the offsets below.
+_rp_q2_k_r4 = _levels_repack(_head_q2_k, _levels_q2_k, _Plane(80, _CRUMBS, 2))
+_rp_q3_k_r4 = _levels_repack(
+    _head_q3_k, _levels_q3_k, _Plane(184, _CRUMBS, 2), _Plane(56, _BIT2, 1, shift=2)
+)
+_rp_q4_k_r4 = _levels_repack(_head_q4_k, _levels_q4_k, _Plane(64, _NIBBLES, 4))
+_rp_q5_k_r4 = _levels_repack(
+    _head_q4_k, _levels_q5_k, _Plane(192, _NIBBLES, 4), _Plane(64, _BIT4_K, 1, shift=4)
+)
+_rp_q6_k_r4 = _levels_repack(
+    _head_q6_k,
+    _levels_q6_k,
+    _Plane(328, _NIBBLES, 4),
+    _Plane(72, ((0, 8, 4, 12), (16, 24, 20, 28)), 2, shift=4),
+)
+_rp_iq2_k_r4 = _levels_repack(_head_iq2_k, _levels_iq2_k, _Plane(48, _CRUMBS, 2))
+_rp_iq3_k_r4 = _levels_repack(
+    _head_iq3_k, _levels_iq3_k, _Plane(56, _CRUMBS, 2), _Plane(312, _BIT2, 1, shift=2)
+)
+_rp_iq4_k_r4 = _levels_repack(_head_iq45_k, _nibbles(16, 8), _Plane(64, _NIBBLES, 4))
+_rp_iq5_k_r4 = _levels_repack(
+    _head_iq45_k,
+    lambda x: _iq5_levels(x, 16, 144),
+    _Plane(64, _NIBBLES, 4),
+    _Plane(576, _BIT4_IQ, 1, shift=4),
+)
+_rp_iq5_ks_r4 = _levels_repack(
+    _head_iq4_ks,
+    lambda x: _iq5_levels(x, 8, 136),
+    _Plane(32, _NIBBLES, 4),
+    _Plane(544, _BIT4_IQ, 1, shift=4),
+)
 
 
 def _rp_iq2_bn_r4(x: list[_Block], y: _Block) -> None:

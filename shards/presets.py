@@ -6,8 +6,10 @@ Each returns a :class:`~ggufswap.shards.writer.ModelSpec`; keyword overrides rep
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Final
 
 from gguf import GGMLQuantizationType as Q
 
@@ -15,23 +17,43 @@ from ggufswap.shards.keys import Arch
 from ggufswap.shards.writer import ModelSpec, Role
 
 
+def _preset(arch: Arch, name: str, overrides: Mapping[str, Any], **fields: Any) -> ModelSpec:
+    """``ModelSpec(arch=arch, name=name, **fields)``, then ``overrides`` replace any field."""
+    return replace(ModelSpec(arch=arch, name=name, **fields), **overrides)
+
+
+# 4 blocks, 4 experts of width 64, 2 used: tiny_moe and tiny_gpt_oss.
+_FOUR_EXPERTS: Final[Mapping[str, Any]] = MappingProxyType(
+    {"n_layers": 4, "n_expert": 4, "n_expert_used": 2, "n_ff_expert": 64}
+)
+# deepseek2's and glm4moe's routed blocks: 3 blocks (one leading dense), 8 experts of width 32
+# (2 used) plus one shared expert, sigmoid gating with the exp_probs_b selection bias, weights
+# renormalised and scaled by 2.5.
+_ROUTED: Final[Mapping[str, Any]] = MappingProxyType(
+    {
+        "n_layers": 3,
+        "n_ff": 128,
+        "n_expert": 8,
+        "n_expert_used": 2,
+        "n_ff_expert": 32,
+        "n_dense_lead": 1,
+        "shared_expert": True,
+        "expert_gating_func": 2,
+        "expert_probs_bias": True,
+        "expert_weights_norm": True,
+        "expert_weights_scale": 2.5,
+    }
+)
+
+
 def tiny_dense(**overrides: Any) -> ModelSpec:
     """A 2-block dense llama (n_embd 64, vocab 256): the smallest realistic model."""
-    return replace(ModelSpec(arch=Arch.LLAMA, name="tiny-dense"), **overrides)
+    return _preset(Arch.LLAMA, "tiny-dense", overrides)
 
 
 def tiny_moe(**overrides: Any) -> ModelSpec:
     """A 4-block qwen3moe with 4 experts, 2 used (n_embd 64, vocab 256)."""
-    base = ModelSpec(
-        arch=Arch.QWEN3MOE,
-        name="tiny-moe",
-        n_layers=4,
-        n_ff=128,
-        n_expert=4,
-        n_expert_used=2,
-        n_ff_expert=64,
-    )
-    return replace(base, **overrides)
+    return _preset(Arch.QWEN3MOE, "tiny-moe", overrides, n_ff=128, **_FOUR_EXPERTS)
 
 
 def tiny_deepseek2(**overrides: Any) -> ModelSpec:
@@ -42,37 +64,27 @@ def tiny_deepseek2(**overrides: Any) -> ModelSpec:
     one shared expert, YaRN x4 (original context 64, log multiplier 0.1).
     Rows of 32 values: Q8_0/Q4_* fit; pass ``n_embd=256`` for K-quant rows (``deepseek2_wide``).
     """
-    base = ModelSpec(
-        arch=Arch.DEEPSEEK2,
-        name="tiny-deepseek2",
-        n_layers=3,
+    fields = dict(overrides)
+    if not fields.get("mla_split", True):  # attn_kv_b is multi-head
+        fields.setdefault("n_head_kv", fields.get("n_head", ModelSpec.n_head))
+    return _preset(
+        Arch.DEEPSEEK2,
+        "tiny-deepseek2",
+        fields,
+        **_ROUTED,
         n_head_kv=1,
         head_dim=48,
         rope_dim=16,
         v_head_dim=32,
         q_lora_rank=32,
         kv_lora_rank=32,
-        n_ff=128,
-        n_expert=8,
-        n_expert_used=2,
-        n_ff_expert=32,
-        n_dense_lead=1,
-        shared_expert=True,
-        expert_gating_func=2,
-        expert_probs_bias=True,
         n_expert_groups=4,
         n_group_used=2,
-        expert_weights_norm=True,
-        expert_weights_scale=2.5,
         rope_scaling="yarn",
         rope_scaling_factor=4.0,
         rope_orig_ctx=64,
         yarn_log_mul=0.1,
     )
-    fields = dict(overrides)
-    if not fields.get("mla_split", True):
-        fields.setdefault("n_head_kv", fields.get("n_head", base.n_head))
-    return replace(base, **fields)
 
 
 def tiny_glm4moe(**overrides: Any) -> ModelSpec:
@@ -80,26 +92,16 @@ def tiny_glm4moe(**overrides: Any) -> ModelSpec:
     NextN/MTP block, heads of 32 with Q/K/V biases and half of each head rotated, 8 experts (2
     used) with sigmoid gating, the exp_probs_b selection bias, renormalised and scaled by 2.5,
     one shared expert. ``attn_qk_norm=True`` adds GLM-4.5's per-head Q/K norms."""
-    base = ModelSpec(
-        arch=Arch.GLM4MOE,
-        name="tiny-glm4moe",
-        n_layers=3,
+    return _preset(
+        Arch.GLM4MOE,
+        "tiny-glm4moe",
+        overrides,
+        **_ROUTED,
         n_nextn=1,
         head_dim=32,
         rope_dim=16,
         attn_bias=True,
-        n_ff=128,
-        n_expert=8,
-        n_expert_used=2,
-        n_ff_expert=32,
-        n_dense_lead=1,
-        shared_expert=True,
-        expert_gating_func=2,
-        expert_probs_bias=True,
-        expert_weights_norm=True,
-        expert_weights_scale=2.5,
     )
-    return replace(base, **overrides)
 
 
 def tiny_llama3(**overrides: Any) -> ModelSpec:
@@ -107,32 +109,31 @@ def tiny_llama3(**overrides: Any) -> ModelSpec:
     converter's rule (factor 8, low/high frequency factors 1 and 4) for an original context of 32
     positions, so that the factors change the rotation within a few tokens (Llama 3.1 itself:
     8192)."""
-    base = tiny_dense(name="tiny-llama3", rope_llama3_factor=8.0, rope_llama3_original_context=32)
-    return replace(base, **overrides)
+    return _preset(
+        Arch.LLAMA,
+        "tiny-llama3",
+        overrides,
+        rope_llama3_factor=8.0,
+        rope_llama3_original_context=32,
+    )
 
 
 def tiny_gpt_oss(**overrides: Any) -> ModelSpec:
     """A 4-block gpt-oss (two sliding-window layers of 4 tokens, two global), 4 experts (2 used)
     in MXFP4 as OpenAI ships them, YaRN as gpt-oss's files (factor 32 over 4096 positions, RoPE
     base 150000); n_embd 64, four heads of 16."""
-    base = ModelSpec(
-        arch=Arch.GPT_OSS,
-        name="tiny-gpt-oss",
-        n_layers=4,
-        n_expert=4,
-        n_expert_used=2,
-        n_ff_expert=64,
+    mxfp4 = {Role.FFN_GATE_EXPS: Q.MXFP4, Role.FFN_UP_EXPS: Q.MXFP4, Role.FFN_DOWN_EXPS: Q.MXFP4}
+    return _preset(
+        Arch.GPT_OSS,
+        "tiny-gpt-oss",
+        overrides,
+        **_FOUR_EXPERTS,
         rope_freq_base=150000.0,
         rope_yarn_factor=32.0,
         rope_yarn_original_context=4096,
         sliding_window=4,
-        types={
-            Role.FFN_GATE_EXPS: Q.MXFP4,
-            Role.FFN_UP_EXPS: Q.MXFP4,
-            Role.FFN_DOWN_EXPS: Q.MXFP4,
-        },
+        types=mxfp4,
     )
-    return replace(base, **overrides)
 
 
 def deepseek2_wide(**overrides: Any) -> dict[str, Any]:
@@ -155,21 +156,20 @@ def tiny_arch(arch: Arch | str, **overrides: Any) -> ModelSpec:
     and a window of 4.
     """
     arch = Arch(arch)
-    if arch is Arch.DEEPSEEK2:
-        return tiny_deepseek2(**overrides)
-    if arch is Arch.GLM4MOE:
-        return tiny_glm4moe(**overrides)
-    if arch is Arch.QWEN3MOE:
-        return tiny_moe(**overrides)
-    if arch is Arch.GPT_OSS:
-        return tiny_gpt_oss(**overrides)
+    own = {
+        Arch.DEEPSEEK2: tiny_deepseek2,
+        Arch.GLM4MOE: tiny_glm4moe,
+        Arch.QWEN3MOE: tiny_moe,
+        Arch.GPT_OSS: tiny_gpt_oss,
+    }
+    if arch in own:
+        return own[arch](**overrides)
     if arch is Arch.QWEN2MOE:
         return tiny_moe(
             **{"arch": arch, "name": "tiny-qwen2moe", "shared_expert": True, **overrides}
         )
     n_layers = 6 if arch is Arch.GEMMA3 else 2
-    base = ModelSpec(arch=arch, name=f"tiny-{arch.value}", n_layers=n_layers)
-    return replace(base, **overrides)
+    return _preset(arch, f"tiny-{arch.value}", overrides, n_layers=n_layers)
 
 
 def demo_moe(**overrides: Any) -> ModelSpec:
@@ -178,9 +178,10 @@ def demo_moe(**overrides: Any) -> ModelSpec:
     Rows of 256 elements let every tensor but the norms and routers take any writable type,
     K-quants and IQ4_XS included.
     """
-    base = ModelSpec(
-        arch=Arch.QWEN3MOE,
-        name="demo-moe",
+    return _preset(
+        Arch.QWEN3MOE,
+        "demo-moe",
+        overrides,
         n_layers=4,
         n_embd=256,
         n_head=8,
@@ -192,4 +193,3 @@ def demo_moe(**overrides: Any) -> ModelSpec:
         n_ff_expert=256,
         context_length=512,
     )
-    return replace(base, **overrides)

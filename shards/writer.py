@@ -27,7 +27,6 @@ from typing import Any, Final
 import numpy as np
 from gguf import (
     GGML_QUANT_VERSION,
-    MODEL_TENSOR,
     GGMLQuantizationType,
     GGUFValueType,
     Keys,
@@ -37,11 +36,13 @@ from gguf import (
 from ggufswap.logs import get_logger
 from ggufswap.shards import _synth, ggml_types
 from ggufswap.shards._arch_spec import (
-    glm_errors,
+    PlannedTensor,
     glm_metadata,
     head_lengths,
-    mla_errors,
+    llama_cpp_errors,
     mla_metadata,
+    plan,
+    rope_freqs_errors,
 )
 from ggufswap.shards._gguf_encode import (
     Hole,
@@ -50,17 +51,48 @@ from ggufswap.shards._gguf_encode import (
     encode_metadata,
     write_gguf,
 )
-from ggufswap.shards.archs import Experts, ExpertWidth, SharedExpert, rules_of
+from ggufswap.shards._roles import (
+    ACCEPTED_TYPES,
+    DEFAULT_TYPES,
+    F32_ONLY_ROLES,
+    F32_ROLES,
+    NORM_ROLES,
+    WRITABLE_TYPES,
+    Role,
+    parse_any_type,
+    parse_role,
+    parse_type,
+)
+from ggufswap.shards.archs import ExpertWidth, SharedExpert, rules_of
 from ggufswap.shards.ggml_types import GGMLType
-from ggufswap.shards.ggml_types import ggml_type as ggml_type_of
-from ggufswap.shards.keys import Arch, TensorNames, tensor_template
+from ggufswap.shards.keys import Arch
+
+__all__ = [
+    "DEFAULT_TYPES",
+    "F32_ONLY_ROLES",
+    "F32_ROLES",
+    "NORM_ROLES",
+    "SHARD_NAME_FORMAT",
+    "WRITABLE_TYPES",
+    "Layout",
+    "ModelSpec",
+    "PlannedTensor",
+    "Role",
+    "llama3_rope_factors",
+    "model_metadata",
+    "parse_any_type",
+    "parse_role",
+    "parse_type",
+    "plan_tensors",
+    "shard_paths",
+    "tensor_bytes",
+    "write_model",
+    "write_sparse_model",
+]
 
 log = get_logger(__name__)
 
 Q = GGMLQuantizationType
-WRITABLE_TYPES: Final = _synth.WRITABLE_TYPES
-# What the writer accepts: also ik_llama.cpp's types (files only this project and ik read).
-_ACCEPTED_TYPES: Final = WRITABLE_TYPES + _synth.IK_TYPES
 SHARD_NAME_FORMAT: Final = "{}-{:05d}-of-{:05d}.gguf"
 
 
@@ -70,149 +102,6 @@ class Layout(Enum):
     SINGLE = "single"  # NAME.gguf
     SPLIT = "split"  # NAME-00001-of-0000N.gguf, gguf-split style
     PER_TENSOR = "per-tensor"  # a split with one tensor per shard
-
-
-class Role(Enum):
-    """What a tensor is in the model; ``ModelSpec.types`` maps roles to GGML types."""
-
-    TOKEN_EMBD = MODEL_TENSOR.TOKEN_EMBD
-    OUTPUT_NORM = MODEL_TENSOR.OUTPUT_NORM
-    OUTPUT = MODEL_TENSOR.OUTPUT
-    ATTN_NORM = MODEL_TENSOR.ATTN_NORM
-    ATTN_Q = MODEL_TENSOR.ATTN_Q
-    ATTN_K = MODEL_TENSOR.ATTN_K
-    ATTN_V = MODEL_TENSOR.ATTN_V
-    ATTN_O = MODEL_TENSOR.ATTN_OUT
-    ATTN_Q_NORM = MODEL_TENSOR.ATTN_Q_NORM
-    ATTN_K_NORM = MODEL_TENSOR.ATTN_K_NORM
-    FFN_NORM = MODEL_TENSOR.FFN_NORM
-    FFN_GATE = MODEL_TENSOR.FFN_GATE
-    FFN_UP = MODEL_TENSOR.FFN_UP
-    FFN_DOWN = MODEL_TENSOR.FFN_DOWN
-    FFN_GATE_INP = MODEL_TENSOR.FFN_GATE_INP
-    FFN_GATE_EXPS = MODEL_TENSOR.FFN_GATE_EXP
-    FFN_UP_EXPS = MODEL_TENSOR.FFN_UP_EXP
-    FFN_DOWN_EXPS = MODEL_TENSOR.FFN_DOWN_EXP
-    FFN_GATE_SHEXP = MODEL_TENSOR.FFN_GATE_SHEXP
-    FFN_UP_SHEXP = MODEL_TENSOR.FFN_UP_SHEXP
-    FFN_DOWN_SHEXP = MODEL_TENSOR.FFN_DOWN_SHEXP
-    FFN_GATE_INP_SHEXP = MODEL_TENSOR.FFN_GATE_INP_SHEXP
-    ATTN_POST_NORM = MODEL_TENSOR.ATTN_POST_NORM  # gemma3
-    FFN_POST_NORM = MODEL_TENSOR.FFN_POST_NORM  # gemma3
-    # deepseek2: latent attention and the routers' selection bias
-    ATTN_Q_A = MODEL_TENSOR.ATTN_Q_A
-    ATTN_Q_B = MODEL_TENSOR.ATTN_Q_B
-    ATTN_Q_A_NORM = MODEL_TENSOR.ATTN_Q_A_NORM
-    ATTN_KV_A_MQA = MODEL_TENSOR.ATTN_KV_A_MQA
-    ATTN_KV_A_NORM = MODEL_TENSOR.ATTN_KV_A_NORM
-    ATTN_KV_B = MODEL_TENSOR.ATTN_KV_B
-    ATTN_K_B = MODEL_TENSOR.ATTN_K_B
-    ATTN_V_B = MODEL_TENSOR.ATTN_V_B
-    FFN_EXP_PROBS_B = MODEL_TENSOR.FFN_EXP_PROBS_B
-    # glm4moe's NextN/MTP blocks (besides a whole block's tensors)
-    NEXTN_EH_PROJ = MODEL_TENSOR.NEXTN_EH_PROJ
-    NEXTN_ENORM = MODEL_TENSOR.NEXTN_ENORM
-    NEXTN_HNORM = MODEL_TENSOR.NEXTN_HNORM
-    NEXTN_SHARED_HEAD_NORM = MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM
-
-    ROPE_FREQS = MODEL_TENSOR.ROPE_FREQS  # llama 3.1+ RoPE frequency factors
-    # gpt-oss: attention sinks, and biases (the value names the tensor and its suffix)
-    ATTN_SINKS = MODEL_TENSOR.ATTN_SINKS
-    ATTN_Q_BIAS = (MODEL_TENSOR.ATTN_Q, "bias")
-    ATTN_K_BIAS = (MODEL_TENSOR.ATTN_K, "bias")
-    ATTN_V_BIAS = (MODEL_TENSOR.ATTN_V, "bias")
-    ATTN_O_BIAS = (MODEL_TENSOR.ATTN_OUT, "bias")
-    FFN_GATE_INP_BIAS = (MODEL_TENSOR.FFN_GATE_INP, "bias")
-    FFN_GATE_EXPS_BIAS = (MODEL_TENSOR.FFN_GATE_EXP, "bias")
-    FFN_UP_EXPS_BIAS = (MODEL_TENSOR.FFN_UP_EXP, "bias")
-    FFN_DOWN_EXPS_BIAS = (MODEL_TENSOR.FFN_DOWN_EXP, "bias")
-
-    def tensor_name(self, block: int | None = None) -> str:
-        """The llama.cpp tensor name, e.g. ``blk.3.ffn_up_exps.weight``."""
-        if isinstance(self.value, tuple):
-            tensor, suffix = self.value
-        else:
-            tensor, suffix = self.value, "bias" if self is Role.FFN_EXP_PROBS_B else "weight"
-        return tensor_template(tensor, suffix).format(block)
-
-
-NORM_ROLES: Final = frozenset(
-    {
-        Role.OUTPUT_NORM,
-        Role.ATTN_NORM,
-        Role.FFN_NORM,
-        Role.ATTN_Q_NORM,
-        Role.ATTN_K_NORM,
-        Role.ATTN_POST_NORM,
-        Role.FFN_POST_NORM,
-        Role.ATTN_Q_A_NORM,
-        Role.ATTN_KV_A_NORM,
-        Role.NEXTN_ENORM,
-        Role.NEXTN_HNORM,
-        Role.NEXTN_SHARED_HEAD_NORM,
-    }
-)
-# 1-D or routing tensors stay F32, as llama.cpp's quantizer leaves them.
-# Tensors ggml reads as plain floats (ggml_rope's freq_factors, ggml_soft_max's sinks) and the
-# gpt-oss biases (F32 in the converter's files): F32 only.
-F32_ONLY_ROLES: Final = frozenset(
-    {
-        Role.ROPE_FREQS,
-        Role.ATTN_SINKS,
-        Role.ATTN_Q_BIAS,
-        Role.ATTN_K_BIAS,
-        Role.ATTN_V_BIAS,
-        Role.ATTN_O_BIAS,
-        Role.FFN_GATE_INP_BIAS,
-        Role.FFN_GATE_EXPS_BIAS,
-        Role.FFN_UP_EXPS_BIAS,
-        Role.FFN_DOWN_EXPS_BIAS,
-    }
-)
-F32_ROLES: Final = (
-    NORM_ROLES | {Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP, Role.FFN_EXP_PROBS_B} | F32_ONLY_ROLES
-)
-DEFAULT_TYPES: Final[Mapping[Role, GGMLQuantizationType]] = MappingProxyType(
-    {role: Q.F32 if role in F32_ROLES else Q.Q8_0 for role in Role}
-)
-
-
-def parse_role(text: str | Role) -> Role:
-    """A role from its name, case-insensitive (``"ffn_up_exps"``)."""
-    if isinstance(text, Role):
-        return text
-    try:
-        return Role[text.strip().upper()]
-    except KeyError:
-        names = ", ".join(r.name for r in Role)
-        raise ValueError(f"unknown tensor role {text!r}; roles are: {names}") from None
-
-
-def parse_any_type(text: str | int | GGMLQuantizationType) -> GGMLQuantizationType | GGMLType:
-    """:func:`parse_type`, or else an ik_llama.cpp type of the project's table (``"iq4_ks"``)."""
-    try:
-        return parse_type(text)
-    except ValueError:
-        if isinstance(text, str):
-            known = GGMLType.__members__.get(text.strip().upper())
-        else:
-            known = ggml_type_of(text)
-        if known is None:
-            raise
-        return known
-
-
-def parse_type(text: str | int | GGMLQuantizationType) -> GGMLQuantizationType:
-    """A GGML type from its name (``"q4_k"``) or code."""
-    if isinstance(text, GGMLQuantizationType):
-        return text
-    try:
-        if isinstance(text, int):
-            return GGMLQuantizationType(text)
-        return GGMLQuantizationType[text.strip().upper()]
-    except (KeyError, ValueError):
-        names = ", ".join(t.name for t in WRITABLE_TYPES)
-        raise ValueError(f"unknown GGML type {text!r}; writable types are: {names}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -294,9 +183,7 @@ class ModelSpec:
         resolved: dict[Role, GGMLQuantizationType | GGMLType] = dict(DEFAULT_TYPES)
         resolved.update({parse_role(r): parse_any_type(t) for r, t in self.types.items()})
         put("types", MappingProxyType(resolved))
-        errors = _spec_errors(self)
-        if errors:
-            raise ValueError(f"invalid ModelSpec {self.name!r}:\n  " + "\n  ".join(errors))
+        _raise_if_invalid(self)
 
     @property
     def arch_name(self) -> str:
@@ -345,6 +232,12 @@ class ModelSpec:
         return replace(self, types=merged)
 
 
+def _raise_if_invalid(spec: ModelSpec) -> None:
+    errors = _spec_errors(spec)
+    if errors:
+        raise ValueError(f"invalid ModelSpec {spec.name!r}:\n  " + "\n  ".join(errors))
+
+
 def _spec_errors(spec: ModelSpec) -> list[str]:
     """Every inconsistency of a spec, including type block sizes (checked on the tensor plan)."""
     errors = []
@@ -364,8 +257,8 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
     bad = [b for b in spec.moe_blocks if not 0 <= b < spec.n_blocks]
     if bad:
         errors.append(f"moe_layers {bad} outside 0..{spec.n_blocks - 1}")
-    errors += _llama_cpp_errors(spec)
-    errors += _rope_freqs_errors(spec)
+    errors += llama_cpp_errors(spec)
+    errors += rope_freqs_errors(spec)
     if spec.rope_yarn_factor > 0 and not rules_of(spec.arch).gpt_oss:
         errors.append(
             f"rope_yarn_factor: the writer writes YaRN scaling for gpt-oss only, not "
@@ -380,14 +273,14 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
         errors.append(f"sliding_window must be > 0, found {spec.sliding_window}")
     if spec.extra_vocab_strings < 0:
         errors.append(f"extra_vocab_strings must be >= 0, found {spec.extra_vocab_strings}")
-    unwritable = sorted({t.name for t in spec.types.values() if t not in _ACCEPTED_TYPES})
+    unwritable = sorted({t.name for t in spec.types.values() if t not in ACCEPTED_TYPES})
     if unwritable:
-        names = ", ".join(t.name for t in _ACCEPTED_TYPES)
+        names = ", ".join(t.name for t in ACCEPTED_TYPES)
         errors.append(f"types {unwritable} cannot be written; writable types are: {names}")
     if errors:
         return errors
     misfits: dict[Role, list[PlannedTensor]] = {}
-    planned = plan_tensors(spec, validate=False)
+    planned = plan(spec)
     for role in sorted({t.role for t in planned} & F32_ONLY_ROLES, key=lambda r: r.name):
         if spec.type_of(role) != Q.F32:
             found = spec.type_of(role).name
@@ -403,79 +296,6 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
             f"{t.name}{also}: row length ne[0]={t.ne[0]} is not a multiple of the "
             f"{t.ggml_type.name} block size {block_size}; choose another type for role "
             f"{role.name} or a dimension divisible by {block_size}"
-        )
-    return errors
-
-
-def _llama_cpp_errors(spec: ModelSpec) -> list[str]:
-    """What llama.cpp's loader would refuse in a file of this spec (``shards.archs``)."""
-    rules, a = rules_of(spec.arch), spec.arch_name
-    why = f"(llama.cpp: {rules.source})"
-    errors = []
-    if rules.experts is Experts.NONE and spec.n_expert:
-        errors.append(f"{a} is dense: n_expert must be 0, found {spec.n_expert} {why}")
-    if rules.experts is Experts.ALL and spec.n_expert <= 0:
-        errors.append(f"{a} needs n_expert > 0: every {a} block is MoE {why}")
-    lead = rules.experts is Experts.AFTER_DENSE_LEAD
-    if (
-        lead
-        and spec.n_expert > 0
-        and spec.moe_blocks != tuple(range(spec.n_dense_lead, spec.n_blocks))
-    ):
-        errors.append(
-            f"{a} has experts in blocks n_dense_lead.. only: moe_layers {list(spec.moe_blocks)} "
-            f"would be refused {why}"
-        )
-    if not lead and spec.n_dense_lead:
-        errors.append(f"{a} has no leading dense blocks: n_dense_lead must be 0 {why}")
-    if rules.mla:
-        errors += mla_errors(spec, why)
-    if rules.glm:
-        errors += glm_errors(spec, why)
-    elif spec.n_nextn or spec.attn_bias or spec.attn_qk_norm:
-        errors.append(f"n_nextn / attn_bias / attn_qk_norm are glm4moe's {why}")
-    if not lead and spec.n_expert > 0 and len(spec.moe_blocks) != spec.n_layers:
-        errors.append(
-            f"{a} has experts in every block or in none: moe_layers {list(spec.moe_blocks)} "
-            f"of {spec.n_layers} blocks would be refused {why}"
-        )
-    if spec.n_expert > 0 and rules.shared_expert is SharedExpert.NONE and spec.shared_expert:
-        errors.append(
-            f"{a} has no shared expert: llama.cpp refuses the ffn_*_shexp tensors "
-            f"(wrong number of tensors) {why}"
-        )
-    counted = rules.shared_expert is SharedExpert.COUNTED and spec.n_expert > 0
-    if (rules.shared_expert is SharedExpert.REQUIRED or counted) and not spec.shared_expert:
-        errors.append(f"{a} needs shared_expert: llama.cpp requires ffn_*_shexp tensors {why}")
-    if spec.tied_output and not rules.tied_output:
-        errors.append(f"{a} cannot tie its output: llama.cpp requires output.weight {why}")
-    fixed_head = spec.n_head > 0 and not rules.free_head_dim
-    if fixed_head and (spec.n_embd % spec.n_head or spec.n_embd_head * spec.n_head != spec.n_embd):
-        errors.append(
-            f"{a} needs head_dim = n_embd / n_head ({spec.n_embd} / {spec.n_head}): llama.cpp "
-            f"sizes attn_q as {{n_embd, n_embd}}, found head_dim {spec.n_embd_head} {why}"
-        )
-    return errors
-
-
-def _rope_freqs_errors(spec: ModelSpec) -> list[str]:
-    """A Llama 3.1 RoPE scaling spec llama.cpp would refuse, or that has no factors to write."""
-    if spec.rope_llama3_factor <= 0:
-        return []
-    rules, errors = rules_of(spec.arch), []
-    if not rules.rope_freqs:
-        errors.append(
-            f"{spec.arch_name} has no rope_freqs tensor: llama.cpp refuses the file (wrong "
-            f"number of tensors; {rules.source}); rope_llama3_factor needs arch llama"
-        )
-    if spec.rope_llama3_high_freq_factor <= spec.rope_llama3_low_freq_factor:
-        errors.append(
-            f"rope_llama3_high_freq_factor {spec.rope_llama3_high_freq_factor} must exceed "
-            f"rope_llama3_low_freq_factor {spec.rope_llama3_low_freq_factor}"
-        )
-    if spec.rope_llama3_original_context <= 0:
-        errors.append(
-            f"rope_llama3_original_context must be > 0, found {spec.rope_llama3_original_context}"
         )
     return errors
 
@@ -504,174 +324,11 @@ def llama3_rope_factors(spec: ModelSpec) -> np.ndarray:
     return np.asarray(out, dtype=f32)
 
 
-@dataclass(frozen=True, slots=True)
-class PlannedTensor:
-    """One tensor the spec implies: llama.cpp name, role, type, ``ne`` (ggml order)."""
-
-    name: str
-    role: Role
-    ggml_type: GGMLQuantizationType | GGMLType
-    ne: tuple[int, ...]
-    block: int | None
-    expert: int | None = None  # per-expert tensor (old Mixtral layout): its expert index
-
-    @property
-    def nbytes(self) -> int:
-        return ggml_types.tensor_nbytes(self.ggml_type, self.ne)
-
-
 def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTensor, ...]:
     """The tensors of ``spec`` in file order, with llama.cpp's names and ``ne`` shapes."""
     if validate:
-        errors = _spec_errors(spec)
-        if errors:
-            raise ValueError(f"invalid ModelSpec {spec.name!r}:\n  " + "\n  ".join(errors))
-    e, hd, rules = spec.n_embd, spec.n_embd_head, rules_of(spec.arch)
-    out: list[PlannedTensor] = []
-
-    def add(role: Role, ne: tuple[int, ...], block: int | None = None) -> None:
-        out.append(PlannedTensor(role.tensor_name(block), role, spec.type_of(role), ne, block))
-
-    def add_bias(role: Role, ne: tuple[int, ...], block: int) -> None:
-        name = tensor_template(role.value, "bias").format(block)
-        out.append(PlannedTensor(name, role, Q.F32, ne, block))
-
-    if spec.rope_llama3_factor > 0:  # first, where llama.cpp's converter writes it
-        add(Role.ROPE_FREQS, (hd // 2,))
-    add(Role.TOKEN_EMBD, (e, spec.vocab_size))
-    for b in range(spec.n_blocks):
-        if rules.gpt_oss:
-            out.extend(_gpt_oss_block(spec, b))
-            continue
-        add(Role.ATTN_NORM, (e,), b)
-        if rules.mla:
-            _plan_mla(spec, add, b)
-        else:
-            add(Role.ATTN_Q, (e, spec.n_head * hd), b)
-            add(Role.ATTN_K, (e, spec.n_head_kv * hd), b)
-            add(Role.ATTN_V, (e, spec.n_head_kv * hd), b)
-            add(Role.ATTN_O, (spec.n_head * hd, e), b)
-        if spec.attn_bias:  # glm4moe
-            add_bias(Role.ATTN_Q, (spec.n_head * hd,), b)
-            add_bias(Role.ATTN_K, (spec.n_head_kv * hd,), b)
-            add_bias(Role.ATTN_V, (spec.n_head_kv * hd,), b)
-        if rules.qk_norm or spec.attn_qk_norm:
-            add(Role.ATTN_Q_NORM, (hd,), b)
-            add(Role.ATTN_K_NORM, (hd,), b)
-        if rules.post_norms:
-            add(Role.ATTN_POST_NORM, (e,), b)
-            add(Role.FFN_POST_NORM, (e,), b)
-        # glm4moe: attn_post_norm is the FFN's pre-norm
-        add(Role.ATTN_POST_NORM if rules.glm else Role.FFN_NORM, (e,), b)
-        if b >= spec.n_layers:  # glm4moe's NextN/MTP block
-            add(Role.NEXTN_EH_PROJ, (2 * e, e), b)
-            add(Role.NEXTN_ENORM, (e,), b)
-            add(Role.NEXTN_HNORM, (e,), b)
-            add(Role.NEXTN_SHARED_HEAD_NORM, (e,), b)
-        if b in spec.moe_blocks and spec.per_expert_tensors:
-            add(Role.FFN_GATE_INP, (e, spec.n_expert), b)
-            out.extend(_per_expert_tensors(spec, b))
-        elif b in spec.moe_blocks:
-            f, x = spec.n_ff_expert, spec.n_expert
-            add(Role.FFN_GATE_INP, (e, x), b)
-            if spec.expert_probs_bias:
-                add(Role.FFN_EXP_PROBS_B, (x,), b)
-            add(Role.FFN_GATE_EXPS, (e, f, x), b)
-            add(Role.FFN_UP_EXPS, (e, f, x), b)
-            add(Role.FFN_DOWN_EXPS, (f, e, x), b)
-            counted = (SharedExpert.COUNTED, SharedExpert.COUNTED_OPTIONAL)
-            if spec.shared_expert and rules.shared_expert in counted:
-                s = f * spec.n_expert_shared  # ungated, fused shared experts
-                add(Role.FFN_GATE_SHEXP, (e, s), b)
-                add(Role.FFN_UP_SHEXP, (e, s), b)
-                add(Role.FFN_DOWN_SHEXP, (s, e), b)
-            elif spec.shared_expert:
-                s = spec.n_ff_shexp
-                add(Role.FFN_GATE_INP_SHEXP, (e,), b)
-                add(Role.FFN_GATE_SHEXP, (e, s), b)
-                add(Role.FFN_UP_SHEXP, (e, s), b)
-                add(Role.FFN_DOWN_SHEXP, (s, e), b)
-        else:
-            add(Role.FFN_GATE, (e, spec.n_ff), b)
-            add(Role.FFN_UP, (e, spec.n_ff), b)
-            add(Role.FFN_DOWN, (spec.n_ff, e), b)
-    add(Role.OUTPUT_NORM, (e,))
-    if not spec.tied_output:
-        add(Role.OUTPUT, (e, spec.vocab_size))
-    return tuple(out)
-
-
-def _plan_mla(spec: ModelSpec, add: Any, b: int) -> None:
-    """deepseek2's attention tensors of block ``b`` (llama_model_deepseek2::load_arch_tensors)."""
-    e, h, rank, rot = spec.n_embd, spec.n_head, spec.kv_lora_rank, spec.n_rot
-    nope, v = spec.n_embd_head - rot, spec.head_v
-    if spec.q_lora_rank > 0:
-        add(Role.ATTN_Q_A_NORM, (spec.q_lora_rank,), b)
-    add(Role.ATTN_KV_A_NORM, (rank,), b)
-    if spec.q_lora_rank > 0:
-        add(Role.ATTN_Q_A, (e, spec.q_lora_rank), b)
-        add(Role.ATTN_Q_B, (spec.q_lora_rank, h * spec.n_embd_head), b)
-    else:
-        add(Role.ATTN_Q, (e, h * spec.n_embd_head), b)
-    add(Role.ATTN_KV_A_MQA, (e, rank + rot), b)
-    if spec.mla_split:
-        add(Role.ATTN_K_B, (nope, rank, h), b)
-        add(Role.ATTN_V_B, (rank, v, h), b)
-    else:
-        add(Role.ATTN_KV_B, (rank, h * (nope + v)), b)
-    add(Role.ATTN_O, (h * v, e), b)
-
-
-def _gpt_oss_block(spec: ModelSpec, b: int) -> list[PlannedTensor]:
-    """One gpt-oss block as llama_model_openai_moe::load_arch_tensors creates it: biased
-    attention with sinks, post_attention_norm (the FFN's input norm), a biased router and biased
-    experts."""
-    e, hd, f, x = spec.n_embd, spec.n_embd_head, spec.n_ff_expert, spec.n_expert
-    q, kv = spec.n_head * hd, spec.n_head_kv * hd
-    shapes = (
-        (Role.ATTN_NORM, (e,)),
-        (Role.ATTN_Q, (e, q)),
-        (Role.ATTN_Q_BIAS, (q,)),
-        (Role.ATTN_K, (e, kv)),
-        (Role.ATTN_K_BIAS, (kv,)),
-        (Role.ATTN_V, (e, kv)),
-        (Role.ATTN_V_BIAS, (kv,)),
-        (Role.ATTN_O, (q, e)),
-        (Role.ATTN_O_BIAS, (e,)),
-        (Role.ATTN_SINKS, (spec.n_head,)),
-        (Role.ATTN_POST_NORM, (e,)),
-        (Role.FFN_GATE_INP, (e, x)),
-        (Role.FFN_GATE_INP_BIAS, (x,)),
-        (Role.FFN_GATE_EXPS, (e, f, x)),
-        (Role.FFN_GATE_EXPS_BIAS, (f, x)),
-        (Role.FFN_UP_EXPS, (e, f, x)),
-        (Role.FFN_UP_EXPS_BIAS, (f, x)),
-        (Role.FFN_DOWN_EXPS, (f, e, x)),
-        (Role.FFN_DOWN_EXPS_BIAS, (e, x)),
-    )
-    return [PlannedTensor(r.tensor_name(b), r, spec.type_of(r), ne, b) for r, ne in shapes]
-
-
-# Old Mixtral layout: per-expert tensor names by the stacked role they slice.
-_PER_EXPERT_NAMES: Final = {
-    Role.FFN_GATE_EXPS: TensorNames.FFN_GATE_EXPERT,
-    Role.FFN_UP_EXPS: TensorNames.FFN_UP_EXPERT,
-    Role.FFN_DOWN_EXPS: TensorNames.FFN_DOWN_EXPERT,
-}
-
-
-def _per_expert_tensors(spec: ModelSpec, block: int) -> list[PlannedTensor]:
-    """Block ``block``'s experts as one tensor each, in the old Mixtral order (by expert, then
-    gate, down, up as llama.cpp's old converter wrote them)."""
-    e, f = spec.n_embd, spec.n_ff_expert
-    shapes = {Role.FFN_GATE_EXPS: (e, f), Role.FFN_DOWN_EXPS: (f, e), Role.FFN_UP_EXPS: (e, f)}
-    return [
-        PlannedTensor(
-            _PER_EXPERT_NAMES[role].format(block, x), role, spec.type_of(role), ne, block, x
-        )
-        for x in range(spec.n_expert)
-        for role, ne in shapes.items()
-    ]
+        _raise_if_invalid(spec)
+    return plan(spec)
 
 
 def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:

@@ -14,8 +14,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ggufswap.ipc.plan import Job, Plan
-from ggufswap.runtime import HotSwapRuntime, Pool, SlotState, Storage
-from ggufswap.runtime.models import Transformer
+from ggufswap.runtime import HotSwapRuntime, PlanState, Pool, SlotState, Storage
+from ggufswap.runtime.models import Decoder, Transformer, build_model
 from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.serving.serve import logits_digest, probe_tokens
 from ggufswap.shards import (
@@ -152,7 +152,7 @@ def open_runtime(
     return runtime, model
 
 
-def logits(model: Transformer, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
+def logits(model: torch.nn.Module, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
     with torch.inference_mode():
         return model(tokens)
 
@@ -164,6 +164,52 @@ def fresh_logits(first: Path, *, storage: Storage, tokens: torch.Tensor = TOKENS
         return logits(model, tokens)
     finally:
         runtime.close()
+
+
+def open_model(first: Path, **options: object) -> tuple[HotSwapRuntime, Decoder]:
+    """A runtime over ``first``'s shard set and the decoder of its architecture (``build_model``)
+    reading its store."""
+    runtime = HotSwapRuntime.open(first, **options)  # type: ignore[arg-type]
+    assert runtime.shards is not None, "open() keeps the shard set"
+    config = HParams.from_metadata(runtime.shards.metadata)
+    return runtime, build_model(config, runtime.store, store=runtime.store)
+
+
+def fresh_model_logits(first: Path, *, storage: Storage) -> torch.Tensor:
+    """``fresh_logits`` for any architecture: a fresh load's logits through ``build_model``."""
+    runtime, model = open_model(first, storage=storage)
+    try:
+        return logits(model)
+    finally:
+        runtime.close()
+
+
+def assert_swap_equals_fresh_load(
+    runtime: HotSwapRuntime,
+    model: torch.nn.Module,
+    model_dir: ModelDir,
+    name: str,
+    replacement: Path,
+    *,
+    storage: Storage,
+    saved: Path | None = None,
+) -> None:
+    """Put ``replacement`` as the shard of ``name`` and commit its plan: ``model``'s logits change,
+    to a fresh load's bit for bit; with ``saved`` (the original shard) put back and committed,
+    they are the first logits again."""
+    before = logits(model)
+    assert torch.isfinite(before).all()
+    model_dir.put(name, replacement)
+    ticket = runtime.apply(model_dir.plan("swap", [name]))
+    assert ticket.state is PlanState.COMMITTED, ticket.summary()
+    swapped = logits(model)
+    assert not torch.equal(swapped, before), f"the swap of {name} changed nothing"
+    assert torch.equal(swapped, fresh_model_logits(model_dir.first, storage=storage))
+    if saved is not None:
+        model_dir.put(name, saved)
+        ticket = runtime.apply(model_dir.plan("back", [name]))
+        assert ticket.state is PlanState.COMMITTED, ticket.summary()
+        assert torch.equal(logits(model), before)
 
 
 def fresh_digest(first: Path, *, storage: Storage = Storage.DEQUANTIZED) -> str:

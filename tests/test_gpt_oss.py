@@ -5,16 +5,26 @@ experts, whose swaps equal a fresh load in both storages with each block's exper
 from __future__ import annotations
 
 import math
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import TOKENS, ModelDir, Q, cpu_pools, one_thread, slot_states
-from test_http import WAIT_S, complete, start_server
+from runtime_helpers import (
+    TOKENS,
+    ModelDir,
+    Q,
+    assert_swap_equals_fresh_load,
+    cpu_pools,
+    fresh_model_logits,
+    logits,
+    one_thread,
+    open_model,
+    slot_states,
+)
+from test_http import assert_swap_round_trip_while_serving
 
 from ggufswap.runtime import HotSwapRuntime, PlanState, SlotState, Storage
-from ggufswap.runtime.models import HParams, HParamsError, build_model
+from ggufswap.runtime.models import HParams, HParamsError
 from ggufswap.runtime.models.gpt_oss import (
     SWIGLU_ALPHA,
     GptOssTransformer,
@@ -33,27 +43,6 @@ SINKS0 = "blk.0.attn_sinks.weight"
 FAMILY1 = tuple(
     f"blk.1.ffn_{r}_exps.{s}" for r in ("gate", "up", "down") for s in ("weight", "bias")
 )
-
-
-def open_model(first: Path, **options: object) -> tuple[HotSwapRuntime, torch.nn.Module]:
-    runtime = HotSwapRuntime.open(first, **options)  # type: ignore[arg-type]
-    assert runtime.shards is not None, "open() keeps the shard set"
-    config = HParams.from_metadata(runtime.shards.metadata)
-    return runtime, build_model(config, runtime.store, store=runtime.store)
-
-
-def logits_of(model: torch.nn.Module) -> torch.Tensor:
-    with torch.inference_mode():
-        out: torch.Tensor = model(TOKENS)
-    return out
-
-
-def fresh(first: Path, storage: Storage) -> torch.Tensor:
-    runtime, model = open_model(first, storage=storage)
-    try:
-        return logits_of(model)
-    finally:
-        runtime.close()
 
 
 def test_the_file_is_gpt_oss_with_mxfp4_experts_and_yarn(tmp_path: Path) -> None:
@@ -80,21 +69,13 @@ def test_an_mxfp4_expert_swap_equals_a_fresh_load_and_restores(
     biases form one family."""
     model_dir = ModelDir.write(tmp_path / "model", tiny_gpt_oss())
     saved = model_dir.save(DOWN1, tmp_path / "saved")
+    variant = model_dir.variant(DOWN1, Q.Q8_0, tmp_path / "variants")
     runtime, model = open_model(model_dir.first, storage=storage)
     try:
         assert sorted(runtime.store.families["blk.1.ffn_exps"]) == sorted(FAMILY1)
-        before = logits_of(model)
-        assert torch.isfinite(before).all()
-        model_dir.put(DOWN1, model_dir.variant(DOWN1, Q.Q8_0, tmp_path / "variants"))
-        ticket = runtime.apply(model_dir.plan("q8", [DOWN1]))
-        assert ticket.state is PlanState.COMMITTED, ticket.summary()
-        swapped = logits_of(model)
-        assert not torch.equal(swapped, before), "the expert swap changed nothing"
-        assert torch.equal(swapped, fresh(model_dir.first, storage))
-        model_dir.put(DOWN1, saved)
-        ticket = runtime.apply(model_dir.plan("back", [DOWN1]))
-        assert ticket.state is PlanState.COMMITTED, ticket.summary()
-        assert torch.equal(logits_of(model), before)
+        assert_swap_equals_fresh_load(
+            runtime, model, model_dir, DOWN1, variant, storage=storage, saved=saved
+        )
     finally:
         runtime.close()
 
@@ -107,13 +88,8 @@ def test_a_sinks_swap_equals_a_fresh_load(tmp_path: Path, storage: Storage) -> N
     other = ModelDir.write(tmp_path / "other", tiny_gpt_oss(seed=7))
     runtime, model = open_model(model_dir.first, storage=storage)
     try:
-        before = logits_of(model)
-        model_dir.put(SINKS0, other.shard_of(SINKS0))
-        ticket = runtime.apply(model_dir.plan("sinks", [SINKS0]))
-        assert ticket.state is PlanState.COMMITTED, ticket.summary()
-        swapped = logits_of(model)
-        assert not torch.equal(swapped, before)
-        assert torch.equal(swapped, fresh(model_dir.first, storage))
+        sinks = other.shard_of(SINKS0)
+        assert_swap_equals_fresh_load(runtime, model, model_dir, SINKS0, sinks, storage=storage)
     finally:
         runtime.close()
 
@@ -133,7 +109,9 @@ def test_an_expert_outgrowing_its_pool_moves_its_family_together(tmp_path: Path)
         assert ticket.state is PlanState.COMMITTED, ticket.summary()
         assert slot_states(runtime, FAMILY1) == {SlotState.FALLBACK_CPU}
         assert slot_states(runtime, others) == {SlotState.ON_ORIGINAL}
-        assert torch.equal(logits_of(model), fresh(model_dir.first, Storage.NATIVE))
+        assert torch.equal(
+            logits(model), fresh_model_logits(model_dir.first, storage=Storage.NATIVE)
+        )
     finally:
         runtime.close()
 
@@ -278,15 +256,5 @@ def test_the_server_answers_across_an_expert_swap(tmp_path: Path) -> None:
     the next response, and swapping back gives the first completion again."""
     models = ModelDir.write(tmp_path / "model", tiny_gpt_oss(n_vocab=1024, context_length=512))
     saved = models.save(DOWN1, tmp_path / "saved")
-    for served in start_server(models.first):
-        before = complete(served.port, max_tokens=8, temperature=0)
-        models.put(DOWN1, models.variant(DOWN1, Q.Q8_0, tmp_path / "variants"))
-        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [DOWN1]))
-        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
-        assert complete(served.port, max_tokens=8, temperature=0)["weight_version"] == 1
-        models.put(DOWN1, saved)
-        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [DOWN1]))
-        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
-        restored = complete(served.port, max_tokens=8, temperature=0)
-        assert restored["weight_version"] == 2
-        assert restored["choices"] == before["choices"]
+    variant = models.variant(DOWN1, Q.Q8_0, tmp_path / "variants")
+    assert_swap_round_trip_while_serving(models, DOWN1, variant, saved)

@@ -126,6 +126,7 @@ def start_server(
     *,
     run_loop: bool = True,
     chat_template: ChatTemplate | None = None,
+    http: HttpOptions | None = None,
     **options: Any,
 ) -> Iterator[Served]:
     runtime = HotSwapRuntime.open(first)
@@ -137,7 +138,7 @@ def start_server(
         runtime, model, GgufTokenizer.from_file(first), options=BatcherOptions(**options)
     )
     server = CompletionServer(
-        batcher, runtime, options=HttpOptions(port=0), chat_template=chat_template
+        batcher, runtime, options=http or HttpOptions(port=0), chat_template=chat_template
     ).start()
     stop = threading.Event()
     loop = threading.Thread(target=batcher.run, args=(stop,), name="test-inference")
@@ -151,6 +152,23 @@ def start_server(
             loop.join(WAIT_S)
         server.close()
         runtime.close()
+
+
+def assert_swap_round_trip_while_serving(
+    models: ModelDir, name: str, variant: Path, saved: Path
+) -> None:
+    """Serve ``models``; commit ``variant`` as the shard of ``name``: the next response names
+    weight version 1; ``saved`` (the original shard) back, version 2 completes as the first."""
+    for served in start_server(models.first):
+        before = complete(served.port, max_tokens=8, temperature=0)
+        assert before["weight_version"] == 0
+        for version, source in ((1, variant), (2, saved)):
+            models.put(name, source)
+            ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [name]))
+            assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
+            reply = complete(served.port, max_tokens=8, temperature=0)
+            assert reply["weight_version"] == version, reply
+        assert reply["choices"] == before["choices"]
 
 
 @pytest.fixture(scope="module")

@@ -12,68 +12,25 @@ import json
 import socket
 import subprocess
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 from processes import wait_for
 from runtime_helpers import ModelDir, one_thread
+from test_http import WAIT_S, start_server
 
-from ggufswap.runtime import HotSwapRuntime
-from ggufswap.runtime.models import HParams, build_model
-from ggufswap.runtime.serving import GgufTokenizer
-from ggufswap.runtime.serving.generate import Batcher, BatcherOptions
-from ggufswap.runtime.serving.http import MIN_BACKLOG, CompletionServer, HttpOptions
+from ggufswap.runtime.serving.http import MIN_BACKLOG, HttpOptions
 from ggufswap.shards import tiny_dense
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
-WAIT_S = 30.0
 COMPLETIONS = "/v1/completions"
-
-
-@dataclass
-class Served:
-    runtime: HotSwapRuntime
-    batcher: Batcher
-    server: CompletionServer
-
-    @property
-    def port(self) -> int:
-        return self.server.port
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> ModelDir:
+    """A smaller model than test_http's: these tests never read what it generates."""
     return ModelDir.write(tmp_path_factory.mktemp("abuse") / "model", tiny_dense(n_vocab=512))
-
-
-def start_server(
-    first: Path, *, run_loop: bool = True, http: HttpOptions | None = None, **batch: Any
-) -> Iterator[Served]:
-    runtime = HotSwapRuntime.open(first)
-    assert runtime.shards is not None, "open() keeps the shard set"
-    model = build_model(
-        HParams.from_metadata(runtime.shards.metadata), runtime.store, store=runtime.store
-    )
-    batcher = Batcher(
-        runtime, model, GgufTokenizer.from_file(first), options=BatcherOptions(**batch)
-    )
-    server = CompletionServer(batcher, runtime, options=http or HttpOptions(port=0)).start()
-    stop = threading.Event()
-    loop = threading.Thread(target=batcher.run, args=(stop,), name="test-inference")
-    if run_loop:
-        loop.start()
-    try:
-        yield Served(runtime, batcher, server)
-    finally:
-        stop.set()
-        if run_loop:
-            loop.join(WAIT_S)
-        server.close()
-        runtime.close()
 
 
 def call(port: int, method: str, path: str, *, raw: bytes | None = None) -> tuple[int, Any]:

@@ -7,7 +7,6 @@ tensors of a block kept together as a family."""
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from runtime_helpers import (
     ModelDir,
     Q,
+    assert_swap_equals_fresh_load,
     cpu_pools,
     fresh_logits,
     loaded_bytes,
@@ -23,7 +23,7 @@ from runtime_helpers import (
     open_runtime,
     slot_states,
 )
-from test_http import WAIT_S, complete, start_server
+from test_http import assert_swap_round_trip_while_serving
 
 from ggufswap.runtime import PlanState, SlotState, Storage
 from ggufswap.runtime.models import HParams, MissingWeightError, Transformer
@@ -93,20 +93,12 @@ def test_an_expert_swap_equals_a_fresh_load_and_restores(tmp_path: Path, storage
     gives a fresh load's logits bit for bit; the original file back gives the first logits."""
     model_dir = ModelDir.write(tmp_path / "model", mixtral())
     saved = model_dir.save(EXPERT, tmp_path / "saved")
+    variant = model_dir.variant(EXPERT, Q.Q4_0, tmp_path / "variants")
     runtime, model = open_runtime(model_dir.first, storage=storage)
     try:
-        before = logits(model)
-        assert torch.isfinite(before).all()
-        model_dir.put(EXPERT, model_dir.variant(EXPERT, Q.Q4_0, tmp_path / "variants"))
-        ticket = runtime.apply(model_dir.plan("down", [EXPERT]))
-        assert ticket.state is PlanState.COMMITTED, ticket.summary()
-        swapped = logits(model)
-        assert not torch.equal(swapped, before), "the expert swap changed nothing"
-        assert torch.equal(swapped, fresh_logits(model_dir.first, storage=storage))
-        model_dir.put(EXPERT, saved)
-        ticket = runtime.apply(model_dir.plan("back", [EXPERT]))
-        assert ticket.state is PlanState.COMMITTED, ticket.summary()
-        assert torch.equal(logits(model), before)
+        assert_swap_equals_fresh_load(
+            runtime, model, model_dir, EXPERT, variant, storage=storage, saved=saved
+        )
     finally:
         runtime.close()
 
@@ -116,19 +108,8 @@ def test_the_server_answers_across_an_expert_swap(tmp_path: Path) -> None:
     swapping back gives the first completion again."""
     models = ModelDir.write(tmp_path / "model", mixtral())
     saved = models.save(EXPERT, tmp_path / "saved")
-    for served in start_server(models.first):
-        before = complete(served.port, max_tokens=8, temperature=0)
-        assert before["weight_version"] == 0
-        models.put(EXPERT, models.variant(EXPERT, Q.Q4_0, tmp_path / "variants"))
-        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [EXPERT]))
-        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
-        assert complete(served.port, max_tokens=8, temperature=0)["weight_version"] == 1
-        models.put(EXPERT, saved)
-        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [EXPERT]))
-        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
-        restored = complete(served.port, max_tokens=8, temperature=0)
-        assert restored["weight_version"] == 2
-        assert restored["choices"] == before["choices"]
+    variant = models.variant(EXPERT, Q.Q4_0, tmp_path / "variants")
+    assert_swap_round_trip_while_serving(models, EXPERT, variant, saved)
 
 
 PER_EXPERT = "blk.1.ffn_down.2.weight"
@@ -159,20 +140,13 @@ def test_a_per_expert_swap_equals_a_fresh_load_and_restores(
     per-expert tensors form one family."""
     model_dir = ModelDir.write(tmp_path / "model", mixtral(per_expert_tensors=True))
     saved = model_dir.save(PER_EXPERT, tmp_path / "saved")
+    variant = model_dir.variant(PER_EXPERT, Q.Q4_0, tmp_path / "variants")
     runtime, model = open_runtime(model_dir.first, storage=storage)
     try:
         assert sorted(runtime.store.families["blk.1.ffn_exps"]) == sorted(FAMILY1)
-        before = logits(model)
-        model_dir.put(PER_EXPERT, model_dir.variant(PER_EXPERT, Q.Q4_0, tmp_path / "variants"))
-        ticket = runtime.apply(model_dir.plan("down", [PER_EXPERT]))
-        assert ticket.state is PlanState.COMMITTED, ticket.summary()
-        swapped = logits(model)
-        assert not torch.equal(swapped, before), "the expert swap changed nothing"
-        assert torch.equal(swapped, fresh_logits(model_dir.first, storage=storage))
-        model_dir.put(PER_EXPERT, saved)
-        ticket = runtime.apply(model_dir.plan("back", [PER_EXPERT]))
-        assert ticket.state is PlanState.COMMITTED, ticket.summary()
-        assert torch.equal(logits(model), before)
+        assert_swap_equals_fresh_load(
+            runtime, model, model_dir, PER_EXPERT, variant, storage=storage, saved=saved
+        )
     finally:
         runtime.close()
 
@@ -227,15 +201,5 @@ def test_the_server_answers_across_a_per_expert_swap(tmp_path: Path) -> None:
     next response, and swapping back gives the first completion again."""
     models = ModelDir.write(tmp_path / "model", mixtral(per_expert_tensors=True))
     saved = models.save(PER_EXPERT, tmp_path / "saved")
-    for served in start_server(models.first):
-        before = complete(served.port, max_tokens=8, temperature=0)
-        models.put(PER_EXPERT, models.variant(PER_EXPERT, Q.Q4_0, tmp_path / "variants"))
-        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [PER_EXPERT]))
-        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
-        assert complete(served.port, max_tokens=8, temperature=0)["weight_version"] == 1
-        models.put(PER_EXPERT, saved)
-        ticket = served.runtime.submit(models.plan(uuid.uuid4().hex, [PER_EXPERT]))
-        assert ticket.wait(WAIT_S) is PlanState.COMMITTED, ticket.reasons
-        restored = complete(served.port, max_tokens=8, temperature=0)
-        assert restored["weight_version"] == 2
-        assert restored["choices"] == before["choices"]
+    variant = models.variant(PER_EXPERT, Q.Q4_0, tmp_path / "variants")
+    assert_swap_round_trip_while_serving(models, PER_EXPERT, variant, saved)

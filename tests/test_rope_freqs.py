@@ -10,12 +10,13 @@ import pytest
 import torch
 from runtime_helpers import ModelDir, fresh_logits, logits, one_thread, open_runtime
 
-from ggufswap.runtime import PlanState, Storage
-from ggufswap.runtime.models import HParams, MissingWeightError, Transformer
+from ggufswap.runtime import HotSwapRuntime, PlanState, Storage
+from ggufswap.runtime.models import HParams, MissingWeightError, Transformer, build_model
 from ggufswap.runtime.models.llama import DictWeightProvider, RotaryEmbedding
 from ggufswap.shards import read_header
 from ggufswap.shards.keys import Arch, TensorNames
-from ggufswap.shards.presets import tiny_llama3
+from ggufswap.shards.presets import tiny_arch, tiny_llama3
+from ggufswap.shards.writer import write_model
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -106,6 +107,21 @@ def test_rope_freqs_outside_llama_is_refused_naming_the_tensor() -> None:
     llama = _config(Arch.LLAMA)
     model = Transformer(llama, DictWeightProvider(_weights(llama) | {ROPE_FREQS: torch.ones(8)}))
     assert model.rope_freqs == ROPE_FREQS
+
+
+@pytest.mark.parametrize("arch", [Arch.DEEPSEEK2, Arch.GLM4MOE, Arch.GPT_OSS, Arch.GEMMA3])
+def test_rope_freqs_in_the_other_decoders_is_refused(tmp_path: Path, arch: Arch) -> None:
+    """The decoders of the other architectures refuse rope_freqs.weight by name too: their
+    llama.cpp loaders have no such tensor."""
+    with HotSwapRuntime.open(write_model(tiny_arch(arch), tmp_path)[0]) as runtime:
+        assert runtime.shards is not None, "open() keeps the shard set"
+        config = HParams.from_metadata(runtime.shards.metadata)
+        weights = {name: runtime.store.weight(name) for name in runtime.store.slots}
+    build_model(config, DictWeightProvider(weights))  # paired: accepted without it
+    weights[ROPE_FREQS] = torch.ones(config.n_rot // 2)
+    refused = rf"rope_freqs\.weight: {arch.value} has no RoPE frequency factors"
+    with pytest.raises(MissingWeightError, match=refused):
+        build_model(config, DictWeightProvider(weights))
 
 
 def test_rope_freqs_of_the_wrong_length_is_refused() -> None:

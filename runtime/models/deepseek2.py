@@ -24,7 +24,6 @@ at load, so a swap of ``attn_kv_b``, ``attn_k_b`` or ``attn_v_b`` is what the ne
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from typing import Final
 
 import torch
@@ -32,20 +31,18 @@ import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
 from ggufswap.runtime.models import llama as base
-from ggufswap.runtime.models.errors import HParamsError
 from ggufswap.runtime.models.ggml_numerics import GgmlWeights
 from ggufswap.runtime.models.hparams import Arch, Gating, HParams, MLAShape
-from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
+from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.runtime.models.llama import (
+    DecoderStack,
     ExpertStack,
     FeedForward,
     RopeTables,
+    RotaryEmbedding,
+    TransformerBlock,
     WeightProvider,
-    _check,
     _Spec,
-    embed,
-    lm_head,
-    output_name,
     rms_norm,
 )
 from ggufswap.shards.keys import TensorNames
@@ -55,17 +52,15 @@ TN: Final = TensorNames
 WEIGHTS_SUM_MIN = 6.103515625e-5
 
 
-class YarnRotaryEmbedding(nn.Module):
-    """ggml's ``rope_yarn`` tables: theta mixes the interpolated (``freq_scale``) and extrapolated
-    angles along the correction ramp when ``ext_factor`` != 0, and cos/sin carry the magnitude
-    ``attn_factor`` (times ``1 + 0.1 ln(1/freq_scale)`` under YaRN)."""
+class YarnRotaryEmbedding(RotaryEmbedding):
+    """ggml's ``rope_yarn`` tables over ``n_rot`` dims: theta mixes the interpolated
+    (``freq_scale``) and extrapolated angles along the correction ramp when ``ext_factor`` != 0,
+    and cos/sin carry the magnitude ``attn_factor`` (times ``1 + 0.1 ln(1/freq_scale)`` under
+    YaRN)."""
 
     def __init__(self, config: HParams, n_rot: int) -> None:
-        super().__init__()
-        self.config, self.n_rot = config, n_rot
-        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
-        self._n_pos = 0
-        self._extend(config.context_length)
+        self.config = config
+        super().__init__(config, n_rot=n_rot, freq_scale=config.rope_freq_scale)
 
     def _extend(self, n_pos: int) -> None:
         c, n = self.config, self.n_rot
@@ -84,17 +79,6 @@ class YarnRotaryEmbedding(nn.Module):
         cos, sin = (theta.cos() * mscale).float(), (theta.sin() * mscale).float()
         self._tables = {torch.device("cpu"): (cos, sin)}
         self._n_pos = n_pos
-
-    def forward(self, start: int, length: int, device: torch.device) -> RopeTables:
-        """Tables for positions ``start .. start + length - 1`` on ``device``."""
-        if start + length > self._n_pos:
-            self._extend(2 * (start + length))
-        if device not in self._tables:
-            cos, sin = self._tables[torch.device("cpu")]
-            self._tables[device] = (cos.to(device), sin.to(device))
-        cos, sin = self._tables[device]
-        end = start + length
-        return RopeTables(cos[start:end], sin[start:end], self.n_rot, self.config.rope_type)
 
 
 def _yarn_corr_dims(c: HParams, n_dims: int) -> tuple[float, float]:
@@ -310,74 +294,30 @@ def _best_groups(scores: Tensor, n_groups: int, n_used: int) -> Tensor:
     return groups.masked_fill(~keep[..., None], -math.inf).flatten(-2)
 
 
-class Deepseek2Block(nn.Module):
+def lead_dense_ffn(config: HParams, layer: int) -> type[nn.Module]:
+    """The FFN of ``layer`` in deepseek2 and glm4moe: dense SwiGLU in the
+    ``leading_dense_block_count`` first blocks, routed experts after."""
+    return FeedForward if layer < config.n_layer_dense_lead else RoutedExperts
+
+
+class Deepseek2Block(TransformerBlock):
     """Pre-norm latent attention, then a dense or routed FFN, each with a residual."""
 
-    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
-        super().__init__()
-        self.config, self.weights = config, weights
-        self.attn_norm = spec.need(TN.ATTN_NORM.format(layer), (config.n_embd,))
-        self.ffn_norm = spec.need(TN.FFN_NORM.format(layer), (config.n_embd,))
-        self.attention = LatentAttention(config, weights, layer, spec)
-        dense = layer < config.n_layer_dense_lead
-        ffn_cls = FeedForward if dense else RoutedExperts
-        self.feed_forward: nn.Module = ffn_cls(config, weights, layer, spec)
+    attention_cls = LatentAttention
 
-    def forward(
-        self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
-    ) -> Tensor:
-        # x: [B, T, D]
-        w, eps = self.weights.weight, self.config.norm_eps
-        h = x + self.attention(rms_norm(x, w(self.attn_norm), eps), rope, mask, cache)
-        return h + self.feed_forward(rms_norm(h, w(self.ffn_norm), eps))
+    def ffn_cls(self, layer: int) -> type[nn.Module]:
+        return lead_dense_ffn(self.config, layer)
 
 
-class Deepseek2Transformer(nn.Module):
-    """The deepseek2 decoder. ``forward(tokens [B, T]) -> logits [B, T, V]`` (float32)."""
+class Deepseek2Transformer(DecoderStack):
+    """The deepseek2 decoder: latent attention, YaRN RoPE on its rope dims only."""
+
+    arch = Arch.DEEPSEEK2
+    block = Deepseek2Block
 
     def __init__(
         self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
     ) -> None:
-        super().__init__()
-        if config.arch is not Arch.DEEPSEEK2 or config.mla is None:
-            raise HParamsError(f"Deepseek2Transformer runs deepseek2, not {config.arch.value}")
-        self.config, self.weights = config, weights
-        self.n_trunk = config.n_layer - config.n_layer_nextn  # NextN blocks are not run
-        spec = _Spec()
-        self.tok_embd = spec.need(TN.TOKEN_EMBD, (config.n_vocab, config.n_embd))
-        self.norm = spec.need(TN.OUTPUT_NORM, (config.n_embd,))
-        self.output = spec.need(output_name(config, weights), (config.n_vocab, config.n_embd))
-        self.layers = nn.ModuleList(
-            Deepseek2Block(config, weights, i, spec) for i in range(self.n_trunk)
-        )
+        super().__init__(config, weights, check_shapes=check_shapes)
+        assert config.mla is not None, "deepseek2 configs carry their MLAShape"
         self.rope = YarnRotaryEmbedding(config, config.mla.n_rot)
-        self.required = dict(spec.required)  # every tensor a forward reads, with its shape
-        _check(weights, spec, shapes=check_shapes)
-
-    def forward(
-        self, tokens: Tensor, *, start_pos: int = 0, cache: KVCache | None = None
-    ) -> Tensor:
-        """Logits of ``tokens`` at positions ``start_pos ..``; with ``cache`` they also attend to
-        the cached positions (``start_pos`` must be ``cache.length``) and are appended to it."""
-        # tokens: [B, T] int64 -> logits: [B, T, V] float32
-        w, seq = self.weights.weight, tokens.shape[1]
-        x = embed(tokens, self.weights, self.tok_embd)  # [B, T, D]
-        rope = self.rope(start_pos, seq, tokens.device)
-        mask = None
-        if cache is not None:
-            cache.check_continues(start_pos, seq)
-            mask = attention_mask(start_pos, seq, device=tokens.device)
-        for layer in self.layers:
-            x = layer(x, rope, mask, cache)
-        if cache is not None:
-            cache.advance(seq)
-        x = rms_norm(x, w(self.norm), self.config.norm_eps)
-        return lm_head(x, self.weights.matrix(self.output))  # [B, T, V]
-
-    def unused(self, names: Iterable[str]) -> list[str]:
-        """The tensors among ``names`` no forward reads (the NextN blocks'), sorted."""
-        return sorted(set(names) - set(self.required))
-
-    def new_cache(self, *, max_len: int) -> KVCache:
-        """An empty cache for one sequence of up to ``max_len`` positions (it grows past them)."""
-        return KVCache(n_layer=self.n_trunk, max_len=max_len)

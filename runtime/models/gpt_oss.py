@@ -17,28 +17,25 @@ Follows llama.cpp's ``llama_model_openai_moe`` graph (``src/models/openai-moe.cp
 from __future__ import annotations
 
 import math
-from typing import Final
+from typing import ClassVar, Final
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ggufswap.runtime.models.errors import HParamsError
 from ggufswap.runtime.models.gemma3 import sliding_window_mask
 from ggufswap.runtime.models.hparams import Arch, HParams
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
 from ggufswap.runtime.models.llama import (
+    DecoderStack,
+    LayerInputs,
     Matrix,
     RopeTables,
     RotaryEmbedding,
+    TransformerBlock,
     WeightProvider,
-    _check,
     _Spec,
-    embed,
     linear,
-    lm_head,
-    rms_norm,
-    rope_freqs_of,
 )
 from ggufswap.shards.keys import TensorNames
 
@@ -202,78 +199,41 @@ def _biased(x: Tensor, w: Matrix, b: Tensor | Matrix) -> Tensor:
     return linear(x, w, b)
 
 
-class GptOssBlock(nn.Module):
-    """Attention with sinks, then the biased MoE, each pre-normed with a residual."""
+class GptOssBlock(TransformerBlock):
+    """Attention with sinks, then the biased MoE normed by post_attention_norm."""
 
-    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
-        super().__init__()
-        self.config, self.weights = config, weights
-        self.local = config.is_local_layer(layer)
-        self.attn_norm = spec.need(TensorNames.ATTN_NORM.format(layer), (config.n_embd,))
-        self.post_attn_norm = spec.need(TensorNames.ATTN_POST_NORM.format(layer), (config.n_embd,))
-        self.attention = SinkAttention(config, weights, layer, spec)
-        self.feed_forward = BiasedMoE(config, weights, layer, spec)
+    ffn_norm_name: ClassVar[str] = TensorNames.ATTN_POST_NORM
+    attention_cls = SinkAttention
 
-    def forward(self, x: Tensor, rope: RopeTables, mask: Tensor, cache: KVCache | None) -> Tensor:
-        # x: [B, T, D]
-        w, eps = self.weights.weight, self.config.norm_eps
-        h = x + self.attention(rms_norm(x, w(self.attn_norm), eps), rope, mask, cache)
-        return h + self.feed_forward(rms_norm(h, w(self.post_attn_norm), eps))
+    def ffn_cls(self, layer: int) -> type[nn.Module]:
+        return BiasedMoE
 
 
-class GptOssTransformer(nn.Module):
-    """The gpt-oss decoder. ``forward(tokens [B, T]) -> logits [B, T, V]`` (float32)."""
+class GptOssTransformer(DecoderStack):
+    """The gpt-oss decoder: sliding-window and global layers, each kind with its own RoPE."""
+
+    arch = Arch.GPT_OSS
+    block = GptOssBlock
 
     def __init__(
         self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
     ) -> None:
-        super().__init__()
-        if config.arch is not Arch.GPT_OSS:
-            raise HParamsError(f"GptOssTransformer runs gpt-oss, not {config.arch.value}")
-        self.config, self.weights = config, weights
-        spec = _Spec()
-        rope_freqs_of(config, weights, spec)  # refused: gpt-oss's loader has no rope_freqs
-        self.tok_embd = spec.need(TensorNames.TOKEN_EMBD, (config.n_vocab, config.n_embd))
-        self.norm = spec.need(TensorNames.OUTPUT_NORM, (config.n_embd,))
-        self.output = spec.need(TensorNames.OUTPUT, (config.n_vocab, config.n_embd))
-        self.layers = nn.ModuleList(
-            GptOssBlock(config, weights, i, spec) for i in range(config.n_layer)
-        )
+        super().__init__(config, weights, check_shapes=check_shapes)
         local_base = config.rope_base_local or config.rope_base
         self.rope_global = rotary(config, config.rope_base)
         self.rope_local = rotary(config, local_base)
-        self.required = dict(spec.required)  # every tensor a forward reads, with its shape
-        _check(weights, spec, shapes=check_shapes)
 
-    def forward(
-        self, tokens: Tensor, *, start_pos: int = 0, cache: KVCache | None = None
-    ) -> Tensor:
-        """Logits of ``tokens`` at positions ``start_pos ..``; with ``cache`` they also attend to
-        the cached positions (``start_pos`` must be ``cache.length``) and are appended to it."""
-        # tokens: [B, T] int64 -> logits: [B, T, V] float32
-        c, w, seq, device = self.config, self.weights.weight, tokens.shape[1], tokens.device
-        x = embed(tokens, self.weights, self.tok_embd)  # [B, T, D]
-        if cache is not None:
-            cache.check_continues(start_pos, seq)
-        ropes = {
-            True: self.rope_local(start_pos, seq, device),
-            False: self.rope_global(start_pos, seq, device),
-        }
-        masks = {
-            True: _mask(start_pos, seq, c.sliding_window, device, cached=cache is not None),
-            False: _mask(start_pos, seq, 0, device, cached=cache is not None),
-        }
-        for layer in self.layers:
-            assert isinstance(layer, GptOssBlock), "layers holds GptOssBlocks only"
-            x = layer(x, ropes[layer.local], masks[layer.local], cache)
-        if cache is not None:
-            cache.advance(seq)
-        x = rms_norm(x, w(self.norm), c.norm_eps)
-        return lm_head(x, self.weights.matrix(self.output))  # [B, T, V]
-
-    def new_cache(self, *, max_len: int) -> KVCache:
-        """An empty cache for one sequence of up to ``max_len`` positions (it grows past them)."""
-        return KVCache(n_layer=self.config.n_layer, max_len=max_len)
+    def layer_inputs(
+        self, start: int, seq: int, device: torch.device, *, cached: bool
+    ) -> list[LayerInputs]:
+        """Sink attention always takes a mask: windowed in the local layers."""
+        window = self.config.sliding_window
+        local_mask = _mask(start, seq, window, device, cached=cached)
+        global_mask = _mask(start, seq, 0, device, cached=cached)
+        return self.by_kind(
+            local=(self.rope_local(start, seq, device), local_mask),
+            global_=(self.rope_global(start, seq, device), global_mask),
+        )
 
 
 def _mask(start: int, seq: int, window: int, device: torch.device, *, cached: bool) -> Tensor:

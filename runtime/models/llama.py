@@ -14,18 +14,18 @@ causal attention with scale ``1/sqrt(head_dim)``, SwiGLU FFNs, softmax top-k rou
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Final, Protocol, TypeAlias
+from typing import ClassVar, Final, Protocol, TypeAlias
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
 from ggufswap.runtime import QuantizedMatrix
-from ggufswap.runtime.models.errors import MissingWeightError
+from ggufswap.runtime.models.errors import HParamsError, MissingWeightError
 from ggufswap.runtime.models.ggml_numerics import GgmlMatrix, gelu
-from ggufswap.runtime.models.hparams import Activation, Arch, HParams, RopeType
+from ggufswap.runtime.models.hparams import Activation, Arch, HParams
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
+from ggufswap.runtime.models.rope import RopeTables, RotaryEmbedding
 from ggufswap.shards.keys import TensorNames
 
 
@@ -159,85 +159,6 @@ class _Spec:
             for name in names
             if weights.has(name)
         ]
-
-
-@dataclass(frozen=True)
-class RopeTables:
-    """cos/sin of the positions of one forward, and how to rotate with them."""
-
-    cos: Tensor  # [T, n_rot/2] float32
-    sin: Tensor  # [T, n_rot/2] float32
-    n_rot: int
-    rope_type: RopeType
-
-    def rotate(self, x: Tensor) -> Tensor:
-        """NORM rotates (x[2i], x[2i+1]), NEOX (x[i], x[i + n_rot/2]); dims past n_rot pass."""
-        # x: [B, T, H, hd]
-        cos, sin = self.cos[None, :, None, :], self.sin[None, :, None, :]  # [1, T, 1, n_rot/2]
-        rot, rest = x[..., : self.n_rot].float(), x[..., self.n_rot :]
-        if self.rope_type == RopeType.NORM:
-            x0, x1 = rot[..., 0::2], rot[..., 1::2]  # [B, T, H, n_rot/2] each
-            out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-        else:
-            x0, x1 = rot.chunk(2, dim=-1)
-            out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-        return torch.cat((out.to(x.dtype), rest), dim=-1)
-
-
-class RotaryEmbedding(nn.Module):
-    """RoPE cos/sin cache (per device), grown on demand past the training context.
-
-    ``base`` overrides the config's RoPE base (gemma3's local layers); ``freq_scale`` is linear
-    scaling (positions are multiplied by it, as ggml_rope's ``freq_scale``).
-    """
-
-    def __init__(
-        self, config: HParams, *, base: float | None = None, freq_scale: float = 1.0
-    ) -> None:
-        super().__init__()
-        self.n_rot, self.rope_type = config.n_rot, config.rope_type
-        self.base = config.rope_base if base is None else base
-        self.freq_scale = freq_scale
-        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
-        self._n_pos = 0
-        self._extend(config.context_length)
-
-    def _angles(self, positions: Tensor, factors: Tensor | None = None) -> Tensor:
-        """``[P, n_rot/2]`` float64 angles: theta_i = pos * base^(-2i / n_rot) / factors[i] *
-        freq_scale, as ggml_rope (``factors``: llama 3.1's ``rope_freqs``, ggml's
-        ``freq_factors``)."""
-        inv_freq = self.base ** (-torch.arange(0, self.n_rot, 2, dtype=torch.float64) / self.n_rot)
-        if factors is not None:
-            inv_freq = inv_freq / factors.to(device="cpu", dtype=torch.float64)
-        return torch.outer(positions.to(torch.float64) * self.freq_scale, inv_freq)
-
-    def _extend(self, n_pos: int) -> None:
-        # Computed in float64, stored float32.
-        angles = self._angles(torch.arange(n_pos, dtype=torch.float64))  # [P, n_rot/2]
-        cpu = torch.device("cpu")
-        self._tables = {cpu: (angles.cos().float(), angles.sin().float())}
-        self._n_pos = n_pos
-
-    def forward(
-        self, start: int, length: int, device: torch.device, *, factors: Tensor | None = None
-    ) -> RopeTables:
-        """Tables for positions ``start .. start + length - 1`` on ``device``. With ``factors``
-        (``rope_freqs.weight``, ``[n_rot/2]``, read by the caller at this forward) the tables are
-        computed for these positions only and never cached: a swapped ``rope_freqs`` is what the
-        next forward rotates with."""
-        if factors is not None:
-            positions = torch.arange(start, start + length, dtype=torch.float64)
-            angles = self._angles(positions, factors)  # [T, n_rot/2]
-            cos, sin = angles.cos().float().to(device), angles.sin().float().to(device)
-            return RopeTables(cos, sin, self.n_rot, self.rope_type)
-        if start + length > self._n_pos:
-            self._extend(2 * (start + length))
-        if device not in self._tables:
-            cos, sin = self._tables[torch.device("cpu")]
-            self._tables[device] = (cos.to(device), sin.to(device))
-        cos, sin = self._tables[device]
-        end = start + length
-        return RopeTables(cos[start:end], sin[start:end], self.n_rot, self.rope_type)
 
 
 class Attention(nn.Module):
@@ -416,17 +337,25 @@ class MoEFeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm attention and FFN with residuals."""
+    """Pre-norm attention and FFN with residuals: ``h = x + attn(attn_norm(x))``, then
+    ``h + ffn(ffn_norm(h))``. The other decoders' blocks of this shape subclass it and name
+    only what differs: the FFN's norm tensor, the attention and the FFN of each layer."""
+
+    ffn_norm_name: ClassVar[str] = TensorNames.FFN_NORM
+    attention_cls: ClassVar[type[nn.Module]] = Attention
 
     def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
         super().__init__()
         self.config, self.weights = config, weights
         self.attn_norm = spec.need(TensorNames.ATTN_NORM.format(layer), (config.n_embd,))
-        self.ffn_norm = spec.need(TensorNames.FFN_NORM.format(layer), (config.n_embd,))
-        self.attention = Attention(config, weights, layer, spec)
-        # llama.cpp's loaders of these architectures give experts to every block or to none.
-        ffn_cls = MoEFeedForward if config.is_moe else FeedForward
-        self.feed_forward: nn.Module = ffn_cls(config, weights, layer, spec)
+        self.ffn_norm = spec.need(self.ffn_norm_name.format(layer), (config.n_embd,))
+        self.attention = self.attention_cls(config, weights, layer, spec)
+        self.feed_forward = self.ffn_cls(layer)(config, weights, layer, spec)
+
+    def ffn_cls(self, layer: int) -> type[nn.Module]:
+        """The FFN of ``layer``: llama.cpp's loaders of the llama and qwen families give experts
+        to every block or to none."""
+        return MoEFeedForward if self.config.is_moe else FeedForward
 
     def forward(
         self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
@@ -437,23 +366,41 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(rms_norm(h, w(self.ffn_norm), eps))
 
 
-class Transformer(nn.Module):
-    """The decoder. ``forward(tokens [B, T]) -> logits [B, T, V]`` (float32)."""
+# A block's RoPE tables and attention mask ([T, S] bool, True = may attend; None = causal within
+# this forward).
+LayerInputs: TypeAlias = "tuple[RopeTables, Tensor | None]"
+
+
+class DecoderStack(nn.Module):
+    """What every decoder shares: embedding -> blocks -> final RMS norm -> head.
+
+    ``forward(tokens [B, T]) -> logits [B, T, V]`` (float32). A subclass names its ``block``
+    and builds its RoPE (``self.rope``) after this constructor; one whose layers differ in RoPE
+    or mask (sliding windows) overrides ``layer_inputs``. The ``n_layer_nextn`` trailing NextN/MTP
+    blocks (glm4moe, deepseek2) are loaded as llama.cpp loads them and never run.
+    """
+
+    arch: ClassVar[Arch | None] = None  # the one architecture it runs (None: the registry's)
+    block: ClassVar[type[nn.Module]] = TransformerBlock  # (config, weights, layer, spec)
+    rope: nn.Module
 
     def __init__(
         self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
     ) -> None:
         super().__init__()
+        if self.arch is not None and config.arch is not self.arch:
+            name, runs = type(self).__name__, self.arch.value
+            raise HParamsError(f"{name} runs {runs}, not {config.arch.value}")
         self.config, self.weights = config, weights
+        self.n_trunk = config.n_layer - config.n_layer_nextn  # NextN blocks are not run
         spec = _Spec()
         self.rope_freqs = rope_freqs_of(config, weights, spec)
         self.tok_embd = spec.need(TensorNames.TOKEN_EMBD, (config.n_vocab, config.n_embd))
         self.norm = spec.need(TensorNames.OUTPUT_NORM, (config.n_embd,))
         self.output = spec.need(output_name(config, weights), (config.n_vocab, config.n_embd))
         self.layers = nn.ModuleList(
-            TransformerBlock(config, weights, i, spec) for i in range(config.n_layer)
+            self.block(config, weights, i, spec) for i in range(self.n_trunk)
         )
-        self.rope = RotaryEmbedding(config, freq_scale=config.rope_freq_scale)
         self.required = dict(spec.required)  # every tensor a forward reads, with its shape
         _check(weights, spec, shapes=check_shapes)
 
@@ -463,25 +410,51 @@ class Transformer(nn.Module):
         """Logits of ``tokens`` at positions ``start_pos ..``; with ``cache`` they also attend to
         the cached positions (``start_pos`` must be ``cache.length``) and are appended to it."""
         # tokens: [B, T] int64 -> logits: [B, T, V] float32
-        w, seq = self.weights.weight, tokens.shape[1]
-        x = embed(tokens, self.weights, self.tok_embd, self.config.embed_scale)  # [B, T, D]
-        factors = None if self.rope_freqs is None else w(self.rope_freqs)
-        rope = self.rope(start_pos, seq, tokens.device, factors=factors)
-        mask = None  # without a cache: causal attention within this forward
+        c, seq = self.config, tokens.shape[1]
         if cache is not None:
             cache.check_continues(start_pos, seq)
-            mask = attention_mask(start_pos, seq, device=tokens.device)
-        for layer in self.layers:
+        x = embed(tokens, self.weights, self.tok_embd, c.embed_scale)  # [B, T, D]
+        inputs = self.layer_inputs(start_pos, seq, tokens.device, cached=cache is not None)
+        for layer, (rope, mask) in zip(self.layers, inputs, strict=True):
             x = layer(x, rope, mask, cache)
         if cache is not None:
             cache.advance(seq)
-        x = rms_norm(x, w(self.norm), self.config.norm_eps)
-        head = self.weights.matrix(self.output)
-        return lm_head(x, head, self.config.final_logit_softcap)  # [B, T, V]
+        x = rms_norm(x, self.weights.weight(self.norm), c.norm_eps)
+        return lm_head(x, self.weights.matrix(self.output), c.final_logit_softcap)  # [B, T, V]
+
+    def layer_inputs(
+        self, start: int, seq: int, device: torch.device, *, cached: bool
+    ) -> list[LayerInputs]:
+        """Each block's RoPE tables and mask for positions ``start .. start + seq - 1`` (with
+        ``cached``, over the cached keys too): here one RoPE and causal attention for all."""
+        if self.rope_freqs is None:
+            rope = self.rope(start, seq, device)
+        else:  # llama 3.1+ scaling: the factors as they are at this forward
+            rope = self.rope(start, seq, device, factors=self.weights.weight(self.rope_freqs))
+        mask = attention_mask(start, seq, device=device) if cached else None
+        return [(rope, mask)] * self.n_trunk
+
+    def by_kind(self, *, local: LayerInputs, global_: LayerInputs) -> list[LayerInputs]:
+        """``local`` for the sliding-window blocks, ``global_`` for the others."""
+        return [local if self.config.is_local_layer(i) else global_ for i in range(self.n_trunk)]
+
+    def unused(self, names: Iterable[str]) -> list[str]:
+        """The tensors among ``names`` no forward reads (NextN blocks'), sorted."""
+        return sorted(set(names) - set(self.required))
 
     def new_cache(self, *, max_len: int) -> KVCache:
         """An empty cache for one sequence of up to ``max_len`` positions (it grows past them)."""
-        return KVCache(n_layer=self.config.n_layer, max_len=max_len)
+        return KVCache(n_layer=self.n_trunk, max_len=max_len)
+
+
+class Transformer(DecoderStack):
+    """The llama-family decoder (llama, qwen2, qwen3, qwen2moe, qwen3moe)."""
+
+    def __init__(
+        self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
+    ) -> None:
+        super().__init__(config, weights, check_shapes=check_shapes)
+        self.rope = RotaryEmbedding(config, freq_scale=config.rope_freq_scale)
 
 
 def embed(tokens: Tensor, weights: WeightProvider, name: str, scale: float = 1.0) -> Tensor:

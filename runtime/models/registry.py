@@ -30,24 +30,14 @@ from ggufswap.runtime.models.ggml_numerics import GgmlWeights, Numerics
 from ggufswap.runtime.models.glm4moe import Glm4MoeTransformer
 from ggufswap.runtime.models.gpt_oss import GptOssTransformer
 from ggufswap.runtime.models.hparams import Arch, HParams
-from ggufswap.runtime.models.llama import Transformer, WeightProvider
+from ggufswap.runtime.models.llama import DecoderStack, Transformer, WeightProvider
 
 if TYPE_CHECKING:
     from ggufswap.runtime import TensorStore
 
-# what build_model returns
-Decoder = (
-    Transformer | Gemma3Transformer | Deepseek2Transformer | Glm4MoeTransformer | GptOssTransformer
-)
-ModelClass = (
-    type[Transformer]
-    | type[Gemma3Transformer]
-    | type[Deepseek2Transformer]
-    | type[Glm4MoeTransformer]
-    | type[GptOssTransformer]
-)
+Decoder = DecoderStack  # what build_model returns
 
-DECODERS: Final[Mapping[Arch, ModelClass]] = {
+DECODERS: Final[Mapping[Arch, type[DecoderStack]]] = {
     Arch.LLAMA: Transformer,
     Arch.QWEN2: Transformer,
     Arch.QWEN3: Transformer,
@@ -64,7 +54,7 @@ def unused_tensors(model: Decoder, names: Iterable[str]) -> list[str]:
     """The tensors among ``names`` no forward of ``model`` reads, sorted: glm4moe's (or a
     deepseek2 file's) NextN/MTP blocks, loaded as llama.cpp loads them and never computed. A swap
     of only these cannot change the logits, so a sweep can skip them."""
-    return sorted(set(names) - set(model.required))
+    return model.unused(names)
 
 
 def build_model(
