@@ -204,7 +204,7 @@ def load_rows(paths: list[Path], threads: int) -> list[dict[str, Any]]:
         f"  fresh-memory fill (preadv into new buffers, warm): {size / fill_s / 1e9:.2f} GB/s",
         file=sys.stderr,
     )
-    rows.append(row("load native warm vs fresh-memory fill", fill_s, got["load_s"], None))
+    rows.append(row("load native warm vs fresh-memory fill", fill_s, took["load"], None))
     held, growth, params = got["held"], got["rss_growth"], got["params"]
     file_per_param = size / params
     print(

@@ -23,7 +23,7 @@ import structlog
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ggufswap.runtime import _compiled, loading
+from ggufswap.runtime import _compiled
 from ggufswap.runtime._dequant_kernels import KERNELS, Arena, Kernel
 from ggufswap.runtime._ik_interleaved import INTERLEAVED, deinterleave
 from ggufswap.runtime._ik_kernels import IK_KERNELS, dequantize_ik
@@ -214,10 +214,7 @@ def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     if device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    out = torch.from_numpy(np.empty(numel * itemsize, dtype=np.uint8)).view(dtype)
-    if loading.PREFAULT:
-        loading.populate(out)  # its pages faulted in by one madvise call, not one fault per page
-    return out
+    return torch.from_numpy(np.empty(numel * itemsize, dtype=np.uint8)).view(dtype)
 
 
 def _run(
