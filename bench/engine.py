@@ -7,6 +7,8 @@ Every figure is a ratio against a baseline measured in the same run, on the same
 - **load**: a generated qwen3moe model (Q4_K/Q6_K experts; ~2 GB, ~0.14 GB with ``--quick``),
   loaded in native storage by a fresh process, against ``cat`` of the same files, cold (the files
   dropped from the page cache with ``posix_fadvise(DONTNEED)`` first) and warm. Target >= 0.7.
+  Each is also loaded without the loader's prefault and readahead (``loading.PREFAULT``,
+  ``loading.READAHEAD``) just before, each after its own ``cat``: the ratio shows what they buy.
   A second baseline is the machine's bound for any load into memory of its own: ``preadv`` of
   each tensor into a new buffer (page faults and zeroing included, which ``cat`` never pays).
 - **rss**: that process's resident-memory growth over the load, divided by the bytes the store
@@ -37,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -47,7 +50,7 @@ from gguf import GGMLQuantizationType
 
 from ggufswap.config import Storage
 from ggufswap.ipc.plan import Job, Plan
-from ggufswap.runtime import HotSwapRuntime, PoolSet
+from ggufswap.runtime import HotSwapRuntime, PoolSet, loading
 from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.store import Placement, TensorStore
 from ggufswap.shards import open_shard_set, read_header, read_tensor_bytes
@@ -123,9 +126,12 @@ def _rss() -> int:
     return 0
 
 
-def child_load(path: str, storage: str, threads: int) -> dict[str, Any]:
-    """Run in a fresh process: load, report seconds, RSS growth and bytes held."""
+def child_load(path: str, storage: str, threads: int, *, plain: bool = False) -> dict[str, Any]:
+    """Run in a fresh process: load, report seconds, RSS growth and bytes held. ``plain``: without
+    the loader's prefault and readahead (the comparison load)."""
     torch.set_num_threads(threads)
+    if plain:
+        loading.PREFAULT = loading.READAHEAD = False
     before = _rss()
     started = time.perf_counter()
     runtime = HotSwapRuntime.open(path, storage=Storage(storage))
@@ -167,20 +173,30 @@ def load_rows(paths: list[Path], threads: int) -> list[dict[str, Any]]:
     size = sum(p.stat().st_size for p in paths)
     rows = []
     for temperature in ("cold", "warm"):
-        if temperature == "cold":
-            _drop_cache(paths)
-        cat_s = _cat_s(paths)
-        if temperature == "cold":
-            _drop_cache(paths)
-        got = _in_child("load", str(paths[0]), Storage.NATIVE.value, str(threads))
+        took: dict[str, float] = {}
+        for what in ("load-plain", "load"):  # without prefault/readahead, then as shipped
+            if temperature == "cold":
+                _drop_cache(paths)
+            cat_s = _cat_s(paths)
+            if temperature == "cold":
+                _drop_cache(paths)
+            got = _in_child(what, str(paths[0]), Storage.NATIVE.value, str(threads))
+            took[what] = got["load_s"]
+        rows.append(
+            row(f"load native {temperature} ({size / 1e9:.2f} GB) vs cat", cat_s, took["load"], 0.7)
+        )
         rows.append(
             row(
-                f"load native {temperature} ({size / 1e9:.2f} GB) vs cat", cat_s, got["load_s"], 0.7
+                f"load native {temperature}: prefault+readahead vs plain",
+                took["load-plain"],
+                took["load"],
+                None,
             )
         )
         print(
             f"  load {temperature}: cat {size / cat_s / 1e9:.2f} GB/s, "
-            f"ours {size / got['load_s'] / 1e9:.2f} GB/s",
+            f"ours {size / took['load'] / 1e9:.2f} GB/s "
+            f"(without prefault/readahead {size / took['load-plain'] / 1e9:.2f} GB/s)",
             file=sys.stderr,
         )
     fill_s = _in_child("fill", str(paths[0]), Storage.NATIVE.value, str(threads))["fill_s"]
@@ -188,7 +204,7 @@ def load_rows(paths: list[Path], threads: int) -> list[dict[str, Any]]:
         f"  fresh-memory fill (preadv into new buffers, warm): {size / fill_s / 1e9:.2f} GB/s",
         file=sys.stderr,
     )
-    rows.append(row("load native warm vs fresh-memory fill", fill_s, got["load_s"], None))
+    rows.append(row("load native warm vs fresh-memory fill", fill_s, took["load"], None))
     held, growth, params = got["held"], got["rss_growth"], got["params"]
     file_per_param = size / params
     print(
@@ -375,7 +391,11 @@ def main() -> int:
     if args.child:
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
         what, path, storage, threads = args.child
-        child = {"load": child_load, "fill": child_fill}.get(what, child_first_logits)
+        child = {
+            "load": child_load,
+            "load-plain": partial(child_load, plain=True),
+            "fill": child_fill,
+        }.get(what, child_first_logits)
         print(json.dumps(child(path, storage, int(threads))))
         return 0
     for r in run(args.quick, args.threads):

@@ -317,3 +317,28 @@ def test_native_embedding_lookups_decode_only_the_rows_asked_for(tmp_path: Path)
     finally:
         dequantized.close()
         native.close()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_populate_faults_a_fresh_buffer_in_and_keeps_contents() -> None:
+    """A destination is faulted in by one madvise call before the read fills it (Linux 5.14+):
+    its pages become resident, and what it already held is unchanged."""
+    if os.uname().sysname != "Linux" or tuple(
+        int(p) for p in os.uname().release.split(".")[:2] if p.isdigit()
+    ) < (5, 14):
+        pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14+")
+    fresh = torch.empty(64 << 20, dtype=torch.uint8)  # above glibc's mmap threshold: untouched
+    before = _rss_bytes()
+    assert loading.populate(fresh)
+    assert _rss_bytes() - before >= 60 << 20
+    held = torch.arange(1 << 20, dtype=torch.int32)
+    assert loading.populate(held)
+    assert torch.equal(held, torch.arange(1 << 20, dtype=torch.int32))
+    assert not loading.populate(torch.empty(16, dtype=torch.uint8))  # too small to bother
