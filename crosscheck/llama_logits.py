@@ -1,8 +1,10 @@
 """llama.cpp's full-sequence logits for a list of GGUF files; runs in the cross-check venv.
 
 ``python llama_logits.py JOBS.json OUT.npz``: JOBS is ``{"tokens": [...], "models": {case: path}}``.
-Each model is loaded with llama-cpp-python as reference-builds.md says (one thread, no extra
-buffer types, every position's logits), the tokens are evaluated in one batch, and OUT gets one
+Each model is loaded with llama-cpp-python as reference-builds.md says (one thread, every
+position's logits; its ``use_extra_bufts=False`` is swallowed by ``Llama``'s ``**kwargs``, so
+llama.cpp's default weight repacking stays on: ``llama_runs.py`` sets it for real), the tokens
+are evaluated in one batch, and OUT gets one
 ``[T, V]`` float32 array per case. A model llama.cpp refuses gets no array; its load log's tail
 is printed under the case name on stdout as JSON (``{"refused": {case: log}}``).
 

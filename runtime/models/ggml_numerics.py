@@ -6,8 +6,11 @@ weight type's ``vec_dot_type`` (``VEC_DOT``) and takes integer dot products per 
 GELU reads a table of F16 values. llama.cpp's figures carry that rounding, so a small weight change
 (a Q5_0 tensor requantized to Q8_0) moves its KL divergence to the level of the rounding noise
 (docs/models.md, finding 3; docs/sweep.md). With ``numerics="ggml"`` the decoders round exactly as
-ggml does and reproduce llama.cpp's logits to float-summation noise, so a sweep's figures compare
-with ``llama-perplexity --kl-divergence``'s.
+ggml does and reproduce llama.cpp's logits to float-summation noise on the cross-check's small
+models, so a sweep's figures compare with ``llama-perplexity --kl-divergence``'s. On a real model
+that noise flips 8-bit roundings that flip more, layer after layer: the logits differ from
+llama.cpp's as much as llama.cpp's own do between its kernel settings, and a round's mean KLD
+agrees in expectation, within its standard error (docs/sweep.md).
 
 - F16 / BF16 weights: activations rounded to F16 / BF16.
 - Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4, ...: activations as Q8_0 (blocks of 32, ``d = amax / 127``
@@ -18,11 +21,17 @@ with ``llama-perplexity --kl-divergence``'s.
 - K-quants and the i-quants of 256: Q8_K (blocks of 256, ``q = nearest_int(-127 x / peak)``, the
   float scale ``-peak / 127``).
 - F32 weights (norms, routers, F32 matrices): exact, as ggml multiplies them in float.
+- RMS norms as ggml_compute_forward_rms_norm_f32 computes them (:func:`rms_norm`): the squares
+  summed in double, the mean rounded to float, ``1.0f / sqrtf(mean + eps)``, ``(x * scale) * w``.
+  The decoders' float32 norm differs by an ulp in a fifth of the rows, and a real model's
+  activations hold many values within an ulp of an 8-bit rounding tie: that ulp flips them.
 
 How: ``build_model(..., numerics="ggml")`` gives the decoder a :class:`GgmlWeights` over the
 store (native storage: the weight's type and blocks are at hand); its ``matrix`` and
 ``experts(...)[e]`` return :class:`GgmlMatrix`, which ``llama.linear`` multiplies with the
-rounding above, and ``geglu`` uses :func:`gelu` when its gate is one. The products multiply
+rounding above, and ``geglu`` uses :func:`gelu` when its gate is one; the decoder's forward runs
+under :func:`ggml_norms` (``build_model`` wraps it), so ``llama.rms_norm`` is :func:`rms_norm`.
+The products multiply
 the rounded activations by the decoded weights (gguf-py's values, bit for bit), in float32, or
 float64 where ggml's F16 dot products need the wider sums.
 """
@@ -30,9 +39,12 @@ float64 where ggml's F16 dot products need the wider sums.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
@@ -52,9 +64,13 @@ __all__ = [
     "GgmlWeights",
     "Numerics",
     "gelu",
+    "ggml_norms",
+    "ggml_norms_active",
     "q8_blocks",
     "q8_k",
+    "rms_norm",
     "round_activations",
+    "with_ggml_norms",
 ]
 
 
@@ -107,13 +123,21 @@ GELU_CLAMP: Final = 10.0
 _TORCH_GELU: Final = F.gelu  # torch's, whatever patches F.gelu later (crosscheck/emulate.py)
 
 
+def _div(numerator: float, x: Tensor) -> Tensor:
+    """``numerator / x`` correctly rounded, as C's float division: torch's ``scalar / tensor`` is
+    ``reciprocal(x) * scalar``, two roundings, one ulp off ggml's ``127.f / amax`` in a quarter
+    of the blocks, which flips the activations that sit on a rounding tie (a real model's have
+    many: Gemma 3's layer 0 rounds 71 of 256 rows of a product differently)."""
+    return torch.full_like(x, numerator) / x
+
+
 def q8_blocks(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Q8_0 rounding of ``x [N, K]`` (float32): ``(values, d [N, K/32, 1], sum q [N, K/32])``
     where ``values = q * F16(d)`` (quantize_row_q8_0's AVX2 path: ``q = round(x * 127/amax)``)."""
     blocks = x.reshape(x.shape[0], -1, Q8_BLOCK)  # [N, K/32, 32]
     amax = blocks.abs().amax(-1, keepdim=True)
     d = amax / 127.0
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, _div(127.0, amax), torch.zeros_like(amax))
     q = torch.round(blocks * inv)  # half to even
     return (q * d.half().float()).reshape(x.shape), d, q.sum(-1)
 
@@ -122,7 +146,7 @@ def q8_k(x: Tensor) -> Tensor:
     """Q8_K rounding of ``x [N, K]`` (quantize_row_q8_K_ref): ``q * d`` per block of 256."""
     blocks = x.reshape(x.shape[0], -1, Q8_K_BLOCK)
     peak = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # signed, largest magnitude
-    iscale = torch.where(peak != 0, -127.0 / peak, torch.zeros_like(peak))
+    iscale = torch.where(peak != 0, _div(-127.0, peak), torch.zeros_like(peak))
     q = torch.clamp(torch.round(iscale * blocks), max=127)
     d = torch.where(peak != 0, 1.0 / iscale, torch.zeros_like(peak))
     return (q * d).reshape(x.shape)
@@ -151,6 +175,48 @@ def gelu(x: Tensor) -> Tensor:
     zero = torch.zeros_like(xf)
     out = torch.where(xf <= -GELU_CLAMP, zero, torch.where(xf >= GELU_CLAMP, xf, table))
     return out.to(x.dtype)
+
+
+# Set while a decoder with ggml's numerics runs its forward (``with_ggml_norms``): the decoders'
+# ``rms_norm`` then computes as ggml does. A context variable: other threads and models unaffected.
+_GGML_NORMS: ContextVar[bool] = ContextVar("ggufswap_ggml_norms", default=False)
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """ggml_compute_forward_rms_norm_f32 (and its fusion with the weight's mul): per row, the
+    float32 squares summed in double, ``mean = (float)(sum / n)``, ``scale = 1.0f / sqrtf(mean +
+    eps)``, then ``(x * scale) * w`` in float32. (``torch.rsqrt`` is that correctly rounded
+    reciprocal of the square root; ``torch.sqrt`` of float32 is not correctly rounded on CPU.)"""
+    xf = x.float()
+    mean = ((xf * xf).double().sum(-1, keepdim=True) / xf.shape[-1]).float()
+    scale = torch.rsqrt(mean + eps)
+    return ((xf * scale) * w.to(device=x.device, dtype=torch.float32)).to(x.dtype)
+
+
+def ggml_norms_active() -> bool:
+    """True inside :func:`ggml_norms`: ``llama.rms_norm`` computes as :func:`rms_norm`."""
+    return _GGML_NORMS.get()
+
+
+@contextmanager
+def ggml_norms() -> Iterator[None]:
+    """Within the block (this thread / context), the decoders' RMS norms are ggml's."""
+    token = _GGML_NORMS.set(True)
+    try:
+        yield
+    finally:
+        _GGML_NORMS.reset(token)
+
+
+def with_ggml_norms(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` run under :func:`ggml_norms` (``build_model`` wraps a ggml decoder's)."""
+
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with ggml_norms():
+            return forward(*args, **kwargs)
+
+    return wrapped
 
 
 @dataclass(frozen=True, eq=False)

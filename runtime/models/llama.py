@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from ggufswap.runtime import QuantizedMatrix
 from ggufswap.runtime.models.errors import HParamsError, MissingWeightError
-from ggufswap.runtime.models.ggml_numerics import GgmlMatrix, gelu
+from ggufswap.runtime.models.ggml_numerics import GgmlMatrix, gelu, ggml_norms_active
+from ggufswap.runtime.models.ggml_numerics import rms_norm as ggml_rms_norm
 from ggufswap.runtime.models.hparams import Activation, Arch, HParams
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
 from ggufswap.runtime.models.rope import RopeTables, RotaryEmbedding
@@ -128,7 +129,10 @@ def linear(x: Tensor, w: Tensor | QuantizedMatrix | GgmlMatrix, b: Tensor | None
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """llama.cpp's RMS norm over the last dim, in float32, scaled by ``w``."""
+    """llama.cpp's RMS norm over the last dim, in float32, scaled by ``w`` (in a forward of a
+    decoder with ggml's numerics: ggml's own rounding, :func:`.ggml_numerics.rms_norm`)."""
+    if ggml_norms_active():
+        return ggml_rms_norm(x, w, eps)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * w.to(device=x.device, dtype=torch.float32)).to(x.dtype)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Final
 from ggufswap.runtime.models.deepseek2 import Deepseek2Transformer
 from ggufswap.runtime.models.errors import MissingWeightError, ModelError
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer
-from ggufswap.runtime.models.ggml_numerics import GgmlWeights, Numerics
+from ggufswap.runtime.models.ggml_numerics import GgmlWeights, Numerics, with_ggml_norms
 from ggufswap.runtime.models.glm4moe import Glm4MoeTransformer
 from ggufswap.runtime.models.gpt_oss import GptOssTransformer
 from ggufswap.runtime.models.hparams import Arch, HParams
@@ -73,6 +73,8 @@ def build_model(
             raise ModelError("numerics 'ggml' reads the weights' blocks: pass the tensor store")
         weights = GgmlWeights(store)
     model = DECODERS[config.arch](config, weights)
+    if isinstance(weights, GgmlWeights):  # ggml's RMS norms inside its forward
+        model.forward = with_ggml_norms(model.forward)  # type: ignore[method-assign]
     if store is not None:
         required: Mapping[str, tuple[int, ...]] = model.required
         unknown = sorted(name for name in required if not store.has(name))
