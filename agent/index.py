@@ -152,8 +152,12 @@ class ModelIndex:
 
     # -- scanning ----------------------------------------------------------------------------
 
-    def _candidates(self, problems: list[str]) -> list[str]:
-        found: list[str] = []
+    def _candidates(self, problems: list[str]) -> list[tuple[str, str]]:
+        """(path as seen, real path) of every file a root's glob matches. The roots are real
+        paths and subdirectories are entered only when they are not links, so a file that is no
+        symlink is its own real path: ``realpath`` (an lstat per path component) runs only for
+        links, which matters at thousands of shards per scan."""
+        found: list[tuple[str, str]] = []
         for root in self._roots:
             if not os.path.isdir(root.directory):
                 problems.append(f"watched directory {root.config.path} does not exist")
@@ -172,11 +176,15 @@ class ModelIndex:
                     if root.recursive and entry.is_dir(follow_symlinks=False):
                         pending.append(entry.path)
                     elif fnmatch.fnmatchcase(entry.name, root.config.glob):
-                        found.append(entry.path)
+                        link = entry.is_symlink()
+                        found.append(
+                            (entry.path, os.path.realpath(entry.path) if link else entry.path)
+                        )
         return found
 
-    def _read(self, seen: str, skip: frozenset[str]) -> tuple[_Found | None, ShardStatus]:
-        real = os.path.realpath(seen)
+    def _read(
+        self, seen: str, real: str, skip: frozenset[str]
+    ) -> tuple[_Found | None, ShardStatus]:
         previous = self._last_good.get(seen)
         if seen in skip or real in skip:
             held = previous if previous is not None and previous.path == real else None
@@ -194,7 +202,7 @@ class ModelIndex:
                 seen, real, Health.SETTLING, writer, held_by_last_good=held is not None
             )
         try:
-            header = self._cache.get(real)
+            header = self._cache.get(real, resolved=True)
         except ShardError as exc:
             if not os.path.lexists(seen):
                 return None, ShardStatus(seen, real, Health.INVALID, "vanished during the scan")
@@ -222,8 +230,8 @@ class ModelIndex:
         statuses: dict[str, ShardStatus] = {}
         found: list[_Found] = []
         targets: dict[str, WatchConfig] = {}
-        for seen in self._candidates(problems):
-            item, status = self._read(seen, skip)
+        for seen, real in self._candidates(problems):
+            item, status = self._read(seen, real, skip)
             statuses[seen] = status
             if item is None:
                 continue

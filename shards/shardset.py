@@ -60,8 +60,10 @@ class HeaderCache:
         self._headers: dict[str, ShardHeader] = {}
         self._lock = threading.Lock()
 
-    def get(self, path: str | os.PathLike[str]) -> ShardHeader:
-        real = os.path.realpath(path)
+    def get(self, path: str | os.PathLike[str], *, resolved: bool = False) -> ShardHeader:
+        """The header of ``path``, parsed again only when its identity changed. ``resolved``:
+        ``path`` is already a real path (skips ``realpath``)."""
+        real = os.fspath(path) if resolved else os.path.realpath(path)
         try:
             identity = FileIdentity.of_path(real)
         except FileNotFoundError:
