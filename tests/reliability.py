@@ -45,17 +45,10 @@ def current_test() -> str:
     return os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
 
 
-def plain_nodeid(nodeid: str) -> str:
-    """``nodeid`` without the ``@GROUP`` suffix that pytest-xdist's ``--dist loadgroup`` adds to
-    the tests of a group (conftest.py names each group after its module's path)."""
-    base, at, group = nodeid.rpartition("@")
-    return base if at and group == base.split("::", 1)[0] else nodeid
-
-
 def record(area: str, fault: str, *, tries: int, outcome: str, test: str) -> None:
     """Add a row; call it only after the test's invariants were checked."""
     with _lock:
-        _rows.append(Row(area, fault, tries, outcome, plain_nodeid(test)))
+        _rows.append(Row(area, fault, tries, outcome, test))
         _unsent.append(_rows[-1])
 
 
