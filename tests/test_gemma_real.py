@@ -28,7 +28,8 @@ from ggufswap.runtime.models.registry import build_model
 from ggufswap.runtime.serving.tokenizer import SPACE, GgufTokenizer, TokenType
 from ggufswap.shards import read_header, requantize
 
-pytestmark = pytest.mark.real_model
+# Loading and decoding the real model took over 120 s (the default limit) on 2 busy cores.
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
 
 SWAPPED = "blk.3.attn_q.weight"  # Q5_0 in the Q4_K_M file
 

@@ -78,6 +78,7 @@ def complete(port: int) -> dict[str, Any]:
 
 
 @pytest.mark.real_model
+@pytest.mark.timeout(300)  # the real model in two processes took over 120 s on 2 busy cores
 def test_units_command_lines_connect_and_swap_gemma_under_http(
     tmp_path: Path, run_dir: Path
 ) -> None:
