@@ -8,7 +8,7 @@ on plain DEALER sockets so that nothing in the project's client code filters the
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,19 +81,36 @@ class Live:
 
 
 @contextmanager
-def live_processes(tmp: Path) -> Iterator[Live]:
-    """Start a runtime and an agent on a fresh tiny model; stop both (bounded) afterwards."""
+def live_processes(
+    tmp: Path,
+    *,
+    prepare: Callable[[Path, Path], None] | None = None,
+    agent_wrapper: tuple[str, ...] = (),
+    agent_ready: Callable[[Live], bool] | None = None,
+    stop_agent: Callable[[Proc], None] | None = None,
+    stop_timeout_s: float = 60.0,
+) -> Iterator[Live]:
+    """Start a runtime and an agent on a fresh tiny model; stop both (bounded) afterwards.
+
+    ``prepare(model_dir, config)`` runs before either starts; ``agent_wrapper`` is the command
+    the agent runs under; ``agent_ready`` (default: the agent answers) is awaited before the
+    rig is handed out; ``stop_agent`` (default: ``Proc.stop``) stops the agent.
+    """
     model_dir = tmp / "model"
     model_dir.mkdir()
     first = Path(write_model(tiny_moe(), model_dir, layout=Layout.PER_TENSOR)[0])
     run_dir = tmp / "run"
     config = write_config(tmp, model_dir=model_dir, first=first, run_dir=run_dir, model=MODEL)
+    if prepare is not None:
+        prepare(model_dir, config)
     control = f"ipc://{run_dir}/rt.sock"
     runtime = Proc(["runtime", "--config", str(config), "--mode", "probe"], log=tmp / "runtime.log")
     agent: Proc | None = None
     try:
         wait_for(lambda: status_of(control), timeout=STARTUP_TIMEOUT_S, what="the runtime")
-        agent = Proc(["agent", "--config", str(config)], log=tmp / "agent.log")
+        agent = Proc(
+            ["agent", "--config", str(config)], log=tmp / "agent.log", wrapper=agent_wrapper
+        )
         live = Live(
             tmp=tmp,
             first=first,
@@ -103,12 +120,15 @@ def live_processes(tmp: Path) -> Iterator[Live]:
             runtime=runtime,
             agent=agent,
         )
-        wait_for(lambda: status_of(live.agent_status), timeout=STARTUP_TIMEOUT_S, what="the agent")
+        ready = agent_ready or (lambda rig: bool(status_of(rig.agent_status)))
+        wait_for(lambda: ready(live), timeout=STARTUP_TIMEOUT_S, what="the agent ready")
         yield live
     finally:
-        if agent is not None:
-            agent.stop()
-        runtime.stop()
+        try:
+            if agent is not None:
+                (stop_agent or (lambda proc: proc.stop(timeout=stop_timeout_s)))(agent)
+        finally:
+            runtime.stop(timeout=stop_timeout_s)
 
 
 class RawPeer:

@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hostile import MODEL, STARTUP_TIMEOUT_S, TENSOR, Live
-from processes import Proc, status_of, wait_for, write_config
+from hostile import MODEL, TENSOR, Live, live_processes
+from processes import Proc, status_of, wait_for
 from runtime_helpers import fresh_digest
 
 from ggufswap.ipc import DealerClient, Fields, MessageType, make_message
-from ggufswap.shards import Layout, TensorRecord, fingerprint, open_shard_set, tiny_moe, write_model
+from ggufswap.shards import TensorRecord, fingerprint, open_shard_set
 
 WAIT_S = 60.0
 STOP_S = 60.0  # a loaded host takes seconds to stop a process (bounded all the same)
@@ -77,41 +77,25 @@ def blind_processes(
 ) -> Iterator[Live]:
     """A runtime and a blind agent (see the module docstring) on a fresh tiny model whose
     shards belong to another user."""
-    model_dir = tmp / "model"
-    model_dir.mkdir()
-    first = Path(write_model(tiny_moe(), model_dir, layout=Layout.PER_TENSOR)[0])
-    for shard in model_dir.iterdir():
-        os.chown(shard, OTHER_UID, OTHER_UID)
-    run_dir = tmp / "run"
-    config = write_config(tmp, model_dir=model_dir, first=first, run_dir=run_dir, model=MODEL)
-    text = config.read_text()
-    text = text.replace("rescan_interval_s: 300", f"rescan_interval_s: {rescan_s}")
-    scrub = f"\n    scrub_rate: {scrub_rate}" if scrub_rate is not None else ""
-    text = text.replace("settle_ms: 100", f"settle_ms: {settle_ms}{scrub}")
-    config.write_text(text)
-    control = f"ipc://{run_dir}/rt.sock"
-    runtime = Proc(["runtime", "--config", str(config), "--mode", "probe"], log=tmp / "runtime.log")
-    agent: Proc | None = None
-    try:
-        wait_for(lambda: status_of(control), timeout=STARTUP_TIMEOUT_S, what="the runtime")
-        agent = Proc(["agent", "--config", str(config)], log=tmp / "agent.log", wrapper=BLIND)
-        live = Live(
-            tmp=tmp,
-            first=first,
-            control=control,
-            runtime_status=f"ipc://{run_dir}/rt.status.sock",
-            agent_status=f"ipc://{run_dir}/agent.sock",
-            runtime=runtime,
-            agent=agent,
-        )
-        wait_for(lambda: in_sync(live), timeout=STARTUP_TIMEOUT_S, what="the agent in sync")
+
+    def prepare(model_dir: Path, config: Path) -> None:
+        for shard in model_dir.iterdir():
+            os.chown(shard, OTHER_UID, OTHER_UID)
+        text = config.read_text()
+        text = text.replace("rescan_interval_s: 300", f"rescan_interval_s: {rescan_s}")
+        scrub = f"\n    scrub_rate: {scrub_rate}" if scrub_rate is not None else ""
+        text = text.replace("settle_ms: 100", f"settle_ms: {settle_ms}{scrub}")
+        config.write_text(text)
+
+    with live_processes(
+        tmp,
+        prepare=prepare,
+        agent_wrapper=BLIND,
+        agent_ready=in_sync,
+        stop_agent=stop_blind,
+        stop_timeout_s=STOP_S,
+    ) as live:
         yield live
-    finally:
-        try:
-            if agent is not None:
-                stop_blind(agent)
-        finally:
-            runtime.stop(timeout=STOP_S)
 
 
 def stop_blind(agent: Proc) -> None:

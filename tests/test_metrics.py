@@ -81,8 +81,11 @@ models:
   - name: m
     runtime: ipc://{tmp_path}/run/none.sock
     watch: [{{path: {model}}}]
+    settle_ms: 0
 """
     )
+    # settle_ms 0: the shards were just written, and a shard younger than the settle window is
+    # held (settling) at the first scan rather than counted valid.
     agent = AgentDaemon(load_config(config), connect=False)
     agent.start()
     try:
