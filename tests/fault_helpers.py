@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from processes import GGUFSWAP, Proc, status_of, wait_for
+from processes import GGUFSWAP, Proc, close_piped, status_of, wait_for
 from runtime_helpers import ModelDir, fresh_digest, loaded_bytes
 
 from ggufswap.ipc import MessageType, PeerTimeout, Subscriber, Topic, make_message, request
@@ -96,15 +96,7 @@ class Zygote:
         return Child(int(self.popen.stdout.readline()), log, exit_file)
 
     def close(self) -> None:
-        if self.popen.stdin is not None:
-            self.popen.stdin.close()
-        try:
-            self.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(10)
-        if self.popen.stdout is not None:
-            self.popen.stdout.close()
+        close_piped(self.popen)
 
 
 @dataclass

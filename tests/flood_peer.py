@@ -25,6 +25,7 @@ from typing import Any
 
 import msgpack
 import zmq
+from processes import close_piped
 
 FIRST_REPLIES_S = 30.0
 
@@ -86,15 +87,7 @@ class FloodPeer:
         return dict(json.loads(line))
 
     def close(self) -> None:
-        if self.popen.stdin is not None:
-            self.popen.stdin.close()
-        try:
-            self.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(10)
-        if self.popen.stdout is not None:
-            self.popen.stdout.close()
+        close_piped(self.popen)
 
     def __enter__(self) -> FloodPeer:
         return self

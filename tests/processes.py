@@ -31,6 +31,20 @@ def run_ggufswap(
     )
 
 
+def close_piped(popen: subprocess.Popen[Any], *, timeout_s: float = 10.0) -> None:
+    """End a child driven through pipes: close its stdin (its cue to exit), wait, kill it if it
+    does not exit within ``timeout_s``, and close its stdout."""
+    if popen.stdin is not None:
+        popen.stdin.close()
+    try:
+        popen.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait(timeout_s)
+    if popen.stdout is not None:
+        popen.stdout.close()
+
+
 def wait_for(
     predicate: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.05
 ) -> Any:
