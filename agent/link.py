@@ -19,10 +19,10 @@ Requests are retried on a fresh socket after ``request_timeout_s`` (``retries`` 
 safe because ``state`` only reads (a retried one asks for the full state) and a plan's id is its
 content: the runtime answers a known plan id with its outcome instead of applying it again.
 
-Size: ~700 lines, kept in one module because the state table, the timers and the reply handlers
-all act on the one in-flight plan (the events subscription is ``agent/events.py``, the scrub
-``agent/scrub.py``); the records it reports (``PlanRecord``, ``Outcome``) are the part that
-should move out next.
+The state table, the timers and the reply handlers stay in this one module because they all act
+on the one in-flight plan; what became of the plans (the plan in flight, the last finished ones,
+counts by outcome, the canonical ``plan`` log line) is ``agent/ledger.py``, the events
+subscription ``agent/events.py``, the scrub ``agent/scrub.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +38,7 @@ from ggufswap.agent._actual import ActualState
 from ggufswap.agent.errors import LinkStateError
 from ggufswap.agent.events import CommitFollower
 from ggufswap.agent.index import ModelSnapshot
+from ggufswap.agent.ledger import InFlight, Outcome, PlanLedger, PlanRecord
 from ggufswap.agent.reconcile import reconcile
 from ggufswap.agent.scrub import Scrubber
 from ggufswap.config import ModelConfig, VerifyMode
@@ -69,7 +69,6 @@ from ggufswap.shards import Fingerprinter, TensorRecord
 log = get_logger(__name__)
 
 TICK_S = 0.05  # longest wait of the link thread (latency of a new desired state)
-HISTORY = 20  # finished plans kept for status
 REJECT_ALL = "*"
 
 
@@ -94,47 +93,6 @@ _ALLOWED: dict[LinkState, frozenset[LinkState]] = {
     LinkState.UNREACHABLE: frozenset({LinkState.SYNCING}),
     LinkState.STOPPED: frozenset(),
 }
-
-
-class Outcome(str, enum.Enum):
-    COMMITTED = "committed"
-    REJECTED = "rejected"
-    STALE = "stale"  # rejected because a source file changed: re-planned
-    ABANDONED = "abandoned"  # the runtime went away before an outcome: re-planned from state
-
-
-@dataclass(frozen=True, slots=True)
-class PlanRecord:
-    """A plan the link sent, and what became of it."""
-
-    plan_id: str
-    jobs: tuple[str, ...]
-    sent_at: float  # time.time()
-    outcome: Outcome | None = None
-    weight_version: int | None = None
-    reasons: tuple[str, ...] = ()
-    duration_s: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "plan_id": self.plan_id,
-            "jobs": len(self.jobs),
-            "tensors": list(self.jobs[:20]),
-            "sent_at": self.sent_at,
-            "outcome": self.outcome.value if self.outcome else "pending",
-            "weight_version": self.weight_version,
-            "reasons": list(self.reasons[:20]),
-            "duration_s": self.duration_s,
-        }
-
-
-@dataclass
-class _InFlight:
-    plan: Plan
-    msg: dict[str, Any]
-    record: PlanRecord
-    started: float  # monotonic
-    last_heard: float  # monotonic
 
 
 @dataclass
@@ -182,22 +140,19 @@ class RuntimeLink:
         self._asked = StateRequest()  # the outstanding (or last) state request
         self._request_id: str | None = None
         self._request: dict[str, Any] | None = None
-        self._in_flight: _InFlight | None = None
         self._timers = _Timers()
         self._last_key: tuple[int, int] | None = None
         self._reconciled_generation = 0
         self._refused: dict[str, tuple[TensorRecord, str]] = {}
         self._blocked: tuple[Reason, ...] = ()
         self._not_loaded = 0
-        self._history: deque[PlanRecord] = deque(maxlen=HISTORY)
         self._last_error: str | None = None
         # Set while the runtime is unreachable (a runtime still loading its model, or down): the
         # retries of one outage log at debug level, its end once at info, and the outage's
         # error is cleared once the runtime answers again.
         self._outage = False
-        self.plans_sent = 0
-        self.outcomes: dict[str, int] = {}  # plans by outcome since start (for metrics)
         self.log = log.bind(model=model.name, endpoint=self.endpoint)
+        self._plans = PlanLedger(log=self.log)  # the plan in flight and what became of the others
         self._suspect: set[str] = set()  # bytes changed under an equal identity (the scrub)
         # The runtime's plan.committed events: a commit this link did not send is reconciled at
         # once (agent/events.py), not at the next periodic refresh.
@@ -287,9 +242,9 @@ class RuntimeLink:
             self._on_stale(self.model.name)
 
     def status(self) -> dict[str, Any]:
+        plans = self._plans.status()
         with self._lock:
             actual = self._actual.state
-            flight = self._in_flight
             return {
                 "endpoint": self.endpoint,
                 "state": self._state.value,
@@ -297,10 +252,7 @@ class RuntimeLink:
                 "weight_version": actual.weight_version if actual else None,
                 "runtime_model": actual.model if actual else None,
                 "tensors_loaded": len(actual.tensors) if actual else None,
-                "pending_plan": flight.record.as_dict() if flight else None,
-                "last_plans": [r.as_dict() for r in self._history],
-                "plans_sent": self.plans_sent,
-                "plans_by_outcome": dict(self.outcomes),
+                **plans,  # pending_plan, last_plans, plans_sent, plans_by_outcome
                 "reconciled_generation": self._reconciled_generation,
                 "blocked": [{"tensor": b.tensor, "reason": b.reason} for b in self._blocked[:50]],
                 "blocked_count": len(self._blocked),
@@ -312,8 +264,7 @@ class RuntimeLink:
             }
 
     def history(self) -> list[PlanRecord]:
-        with self._lock:
-            return list(self._history)
+        return self._plans.history()
 
     # -- the link thread ---------------------------------------------------------------------
 
@@ -434,7 +385,7 @@ class RuntimeLink:
             self._unreachable(now)
             return
         if state in (LinkState.ACCEPTED, LinkState.STAGED):
-            flight = self._in_flight
+            flight = self._plans.in_flight
             progress_s = max(30.0, 6 * self.model.request_timeout_s)
             if flight is not None and now - flight.last_heard >= progress_s:
                 # The runtime may have restarted between heartbeats and forgotten the plan:
@@ -455,8 +406,8 @@ class RuntimeLink:
                 "link.unreachable", error=self._last_error, retry_s=self.model.request_timeout_s
             )
         self._outage = True
-        if self._in_flight is not None:
-            self._finish(Outcome.ABANDONED, now, reasons=("runtime unreachable",))
+        if self._plans.in_flight is not None:
+            self._plans.finish(Outcome.ABANDONED, now, reasons=("runtime unreachable",))
         self._move(LinkState.UNREACHABLE)
         self._timers.retry_at = now + self.model.request_timeout_s
 
@@ -474,8 +425,8 @@ class RuntimeLink:
                 self._last_error = str(exc)
             return
         self.log.warning("link.peer_lost", why=why, state=state.value)
-        if self._in_flight is not None:
-            self._finish(Outcome.ABANDONED, time.monotonic(), reasons=(why,))
+        if self._plans.in_flight is not None:
+            self._plans.finish(Outcome.ABANDONED, time.monotonic(), reasons=(why,))
         self._sync()
 
     # -- replies -----------------------------------------------------------------------------
@@ -499,12 +450,7 @@ class RuntimeLink:
     def _on_commit_event(self, event: PlanCommittedEvent) -> None:
         """A ``plan.committed`` event: one of another client's plans (or of a plan this link
         abandoned) moved the runtime's state; this link's own outcomes re-sync already."""
-        flight = self._in_flight
-        if flight is not None and flight.plan.plan_id == event.plan_id:
-            return
-        if any(
-            r.plan_id == event.plan_id and r.outcome is Outcome.COMMITTED for r in self._history
-        ):
+        if self._plans.is_own(event.plan_id):
             return
         with self._lock:
             self.foreign_commits += 1
@@ -544,18 +490,18 @@ class RuntimeLink:
         self.log.warning("link.error_reply", code=body.code.name, message=body.message)
         if body.in_reply_to is None or body.in_reply_to != self._request_id:
             return
-        flight = self._in_flight
+        flight = self._plans.in_flight
         if self._state is LinkState.PLAN_SENT and flight is not None:
             for job in flight.plan.jobs:
                 self._refused[job.name] = (job.source, body.message)
-            self._finish(Outcome.REJECTED, now, reasons=(body.message,))
+            self._plans.finish(Outcome.REJECTED, now, reasons=(body.message,))
             self._sync()
         elif self._state is LinkState.SYNCING:
             self._unreachable(now)
 
     def _on_plan_reply(self, msg_type: str, msg: dict[str, Any], now: float) -> None:
         plan_id = msg.get(Fields.PLAN_ID)
-        flight = self._in_flight
+        flight = self._plans.in_flight
         if flight is None or plan_id != flight.plan.plan_id:
             if msg_type == MessageType.COMMITTED.value and self._state is LinkState.IDLE:
                 self._sync()  # a late outcome of an abandoned plan: the state moved
@@ -570,18 +516,18 @@ class RuntimeLink:
         elif msg_type == MessageType.COMMITTED.value:
             body = committed_from_wire(msg)
             self._timers.stale_streak = 0
-            self._finish(Outcome.COMMITTED, now, weight_version=body.weight_version)
+            self._plans.finish(Outcome.COMMITTED, now, weight_version=body.weight_version)
             self._sync(delta=True)
         elif msg_type == MessageType.REJECTED.value:
             self._on_rejected(flight, rejected_from_wire(msg), now)
 
-    def _on_rejected(self, flight: _InFlight, body: Any, now: float) -> None:
+    def _on_rejected(self, flight: InFlight, body: Any, now: float) -> None:
         reasons = tuple(f"{r.tensor}: {r.reason}" for r in body.reasons)
         if body.stale:
             self._timers.stale_streak += 1
             backoff = min(self.model.request_timeout_s, 0.25 * self._timers.stale_streak)
             self._timers.not_before = now + backoff
-            self._finish(Outcome.STALE, now, reasons=reasons)
+            self._plans.finish(Outcome.STALE, now, reasons=reasons)
             if self._on_stale is not None:
                 self._on_stale(self.model.name)
         else:
@@ -595,45 +541,9 @@ class RuntimeLink:
                 text = "; ".join(reasons) or "rejected without reasons"
                 for name, job in jobs.items():
                     self._refused.setdefault(name, (job.source, text))
-            self._finish(Outcome.REJECTED, now, reasons=reasons)
+            self._plans.finish(Outcome.REJECTED, now, reasons=reasons)
         self._last_key = None
         self._sync(delta=True)
-
-    def _finish(
-        self,
-        outcome: Outcome,
-        now: float,
-        *,
-        weight_version: int | None = None,
-        reasons: tuple[str, ...] = (),
-    ) -> None:
-        flight = self._in_flight
-        if flight is None:
-            return
-        duration = now - flight.started
-        record = PlanRecord(
-            plan_id=flight.record.plan_id,
-            jobs=flight.record.jobs,
-            sent_at=flight.record.sent_at,
-            outcome=outcome,
-            weight_version=weight_version,
-            reasons=reasons,
-            duration_s=round(duration, 6),
-        )
-        with self._lock:
-            self._in_flight = None
-            self._history.append(record)
-            self.outcomes[outcome.value] = self.outcomes.get(outcome.value, 0) + 1
-        # The canonical line of a plan: its outcome and timings.
-        self.log.info(
-            "plan",
-            plan_id=record.plan_id,
-            outcome=outcome.value,
-            jobs=len(record.jobs),
-            weight_version=weight_version,
-            duration_ms=round(duration * 1000, 3),
-            reasons=list(reasons[:20]),
-        )
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -677,10 +587,7 @@ class RuntimeLink:
 
     def _send_plan(self, plan: Plan, now: float) -> None:
         msg = message_from(MessageType.PLAN, plan_to_wire(plan), msg_id=new_id())
-        record = PlanRecord(plan.plan_id, plan.names(), sent_at=time.time())
-        with self._lock:
-            self._in_flight = _InFlight(plan, msg, record, started=now, last_heard=now)
-            self.plans_sent += 1
+        self._plans.sent(plan, msg, now)
         self._move(LinkState.PLAN_SENT)
         self._timers.attempt = 1
         self.log.info("plan.sent", plan_id=plan.plan_id, jobs=len(plan.jobs))
