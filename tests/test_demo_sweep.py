@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ggufswap import _cmd_demo, demo_sweep
+from ggufswap._sweep_procs import SWEEP_SETTLE_MS
 from ggufswap.config import load_config
 from ggufswap.runtime.serving.recipe import Recipe, plan_rounds
 from ggufswap.shards import GGMLType, open_shard_set, read_header, requantize
@@ -62,6 +63,8 @@ def test_real_workspace_holds_the_announced_rounds(tmp_path: Path) -> None:
     assert set(shards.tensors) == set(open_shard_set(model).tensors)
     config = load_config(demo.config)
     assert Path(config.require_runtime().model) == demo.model_first
+    # the config's settle window is the one the sweep gives its agent (its writes are renames)
+    assert [m.settle_ms for m in config.models] == [SWEEP_SETTLE_MS]
     recipe = Recipe.load(demo.recipe)
     types = {n: int(r.ggml_type) for n, r in shards.tensors.items()}
     rounds, skipped = plan_rounds(recipe, shards.tensors, computed=frozenset(types), types=types)
