@@ -10,6 +10,9 @@ decodes it, while the reader reads the next one:
 
 - **direct**: when the destination holds the file's bytes on the CPU (native storage), the chunk
   is read straight into it: no temporary, no copy.
+- **mapped**: when the destination *is* the file's bytes (a view of its mapping,
+  :mod:`.mapping`), nothing is read: the reader thread faults the chunk's pages in, and the
+  caller's thread hashes them.
 - **staged**: otherwise (dequantized storage, or an accelerator pool) the chunk is read into one
   of a few reused chunk buffers, which the caller's thread decodes into the destination.
 
@@ -54,11 +57,13 @@ RING: Final = 3  # staged chunk buffers: one being read, one being decoded, one 
 
 @dataclass(frozen=True)
 class Segment:
-    """Rows ``[start, stop)`` of a tensor, held from the first element of ``flat``."""
+    """Rows ``[start, stop)`` of a tensor, held from the first element of ``flat``; ``mapped``
+    when ``flat`` is a view of the tensor's bytes in its file's mapping (nothing to read)."""
 
     start: int
     stop: int
     flat: torch.Tensor
+    mapped: bool = False
 
 
 @dataclass(frozen=True)
@@ -218,17 +223,20 @@ class Loader:
                         min(nbytes, record.offset + record.nbytes - ahead),
                         "POSIX_FADV_WILLNEED",
                     )
-                if self._direct(segment):
+                if segment.mapped or self._direct(segment):
                     slot, target = -1, self._row_slice(record, segment, lo, hi)
                 else:
                     slot = free.get()
                     target = ring[slot][:nbytes]
                 if stop.is_set():
                     return False
-                if slot < 0 and PREFAULT:
-                    populate(target)
                 view = target.numpy().data.cast("B")
-                read_range(fd, record, lo * row_bytes, view)
+                if segment.mapped:  # the file's pages, faulted in (read, when cold) at once
+                    populate(target, write=False)
+                else:
+                    if slot < 0 and PREFAULT:
+                        populate(target)
+                    read_range(fd, record, lo * row_bytes, view)
                 self._count(nbytes)
                 out.put(_Chunk(job, lo, hi, view, slot))
         return True
@@ -269,7 +277,8 @@ def _chunks(job: LoadJob, rows_per_chunk: int) -> Iterator[tuple[int, int, Segme
             yield lo, min(lo + rows_per_chunk, segment.stop), segment
 
 
-_MADV_POPULATE_WRITE: Final = 23  # Linux 5.14+: fault a range in, writable, in one call
+_MADV_POPULATE_READ: Final = 22  # Linux 5.14+: fault a range in, readable, in one call
+_MADV_POPULATE_WRITE: Final = 23  # the same, writable
 _PAGE: Final = 4096
 
 
@@ -278,9 +287,11 @@ class _Populate:
     supported = True
 
 
-def populate(t: torch.Tensor) -> bool:
-    """Fault in the pages of CPU tensor ``t``'s memory, writable, with one ``madvise`` call
-    (``MADV_POPULATE_WRITE``) instead of one page fault per 4 KiB page as the data arrives.
+def populate(t: torch.Tensor, *, write: bool = True) -> bool:
+    """Fault in the pages of CPU tensor ``t``'s memory, writable (or, with ``write=False``,
+    readable: a file mapping's pages are read from the page cache or the disk, not copied), with
+    one ``madvise`` call (``MADV_POPULATE_WRITE``/``_READ``) instead of one page fault per 4 KiB
+    page as the data is touched.
 
     The pages' contents are unchanged. False (and nothing done) where the kernel or C library
     has no such call, or ``t`` is small or not on the CPU. ctypes releases the GIL meanwhile.
@@ -300,7 +311,8 @@ def populate(t: torch.Tensor) -> bool:
         _Populate.libc = libc
     start = (t.data_ptr() + _PAGE - 1) & ~(_PAGE - 1)  # whole pages inside the tensor
     length = (t.data_ptr() + nbytes - start) & ~(_PAGE - 1)
-    if _Populate.libc.madvise(start, length, _MADV_POPULATE_WRITE) != 0:
+    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+    if _Populate.libc.madvise(start, length, advice) != 0:
         if ctypes.get_errno() == errno.EINVAL:  # an older kernel: no such advice
             _Populate.supported = False
         return False
