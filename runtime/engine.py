@@ -559,6 +559,7 @@ class HotSwapRuntime:
             self._settled(1)
         self._thread.join(timeout)
         self._drop_retired()
+        self.store.maps.close()
 
     def __enter__(self) -> HotSwapRuntime:
         return self

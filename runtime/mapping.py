@@ -63,15 +63,20 @@ class _Mapped:
 
     path: str
     fd: int
-    mapping: weakref.ref[mmap.mmap]
+    region: weakref.ref[ctypes.Array[ctypes.c_char]]  # the bytes; tensors view (and hold) it
     address: int
     length: int
     lock: threading.RLock = field(default_factory=threading.RLock)  # the finalizer may re-enter
-    closed: bool = False  # the lease is given up (moved to anonymous memory, or unused)
+    closed: bool = False  # the lease is given up (moved to anonymous memory, or unmapped)
 
 
 class ShardMaps:
-    """The mapped shard files of one store, and the thread that keeps writers off them."""
+    """The mapped shard files of one store, and the thread that keeps writers off them.
+
+    A file stays mapped, and leased, while any tensor views it: its region is unmapped and its
+    lease given up when the last one is gone (a swap released the buffer, the store was
+    dropped). One descriptor per mapped file holds the lease.
+    """
 
     def __init__(self, policy: MapShards) -> None:
         self.policy = policy
@@ -85,6 +90,7 @@ class ShardMaps:
 
     @property
     def mapped_files(self) -> int:
+        """Files whose tensors are served from their pages now (not moved, not unmapped)."""
         with self._lock:
             return sum(not f.closed for f in self._files.values())
 
@@ -95,68 +101,91 @@ class ShardMaps:
             return None
         with self._lock:
             mapped = self._files.get(record.path)
-        mapping = mapped.mapping() if mapped is not None and not mapped.closed else None
-        if mapping is None:
-            mapping = self._map(record)
-            if mapping is None:
+        region = mapped.region() if mapped is not None and not mapped.closed else None
+        if region is None:
+            region = self._map(record)
+            if region is None:
                 return None
         return torch.frombuffer(
-            mapping, dtype=torch.uint8, count=record.nbytes, offset=record.offset
+            region, dtype=torch.uint8, count=record.nbytes, offset=record.offset
+        )
+
+    def report(self) -> None:
+        """One log line for a load: how many files are mapped, how many copied and why."""
+        if self.policy is MapShards.OFF:
+            return
+        reasons = sorted(set(self.refused.values()))
+        emit = log.warning if self.refused else log.info
+        emit(
+            "load.mapped",
+            mapped=self.mapped_files,
+            copied=len(self.refused),
+            why=reasons[:3] or None,
+            example=next(iter(self.refused), None),
         )
 
     def close(self) -> None:
-        """Stop watching (the mappings stay until their tensors are gone)."""
+        """Stop watching for writers (the runtime is closing). The files stay mapped, and
+        leased, until their tensors are gone."""
         self._stop.set()
         self._wake.set()
         leases.unwatch(self._wake.set)
         if self._thread is not None:
-            self._thread.join(timeout=5 * POLL_S)
+            self._thread.join(timeout=10 * POLL_S)
 
     # -- mapping ---------------------------------------------------------------------------
 
-    def _map(self, record: TensorRecord) -> mmap.mmap | None:
+    def _map(self, record: TensorRecord) -> ctypes.Array[ctypes.c_char] | None:
         """Map ``record``'s file under a lease; None (policy ``auto``) where it cannot be."""
         why = leases.guard_sigio(self._wake.set)
-        mapping = None
+        region = None
         if why is None:
-            mapping, why = self._map_file(record)
-        if mapping is not None:
+            region, why = self._map_file(record)
+        if region is not None:
             self._start()
-            return mapping
+            return region
         if self.policy is MapShards.ON:
             raise MapRefused(f"{record.path}: cannot serve its tensors from a mapping: {why}")
         self.refused[record.path] = why or "?"
-        log.warning("load.copied", file=record.path, why=why)
         return None
 
-    def _map_file(self, record: TensorRecord) -> tuple[mmap.mmap | None, str | None]:
-        fd = os.open(record.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    def _map_file(
+        self, record: TensorRecord
+    ) -> tuple[ctypes.Array[ctypes.c_char] | None, str | None]:
+        try:
+            fd = os.open(record.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            return None, f"it cannot be opened ({exc.strerror})"
         try:
             why = leases.take_read_lease(fd)
-            if why is None and FileIdentity.of_fd(fd) != record.identity:
+            leased = why is None
+            if leased and FileIdentity.of_fd(fd) != record.identity:
                 why = "it changed since its header was read"
             if why is None:
-                mapping = mmap.mmap(
-                    fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-                )
-                anchor = ctypes.c_char.from_buffer(mapping)
-                address = ctypes.addressof(anchor)
-                del anchor  # a live export would keep the mapping from ever being closed
-                mapped = _Mapped(record.path, fd, weakref.ref(mapping), address, len(mapping))
-                weakref.finalize(mapping, self._unused, mapped)
-                with self._lock:
-                    self._files[record.path] = mapped
-                return mapping, None
-            leases.release(fd)
+                length = record.identity.size
+                prot = mmap.PROT_READ | mmap.PROT_WRITE  # private: a write would copy the page
+                address = _Libc.get().mmap(None, length, prot, mmap.MAP_PRIVATE, fd, 0)
+                if address in (None, _MAP_FAILED):
+                    why = f"mmap failed ({os.strerror(ctypes.get_errno())})"
+                else:
+                    region = (ctypes.c_char * length).from_address(address)
+                    mapped = _Mapped(record.path, fd, weakref.ref(region), address, length)
+                    weakref.finalize(region, self._unmap, mapped)
+                    with self._lock:
+                        self._files[record.path] = mapped
+                    return region, None
+            if leased:
+                leases.release(fd)
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)
         return None, why
 
-    def _unused(self, mapped: _Mapped) -> None:
-        """The last tensor of a mapped file is gone (its pages are unmapped): drop the lease."""
+    def _unmap(self, mapped: _Mapped) -> None:
+        """The last tensor of a mapped file is gone: unmap it, and give its lease up."""
         with mapped.lock:
+            _Libc.get().munmap(mapped.address, mapped.length)
             if not mapped.closed:
                 _give_up(mapped)
 
@@ -183,10 +212,10 @@ class ShardMaps:
 
     def _move(self, mapped: _Mapped) -> None:
         """A writer waits: move the file's pages to anonymous memory, then let it in."""
-        mapping = mapped.mapping()  # held: the pages cannot be unmapped meanwhile
+        region = mapped.region()  # held: the pages cannot be unmapped meanwhile
         started = time.perf_counter()
         try:
-            if mapping is not None:
+            if region is not None:
                 move_to_anonymous(mapped.address, mapped.length)
         except OSError as exc:  # the writer gets in when the kernel's lease-break time is up
             log.error("mapping.move_failed", file=mapped.path, error=str(exc))
@@ -200,12 +229,11 @@ class ShardMaps:
             seconds=round(time.perf_counter() - started, 3),
             why="a writer opened the file",
         )
-        del mapping
+        del region
 
 
 def _give_up(mapped: _Mapped) -> None:
-    """Release the lease and close its descriptor (closing alone would not release it while
-    the mapping's own descriptor, a duplicate, keeps the open file alive)."""
+    """Release the lease and close its descriptor."""
     mapped.closed = True
     try:
         leases.release(mapped.fd)

@@ -449,8 +449,10 @@ class TensorStore:
             for buffer, parts in held.values():
                 for kept in [p.buffer for p in parts] or [buffer]:
                     kept.release()
+            self.maps.close()
             raise
         trim_heap()
+        self.maps.report()
         for record in records:
             buffer, parts = held[record.name]
             digest = digests[record.name]
