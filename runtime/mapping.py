@@ -28,10 +28,12 @@ refuses to load.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
 import os
+import resource
 import threading
 import time
 import weakref
@@ -137,6 +139,8 @@ class ShardMaps:
 
     def _map(self, record: TensorRecord) -> ctypes.Array[ctypes.c_char] | None:
         """Map ``record``'s file under a lease; None (policy ``auto``) where it cannot be."""
+        if not self._files and not self.refused:
+            _raise_descriptor_limit()
         why = leases.guard_sigio(self._wake.set)
         region = None
         if why is None:
@@ -230,6 +234,17 @@ class ShardMaps:
             why="a writer opened the file",
         )
         del region
+
+
+def _raise_descriptor_limit() -> None:
+    """One descriptor per mapped file: let this process open as many as its hard limit allows
+    (a model split per tensor has thousands of files; the usual soft limit is 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            log.info("load.descriptor_limit", soft=soft, raised_to=target)
 
 
 def _give_up(mapped: _Mapped) -> None:
