@@ -6,8 +6,10 @@ would read a mix of two versions. Two probes, the first that can answer wins:
 
 - **A read lease** (``fcntl(F_SETLEASE, F_RDLCK)``): the kernel grants it only when no one has
   the file open for writing, and a writable shared mapping keeps its file open, so this sees
-  mmap writers too. It is taken and dropped at once (no ``F_SETOWN``: a lease break would signal
-  no one). It needs the file's owner or ``CAP_LEASE``, and a file system that supports leases.
+  mmap writers too. It is taken and dropped at once; a writer that opens the file in that moment
+  breaks it, which signals this process (``SIGIO``, whose default action would terminate it:
+  :func:`ggufswap.shards.leases.guard_sigio` handles it first). It needs the file's owner or
+  ``CAP_LEASE``, a file system that supports leases, and a process that could handle the signal.
 - **A scan of /proc/*/fd and /proc/*/maps**, where the lease cannot be taken: every descriptor
   of every process this user may inspect (all of them for root) whose flags are ``O_WRONLY`` or
   ``O_RDWR`` on this file, and every shared writable mapping of it.
@@ -20,8 +22,9 @@ import fcntl
 import os
 from typing import Final
 
+from ggufswap.shards import leases
+
 PROC: Final = "/proc"
-_LEASE_UNAVAILABLE: Final = frozenset({errno.EACCES, errno.EPERM, errno.EINVAL, errno.ENOLCK})
 
 
 def writer_of(path: str) -> str | None:
@@ -31,16 +34,17 @@ def writer_of(path: str) -> str | None:
     except OSError:
         return None  # vanished or unreadable: the header read reports it
     try:
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
-        except OSError as exc:
-            if exc.errno == errno.EAGAIN:
-                return "open for writing by another process (a read lease is refused)"
-            if exc.errno not in _LEASE_UNAVAILABLE:
-                raise
-        else:
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-            return None
+        if leases.guard_sigio() is None:  # a break in the moment the lease is held is harmless
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+            except OSError as exc:
+                if exc.errno == errno.EAGAIN:
+                    return "open for writing by another process (a read lease is refused)"
+                if exc.errno not in leases.UNAVAILABLE:
+                    raise
+            else:
+                leases.release(fd)
+                return None
         st = os.fstat(fd)
     finally:
         os.close(fd)

@@ -1,7 +1,9 @@
 """Process signals, handled in one place that only sets flags (uvicorn's capture_signals).
 
 SIGTERM and SIGINT ask for a clean shutdown; a second SIGINT forces an immediate exit (130);
-SIGHUP asks for a configuration reload. Daemon loops wait on these events with timeouts.
+SIGHUP asks for a configuration reload. Daemon loops wait on these events with timeouts. SIGIO,
+which a read lease's break sends (the agent's writer probe, the runtime's mapped shards), gets
+the handler of :mod:`ggufswap.shards.leases` instead of its default action, termination.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import os
 import signal
 import threading
 from types import FrameType
+
+from ggufswap.shards import leases
 
 EXIT_FORCED = 130
 
@@ -24,6 +28,7 @@ class ProcessSignals:
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_interrupt)
         signal.signal(signal.SIGHUP, self._on_reload)
+        leases.guard_sigio()
         return self
 
     def _on_stop(self, signum: int, frame: FrameType | None) -> None:

@@ -15,6 +15,7 @@ from yaml.nodes import Node
 from ggufswap.config._nodes import Converter, NodeReader
 from ggufswap.config.endpoints import check_endpoint
 from ggufswap.config.errors import Invalid
+from ggufswap.config.schema import MapShards
 from ggufswap.config.units import AUTO_THREADS, parse_size, parse_threads
 
 T = TypeVar("T")
@@ -114,6 +115,16 @@ class Values:
             return parse_threads(value)
         except ValueError as exc:
             raise Invalid(str(exc)) from None
+
+    def map_shards(self, node: Node, path: str) -> MapShards:
+        """``true``, ``false`` or ``auto``."""
+        del path
+        value = self.reader.scalar(node)
+        if isinstance(value, bool):
+            return MapShards.ON if value else MapShards.OFF
+        if value == MapShards.AUTO.value:
+            return MapShards.AUTO
+        raise Invalid(f"expected true, false or 'auto', found {self.reader.describe(node)}")
 
     def choice(self, enum_type: type[E]) -> Converter[E]:
         options = [str(member.value) for member in enum_type]

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ggufswap.config.schema import Config
+from ggufswap.config.schema import Config, MapShards
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:
@@ -21,6 +21,8 @@ def config_to_dict(config: Config) -> dict[str, Any]:
 def _plain(value: object) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, MapShards):  # written as YAML reads it: true, false or auto
+        return {MapShards.ON: True, MapShards.OFF: False}.get(value, value.value)
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, Path):

@@ -31,6 +31,7 @@ from ggufswap.config.schema import (
     CurveConfig,
     Keys,
     LogLevel,
+    MapShards,
     ModelConfig,
     PlacementConfig,
     PoolConfig,
@@ -79,6 +80,7 @@ RUNTIME_KEYS = (
     "log_level",
     "threads",
     "decoded_cache",
+    "map_shards",
     "serve",
 )
 SERVE_KEYS = (
@@ -365,6 +367,7 @@ class _Builder:
             decoded_cache=self.r.get(
                 sec, "decoded_cache", self.v.size_or_zero, DEFAULT_DECODED_CACHE
             ),
+            map_shards=self.r.get(sec, "map_shards", self.v.map_shards, MapShards.OFF),
             serve=self.serve(serve),
         )
 

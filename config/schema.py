@@ -40,6 +40,14 @@ class Storage(str, enum.Enum):
     AUTO = "auto"
 
 
+class MapShards(str, enum.Enum):
+    """``runtime.map_shards``: whether native CPU tensors are served from their files' pages."""
+
+    OFF = "false"  # every tensor is copied into memory of the runtime's own
+    AUTO = "auto"  # mapped where a read lease can be taken, else copied (and the log says why)
+    ON = "true"  # mapped, or the load fails naming the file that cannot be
+
+
 # Native storage keeps up to this many bytes of decoded dense tensors by default.
 DEFAULT_DECODED_CACHE = 1 << 30
 
@@ -189,6 +197,7 @@ class RuntimeConfig:
     log_level: LogLevel = LogLevel.INFO
     threads: int | None = None  # torch's CPU threads; None: auto, from the process's CPU affinity
     decoded_cache: int = DEFAULT_DECODED_CACHE  # native storage: decoded dense tensors kept (bytes)
+    map_shards: MapShards = MapShards.OFF  # native storage: serve CPU tensors from their files
     serve: ServeConfig = field(default_factory=ServeConfig)
 
     def pool(self, name: str) -> PoolConfig:

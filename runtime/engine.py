@@ -27,7 +27,7 @@ from typing import Any, Final
 
 import torch
 
-from ggufswap.config import DEFAULT_DECODED_CACHE, Storage
+from ggufswap.config import DEFAULT_DECODED_CACHE, MapShards, Storage
 from ggufswap.ipc import (
     Event,
     Plan,
@@ -125,6 +125,7 @@ class HotSwapRuntime:
         compute_dtype: torch.dtype = torch.float32,
         strict: bool = False,
         decoded_cache: int = DEFAULT_DECODED_CACHE,
+        map_shards: MapShards = MapShards.OFF,
         placement: Placement | None = None,
         allowed_roots: Sequence[str] | None = None,
         stable_pointers: bool | None = None,
@@ -135,7 +136,8 @@ class HotSwapRuntime:
         """Load the shard set containing ``model`` onto ``pools`` and start the stager.
 
         ``storage=AUTO`` is resolved here (:func:`~ggufswap.runtime.store.choose_storage`);
-        ``decoded_cache`` bounds the decoded dense tensors native storage keeps (bytes).
+        ``decoded_cache`` bounds the decoded dense tensors native storage keeps (bytes);
+        ``map_shards`` serves native CPU tensors from their files' pages (:mod:`.mapping`).
         ``group``: a ``torch.distributed`` process group (``True``: the default group) makes
         this runtime one rank of a coordinated commit (:mod:`ggufswap.runtime.coordinated`).
         """
@@ -150,6 +152,7 @@ class HotSwapRuntime:
             compute_dtype=compute_dtype,
             strict=strict,
             decoded_cache=decoded_cache,
+            map_shards=map_shards,
         )
         n_blocks = _block_count(shards)
         report = store.load(
@@ -556,6 +559,7 @@ class HotSwapRuntime:
             self._settled(1)
         self._thread.join(timeout)
         self._drop_retired()
+        self.store.maps.close()
 
     def __enter__(self) -> HotSwapRuntime:
         return self

@@ -10,6 +10,10 @@ decodes it, while the reader reads the next one:
 
 - **direct**: when the destination holds the file's bytes on the CPU (native storage), the chunk
   is read straight into it: no temporary, no copy.
+- **mapped**: when the destination *is* the file's bytes (a view of its mapping,
+  :mod:`.mapping`), nothing is read or decoded: a few threads each fault a whole tensor's pages
+  in (``MADV_POPULATE_READ``: from the page cache, or the disk when cold) and hash them, before
+  the other tensors go through the reader thread.
 - **staged**: otherwise (dequantized storage, or an accelerator pool) the chunk is read into one
   of a few reused chunk buffers, which the caller's thread decodes into the destination.
 
@@ -34,6 +38,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final
 
@@ -54,11 +59,13 @@ RING: Final = 3  # staged chunk buffers: one being read, one being decoded, one 
 
 @dataclass(frozen=True)
 class Segment:
-    """Rows ``[start, stop)`` of a tensor, held from the first element of ``flat``."""
+    """Rows ``[start, stop)`` of a tensor, held from the first element of ``flat``; ``mapped``
+    when ``flat`` is a view of the tensor's bytes in its file's mapping (nothing to read)."""
 
     start: int
     stop: int
     flat: torch.Tensor
+    mapped: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,9 +133,48 @@ class Loader:
         self._on_bytes = on_bytes
         self.bytes_read = 0
         self.seconds = 0.0
+        self._counting = threading.Lock()
 
     def run(self, jobs: Sequence[LoadJob]) -> Iterator[tuple[TensorRecord, str]]:
         ordered = sorted(jobs, key=lambda j: (j.record.path, j.record.offset))
+        mapped = [j for j in ordered if all(s.mapped for s in j.segments)]
+        if mapped:
+            started = time.perf_counter()
+            try:
+                yield from self._hash_mapped(mapped)
+            finally:
+                self.seconds += time.perf_counter() - started
+            ordered = [j for j in ordered if not all(s.mapped for s in j.segments)]
+        if ordered:
+            yield from self._run_pipeline(ordered)
+
+    def _hash_mapped(self, jobs: Sequence[LoadJob]) -> Iterator[tuple[TensorRecord, str]]:
+        """Tensors that are views of their files' mappings: nothing to read or decode, only to
+        fault in and hash, a whole tensor per task on a few threads (both calls release the
+        GIL), results in file order."""
+        workers = max(2, torch.get_num_threads())
+        with ThreadPoolExecutor(workers, thread_name_prefix="ggufswap-hash") as pool:
+            try:
+                yield from pool.map(self._hash_one, jobs)
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+
+    def _hash_one(self, job: LoadJob) -> tuple[TensorRecord, str]:
+        record, row_bytes = job.record, job.row_bytes
+        rows_per_chunk = max(1, self._chunk_bytes // row_bytes)
+        hasher = xxhash.xxh3_128()
+        with open_verified(record) as fd:
+            if READAHEAD:  # a cold file: the disk reads ahead of the faults
+                _advise(fd, record.offset, record.nbytes, "POSIX_FADV_WILLNEED")
+            for lo, hi, segment in _chunks(job, rows_per_chunk):
+                target = self._row_slice(record, segment, lo, hi)
+                populate(target, write=False)
+                hasher.update(target.numpy().data.cast("B"))
+                self._count((hi - lo) * row_bytes)
+        return record, hasher.hexdigest()
+
+    def _run_pipeline(self, ordered: Sequence[LoadJob]) -> Iterator[tuple[TensorRecord, str]]:
         largest_row = max((j.row_bytes for j in ordered), default=1)
         ring_bytes = max(self._chunk_bytes, largest_row)
         ring = [torch.empty(ring_bytes, dtype=torch.uint8) for _ in range(RING)]
@@ -171,7 +217,7 @@ class Loader:
                 except (queue.Full, queue.Empty):
                     pass
                 reader.join(0.01)
-            self.seconds = time.perf_counter() - started
+            self.seconds += time.perf_counter() - started
 
     # -- reader thread ---------------------------------------------------------------------
 
@@ -234,9 +280,10 @@ class Loader:
         return True
 
     def _count(self, nbytes: int) -> None:
-        self.bytes_read += nbytes
-        if self._on_bytes is not None:
-            self._on_bytes(nbytes)
+        with self._counting:  # mapped tensors are counted from several threads
+            self.bytes_read += nbytes
+            if self._on_bytes is not None:
+                self._on_bytes(nbytes)
 
     # -- caller's thread ---------------------------------------------------------------------
 
@@ -269,7 +316,8 @@ def _chunks(job: LoadJob, rows_per_chunk: int) -> Iterator[tuple[int, int, Segme
             yield lo, min(lo + rows_per_chunk, segment.stop), segment
 
 
-_MADV_POPULATE_WRITE: Final = 23  # Linux 5.14+: fault a range in, writable, in one call
+_MADV_POPULATE_READ: Final = 22  # Linux 5.14+: fault a range in, readable, in one call
+_MADV_POPULATE_WRITE: Final = 23  # the same, writable
 _PAGE: Final = 4096
 
 
@@ -278,9 +326,11 @@ class _Populate:
     supported = True
 
 
-def populate(t: torch.Tensor) -> bool:
-    """Fault in the pages of CPU tensor ``t``'s memory, writable, with one ``madvise`` call
-    (``MADV_POPULATE_WRITE``) instead of one page fault per 4 KiB page as the data arrives.
+def populate(t: torch.Tensor, *, write: bool = True) -> bool:
+    """Fault in the pages of CPU tensor ``t``'s memory, writable (or, with ``write=False``,
+    readable: a file mapping's pages are read from the page cache or the disk, not copied), with
+    one ``madvise`` call (``MADV_POPULATE_WRITE``/``_READ``) instead of one page fault per 4 KiB
+    page as the data is touched.
 
     The pages' contents are unchanged. False (and nothing done) where the kernel or C library
     has no such call, or ``t`` is small or not on the CPU. ctypes releases the GIL meanwhile.
@@ -300,7 +350,8 @@ def populate(t: torch.Tensor) -> bool:
         _Populate.libc = libc
     start = (t.data_ptr() + _PAGE - 1) & ~(_PAGE - 1)  # whole pages inside the tensor
     length = (t.data_ptr() + nbytes - start) & ~(_PAGE - 1)
-    if _Populate.libc.madvise(start, length, _MADV_POPULATE_WRITE) != 0:
+    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+    if _Populate.libc.madvise(start, length, advice) != 0:
         if ctypes.get_errno() == errno.EINVAL:  # an older kernel: no such advice
             _Populate.supported = False
         return False

@@ -24,6 +24,7 @@ class Buffer:
     pool: Pool
     nbytes: int
     released: bool = False
+    mapped: bool = False  # a view of a shard file's pages (:mod:`.mapping`), not allocated here
 
     def release(self) -> None:
         if not self.released:
@@ -54,17 +55,27 @@ class Pool:
     def allocate(self, numel: int, dtype: torch.dtype, *, credit: int = 0) -> Buffer:
         """Allocate a flat ``numel`` x ``dtype`` buffer, or raise :class:`PoolFull`."""
         nbytes = numel * dtype.itemsize
-        with self._lock:
-            if not self.fits(nbytes, credit=credit):
-                raise PoolFull(self.name, nbytes, (self.free or 0) + credit)
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
+        self._reserve(nbytes, credit)
         try:
             tensor = torch.empty(numel, dtype=dtype, device=self.device)
         except torch.cuda.OutOfMemoryError:
             self._release(nbytes)
             raise PoolFull(self.name, nbytes, 0) from None
         return Buffer(tensor=tensor, pool=self, nbytes=nbytes)
+
+    def adopt(self, tensor: torch.Tensor) -> Buffer:
+        """Account a flat tensor held elsewhere (a view of a mapped shard file) to this pool,
+        like an allocation of its size, or raise :class:`PoolFull`."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self._reserve(nbytes, 0)
+        return Buffer(tensor=tensor, pool=self, nbytes=nbytes, mapped=True)
+
+    def _reserve(self, nbytes: int, credit: int) -> None:
+        with self._lock:
+            if not self.fits(nbytes, credit=credit):
+                raise PoolFull(self.name, nbytes, (self.free or 0) + credit)
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
 
     def _release(self, nbytes: int) -> None:
         with self._lock:

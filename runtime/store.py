@@ -14,6 +14,7 @@ Storage modes:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -21,13 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ggufswap.config import DEFAULT_DECODED_CACHE, Storage
+from ggufswap.config import DEFAULT_DECODED_CACHE, MapShards, Storage
 from ggufswap.ipc import SlotState
 from ggufswap.logs import get_logger
 from ggufswap.runtime.dequant import dequantize
 from ggufswap.runtime.errors import PoolFull
 from ggufswap.runtime.families import DerivedTensor, block_of, expert_of, family_of
 from ggufswap.runtime.loading import Loader, LoadJob, Segment, trim_heap
+from ggufswap.runtime.mapping import ShardMaps
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
 from ggufswap.runtime.qmatmul import QuantizedMatrix
 from ggufswap.runtime.resident import DecodedCache
@@ -165,6 +167,7 @@ class TensorStore:
         compute_dtype: torch.dtype,
         strict: bool,
         decoded_cache: int = DEFAULT_DECODED_CACHE,
+        map_shards: MapShards = MapShards.OFF,
     ) -> None:
         if storage is Storage.AUTO:
             raise ValueError("storage 'auto' is resolved before the store (choose_storage)")
@@ -180,6 +183,8 @@ class TensorStore:
         # Native storage: dense tensors decoded on use, kept while they fit (see .resident).
         self.decoded = DecodedCache(decoded_cache if storage is Storage.NATIVE else 0)
         self._dense_cached = True  # set by load(): every dense quantized matrix fits the cache
+        # Native storage: CPU tensors served from their files' pages, under read leases.
+        self.maps = ShardMaps(map_shards if storage is Storage.NATIVE else MapShards.OFF)
 
     # -- the model's view ------------------------------------------------------------------
 
@@ -444,8 +449,10 @@ class TensorStore:
             for buffer, parts in held.values():
                 for kept in [p.buffer for p in parts] or [buffer]:
                     kept.release()
+            self.maps.close()
             raise
         trim_heap()
+        self.maps.report()
         for record in records:
             buffer, parts = held[record.name]
             digest = digests[record.name]
@@ -485,6 +492,11 @@ class TensorStore:
     ) -> tuple[Buffer, tuple[Part, ...]]:
         """The buffer (or expert-range parts) ``record`` is loaded into."""
         numel, dtype = self.buffer_spec(record)
+        if isinstance(home, Pool) and home.device.type == "cpu":
+            view = self.maps.view(record)  # native storage: the file's own bytes, if mapped
+            with contextlib.suppress(PoolFull):  # a full home: the fallback, as below
+                if view is not None:
+                    return home.adopt(view), ()
         if isinstance(home, ExpertSplit):
             unit = self.expert_unit(record)
             parts = tuple(
@@ -503,7 +515,7 @@ class TensorStore:
         """The row ranges of ``record`` and the flat buffers that hold them."""
         n_rows = record.n_elements // record.ne[0]
         if not parts:
-            return (Segment(0, n_rows, buffer.tensor),)
+            return (Segment(0, n_rows, buffer.tensor, mapped=buffer.mapped),)
         rows_per_expert = n_rows // record.ne[-1]
         return tuple(
             Segment(p.start * rows_per_expert, p.stop * rows_per_expert, p.buffer.tensor)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from runtime_helpers import TOKENS, ModelDir, Q, fresh_logits, logits, one_thread, open_runtime
 
+from ggufswap.config import MapShards
 from ggufswap.runtime import PlanState, SlotState, Storage
 from ggufswap.shards import Layout, tiny_dense
 
@@ -36,9 +37,17 @@ STEPS: list[dict[str, Q | None]] = [
 
 
 @pytest.mark.parametrize("stable", [False, True], ids=["swap", "stable"])
-@pytest.mark.parametrize("storage", [Storage.DEQUANTIZED, Storage.NATIVE], ids=lambda s: s.value)
+@pytest.mark.parametrize(
+    ("storage", "map_shards"),
+    [
+        (Storage.DEQUANTIZED, MapShards.OFF),
+        (Storage.NATIVE, MapShards.OFF),
+        (Storage.NATIVE, MapShards.ON),  # originals are views of the files' pages
+    ],
+    ids=["dequantized", "native", "native-mapped"],
+)
 def test_swaps_and_restores_equal_fresh_load(
-    tmp_path: Path, storage: Storage, stable: bool
+    tmp_path: Path, storage: Storage, map_shards: MapShards, stable: bool
 ) -> None:
     """After every step of swaps to other quant types and back, logits equal a fresh load."""
     model_dir = ModelDir.write(tmp_path / "model")
@@ -50,8 +59,12 @@ def test_swaps_and_restores_equal_fresh_load(
         for name, t in step.items()
         if t is not None
     }
-    runtime, model = open_runtime(model_dir.first, storage=storage, stable_pointers=stable)
+    runtime, model = open_runtime(
+        model_dir.first, storage=storage, stable_pointers=stable, map_shards=map_shards
+    )
     try:
+        files = {slot.record.path for slot in runtime.store.slots.values()}
+        assert runtime.store.maps.mapped_files == (0 if map_shards is MapShards.OFF else len(files))
         baseline = logits(model)
         usage = runtime.store.pools.usage()
         pointers = {n: s.active.tensor.data_ptr() for n, s in runtime.store.slots.items()}

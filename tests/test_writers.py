@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -270,3 +272,54 @@ def test_one_scrub_per_model_compares_every_runtime(tmp_path: Path) -> None:
     assert found == [1]
     assert scrubber.hashed_bytes == record.nbytes, "hashed once for the three runtimes"
     assert scrubber.found == 1
+
+
+# A writer opens the file in the moment the probe holds its lease (the fcntl call that takes it
+# is made to wait for that writer): the break signals the probing process. Run as a script with
+# the path; prints what writer_of said.
+_RACE = """
+import fcntl, subprocess, sys, time
+from ggufswap._signals import ProcessSignals
+from ggufswap.agent import writers
+from ggufswap.shards import leases
+
+path = sys.argv[1]
+if sys.argv[2] == "agent":
+    ProcessSignals().install()  # what `ggufswap agent` does at start
+real = fcntl.fcntl
+
+def racing(fd, cmd, arg=0):
+    out = real(fd, cmd, arg)
+    if cmd == fcntl.F_SETLEASE and arg == fcntl.F_RDLCK:
+        writer = subprocess.Popen([sys.executable, "-c", f"open({path!r}, 'r+b').close()"])
+        deadline = time.monotonic() + 30
+        while not leases.breaking(fd) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the lease is broken: SIGIO has been sent to this process
+        time.sleep(0.1)
+        writers.racing_writer = writer
+    return out
+
+fcntl.fcntl = racing
+print("writer_of:", writers.writer_of(path), flush=True)
+writers.racing_writer.wait(timeout=30)
+"""
+
+
+@pytest.mark.parametrize("process", ["agent", "library"])
+def test_a_writer_racing_the_lease_probe_does_not_kill_the_prober(
+    tmp_path: Path, process: str
+) -> None:
+    """The break of the probe's lease sends ``SIGIO``, whose default action is to terminate:
+    the agent (and a library caller of writer_of from the main thread) handles it, and says
+    no one was writing (the writer opened only after the probe began)."""
+    path = tmp_path / "shard.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+    done = subprocess.run(
+        [sys.executable, "-c", _RACE, str(path), process],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert done.returncode == 0, f"prober died ({done.returncode}): {done.stderr[-2000:]}"
+    assert "writer_of: None" in done.stdout

@@ -45,6 +45,7 @@ def open_runtime(config: Config) -> HotSwapRuntime:
         storage=rc.storage,
         compute_dtype=getattr(torch, rc.compute_dtype.value),
         decoded_cache=rc.decoded_cache,
+        map_shards=rc.map_shards,
         strict=rc.strict_types,
         placement=Placement(
             gpu_layers=rc.placement.gpu_layers,

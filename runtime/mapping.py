@@ -1,0 +1,307 @@
+"""Native weights served from the shard files' own pages: private mappings under read leases.
+
+With ``runtime.map_shards``, a native-storage load does not copy a CPU tensor's bytes into memory
+of its own: the tensor is a view of its shard file, mapped ``MAP_PRIVATE``. A warm load then
+costs what hashing the page cache costs (no new memory is filled), and the model lives in memory
+once, as page cache, at its GGUF size, as llama.cpp's ``mmap`` does.
+
+A mapping shows whatever the file holds, so a writer that rewrites a shard in place would change
+the weights being served under the runtime, outside any commit. That is what the read lease
+prevents (:mod:`ggufswap.shards.leases`): the kernel grants it only while no one has the file open
+for writing, and from then on an ``open`` for writing or a truncation blocks until the runtime
+gives the lease up. When that happens (a ``SIGIO``, or the watcher thread's poll every
+``POLL_S``) the runtime first moves the file's pages into anonymous memory at the same addresses
+(a copy, then ``mremap`` over the mapping: the tensors' pointers and contents stay as they are,
+and batches keep running meanwhile), then releases the lease; the writer proceeds, and the agent
+plans its new bytes like any other change. A shard replaced by rename (the sweep, ``requant``)
+needs none of this: the mapping keeps the old file's pages until no tensor uses them.
+
+The copy must finish within ``/proc/sys/fs/lease-break-time`` (45 s by default), after which the
+kernel lets the writer in regardless: at this machine's ~1-2 GB/s fill rate of new memory, that
+covers shards of ~45 GB; raise the sysctl for bigger shards (docs/operations.md).
+
+Where the lease cannot be taken (a file owned by another user without ``CAP_LEASE``, a file
+system without leases such as NFS or FUSE, a writer holding the file open at load, a process
+whose ``SIGIO`` cannot be handled), ``auto`` copies that file as before and says why, and ``true``
+refuses to load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import mmap
+import os
+import resource
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Final
+
+import torch
+
+from ggufswap.config import MapShards
+from ggufswap.logs import get_logger
+from ggufswap.shards import FileIdentity, TensorRecord, leases
+
+log = get_logger(__name__)
+
+POLL_S: Final = 0.1  # how often held leases are looked at (a SIGIO looks at once)
+_COPY_CHUNK: Final = 64 << 20  # bytes per copy call while moving a mapping to anonymous memory
+_MREMAP_MAYMOVE: Final = 1
+_MREMAP_FIXED: Final = 2
+_MAP_FAILED: Final = ctypes.c_void_p(-1).value
+
+
+class MapRefused(RuntimeError):
+    """``map_shards: true`` and a shard that cannot be served from a mapping (names the file)."""
+
+
+@dataclass(eq=False)
+class _Mapped:
+    """One shard file's mapping, and the descriptor that holds its lease."""
+
+    path: str
+    fd: int
+    region: weakref.ref[ctypes.Array[ctypes.c_char]]  # the bytes; tensors view (and hold) it
+    address: int
+    length: int
+    lock: threading.RLock = field(default_factory=threading.RLock)  # the finalizer may re-enter
+    closed: bool = False  # the lease is given up (moved to anonymous memory, or unmapped)
+
+
+class ShardMaps:
+    """The mapped shard files of one store, and the thread that keeps writers off them.
+
+    A file stays mapped, and leased, while any tensor views it: its region is unmapped and its
+    lease given up when the last one is gone (a swap released the buffer, the store was
+    dropped). One descriptor per mapped file holds the lease.
+    """
+
+    def __init__(self, policy: MapShards) -> None:
+        self.policy = policy
+        self.refused: dict[str, str] = {}  # path -> why it is copied instead (policy auto)
+        self.moved = 0  # files moved to anonymous memory because a writer came
+        self._files: dict[str, _Mapped] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def mapped_files(self) -> int:
+        """Files whose tensors are served from their pages now (not moved, not unmapped)."""
+        with self._lock:
+            return sum(not f.closed for f in self._files.values())
+
+    def view(self, record: TensorRecord) -> torch.Tensor | None:
+        """``record``'s bytes as a uint8 view of its file's mapping; None where its file is
+        copied instead (the policy is ``false``, or ``auto`` and the file cannot be mapped)."""
+        if self.policy is MapShards.OFF or record.path in self.refused:
+            return None
+        with self._lock:
+            mapped = self._files.get(record.path)
+        region = mapped.region() if mapped is not None and not mapped.closed else None
+        if region is None:
+            region = self._map(record)
+            if region is None:
+                return None
+        return torch.frombuffer(
+            region, dtype=torch.uint8, count=record.nbytes, offset=record.offset
+        )
+
+    def report(self) -> None:
+        """One log line for a load: how many files are mapped, how many copied and why."""
+        if self.policy is MapShards.OFF:
+            return
+        reasons = sorted(set(self.refused.values()))
+        emit = log.warning if self.refused else log.info
+        emit(
+            "load.mapped",
+            mapped=self.mapped_files,
+            copied=len(self.refused),
+            why=reasons[:3] or None,
+            example=next(iter(self.refused), None),
+        )
+
+    def close(self) -> None:
+        """Stop watching for writers (the runtime is closing). The files stay mapped, and
+        leased, until their tensors are gone."""
+        self._stop.set()
+        self._wake.set()
+        leases.unwatch(self._wake.set)
+        if self._thread is not None:
+            self._thread.join(timeout=10 * POLL_S)
+
+    # -- mapping ---------------------------------------------------------------------------
+
+    def _map(self, record: TensorRecord) -> ctypes.Array[ctypes.c_char] | None:
+        """Map ``record``'s file under a lease; None (policy ``auto``) where it cannot be."""
+        if not self._files and not self.refused:
+            _raise_descriptor_limit()
+        why = leases.guard_sigio(self._wake.set)
+        region = None
+        if why is None:
+            region, why = self._map_file(record)
+        if region is not None:
+            self._start()
+            return region
+        if self.policy is MapShards.ON:
+            raise MapRefused(f"{record.path}: cannot serve its tensors from a mapping: {why}")
+        self.refused[record.path] = why or "?"
+        return None
+
+    def _map_file(
+        self, record: TensorRecord
+    ) -> tuple[ctypes.Array[ctypes.c_char] | None, str | None]:
+        try:
+            fd = os.open(record.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            return None, f"it cannot be opened ({exc.strerror})"
+        try:
+            why = leases.take_read_lease(fd)
+            leased = why is None
+            if leased and FileIdentity.of_fd(fd) != record.identity:
+                why = "it changed since its header was read"
+            if why is None:
+                length = record.identity.size
+                prot = mmap.PROT_READ | mmap.PROT_WRITE  # private: a write would copy the page
+                address = _Libc.get().mmap(None, length, prot, mmap.MAP_PRIVATE, fd, 0)
+                if address in (None, _MAP_FAILED):
+                    why = f"mmap failed ({os.strerror(ctypes.get_errno())})"
+                else:
+                    region = (ctypes.c_char * length).from_address(address)
+                    mapped = _Mapped(record.path, fd, weakref.ref(region), address, length)
+                    weakref.finalize(region, self._unmap, mapped)
+                    with self._lock:
+                        self._files[record.path] = mapped
+                    return region, None
+            if leased:
+                leases.release(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        return None, why
+
+    def _unmap(self, mapped: _Mapped) -> None:
+        """The last tensor of a mapped file is gone: unmap it, and give its lease up."""
+        with mapped.lock:
+            _Libc.get().munmap(mapped.address, mapped.length)
+            if not mapped.closed:
+                _give_up(mapped)
+
+    # -- the watcher -------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._watch, name="ggufswap-leases", daemon=True
+                )
+                self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+            with self._lock:
+                files = [f for f in self._files.values() if not f.closed]
+            for mapped in files:
+                with mapped.lock:
+                    if not mapped.closed and leases.breaking(mapped.fd):
+                        self._move(mapped)
+
+    def _move(self, mapped: _Mapped) -> None:
+        """A writer waits: move the file's pages to anonymous memory, then let it in."""
+        region = mapped.region()  # held: the pages cannot be unmapped meanwhile
+        started = time.perf_counter()
+        try:
+            if region is not None:
+                move_to_anonymous(mapped.address, mapped.length)
+        except OSError as exc:  # the writer gets in when the kernel's lease-break time is up
+            log.error("mapping.move_failed", file=mapped.path, error=str(exc))
+            return
+        _give_up(mapped)  # the writer's open returns
+        self.moved += 1
+        log.info(
+            "mapping.moved",
+            file=mapped.path,
+            bytes=mapped.length,
+            seconds=round(time.perf_counter() - started, 3),
+            why="a writer opened the file",
+        )
+        del region
+
+
+def _raise_descriptor_limit() -> None:
+    """One descriptor per mapped file: let this process open as many as its hard limit allows
+    (a model split per tensor has thousands of files; the usual soft limit is 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            log.info("load.descriptor_limit", soft=soft, raised_to=target)
+
+
+def _give_up(mapped: _Mapped) -> None:
+    """Release the lease and close its descriptor."""
+    mapped.closed = True
+    try:
+        leases.release(mapped.fd)
+    finally:
+        os.close(mapped.fd)
+
+
+class _Libc:
+    lib: ctypes.CDLL | None = None
+
+    @classmethod
+    def get(cls) -> ctypes.CDLL:
+        if cls.lib is None:
+            lib = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+            lib.mmap.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_long,
+            ]
+            lib.mmap.restype = ctypes.c_void_p
+            lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            lib.munmap.restype = ctypes.c_int
+            lib.mremap.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_void_p,
+            ]
+            lib.mremap.restype = ctypes.c_void_p
+            cls.lib = lib
+        return cls.lib
+
+
+def move_to_anonymous(address: int, length: int) -> None:
+    """Replace the mapping at ``[address, address + length)`` by anonymous memory holding the
+    same bytes, at the same address (copy, then ``mremap`` over it in one step: a thread reading
+    meanwhile sees the same bytes before and after). ctypes releases the GIL for each call."""
+    libc = _Libc.get()
+    size = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    anon = libc.mmap(None, size, prot, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if anon in (None, _MAP_FAILED):
+        raise OSError(ctypes.get_errno(), f"mmap of {size} anonymous bytes failed")
+    try:
+        for offset in range(0, length, _COPY_CHUNK):
+            ctypes.memmove(anon + offset, address + offset, min(_COPY_CHUNK, length - offset))
+        moved = libc.mremap(anon, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, address)
+        if moved != address:
+            raise OSError(ctypes.get_errno(), "mremap onto the mapping failed")
+    except BaseException:
+        libc.munmap(anon, size)
+        raise

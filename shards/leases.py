@@ -1,0 +1,90 @@
+"""Read leases on shard files, and the signal a lease break sends.
+
+A read lease (``fcntl(F_SETLEASE, F_RDLCK)``) is granted only while no process has the file open
+for writing; once held, any ``open`` for writing or truncation of the file *breaks* it: the
+kernel signals the holder and blocks the opener until the holder gives the lease up, or until
+``/proc/sys/fs/lease-break-time`` seconds (45 by default) have passed. The agent takes one for a
+moment to ask whether anyone writes a file (:mod:`ggufswap.agent.writers`); the runtime holds one
+on every shard it serves from a mapping, and copies the file's tensors out before it lets a writer
+in (:mod:`ggufswap.runtime.mapping`).
+
+The signal is ``SIGIO``, sent to the process that took the lease, and its default action
+terminates the process: a writer opening a file in the moment a lease is held would kill the
+holder. :func:`guard_sigio` installs a handler first, once per process, from the main thread
+(Python's rule for signal handlers); a host that installed its own handler keeps it, and a
+process that cannot install one gets a reason instead of a lease.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import signal
+import threading
+from collections.abc import Callable
+from typing import Final
+
+# Errors meaning "no lease here" rather than "someone writes": not the owner and no CAP_LEASE
+# (EACCES/EPERM), a file system without leases (EINVAL: NFS, FUSE, overlayfs), leases disabled
+# (``fs.leases-enable = 0``: ENOLCK or EINVAL).
+UNAVAILABLE: Final = frozenset({errno.EACCES, errno.EPERM, errno.EINVAL, errno.ENOLCK})
+
+_lock = threading.Lock()
+_wakers: list[Callable[[], None]] = []
+
+
+def _on_sigio(signum: int, frame: object) -> None:
+    for wake in list(_wakers):
+        wake()
+
+
+def guard_sigio(on_break: Callable[[], None] | None = None) -> str | None:
+    """Make sure a lease break cannot terminate this process; None when it cannot, else why.
+
+    ``on_break`` (optional) is called, in the main thread, whenever ``SIGIO`` arrives. A host's
+    own ``SIGIO`` handler (or ``SIG_IGN``) is left in place: the break does no harm then, and
+    ``on_break`` is not called (lease holders poll as well).
+    """
+    with _lock:
+        if on_break is not None and on_break not in _wakers:
+            _wakers.append(on_break)
+        current = signal.getsignal(signal.SIGIO)
+        if current is _on_sigio or current not in (signal.SIG_DFL, None):
+            return None
+        if threading.current_thread() is not threading.main_thread():
+            return (
+                "SIGIO has its default action (terminate) and a handler can only be installed "
+                "from the main thread"
+            )
+        signal.signal(signal.SIGIO, _on_sigio)
+        return None
+
+
+def unwatch(on_break: Callable[[], None]) -> None:
+    """Stop calling ``on_break`` on ``SIGIO`` (the handler itself stays)."""
+    with _lock:
+        if on_break in _wakers:
+            _wakers.remove(on_break)
+
+
+def take_read_lease(fd: int) -> str | None:
+    """Take a read lease on open file ``fd``; None when held, else why not, in words."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError as exc:
+        if exc.errno == errno.EAGAIN:
+            return "it is open for writing by a process (a read lease is refused)"
+        if exc.errno in UNAVAILABLE:
+            return f"no read lease can be taken on it ({errno.errorcode.get(exc.errno, '?')})"
+        raise
+    return None
+
+
+def breaking(fd: int) -> bool:
+    """Whether the read lease on ``fd`` is being broken (a writer waits) or is gone."""
+    return bool(fcntl.fcntl(fd, fcntl.F_GETLEASE) != fcntl.F_RDLCK)
+
+
+def release(fd: int) -> None:
+    """Give the lease on ``fd`` up (a waiting writer proceeds)."""
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
