@@ -6,13 +6,15 @@ Every figure is a ratio against a baseline measured in the same run, on the same
 
 - **load**: a generated qwen3moe model (Q4_K/Q6_K experts; ~2 GB, ~0.14 GB with ``--quick``),
   loaded in native storage by a fresh process, against ``cat`` of the same files, cold (the files
-  dropped from the page cache with ``posix_fadvise(DONTNEED)`` first) and warm. Target >= 0.7.
-  Each is also loaded without the loader's prefault and readahead (``loading.PREFAULT``,
-  ``loading.READAHEAD``) just before, each after its own ``cat``: the ratio shows what they buy.
+  dropped from the page cache with ``posix_fadvise(DONTNEED)`` first) and warm, each load after
+  its own ``cat``: served from the files' pages (``map_shards: true``, target >= 0.7), and
+  copied into memory of the runtime's own (``map_shards: false``), with and without the loader's
+  prefault and readahead (``loading.PREFAULT``, ``loading.READAHEAD``: the ratio shows what they
+  buy).
   A second baseline is the machine's bound for any load into memory of its own: ``preadv`` of
   each tensor into a new buffer (page faults and zeroing included, which ``cat`` never pays).
-- **rss**: that process's resident-memory growth over the load, divided by the bytes the store
-  holds (target <= 1.1; printed as held / RSS growth so that higher is better, target >= 0.91),
+- **rss**: that process's resident-memory growth over the load (copied, and mapped), divided by
+  the bytes the store holds (target <= 1.1; printed as held / RSS growth so that higher is better, target >= 0.91),
   and bytes held per parameter against the file's.
 - **decode**: native one-token decode with 8 routed experts on models of 8, 32 and 128 experts
   (same layers, widths and types): cost must not follow the experts present (128 vs 8, target
