@@ -14,8 +14,8 @@ Every figure is a ratio against a baseline measured in the same run, on the same
   A second baseline is the machine's bound for any load into memory of its own: ``preadv`` of
   each tensor into a new buffer (page faults and zeroing included, which ``cat`` never pays).
 - **rss**: that process's resident-memory growth over the load (copied, and mapped), divided by
-  the bytes the store holds (target <= 1.1; printed as held / RSS growth so that higher is better, target >= 0.91),
-  and bytes held per parameter against the file's.
+  the bytes the store holds (target <= 1.1; printed as held / RSS growth so that higher is
+  better, target >= 0.91), and bytes held per parameter against the file's.
 - **decode**: native one-token decode with 8 routed experts on models of 8, 32 and 128 experts
   (same layers, widths and types): cost must not follow the experts present (128 vs 8, target
   <= 1.3x, printed as 8-expert time / 128-expert time, target >= 0.77); and native against

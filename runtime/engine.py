@@ -527,6 +527,7 @@ class HotSwapRuntime:
             "storage": self.store.storage.value,
             "kernels": KERNELS,
             "decoded_cache": self.store.decoded.snapshot(),
+            "mapped_shards": self.store.maps.snapshot(),
             "plans": dict(self._outcomes),
             "pending": self._queue.qsize() + len(self._staged),
             "tensor_states": self.store.state_counts(),

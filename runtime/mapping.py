@@ -113,6 +113,17 @@ class ShardMaps:
             region, dtype=torch.uint8, count=record.nbytes, offset=record.offset
         )
 
+    def snapshot(self) -> dict[str, object]:
+        """For status: the policy, files served from mappings now, files copied at load (with
+        one reason), files moved out because a writer came."""
+        return {
+            "policy": self.policy.value,
+            "mapped": self.mapped_files,
+            "copied": len(self.refused),
+            "copied_why": next(iter(self.refused.values()), None),
+            "moved": self.moved,
+        }
+
     def report(self) -> None:
         """One log line for a load: how many files are mapped, how many copied and why."""
         if self.policy is MapShards.OFF:
