@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(f"ggufswap runtime: {p}" for p in problems), file=sys.stderr)
         return EXIT_CONFIG
     from ggufswap.ipc import IpcError
+    from ggufswap.runtime.mapping import MapRefused
     from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
     from ggufswap.runtime.serving.errors import ListenError
     from ggufswap.runtime.serving.serve import Mode, ServeOptions
@@ -158,6 +159,6 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         return daemon.run(config, options=options, stop=signals.stop, threads=args.threads)
-    except (ListenError, IpcError, ShardError) as exc:
+    except (ListenError, IpcError, ShardError, MapRefused) as exc:
         print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -121,3 +121,21 @@ def test_torch_missing_names_the_extra(tmp_path: Path, first: Path, run_dir: Pat
         env={"RUNTIME_DIRECTORY": str(run_dir), "PYTHONPATH": str(shim)},
     )
     assert_one_clear_line(result.returncode, result.stderr, "ggufswap[runtime]", "torch")
+
+
+def test_a_shard_that_cannot_be_mapped_under_map_shards_true(
+    tmp_path: Path, first: Path, run_dir: Path
+) -> None:
+    """``map_shards: true`` and a shard another process holds open for writing: the load stops
+    with one line naming the file and why, exit status 2, no traceback."""
+    config = tmp_path / "m.yaml"
+    config.write_text(
+        f"runtime: {{model: {first}, storage: native, map_shards: true, serve: {{mode: probe}}}}\n"
+    )
+    with open(first, "r+b"):
+        code, output = start_runtime(config, run_dir)
+    assert code == EXIT_CONFIG, output
+    assert "Traceback" not in output, output
+    last = output.strip().splitlines()[-1]
+    assert str(first) in last, output
+    assert "open for writing" in last, output
