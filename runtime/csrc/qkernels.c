@@ -94,7 +94,7 @@ static inline uint32_t bits_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return
  * by one exact multiplication, subnormals by one exact subtraction). The same value as
  * fp16_to_f32 for every non-NaN input (checked over all 65536); a signalling NaN comes out quiet,
  * as it does from the products it scales anyway. A F16_TABLE lookup per block missed the cache
- * on tensors with many distinct scales (a quarter of Q6_K's decoding time). */
+ * on tensors with many distinct scales. */
 static inline float rdh(const uint8_t *p) {
     uint32_t w = (uint32_t)rd16(p) << 16, sign = w & 0x80000000u, two_w = w + w;
     float normal = f32_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
@@ -411,27 +411,27 @@ static inline __attribute__((always_inline)) void dec_q5_k(const uint8_t *b, flo
     }
 }
 
-/* Q6_K in two passes: the 256 six-bit codes minus 32 as int8 (byte lanes, 32 at a time), then
- * sub-block k's 16 values d * scale[k] * code (eight float lanes); one pass over both took 4-wide
- * float vectors (GCC's choice for its 16-iteration loop) and ran 1.6x slower. */
 static inline __attribute__((always_inline)) void dec_q6_k(const uint8_t *b, float *y) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     float d = rdh(b + 208);
-    int8_t q[256];
-    for (int n = 0; n < 2; n++) { /* 128 values: ql[64], qh[32] */
-        const uint8_t *l = ql + 64 * n, *h = qh + 32 * n;
-        int8_t *o = q + 128 * n;
-        for (int i = 0; i < 32; i++) {
-            o[i] = (int8_t)(((l[i] & 0xF) | ((h[i] & 3) << 4)) - 32);
-            o[i + 32] = (int8_t)(((l[i + 32] & 0xF) | (((h[i] >> 2) & 3) << 4)) - 32);
-            o[i + 64] = (int8_t)(((l[i] >> 4) | (((h[i] >> 4) & 3) << 4)) - 32);
-            o[i + 96] = (int8_t)(((l[i + 32] >> 4) | (((h[i] >> 6) & 3) << 4)) - 32);
+    for (int n = 0; n < 256; n += 128) {
+        float ds[8];
+        for (int k = 0; k < 8; k++) ds[k] = d * (float)sc[k];
+        for (int half = 0; half < 2; half++) { /* values l in [16 half, 16 half + 16): one scale */
+            int o = 16 * half;
+            for (int l = o; l < o + 16; l++) {
+                y[n + l] = ds[half] * (float)((int)((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
+                y[n + l + 32] =
+                    ds[half + 2] * (float)((int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                y[n + l + 64] = ds[half + 4] * (float)((int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                y[n + l + 96] =
+                    ds[half + 6] * (float)((int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
         }
-    }
-    for (int k = 0; k < 16; k++) { /* sub-block k of 16 values: scale sc[k] */
-        float dl = d * (float)sc[k];
-        for (int i = 0; i < 16; i++) y[16 * k + i] = dl * (float)q[16 * k + i];
+        ql += 64;
+        qh += 32;
+        sc += 8;
     }
 }
 
