@@ -7,10 +7,13 @@ must equal a fresh load exactly); a requested ``bfloat16``/``float16`` result is
 that float32 result. Types without a kernel fall back to gguf's numpy code on the CPU unless
 ``strict`` is set.
 
-CPU speed notes: the result is allocated through numpy, whose allocator asks for transparent huge
-pages (first-touch faults of a fresh 4 KiB-paged result cost more than the arithmetic); kernel
-temporaries live in a small per-thread arena kept between calls; ``out=`` skips the result
-allocation altogether.
+CPU speed notes: a new result's pages are faulted in and zeroed by the kernel on first touch,
+which costs more than decoding into them. A result of 4 MiB or more is therefore a mapping of its
+own, on a 2 MiB boundary and advised to use transparent huge pages (one fault per 2 MiB; 64 MiB of
+new 4 KiB pages took nine times as long to fill on the VM where this was measured), and the
+compiled decoder's threads take it about 2 MiB at a time, so that they share the zeroing; smaller
+results come from numpy's allocator. Kernel temporaries live in a small per-thread arena kept
+between calls; ``out=`` skips the result allocation altogether.
 """
 
 from __future__ import annotations
