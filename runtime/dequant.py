@@ -233,9 +233,9 @@ def _mapped(nbytes: int) -> torch.Tensor:
     """``nbytes`` of new anonymous memory (a uint8 tensor that owns its mapping), starting on a
     huge-page boundary and advised ``MADV_HUGEPAGE``: every 2 MiB of it faults in as one huge
     page, where numpy's malloc'ed block (at an arbitrary offset) faults its partial first and
-    last 2 MiB as 4 KiB pages. The length is rounded up to whole huge pages (at most 2 MiB - 4
-    KiB more resident); Linux places such a mapping on a huge-page boundary (6.7+), else it is
-    mapped one huge page longer and the tensor starts at the first boundary in it."""
+    last 2 MiB as 4 KiB pages. The length is rounded up to whole huge pages (less than 2 MiB
+    more resident); Linux places such a mapping on a huge-page boundary (6.7+), else it is mapped
+    one huge page longer and the tensor starts at the first boundary in it."""
     assert _MADV_HUGEPAGE is not None, "no MADV_HUGEPAGE on this platform"
     length = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
     region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -187,6 +187,17 @@ def test_tensor_spanning_several_chunks_matches_gguf(ggml_type: GGMLQuantization
     assert_same_bits(run(data, ggml_type, ne), reference(data, ggml_type, ne))
 
 
+@pytest.mark.parametrize("code", [-1, 127])
+def test_every_fp16_scale_decodes_to_gguf_value(code: int) -> None:
+    """Q8_0 blocks whose scales take all 65536 fp16 bit patterns (normal, subnormal, zero, inf,
+    NaN) times a code decode to gguf's values."""
+    blocks = np.zeros((1 << 16, 34), dtype=np.uint8)
+    blocks[:, :2] = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = np.uint8(code & 0xFF)
+    ne = (32, 1 << 16)
+    assert_same_bits(run(blocks, T.Q8_0, ne), reference(blocks, T.Q8_0, ne), allow_nan=True)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_K, T.Q5_0, T.Q6_K], ids=lambda t: t.name)
 def test_large_result_on_any_thread_count_matches_gguf(
