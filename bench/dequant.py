@@ -8,7 +8,7 @@ buffer (``out=``), as the median and the minimum over ``--rounds`` rounds; each 
 best of N interleaved repeats of the calls, so every ratio compares times taken under the same
 machine load. ``floor`` is gguf's time over that of allocating a new tensor of the result's size
 (as ``dequantize`` does) and filling it once: the page faults and kernel zeroing every new result
-pays, so the most any decoder into a new tensor can reach on this machine. Torch runs with the
+pays, so about the most a decoder into a new tensor can reach there. Torch runs with the
 runtime's thread policy (``ggufswap.runtime.threads``: ``--threads``, else ``OMP_NUM_THREADS``,
 else one thread per CPU of the affinity mask), printed in the header, so that figures taken on
 different days compare. Targets (median ratio >= 10x on the CPU) are marked. F32 has no
@@ -123,7 +123,7 @@ def _random_bytes(ggml_type: GGMLQuantizationType, rows: int, cols: int) -> np.n
 def fresh_fill(numel: int) -> torch.Tensor:
     """The least a new float32 result of ``numel`` values costs: allocated as ``dequantize``
     allocates one, then written once (torch's fill, over the policy's threads). Every page is
-    new, so the kernel zeroes it on first touch; no decoder into a new tensor can beat this."""
+    new, so the kernel zeroes it on first touch; a decoder into a new tensor pays that too."""
     return dequant._empty(numel, torch.float32, torch.device("cpu")).fill_(1.0)
 
 
@@ -320,7 +320,7 @@ def main() -> int:
     )
     print(
         "floor: a new tensor of the same size allocated as dequantize does and filled once (its "
-        "pages' first-touch faults and zeroing), the best ratio any new-tensor decoder can reach"
+        "pages' first-touch faults and zeroing), about the most a new-tensor decoder can reach"
     )
     header = f"{'type':<8} {'gguf ms':>8} {'ours ms':>8} {'Melem/s':>8} {'fresh med':>9} {'min':>6}"
     header += f" {'into ms':>8} {'into med':>8} {'min':>6} {'floor ms':>8} {'floor':>6}"
