@@ -5,11 +5,14 @@
 Prints one row per type (a 4096x4096-element tensor, random blocks with finite scales): the ratio
 of gguf's time to ours for ``dequantize`` into a fresh tensor (the target) and into a reused
 buffer (``out=``), as the median and the minimum over ``--rounds`` rounds; each round takes the
-best of N interleaved repeats of the three calls, so every ratio compares times taken under the
-same machine load. Torch runs with the runtime's thread policy (``ggufswap.runtime.threads``:
-``--threads``, else ``OMP_NUM_THREADS``, else one thread per CPU of the affinity mask), printed in
-the header, so that figures taken on different days compare. Targets (median ratio >= 10x on the
-CPU) are marked. F32 has no meaningful ratio: gguf returns a view of the bytes, ours a copy.
+best of N interleaved repeats of the calls, so every ratio compares times taken under the same
+machine load. ``floor`` is gguf's time over that of allocating a new tensor of the result's size
+(as ``dequantize`` does) and filling it once: the page faults and kernel zeroing every new result
+pays, so about the most a decoder into a new tensor can reach there. Torch runs with the
+runtime's thread policy (``ggufswap.runtime.threads``: ``--threads``, else ``OMP_NUM_THREADS``,
+else one thread per CPU of the affinity mask), printed in the header, so that figures taken on
+different days compare. Targets (median ratio >= 10x on the CPU) are marked. F32 has no
+meaningful ratio: gguf returns a view of the bytes, ours a copy.
 
 ik_llama.cpp's types have no numpy decoder to compare with: their rows (written by the project's
 writer, valid blocks; the row-interleaved ``_R4``/``_R8`` types: ik's own bytes from the golden
@@ -19,7 +22,7 @@ ratio of our Q8_0 ``dequantize`` time on the same element count, measured in the
 the torch kernels' GB/s (``torch GB/s``), measured in the same rounds with the compiled decoder
 turned off.
 ``run(quick)`` returns the rows (name, baseline_s, ours_s, ratio, target, plus the per-round
-ratios and the into-buffer figures) for ``bench/run_all.py``.
+ratios, the into-buffer and floor figures) for ``bench/run_all.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from ggufswap._logsetup import configure_logging
-from ggufswap.runtime import _compiled
+from ggufswap.runtime import _compiled, dequant
 from ggufswap.runtime._ik_interleaved import INTERLEAVED
 from ggufswap.runtime._ik_kernels import IK_KERNELS
 from ggufswap.runtime.dequant import KERNEL_TYPES, dequantize
@@ -117,6 +120,13 @@ def _random_bytes(ggml_type: GGMLQuantizationType, rows: int, cols: int) -> np.n
     return data
 
 
+def fresh_fill(numel: int) -> torch.Tensor:
+    """The least a new float32 result of ``numel`` values costs: allocated as ``dequantize``
+    allocates one, then written once (torch's fill, over the policy's threads). Every page is
+    new, so the kernel zeroes it on first touch; a decoder into a new tensor pays that too."""
+    return dequant._empty(numel, torch.float32, torch.device("cpu")).fill_(1.0)
+
+
 def pin_threads(threads: int | None) -> AppliedThreads:
     """Apply the runtime's thread policy (``threads`` overrides it) as ``ggufswap runtime`` does."""
     return apply_thread_policy(resolve_threads(flag=threads))
@@ -167,7 +177,7 @@ def _measure(
     ne = (cols, rows)
     dequantize(raw, ggml_type, ne)  # warm up lookup tables and the allocator
     into = torch.empty(rows, cols)
-    times = []  # (baseline, ours, into) per round
+    times = []  # (baseline, ours, into, floor) per round
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for _ in range(rounds):
@@ -177,14 +187,16 @@ def _measure(
                         partial(quants.dequantize, data, ggml_type),
                         partial(dequantize, raw, ggml_type, ne),
                         partial(dequantize, raw, ggml_type, ne, out=into),
+                        partial(fresh_fill, rows * cols),
                     ],
                     repeats,
                 )
             )
-    ratios = [base / ours for base, ours, _ in times]
-    ratios_into = [base / ours_into for base, _, ours_into in times]
+    ratios = [base / ours for base, ours, _, _ in times]
+    ratios_into = [base / ours_into for base, _, ours_into, _ in times]
+    ratios_floor = [base / floor for base, _, _, floor in times]
     median_round = sorted(range(rounds), key=lambda i: ratios[i])[(rounds - 1) // 2]
-    baseline_s, ours_s, into_s = times[median_round]
+    baseline_s, ours_s, into_s, floor_s = times[median_round]
     return {
         "name": f"dequant.{ggml_type.name}",
         "baseline_s": baseline_s,
@@ -195,6 +207,8 @@ def _measure(
         "ours_into_s": into_s,
         "ratio_into": statistics.median(ratios_into),
         "ratio_into_min": min(ratios_into),
+        "floor_s": floor_s,
+        "ratio_floor": statistics.median(ratios_floor),
         "target": TARGET_RATIO if ggml_type in TARGET_TYPES else None,
         "mb_per_s": data.nbytes / ours_s / 1e6,
         "elements_per_s": rows * cols / ours_s,
@@ -304,8 +318,13 @@ def main() -> int:
         f"ratio = gguf time / ours; median and min over {args.rounds} rounds, each the best of "
         "interleaved repeats; fresh: a new output tensor (the target), into: out= a reused one"
     )
+    print(
+        "floor: a new tensor of the same size allocated as dequantize does and filled once (its "
+        "pages' first-touch faults and zeroing), about the most a new-tensor decoder can reach"
+    )
     header = f"{'type':<8} {'gguf ms':>8} {'ours ms':>8} {'Melem/s':>8} {'fresh med':>9} {'min':>6}"
-    print(header + f" {'into ms':>8} {'into med':>8} {'min':>6}  rounds (fresh)  target")
+    header += f" {'into ms':>8} {'into med':>8} {'min':>6} {'floor ms':>8} {'floor':>6}"
+    print(header + "  rounds (fresh)  target")
     for row in (r for r in results if "baseline" not in r):
         target = row["target"]
         mark = ""
@@ -318,7 +337,8 @@ def main() -> int:
             f"{row['ours_s'] * 1e3:>8.2f} {row['elements_per_s'] / 1e6:>8.0f} "
             f"{row['ratio']:>8.1f}x {row['ratio_min']:>5.1f}x "
             f"{row['ours_into_s'] * 1e3:>8.2f} {row['ratio_into']:>7.1f}x "
-            f"{row['ratio_into_min']:>5.1f}x  {rounds:<14}  {mark}"
+            f"{row['ratio_into_min']:>5.1f}x {row['floor_s'] * 1e3:>8.2f} "
+            f"{row['ratio_floor']:>5.1f}x  {rounds:<14}  {mark}"
         )
     ik_rows = [r for r in results if "baseline" in r]
     if ik_rows:

@@ -7,15 +7,19 @@ must equal a fresh load exactly); a requested ``bfloat16``/``float16`` result is
 that float32 result. Types without a kernel fall back to gguf's numpy code on the CPU unless
 ``strict`` is set.
 
-CPU speed notes: the result is allocated through numpy, whose allocator asks for transparent huge
-pages (first-touch faults of a fresh 4 KiB-paged result cost more than the arithmetic); kernel
-temporaries live in a small per-thread arena kept between calls; ``out=`` skips the result
-allocation altogether.
+CPU speed notes: a new result's pages are faulted in and zeroed by the kernel on first touch,
+which costs more than decoding into them. A result of 4 MiB or more is therefore a mapping of its
+own, on a 2 MiB boundary and advised to use transparent huge pages (one fault per 2 MiB; 64 MiB of
+new 4 KiB pages took nine times as long to fill on the VM where this was measured), and the
+compiled decoder's threads take it about 2 MiB at a time, so that they share the zeroing; smaller
+results come from numpy's allocator. Kernel temporaries live in a small per-thread arena kept
+between calls; ``out=`` skips the result allocation altogether.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 
 import numpy as np
@@ -44,6 +48,11 @@ KERNEL_TYPES: frozenset[GGMLType] = (
 # per-op launch cost dominates); their scratch is transient, from the caching allocator.
 _CPU_CHUNK_ELEMENTS = 1 << 20
 _DEVICE_CHUNK_ELEMENTS = 1 << 22
+# CPU results from this size up are mappings of their own, in transparent huge pages (numpy's
+# allocator advises huge pages from 4 MiB too); smaller ones come from numpy's allocator.
+_MAPPED_MIN_BYTES = 4 << 20
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 # Per-block scales are computed for this many chunks at a time.
 _CHUNKS_PER_SCALE_GROUP = 16
 
@@ -209,12 +218,39 @@ def _arena(device: torch.device) -> Arena:
 
 
 def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised 1-D tensor; on the CPU backed by numpy, whose allocator asks the kernel
-    for transparent huge pages (first-touch page faults otherwise dominate the kernels' time)."""
+    """An uninitialised 1-D tensor; on the CPU a large one is a mapping of its own, 2 MiB-aligned
+    and advised to use transparent huge pages (first-touch page faults otherwise dominate the
+    kernels' time), a small one comes from numpy's allocator."""
     if device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.empty(numel * itemsize, dtype=np.uint8)).view(dtype)
+    nbytes = numel * dtype.itemsize
+    if nbytes < _MAPPED_MIN_BYTES or _MADV_HUGEPAGE is None:
+        return torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).view(dtype)
+    return _mapped(nbytes).view(dtype)
+
+
+def _mapped(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of new anonymous memory (a uint8 tensor that owns its mapping), starting on a
+    huge-page boundary and advised ``MADV_HUGEPAGE``: every 2 MiB of it faults in as one huge
+    page, where numpy's malloc'ed block (at an arbitrary offset) faults its partial first and
+    last 2 MiB as 4 KiB pages. The length is rounded up to whole huge pages (less than 2 MiB
+    more resident); Linux places such a mapping on a huge-page boundary (6.7+), else it is mapped
+    one huge page longer and the tensor starts at the first boundary in it."""
+    assert _MADV_HUGEPAGE is not None, "no MADV_HUGEPAGE on this platform"
+    length = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+    region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    offset = -_address(region) % _HUGE_PAGE
+    if offset:
+        region = mmap.mmap(-1, length + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        offset = -_address(region) % _HUGE_PAGE
+    region.madvise(_MADV_HUGEPAGE, offset, length)
+    # the tensor holds the mapping (released, so unmapped, when the tensor's storage is freed)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
+
+
+def _address(region: mmap.mmap) -> int:
+    """The start address of a mapping."""
+    return int(torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr())
 
 
 def _run(

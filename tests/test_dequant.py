@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from ggufswap.runtime._ik_interleaved import INTERLEAVED
 from ggufswap.runtime._ik_kernels import IK_KERNELS
 from ggufswap.runtime.dequant import KERNEL_TYPES, dequantize, has_kernel
 from ggufswap.runtime.errors import UnsupportedTypeError
+from ggufswap.shards._synth import synth_ik_tensor
+from ggufswap.shards.ggml_types import GGMLType
 
 T = GGMLQuantizationType
 
@@ -182,6 +185,78 @@ def test_tensor_spanning_several_chunks_matches_gguf(ggml_type: GGMLQuantization
     ne = (cols, rows)
     data = random_bytes(ggml_type, ne, seed=4)
     assert_same_bits(run(data, ggml_type, ne), reference(data, ggml_type, ne))
+
+
+@pytest.mark.parametrize("code", [-1, 127])
+def test_every_fp16_scale_decodes_to_gguf_value(code: int) -> None:
+    """Q8_0 blocks whose scales take all 65536 fp16 bit patterns (normal, subnormal, zero, inf,
+    NaN) times a code decode to gguf's values."""
+    blocks = np.zeros((1 << 16, 34), dtype=np.uint8)
+    blocks[:, :2] = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = np.uint8(code & 0xFF)
+    ne = (32, 1 << 16)
+    assert_same_bits(run(blocks, T.Q8_0, ne), reference(blocks, T.Q8_0, ne), allow_nan=True)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_K, T.Q5_0, T.Q6_K], ids=lambda t: t.name)
+def test_large_result_on_any_thread_count_matches_gguf(
+    ggml_type: GGMLQuantizationType, threads: int
+) -> None:
+    """A result of several huge pages (not a whole number of them) decoded by 1-3 threads, each
+    taking the next piece, has gguf's bits."""
+    ne = (4096, 1100)  # 17.2 MiB of float32: 8.6 huge pages, 9 pieces
+    data = random_bytes(ggml_type, ne, seed=21)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = run(data, ggml_type, ne)
+    finally:
+        torch.set_num_threads(before)
+    assert_same_bits(ours, reference(data, ggml_type, ne))
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q6_K, GGMLType.IQ4_KS], ids=lambda t: t.name)
+def test_compiled_decoder_pieces_of_any_size_give_the_same_bits(
+    cpu_kernels: str, ggml_type: GGMLType
+) -> None:
+    """The compiled decoder's threads may take any number of blocks at a time (mid-row for a type
+    with a row header): every piece size and thread count writes the same values."""
+    if cpu_kernels != "compiled":
+        pytest.skip("the compiled decoder's own work split")
+    ne = (512, 37)
+    if ggml_type == GGMLType.IQ4_KS:
+        data = synth_ik_tensor(np.random.default_rng(22), ggml_type, ne, std=1.0).reshape(-1)
+    else:
+        data = random_bytes(GGMLQuantizationType(int(ggml_type)), ne, seed=22).reshape(-1)
+    raw = torch.from_numpy(data.copy())
+    expected = dequantize(raw, ggml_type, ne).reshape(-1)
+    kernels, block = _compiled.module(), _compiled.module().block_size(int(ggml_type))
+    for threads, piece in [(1, 1), (2, 1), (3, 5), (4, 7), (2, 3 * ne[0] // block - 1), (8, 10**6)]:
+        out = torch.full_like(expected, float("nan"))
+        kernels.decode(
+            raw.data_ptr(), int(ggml_type), out.numel(), out.data_ptr(), threads, ne[0], piece
+        )
+        assert torch.equal(out.view(torch.int32), expected.view(torch.int32)), (threads, piece)
+
+
+def test_large_cpu_result_is_memory_of_its_own() -> None:
+    """A result past the mapped-allocation size starts on a huge-page boundary, shares memory
+    with no other live result, and stays valid, exact and writable after the other is gone."""
+    ne = (4096, 300)  # 4.7 MiB of float32
+    data = random_bytes(T.Q8_0, ne, seed=23)
+    first, second = run(data, T.Q8_0, ne), run(data, T.Q8_0, ne)
+    assert first.numel() * 4 >= dq._MAPPED_MIN_BYTES
+    if dq._MADV_HUGEPAGE is not None:
+        assert first.data_ptr() % dq._HUGE_PAGE == 0
+    ref = reference(data, T.Q8_0, ne)
+    second.zero_()  # a write to the other result leaves this one alone
+    assert_same_bits(first, ref)
+    del second
+    gc.collect()
+    assert_same_bits(first, ref)
+    first.zero_()  # writable
+    assert not bool(first.any())
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_1, T.Q2_K])

@@ -8,14 +8,17 @@
  * compiler without reassociation), added up in a fixed order at the end: for given inputs the
  * result is always the same bits on one machine and build.
  *
- * Rows are split over `threads` POSIX threads; the GIL is released for the whole product.
+ * Rows are split over `threads` POSIX threads; the GIL is released for the whole product (and
+ * for a decode, whose blocks the threads take piece by piece).
  *
  * Python interface (pointers are the integer data_ptr() of contiguous tensors, checked by the
  * caller, runtime/qmatmul.py):
  *   matmul(w, type, rows, cols, x, n, y, threads) -> None
- *   decode(w, type, n_values, out, threads=1, cols=0)  (blocks to float32: dequantization on
- *                                                 the CPU; cols, the row length, is required by
- *                                                 types with a per-row header)
+ *   decode(w, type, n_values, out, threads=1, cols=0, piece=0)
+ *                                                (blocks to float32: dequantization on the CPU;
+ *                                                 cols, the row length, is required by types
+ *                                                 with a per-row header; piece: blocks a thread
+ *                                                 takes at a time, 0 = about 2 MiB of output)
  *   block_size(type) -> int                      (values per kernel block: plain types use 64)
  *   types() -> tuple[int, ...]                   (GGML type ids handled here)
  *
@@ -27,6 +30,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,7 +87,20 @@ static void init_f16_table(void) {
 }
 
 static uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-static float rdh(const uint8_t *p) { return F16_TABLE[rd16(p)]; }
+static inline float f32_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t bits_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* A block's fp16 scale as float32, computed (Maratyszcza's FP16 conversion: the exponent rebased
+ * by one exact multiplication, subnormals by one exact subtraction). The same value as
+ * fp16_to_f32 for every non-NaN input (checked over all 65536); a signalling NaN comes out quiet,
+ * as it does from the products it scales anyway. A F16_TABLE lookup per block missed the cache
+ * on tensors with many distinct scales. */
+static inline float rdh(const uint8_t *p) {
+    uint32_t w = (uint32_t)rd16(p) << 16, sign = w & 0x80000000u, two_w = w + w;
+    float normal = f32_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    float subnormal = f32_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+    return f32_bits(sign | (two_w < (1u << 27) ? bits_f32(subnormal) : bits_f32(normal)));
+}
 
 static inline __attribute__((always_inline)) void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
     if (j < 4) {
@@ -111,7 +128,7 @@ static inline __attribute__((always_inline)) void k_scale_pair(float d, float dm
 
 /* Decoders: one block -> y[block_size] float32, as gguf.quants.dequantize. Loops are written
  * so that GCC vectorises them in the AVX2 clone (checked with objdump: ymm conversions and
- * products in decode_range.avx2); Q5_0/Q5_1 take each fifth bit with a per-lane shift of the
+ * products in decode_pieces.avx2); Q5_0/Q5_1 take each fifth bit with a per-lane shift of the
  * 32-bit mask rather than through an int32 staging array (2x faster into a reused buffer). */
 
 /* The 32 4-bit codes of a 32-value block: low nibbles are values 0-15, high nibbles 16-31. */
@@ -585,40 +602,58 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Decoding hands out the blocks in pieces of about DECODE_PIECE bytes of float32 output (one
+ * transparent huge page): each thread takes the next piece when it is done with one. A fresh
+ * result's pages are faulted in (zeroed by the kernel) by whichever thread writes them first, so
+ * both the zeroing and the decoding are shared out piece by piece, and a thread that the
+ * scheduler parks (other processes on a shared host) holds up one piece, not half the tensor. */
+#define DECODE_PIECE (2L << 20)
+
 typedef struct {
     const qtype *t;
     const uint8_t *src;
     float *dst;
-    long b0, b1;
-    long row_blocks; /* blocks per row (types with a row header; 0 otherwise) */
+    long n_blocks, piece; /* blocks in all, blocks per piece */
+    long row_blocks;      /* blocks per row (types with a row header; 0 otherwise) */
+    _Atomic long next;    /* the first block not yet taken */
 } decode_job;
 
-CLONES static void *decode_range(void *arg) {
-    const decode_job *j = (const decode_job *)arg;
+/* Blocks [b0, b1) of the job. */
+static inline __attribute__((always_inline)) void decode_blocks(const decode_job *j, long b0,
+                                                                long b1) {
     const qtype *t = j->t;
-    if (j->row_blocks == 0) { /* one call: the type's switch is taken once per range */
-        decode_step(t->type, j->src + (size_t)j->b0 * t->type_size, j->b1 - j->b0,
-                    j->dst + (size_t)j->b0 * t->block_size, 0.0f);
-        return NULL;
+    if (j->row_blocks == 0) { /* one call: the type's switch is taken once per piece */
+        decode_step(t->type, j->src + (size_t)b0 * t->type_size, b1 - b0,
+                    j->dst + (size_t)b0 * t->block_size, 0.0f);
+        return;
     }
     size_t row_bytes = (size_t)t->row_meta + (size_t)j->row_blocks * t->type_size;
-    for (long b = j->b0; b < j->b1;) { /* the run of blocks up to the end of b's row */
+    for (long b = b0; b < b1;) { /* the run of blocks up to the end of b's row */
         long in_row = b % j->row_blocks, take = j->row_blocks - in_row;
-        if (take > j->b1 - b) take = j->b1 - b;
+        if (take > b1 - b) take = b1 - b;
         const uint8_t *row = j->src + (size_t)(b / j->row_blocks) * row_bytes;
         const uint8_t *block = row + t->row_meta + (size_t)in_row * t->type_size;
         decode_step(t->type, block, take, j->dst + (size_t)b * t->block_size, row_scale(t, row));
         b += take;
     }
-    return NULL;
+}
+
+CLONES static void *decode_pieces(void *arg) {
+    decode_job *j = (decode_job *)arg;
+    for (;;) {
+        long b0 = atomic_fetch_add_explicit(&j->next, j->piece, memory_order_relaxed);
+        if (b0 >= j->n_blocks) return NULL;
+        long b1 = j->n_blocks - b0 < j->piece ? j->n_blocks : b0 + j->piece;
+        decode_blocks(j, b0, b1);
+    }
 }
 
 static PyObject *py_decode(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long w, out;
     int type, threads = 1;
-    long n_values, cols = 0;
-    if (!PyArg_ParseTuple(args, "KilK|il", &w, &type, &n_values, &out, &threads, &cols))
+    long n_values, cols = 0, piece = 0;
+    if (!PyArg_ParseTuple(args, "KilK|ill", &w, &type, &n_values, &out, &threads, &cols, &piece))
         return NULL;
     const qtype *t = find_type(type);
     if (t == NULL) return PyErr_Format(PyExc_ValueError, "no kernel for GGML type %d", type);
@@ -629,23 +664,23 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "GGML type %d needs whole rows (cols=%ld)", type,
                             cols);
     long n_blocks = n_values / t->block_size;
-    long row_blocks = t->row_meta ? cols / t->block_size : 0;
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
-    if (threads > n_blocks) threads = n_blocks > 0 ? (int)n_blocks : 1;
-    decode_job jobs[64];
+    if (piece <= 0) { /* a huge page of output, fewer blocks when there are not enough to share */
+        piece = DECODE_PIECE / ((long)sizeof(float) * t->block_size);
+        long even = (n_blocks + threads - 1) / threads;
+        if (even < piece) piece = even > 0 ? even : 1;
+    }
+    long pieces = (n_blocks + piece - 1) / piece;
+    if (threads > pieces) threads = pieces > 0 ? (int)pieces : 1;
+    decode_job job = {t, (const uint8_t *)(uintptr_t)w, (float *)(uintptr_t)out, n_blocks, piece,
+                      t->row_meta ? cols / t->block_size : 0, 0};
     pthread_t tids[64];
     int started[64] = {0};
     Py_BEGIN_ALLOW_THREADS
-    for (int i = 0; i < threads; i++)
-        jobs[i] = (decode_job){t, (const uint8_t *)(uintptr_t)w, (float *)(uintptr_t)out,
-                               n_blocks * i / threads, n_blocks * (i + 1) / threads,
-                               row_blocks};
     for (int i = 1; i < threads; i++)
-        started[i] = pthread_create(&tids[i], NULL, decode_range, &jobs[i]) == 0;
-    for (int i = 1; i < threads; i++)
-        if (!started[i]) decode_range(&jobs[i]);
-    decode_range(&jobs[0]);
+        started[i] = pthread_create(&tids[i], NULL, decode_pieces, &job) == 0;
+    decode_pieces(&job); /* a thread that did not start leaves its pieces to the others */
     for (int i = 1; i < threads; i++)
         if (started[i]) pthread_join(tids[i], NULL);
     Py_END_ALLOW_THREADS
