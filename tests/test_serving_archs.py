@@ -8,7 +8,10 @@ weight version 0 the perplexity an in-process evaluation of its stream gives; an
 perplexity`` prints the perplexity of the same text windows evaluated in this process. The three
 processes start together and the references are computed while they load; a module's zygote
 (fault_helpers.Zygote: one ``import torch`` for the module) forks them, each running the
-``ggufswap`` entry point, so a case costs no interpreter start. Every wait has a timeout.
+``ggufswap`` entry point, so a case costs no interpreter start. The first preset's two runtimes
+are fresh interpreters (a zygote's child ends with ``os._exit``, skipping the interpreter's own
+shutdown): each mode is seen to start and exit 0 as the installed command. Every wait has a
+timeout.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import pytest
 from fault_helpers import Child, Zygote, gone
-from processes import status_of, wait_for
+from processes import Proc, status_of, wait_for
 from runtime_helpers import ModelDir, one_thread
 from test_http import WAIT_S, complete, start_server
 from test_perplexity_cmd import license_text, reference
@@ -45,8 +48,9 @@ pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 START_S = 90.0  # a runtime process loads the model on a busy machine
 STOP_S = 60.0  # a runtime that logged runtime.stopped took over 15 s to exit on 2 busy cores
 CTX = 32
-# The zygote's processes run on one torch thread (OMP_NUM_THREADS=1), as the in-process
-# references do.
+# The processes run on one torch thread (the zygote's OMP_NUM_THREADS=1, ENV for a fresh one), as
+# the in-process references do.
+ENV = {"OMP_NUM_THREADS": "1"}
 
 PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "llama": tiny_dense,
@@ -66,15 +70,19 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
 
 
 def start_runtime(
-    zygote: Zygote, tmp: Path, first: Path, mode: str, *extra: str
-) -> tuple[Child, str]:
+    zygote: Zygote | None, tmp: Path, first: Path, mode: str, *extra: str
+) -> tuple[Child | Proc, str]:
+    """``ggufswap runtime --mode MODE`` forked by ``zygote``, or a fresh interpreter (None)."""
     run_dir = tmp / f"run-{mode}"
     run_dir.mkdir()
     control = f"ipc://{run_dir}/rt.sock"
     config = tmp / f"{mode}.yaml"
     config.write_text(f"runtime:\n  name: tiny\n  model: {first}\n  control_endpoint: {control}\n")
     args = ["runtime", "--config", str(config), "--mode", mode, "--threads", "1", *extra]
-    return zygote.spawn(args, log=tmp / f"{mode}.log"), control
+    log = tmp / f"{mode}.log"
+    if zygote is None:
+        return Proc(args, log=log, env=ENV), control
+    return zygote.spawn(args, log=log), control
 
 
 def stream_perplexity(first: Path) -> float:
@@ -108,8 +116,9 @@ def test_every_architecture_runs_in_the_reference_server(
     models = ModelDir.write(tmp_path / "model", PRESETS[preset]())
     text = tmp_path / "english.txt"
     text.write_text(license_text()[:1500], encoding="utf-8")
-    http, http_control = start_runtime(zygote, tmp_path, models.first, "http", "--http-port", "0")
-    ppl, ppl_control = start_runtime(zygote, tmp_path, models.first, "perplexity")
+    forks = None if preset == next(iter(PRESETS)) else zygote  # the first: fresh interpreters
+    http, http_control = start_runtime(forks, tmp_path, models.first, "http", "--http-port", "0")
+    ppl, ppl_control = start_runtime(forks, tmp_path, models.first, "perplexity")
     printed = tmp_path / "perplexity-command.out"
     command = zygote.spawn(
         ["perplexity", "--model", str(models.first), "--text", str(text),
