@@ -40,7 +40,7 @@ typecheck: $(STAMP)
 TEST_WORKERS ?= auto
 TEST_MAX_WORKERS ?= 8
 test: lint typecheck
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses $(TEST_MAX_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses $(TEST_MAX_WORKERS) --dist loadgroup --durations=20
 
 demo: $(STAMP)
 	$(BIN)/ggufswap demo

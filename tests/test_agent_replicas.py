@@ -1,5 +1,7 @@
 """One agent keeps two runtime processes of one model in sync (``models[].replicas``): real
-processes, real sockets, real GGUF files."""
+processes, real sockets, real GGUF files. The runtimes are forked by the module's zygote
+(fault_helpers.Zygote: one ``import torch`` for their three starts); each runs the ``ggufswap``
+entry point."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fault_helpers import Child, Zygote
 from gguf import GGMLQuantizationType as Q
 from processes import Proc, status_of, wait_for
 
@@ -42,16 +45,17 @@ class Replicas:
     configs: dict[str, Path]
     agent_config: Path
     agent_status: str
-    procs: dict[str, Proc]
+    zygote: Zygote
+    procs: dict[str, Proc | Child]
 
     def start(self, name: str) -> None:
-        args = ["agent", "--config", str(self.agent_config)]
-        if name != "agent":
-            args = ["runtime", "--config", str(self.configs[name]), "--mode", "probe"]
         log = self.tmp / f"{name}-{len(list(self.tmp.glob(f'{name}-*.log')))}.log"
-        self.procs[name] = Proc(args, log=log)
-        if name != "agent":
-            wait_for(lambda: status_of(self.endpoints[name]), timeout=60, what=f"runtime {name}")
+        if name == "agent":
+            self.procs[name] = Proc(["agent", "--config", str(self.agent_config)], log=log)
+            return
+        args = ["runtime", "--config", str(self.configs[name]), "--mode", "probe"]
+        self.procs[name] = self.zygote.spawn(args, log=log)
+        wait_for(lambda: status_of(self.endpoints[name]), timeout=60, what=f"runtime {name}")
 
     def model(self) -> dict[str, Any]:
         status = status_of(self.agent_status, timeout=2)
@@ -72,7 +76,7 @@ class Replicas:
 
 
 @pytest.fixture
-def replicas(tmp_path: Path) -> Iterator[Replicas]:
+def replicas(tmp_path: Path, zygote: Zygote) -> Iterator[Replicas]:
     """A tiny MoE model, two runtimes serving it, and an agent naming both."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
@@ -103,6 +107,7 @@ models:
         configs={n: runtime_config(tmp_path, n, Path(first), run_dir) for n in endpoints},
         agent_config=agent_config,
         agent_status=f"ipc://{run_dir}/agent.sock",
+        zygote=zygote,
         procs={},
     )
     try:

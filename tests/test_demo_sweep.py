@@ -50,13 +50,13 @@ def test_synthetic_options_are_refused_for_the_real_demo(
 
 
 @pytest.mark.real_model
-def test_real_workspace_holds_the_announced_rounds(tmp_path: Path) -> None:
+def test_real_workspace_holds_the_announced_rounds(tmp_path: Path, real_gemma: Path) -> None:
     """The real Gemma, split one tensor per shard; the config loads; the recipe makes ten rounds
     over four tensors, q4_K only where a row holds whole 256-value blocks (ffn_down), and the
     tensors of those rounds can be made."""
     pytest.importorskip(demo_sweep.REAL_PACKAGE, reason=demo_sweep.INSTALL_HINT)
-    model = demo_sweep.real_model()
-    assert model is not None
+    model = demo_sweep.real_model()  # the package's check, its digest recorded by real_gemma
+    assert model == real_gemma
     demo = demo_sweep.prepare(model, tmp_path / "work", announce=lambda line: None)
     shards = open_shard_set(demo.model_first)
     assert all(len(h.tensors) == 1 for h in shards.shards)

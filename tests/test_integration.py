@@ -1,4 +1,6 @@
-"""The agent and the runtime as real processes: real inotify, real sockets, real GGUF files."""
+"""The agent and the runtime as real processes: real inotify, real sockets, real GGUF files. The
+runtimes are forked by the module's zygote (fault_helpers.Zygote: ``import torch`` once for the
+module, not once per runtime start); each runs the ``ggufswap`` entry point."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fault_helpers import Child, Zygote
 from gguf import GGMLQuantizationType as Q
 from processes import Proc, status_of, wait_for, write_config
-from runtime_helpers import fresh_digest
+from runtime_helpers import fresh_digest, one_thread
 
 from ggufswap.shards import (
     Fingerprinter,
@@ -24,8 +27,13 @@ from ggufswap.shards import (
     write_model,
 )
 
+# The zygote's runtimes run torch on one thread; the fresh loads they are compared with here too
+# (logits are bit-exact only between equal thread counts).
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
 MODEL = "tiny-moe"
 TENSOR = "blk.1.ffn_down_exps.weight"
+STOP_S = 60.0  # a runtime that logged runtime.stopped took over 15 s to exit on 2 busy cores
 
 
 @dataclass
@@ -35,11 +43,12 @@ class Cluster:
     config: Path
     control: str
     agent_status: str
-    runtime: Proc | None = None
+    zygote: Zygote
+    runtime: Child | None = None
     agent: Proc | None = None
 
     def start_runtime(self) -> None:
-        self.runtime = Proc(
+        self.runtime = self.zygote.spawn(
             ["runtime", "--config", str(self.config), "--mode", "probe"], log=self._log("runtime")
         )
         wait_for(lambda: status_of(self.control), timeout=60, what="the runtime")
@@ -97,13 +106,14 @@ class Cluster:
         return str(reply["tensors"][name]["fingerprint"])
 
     def stop(self) -> None:
-        for proc in (self.agent, self.runtime):
-            if proc is not None:
-                proc.stop()
+        if self.agent is not None:
+            self.agent.stop()
+        if self.runtime is not None:
+            self.runtime.stop(timeout=STOP_S)
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, zygote: Zygote) -> Iterator[Cluster]:
     """A tiny MoE model, one tensor per shard, and a config for an agent and a runtime."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
@@ -113,7 +123,12 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         tmp_path, model_dir=model_dir, first=paths[0], run_dir=run_dir, model=MODEL
     )
     c = Cluster(
-        tmp_path, paths[0], config, f"ipc://{run_dir}/rt.sock", f"ipc://{run_dir}/agent.sock"
+        tmp_path,
+        paths[0],
+        config,
+        f"ipc://{run_dir}/rt.sock",
+        f"ipc://{run_dir}/agent.sock",
+        zygote,
     )
     try:
         yield c
@@ -186,7 +201,7 @@ def test_restarted_runtime_is_resynced_by_the_running_agent(cluster: Cluster) ->
     cluster.start_runtime()
     cluster.start_agent()
     assert cluster.runtime is not None
-    assert cluster.runtime.stop() == 0
+    assert cluster.runtime.stop(timeout=STOP_S) == 0
     saved = cluster.tmp / "saved.gguf"
     shard = shard_of(cluster.first, TENSOR)
     atomic_copy(shard, saved)

@@ -59,6 +59,8 @@ def test_leaked_threads_descriptors_and_warnings_fail_the_test(
     )
     pytester.makepyfile(test_inner=INNER)
     monkeypatch.setenv("PYTHONPATH", str(TESTS))  # the conftest's helper modules
+    # The leaking tests wait out the grace for their thread or descriptor to go: not 5 s each.
+    monkeypatch.setenv("GGUFSWAP_TEST_LEAK_GRACE_S", "0.5")
     result = pytester.runpytest_subprocess(timeout=120)
     # The two leaking tests pass their call and error at teardown: pytest counts both.
     result.assert_outcomes(passed=4, failed=1, errors=2)

