@@ -164,6 +164,23 @@ def test_two_runtimes_in_one_process_map_one_file_and_both_move_it(own_model: Mo
         assert torch.equal(logits(second_model), before)
 
 
+def test_a_closed_runtime_whose_tensors_are_still_held_lets_writers_in(
+    own_model: ModelDir,
+) -> None:
+    """``close()`` while the host still holds the runtime (or its model): the files stay
+    mapped, and leased, while tensors view them, so a writer must still be let in after a
+    move, not held for ``fs.lease-break-time`` and then let in under the served tensors."""
+    runtime, model = open_runtime(own_model.first, storage=Storage.NATIVE, map_shards=MapShards.ON)
+    try:
+        before = logits(model)
+        path = runtime.store.slots["blk.0.ffn_down_exps.weight"].record.path
+    finally:
+        runtime.close()
+    _wait(_writer([path], truncate=True))
+    assert runtime.store.maps.moved == 1
+    assert torch.equal(logits(model), before)
+
+
 def test_tensors_dropped_while_writers_wait_unmap_once_and_let_them_in(
     own_model: ModelDir,
 ) -> None:
