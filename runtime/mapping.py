@@ -139,12 +139,12 @@ class ShardMaps:
         )
 
     def close(self) -> None:
-        """Stop watching for writers (the runtime is closing). The files stay mapped, and
-        leased, until their tensors are gone."""
+        """The runtime is closing. Files whose tensors are still held (a host keeping the
+        runtime or its model) stay mapped and leased, so the watcher keeps moving them for
+        writers until the last one is unmapped or moved; then it ends."""
         self._stop.set()
         self._wake.set()
-        leases.unwatch(self._wake.set)
-        if self._thread is not None:
+        if self._thread is not None and not self.mapped_files:
             self._thread.join(timeout=10 * POLL_S)
 
     # -- mapping ---------------------------------------------------------------------------
@@ -204,6 +204,7 @@ class ShardMaps:
             _Libc.get().munmap(mapped.address, mapped.length)
             if not mapped.closed:
                 _give_up(mapped)
+        self._wake.set()  # after close(), the watcher ends with the last leased file
 
     # -- the watcher -------------------------------------------------------------------------
 
@@ -216,15 +217,20 @@ class ShardMaps:
                 self._thread.start()
 
     def _watch(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(POLL_S)
-            self._wake.clear()
-            with self._lock:
-                files = [f for f in self._files.values() if not f.closed]
-            for mapped in files:
-                with mapped.lock:
-                    if not mapped.closed and leases.breaking(mapped.fd):
-                        self._move(mapped)
+        try:
+            while True:
+                with self._lock:
+                    files = [f for f in self._files.values() if not f.closed]
+                if self._stop.is_set() and not files:
+                    return
+                for mapped in files:
+                    with mapped.lock:
+                        if not mapped.closed and leases.breaking(mapped.fd):
+                            self._move(mapped)
+                self._wake.wait(POLL_S)
+                self._wake.clear()
+        finally:
+            leases.unwatch(self._wake.set)
 
     def _move(self, mapped: _Mapped) -> None:
         """A writer waits: move the file's pages to anonymous memory, then let it in."""
