@@ -383,3 +383,52 @@ def test_a_hosts_own_sigio_handler_is_kept_and_the_poll_moves_files(own_model: M
     done = _run(textwrap.dedent(code), str(own_model.first))
     assert done.returncode == 0, done.stderr
     assert "OK" in done.stdout
+
+
+_C_HANDLER = """
+#include <signal.h>
+volatile int sigio_seen = 0;
+static void on_sigio(int signum) { (void)signum; sigio_seen++; }
+__attribute__((constructor)) static void install(void) { signal(SIGIO, on_sigio); }
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_a_sigio_handler_installed_in_c_before_python_started_is_kept(
+    own_model: ModelDir, tmp_path: Path
+) -> None:
+    """A host whose C code handles ``SIGIO`` before the interpreter starts (Python reports
+    such a handler as ``None``): the runtime keeps it, and the watcher's poll moves the file."""
+    source = tmp_path / "host.c"
+    source.write_text(_C_HANDLER)
+    library = tmp_path / "libhost.so"
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True, timeout=WAIT_S
+    )
+    code = """
+    import ctypes, signal, subprocess, sys
+    import torch
+    from runtime_helpers import logits, open_runtime
+    from ggufswap.config import MapShards
+    from ggufswap.runtime import Storage
+    assert signal.getsignal(signal.SIGIO) is None
+    runtime, model = open_runtime(sys.argv[1], storage=Storage.NATIVE, map_shards=MapShards.ON)
+    before = logits(model)
+    path = runtime.store.slots["blk.0.attn_q.weight"].record.path
+    subprocess.run([sys.executable, "-c", f"open({path!r}, 'wb').close()"], check=True, timeout=20)
+    assert runtime.store.maps.moved == 1
+    assert torch.equal(logits(model), before)
+    seen = ctypes.c_int.in_dll(ctypes.CDLL(sys.argv[2]), "sigio_seen").value
+    print("HOST", signal.getsignal(signal.SIGIO), seen)
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), str(own_model.first), str(library)],
+        cwd=TESTS,
+        env={**os.environ, "LD_PRELOAD": str(library)},
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "HOST None 1" in done.stdout
