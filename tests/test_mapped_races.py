@@ -24,10 +24,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import WAIT_S, ModelDir, logits, one_thread, open_runtime
+from runtime_helpers import (
+    WAIT_S,
+    ModelDir,
+    Q,
+    fresh_logits,
+    logits,
+    one_thread,
+    open_runtime,
+)
 
 from ggufswap.config import MapShards
-from ggufswap.runtime import HotSwapRuntime, Storage
+from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, mapping
 from ggufswap.runtime.loading import Loader, LoadJob
 from ggufswap.runtime.models import Transformer
 from ggufswap.shards import FileChangedError, Layout, TensorRecord
@@ -294,7 +302,7 @@ _LOAD = textwrap.dedent(
     """
     import sys, threading
     from ggufswap.config import MapShards
-    from ggufswap.runtime import HotSwapRuntime, Storage
+    from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, mapping
     from ggufswap.runtime.mapping import MapRefused
 
     def load(policy):
@@ -432,3 +440,63 @@ def test_a_sigio_handler_installed_in_c_before_python_started_is_kept(
     )
     assert done.returncode == 0, done.stderr
     assert "HOST None 1" in done.stdout
+
+
+class _PausingLibc:
+    """libc, whose ``mremap`` (the last step of a move) first waits for the test: the move has
+    copied the file's pages and not yet put the copy in place."""
+
+    def __init__(self, lib: object) -> None:
+        self._lib = lib
+        self.copied = threading.Event()
+        self.go_on = threading.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._lib, name)
+
+    def mremap(self, *args: object) -> object:
+        self.copied.set()
+        assert self.go_on.wait(WAIT_S)
+        return self._lib.mremap(*args)  # type: ignore[attr-defined]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a commit that writes into a mapped original (stable pointers; a decode in place "
+    "under pool pressure) is not serialized with the watcher's move: bytes written between "
+    "the move's copy and its mremap are lost",
+)
+def test_a_commit_into_a_mapped_original_during_a_move_is_not_lost(
+    own_model: ModelDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stable pointers: a commit copies the new bytes into the original buffer, which is a view
+    of the old file's mapping (the new shard came by rename; the old inode is still reachable
+    through a hard link, and a writer opens it). The commit lands while that file is being
+    moved, after the copy and before the mremap; the served weights must be the new ones."""
+    name = "blk.0.ffn_gate_exps.weight"  # Q4_0 -> IQ4_NL: the same size, copied in place
+    variant = own_model.variant(name, Q.IQ4_NL, tmp_path / "variants")
+    old = own_model.shard_of(name)
+    link = tmp_path / "old-inode.gguf"
+    os.link(old, link)
+    libc = _PausingLibc(mapping._Libc.get())
+    runtime, model = open_runtime(
+        own_model.first, storage=Storage.NATIVE, stable_pointers=True, map_shards=MapShards.ON
+    )
+    try:
+        own_model.put(name, variant)
+        expected = fresh_logits(own_model.first, storage=Storage.NATIVE)
+        ticket = runtime.submit(own_model.plan("swap", [name]))
+        assert runtime.wait_staged(timeout=WAIT_S)
+        monkeypatch.setattr(mapping._Libc, "lib", libc)
+        writer = _writer([str(link)], truncate=False)  # opens the old inode: a move starts
+        try:
+            assert libc.copied.wait(WAIT_S)
+            runtime.at_batch_boundary()  # the commit, while the move waits to mremap
+        finally:
+            libc.go_on.set()
+            _wait(writer)
+        assert ticket.state is PlanState.COMMITTED, ticket.summary()
+        assert runtime.store.maps.moved == 1
+        assert torch.equal(logits(model), expected)
+    finally:
+        runtime.close()
