@@ -500,3 +500,45 @@ def test_a_commit_into_a_mapped_original_during_a_move_is_not_lost(
         assert torch.equal(logits(model), expected)
     finally:
         runtime.close()
+
+
+def test_a_forked_child_keeps_its_weights_when_a_writer_truncates_the_shards(
+    own_model: ModelDir,
+) -> None:
+    """A host that forks after loading (a pre-fork server, ``multiprocessing`` with fork): the
+    child inherits the mappings but not the watcher thread, and the leases are the parent's. A
+    writer truncating every shard is let in once the parent has moved its own mappings; the
+    child's logits in a loop meanwhile must stay as they were, and the child must not fault."""
+    code = """
+    import os, subprocess, sys, time
+    import torch
+    from runtime_helpers import logits, open_runtime
+    from ggufswap.config import MapShards
+    from ggufswap.runtime import Storage
+    torch.set_num_threads(1)
+    runtime, model = open_runtime(sys.argv[1], storage=Storage.NATIVE, map_shards=MapShards.ON)
+    before = logits(model)
+    paths = sorted({s.record.path for s in runtime.store.slots.values()})
+    ready, done = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready)
+        os.write(done, b"s")
+        same, end = True, time.monotonic() + 2.0
+        while time.monotonic() < end:
+            same = torch.equal(logits(model), before) and same
+        os.write(done, b"1" if same else b"0")
+        os._exit(0)
+    os.close(done)
+    assert os.read(ready, 1) == b"s"
+    write = "import sys\\nfor p in sys.argv[1:]: open(p, 'wb').close()"
+    subprocess.run([sys.executable, "-c", write, *paths], check=True, timeout=20)
+    assert runtime.store.maps.moved == len(paths)
+    assert torch.equal(logits(model), before)
+    same = os.read(ready, 1)
+    _, status = os.waitpid(pid, 0)
+    print("CHILD", same, os.waitstatus_to_exitcode(status))
+    """
+    done = _run(textwrap.dedent(code), str(own_model.first))
+    assert done.returncode == 0, done.stderr
+    assert "CHILD b'1' 0" in done.stdout
