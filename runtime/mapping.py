@@ -90,6 +90,7 @@ class ShardMaps:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        _ALL_MAPS.add(self)
 
     @property
     def mapped_files(self) -> int:
@@ -206,6 +207,37 @@ class ShardMaps:
                 _give_up(mapped)
         self._wake.set()  # after close(), the watcher ends with the last leased file
 
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the mappings are inherited, but the leases are the parent's (its
+        open file descriptions) and the watcher thread is gone, so the parent's move would let
+        a writer in under the child's tensors (new bytes; SIGBUS after a truncation). Take
+        leases of the child's own on the same files, and a watcher; a file that cannot be
+        leased now is moved to anonymous memory at once."""
+        self._lock = threading.Lock()  # the parent's threads may have held these at the fork
+        self._wake = threading.Event()
+        self._thread = None
+        for mapped in self._files.values():
+            mapped.lock = threading.RLock()
+            if mapped.closed:
+                continue
+            inherited, mapped.fd = mapped.fd, -1
+            why: str | None = "it cannot be reopened"
+            with contextlib.suppress(OSError):  # the same file, even when renamed over
+                flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+                mapped.fd = os.open(f"/proc/self/fd/{inherited}", flags)
+                why = leases.take_read_lease(mapped.fd)
+            os.close(inherited)  # the parent's lease stays: it is on the parent's description
+            if why is None:
+                continue
+            if mapped.fd >= 0:
+                os.close(mapped.fd)
+            mapped.closed = True
+            if mapped.region() is not None:
+                move_to_anonymous(mapped.address, mapped.length)
+            self.moved += 1
+        if any(not f.closed for f in self._files.values()):
+            self._start()
+
     # -- the watcher -------------------------------------------------------------------------
 
     def _start(self) -> None:
@@ -252,6 +284,17 @@ class ShardMaps:
             why="a writer opened the file",
         )
         del region
+
+
+_ALL_MAPS: Final[weakref.WeakSet[ShardMaps]] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for maps in list(_ALL_MAPS):
+        maps._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _raise_descriptor_limit() -> None:
