@@ -542,3 +542,33 @@ def test_a_forked_child_keeps_its_weights_when_a_writer_truncates_the_shards(
     done = _run(textwrap.dedent(code), str(own_model.first))
     assert done.returncode == 0, done.stderr
     assert "CHILD b'1' 0" in done.stdout
+
+
+@pytest.mark.parametrize("policy", ["OFF", "ON"])
+def test_a_daemon_thread_reading_the_weights_at_exit_does_not_fault(
+    model_dir_shared: ModelDir, policy: str
+) -> None:
+    """The interpreter exits while a daemon thread reads a tensor's bytes with the GIL
+    released (a host's inference thread): mapped weights must stay mapped until the process is
+    gone, as copied ones stay allocated (no ``munmap`` from an exit hook)."""
+    code = f"""
+    import sys, threading, zlib
+    from runtime_helpers import open_runtime
+    from ggufswap.config import MapShards
+    from ggufswap.runtime import Storage
+    runtime, model = open_runtime(
+        sys.argv[1], storage=Storage.NATIVE, map_shards=MapShards.{policy}
+    )
+    slot = max(runtime.store.slots.values(), key=lambda s: s.record.nbytes)
+    view = slot.active.tensor.numpy().data
+    reading = threading.Event()
+    def read():
+        while True:
+            zlib.crc32(view)  # releases the GIL while it reads
+            reading.set()
+    threading.Thread(target=read, daemon=True).start()
+    assert reading.wait(20)
+    """
+    for _ in range(3):
+        done = _run(textwrap.dedent(code), str(model_dir_shared.first))
+        assert done.returncode == 0, done.stderr
