@@ -187,7 +187,8 @@ class ShardMaps:
                 else:
                     region = (ctypes.c_char * length).from_address(address)
                     mapped = _Mapped(record.path, fd, weakref.ref(region), address, length)
-                    weakref.finalize(region, self._unmap, mapped)
+                    # Not at exit: threads may still read the tensors; the kernel unmaps last.
+                    weakref.finalize(region, self._unmap, mapped).atexit = False
                     with self._lock:
                         self._files[record.path] = mapped
                     return region, None
