@@ -90,6 +90,7 @@ class ShardMaps:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        _ALL_MAPS.add(self)
 
     @property
     def mapped_files(self) -> int:
@@ -139,12 +140,12 @@ class ShardMaps:
         )
 
     def close(self) -> None:
-        """Stop watching for writers (the runtime is closing). The files stay mapped, and
-        leased, until their tensors are gone."""
+        """The runtime is closing. Files whose tensors are still held (a host keeping the
+        runtime or its model) stay mapped and leased, so the watcher keeps moving them for
+        writers until the last one is unmapped or moved; then it ends."""
         self._stop.set()
         self._wake.set()
-        leases.unwatch(self._wake.set)
-        if self._thread is not None:
+        if self._thread is not None and not self.mapped_files:
             self._thread.join(timeout=10 * POLL_S)
 
     # -- mapping ---------------------------------------------------------------------------
@@ -186,7 +187,8 @@ class ShardMaps:
                 else:
                     region = (ctypes.c_char * length).from_address(address)
                     mapped = _Mapped(record.path, fd, weakref.ref(region), address, length)
-                    weakref.finalize(region, self._unmap, mapped)
+                    # Not at exit: threads may still read the tensors; the kernel unmaps last.
+                    weakref.finalize(region, self._unmap, mapped).atexit = False
                     with self._lock:
                         self._files[record.path] = mapped
                     return region, None
@@ -204,6 +206,38 @@ class ShardMaps:
             _Libc.get().munmap(mapped.address, mapped.length)
             if not mapped.closed:
                 _give_up(mapped)
+        self._wake.set()  # after close(), the watcher ends with the last leased file
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the mappings are inherited, but the leases are the parent's (its
+        open file descriptions) and the watcher thread is gone, so the parent's move would let
+        a writer in under the child's tensors (new bytes; SIGBUS after a truncation). Take
+        leases of the child's own on the same files, and a watcher; a file that cannot be
+        leased now is moved to anonymous memory at once."""
+        self._lock = threading.Lock()  # the parent's threads may have held these at the fork
+        self._wake = threading.Event()
+        self._thread = None
+        for mapped in self._files.values():
+            mapped.lock = threading.RLock()
+            if mapped.closed:
+                continue
+            inherited, mapped.fd = mapped.fd, -1
+            why: str | None = "it cannot be reopened"
+            with contextlib.suppress(OSError):  # the same file, even when renamed over
+                flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+                mapped.fd = os.open(f"/proc/self/fd/{inherited}", flags)
+                why = leases.take_read_lease(mapped.fd)
+            os.close(inherited)  # the parent's lease stays: it is on the parent's description
+            if why is None:
+                continue
+            if mapped.fd >= 0:
+                os.close(mapped.fd)
+            mapped.closed = True
+            if mapped.region() is not None:
+                move_to_anonymous(mapped.address, mapped.length)
+            self.moved += 1
+        if any(not f.closed for f in self._files.values()):
+            self._start()
 
     # -- the watcher -------------------------------------------------------------------------
 
@@ -216,15 +250,20 @@ class ShardMaps:
                 self._thread.start()
 
     def _watch(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(POLL_S)
-            self._wake.clear()
-            with self._lock:
-                files = [f for f in self._files.values() if not f.closed]
-            for mapped in files:
-                with mapped.lock:
-                    if not mapped.closed and leases.breaking(mapped.fd):
-                        self._move(mapped)
+        try:
+            while True:
+                with self._lock:
+                    files = [f for f in self._files.values() if not f.closed]
+                if self._stop.is_set() and not files:
+                    return
+                for mapped in files:
+                    with mapped.lock:
+                        if not mapped.closed and leases.breaking(mapped.fd):
+                            self._move(mapped)
+                self._wake.wait(POLL_S)
+                self._wake.clear()
+        finally:
+            leases.unwatch(self._wake.set)
 
     def _move(self, mapped: _Mapped) -> None:
         """A writer waits: move the file's pages to anonymous memory, then let it in."""
@@ -246,6 +285,17 @@ class ShardMaps:
             why="a writer opened the file",
         )
         del region
+
+
+_ALL_MAPS: Final[weakref.WeakSet[ShardMaps]] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for maps in list(_ALL_MAPS):
+        maps._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _raise_descriptor_limit() -> None:

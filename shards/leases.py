@@ -42,14 +42,15 @@ def guard_sigio(on_break: Callable[[], None] | None = None) -> str | None:
     """Make sure a lease break cannot terminate this process; None when it cannot, else why.
 
     ``on_break`` (optional) is called, in the main thread, whenever ``SIGIO`` arrives. A host's
-    own ``SIGIO`` handler (or ``SIG_IGN``) is left in place: the break does no harm then, and
-    ``on_break`` is not called (lease holders poll as well).
+    own ``SIGIO`` handler (or ``SIG_IGN``), from Python or from C code (which Python reports as
+    ``None``), is left in place: the break does no harm then, and ``on_break`` is not called
+    (lease holders poll as well).
     """
     with _lock:
         if on_break is not None and on_break not in _wakers:
             _wakers.append(on_break)
         current = signal.getsignal(signal.SIGIO)
-        if current is _on_sigio or current not in (signal.SIG_DFL, None):
+        if current is not signal.SIG_DFL:  # ours, the host's (None: installed in C), SIG_IGN
             return None
         if threading.current_thread() is not threading.main_thread():
             return (
