@@ -79,7 +79,7 @@ def commit(store: TensorStore, staged: StagedPlan) -> Applied:
         op.slot.changed_at = stamp
     retired: list[Buffer] = []
     for op in staged.ops:
-        retired.extend(_apply_split(op) if op.parts is not None else _apply_whole(op))
+        retired.extend(_apply_split(op) if op.parts is not None else _apply_whole(op, store))
     store.derived_values.update(staged.derived)
     staged.allocated.clear()  # now owned by the slots
     changed = tuple(op.slot.name for op in staged.ops if op.content.raw is not None)
@@ -151,8 +151,9 @@ def _mismatch(slot: Slot, after: _After, to: SlotState, fallback: Pool) -> str |
     return None
 
 
-def _apply_whole(op: StagedOp) -> list[Buffer]:
-    """Apply one whole slot's op; returns the buffers it replaced."""
+def _apply_whole(op: StagedOp, store: TensorStore) -> list[Buffer]:
+    """Apply one whole slot's op; returns the buffers it replaced. A write into the original
+    in place holds off a move of the shard it may be mapped from (``store.maps.writing``)."""
     slot = op.slot
     release: list[Buffer] = []
     previous, old_original = slot.active, slot.original
@@ -163,10 +164,12 @@ def _apply_whole(op: StagedOp) -> list[Buffer]:
             slot.held = (op.content.fingerprint, op.content.record.ggml_type)
         elif op.copy_into_original is not None:
             src = op.copy_into_original
-            slot.original.tensor[: src.numel()].copy_(src)
+            with store.maps.writing(slot.original.tensor):
+                slot.original.tensor[: src.numel()].copy_(src)
             slot.held = (op.content.fingerprint, op.content.record.ggml_type)
         elif op.decode_into_original is not None:  # pool pressure: decoded in place
-            op.decode_into_original(slot.original.tensor)
+            with store.maps.writing(slot.original.tensor):
+                op.decode_into_original(slot.original.tensor)
             slot.held = (op.content.fingerprint, op.content.record.ggml_type)
         slot.active = slot.original
     elif op.new_buffer is not None:

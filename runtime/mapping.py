@@ -37,6 +37,7 @@ import resource
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -113,6 +114,23 @@ class ShardMaps:
         return torch.frombuffer(
             region, dtype=torch.uint8, count=record.nbytes, offset=record.offset
         )
+
+    @contextlib.contextmanager
+    def writing(self, tensor: torch.Tensor) -> Iterator[None]:
+        """Around a write into a buffer that may be a view of a mapping (a commit copying or
+        decoding into an original in place): a move of that file cannot run meanwhile, so the
+        write lands either before the move's copy (and is copied) or in the moved memory."""
+        address = tensor.data_ptr()
+        with self._lock:
+            mapped = next(
+                (f for f in self._files.values() if f.address <= address < f.address + f.length),
+                None,
+            )
+        if mapped is None:
+            yield
+            return
+        with mapped.lock:
+            yield
 
     def snapshot(self) -> dict[str, object]:
         """For status: the policy, files served from mappings now, files copied at load (with

@@ -460,12 +460,6 @@ class _PausingLibc:
         return self._lib.mremap(*args)  # type: ignore[attr-defined]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a commit that writes into a mapped original (stable pointers; a decode in place "
-    "under pool pressure) is not serialized with the watcher's move: bytes written between "
-    "the move's copy and its mremap are lost",
-)
 def test_a_commit_into_a_mapped_original_during_a_move_is_not_lost(
     own_model: ModelDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -489,12 +483,16 @@ def test_a_commit_into_a_mapped_original_during_a_move_is_not_lost(
         assert runtime.wait_staged(timeout=WAIT_S)
         monkeypatch.setattr(mapping._Libc, "lib", libc)
         writer = _writer([str(link)], truncate=False)  # opens the old inode: a move starts
+        committer = threading.Thread(target=runtime.at_batch_boundary)
         try:
             assert libc.copied.wait(WAIT_S)
-            runtime.at_batch_boundary()  # the commit, while the move waits to mremap
+            committer.start()  # the commit, while the move waits to mremap
+            committer.join(0.5)
+            assert committer.is_alive(), "the commit wrote while the file was being moved"
         finally:
             libc.go_on.set()
             _wait(writer)
+            committer.join(WAIT_S)
         assert ticket.state is PlanState.COMMITTED, ticket.summary()
         assert runtime.store.maps.moved == 1
         served = logits(model)
