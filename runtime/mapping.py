@@ -72,6 +72,7 @@ class _Mapped:
     length: int
     lock: threading.RLock = field(default_factory=threading.RLock)  # the finalizer may re-enter
     closed: bool = False  # the lease is given up (moved to anonymous memory, or unmapped)
+    move_failed: bool = False  # a move failed (no memory); it is retried each poll
 
 
 class ShardMaps:
@@ -290,8 +291,10 @@ class ShardMaps:
         try:
             if region is not None:
                 move_to_anonymous(mapped.address, mapped.length)
-        except OSError as exc:  # the writer gets in when the kernel's lease-break time is up
-            log.error("mapping.move_failed", file=mapped.path, error=str(exc))
+        except OSError as exc:  # tried again each poll; the lease-break time bounds the wait
+            if not mapped.move_failed:  # said once, not every poll
+                log.error("mapping.move_failed", file=mapped.path, error=str(exc))
+            mapped.move_failed = True
             return
         _give_up(mapped)  # the writer's open returns
         self.moved += 1
