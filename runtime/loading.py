@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import os
 import queue
@@ -46,6 +45,7 @@ import torch
 import xxhash
 
 from ggufswap.logs import get_logger
+from ggufswap.runtime._libc import MADV_POPULATE_READ, MADV_POPULATE_WRITE, Libc
 from ggufswap.shards import TensorRecord, open_verified, read_range
 
 log = get_logger(__name__)
@@ -316,14 +316,11 @@ def _chunks(job: LoadJob, rows_per_chunk: int) -> Iterator[tuple[int, int, Segme
             yield lo, min(lo + rows_per_chunk, segment.stop), segment
 
 
-_MADV_POPULATE_READ: Final = 22  # Linux 5.14+: fault a range in, readable, in one call
-_MADV_POPULATE_WRITE: Final = 23  # the same, writable
 _PAGE: Final = 4096
 
 
 class _Populate:
-    libc: ctypes.CDLL | None = None
-    supported = True
+    supported = True  # until the kernel says it has no such advice
 
 
 def populate(t: torch.Tensor, *, write: bool = True) -> bool:
@@ -338,20 +335,15 @@ def populate(t: torch.Tensor, *, write: bool = True) -> bool:
     nbytes = t.numel() * t.element_size()
     if not _Populate.supported or t.device.type != "cpu" or nbytes < 16 * _PAGE:
         return False
-    if _Populate.libc is None:
-        name = ctypes.util.find_library("c")
-        try:
-            libc = ctypes.CDLL(name, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.madvise.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            _Populate.supported = False
-            return False
-        _Populate.libc = libc
+    try:
+        libc = Libc.get()
+    except OSError:
+        _Populate.supported = False
+        return False
     start = (t.data_ptr() + _PAGE - 1) & ~(_PAGE - 1)  # whole pages inside the tensor
     length = (t.data_ptr() + nbytes - start) & ~(_PAGE - 1)
-    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
-    if _Populate.libc.madvise(start, length, advice) != 0:
+    advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+    if libc.madvise(start, length, advice) != 0:
         if ctypes.get_errno() == errno.EINVAL:  # an older kernel: no such advice
             _Populate.supported = False
         return False
@@ -361,15 +353,9 @@ def populate(t: torch.Tensor, *, write: bool = True) -> bool:
 def trim_heap() -> bool:
     """Return the C heap's free memory to the system (glibc's ``malloc_trim``); False where
     the C library has no such call."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
     try:
-        libc = ctypes.CDLL(name)
-        trim = libc.malloc_trim
+        trim = Libc.get().malloc_trim
     except (OSError, AttributeError):
         return False
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
     trim(0)
     return True

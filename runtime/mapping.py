@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import mmap
 import os
 import resource
@@ -45,16 +44,19 @@ import torch
 
 from ggufswap.config import MapShards
 from ggufswap.logs import get_logger
+from ggufswap.runtime._libc import (
+    MADV_POPULATE_WRITE,
+    MAP_FAILED,
+    MREMAP_FIXED,
+    MREMAP_MAYMOVE,
+    Libc,
+)
 from ggufswap.shards import FileIdentity, TensorRecord, leases
 
 log = get_logger(__name__)
 
 POLL_S: Final = 0.1  # how often held leases are looked at (a SIGIO looks at once)
 _COPY_CHUNK: Final = 64 << 20  # bytes per copy call while moving a mapping to anonymous memory
-_POPULATE_WRITE: Final = 23  # MADV_POPULATE_WRITE (Linux 5.14+)
-_MREMAP_MAYMOVE: Final = 1
-_MREMAP_FIXED: Final = 2
-_MAP_FAILED: Final = ctypes.c_void_p(-1).value
 
 
 class MapRefused(RuntimeError):
@@ -200,8 +202,8 @@ class ShardMaps:
             if why is None:
                 length = record.identity.size
                 prot = mmap.PROT_READ | mmap.PROT_WRITE  # private: a write would copy the page
-                address = _Libc.get().mmap(None, length, prot, mmap.MAP_PRIVATE, fd, 0)
-                if address in (None, _MAP_FAILED):
+                address = Libc.get().mmap(None, length, prot, mmap.MAP_PRIVATE, fd, 0)
+                if address in (None, MAP_FAILED):
                     why = f"mmap failed ({os.strerror(ctypes.get_errno())})"
                 else:
                     region = (ctypes.c_char * length).from_address(address)
@@ -222,7 +224,7 @@ class ShardMaps:
     def _unmap(self, mapped: _Mapped) -> None:
         """The last tensor of a mapped file is gone: unmap it, and give its lease up."""
         with mapped.lock:
-            _Libc.get().munmap(mapped.address, mapped.length)
+            Libc.get().munmap(mapped.address, mapped.length)
             if not mapped.closed:
                 _give_up(mapped)
         self._wake.set()  # after close(), the watcher ends with the last leased file
@@ -339,56 +341,24 @@ def _give_up(mapped: _Mapped) -> None:
         os.close(mapped.fd)
 
 
-class _Libc:
-    lib: ctypes.CDLL | None = None
-
-    @classmethod
-    def get(cls) -> ctypes.CDLL:
-        if cls.lib is None:
-            lib = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-            lib.mmap.argtypes = [
-                ctypes.c_void_p,
-                ctypes.c_size_t,
-                ctypes.c_int,
-                ctypes.c_int,
-                ctypes.c_int,
-                ctypes.c_long,
-            ]
-            lib.mmap.restype = ctypes.c_void_p
-            lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            lib.madvise.restype = ctypes.c_int
-            lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            lib.munmap.restype = ctypes.c_int
-            lib.mremap.argtypes = [
-                ctypes.c_void_p,
-                ctypes.c_size_t,
-                ctypes.c_size_t,
-                ctypes.c_int,
-                ctypes.c_void_p,
-            ]
-            lib.mremap.restype = ctypes.c_void_p
-            cls.lib = lib
-        return cls.lib
-
-
 def move_to_anonymous(address: int, length: int) -> None:
     """Replace the mapping at ``[address, address + length)`` by anonymous memory holding the
     same bytes, at the same address (copy, then ``mremap`` over it in one step: a thread reading
     meanwhile sees the same bytes before and after). ctypes releases the GIL for each call."""
-    libc = _Libc.get()
+    libc = Libc.get()
     size = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
     prot = mmap.PROT_READ | mmap.PROT_WRITE
     anon = libc.mmap(None, size, prot, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-    if anon in (None, _MAP_FAILED):
+    if anon in (None, MAP_FAILED):
         raise OSError(ctypes.get_errno(), f"mmap of {size} anonymous bytes failed")
     try:
         for offset in range(0, length, _COPY_CHUNK):
             n = min(_COPY_CHUNK, length - offset)
             # Fault the new pages in with one call first (5-10x faster than a fault per page
             # inside the copy on this project's VMs); no support: the copy faults them.
-            libc.madvise(anon + offset, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE, _POPULATE_WRITE)
+            libc.madvise(anon + offset, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE, MADV_POPULATE_WRITE)
             ctypes.memmove(anon + offset, address + offset, n)
-        moved = libc.mremap(anon, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, address)
+        moved = libc.mremap(anon, size, size, MREMAP_MAYMOVE | MREMAP_FIXED, address)
         if moved != address:
             raise OSError(ctypes.get_errno(), "mremap onto the mapping failed")
     except BaseException:

@@ -35,7 +35,7 @@ from runtime_helpers import (
 )
 
 from ggufswap.config import MapShards
-from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, mapping
+from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, _libc
 from ggufswap.runtime.loading import Loader, LoadJob
 from ggufswap.runtime.models import Transformer
 from ggufswap.shards import FileChangedError, Layout, TensorRecord
@@ -472,7 +472,7 @@ def test_a_commit_into_a_mapped_original_during_a_move_is_not_lost(
     old = own_model.shard_of(name)
     link = tmp_path / "old-inode.gguf"
     os.link(old, link)
-    libc = _PausingLibc(mapping._Libc.get())
+    libc = _PausingLibc(_libc.Libc.get())
     runtime, model = open_runtime(
         own_model.first, storage=Storage.NATIVE, stable_pointers=True, map_shards=MapShards.ON
     )
@@ -481,7 +481,7 @@ def test_a_commit_into_a_mapped_original_during_a_move_is_not_lost(
         expected = fresh_logits(own_model.first, storage=Storage.NATIVE)
         ticket = runtime.submit(own_model.plan("swap", [name]))
         assert runtime.wait_staged(timeout=WAIT_S)
-        monkeypatch.setattr(mapping._Libc, "lib", libc)
+        monkeypatch.setattr(_libc.Libc, "lib", libc)
         writer = _writer([str(link)], truncate=False)  # opens the old inode: a move starts
         committer = threading.Thread(target=runtime.at_batch_boundary)
         try:
