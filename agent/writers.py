@@ -18,7 +18,6 @@ would read a mix of two versions. Two probes, the first that can answer wins:
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 from typing import Final
 
@@ -35,16 +34,12 @@ def writer_of(path: str) -> str | None:
         return None  # vanished or unreadable: the header read reports it
     try:
         if leases.guard_sigio() is None:  # a break in the moment the lease is held is harmless
-            try:
-                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
-            except OSError as exc:
-                if exc.errno == errno.EAGAIN:
-                    return "open for writing by another process (a read lease is refused)"
-                if exc.errno not in leases.UNAVAILABLE:
-                    raise
-            else:
+            refused = leases.try_read_lease(fd)
+            if refused == 0:
                 leases.release(fd)
                 return None
+            if refused == errno.EAGAIN:
+                return "open for writing by another process (a read lease is refused)"
         st = os.fstat(fd)
     finally:
         os.close(fd)

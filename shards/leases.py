@@ -68,17 +68,27 @@ def unwatch(on_break: Callable[[], None]) -> None:
             _wakers.remove(on_break)
 
 
-def take_read_lease(fd: int) -> str | None:
-    """Take a read lease on open file ``fd``; None when held, else why not, in words."""
+def try_read_lease(fd: int) -> int:
+    """Take a read lease on open file ``fd``: 0 when held, else the error that refused it,
+    ``EAGAIN`` (a process has the file open for writing) or one of :data:`UNAVAILABLE` (no
+    lease here); any other error raises."""
     try:
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
     except OSError as exc:
-        if exc.errno == errno.EAGAIN:
-            return "it is open for writing by a process (a read lease is refused)"
-        if exc.errno in UNAVAILABLE:
-            return f"no read lease can be taken on it ({errno.errorcode.get(exc.errno, '?')})"
+        if exc.errno == errno.EAGAIN or exc.errno in UNAVAILABLE:
+            return exc.errno
         raise
-    return None
+    return 0
+
+
+def take_read_lease(fd: int) -> str | None:
+    """Take a read lease on open file ``fd``; None when held, else why not, in words."""
+    code = try_read_lease(fd)
+    if code == 0:
+        return None
+    if code == errno.EAGAIN:
+        return "it is open for writing by a process (a read lease is refused)"
+    return f"no read lease can be taken on it ({errno.errorcode.get(code, '?')})"
 
 
 def breaking(fd: int) -> bool:
