@@ -75,6 +75,13 @@ class Live:
 
         return str(wait_for(at, timeout=30, what=f"a probe batch on version {version}"))
 
+    def tensor_entry(self, name: str = TENSOR, *, timeout: float = 60.0) -> dict[str, Any]:
+        """The runtime's state entry of tensor ``name`` (asked on its control endpoint)."""
+        with DealerClient(self.control) as client:
+            client.send(make_message(MessageType.STATE))
+            state = wait_for(lambda: client.poll(0.2), timeout=timeout, what="the runtime's state")
+        return dict(state[Fields.TENSORS][name])
+
     def alive(self) -> None:
         for name, proc in (("runtime", self.runtime), ("agent", self.agent)):
             assert proc.popen.poll() is None, f"the {name} exited:\n{proc.log()[-4000:]}"

@@ -25,14 +25,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from hostile import MODEL, TENSOR, Live, live_processes
 from processes import Proc, status_of, wait_for
 from runtime_helpers import fresh_digest
 
-from ggufswap.ipc import DealerClient, Fields, MessageType, make_message
+from ggufswap.ipc import Fields
 from ggufswap.shards import TensorRecord, fingerprint, open_shard_set
 
 WAIT_S = 60.0
@@ -120,20 +119,13 @@ def in_sync(live: Live) -> bool:
     )
 
 
-def runtime_entry(live: Live) -> dict[str, Any]:
-    with DealerClient(live.control) as client:
-        client.send(make_message(MessageType.STATE))
-        state = wait_for(lambda: client.poll(0.2), timeout=WAIT_S, what="the runtime's state")
-    return dict(state[Fields.TENSORS][TENSOR])
-
-
 def files_fingerprint(live: Live) -> str:
     """The fingerprint of the tensor's bytes in the file now (read afresh)."""
     return fingerprint(open_shard_set(live.first).tensors[TENSOR])
 
 
 def runtime_has(live: Live, digest: str) -> bool:
-    return bool(runtime_entry(live)[Fields.Tensor.FINGERPRINT] == digest)
+    return bool(live.tensor_entry()[Fields.Tensor.FINGERPRINT] == digest)
 
 
 def identity(path: str) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ from ggufswap.agent.reconcile import reconcile
 from ggufswap.agent.scrub import Scrubber
 from ggufswap.agent.writers import writer_of
 from ggufswap.config import VerifyMode
-from ggufswap.ipc import DealerClient, Fields, MessageType, SlotState, TensorEntry, make_message
+from ggufswap.ipc import Fields, SlotState, TensorEntry
 from ggufswap.shards import (
     Fingerprinter,
     Layout,
@@ -49,13 +49,6 @@ def live(tmp_path: Path) -> Iterator[Live]:
 def writing(live: Live) -> list[dict[str, Any]]:
     model = live.status(live.agent_status).get("models", {}).get(MODEL, {})
     return list(model.get("writing_shards", []))
-
-
-def runtime_entry(live: Live) -> dict[str, Any]:
-    with DealerClient(live.control) as client:
-        client.send(make_message(MessageType.STATE))
-        state = wait_for(lambda: client.poll(0.2), timeout=WAIT_S, what="the runtime's state")
-    return dict(state[Fields.TENSORS][TENSOR])
 
 
 def test_the_lease_probe_sees_descriptors_and_shared_mappings(tmp_path: Path) -> None:
@@ -117,7 +110,7 @@ def test_an_in_place_writer_pausing_mid_write_is_never_planned(live: Live) -> No
         f.write(data[half:])
     wait_for(lambda: live.weight_version() == 1, timeout=WAIT_S, what="the commit")
     wait_for(lambda: not writing(live), timeout=WAIT_S, what="the hold released")
-    entry = runtime_entry(live)
+    entry = live.tensor_entry()
     final = open_shard_set(live.first).tensors[TENSOR]
     assert entry[Fields.Tensor.FINGERPRINT] == Fingerprinter()(final)
     assert live.weight_version() == 1, "committed exactly once"
@@ -143,7 +136,7 @@ def rows_reversed(data: bytes, rows: int) -> bytes:
 
 def runtime_has_the_files_bytes(live: Live) -> bool:
     record = open_shard_set(live.first).tensors[TENSOR]
-    return bool(runtime_entry(live)[Fields.Tensor.FINGERPRINT] == fingerprint(record))
+    return bool(live.tensor_entry()[Fields.Tensor.FINGERPRINT] == fingerprint(record))
 
 
 def rewrite_in_place(path: str) -> None:
