@@ -10,7 +10,9 @@ STAMP := $(VENV)/.ggufswap-installed
 # (build/__editable__.*), which mypy and import-graph tools read like any installed package. A
 # new or removed module changes this list and so re-runs the (quick) install.
 MODULES := $(VENV)/.ggufswap-modules
-MODULE_LIST := $(sort $(wildcard cli/*.py shards/*.py config/*.py ipc/*.py agent/*.py runtime/*.py runtime/*/*.py))
+# The package folders come from pyproject.toml's [tool.ggufswap.packages], the map's one place.
+PACKAGE_FOLDERS := $(shell $(PYTHON) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["ggufswap"]["packages"].values())')
+MODULE_LIST := $(sort $(foreach folder,$(PACKAGE_FOLDERS),$(wildcard $(folder)/*.py)))
 
 .PHONY: test demo bench fuzz soak lint typecheck crosscheck clean FORCE
 
@@ -18,8 +20,8 @@ $(MODULES): FORCE
 	@mkdir -p $(VENV)
 	@echo "$(MODULE_LIST)" | cmp -s - $@ || echo "$(MODULE_LIST)" > $@
 
-# The compiled kernels (runtime/csrc) are built by the same install (setup.py).
-$(STAMP): pyproject.toml setup.py Makefile $(MODULES) $(wildcard runtime/csrc/*.c shards/csrc/*.c)
+# The compiled kernels (runtime/kernels/csrc) are built by the same install (setup.py).
+$(STAMP): pyproject.toml setup.py Makefile $(MODULES) $(wildcard runtime/kernels/csrc/*.c shards/csrc/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
 	rm -rf build/__editable__.*

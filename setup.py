@@ -1,19 +1,36 @@
-"""The compiled pieces: quantized products straight from GGUF blocks (runtime/csrc), and ggml's
-reference K-quant/IQ4 quantizers (shards/csrc, used by requant, the agent-side tools and the sweep).
+"""The package map and the compiled pieces.
 
-Everything else is declared in pyproject.toml. The extension is optional: where it cannot be
-built (no C compiler), the runtime decodes blocks with its torch kernels instead
-(runtime/qmatmul.py says which path runs), and shards/kquants.py quantizes with numpy (the same
-bytes, slower).
+The map (import name -> folder) is read from pyproject.toml's ``[tool.ggufswap.packages]``, its one
+place. The compiled pieces: quantized products straight from GGUF blocks
+(runtime/kernels/csrc), and ggml's reference K-quant/IQ4 quantizers (shards/csrc, used by requant,
+the agent-side tools and the sweep). Everything else is declared in pyproject.toml.
+
+The extensions are optional: where they cannot be built (no C compiler), the runtime decodes
+blocks with its torch kernels instead (runtime/kernels/qmatmul.py says which path runs), and
+shards/kquants.py quantizes with numpy (the same bytes, slower).
 """
+
+import sys
+from pathlib import Path
 
 from setuptools import Extension, setup
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the build requirement brings it
+    import tomli as tomllib
+
+PACKAGES: dict[str, str] = tomllib.loads(Path(__file__).with_name("pyproject.toml").read_text())[
+    "tool"
+]["ggufswap"]["packages"]
+
 setup(
+    package_dir=PACKAGES,
+    packages=list(PACKAGES),
     ext_modules=[
         Extension(
-            "ggufswap.runtime._qkernels",
-            sources=["runtime/csrc/qkernels.c"],
+            "ggufswap.runtime.kernels._qkernels",
+            sources=["runtime/kernels/csrc/qkernels.c"],
             # No FMA contraction: decoded weights must equal gguf.quants' bit for bit.
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c11"],
             extra_link_args=["-pthread"],
@@ -28,5 +45,5 @@ setup(
             extra_link_args=["-pthread"],
             optional=True,
         ),
-    ]
+    ],
 )

@@ -42,10 +42,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from ggufswap._logsetup import configure_logging
-from ggufswap.runtime import _compiled, dequant
-from ggufswap.runtime._ik_interleaved import INTERLEAVED
-from ggufswap.runtime._ik_kernels import IK_KERNELS
-from ggufswap.runtime.dequant import KERNEL_TYPES, dequantize
+from ggufswap.runtime.kernels import _compiled, dequant
+from ggufswap.runtime.kernels._ik import IK_KERNELS
+from ggufswap.runtime.kernels._ik_interleaved import INTERLEAVED
+from ggufswap.runtime.kernels.dequant import KERNEL_TYPES, dequantize
 from ggufswap.runtime.threads import AppliedThreads, apply_thread_policy, resolve_threads
 from ggufswap.shards._synth import synth_ik_tensor
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType

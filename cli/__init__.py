@@ -2,8 +2,8 @@
 
 The subpackages are the architecture: ``ggufswap.shards`` (file format), ``ggufswap.config``,
 ``ggufswap.ipc`` (the wire contract), ``ggufswap.agent`` (the watcher sidecar) and
-``ggufswap.runtime`` (the inference side). This top-level package holds the command line and
-``ggufswap.logs``, the loggers every subpackage uses.
+``ggufswap.runtime`` (the inference side), over ``ggufswap.logs`` (the loggers every subpackage
+uses). This top-level package holds the command line.
 """
 
 from __future__ import annotations

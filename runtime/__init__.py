@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from ggufswap.config import Storage
 from ggufswap.ipc import Reason, SlotState
-from ggufswap.runtime.dequant import KERNEL_TYPES, dequantize, has_kernel
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.errors import (
     PlanRejected,
@@ -20,9 +19,9 @@ from ggufswap.runtime.errors import (
     UnsupportedTypeError,
 )
 from ggufswap.runtime.families import DerivedTensor, family_of, group_families
+from ggufswap.runtime.kernels import KERNEL_TYPES, QuantizedMatrix, dequantize, has_kernel
 from ggufswap.runtime.plans import PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
-from ggufswap.runtime.qmatmul import QuantizedMatrix
 from ggufswap.runtime.store import Placement, Slot, TensorStore
 
 __all__ = [

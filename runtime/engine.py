@@ -41,9 +41,9 @@ from ggufswap.logs import get_logger
 from ggufswap.runtime.commit import commit
 from ggufswap.runtime.coordinated import Coordinator, Decision
 from ggufswap.runtime.errors import PlanRejected, RuntimeLibraryError, StagingFailed
+from ggufswap.runtime.kernels import KERNELS
 from ggufswap.runtime.plans import Follower, PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
-from ggufswap.runtime.qmatmul import KERNELS
 from ggufswap.runtime.staging import StagedPlan, Stager
 from ggufswap.runtime.store import (
     Placement,

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ggufswap.runtime.dequant import dequantize
+from ggufswap.runtime.kernels import QuantizedMatrix, dequantize
 from ggufswap.runtime.pools import Buffer, Pool
-from ggufswap.runtime.qmatmul import QuantizedMatrix
 from ggufswap.shards import TensorRecord
 
 
@@ -134,7 +133,7 @@ class SplitTensor:
 
     ``t[e]`` is expert ``e`` in logical shape (``shape[1:]``), in the compute dtype, on the
     device of the part that holds it; in native storage, that expert's blocks as a
-    :class:`~ggufswap.runtime.qmatmul.QuantizedMatrix`, which the model multiplies from without
+    :class:`~ggufswap.runtime.kernels.QuantizedMatrix`, which the model multiplies from without
     decoding the stack. A whole native stack is the one-part case.
     """
 

@@ -25,13 +25,12 @@ import torch
 from ggufswap.config import DEFAULT_DECODED_CACHE, MapShards, Storage
 from ggufswap.ipc import SlotState
 from ggufswap.logs import get_logger
-from ggufswap.runtime.dequant import dequantize
 from ggufswap.runtime.errors import PoolFull
 from ggufswap.runtime.families import DerivedTensor, block_of, expert_of, family_of
+from ggufswap.runtime.kernels import QuantizedMatrix, dequantize
 from ggufswap.runtime.loading import Loader, LoadJob, Segment, trim_heap
 from ggufswap.runtime.mapping import ShardMaps
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
-from ggufswap.runtime.qmatmul import QuantizedMatrix
 from ggufswap.runtime.resident import DecodedCache
 from ggufswap.runtime.split import (
     ExpertSplit,

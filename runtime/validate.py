@@ -11,7 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from ggufswap.ipc import Plan, Reason
-from ggufswap.runtime.dequant import has_kernel
+from ggufswap.runtime.kernels import has_kernel
 from ggufswap.runtime.store import TensorStore
 from ggufswap.shards import (
     FileChangedError,

@@ -53,7 +53,7 @@ WRITABLE_TYPES: Final = GGUF_PY_QUANTIZABLE + SYNTHESIZED_TYPES
 # ik_llama.cpp's types (and Q1_0), which neither gguf-py nor llama.cpp reads: random codes, with
 # the scale that multiplies every value set for the intended spread. Where it lives ("block": the
 # fp16 d at byte 0 of each block; "f16"/"f32": the per-row header) and the rms of the type's
-# values at scale 1 over uniformly random codes (measured with runtime/_ik_kernels.py on 4096
+# values at scale 1 over uniformly random codes (measured with runtime/kernels/_ik.py on 4096
 # random blocks; shards/ cannot import the runtime).
 _IK_SCALES: Final[dict[GGMLType, tuple[str, float]]] = {
     GGMLType.Q1_0: ("block", 1.0),

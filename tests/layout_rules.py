@@ -8,6 +8,7 @@ chooses which ``ggufswap`` tree it reads (tests plant violations in a copy).
 
 from __future__ import annotations
 
+import importlib
 import shutil
 import sys
 from collections.abc import Iterable, Iterator
@@ -15,9 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grimp
+import tomllib
 
+REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "ggufswap"
+CLI_MAIN = "ggufswap.main"  # loads the subcommand modules by name (COMMAND_MODULES)
 CORE = "ggufswap.runtime"
+KERNELS = "ggufswap.runtime.kernels"
 MODELS = "ggufswap.runtime.models"
 SERVING = "ggufswap.runtime.serving"
 RAY_SWEEP = "ggufswap.runtime.serving.sweep_ray"  # the one module that imports ray (an extra)
@@ -25,18 +30,12 @@ RAY_SWEEP = "ggufswap.runtime.serving.sweep_ray"  # the one module that imports 
 # configuration of them. Anything else logs through ggufswap.logs.get_logger.
 STRUCTLOG_USERS = frozenset({"ggufswap.logs", "ggufswap._logsetup"})
 AGENT_SIDE = ("ggufswap.shards", "ggufswap.config", "ggufswap.ipc", "ggufswap.agent")
-FOUNDATIONS = ("ggufswap.shards", "ggufswap.config", "ggufswap.ipc")
-# Import name -> repository folder (pyproject's package-dir; subpackages follow their folders).
-FOLDERS = {
-    "ggufswap": "cli",
-    "ggufswap.shards": "shards",
-    "ggufswap.config": "config",
-    "ggufswap.ipc": "ipc",
-    "ggufswap.agent": "agent",
-    "ggufswap.runtime": "runtime",
-    "ggufswap.runtime.models": "runtime/models",
-    "ggufswap.runtime.serving": "runtime/serving",
-}
+FOUNDATIONS = ("ggufswap.logs", "ggufswap.shards", "ggufswap.config", "ggufswap.ipc")
+# Import name -> repository folder: pyproject.toml's [tool.ggufswap.packages], the map's one place
+# (setup.py and the Makefile read it too).
+FOLDERS: dict[str, str] = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["ggufswap"][
+    "packages"
+]
 
 
 def modules_on_disk(repo: Path) -> Iterator[str]:
@@ -78,15 +77,37 @@ def _tree(graph: grimp.ImportGraph, package: str) -> set[str]:
 
 def core_modules(graph: grimp.ImportGraph) -> set[str]:
     """The hot-swap core: ``ggufswap.runtime`` and its modules, not its subpackages."""
-    return _tree(graph, CORE) - _tree(graph, MODELS) - _tree(graph, SERVING)
+    return _tree(graph, CORE) - _tree(graph, KERNELS) - _tree(graph, MODELS) - _tree(graph, SERVING)
+
+
+def cli_modules(graph: grimp.ImportGraph) -> set[str]:
+    """The command line: the top-level package's own modules (``cli/``), not its subpackages
+    and not the root package itself (every subpackage's parent, holding ``__version__``)."""
+    subpackages = {p for p in FOLDERS if p != PACKAGE}
+    return {
+        m
+        for m in _tree(graph, PACKAGE)
+        if m != PACKAGE and not any(m == p or m.startswith(p + ".") for p in subpackages)
+    }
 
 
 def rules(graph: grimp.ImportGraph) -> list[Rule]:
     agent_side = set().union(*(_tree(graph, p) for p in AGENT_SIDE))
     foundations = set().union(*(_tree(graph, p) for p in FOUNDATIONS))
     core = core_modules(graph)
-    models, serving = _tree(graph, MODELS), _tree(graph, SERVING)
+    kernels, models, serving = _tree(graph, KERNELS), _tree(graph, MODELS), _tree(graph, SERVING)
+    library = _tree(graph, PACKAGE) - cli_modules(graph)
     return [
+        Rule(
+            "nothing but the command line imports the command line",
+            frozenset(library - {PACKAGE}),
+            frozenset(cli_modules(graph)),
+        ),
+        Rule(
+            "the kernels never import the rest of the core",
+            frozenset(kernels),
+            frozenset(core - {f"{CORE}.errors"}),
+        ),
         Rule("the agent side never imports torch", frozenset(agent_side), frozenset({"torch"})),
         Rule(
             "shards, config and ipc never import the agent or the runtime",
@@ -104,6 +125,11 @@ def rules(graph: grimp.ImportGraph) -> list[Rule]:
             frozenset(models | serving),
         ),
         Rule("the models never import serving", frozenset(models), frozenset(serving)),
+        Rule(
+            "the kernels never import the models or serving",
+            frozenset(kernels),
+            frozenset(models | serving),
+        ),
         Rule(
             "only the Ray sweep imports ray",
             frozenset(_tree(graph, PACKAGE) - {RAY_SWEEP}),
@@ -145,7 +171,12 @@ def violations(graph: grimp.ImportGraph, rule: Rule) -> list[str]:
 
 
 def build_graph() -> grimp.ImportGraph:
-    return grimp.build_graph(PACKAGE, include_external_packages=True, cache_dir=None)
+    """The import graph, with the subcommand modules the command line loads by name (invisible
+    to a reader of import statements) added as imports of ``ggufswap.main``."""
+    graph = grimp.build_graph(PACKAGE, include_external_packages=True, cache_dir=None)
+    for name in importlib.import_module(CLI_MAIN).COMMAND_MODULES:
+        graph.add_import(importer=CLI_MAIN, imported=name)
+    return graph
 
 
 def check(graph: grimp.ImportGraph) -> list[str]:

@@ -15,12 +15,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ggufswap.runtime import _compiled
-from ggufswap.runtime import dequant as dq
-from ggufswap.runtime._ik_interleaved import INTERLEAVED
-from ggufswap.runtime._ik_kernels import IK_KERNELS
-from ggufswap.runtime.dequant import KERNEL_TYPES, dequantize, has_kernel
 from ggufswap.runtime.errors import UnsupportedTypeError
+from ggufswap.runtime.kernels import _compiled
+from ggufswap.runtime.kernels import dequant as dq
+from ggufswap.runtime.kernels._ik import IK_KERNELS
+from ggufswap.runtime.kernels._ik_interleaved import INTERLEAVED
+from ggufswap.runtime.kernels.dequant import KERNEL_TYPES, dequantize, has_kernel
 from ggufswap.shards._synth import synth_ik_tensor
 from ggufswap.shards.ggml_types import GGMLType
 
@@ -491,7 +491,7 @@ def test_iq_types_fill_out_buffers_in_every_dtype(
 )
 def test_grid_tables_unpack_to_gguf_grids(name: str) -> None:
     """The kernels' grids, unpacked from gguf's hex tables in Python, equal gguf's numpy grids."""
-    from ggufswap.runtime import _iq_kernels
+    from ggufswap.runtime.kernels import _iq as _iq_kernels
 
     cls = getattr(quants, name)
     cls.init_grid()

@@ -10,8 +10,8 @@ import torch
 from runtime_helpers import WAIT_S, ModelDir, fresh_logits, logits, one_thread, open_runtime
 
 from ggufswap.runtime import PlanState, SlotState, Storage
-from ggufswap.runtime.dequant import dequantize
-from ggufswap.runtime.qmatmul import QuantizedMatrix
+from ggufswap.runtime.kernels.dequant import dequantize
+from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix
 from ggufswap.runtime.serving.perplexity import evaluate_batches, make_eval_tokens, token_windows
 from ggufswap.shards import (
     ChangeKind,

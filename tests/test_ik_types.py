@@ -14,10 +14,10 @@ import pytest
 import torch
 from ggufbytes import TI, build, kv_str
 
-from ggufswap.runtime import _compiled, dequant, qmatmul
-from ggufswap.runtime._ik_interleaved import INTERLEAVED
-from ggufswap.runtime._ik_kernels import IK_KERNELS
 from ggufswap.runtime.errors import UnsupportedTypeError
+from ggufswap.runtime.kernels import _compiled, dequant, qmatmul
+from ggufswap.runtime.kernels._ik import IK_KERNELS
+from ggufswap.runtime.kernels._ik_interleaved import INTERLEAVED
 from ggufswap.shards import TensorLayoutError, TruncatedError, read_header
 from ggufswap.shards.ggml_types import (
     LAYOUTS,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import subprocess
 import sys
@@ -10,7 +11,6 @@ from pathlib import Path
 
 import layout_rules
 import pytest
-import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,14 +66,25 @@ def test_installed_import_names_are_namespaced(tmp_path: Path) -> None:
 
 
 def test_folders_map_to_the_installed_packages() -> None:
-    """pyproject's package map is the one the layout checks copy (folder -> ggufswap.<name>)."""
-    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert config["package-dir"] == {
-        name: folder for name, folder in layout_rules.FOLDERS.items() if "/" not in folder
-    }
+    """The package map has one place (pyproject's ``[tool.ggufswap.packages]``): every package
+    folder of the checkout is in it, and the installation holds exactly its packages."""
     for name, folder in layout_rules.FOLDERS.items():
         assert (REPO / folder / "__init__.py").is_file(), folder
-        assert name in config["packages"], name
+        spec = importlib.util.find_spec(name)
+        assert spec is not None, name
+        assert spec.origin is not None, name
+        assert Path(spec.origin).name == "__init__.py", name
+    on_disk = {
+        str(init.parent.relative_to(REPO))
+        for init in REPO.glob("**/__init__.py")
+        if not {".venv", "build", ".git", "tests", "bench", "crosscheck"} & set(init.parts)
+        and not any(part.startswith(".venv") for part in init.parts)
+    }
+    mapped = set(layout_rules.FOLDERS.values())
+    assert on_disk == mapped, on_disk ^ mapped
+    makefile = (REPO / "Makefile").read_text()
+    assert '["tool"]["ggufswap"]["packages"]' in makefile, "the Makefile lists its own"
+    assert "package-dir" not in (REPO / "pyproject.toml").read_text(), "a second copy of the map"
 
 
 def test_import_graph_tool_reads_the_real_graph() -> None:
@@ -122,6 +133,23 @@ PLANTED = [
         "the models use only the core's public names",
     ),
     ("runtime/serving/sweep.py", "import ray", "only the Ray sweep imports ray"),
+    (
+        "shards/reader.py",
+        "import ggufswap.main",
+        "nothing but the command line imports the command line",
+    ),
+    # ggufswap.main loads its subcommands by name; the graph counts them (one reaches torch).
+    ("agent/watch.py", "import ggufswap.main", "the agent side never imports torch"),
+    (
+        "runtime/kernels/dequant.py",
+        "from ggufswap.runtime import store",
+        "the kernels never import the rest of the core",
+    ),
+    (
+        "runtime/kernels/qmatmul.py",
+        "import ggufswap.runtime.models",
+        "the kernels never import the models or serving",
+    ),
 ]
 
 

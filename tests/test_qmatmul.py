@@ -14,7 +14,8 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
 from runtime_helpers import one_thread
 
-from ggufswap.runtime import QuantizedMatrix, _compiled, qmatmul
+from ggufswap.runtime import QuantizedMatrix
+from ggufswap.runtime.kernels import _compiled, qmatmul
 from ggufswap.shards import _synth
 from ggufswap.shards.ggml_types import GGMLType
 

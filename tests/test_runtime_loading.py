@@ -19,13 +19,14 @@ from ggufswap.runtime import (
     PoolSet,
     QuantizedMatrix,
     Storage,
-    _compiled,
     loading,
 )
 from ggufswap.runtime import split as split_module
+from ggufswap.runtime.kernels import _compiled
+from ggufswap.runtime.kernels.scratch import role_scratch
 from ggufswap.runtime.loading import Loader, LoadJob, Segment
 from ggufswap.runtime.models import HParams, Transformer
-from ggufswap.runtime.resident import DecodedCache, role_scratch
+from ggufswap.runtime.resident import DecodedCache
 from ggufswap.runtime.store import TensorStore
 from ggufswap.shards import FileChangedError, TensorRecord, open_shard_set
 from ggufswap.shards.errors import TruncatedError

@@ -1,11 +1,6 @@
-"""Torch dequantization kernels, one per GGML block type.
-
-A kernel has two halves, both run per chunk of blocks (``blocks`` is ``[c, type_size]`` uint8, one
-GGUF block per row): ``prepare(blocks, arena)`` computes the per-block float32 scales, and
-``body(blocks, out, arena, *scales)`` dequantizes into ``out`` (``[c, block_size]`` float32,
-contiguous). The driver keeps chunks small enough to stay in the last-level cache between passes,
-and ``arena`` hands out temporaries that are reused from chunk to chunk and call to call (fresh
-allocations pay a page fault per 4 KiB, which costs as much as the arithmetic).
+"""Torch dequantization kernels of the mainline block types: F32/F16/BF16, the legacy 32-element
+blocks, the K-quants and IQ4_NL/IQ4_XS (the grid, ternary and FP4 types are in :mod:`._iq`; both
+build on :mod:`._base`).
 
 Bit-exactness with ``gguf.quants``: every scale product there is exact in float32 (an fp16 scale
 has 11 significant bits and the integer factors at most 13 together), so the only rounding step is
@@ -18,97 +13,29 @@ uint8 shifts, so bit operations run as SWAR on int64 words over the whole chunk'
 bytes included, then ignored); the int8->float32 conversion is one contiguous pass; only the
 scaling walks the block structure, writing each output element once.
 
-Size: one kernel per GGML type plus the SWAR helpers they share, ending in the one ``KERNELS``
-table; at ~500 lines it stays one module so the table and every kernel it names read together
-(issue 13's new types belong in a second kernel module with its own table).
+The module ends in its ``KERNELS`` table, read with every kernel it names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from gguf import GGMLQuantizationType as T
 
-Prepare = Callable[[torch.Tensor, "Arena"], tuple[torch.Tensor, ...]]
-Body = Callable[..., None]
+from ggufswap.runtime.kernels._base import (
+    Arena,
+    Kernel,
+    _d,
+    _f16,
+    _no_scales,
+    _rep,
+    _to_float,
+    _words,
+)
 
 # IQ4_NL / IQ4_XS non-linear 4-bit grid (gguf.quants.IQ4_NL.kvalues).
 IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-
-
-@dataclass(frozen=True, slots=True)
-class Kernel:
-    """Per-tensor scale preparation plus the per-chunk dequantization body."""
-
-    prepare: Prepare
-    body: Body
-
-
-class Arena:
-    """Named scratch buffers for one dequantization call, reused across its chunks."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def take(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A 1-D tensor of ``numel`` elements (uninitialised); the same memory on every call."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        nbytes = -(-nbytes // 8) * 8
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-            self._buffers[name] = buf
-        return buf[:nbytes].view(dtype)[:numel]
-
-
-# --- helpers ----------------------------------------------------------------------------------
-
-
-def _i64(value: int) -> int:
-    """A 64-bit pattern as the signed integer torch's int64 scalars take."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _rep(byte: int) -> int:
-    """``byte`` repeated in all 8 bytes of an int64 (a SWAR mask)."""
-    return _i64(byte * 0x0101010101010101)
-
-
-def _words(flat: torch.Tensor, arena: Arena) -> torch.Tensor:
-    """``flat`` (uint8) as int64 words for byte-wise SWAR ops, zero-padded to whole words.
-
-    A shift of a word followed by a per-byte mask is a per-byte shift, done at an eighth of the
-    element count (torch does not vectorize uint8 shifts).
-    """
-    n = flat.numel()
-    if n % 8 == 0 and flat.data_ptr() % 8 == 0:
-        return flat.view(torch.int64)
-    words = arena.take("words", -(-n // 8), torch.int64)
-    padded = words.view(torch.uint8)
-    padded[n:].zero_()
-    padded[:n].copy_(flat)
-    return words
-
-
-def _f16(blocks: torch.Tensor, offset: int, arena: Arena) -> torch.Tensor:
-    """The fp16 field at byte ``offset`` of every block, as float32 ``[n, 1]``."""
-    d = arena.take(f"f16@{offset}", blocks.shape[0], torch.float32).view(-1, 1)
-    return d.copy_(blocks[:, offset : offset + 2].view(torch.float16))
-
-
-def _no_scales(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
-    return ()
-
-
-def _to_float(src: torch.Tensor, arena: Arena, name: str = "f") -> torch.Tensor:
-    """Contiguous int->float32 conversion of ``src`` into a reused buffer of the same shape."""
-    f = arena.take(name, src.numel(), torch.float32).view(src.shape)
-    f.copy_(src)
-    return f
 
 
 def _rows(f: torch.Tensor, c: int, size: int, start: int, stop: int) -> torch.Tensor:
@@ -157,16 +84,6 @@ def _bf16(blocks: torch.Tensor, out: torch.Tensor, arena: Arena) -> None:
 
 
 # --- legacy 32-element blocks -----------------------------------------------------------------
-
-
-def _d(offset: int, divisor: float = 1.0) -> Prepare:
-    """Prepare the single fp16 scale at ``offset``, divided by a power of two (exact)."""
-
-    def prepare(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
-        d = _f16(blocks, offset, arena)
-        return (d if divisor == 1.0 else d.mul_(1.0 / divisor),)
-
-    return prepare
 
 
 def _d_m(blocks: torch.Tensor, arena: Arena) -> tuple[torch.Tensor, ...]:
@@ -512,9 +429,3 @@ KERNELS: dict[T, Kernel] = {
     T.IQ4_NL: Kernel(_d(0), _iq4_nl),
     T.IQ4_XS: Kernel(_iq4_xs_prepare, _iq4_xs),
 }
-
-# Issue 13's grid, ternary and FP4 types (IQ1_*, IQ2_*, IQ3_*, TQ*, MXFP4, NVFP4) live in their
-# own module, built on the helpers above; imported last, once those exist.
-from ggufswap.runtime._iq_kernels import IQ_KERNELS  # noqa: E402
-
-KERNELS.update(IQ_KERNELS)

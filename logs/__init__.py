@@ -1,4 +1,5 @@
-"""The library's loggers: the host's structlog configuration when there is one, stderr otherwise.
+"""ggufswap.logs, the loggers of every package: the host's structlog configuration when there is
+one, stderr otherwise.
 
 Every ggufswap module logs through ``log = get_logger(__name__)``. Library code never configures
 logging (the host program owns that), but structlog's unconfigured default prints to *stdout*,
@@ -7,6 +8,9 @@ So while structlog is unconfigured, these loggers render with structlog's defaul
 ``sys.stderr`` (looked up at each call, so redirections apply), at level info and above. Once
 the host calls ``structlog.configure`` (``ggufswap``'s command line does, in ``main``), every
 logger follows that configuration, whenever it was created: the decision is made per call.
+
+A foundation of its own (the ``logs/`` folder): every layer imports it, and it imports nothing of
+ggufswap.
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 A :class:`QuantizedMatrix` is a weight matrix as native storage holds it (its blocks, its type and
 its logical shape). ``linear`` multiplies activations by it:
 
-- for a few activation rows (decode), on the CPU, for the types ``runtime/csrc/qkernels.c``
+- for a few activation rows (decode), on the CPU, for the types ``runtime/kernels/csrc/qkernels.c``
   handles, with the compiled kernel: each block is decoded into L1 and multiplied there, so the
   product reads the quantized bytes once and never writes the float32 weights (float32
   arithmetic, rows split over torch's thread count);
 - otherwise (many rows: prefill and perplexity batches; no compiler at install; another device
   or type) by decoding the matrix (the decoded cache's copy where the store keeps one, else a
-  scratch buffer, :func:`~ggufswap.runtime.dequant.dequantize`) and calling ``F.linear``.
+  scratch buffer, :func:`~ggufswap.runtime.kernels.dequant.dequantize`) and calling ``F.linear``.
 
 The decoded values are the same in both (``gguf.quants``' float32 values, bit for bit); the sums
 are taken in a different order, so the two paths agree to float32 rounding, not bit for bit.
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
-from ggufswap.runtime import _compiled
-from ggufswap.runtime.dequant import dequantize
-from ggufswap.runtime.resident import role_scratch
+from ggufswap.runtime.kernels import _compiled
+from ggufswap.runtime.kernels.dequant import dequantize
+from ggufswap.runtime.kernels.scratch import role_scratch
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, row_nbytes
 
 __all__ = ["KERNELS", "QuantizedMatrix"]

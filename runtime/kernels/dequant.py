@@ -27,17 +27,22 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ggufswap.logs import get_logger
-from ggufswap.runtime import _compiled
-from ggufswap.runtime._dequant_kernels import KERNELS, Arena, Kernel
-from ggufswap.runtime._ik_interleaved import INTERLEAVED, deinterleave
-from ggufswap.runtime._ik_kernels import IK_KERNELS, dequantize_ik
 from ggufswap.runtime.errors import UnsupportedTypeError
+from ggufswap.runtime.kernels import _compiled
+from ggufswap.runtime.kernels._base import Arena, Kernel
+from ggufswap.runtime.kernels._ik import IK_KERNELS, dequantize_ik
+from ggufswap.runtime.kernels._ik_interleaved import INTERLEAVED, deinterleave
+from ggufswap.runtime.kernels._iq import IQ_KERNELS
+from ggufswap.runtime.kernels._mainline import KERNELS as MAINLINE_KERNELS
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, Origin, row_nbytes
 from ggufswap.shards.ggml_types import ggml_type as ggml_type_of
 
 __all__ = ["KERNEL_TYPES", "dequantize", "has_kernel"]
 
 log = get_logger(__name__)
+
+# The block-scheme torch kernels by type: the mainline table and the grid/ternary/FP4 one.
+KERNELS: dict[GGMLQuantizationType, Kernel] = {**MAINLINE_KERNELS, **IQ_KERNELS}
 
 KERNEL_TYPES: frozenset[GGMLType] = (
     frozenset(GGMLType(int(t)) for t in KERNELS) | frozenset(IK_KERNELS) | frozenset(INTERLEAVED)

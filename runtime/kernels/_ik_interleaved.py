@@ -30,7 +30,7 @@ import gguf.quants as gq
 import numpy as np
 import torch
 
-from ggufswap.runtime._iq_kernels import _grid_rows
+from ggufswap.runtime.kernels._iq import _grid_rows
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType
 
 __all__ = ["INTERLEAVED", "Interleaved", "deinterleave"]

@@ -12,7 +12,7 @@
  * for a decode, whose blocks the threads take piece by piece).
  *
  * Python interface (pointers are the integer data_ptr() of contiguous tensors, checked by the
- * caller, runtime/qmatmul.py):
+ * caller, runtime/kernels/qmatmul.py):
  *   matmul(w, type, rows, cols, x, n, y, threads) -> None
  *   decode(w, type, n_values, out, threads=1, cols=0, piece=0)
  *                                                (blocks to float32: dequantization on the CPU;

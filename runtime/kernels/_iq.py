@@ -1,9 +1,9 @@
 """Torch dequantization kernels for the grid, ternary and FP4 GGML types (issue 13).
 
 IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0, MXFP4 and NVFP4, in the
-``Kernel`` scheme of :mod:`._dequant_kernels` (``prepare`` computes per-group float32 scales,
-``body`` dequantizes a chunk); this module's ``IQ_KERNELS`` is registered into that module's
-``KERNELS`` table, which imports it (import the kernels through ``_dequant_kernels``).
+``Kernel`` scheme of :mod:`._base` (``prepare`` computes per-group float32 scales, ``body``
+dequantizes a chunk); :mod:`.dequant` reads this module's ``IQ_KERNELS`` beside the mainline
+``KERNELS``.
 
 Tables: the grids, sign patterns and value maps are gguf-py's own (``gguf.quants``' ``grid_hex``,
 ``grid_map``, ``ksigns``, ``kvalues``, ``delta``), unpacked in Python into torch lookup tables
@@ -37,7 +37,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
-from ggufswap.runtime._dequant_kernels import (
+from ggufswap.runtime.kernels._base import (
     Arena,
     Kernel,
     _d,

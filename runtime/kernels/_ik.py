@@ -17,7 +17,7 @@ The ``_KT`` (trellis) types expand a 13- to 16-bit index into a group of 4 or 8 
 integer recurrence; the values of every index are computed once per device into a table.
 
 Speed: plain torch ops on int32 fields, one pass per field; fast enough to load a model, with no
-attempt at the SWAR tricks of :mod:`._dequant_kernels` (``bench/dequant.py`` reports GB/s).
+attempt at the SWAR tricks of :mod:`._mainline` (``bench/dequant.py`` reports GB/s).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The compiled kernels (``runtime/csrc/qkernels.c``), when the install could build them.
+"""The compiled kernels (``runtime/kernels/csrc/qkernels.c``), when the install could build them.
 
 One place decides whether they run: :func:`handles` (this GGML type, rows of this length, on the
 CPU). :mod:`.dequant` decodes with them and :mod:`.qmatmul` multiplies with them; both fall back
@@ -22,7 +22,7 @@ __all__ = ["available", "disabled", "handles", "module", "types"]
 
 def _load() -> ModuleType | None:
     try:
-        from ggufswap.runtime import _qkernels  # type: ignore[attr-defined]
+        from ggufswap.runtime.kernels import _qkernels  # type: ignore[attr-defined]
     except ImportError:
         return None
     loaded: ModuleType = _qkernels

@@ -1,0 +1,20 @@
+"""ggufswap.runtime.kernels: dequantization and quantized products, dispatched by type and CPU.
+
+- :mod:`.dequant` decodes GGUF blocks to floats (:func:`dequantize`): the compiled decoder where
+  the install built it (:mod:`._compiled`, ``csrc/qkernels.c``), else the torch kernels of
+  :mod:`._mainline` and :mod:`._iq` (over their shared :mod:`._base`), :mod:`._ik` and
+  :mod:`._ik_interleaved` for ik_llama.cpp's types;
+- :mod:`.qmatmul` multiplies activations by weights still in their blocks
+  (:class:`QuantizedMatrix`), decoding into per-role scratch (:mod:`.scratch`) where it must.
+
+This package imports torch, the GGML type tables of :mod:`ggufswap.shards` and the runtime's
+error classes, never the rest of the core: the core calls it.
+"""
+
+from __future__ import annotations
+
+from ggufswap.runtime.kernels.dequant import KERNEL_TYPES, dequantize, has_kernel
+from ggufswap.runtime.kernels.qmatmul import KERNELS, QuantizedMatrix
+from ggufswap.runtime.kernels.scratch import role_scratch
+
+__all__ = ["KERNELS", "KERNEL_TYPES", "QuantizedMatrix", "dequantize", "has_kernel", "role_scratch"]
