@@ -19,7 +19,15 @@ from ggufswap.runtime.errors import (
     UnsupportedTypeError,
 )
 from ggufswap.runtime.families import DerivedTensor, family_of, group_families
-from ggufswap.runtime.kernels import KERNEL_TYPES, QuantizedMatrix, dequantize, has_kernel
+from ggufswap.runtime.kernels import (
+    KERNEL_TYPES,
+    QuantizedExperts,
+    QuantizedMatrix,
+    dequantize,
+    float_products,
+    grouped,
+    has_kernel,
+)
 from ggufswap.runtime.plans import PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
 from ggufswap.runtime.store import Placement, Slot, TensorStore
@@ -36,6 +44,7 @@ __all__ = [
     "Pool",
     "PoolFull",
     "PoolSet",
+    "QuantizedExperts",
     "QuantizedMatrix",
     "Reason",
     "RuntimeLibraryError",
@@ -46,6 +55,8 @@ __all__ = [
     "UnsupportedTypeError",
     "dequantize",
     "family_of",
+    "float_products",
     "group_families",
+    "grouped",
     "has_kernel",
 ]

@@ -41,7 +41,7 @@ from ggufswap.logs import get_logger
 from ggufswap.runtime.commit import commit
 from ggufswap.runtime.coordinated import Coordinator, Decision
 from ggufswap.runtime.errors import PlanRejected, RuntimeLibraryError, StagingFailed
-from ggufswap.runtime.kernels import KERNELS
+from ggufswap.runtime.kernels import kernels
 from ggufswap.runtime.plans import Follower, PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
 from ggufswap.runtime.staging import StagedPlan, Stager
@@ -525,7 +525,7 @@ class HotSwapRuntime:
             "model": self.model_name,
             "weight_version": self.store.weight_version,
             "storage": self.store.storage.value,
-            "kernels": KERNELS,
+            "kernels": kernels(),
             "decoded_cache": self.store.decoded.snapshot(),
             "mapped_shards": self.store.maps.snapshot(),
             "plans": dict(self._outcomes),

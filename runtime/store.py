@@ -232,7 +232,7 @@ class TensorStore:
         shape = (record.ne[1], record.ne[0])
         cached = (lambda: self.weight(name)) if self._dense_cached else None
         matrix = QuantizedMatrix(raw, record.ggml_type, shape, name, decoded=cached)
-        return matrix if matrix.compiled else self.weight(name)
+        return matrix if matrix.multiplies_blocks else self.weight(name)
 
     def blocks(self, name: str) -> QuantizedMatrix | None:
         """A 2-D tensor's GGUF blocks in native storage, whatever its type and the kernels (what

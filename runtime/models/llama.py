@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
-from ggufswap.runtime import QuantizedMatrix
+from ggufswap.runtime import QuantizedMatrix, grouped
 from ggufswap.runtime.models.errors import HParamsError, MissingWeightError
 from ggufswap.runtime.models.ggml_numerics import GgmlMatrix, gelu, ggml_norms_active
 from ggufswap.runtime.models.ggml_numerics import rms_norm as ggml_rms_norm
@@ -41,6 +41,11 @@ class ExpertStack(Protocol):
 
     def __getitem__(self, e: int, /) -> Tensor | QuantizedMatrix | GgmlMatrix: ...
 
+    def routed(self, x: Tensor, ids: Tensor) -> Tensor:
+        """``[N, k, rows]``: the products of the experts ``ids [N, k]`` routes each token to,
+        ``x`` ``[N, cols]`` (or ``[N, k, cols]``, one input per slot), in one grouped call."""
+        ...
+
 
 class WeightProvider(Protocol):
     """Where the model reads its weights from at forward time (the runtime's tensor store)."""
@@ -49,7 +54,7 @@ class WeightProvider(Protocol):
         """The tensor in logical torch shape (reversed ggml ``ne``), compute dtype, own device."""
         ...
 
-    def experts(self, name: str) -> ExpertStack:
+    def experts(self, name: str) -> Tensor | ExpertStack:
         """A stacked expert tensor; ``[e]`` is expert ``e`` on the device that holds it."""
         ...
 
@@ -126,6 +131,15 @@ def linear(x: Tensor, w: Tensor | QuantizedMatrix | GgmlMatrix, b: Tensor | None
     xw = x.to(device=w.device, dtype=w.dtype)
     bw = None if b is None else b.to(device=w.device, dtype=w.dtype)
     return F.linear(xw, w, bw).to(device=x.device, dtype=x.dtype)
+
+
+def routed_linear(stack: Tensor | ExpertStack, x: Tensor, ids: Tensor) -> Tensor:
+    """``[N, k, rows]``: ``x @ W[ids[t, j]].T`` for every token ``t`` and slot ``j``, one grouped
+    product (``x``: ``[N, cols]``, or ``[N, k, cols]`` one input per slot); a plain tensor stack
+    multiplies each expert present once, over the rows routed to it."""
+    if isinstance(stack, Tensor):
+        return grouped(lambda e, rows: linear(rows, stack[e]), x, ids, stack.shape[1])
+    return stack.routed(x, ids)
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -323,6 +337,13 @@ class MoEFeedForward(nn.Module):
         # x: [B, T, D]
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
         top_w, top_i = self.route(flat)  # [N, k]
+        if self.per_expert is None:  # one grouped product per projection (ggml's mul_mat_id)
+            w = self.weights.experts
+            gate = routed_linear(w(self.gate_exps), flat, top_i)  # [N, k, ff]
+            up = routed_linear(w(self.up_exps), flat, top_i)
+            y = routed_linear(w(self.down_exps), F.silu(gate) * up, top_i)  # [N, k, D]
+            out = (y * top_w.unsqueeze(-1).to(y.dtype)).sum(dim=1)  # [N, D]
+            return (out + self._shared(flat)).view_as(x)
         out = torch.zeros_like(flat)
         for e in top_i.unique().tolist():  # ascending expert order: deterministic sums
             rows, slot = (top_i == e).nonzero(as_tuple=True)  # tokens routed to e, and which slot
