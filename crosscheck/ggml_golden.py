@@ -16,7 +16,8 @@ Python of the venv that holds the library (numpy is all it needs)::
     .venv-crosscheck/bin/python crosscheck/ggml_golden.py \\
         --lib .venv-crosscheck/lib/python3.11/site-packages/llama_cpp/lib/libggml-cpu.so
 
-Per type: weights ``[ROWS, COLS]`` quantized from seeded normal floats (an imatrix of ones for the
+Per type: a stack of ``N_EXPERT`` expert matrices ``[ROWS, COLS]`` (the first is the matrix of
+the plain products) quantized from seeded normal floats (an imatrix of ones for the
 types that need one), each in a forked child (a type the library cannot quantize aborts it: the
 type is then listed as not recorded, with the signal); activations of ``N_ROWS`` rows each (the
 single-row decode path and the batched ones of both libraries); and a routed-experts product of
@@ -40,9 +41,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE.parent / "tests" / "fixtures" / "ggml_golden"
-ROWS, COLS = 32, 512
+ROWS, COLS = 64, 256  # ik's kernels take one path per thread from 32 rows a thread up
 N_ROWS = (1, 5, 40)  # decode, a few rows, a batch (ik repacks activations from 32 rows up)
-N_EXPERT, N_TOKENS, N_USED = 4, 3, 2
+N_EXPERT, N_TOKENS, N_USED = 3, 3, 2
 GGML_F32, GGML_I32 = 0, 26
 MAINLINE = {
     "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12,
@@ -151,25 +152,38 @@ class Ggml:
         return out
 
 
+def activations() -> dict[str, np.ndarray]:
+    """The activations every type is multiplied by (shared: recorded once)."""
+    rng = np.random.default_rng(26)
+    out = {f"x{n}": rng.standard_normal((n, COLS)).astype(np.float32) for n in N_ROWS}
+    out["ex"] = rng.standard_normal((N_TOKENS, COLS)).astype(np.float32)
+    picks = [rng.permutation(N_EXPERT)[:N_USED] for _ in range(N_TOKENS)]
+    out["ids"] = np.stack(picks).astype(np.int32)
+    return out
+
+
 def record_type(ggml: Ggml, name: str, t: int) -> dict[str, np.ndarray]:
     """Everything recorded for one type (run in a child: quantizing may abort)."""
     rng = np.random.default_rng([t, 26])
-    w = ggml.quantized(t, (rng.standard_normal((ROWS, COLS)) * 0.05).astype(np.float32))
-    out: dict[str, np.ndarray] = {f"{name}/w": w}
-    for n in N_ROWS:
-        x = rng.standard_normal((n, COLS)).astype(np.float32)
-        y = ggml.product(t, w, x, 1)
-        if not np.array_equal(y, ggml.product(t, w, x, 2)):
-            raise SystemExit(f"{name}: 1 and 2 threads differ")
-        out[f"{name}/x{n}"], out[f"{name}/y{n}"] = x, y
+    # the experts' stack; its first expert is the matrix (rows are quantized one by one)
     stack_values = (rng.standard_normal((N_EXPERT * ROWS, COLS)) * 0.05).astype(np.float32)
     stack = ggml.quantized(t, stack_values)
-    x = rng.standard_normal((N_TOKENS, COLS)).astype(np.float32)
-    ids = np.stack([rng.permutation(N_EXPERT)[:N_USED] for _ in range(N_TOKENS)]).astype(np.int32)
+    w = ggml.quantized(t, stack_values[:ROWS])
+    if not np.array_equal(w, stack[: w.size]):
+        raise SystemExit(f"{name}: rows quantize differently inside a bigger tensor")
+    shared = activations()
+    out: dict[str, np.ndarray] = {f"{name}/stack": stack}
+    for n in N_ROWS:
+        x = shared[f"x{n}"]
+        y = ggml.product(t, w, x, 1)
+        if not np.array_equal(y, ggml.product(t, w, x, 2)):
+            raise SystemExit(f"{name}: {n} rows: 1 and 2 threads differ")
+        out[f"{name}/y{n}"] = y
+    x, ids = shared["ex"], shared["ids"]
     y = ggml.routed(t, stack, x, ids, 1)
     if not np.array_equal(y, ggml.routed(t, stack, x, ids, 2)):
         raise SystemExit(f"{name}: routed products differ between 1 and 2 threads")
-    out.update({f"{name}/stack": stack, f"{name}/ex": x, f"{name}/ids": ids, f"{name}/ey": y})
+    out[f"{name}/ey"] = y
     return out
 
 
@@ -214,7 +228,7 @@ def main() -> int:
     ggml = Ggml(args.lib)
     family = "ik" if ggml.ik else "mainline"
     types = {**MAINLINE, **(IK if ggml.ik else {})}
-    arrays: dict[str, np.ndarray] = {}
+    arrays: dict[str, np.ndarray] = activations()
     outcome: dict[str, str] = {}
     for name, t in types.items():
         got, outcome[name] = in_child(ggml, name, t)

@@ -124,6 +124,7 @@ class Library:
     ik: bool
     types: frozenset[GGMLType]
     module: Any
+    package: str | None = None  # "ik-llama-cpp-python 0.1.5": the wheel it came from, if known
 
     @property
     def name(self) -> str:
@@ -206,6 +207,24 @@ def _ptr(raw: torch.Tensor) -> int:
     return int(raw.data_ptr())
 
 
+# The packages that ship a libggml: their import folder and distribution name.
+_PACKAGES: Final = (("ik_llama_cpp", "ik_llama_cpp_python"), ("llama_cpp", "llama_cpp_python"))
+
+
+def package_of(path: Path) -> str | None:
+    """``"<distribution> <version>"`` of the wheel a library file came from (``<site>/<package>/
+    lib/<file>`` beside ``<site>/<dist>-<version>.dist-info``), or None."""
+    lib_dir = path.resolve().parent
+    site, folder = lib_dir.parent.parent, lib_dir.parent.name
+    for package, dist in _PACKAGES:
+        if folder != package:
+            continue
+        for info in sorted(site.glob(f"{dist}-*.dist-info")):
+            version = info.name[len(dist) + 1 : -len(".dist-info")]
+            return f"{dist.replace('_', '-')} {version}"
+    return None
+
+
 def _package_lib(package: str, names: tuple[str, ...]) -> Path | None:
     """``package``'s shared library, found without importing the package."""
     try:
@@ -264,7 +283,9 @@ def _load() -> tuple[Library | None, str]:
         if module.row_size(int(t), 4096) == row_nbytes(t, 4096)
         and module.block_size(int(t)) == LAYOUTS[t].block_size
     )
-    return Library(path, ik, types, module), f"{path} ({len(types)} types)"
+    package = package_of(path)
+    where = f"{path} ({package or 'no package'}, {len(types)} types)"
+    return Library(path, ik, types, module, package), where
 
 
 _STATE: dict[str, tuple[Library | None, str]] = {}
