@@ -22,7 +22,8 @@ from ggufswap.runtime import (
     loading,
 )
 from ggufswap.runtime import split as split_module
-from ggufswap.runtime.kernels import _compiled
+from ggufswap.runtime import store as store_module
+from ggufswap.runtime.kernels import _compiled, ggml_library
 from ggufswap.runtime.kernels.scratch import role_scratch
 from ggufswap.runtime.loading import Loader, LoadJob, Segment
 from ggufswap.runtime.models import HParams, Transformer
@@ -231,15 +232,25 @@ def test_role_scratch_is_one_buffer_per_role_and_thread() -> None:
     assert big.shape == (8, 8)
 
 
-def test_storage_auto_goes_native_only_when_dequantized_bytes_do_not_fit(tmp_path: Path) -> None:
-    """``auto`` loads dequantized where the pools hold the float tensors, native where they do
-    not, and says which in the status; a store is never built with ``auto`` unresolved."""
+@pytest.mark.parametrize("ggml", [False, True], ids=["no-libggml", "libggml"])
+def test_storage_auto_goes_native_where_it_does_not_fit_or_ggml_multiplies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ggml: bool
+) -> None:
+    """``auto`` loads native where the pools cannot hold the float tensors; where they can, native
+    when ggml's kernels multiply the model's quantized matrices on the CPU (faster and at GGUF
+    size), else dequantized; the status says which; a store is never built with ``auto``."""
+    library = ggml_library()
+    if ggml and library is None:
+        pytest.skip("no libggml here")
+    if not ggml:
+        monkeypatch.setattr(store_module, "ggml_library", lambda: None)
     model_dir = ModelDir.write(tmp_path / "model")
     shards = open_shard_set(model_dir.first)
     float_bytes = sum(r.n_elements * 4 for r in shards.tensors.values())
     file_bytes = sum(r.nbytes for r in shards.tensors.values())
     assert file_bytes < float_bytes // 2
-    for budget, expected in ((float_bytes, Storage.DEQUANTIZED), (file_bytes, Storage.NATIVE)):
+    fits = Storage.NATIVE if ggml else Storage.DEQUANTIZED
+    for budget, expected in ((float_bytes, fits), (file_bytes, Storage.NATIVE)):
         pools = [Pool("host", torch.device("cpu"), budget=budget)]
         runtime, model = open_runtime(model_dir.first, storage=Storage.AUTO, pools=pools)
         try:

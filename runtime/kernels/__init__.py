@@ -18,6 +18,7 @@ error classes, never the rest of the core: the core calls it.
 from __future__ import annotations
 
 from ggufswap.runtime.kernels._ggml import float_products
+from ggufswap.runtime.kernels._ggml import library as ggml_library
 from ggufswap.runtime.kernels.dequant import KERNEL_TYPES, dequantize, has_kernel
 from ggufswap.runtime.kernels.experts import QuantizedExperts, grouped
 from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix, kernels
@@ -29,6 +30,7 @@ __all__ = [
     "QuantizedMatrix",
     "dequantize",
     "float_products",
+    "ggml_library",
     "grouped",
     "has_kernel",
     "kernels",

@@ -224,13 +224,38 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H(kv), T, hd]
         if cache is not None:  # the rope tables already carry start_pos = cache.length
             k, v = cache.update(self.layer, k, v)  # [B, Hkv, S, hd]
-        k = k.repeat_interleave(c.q_per_kv, dim=1)  # query head h reads kv head h // q_per_kv
-        v = v.repeat_interleave(c.q_per_kv, dim=1)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=c.attn_scale
-        )
+        y = grouped_attention(q, k, v, mask, scale=c.attn_scale)  # [B, H, T, hd]
         y = y.transpose(1, 2).reshape(bsz, seq, c.n_head * c.head_dim)  # [B, T, H*hd]
         return self._proj(y, self.wo, self.bo)  # [B, T, D]
+
+
+def group_queries(q: Tensor, n_head_kv: int) -> Tensor:
+    """``q [B, H, T, hd]`` as ``[B, Hkv, g*T, hd]``: the ``g = H / Hkv`` query heads that read
+    one kv head (query head ``h`` reads kv head ``h // g``) as rows of one query block."""
+    bsz, n_head, seq, hd = q.shape
+    return q.reshape(bsz, n_head_kv, n_head // n_head_kv * seq, hd)
+
+
+def grouped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: float
+) -> Tensor:
+    """Grouped-query attention without copies of K/V: ``q [B, H, T, hd]``, ``k, v [B, Hkv, S,
+    hd]``, ``mask [T, S]`` (True = may attend; None = causal). The queries of each kv head are
+    one block of rows, so each K/V is read once per step (the decode step's cost grows with the
+    context as llama.cpp's does); ``[B, H, T, hd]``."""
+    bsz, n_head, seq, hd = q.shape
+    group = n_head // k.shape[1]
+    if group == 1:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
+        )
+    if mask is None:  # causal within this forward (no cache): explicit, as rows are grouped
+        mask = torch.ones(seq, k.shape[2], dtype=torch.bool, device=q.device).tril()
+    rows = mask.repeat(group, 1)  # [g*T, S]: row j*T + t is query position t
+    y = F.scaled_dot_product_attention(
+        group_queries(q, k.shape[1]), k, v, attn_mask=rows, scale=scale
+    )
+    return y.reshape(bsz, n_head, seq, hd)
 
 
 Matrix: TypeAlias = "Tensor | QuantizedMatrix | GgmlMatrix"
