@@ -35,6 +35,7 @@ KNOWN = (
     "scan",
     "state_sync",
     "engine",
+    "llama_ratio",
     "quantize",
     "sweep_ray",
 )
