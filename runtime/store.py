@@ -197,6 +197,14 @@ class TensorStore:
         self._dense_cached = True  # set by load(): every dense quantized matrix fits the cache
         # Native storage: CPU tensors served from their files' pages, under read leases.
         self.maps = ShardMaps(map_shards if storage is Storage.NATIVE else MapShards.OFF)
+        # Native storage: what a forward reads of a slot (its blocks, an expert stack, a float
+        # tensor's view), made once per slot until a commit changes the slots (forget_views).
+        self._views: dict[tuple[str, str], torch.Tensor | QuantizedMatrix | SplitTensor] = {}
+
+    def forget_views(self) -> None:
+        """Drop the views made for forwards: commit calls it, as it may change any slot's
+        buffers (a retired buffer is then referenced by nothing here)."""
+        self._views.clear()
 
     # -- the model's view ------------------------------------------------------------------
 
@@ -212,7 +220,11 @@ class TensorStore:
         if self.storage is Storage.DEQUANTIZED:
             return slot.active.tensor.view(slot.record.shape)
         if self._is_view(slot.record):  # already compute-dtype values: nothing to keep
-            return self.materialize_flat(slot.active.tensor, slot.record)
+            view = self._views.get(("weight", name))
+            if not isinstance(view, torch.Tensor):
+                view = self.materialize_flat(slot.active.tensor, slot.record)
+                self._views[("weight", name)] = view
+            return view
         key = (name, slot.fingerprint, int(slot.record.ggml_type))
         return self.decoded.get(key, lambda: self.materialize_flat(slot.active.tensor, slot.record))
 
@@ -226,8 +238,14 @@ class TensorStore:
         if slot is not None and slot.is_split:
             return self.split_view(slot)
         if slot is not None and self.storage is Storage.NATIVE and len(slot.ne) == 3:
-            whole = (Part(slot.active, 0, slot.ne[-1]),)
-            return SplitTensor(whole, slot.record, native=True, compute_dtype=self.compute_dtype)
+            stack = self._views.get(("experts", name))
+            if not isinstance(stack, SplitTensor):
+                whole = (Part(slot.active, 0, slot.ne[-1]),)
+                stack = SplitTensor(
+                    whole, slot.record, native=True, compute_dtype=self.compute_dtype
+                )
+                self._views[("experts", name)] = stack
+            return stack
         return self.weight(name)
 
     def matrix(self, name: str) -> torch.Tensor | QuantizedMatrix:
@@ -238,13 +256,10 @@ class TensorStore:
         slot = self.slots.get(name)
         if slot is None or self.storage is Storage.DEQUANTIZED or slot.is_split:
             return self.weight(name)
-        record = slot.record
-        if len(record.ne) != 2 or self._is_view(record):
+        if len(slot.record.ne) != 2 or self._is_view(slot.record):
             return self.weight(name)
-        raw = slot.active.tensor[: record.nbytes]
-        shape = (record.ne[1], record.ne[0])
-        cached = (lambda: self.weight(name)) if self._dense_cached else None
-        matrix = QuantizedMatrix(raw, record.ggml_type, shape, name, decoded=cached)
+        matrix = self.blocks(name)
+        assert matrix is not None, f"{name}: a native 2-D slot has blocks"
         return matrix if matrix.multiplies_blocks else self.weight(name)
 
     def blocks(self, name: str) -> QuantizedMatrix | None:
@@ -257,9 +272,14 @@ class TensorStore:
         record = slot.record
         if len(record.ne) != 2:
             return None
-        raw = slot.active.tensor[: record.nbytes]
-        cached = (lambda: self.weight(name)) if self._dense_cached else None
-        return QuantizedMatrix(raw, record.ggml_type, (record.ne[1], record.ne[0]), name, cached)
+        matrix = self._views.get(("blocks", name))
+        if not isinstance(matrix, QuantizedMatrix):
+            raw = slot.active.tensor[: record.nbytes]
+            cached = (lambda: self.weight(name)) if self._dense_cached else None
+            shape = (record.ne[1], record.ne[0])
+            matrix = QuantizedMatrix(raw, record.ggml_type, shape, name, cached)
+            self._views[("blocks", name)] = matrix
+        return matrix
 
     def _is_view(self, record: TensorRecord) -> bool:
         """Whether native bytes of ``record`` already are compute-dtype values (read as a view)."""

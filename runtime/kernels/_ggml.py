@@ -105,6 +105,11 @@ del T
 _FLOAT_ONLY: ContextVar[bool] = ContextVar("ggufswap_float_products", default=False)
 
 
+def float_only() -> bool:
+    """True inside :func:`float_products`."""
+    return _FLOAT_ONLY.get()
+
+
 @contextmanager
 def float_products() -> Iterator[None]:
     """Within the block (this thread / context), products never go through ggml."""
@@ -130,14 +135,19 @@ class Library:
     def name(self) -> str:
         return "ggml (ik_llama.cpp)" if self.ik else "ggml"
 
-    def handles(self, ggml_type: int, cols: int, device: torch.device) -> bool:
-        """Whether ``ggml_type`` rows of ``cols`` values on ``device`` multiply through ggml."""
+    def multiplies(self, ggml_type: int, cols: int, device: torch.device) -> bool:
+        """Whether ggml multiplies ``ggml_type`` rows of ``cols`` values on ``device`` (the
+        static part of :meth:`handles`: a matrix asks once)."""
         return (
             device.type == "cpu"
             and ggml_type in self.types
             and cols % LAYOUTS[GGMLType(ggml_type)].block_size == 0
-            and not _FLOAT_ONLY.get()
         )
+
+    def handles(self, ggml_type: int, cols: int, device: torch.device) -> bool:
+        """Whether ``ggml_type`` rows of ``cols`` values on ``device`` multiply through ggml
+        here and now (not inside :func:`float_products`)."""
+        return not float_only() and self.multiplies(ggml_type, cols, device)
 
     def mul_mat(
         self, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int], x: torch.Tensor

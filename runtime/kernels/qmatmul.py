@@ -27,6 +27,7 @@ computes what a fresh load computes) needs. :func:`kernels` names the path in st
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -88,13 +89,20 @@ class QuantizedMatrix:
     def device(self) -> torch.device:
         return self.raw.device
 
+    @functools.cached_property
+    def _library(self) -> _ggml.Library | None:
+        """The libggml that multiplies this matrix (its type, row length and device), if any."""
+        library = _ggml.library()
+        if library is None or not library.multiplies(
+            self.ggml_type, self.shape[1], self.raw.device
+        ):
+            return None
+        return library
+
     @property
     def ggml(self) -> bool:
         """Whether :meth:`linear` runs ggml's kernels for this matrix (here, now)."""
-        library = _ggml.library()
-        return library is not None and library.handles(
-            self.ggml_type, self.shape[1], self.raw.device
-        )
+        return self._library is not None and not _ggml.float_only()
 
     @property
     def compiled(self) -> bool:
@@ -122,10 +130,9 @@ class QuantizedMatrix:
         or the compiled kernel (a few activation rows: < ``FUSED_MAX_ROWS``), else in ``dtype``
         (the compute dtype) from the decoded matrix (``decoded``, or this thread's scratch)."""
         rows, cols = self.shape
-        library = _ggml.library()
-        if library is not None and library.handles(self.ggml_type, cols, self.raw.device):
-            raw = self.raw if self.raw.is_contiguous() else self.raw.contiguous()
-            return library.mul_mat(raw, self.ggml_type, self.shape, x)
+        library = self._library
+        if library is not None and not _ggml.float_only():
+            return library.mul_mat(self.raw, self.ggml_type, self.shape, x)
         n = x.numel() // cols
         if self.decoded is not None and (not self.compiled or n >= FUSED_MAX_ROWS):
             w = self.decoded()

@@ -147,9 +147,9 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     decoder with ggml's numerics: ggml's own rounding, :func:`.ggml_numerics.rms_norm`)."""
     if ggml_norms_active():
         return ggml_rms_norm(x, w, eps)
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * w.to(device=x.device, dtype=torch.float32)).to(x.dtype)
+    # F.rms_norm: x * rsqrt(mean(x^2) + eps) * w, the same float32 operations in one call
+    wf = w.to(device=x.device, dtype=torch.float32)
+    return F.rms_norm(x.float(), (x.shape[-1],), wf, eps).to(x.dtype)
 
 
 class _Spec:
@@ -240,18 +240,19 @@ def grouped_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: float
 ) -> Tensor:
     """Grouped-query attention without copies of K/V: ``q [B, H, T, hd]``, ``k, v [B, Hkv, S,
-    hd]``, ``mask [T, S]`` (True = may attend; None = causal). The queries of each kv head are
-    one block of rows, so each K/V is read once per step (the decode step's cost grows with the
-    context as llama.cpp's does); ``[B, H, T, hd]``."""
+    hd]``, ``mask [T, S]`` (True = may attend; None = causal); ``[B, H, T, hd]``. A decode step
+    (one query) puts the ``H / Hkv`` query heads of each kv head in one block of rows, so each
+    K/V is read once per step and the step's cost grows with the context as llama.cpp's does;
+    more queries use torch's grouped-query attention (``enable_gqa``, causal without a mask)."""
     bsz, n_head, seq, hd = q.shape
     group = n_head // k.shape[1]
-    if group == 1:
+    if group == 1 or seq > 1:
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
         )
-    if mask is None:  # causal within this forward (no cache): explicit, as rows are grouped
-        mask = torch.ones(seq, k.shape[2], dtype=torch.bool, device=q.device).tril()
-    rows = mask.repeat(group, 1)  # [g*T, S]: row j*T + t is query position t
+    rows = None  # one query attending every key (a decode step within its window): no mask
+    if mask is not None and not bool(mask.all()):
+        rows = mask.repeat(group, 1)  # [g, S]: the one query position, for each head of a group
     y = F.scaled_dot_product_attention(
         group_queries(q, k.shape[1]), k, v, attn_mask=rows, scale=scale
     )
