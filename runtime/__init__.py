@@ -27,6 +27,7 @@ from ggufswap.runtime.kernels import (
     float_products,
     grouped,
     has_kernel,
+    linear_all,
 )
 from ggufswap.runtime.plans import PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
@@ -59,4 +60,5 @@ __all__ = [
     "group_families",
     "grouped",
     "has_kernel",
+    "linear_all",
 ]

@@ -170,3 +170,25 @@ def test_ggml_multiplies_first_where_a_libggml_is_loaded() -> None:
         _ggml._FLOAT_ONLY.reset(token)
     assert not torch.equal(got, floats)
     torch.testing.assert_close(got, floats, rtol=0.05, atol=0.05)  # 8-bit activations
+
+
+def test_matrices_sharing_activations_multiply_in_one_ggml_call_with_the_same_bits() -> None:
+    """linear_all gives each matrix's own product bit for bit: one ggml call where a libggml
+    multiplies them all, each matrix's linear otherwise."""
+    raws = [blocks(Q.Q4_K, rows=32, seed=1), blocks(Q.Q8_0, rows=24, seed=2)]
+    matrices = [
+        QuantizedMatrix(raws[0], Q.Q4_K, (32, COLS), "blk.0.attn_q.weight"),
+        QuantizedMatrix(raws[1], Q.Q8_0, (24, COLS), "blk.0.attn_k.weight"),
+    ]
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(6))
+    for ggml in (False, True):
+        if ggml and _ggml.library() is None:
+            continue
+        token = _ggml._FLOAT_ONLY.set(not ggml)
+        try:
+            together = qmatmul.linear_all(x, matrices, dtype=torch.float32)
+            alone = [m.linear(x, dtype=torch.float32) for m in matrices]
+        finally:
+            _ggml._FLOAT_ONLY.reset(token)
+        assert [t.shape for t in together] == [(3, 32), (3, 24)]
+        assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True)), ggml

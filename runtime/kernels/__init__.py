@@ -21,7 +21,7 @@ from ggufswap.runtime.kernels._ggml import float_products
 from ggufswap.runtime.kernels._ggml import library as ggml_library
 from ggufswap.runtime.kernels.dequant import KERNEL_TYPES, dequantize, has_kernel
 from ggufswap.runtime.kernels.experts import QuantizedExperts, grouped
-from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix, kernels
+from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix, kernels, linear_all
 from ggufswap.runtime.kernels.scratch import role_scratch
 
 __all__ = [
@@ -34,5 +34,6 @@ __all__ = [
     "grouped",
     "has_kernel",
     "kernels",
+    "linear_all",
     "role_scratch",
 ]

@@ -169,6 +169,26 @@ class Library:
         )
         return out.view(*x.shape[:-1], rows)
 
+    def mul_mats(
+        self, x: torch.Tensor, matrices: list[tuple[torch.Tensor, int, int]]
+    ) -> list[torch.Tensor]:
+        """``[x [..., cols] @ W.T]`` for several matrices ``(raw, ggml_type, rows)`` of the same
+        row length, in one graph (ggml quantizes ``x`` once where it can): float32 each."""
+        cols = x.shape[-1]
+        flat = _activations(x, cols)  # [N, cols]
+        outs = [torch.empty(flat.shape[0], rows, dtype=torch.float32) for _, _, rows in matrices]
+        self.module.mul_mats(
+            flat.data_ptr(),
+            flat.shape[0],
+            cols,
+            torch.get_num_threads(),
+            [
+                (_ptr(raw), int(t), rows, out.data_ptr())
+                for (raw, t, rows), out in zip(matrices, outs, strict=True)
+            ],
+        )
+        return [out.view(*x.shape[:-1], out.shape[1]) for out in outs]
+
     def mul_mat_id(
         self,
         raw: torch.Tensor,

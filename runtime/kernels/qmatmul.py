@@ -39,7 +39,7 @@ from ggufswap.runtime.kernels.dequant import dequantize
 from ggufswap.runtime.kernels.scratch import role_scratch
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, row_nbytes
 
-__all__ = ["QuantizedMatrix", "kernels"]
+__all__ = ["QuantizedMatrix", "kernels", "linear_all"]
 
 
 def kernels() -> str:
@@ -169,3 +169,20 @@ class QuantizedMatrix:
             stop = min(start + band, rows)
             out[..., start:stop] = F.linear(xd, self.decode(dtype, start, stop))
         return out
+
+
+# The most matrices one ggml call multiplies by the same activations (csrc/ggmlcall.c).
+MAX_SHARED = 4
+
+
+def linear_all(
+    x: torch.Tensor, matrices: list[QuantizedMatrix], *, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """``[m.linear(x) for m in matrices]``: one ggml call where ggml multiplies every one of them
+    (a layer's q, k and v, or gate and up: the activations quantized once), the same values as
+    one call each; else each matrix's own :meth:`~QuantizedMatrix.linear`."""
+    library = matrices[0]._library if matrices else None
+    same = all(m._library is library and m.shape[1] == x.shape[-1] for m in matrices)
+    if library is None or not same or len(matrices) > MAX_SHARED or _ggml.float_only():
+        return [m.linear(x, dtype=dtype) for m in matrices]
+    return library.mul_mats(x, [(m.raw, m.ggml_type, m.shape[0]) for m in matrices])

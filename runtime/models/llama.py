@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
-from ggufswap.runtime import QuantizedMatrix, grouped
+from ggufswap.runtime import QuantizedMatrix, grouped, linear_all
 from ggufswap.runtime.models.errors import HParamsError, MissingWeightError
 from ggufswap.runtime.models.ggml_numerics import GgmlMatrix, gelu, ggml_norms_active
 from ggufswap.runtime.models.ggml_numerics import rms_norm as ggml_rms_norm
@@ -133,6 +133,22 @@ def linear(x: Tensor, w: Tensor | QuantizedMatrix | GgmlMatrix, b: Tensor | None
     return F.linear(xw, w, bw).to(device=x.device, dtype=x.dtype)
 
 
+def linears(
+    x: Tensor, ws: list[Tensor | QuantizedMatrix | GgmlMatrix], biases: list[Tensor | None]
+) -> list[Tensor]:
+    """``[linear(x, w, b)]`` for several weights read by the same ``x`` (a layer's q, k and v;
+    gate and up): one call where ggml multiplies them all (``x`` quantized once, as llama.cpp's
+    graph does), the same values as one call each."""
+    blocks = [w.blocks if isinstance(w, GgmlMatrix) else w for w in ws]
+    if not all(isinstance(m, QuantizedMatrix) and m.ggml for m in blocks):
+        return [linear(x, w, b) for w, b in zip(ws, biases, strict=True)]
+    ys = linear_all(x, [m for m in blocks if isinstance(m, QuantizedMatrix)], dtype=torch.float32)
+    biased = [
+        y if b is None else y + b.to(y.device, y.dtype) for y, b in zip(ys, biases, strict=True)
+    ]
+    return [y.to(device=x.device, dtype=x.dtype) for y in biased]
+
+
 def routed_linear(stack: Tensor | ExpertStack, x: Tensor, ids: Tensor) -> Tensor:
     """``[N, k, rows]``: ``x @ W[ids[t, j]].T`` for every token ``t`` and slot ``j``, one grouped
     product (``x``: ``[N, cols]``, or ``[N, k, cols]`` one input per slot); a plain tensor stack
@@ -216,9 +232,15 @@ class Attention(nn.Module):
         ``cache`` the keys are the cached ones then this forward's (S = cache.length + T)."""
         # x: [B, T, D]
         c, (bsz, seq, _) = self.config, x.shape
-        q = self._proj(x, self.wq, self.bq).view(bsz, seq, c.n_head, c.head_dim)  # [B, T, H, hd]
-        k = self._proj(x, self.wk, self.bk).view(bsz, seq, c.n_head_kv, c.head_dim)  # [B,T,Hkv,hd]
-        v = self._proj(x, self.wv, self.bv).view(bsz, seq, c.n_head_kv, c.head_dim)
+        w, b = self.weights, self.weights.weight
+        q, k, v = linears(
+            x,
+            [w.matrix(self.wq), w.matrix(self.wk), w.matrix(self.wv)],
+            [None if name is None else b(name) for name in (self.bq, self.bk, self.bv)],
+        )
+        q = q.view(bsz, seq, c.n_head, c.head_dim)  # [B, T, H, hd]
+        k = k.view(bsz, seq, c.n_head_kv, c.head_dim)  # [B, T, Hkv, hd]
+        v = v.view(bsz, seq, c.n_head_kv, c.head_dim)
         q = rope.rotate(self._norm(q, self.q_norm))
         k = rope.rotate(self._norm(k, self.k_norm))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H(kv), T, hd]
@@ -264,15 +286,16 @@ Matrix: TypeAlias = "Tensor | QuantizedMatrix | GgmlMatrix"
 
 def swiglu(x: Tensor, gate: Matrix, up: Matrix, down: Matrix) -> Tensor:
     """``down(silu(gate(x)) * up(x))``: llama.cpp's LLM_FFN_SILU + LLM_FFN_PAR."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+    g, u = linears(x, [gate, up], [None, None])
+    return linear(F.silu(g) * u, down)
 
 
 def geglu(x: Tensor, gate: Matrix, up: Matrix, down: Matrix) -> Tensor:
     """``down(gelu_tanh(gate(x)) * up(x))``: llama.cpp's LLM_FFN_GELU + LLM_FFN_PAR (gemma); with
     ggml's numerics (a :class:`GgmlMatrix` gate), GELU through ggml's F16 table."""
-    g = linear(x, gate)
+    g, u = linears(x, [gate, up], [None, None])
     act = gelu(g) if isinstance(gate, GgmlMatrix) else F.gelu(g, approximate="tanh")
-    return linear(act * linear(x, up), down)
+    return linear(act * u, down)
 
 
 GATED_FFN: Final = {Activation.SILU: swiglu, Activation.GELU_TANH: geglu}

@@ -24,6 +24,9 @@
  *   block_size(type) -> int            (ggml_blck_size)
  *   mul_mat(w, type, rows, cols, x, n, y, threads)
  *        y[n, rows] = x[n, cols] @ W.T, W `rows` rows of ggml_row_size(type, cols) bytes
+ *   mul_mats(x, n, cols, threads, ((w, type, rows, y), ...))
+ *        several matrices by the same activations, one graph (up to MAX_MATS): ggml quantizes
+ *        the activations once where it can (ik's fork fuses products that share them)
  *   mul_mat_id(w, type, n_expert, rows, cols, x, x_per_token, n_tokens, ids, n_used, y, threads)
  *        y[t, j] = W[ids[t, j]] @ x[t, j % x_per_token] for each token t and slot j: W a stack
  *        of n_expert matrices [rows, cols], x [n_tokens, x_per_token, cols] (x_per_token is 1,
@@ -82,6 +85,7 @@ static pthread_mutex_t LOCK = PTHREAD_MUTEX_INITIALIZER;
 
 /* Graph memory: a handful of tensor headers and a small graph, reused by every product. */
 #define GRAPH_NODES 8
+#define MAX_MATS 4
 #define CTX_BYTES (64 * 1024)
 static _Alignas(64) unsigned char CTX_MEM[CTX_BYTES];
 
@@ -173,10 +177,13 @@ typedef struct {
     size_t nbytes;
 } placed;
 
-/* Place the tensors, compute `out`'s graph on `threads` threads, free the buffers. Called with
- * LOCK held and without the GIL. Returns 0, or -1 when ggml could not allocate. */
-static int compute(ggml_context *ctx, ggml_tensor *out, const placed *ts, int count, int threads) {
-    ggml_backend_buffer_t bufs[8] = {0};
+#define MAX_PLACED (2 * MAX_MATS + 1)
+
+/* Place the tensors, compute the graph of `outs` on `threads` threads, free the buffers. Called
+ * with LOCK held and without the GIL. Returns 0, or -1 when ggml could not allocate. */
+static int compute(ggml_context *ctx, ggml_tensor *const *outs, int n_outs, const placed *ts,
+                   int count, int threads) {
+    ggml_backend_buffer_t bufs[MAX_PLACED] = {0};
     int status = 0;
     for (int i = 0; i < count && status == 0; i++) {
         bufs[i] = place(ts[i].t, ts[i].addr, ts[i].nbytes);
@@ -184,7 +191,7 @@ static int compute(ggml_context *ctx, ggml_tensor *out, const placed *ts, int co
     }
     if (status == 0) {
         ggml_cgraph *graph = G.new_graph_custom(ctx, GRAPH_NODES, false);
-        G.build_forward_expand(graph, out);
+        for (int i = 0; i < n_outs; i++) G.build_forward_expand(graph, outs[i]);
         if (G.threads != threads) {
             G.cpu_set_n_threads(G.backend, threads);
             G.threads = threads;
@@ -224,7 +231,62 @@ static PyObject *py_mul_mat(PyObject *self, PyObject *args) {
         {tx, (uintptr_t)x, (size_t)(n * cols) * sizeof(float)},
         {ty, (uintptr_t)y, (size_t)(n * rows) * sizeof(float)},
     };
-    status = compute(ctx, ty, ts, 3, threads);
+    status = compute(ctx, &ty, 1, ts, 3, threads);
+    G.free(ctx);
+    pthread_mutex_unlock(&LOCK);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+typedef struct {
+    unsigned long long w, y;
+    int type;
+    long long rows;
+} mat_arg;
+
+static PyObject *py_mul_mats(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x;
+    long long n, cols;
+    int threads;
+    PyObject *mats;
+    if (!PyArg_ParseTuple(args, "KLLiO", &x, &n, &cols, &threads, &mats)) return NULL;
+    if (!loaded()) return NULL;
+    PyObject *seq = PySequence_Fast(mats, "mul_mats: the matrices must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    mat_arg m[MAX_MATS];
+    if (count < 1 || count > MAX_MATS || n < 1 || cols < 1 || threads < 1) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "mul_mats: 1 to %d matrices, n=%lld cols=%lld",
+                            MAX_MATS, n, cols);
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyArg_ParseTuple(item, "KiLK", &m[i].w, &m[i].type, &m[i].rows, &m[i].y) ||
+            m[i].rows < 1) {
+            Py_DECREF(seq);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "mul_mats: rows < 1");
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&LOCK);
+    ggml_context *ctx = new_context();
+    ggml_tensor *tx = G.new_tensor_2d(ctx, GGML_F32, cols, n);
+    ggml_tensor *outs[MAX_MATS];
+    placed ts[MAX_PLACED];
+    ts[0] = (placed){tx, (uintptr_t)x, (size_t)(n * cols) * sizeof(float)};
+    for (Py_ssize_t i = 0; i < count; i++) {
+        ggml_tensor *tw = G.new_tensor_2d(ctx, m[i].type, cols, m[i].rows);
+        outs[i] = G.mul_mat(ctx, tw, tx);
+        ts[1 + 2 * i] = (placed){tw, (uintptr_t)m[i].w, (size_t)m[i].rows * G.row_size(m[i].type, cols)};
+        ts[2 + 2 * i] = (placed){outs[i], (uintptr_t)m[i].y, (size_t)(n * m[i].rows) * sizeof(float)};
+    }
+    status = compute(ctx, outs, (int)count, ts, 1 + 2 * (int)count, threads);
     G.free(ctx);
     pthread_mutex_unlock(&LOCK);
     Py_END_ALLOW_THREADS
@@ -261,7 +323,7 @@ static PyObject *py_mul_mat_id(PyObject *self, PyObject *args) {
         {ti, (uintptr_t)ids, (size_t)(n_tokens * n_used) * sizeof(int32_t)},
         {ty, (uintptr_t)y, (size_t)(n_tokens * n_used * rows) * sizeof(float)},
     };
-    status = compute(ctx, ty, ts, 4, threads);
+    status = compute(ctx, &ty, 1, ts, 4, threads);
     G.free(ctx);
     pthread_mutex_unlock(&LOCK);
     Py_END_ALLOW_THREADS
@@ -274,6 +336,7 @@ static PyMethodDef METHODS[] = {
     {"row_size", py_row_size, METH_VARARGS, "ggml_row_size(type, cols)."},
     {"block_size", py_block_size, METH_VARARGS, "ggml_blck_size(type)."},
     {"mul_mat", py_mul_mat, METH_VARARGS, "y[n, rows] = x[n, cols] @ W.T through ggml."},
+    {"mul_mats", py_mul_mats, METH_VARARGS, "Several matrices by the same x, one graph."},
     {"mul_mat_id", py_mul_mat_id, METH_VARARGS, "Routed experts' products through ggml."},
     {NULL, NULL, 0, NULL},
 };
