@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ggufswap.runtime.models.attention import group_queries
 from ggufswap.runtime.models.gemma3 import sliding_window_mask
 from ggufswap.runtime.models.hparams import Arch, HParams
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
@@ -35,7 +36,6 @@ from ggufswap.runtime.models.llama import (
     TransformerBlock,
     WeightProvider,
     _Spec,
-    group_queries,
     linear,
 )
 from ggufswap.shards.keys import TensorNames
