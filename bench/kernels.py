@@ -12,15 +12,24 @@ step) and 512 rows (a perplexity batch), on 1 and 2 threads, by
   (``float_products``, what runs without a libggml).
 
 Each row is the float path's median time over ggml's (same matrix, activations and threads, the
-two alternating), so a ratio above 1 is ggml faster. Needs a libggml (``pip install .[ggml]``).
+two alternating), so a ratio above 1 is ggml faster. Where a C compiler is at hand, Q8_0's decode
+row also runs a hand-written integer kernel (``bench/csrc/q8_0_int.c``: AVX2 + FMA, the
+activations quantized to 8 bits, integer dot products; one thread): what writing our own integer
+kernels would give, against ggml's. Needs a libggml (``pip install .[ggml]``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import platform
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
@@ -88,6 +97,51 @@ def measure(t: GGMLType, n: int, threads: int, reps: int, clock: str) -> tuple[f
     return statistics.median(float_s), statistics.median(ggml_s)
 
 
+def own_q8_0(tmp: Path) -> Any:
+    """The hand-written Q8_0 kernel, compiled here (None without a compiler or off x86-64)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    lib = tmp / "q8_0_int.so"
+    source = Path(__file__).resolve().parent / "csrc" / "q8_0_int.c"
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"]
+    if subprocess.run([cc, *flags, "-o", str(lib), str(source)], check=False).returncode:
+        return None
+    fn = ctypes.CDLL(str(lib)).q8_0_matvec
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
+
+
+def own_row(clock: str, reps: int) -> list[dict[str, Any]]:
+    """Q8_0, one row, one thread: the hand-written integer kernel against ggml's."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        fn = own_q8_0(Path(tmp))
+        if fn is None:
+            print("  no C compiler: no hand-written integer kernel", file=sys.stderr)
+            return []
+        raw = blocks(T.Q8_0)
+        matrix = QuantizedMatrix(raw, T.Q8_0, (ROWS, COLS), "blk.0.ffn_up.weight")
+        x = torch.randn(1, COLS, generator=torch.Generator().manual_seed(1))
+        y = torch.empty(ROWS)
+        fn(raw.data_ptr(), ROWS, COLS, x.data_ptr(), y.data_ptr())
+        ggml_y = matrix.linear(x, dtype=torch.float32)[0]
+        error = float((y - ggml_y).norm() / ggml_y.norm())
+        own_s, ggml_s = [], []
+        for _ in range(3):
+            own_s.append(
+                timed(
+                    lambda: fn(raw.data_ptr(), ROWS, COLS, x.data_ptr(), y.data_ptr()), reps, clock
+                )
+            )
+            ggml_s.append(timed(lambda: matrix.linear(x, dtype=torch.float32), reps, clock))
+    own, ggml = statistics.median(own_s), statistics.median(ggml_s)
+    print(f"  Q8_0 x 1 row, 1 thread: own integer kernel {own * 1e3:.3f} ms, ggml "
+          f"{ggml * 1e3:.3f} ms (relative difference {error:.1e})", file=sys.stderr)  # fmt: skip
+    return [row(f"Q8_0 [{ROWS}x{COLS}] x 1 row, 1 thread: ggml vs own integer", own, ggml, None)]
+
+
 def run(
     quick: bool, threads: tuple[int, ...] = (1, 2), clock: str = "wall"
 ) -> list[dict[str, Any]]:
@@ -108,6 +162,8 @@ def run(
                       f"ggml {ggml_s * 1e3:.3f} ms", file=sys.stderr)  # fmt: skip
                 name = f"{t.name} [{ROWS}x{COLS}] x {n} rows, {th} thread(s): ggml vs float"
                 rows.append(row(name, float_s, ggml_s, None))
+    if platform.machine() == "x86_64":
+        rows += own_row(clock, 10 if quick else 50)
     return rows
 
 

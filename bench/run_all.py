@@ -30,6 +30,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 KNOWN = (
     "parse",
     "dequant",
+    "kernels",
     "commit_stall",
     "latency",
     "scan",

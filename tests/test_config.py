@@ -139,7 +139,7 @@ def test_minimal_runtime_config_gets_defaults(tmp_path: Path) -> None:
     assert runtime.events_endpoint == f"ipc://{run}/ggufswap.events.sock"
     assert runtime.allowed_roots == (Path("/m"),)
     assert [(p.name, p.device, p.budget) for p in runtime.pools] == [("host", "cpu", None)]
-    assert (runtime.storage, runtime.compute_dtype) == (Storage.DEQUANTIZED, ComputeDtype.FLOAT32)
+    assert (runtime.storage, runtime.compute_dtype) == (Storage.AUTO, ComputeDtype.FLOAT32)
     assert (runtime.placement.gpu_layers, runtime.placement.experts_pool) == (-1, None)
     assert runtime.placement.split_experts is False
     assert runtime.strict_types is False
