@@ -34,7 +34,7 @@ from ggufswap.runtime.kernels import _compiled, ggml_library
 from ggufswap.runtime.kernels import experts as experts_module
 from ggufswap.runtime.kernels.scratch import role_scratch
 from ggufswap.runtime.loading import Loader, LoadJob, Segment
-from ggufswap.runtime.models import HParams, Transformer
+from ggufswap.runtime.models import HParams, Transformer, build_model
 from ggufswap.runtime.resident import DecodedCache
 from ggufswap.runtime.store import TensorStore
 from ggufswap.shards import FileChangedError, TensorRecord, open_shard_set
@@ -408,3 +408,25 @@ def test_populate_faults_a_fresh_buffer_in_and_keeps_contents() -> None:
     assert loading.populate(held)
     assert torch.equal(held, torch.arange(1 << 20, dtype=torch.int32))
     assert not loading.populate(torch.empty(16, dtype=torch.uint8))  # too small to bother
+
+
+def test_exact_numerics_multiply_in_float_over_native_storage(tmp_path: Path) -> None:
+    """build_model(numerics="exact") over a native store multiplies in float even where a
+    libggml could (what the float kernels compute, to float32 rounding of dequantized storage);
+    the default (None) takes the store's fastest kernels."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    hparams = HParams.from_metadata(open_shard_set(model_dir.first).metadata)
+    runtime, _ = open_runtime(model_dir.first, storage=Storage.DEQUANTIZED)
+    try:
+        expected = logits(build_model(hparams, runtime.store))
+    finally:
+        runtime.close()
+    runtime, _ = open_runtime(model_dir.first, storage=Storage.NATIVE)
+    try:
+        exact = logits(build_model(hparams, runtime.store, store=runtime.store, numerics="exact"))
+        fastest = logits(build_model(hparams, runtime.store, store=runtime.store))
+    finally:
+        runtime.close()
+    torch.testing.assert_close(exact, expected, rtol=1e-4, atol=1e-4)
+    if ggml_library() is not None:
+        assert not torch.equal(fastest, exact)  # ggml's 8-bit activations
