@@ -5,10 +5,12 @@
 llama.cpp is llama-cpp-python in the cross-check venv (``.venv-crosscheck``, ``make crosscheck``
 builds it), run in a fresh process per measurement (``bench/_llama_child.py``); ours runs in a
 fresh process too, with the defaults an operator gets (``storage: auto``, ``map_shards: auto``,
-whatever libggml is installed: ``status`` names the kernels, printed here). The two alternate
-(ours, llama.cpp, ours, ...) for ``--rounds`` rounds and each figure is the median over the
-rounds. Every row is a ratio, llama.cpp's time over ours (higher is better; 1.0 = llama.cpp's
-pace), with the issue's target:
+whatever libggml is installed: ``status`` names the kernels, printed here), both under the
+OpenMP environment the ``ggufswap`` command sets (``OMP_WAIT_POLICY=PASSIVE``, unless the
+caller's environment says otherwise: spinning workers wreck both on a shared host). The two
+alternate (ours, llama.cpp, ours, ...) for ``--rounds`` rounds and each figure is the median
+over the rounds. Every row is a ratio, llama.cpp's time over ours (higher is better; 1.0 =
+llama.cpp's pace), with the issue's target:
 
 - greedy decode of the real Gemma 3 270M Q4_K_M at 1 and 2 threads (target 1.0);
 - perplexity evaluation, one 512-token context, 2 threads: in ggml's numerics (native storage,
@@ -63,8 +65,14 @@ def _json_child(argv: list[str], env: dict[str, str] | None = None) -> dict[str,
 
 
 def llama(python: Path, job: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's measurement, under the OpenMP environment ours runs in (cli/main.py's: idle
+    workers sleep; spinning ones ruin both on a shared host) unless the caller's says otherwise."""
+    from ggufswap.main import OPENMP_ENV
+
+    env = {**OPENMP_ENV, **os.environ}
     started = time.perf_counter()
-    got = _json_child([str(python), str(HERE.parent / "_llama_child.py"), json.dumps(job)])
+    argv = [str(python), str(HERE.parent / "_llama_child.py"), json.dumps(job)]
+    got = _json_child(argv, env=env)
     got["wall_s"] = time.perf_counter() - started
     return got
 
@@ -114,7 +122,12 @@ def _greedy_steps(model: Any, cache: Any, logits: Any, steps: int) -> tuple[floa
 
 
 def child(job: dict[str, Any]) -> dict[str, Any]:
-    """One measurement of ours (run with ``--child``)."""
+    """One measurement of ours (run with ``--child``), the OpenMP environment the ``ggufswap``
+    command sets (cli/main.py: idle workers sleep) unless the caller's says otherwise."""
+    from ggufswap.main import OPENMP_ENV
+
+    for key, value in OPENMP_ENV.items():
+        os.environ.setdefault(key, value)
     import structlog
     import torch
 

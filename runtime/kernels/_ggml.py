@@ -165,7 +165,7 @@ class Library:
             flat.data_ptr(),
             flat.shape[0],
             out.data_ptr(),
-            torch.get_num_threads(),
+            threads(),
         )
         return out.view(*x.shape[:-1], rows)
 
@@ -181,7 +181,7 @@ class Library:
             flat.data_ptr(),
             flat.shape[0],
             cols,
-            torch.get_num_threads(),
+            threads(),
             [
                 (_ptr(raw), int(t), rows, out.data_ptr())
                 for (raw, t, rows), out in zip(matrices, outs, strict=True)
@@ -220,9 +220,14 @@ class Library:
             picked.data_ptr(),
             n_used,
             out.data_ptr(),
-            torch.get_num_threads(),
+            threads(),
         )
         return out
+
+
+def threads() -> int:
+    """Threads ggml's products run on: torch's count (the runtime's thread policy sets it)."""
+    return torch.get_num_threads()
 
 
 def _activations(x: torch.Tensor, cols: int) -> torch.Tensor:
@@ -292,6 +297,29 @@ def _glue() -> ModuleType | None:
     return module
 
 
+# ik's wheel brings its own OpenMP runtime, beside torch's: idle workers spinning on a few cores
+# take them from the thread doing the work. The library's runtime reads its wait policy when it
+# is loaded (torch's, when torch is imported: the ggufswap command sets it for both, cli/main.py).
+_OPENMP_ENV: Final = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@contextmanager
+def _passive_openmp() -> Iterator[None]:
+    """``OMP_WAIT_POLICY=PASSIVE`` while the library (and an OpenMP runtime of its own) loads,
+    unless the environment says otherwise; the environment as it was afterwards."""
+    before = {key: os.environ.get(key) for key in _OPENMP_ENV}
+    for key, value in _OPENMP_ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, was in before.items():
+            if was is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = was
+
+
 def _load() -> tuple[Library | None, str]:
     """The library and a line saying which (or why none)."""
     path = find()
@@ -302,7 +330,8 @@ def _load() -> tuple[Library | None, str]:
         return None, "the ggml glue (runtime/kernels/csrc/ggmlcall.c) was not built"
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort must not start gdb
     try:
-        ik = bool(module.load(str(path)))
+        with _passive_openmp():
+            ik = bool(module.load(str(path)))
     except OSError as exc:
         return None, f"{path}: {exc}"
     candidates = MAINLINE_TYPES | (IK_TYPES if ik else frozenset())
