@@ -18,8 +18,8 @@ llama.cpp's pace), with the issue's target:
   (dequantized float products); and the sweep's ggml numerics against its exact ones;
 - process start to first logits, warm page cache (target: at most 1.5x llama.cpp's time);
 - one-token decode of a synthetic qwen3moe (128 experts, 8 used; Q4_K/Q6_K), 1 thread (target 1.0);
-- decode-step growth from 64 to 4,096 tokens of context (ours against llama.cpp's growth: no
-  worse, target 1.0).
+- decode-step growth from 64 to 4,096 tokens of context, 1 thread (ours against llama.cpp's
+  growth: no worse, target 1.0).
 
 Without the cross-check venv nothing is measured (a note says how to build it). The host's load
 (``os.getloadavg``) is printed beside the figures: on a shared host they are noisy, and
@@ -230,7 +230,7 @@ def gemma_rows(
     growth: dict[str, tuple[float, float]] = {}
     contexts = (64, 1024) if quick else (64, 4096)
     for context in contexts:
-        job = {"what": "growth", "path": str(path), "threads": 2, "steps": 8, "context": context}
+        job = {"what": "growth", "path": str(path), "threads": 1, "steps": 8, "context": context}
         theirs, mine, _ = interleaved(
             rounds,
             lambda job=job: ours(job),
