@@ -6,7 +6,7 @@ carries (re-exported here and as ``ggufswap.runtime.Reason``).
 
 from __future__ import annotations
 
-from ggufswap.ipc.messages import Reason
+from ggufswap.ipc.bodies import Reason
 
 
 class RuntimeLibraryError(Exception):
