@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(f"ggufswap runtime: {p}" for p in problems), file=sys.stderr)
         return EXIT_CONFIG
     from ggufswap.ipc import IpcError
-    from ggufswap.runtime.mapping import MapRefused
+    from ggufswap.runtime import MapRefused
     from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
     from ggufswap.runtime.serving.errors import ListenError
     from ggufswap.runtime.serving.serve import Mode, ServeOptions

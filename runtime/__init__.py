@@ -13,6 +13,7 @@ from ggufswap.config import Storage
 from ggufswap.ipc import Reason, SlotState
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.errors import (
+    MapRefused,
     PlanRejected,
     PoolFull,
     RuntimeLibraryError,
@@ -29,6 +30,7 @@ __all__ = [
     "Buffer",
     "DerivedTensor",
     "HotSwapRuntime",
+    "MapRefused",
     "Placement",
     "PlanRejected",
     "PlanState",
