@@ -42,17 +42,14 @@ from ggufswap.runtime.commit import commit
 from ggufswap.runtime.coordinated import Coordinator, Decision
 from ggufswap.runtime.errors import PlanRejected, RuntimeLibraryError, StagingFailed
 from ggufswap.runtime.kernels import KERNELS
+from ggufswap.runtime.opening import load_model
+from ggufswap.runtime.placement import Placement
 from ggufswap.runtime.plans import Follower, PlanState, PlanTicket
-from ggufswap.runtime.pools import Buffer, Pool, PoolSet
+from ggufswap.runtime.pools import Buffer, Pool
 from ggufswap.runtime.staging import StagedPlan, Stager
-from ggufswap.runtime.store import (
-    Placement,
-    Slot,
-    TensorStore,
-    choose_storage,
-)
+from ggufswap.runtime.store import Slot, TensorStore
 from ggufswap.runtime.validate import validate_plan
-from ggufswap.shards import HeaderCache, Keys, ShardSet, open_shard_set
+from ggufswap.shards import ShardSet
 
 log = get_logger(__name__)
 
@@ -135,45 +132,29 @@ class HotSwapRuntime:
     ) -> HotSwapRuntime:
         """Load the shard set containing ``model`` onto ``pools`` and start the stager.
 
-        ``storage=AUTO`` is resolved here (:func:`~ggufswap.runtime.store.choose_storage`);
-        ``decoded_cache`` bounds the decoded dense tensors native storage keeps (bytes);
-        ``map_shards`` serves native CPU tensors from their files' pages (:mod:`.mapping`).
+        The model's options are :func:`~ggufswap.runtime.opening.load_model`'s (``storage=AUTO``
+        is resolved there). ``allowed_roots``: the directories plans may name (default: the
+        model's own).
         ``group``: a ``torch.distributed`` process group (``True``: the default group) makes
         this runtime one rank of a coordinated commit (:mod:`ggufswap.runtime.coordinated`).
         """
-        shards = open_shard_set(model, cache=HeaderCache())
-        pool_set = PoolSet(pools or [], fallback=fallback_pool)
-        if storage is Storage.AUTO:
-            storage, why = choose_storage(shards.tensors.values(), pool_set, compute_dtype)
-            log.info("storage.chosen", storage=storage.value, why=why)
-        store = TensorStore(
-            pools=pool_set,
+        shards, store, name = load_model(
+            model,
+            pools=pools,
+            fallback_pool=fallback_pool,
             storage=storage,
             compute_dtype=compute_dtype,
             strict=strict,
             decoded_cache=decoded_cache,
             map_shards=map_shards,
-        )
-        n_blocks = _block_count(shards)
-        report = store.load(
-            shards, placement=placement or Placement(), n_blocks=n_blocks, progress=progress
+            placement=placement,
+            model_name=model_name,
+            progress=progress,
         )
         roots = (
             list(allowed_roots)
             if allowed_roots is not None
             else [os.path.dirname(shards.first.path)]
-        )
-        name = model_name or str(
-            shards.metadata.get(Keys.General.NAME) or os.path.basename(shards.first.path)
-        )
-        log.info(
-            "model.loaded",
-            model=name,
-            tensors=report.tensors,
-            bytes=report.bytes_read,
-            placed=report.placed,
-            seconds=round(report.seconds, 3),
-            gb_per_s=round(report.bytes_read / report.seconds / 1e9, 3) if report.seconds else None,
         )
         coordinator = None
         if group is not None and group is not False:
@@ -567,10 +548,3 @@ class HotSwapRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _block_count(shards: ShardSet) -> int:
-    arch = shards.metadata.get(Keys.General.ARCHITECTURE)
-    key = Keys.LLM.BLOCK_COUNT.format(arch) if isinstance(arch, str) else None
-    value = shards.metadata.get(key) if key is not None else None
-    return value if isinstance(value, int) else 0
