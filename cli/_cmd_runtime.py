@@ -52,6 +52,12 @@ def register(subparsers: Any) -> None:
         f"(default: runtime.serve.batch_interval_s, else {d.batch_interval_s})",
     )
     add_threads_option(parser)
+    _add_http_options(parser, d)
+    parser.set_defaults(func=run)
+
+
+def _add_http_options(parser: argparse.ArgumentParser, d: ServeConfig) -> None:
+    """The http mode's flags, each overriding its key of ``runtime.serve`` (defaults ``d``)."""
     http = parser.add_argument_group(
         "http mode", "each flag overrides its key of runtime.serve in the configuration"
     )
@@ -86,7 +92,6 @@ def register(subparsers: Any) -> None:
         metavar="S",
         help=f"per-request limit in seconds (default: {d.request_timeout_s:g})",
     )
-    parser.set_defaults(func=run)
 
 
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
