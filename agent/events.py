@@ -13,6 +13,7 @@ refresh stays as the safety net, and a plan of the link's own is recognised by i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final
 
 from ggufswap.config.endpoints import Transport, transport_of
@@ -48,6 +49,8 @@ class CommitFollower:
         self._subscriber: Subscriber | None = None
         self.endpoint: str | None = None
         self.received = 0
+        self.foreign_commits = 0
+        self._foreign: PlanCommittedEvent | None = None  # the latest, not yet taken
         self.error: str | None = None
 
     def follow(self, advertised: str | None) -> None:
@@ -85,6 +88,20 @@ class CommitFollower:
                 found.append(event)
         return found
 
+    def note_commits(self, is_own: Callable[[str], bool]) -> None:
+        """Read the events received since the last call; a commit of a plan ``is_own`` does not
+        claim (another client's, or one the link abandoned) is counted, and the latest one is
+        kept for :meth:`take_foreign`."""
+        for event in self.commits():
+            if not is_own(event.plan_id):
+                self.foreign_commits += 1
+                self._foreign = event
+
+    def take_foreign(self) -> PlanCommittedEvent | None:
+        """The latest foreign commit noted since the last call that returned one, or None."""
+        foreign, self._foreign = self._foreign, None
+        return foreign
+
     def close(self) -> None:
         if self._subscriber is not None:
             self._subscriber.close()
@@ -92,4 +109,9 @@ class CommitFollower:
         self.endpoint = None
 
     def status(self) -> dict[str, object]:
-        return {"endpoint": self.endpoint, "commits_seen": self.received, "error": self.error}
+        return {
+            "endpoint": self.endpoint,
+            "commits_seen": self.received,
+            "foreign_commits": self.foreign_commits,
+            "error": self.error,
+        }

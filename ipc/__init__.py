@@ -5,6 +5,28 @@ The wire format is specified in ``docs/protocol.md``.
 
 from __future__ import annotations
 
+from ggufswap.ipc.bodies import (
+    Accepted,
+    Committed,
+    ErrorReply,
+    Ping,
+    Pong,
+    Reason,
+    Rejected,
+    RuntimeState,
+    Staged,
+    StateRequest,
+    StatusReply,
+    StatusRequest,
+    TensorEntry,
+    committed_from_wire,
+    committed_to_wire,
+    error_from_wire,
+    rejected_from_wire,
+    rejected_to_wire,
+    state_from_wire,
+    state_to_wire,
+)
 from ggufswap.ipc.client import DealerClient, Subscriber, request
 from ggufswap.ipc.codec import DEFAULT_MAX_MSG_SIZE, decode, encode
 from ggufswap.ipc.errors import (
@@ -32,40 +54,37 @@ from ggufswap.ipc.events import (
 )
 from ggufswap.ipc.messages import (
     PROTOCOL_VERSION,
-    Committed,
     ErrorCode,
-    ErrorReply,
     Fields,
     MessageType,
     Process,
-    Reason,
-    Rejected,
-    RuntimeState,
     SlotState,
-    TensorEntry,
     Topic,
-    committed_from_wire,
-    committed_to_wire,
-    error_from_wire,
-    job_from_wire,
-    job_to_wire,
     make_error,
     make_event,
     make_message,
     make_reply,
     message_from,
     new_id,
+)
+from ggufswap.ipc.plan import (
+    Job,
+    Plan,
+    job_from_wire,
+    job_to_wire,
     plan_from_wire,
     plan_to_wire,
     record_from_wire,
     record_to_wire,
-    rejected_from_wire,
-    rejected_to_wire,
-    state_from_wire,
-    state_to_wire,
 )
-from ggufswap.ipc.plan import Job, Plan
-from ggufswap.ipc.schema import parse_message, validate_message
+from ggufswap.ipc.schema import (
+    Body,
+    Incoming,
+    ReplyBody,
+    parse_message,
+    parse_reply,
+    validate_message,
+)
 from ggufswap.ipc.server import Handler, Publisher, Request, RequestServer, ServerState
 from ggufswap.ipc.sockets import (
     CurveKeys,
@@ -78,6 +97,8 @@ from ggufswap.ipc.sockets import (
 __all__ = [
     "DEFAULT_MAX_MSG_SIZE",
     "PROTOCOL_VERSION",
+    "Accepted",
+    "Body",
     "Committed",
     "CurveKeys",
     "DealerClient",
@@ -87,6 +108,7 @@ __all__ = [
     "Event",
     "Fields",
     "Handler",
+    "Incoming",
     "InsecureEndpoint",
     "IpcError",
     "Job",
@@ -94,15 +116,18 @@ __all__ = [
     "MessageTooLarge",
     "MessageType",
     "PeerTimeout",
+    "Ping",
     "Plan",
     "PlanAcceptedEvent",
     "PlanCommittedEvent",
     "PlanRejectedEvent",
     "PlanStagedEvent",
+    "Pong",
     "Process",
     "Publisher",
     "Reason",
     "Rejected",
+    "ReplyBody",
     "Request",
     "RequestServer",
     "RuntimeState",
@@ -110,6 +135,10 @@ __all__ = [
     "ShardInvalidEvent",
     "SlotState",
     "SocketOptions",
+    "Staged",
+    "StateRequest",
+    "StatusReply",
+    "StatusRequest",
     "Subscriber",
     "TensorEntry",
     "TensorFallbackEvent",
@@ -137,6 +166,7 @@ __all__ = [
     "message_from",
     "new_id",
     "parse_message",
+    "parse_reply",
     "plan_from_wire",
     "plan_to_wire",
     "record_from_wire",

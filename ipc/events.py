@@ -13,15 +13,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ggufswap.ipc import _check as c
+from ggufswap.ipc.bodies import Reason, reasons_from_wire, reasons_to_wire
 from ggufswap.ipc.errors import MalformedMessage
-from ggufswap.ipc.messages import (
-    Fields,
-    Reason,
-    Topic,
-    make_event,
-    reasons_from_wire,
-    reasons_to_wire,
-)
+from ggufswap.ipc.messages import Fields, Topic, make_event
 
 
 @dataclass(frozen=True, slots=True)

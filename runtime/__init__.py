@@ -13,6 +13,7 @@ from ggufswap.config import Storage
 from ggufswap.ipc import Reason, SlotState
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.errors import (
+    MapRefused,
     PlanRejected,
     PoolFull,
     RuntimeLibraryError,
@@ -20,15 +21,17 @@ from ggufswap.runtime.errors import (
 )
 from ggufswap.runtime.families import DerivedTensor, family_of, group_families
 from ggufswap.runtime.kernels import KERNEL_TYPES, QuantizedMatrix, dequantize, has_kernel
+from ggufswap.runtime.placement import Placement
 from ggufswap.runtime.plans import PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
-from ggufswap.runtime.store import Placement, Slot, TensorStore
+from ggufswap.runtime.store import Slot, TensorStore
 
 __all__ = [
     "KERNEL_TYPES",
     "Buffer",
     "DerivedTensor",
     "HotSwapRuntime",
+    "MapRefused",
     "Placement",
     "PlanRejected",
     "PlanState",

@@ -44,8 +44,8 @@ from ggufswap.ipc import (
     rejected_to_wire,
     state_to_wire,
 )
+from ggufswap.ipc.bodies import StateRequest
 from ggufswap.ipc.errors import UnknownMessageType
-from ggufswap.ipc.messages import StateRequest
 from ggufswap.logs import get_logger
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.plans import PlanState, PlanTicket

@@ -13,6 +13,13 @@ Usage::
     while serving:
         runtime.at_batch_boundary()   # commits staged plans; cheap when there are none
         logits = model(batch)
+
+Size: ~530 lines in one class, because its three threads (submit, the stager, the inference
+loop) share one queue, one deque of staged plans and the locks that order them, and each step of
+a plan's life reads that shared state. What does not touch it lives apart: opening a model
+(``opening.py``), placement (``placement.py``), validation (``validate.py``), staging
+(``staging.py``), the commit itself (``commit.py``), what became of the plans (``history.py``)
+and the group's agreement (``coordinated.py``).
 """
 
 from __future__ import annotations
@@ -41,18 +48,16 @@ from ggufswap.logs import get_logger
 from ggufswap.runtime.commit import commit
 from ggufswap.runtime.coordinated import Coordinator, Decision
 from ggufswap.runtime.errors import PlanRejected, RuntimeLibraryError, StagingFailed
+from ggufswap.runtime.history import PlanHistory
 from ggufswap.runtime.kernels import KERNELS
+from ggufswap.runtime.opening import load_model
+from ggufswap.runtime.placement import Placement
 from ggufswap.runtime.plans import Follower, PlanState, PlanTicket
-from ggufswap.runtime.pools import Buffer, Pool, PoolSet
+from ggufswap.runtime.pools import Buffer, Pool
 from ggufswap.runtime.staging import StagedPlan, Stager
-from ggufswap.runtime.store import (
-    Placement,
-    Slot,
-    TensorStore,
-    choose_storage,
-)
+from ggufswap.runtime.store import Slot, TensorStore
 from ggufswap.runtime.validate import validate_plan
-from ggufswap.shards import HeaderCache, Keys, ShardSet, open_shard_set
+from ggufswap.shards import ShardSet
 
 log = get_logger(__name__)
 
@@ -63,7 +68,6 @@ _PUBLISH_WAIT_S = 5.0
 CommitCallback = Callable[[int, tuple[str, ...]], None]
 EventCallback = Callable[[Event], None]
 
-HISTORY: Final = 64
 _STOP: Final = object()
 # Plans that never ran because the runtime stopped: stale, so the agent plans them again.
 _SHUTTING_DOWN: Final = Reason("*", "runtime shutting down", stale=True)
@@ -101,10 +105,9 @@ class HotSwapRuntime:
         # thread drops these last references, so freeing 64 MiB is not part of the commit stall.
         self._retired: list[Buffer] = []
         self._in_flight = 0  # queued or staged, not yet final
-        self._tickets: collections.OrderedDict[str, PlanTicket] = collections.OrderedDict()
+        self._history = PlanHistory()
         self._on_commit: list[CommitCallback] = []
         self._on_event: list[EventCallback] = []
-        self._outcomes = collections.Counter[str]()
         self.last_stall_s: float | None = None
         self.bytes_reloaded = 0
         self._thread = threading.Thread(
@@ -135,45 +138,29 @@ class HotSwapRuntime:
     ) -> HotSwapRuntime:
         """Load the shard set containing ``model`` onto ``pools`` and start the stager.
 
-        ``storage=AUTO`` is resolved here (:func:`~ggufswap.runtime.store.choose_storage`);
-        ``decoded_cache`` bounds the decoded dense tensors native storage keeps (bytes);
-        ``map_shards`` serves native CPU tensors from their files' pages (:mod:`.mapping`).
+        The model's options are :func:`~ggufswap.runtime.opening.load_model`'s (``storage=AUTO``
+        is resolved there). ``allowed_roots``: the directories plans may name (default: the
+        model's own).
         ``group``: a ``torch.distributed`` process group (``True``: the default group) makes
         this runtime one rank of a coordinated commit (:mod:`ggufswap.runtime.coordinated`).
         """
-        shards = open_shard_set(model, cache=HeaderCache())
-        pool_set = PoolSet(pools or [], fallback=fallback_pool)
-        if storage is Storage.AUTO:
-            storage, why = choose_storage(shards.tensors.values(), pool_set, compute_dtype)
-            log.info("storage.chosen", storage=storage.value, why=why)
-        store = TensorStore(
-            pools=pool_set,
+        shards, store, name = load_model(
+            model,
+            pools=pools,
+            fallback_pool=fallback_pool,
             storage=storage,
             compute_dtype=compute_dtype,
             strict=strict,
             decoded_cache=decoded_cache,
             map_shards=map_shards,
-        )
-        n_blocks = _block_count(shards)
-        report = store.load(
-            shards, placement=placement or Placement(), n_blocks=n_blocks, progress=progress
+            placement=placement,
+            model_name=model_name,
+            progress=progress,
         )
         roots = (
             list(allowed_roots)
             if allowed_roots is not None
             else [os.path.dirname(shards.first.path)]
-        )
-        name = model_name or str(
-            shards.metadata.get(Keys.General.NAME) or os.path.basename(shards.first.path)
-        )
-        log.info(
-            "model.loaded",
-            model=name,
-            tensors=report.tensors,
-            bytes=report.bytes_read,
-            placed=report.placed,
-            seconds=round(report.seconds, 3),
-            gb_per_s=round(report.bytes_read / report.seconds / 1e9, 3) if report.seconds else None,
         )
         coordinator = None
         if group is not None and group is not False:
@@ -237,7 +224,7 @@ class HotSwapRuntime:
     def _submit(self, plan: Plan, follow: Follower | None, *, mirror: bool = False) -> PlanTicket:
         # ``mirror``: a plan the group's leader handed to this rank; only a plan still in flight
         # here is the same one (the leader took it anew: so does this rank).
-        known = self._tickets.get(plan.plan_id)
+        known = self._history.get(plan.plan_id)
         if known is not None and mirror and known.state.final:
             known = None
         if known is not None and known.state is not PlanState.REJECTED:
@@ -245,7 +232,7 @@ class HotSwapRuntime:
                 known.follow(follow)
             return known
         ticket = PlanTicket(plan)
-        self._remember(ticket)
+        self._history.remember(ticket)
         if self._closed:
             self._finish_rejected(ticket, [Reason("*", "the runtime is closed", stale=True)])
             if follow is not None:
@@ -308,27 +295,14 @@ class HotSwapRuntime:
             self._cond.notify_all()
 
     def ticket(self, plan_id: str) -> PlanTicket | None:
-        return self._tickets.get(plan_id)
-
-    def _remember(self, ticket: PlanTicket) -> None:
-        self._tickets[ticket.plan_id] = ticket
-        self._tickets.move_to_end(ticket.plan_id)
-        while len(self._tickets) > HISTORY:
-            self._tickets.popitem(last=False)
+        return self._history.get(plan_id)
 
     def _finish_rejected(self, ticket: PlanTicket, reasons: list[Reason]) -> None:
         ticket.reject(reasons)
-        stale = ticket.stale
-        self._outcomes["stale" if stale else "rejected"] += 1
-        log.warning(
-            "plan",
-            outcome="stale" if stale else "rejected",
-            plan_id=ticket.plan_id,
-            stale=stale,
-            reasons=[str(r) for r in reasons],
-            tensors=len(ticket.plan.jobs),
+        self._history.rejected(ticket)
+        self._emit(
+            PlanRejectedEvent(plan_id=ticket.plan_id, stale=ticket.stale, reasons=ticket.reasons)
         )
-        self._emit(PlanRejectedEvent(plan_id=ticket.plan_id, stale=stale, reasons=ticket.reasons))
 
     # -- staging (background thread) -------------------------------------------------------
 
@@ -395,52 +369,20 @@ class HotSwapRuntime:
         Call it from the inference loop between two batches. With nothing staged it costs one
         attribute check. A rank of a coordinated group makes one collective here at every call
         and commits only what every rank has staged, so every rank calls it at the same steps.
+        A commit callback that raises does not undo the commit: its error is raised once the
+        plans are recorded as committed.
         """
         agreed = self._agree() if self._coordinator is not None else None
         if not self._staged:
             return self.store.weight_version
-        with self._commit_lock:
-            started = time.perf_counter()
-            committed: list[PlanTicket] = []
-            retired: list[Buffer] = []
-            while self._staged and (agreed is None or self._staged[0][0].plan_id in agreed):
-                committed.append(self._commit_one(*self._staged.popleft(), retired))
-            if not committed:
-                return self.store.weight_version
-            version = self.store.weight_version
-            # A failing callback must not leave the commit's bookkeeping undone (the stager
-            # would wait forever on a ticket never marked committed): the first error is
-            # raised to the caller once the plans are recorded as committed.
-            errors: list[Exception] = []
-            changed = tuple(n for t in committed for n in t.changed)
-            for callback in self._on_commit:
-                try:
-                    callback(version, changed)
-                except Exception as exc:  # noqa: BLE001 (re-raised below)
-                    errors.append(exc)
-            stall = time.perf_counter() - started
-            for buffer in retired:  # old buffers go only after the commit: accounting now...
-                buffer.release()
-            with self._cond:  # ...memory later: the stager thread drops the last references
-                self._retired.extend(retired)
-            retired.clear()
-            self.last_stall_s = stall
+        committed, errors, stall, version = self._commit_staged(agreed)
+        if not committed:
+            return version
         for ticket in committed:
             ticket.stall_s = stall
             self.bytes_reloaded += ticket.bytes_read
-            self._outcomes["committed"] += 1
             ticket.move(PlanState.COMMITTED)
-            log.info(
-                "plan",
-                outcome="committed",
-                plan_id=ticket.plan_id,
-                tensors=len(ticket.plan.jobs),
-                changed=len(ticket.changed),
-                bytes=ticket.bytes_read,
-                weight_version=version,
-                stage_ms=round((ticket.stage_s or 0) * 1e3, 3),
-                stall_ms=round(stall * 1e3, 3),
-            )
+            self._history.committed(ticket, weight_version=version, stall_s=stall)
             self._after_staged_published(ticket)
             self._emit(
                 PlanCommittedEvent(
@@ -455,6 +397,39 @@ class HotSwapRuntime:
             log.error("commit.callback_failed", weight_version=version, errors=len(errors))
             raise errors[0]
         return version
+
+    def _commit_staged(
+        self, agreed: set[str] | None
+    ) -> tuple[list[PlanTicket], list[Exception], float, int]:
+        """Under the commit lock: commit the staged plans (those ``agreed``, for a rank of a
+        group) in order, run the commit callbacks and release the replaced buffers; the plans,
+        the callbacks' errors, the stall and the weight version they made."""
+        with self._commit_lock:
+            started = time.perf_counter()
+            committed: list[PlanTicket] = []
+            retired: list[Buffer] = []
+            while self._staged and (agreed is None or self._staged[0][0].plan_id in agreed):
+                committed.append(self._commit_one(*self._staged.popleft(), retired))
+            version = self.store.weight_version
+            if not committed:
+                return committed, [], 0.0, version
+            # A failing callback must not leave the commit's bookkeeping undone (the stager
+            # would wait forever on a ticket never marked committed): the caller raises the
+            # first error once the plans are recorded as committed.
+            errors: list[Exception] = []
+            changed = tuple(n for t in committed for n in t.changed)
+            for callback in self._on_commit:
+                try:
+                    callback(version, changed)
+                except Exception as exc:  # noqa: BLE001 (re-raised by the caller)
+                    errors.append(exc)
+            stall = time.perf_counter() - started
+            for buffer in retired:  # old buffers go only after the commit: accounting now...
+                buffer.release()
+            with self._cond:  # ...memory later: the stager thread drops the last references
+                self._retired.extend(retired)
+            self.last_stall_s = stall
+        return committed, errors, stall, version
 
     def _agree(self) -> set[str]:
         """One step of the group's agreement: take the leader's new plans, reject what any rank
@@ -520,7 +495,6 @@ class HotSwapRuntime:
         return dict(self.store.slots)
 
     def status(self) -> dict[str, Any]:
-        recent = list(self._tickets.values())[-10:]
         return {
             "model": self.model_name,
             "weight_version": self.store.weight_version,
@@ -528,7 +502,7 @@ class HotSwapRuntime:
             "kernels": KERNELS,
             "decoded_cache": self.store.decoded.snapshot(),
             "mapped_shards": self.store.maps.snapshot(),
-            "plans": dict(self._outcomes),
+            **self._history.status(),  # plans, recent_plans
             "pending": self._queue.qsize() + len(self._staged),
             "tensor_states": self.store.state_counts(),
             "pools": self.store.pools.snapshot(),
@@ -536,7 +510,6 @@ class HotSwapRuntime:
             if self.last_stall_s is None
             else round(self.last_stall_s * 1e3, 3),
             "bytes_reloaded": self.bytes_reloaded,
-            "recent_plans": [t.summary() for t in recent],
         } | ({"group": self._coordinator.status()} if self._coordinator is not None else {})
 
     def close(self, timeout: float = 5.0) -> None:
@@ -567,10 +540,3 @@ class HotSwapRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _block_count(shards: ShardSet) -> int:
-    arch = shards.metadata.get(Keys.General.ARCHITECTURE)
-    key = Keys.LLM.BLOCK_COUNT.format(arch) if isinstance(arch, str) else None
-    value = shards.metadata.get(key) if key is not None else None
-    return value if isinstance(value, int) else 0

@@ -6,7 +6,7 @@ carries (re-exported here and as ``ggufswap.runtime.Reason``).
 
 from __future__ import annotations
 
-from ggufswap.ipc.messages import Reason
+from ggufswap.ipc.bodies import Reason
 
 
 class RuntimeLibraryError(Exception):
@@ -55,6 +55,10 @@ class Unplaceable(StagingFailed):
     """A tensor (or its family) fits no pool, or its new bytes cannot be decoded."""
 
 
+class MapRefused(RuntimeLibraryError, RuntimeError):
+    """``map_shards: true`` and a shard that cannot be served from a mapping (names the file)."""
+
+
 class PlanStateError(RuntimeLibraryError, RuntimeError):
     """An illegal plan lifecycle transition: a bug in the runtime, never an input problem."""
 
@@ -65,6 +69,7 @@ class SlotStateError(RuntimeLibraryError, RuntimeError):
 
 
 __all__ = [
+    "MapRefused",
     "PlanRejected",
     "PlanStateError",
     "PoolFull",

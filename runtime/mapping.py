@@ -51,16 +51,13 @@ from ggufswap.runtime._libc import (
     MREMAP_MAYMOVE,
     Libc,
 )
+from ggufswap.runtime.errors import MapRefused
 from ggufswap.shards import FileIdentity, TensorRecord, leases
 
 log = get_logger(__name__)
 
 POLL_S: Final = 0.1  # how often held leases are looked at (a SIGIO looks at once)
 _COPY_CHUNK: Final = 64 << 20  # bytes per copy call while moving a mapping to anonymous memory
-
-
-class MapRefused(RuntimeError):
-    """``map_shards: true`` and a shard that cannot be served from a mapping (names the file)."""
 
 
 @dataclass(eq=False)

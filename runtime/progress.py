@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Final
 
 from ggufswap.logs import get_logger
@@ -66,4 +68,23 @@ class ProgressLog:
         )
 
 
-__all__ = ["DEFAULT_INTERVAL_S", "INTERVAL_ENV", "ProgressLog", "progress_interval_s"]
+@contextmanager
+def progress_bar(total: int, *, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    """A byte counter that shows GB/s and the time left (tqdm's rate and ETA) on a terminal, and
+    logs ``load.progress`` lines (a :class:`ProgressLog`) when not on one."""
+    if not enabled:
+        yield ProgressLog("load.progress", total=total, unit="B").update
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False) as bar:
+        yield bar.update
+
+
+__all__ = [
+    "DEFAULT_INTERVAL_S",
+    "INTERVAL_ENV",
+    "ProgressLog",
+    "progress_bar",
+    "progress_interval_s",
+]

@@ -15,9 +15,7 @@ Storage modes:
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -26,11 +24,13 @@ from ggufswap.config import DEFAULT_DECODED_CACHE, MapShards, Storage
 from ggufswap.ipc import SlotState
 from ggufswap.logs import get_logger
 from ggufswap.runtime.errors import PoolFull
-from ggufswap.runtime.families import DerivedTensor, block_of, expert_of, family_of
+from ggufswap.runtime.families import DerivedTensor, family_of
 from ggufswap.runtime.kernels import QuantizedMatrix, dequantize
 from ggufswap.runtime.loading import Loader, LoadJob, Segment, trim_heap
 from ggufswap.runtime.mapping import ShardMaps
+from ggufswap.runtime.placement import Placement, plan_placement
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
+from ggufswap.runtime.progress import progress_bar
 from ggufswap.runtime.resident import DecodedCache
 from ggufswap.runtime.split import (
     ExpertSplit,
@@ -49,17 +49,6 @@ _PLAIN_DTYPES = {
     GGMLType.F16: torch.float16,
     GGMLType.BF16: torch.bfloat16,
 }
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where tensors go at load: like llama.cpp's ``n_gpu_layers``, plus a pool for experts."""
-
-    gpu_layers: int = -1  # blocks [0, gpu_layers) on the first pool; -1 = all
-    experts_pool: str | None = None
-    # An MoE family that fits no single non-fallback pool is split into expert ranges over the
-    # pools in preference order (the fallback last), instead of going whole to the fallback.
-    split_experts: bool = False
 
 
 @dataclass(eq=False)
@@ -116,35 +105,6 @@ class Slot:
             self.fingerprint == self.original_fingerprint
             and self.record.ggml_type == self.original_type
         )
-
-
-def choose_storage(
-    records: Iterable[TensorRecord], pools: PoolSet, compute_dtype: torch.dtype
-) -> tuple[Storage, str]:
-    """``storage: auto``: dequantized when every tensor fits the pools in ``compute_dtype``,
-    else native (quantized tensors keep their GGUF bytes; float tensors are read as views).
-    Returns the choice and why, in numbers."""
-    need = sum(r.n_elements for r in records) * compute_dtype.itemsize
-    room = sum(_room(pool) for pool in pools)
-    if need <= room:
-        return Storage.DEQUANTIZED, f"{need} dequantized bytes fit the pools' {room}"
-    return Storage.NATIVE, f"{need} dequantized bytes exceed the pools' {room}"
-
-
-# Of the memory a device reports free, the share ``storage: auto`` counts on (the rest is for
-# activations, the KV cache and the process itself).
-_AUTO_HEADROOM = 0.8
-
-
-def _room(pool: Pool) -> int:
-    """Bytes a pool can take: its budget, or what its device has free."""
-    if pool.budget is not None:
-        return pool.budget - pool.used
-    if pool.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(pool.device)
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(free * _AUTO_HEADROOM)
 
 
 @dataclass
@@ -357,65 +317,11 @@ class TensorStore:
     def plan_placement(
         self, records: Iterable[TensorRecord], placement: Placement, n_blocks: int
     ) -> dict[str, Pool | ExpertSplit]:
-        """Choose a home pool for every tensor; a family lands in one pool as a unit, or, with
-        ``split_experts``, in the same expert ranges on several pools when no pool holds it."""
-        ordered = self.pools.ordered()
-        primary, fallback = ordered[0], self.pools.fallback
-        units: dict[str, list[TensorRecord]] = {}
-        for record in records:
-            units.setdefault(family_of(record.name) or record.name, []).append(record)
-        tally: dict[str, int] = {p.name: 0 for p in ordered}
-        homes: dict[str, Pool | ExpertSplit] = {}
-        for members in units.values():
-            first = members[0].name
-            block = block_of(first)
-            on_primary = (
-                placement.gpu_layers < 0
-                or (block is not None and block < placement.gpu_layers)
-                or (block is None and placement.gpu_layers > n_blocks)
-            )
-            preferred = primary if on_primary else fallback
-            if placement.experts_pool is not None and family_of(first) is not None:
-                preferred = self.pools[placement.experts_pool]
-            need = sum(self.buffer_nbytes(r) for r in members)
-            candidates = [preferred, *(p for p in ordered if p is not preferred)]
-            chosen: Pool | ExpertSplit = next(
-                (p for p in candidates if p.budget is None or tally[p.name] + need <= p.budget),
-                fallback,
-            )
-            if chosen is fallback and preferred is not fallback and placement.split_experts:
-                chosen = self._split_at_load(members, candidates, tally) or chosen
-            if isinstance(chosen, ExpertSplit):
-                per_expert = need // chosen.n_expert
-                for pool, start, stop in chosen.ranges:
-                    tally[pool.name] += per_expert * (stop - start)
-            else:
-                tally[chosen.name] += need
-            for record in members:
-                homes[record.name] = chosen
-        return homes
-
-    def _split_at_load(
-        self, members: list[TensorRecord], candidates: list[Pool], tally: dict[str, int]
-    ) -> ExpertSplit | None:
-        """Expert ranges over ``candidates`` (the fallback last) for a family, or None when it
-        is not a stack of experts or would not be split."""
-        if family_of(members[0].name) is None:
-            return None
-        if any(expert_of(r.name) is not None for r in members):
-            return None  # one tensor per expert (old Mixtral): not a stack to split by expert
-        n_expert = members[0].ne[-1]
-        if n_expert < 2 or any(r.ne[-1] != n_expert for r in members):
-            return None
-        per_expert = sum(self.buffer_nbytes(r) for r in members) // n_expert
-        order = [p for p in candidates if p is not self.pools.fallback] + [self.pools.fallback]
-        split = ExpertSplit.greedy(
-            n_expert,
-            per_expert,
-            order,
-            lambda p: None if p.budget is None else p.budget - tally[p.name],
+        """Choose a home pool for every tensor (:func:`~ggufswap.runtime.placement.plan_placement`
+        with this store's pools and buffer sizes)."""
+        return plan_placement(
+            records, placement, n_blocks, pools=self.pools, nbytes=self.buffer_nbytes
         )
-        return split if split is not None and len(split.ranges) > 1 else None
 
     def load(
         self, shards: ShardSet, *, placement: Placement, n_blocks: int, progress: bool = False
@@ -427,7 +333,6 @@ class TensorStore:
         """
         records = list(shards.tensors.values())
         homes = self.plan_placement(records, placement, n_blocks)
-        report = LoadReport()
         held: dict[str, tuple[Buffer, tuple[Part, ...]]] = {}
         try:
             jobs = []
@@ -436,7 +341,7 @@ class TensorStore:
                 held[record.name] = (buffer, parts)
                 jobs.append(LoadJob(record, self._segments(record, buffer, parts)))
             total = sum(r.nbytes for r in records)
-            with _progress_bar(total, enabled=progress) as bar:
+            with progress_bar(total, enabled=progress) as bar:
                 loader = Loader(
                     decode=self._decode_rows,
                     row_slice=self._row_slice,
@@ -452,6 +357,26 @@ class TensorStore:
             raise
         trim_heap()
         self.maps.report()
+        report = self._fill_slots(records, held, digests)
+        report.seconds = loader.seconds
+        dense = [r for r in records if len(r.ne) == 2 and not self._is_view(r)]
+        decoded_bytes = sum(r.n_elements for r in dense) * self.compute_dtype.itemsize
+        self._dense_cached = decoded_bytes <= self.decoded.budget
+        self.families = {}
+        for slot in self.slots.values():
+            if slot.family is not None:
+                self.families[slot.family] = (*self.families.get(slot.family, ()), slot.name)
+        return report
+
+    def _fill_slots(
+        self,
+        records: list[TensorRecord],
+        held: Mapping[str, tuple[Buffer, tuple[Part, ...]]],
+        digests: Mapping[str, str],
+    ) -> LoadReport:
+        """A slot for every loaded tensor, in its buffer (or parts) with its fingerprint; what
+        was loaded where, counted."""
+        report = LoadReport()
         for record in records:
             buffer, parts = held[record.name]
             digest = digests[record.name]
@@ -475,15 +400,6 @@ class TensorStore:
             for kept in [p.buffer for p in parts] or [buffer]:
                 name = kept.pool.name
                 report.placed[name] = report.placed.get(name, 0) + kept.nbytes
-        report.seconds = loader.seconds
-        dense = [r for r in records if len(r.ne) == 2 and not self._is_view(r)]
-        decoded_bytes = sum(r.n_elements for r in dense) * self.compute_dtype.itemsize
-        self._dense_cached = decoded_bytes <= self.decoded.budget
-        self.families = {}
-        for slot in self.slots.values():
-            if slot.family is not None:
-                self.families.setdefault(slot.family, ())
-                self.families[slot.family] = (*self.families[slot.family], slot.name)
         return report
 
     def _allocate_home(
@@ -564,18 +480,3 @@ class TensorStore:
 
     def loaded_table(self) -> Mapping[str, Slot]:
         return self.slots
-
-
-@contextmanager
-def _progress_bar(total: int, *, enabled: bool) -> Iterator[Callable[[int], None] | None]:
-    """A byte counter that shows GB/s and the time left (tqdm's rate and ETA) on a terminal, and
-    logs ``load.progress`` lines (runtime/progress.py) when not on one."""
-    if not enabled:
-        from ggufswap.runtime.progress import ProgressLog
-
-        yield ProgressLog("load.progress", total=total, unit="B").update
-        return
-    from tqdm import tqdm
-
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False) as bar:
-        yield bar.update

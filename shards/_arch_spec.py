@@ -19,7 +19,7 @@ from ggufswap.shards.ggml_types import GGMLType
 from ggufswap.shards.keys import TensorNames, tensor_template
 
 if TYPE_CHECKING:
-    from ggufswap.shards.writer import ModelSpec
+    from ggufswap.shards._model_spec import ModelSpec
 
 
 Q = GGMLQuantizationType
@@ -304,25 +304,7 @@ def plan(spec: ModelSpec) -> tuple[PlannedTensor, ...]:
             add(Role.FFN_GATE_INP, (e, spec.n_expert), b)
             out.extend(_per_expert_tensors(spec, b))
         elif b in spec.moe_blocks:
-            f, x = spec.n_ff_expert, spec.n_expert
-            add(Role.FFN_GATE_INP, (e, x), b)
-            if spec.expert_probs_bias:
-                add(Role.FFN_EXP_PROBS_B, (x,), b)
-            add(Role.FFN_GATE_EXPS, (e, f, x), b)
-            add(Role.FFN_UP_EXPS, (e, f, x), b)
-            add(Role.FFN_DOWN_EXPS, (f, e, x), b)
-            counted = (SharedExpert.COUNTED, SharedExpert.COUNTED_OPTIONAL)
-            if spec.shared_expert and rules.shared_expert in counted:
-                s = f * spec.n_expert_shared  # ungated, fused shared experts
-                add(Role.FFN_GATE_SHEXP, (e, s), b)
-                add(Role.FFN_UP_SHEXP, (e, s), b)
-                add(Role.FFN_DOWN_SHEXP, (s, e), b)
-            elif spec.shared_expert:
-                s = spec.n_ff_shexp
-                add(Role.FFN_GATE_INP_SHEXP, (e,), b)
-                add(Role.FFN_GATE_SHEXP, (e, s), b)
-                add(Role.FFN_UP_SHEXP, (e, s), b)
-                add(Role.FFN_DOWN_SHEXP, (s, e), b)
+            _plan_moe_ffn(spec, add, b)
         else:
             add(Role.FFN_GATE, (e, spec.n_ff), b)
             add(Role.FFN_UP, (e, spec.n_ff), b)
@@ -331,6 +313,29 @@ def plan(spec: ModelSpec) -> tuple[PlannedTensor, ...]:
     if not spec.tied_output:
         add(Role.OUTPUT, (e, spec.vocab_size))
     return tuple(out)
+
+
+def _plan_moe_ffn(spec: ModelSpec, add: Any, b: int) -> None:
+    """The routed experts (stacked) of block ``b``, with their shared experts if any."""
+    e, f, x = spec.n_embd, spec.n_ff_expert, spec.n_expert
+    add(Role.FFN_GATE_INP, (e, x), b)
+    if spec.expert_probs_bias:
+        add(Role.FFN_EXP_PROBS_B, (x,), b)
+    add(Role.FFN_GATE_EXPS, (e, f, x), b)
+    add(Role.FFN_UP_EXPS, (e, f, x), b)
+    add(Role.FFN_DOWN_EXPS, (f, e, x), b)
+    counted = (SharedExpert.COUNTED, SharedExpert.COUNTED_OPTIONAL)
+    if spec.shared_expert and rules_of(spec.arch).shared_expert in counted:
+        s = f * spec.n_expert_shared  # ungated, fused shared experts
+        add(Role.FFN_GATE_SHEXP, (e, s), b)
+        add(Role.FFN_UP_SHEXP, (e, s), b)
+        add(Role.FFN_DOWN_SHEXP, (s, e), b)
+    elif spec.shared_expert:
+        s = spec.n_ff_shexp
+        add(Role.FFN_GATE_INP_SHEXP, (e,), b)
+        add(Role.FFN_GATE_SHEXP, (e, s), b)
+        add(Role.FFN_UP_SHEXP, (e, s), b)
+        add(Role.FFN_DOWN_SHEXP, (s, e), b)
 
 
 def _plan_mla(spec: ModelSpec, add: Any, b: int) -> None:

@@ -42,7 +42,7 @@ from ggufswap.ipc import (
 from ggufswap.ipc import plan_to_wire as _plan_to_wire
 from ggufswap.ipc._check import MAX_PATH_COMPONENTS
 from ggufswap.ipc.errors import InsecureEndpoint
-from ggufswap.ipc.messages import MAX_PLAN_ID_LENGTH, MAX_PLAN_JOBS
+from ggufswap.ipc.plan import MAX_PLAN_ID_LENGTH, MAX_PLAN_JOBS
 from ggufswap.runtime import HotSwapRuntime
 from ggufswap.runtime.control import (
     MAX_PLANS_IN_FLIGHT_PER_PEER,

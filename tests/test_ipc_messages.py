@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,20 +17,26 @@ from hypothesis import strategies as st
 
 from ggufswap.ipc import (
     PROTOCOL_VERSION,
+    Accepted,
     Committed,
     ErrorCode,
+    ErrorReply,
     Fields,
+    Incoming,
     IpcError,
     Job,
     MalformedMessage,
     MessageTooLarge,
     MessageType,
     Plan,
+    Pong,
     Process,
     Reason,
     Rejected,
     RuntimeState,
     SlotState,
+    Staged,
+    StatusReply,
     TensorEntry,
     UnknownMessageType,
     UnsupportedVersion,
@@ -40,6 +47,8 @@ from ggufswap.ipc import (
     error_from_wire,
     make_error,
     make_message,
+    make_reply,
+    parse_reply,
     plan_from_wire,
     plan_to_wire,
     record_from_wire,
@@ -50,12 +59,9 @@ from ggufswap.ipc import (
     state_to_wire,
     validate_message,
 )
-from ggufswap.ipc.messages import (
-    MAX_ID_LENGTH,
-    StateRequest,
-    state_request_from_wire,
-    state_request_to_wire,
-)
+from ggufswap.ipc.bodies import StateRequest, state_request_from_wire, state_request_to_wire
+from ggufswap.ipc.messages import MAX_ID_LENGTH
+from ggufswap.ipc.schema import REPLY_TYPES
 from ggufswap.shards import FileIdentity, TensorRecord
 
 FUZZ_EXAMPLES = int(os.environ.get("GGUFSWAP_FUZZ_EXAMPLES", "300"))
@@ -167,6 +173,98 @@ def test_validate_unknown_type_and_missing_field() -> None:
         validate_message({"v": 1, "type": "reboot", "id": "a"})
     with pytest.raises(MalformedMessage, match="uptime_s"):
         validate_message(make_message(MessageType.PONG, process="agent"))
+
+
+_REQUEST = {Fields.ID: "req-1"}
+
+
+def _replies(record: TensorRecord) -> list[tuple[dict[str, Any], object]]:
+    """One reply of each type a client reads, as the runtime builds it, and its record."""
+    state = RuntimeState("m", 4, (TensorEntry(record, "ab" * 16, SlotState.DETACHED),))
+    reasons = (Reason("blk.0.attn_q.weight", "changed", stale=True),)
+    return [
+        (
+            make_reply(_REQUEST, MessageType.PONG, process="runtime", uptime_s=2.5),
+            Pong("runtime", 2.5),
+        ),
+        (
+            make_reply(_REQUEST, MessageType.STATUS_REPLY, process="agent", status={"a": 1}),
+            StatusReply(Process.AGENT, {"a": 1}),
+        ),
+        (make_reply(_REQUEST, MessageType.STATE_REPLY, **state_to_wire(state)), state),
+        (make_reply(_REQUEST, MessageType.ACCEPTED, plan_id="p1"), Accepted("p1")),
+        (make_reply(_REQUEST, MessageType.STAGED, plan_id="p1"), Staged("p1")),
+        (
+            make_reply(
+                _REQUEST, MessageType.COMMITTED, **committed_to_wire(Committed("p1", 5, 1.25))
+            ),
+            Committed("p1", 5, 1.25),
+        ),
+        (
+            make_reply(
+                _REQUEST, MessageType.REJECTED, **rejected_to_wire(Rejected("p1", True, reasons))
+            ),
+            Rejected("p1", True, reasons),
+        ),
+        (
+            make_error("req-1", ErrorCode.MALFORMED, "bad"),
+            ErrorReply("req-1", ErrorCode.MALFORMED, "bad"),
+        ),
+    ]
+
+
+def test_each_reply_type_reads_into_its_record(record: TensorRecord) -> None:
+    """A client reads every reply type (through the codec) into its frozen record, with the id
+    of the request it answers: one row per reply type of the schema."""
+    replies = _replies(record)
+    assert {MessageType(msg[Fields.TYPE]) for msg, _ in replies} == REPLY_TYPES
+    for msg, expected in replies:
+        incoming = parse_reply(decode(encode(msg)))
+        assert incoming == Incoming(in_reply_to="req-1", body=expected), msg[Fields.TYPE]
+
+
+@pytest.mark.parametrize(
+    ("msg_type", "fields", "named"),
+    [
+        (MessageType.ACCEPTED, {"in_reply_to": "r"}, "plan_id"),
+        (MessageType.STAGED, {"in_reply_to": "r", "plan_id": ""}, "plan_id"),
+        (MessageType.ACCEPTED, {"in_reply_to": 7, "plan_id": "p"}, "in_reply_to"),
+        (
+            MessageType.COMMITTED,
+            {"in_reply_to": "r", "plan_id": "p", "weight_version": -1, "stall_ms": 0},
+            "weight_version",
+        ),
+        (
+            MessageType.REJECTED,
+            {
+                "in_reply_to": "r",
+                "plan_id": "p",
+                "stale": False,
+                "reasons": [{"tensor": 3, "reason": "x"}],
+            },
+            "reasons[0].tensor",
+        ),
+        (MessageType.STATE_REPLY, {"model": "m", "weight_version": 0, "tensors": []}, "tensors"),
+        (MessageType.PONG, {"process": "runtime", "uptime_s": "long"}, "uptime_s"),
+        (MessageType.STATUS_REPLY, {"process": "sidecar", "status": {}}, "process"),
+        (MessageType.ERROR, {"in_reply_to": "r", "code": "E1", "message": "m"}, "code"),
+    ],
+    ids=lambda v: v.value if isinstance(v, MessageType) else None,
+)
+def test_a_malformed_reply_is_refused_naming_its_field(
+    msg_type: MessageType, fields: dict[str, Any], named: str
+) -> None:
+    """A reply whose body does not match its schema is MalformedMessage naming the field, as a
+    malformed request is on the runtime side."""
+    with pytest.raises(MalformedMessage, match=f"field '{re.escape(named)}'"):
+        parse_reply(_through_codec(fields, msg_type))
+
+
+def test_a_request_type_is_not_a_reply() -> None:
+    """A client refuses a request type (a peer that sends it a ``plan``) with
+    UnknownMessageType naming the reply types it reads."""
+    with pytest.raises(UnknownMessageType, match=r"plan.*accepted"):
+        parse_reply(_through_codec(plan_to_wire(Plan("p", "m", ())), MessageType.PLAN))
 
 
 def test_error_reply_fields() -> None:

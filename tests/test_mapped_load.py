@@ -28,8 +28,7 @@ from runtime_helpers import (
 )
 
 from ggufswap.config import MapShards, load_config_text
-from ggufswap.runtime import HotSwapRuntime, SlotState, Storage
-from ggufswap.runtime.mapping import MapRefused
+from ggufswap.runtime import HotSwapRuntime, MapRefused, SlotState, Storage
 from ggufswap.runtime.models import Transformer
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)

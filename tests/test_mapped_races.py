@@ -303,7 +303,7 @@ _LOAD = textwrap.dedent(
     import sys, threading
     from ggufswap.config import MapShards
     from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, mapping
-    from ggufswap.runtime.mapping import MapRefused
+    from ggufswap.runtime import MapRefused
 
     def load(policy):
         try:

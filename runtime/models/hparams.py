@@ -32,6 +32,8 @@ Supported architectures (``general.architecture``):
   required ``expert_feed_forward_length`` with clamped SwiGLU, YaRN RoPE scaling. RoPE NEOX.
 
 ``docs/models.md`` lists every key and tensor each architecture reads.
+
+Size: being reworked by issue 25; split there.
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ class HParams:
     activation: Activation = field(init=False)
 
     def __post_init__(self) -> None:
+        """Size: being reworked by issue 25; split there."""
         problems: list[str] = []
         for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_vocab"):
             if getattr(self, name) <= 0:
@@ -248,7 +251,10 @@ class HParams:
     def from_metadata(cls, md: Mapping[str, Any], *, n_vocab: int | None = None) -> HParams:
         """Read ``general.architecture`` and its ``{arch}.*`` keys as llama.cpp does; ``n_vocab``
         is the fallback (e.g. ``token_embd.weight``'s row count) when neither the tokenizer's
-        token list nor ``{arch}.vocab_size`` is present."""
+        token list nor ``{arch}.vocab_size`` is present.
+
+        Size: being reworked by issue 25; split there.
+        """
         arch_name = md.get(Keys.General.ARCHITECTURE)
         if arch_name is None:
             raise HParamsError(f"metadata has no {Keys.General.ARCHITECTURE!r} key")

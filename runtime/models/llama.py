@@ -9,6 +9,8 @@ tokens; matmuls run in the weight's dtype.
 The maths follows llama.cpp's graph for each architecture (see ``hparams``): RMS norms,
 RoPE NORM (adjacent pairs) for ``llama`` and NEOX (halves) for the qwen MoE families, grouped-query
 causal attention with scale ``1/sqrt(head_dim)``, SwiGLU FFNs, softmax top-k routing.
+
+Size: being reworked by issue 25; split there.
 """
 
 from __future__ import annotations

@@ -11,14 +11,10 @@ from typing import Any, Final
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ggufswap.runtime.serving.errors import ServingError
+from ggufswap.runtime.serving.errors import ChatTemplateError
 
 CHAT_TEMPLATE_KEY: Final = "tokenizer.chat_template"
 ROLES: Final = ("system", "user", "assistant")
-
-
-class ChatTemplateError(ServingError, ValueError):
-    """The template cannot be compiled, or rendering it failed for these messages."""
 
 
 def _raise(message: str) -> None:

@@ -21,13 +21,13 @@ from ggufswap.config import Config
 from ggufswap.ipc import PlanCommittedEvent
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
 from ggufswap.logs import get_logger
+from ggufswap.runtime import Placement
 from ggufswap.runtime.control import ControlServer
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.models.registry import Decoder, build_model, unused_tensors
 from ggufswap.runtime.pools import Pool
 from ggufswap.runtime.serving.serve import Mode, ServeLoop, ServeOptions
-from ggufswap.runtime.store import Placement
 from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
 
 log = get_logger(__name__)

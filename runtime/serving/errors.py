@@ -32,6 +32,10 @@ class Closed(GenerateError):
     """The batcher is shutting down and takes no new requests."""
 
 
+class ChatTemplateError(ServingError, ValueError):
+    """The template cannot be compiled, or rendering it failed for these messages."""
+
+
 class ListenError(ServingError, OSError):
     """The HTTP server cannot bind its address (in use, not local, no permission)."""
 

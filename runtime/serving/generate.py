@@ -26,6 +26,8 @@ sequence's logits must not depend on which other requests share its round. The s
 sequence's forwards depend only on its own prompt. Greedy decoding (temperature 0) takes the first
 maximal logit; sampling uses a ``torch.Generator`` seeded from the request's ``seed``. Same
 prompt, same version, same options: same text.
+
+Size: being reworked by issue 29; split there.
 """
 
 from __future__ import annotations

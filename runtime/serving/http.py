@@ -13,6 +13,8 @@ One thread per connection (at most ``max_connections``; a connection idle for
 :class:`~ggufswap.runtime.serving.generate.Batcher`; the inference thread generates; the
 connection thread writes what comes back. The server binds ``127.0.0.1`` unless told
 otherwise: it has no authentication.
+
+Size: being reworked by issue 29; split there.
 """
 
 from __future__ import annotations
@@ -123,7 +125,10 @@ def refuse_unknown(body: dict[str, Any], known: frozenset[str], route: str) -> N
 def parse_completion(
     body: object, *, model_name: str, known: frozenset[str] = COMPLETION_KEYS
 ) -> CompletionRequest:
-    """Validate a ``/v1/completions`` body; raise :class:`ApiError` listing every problem."""
+    """Validate a ``/v1/completions`` body; raise :class:`ApiError` listing every problem.
+
+    Size: being reworked by issue 29; split there.
+    """
     if not isinstance(body, dict):
         raise bad_request(f"the body must be a JSON object, found {type(body).__name__}")
     refuse_unknown(body, known, "/v1/completions" if "prompt" in known else "/v1/chat/completions")

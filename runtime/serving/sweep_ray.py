@@ -21,6 +21,8 @@ A worker that dies (killed, its node lost) or holds a round longer than ``round_
 another worker; a round is recorded once, when a worker returns it verified. A round that took
 down ``max_round_failures`` workers is reported as refused. A restore that does not reproduce
 the baseline on any worker stops the sweep, as on one host.
+
+Size: being reworked by issue 24; split there.
 """
 
 from __future__ import annotations
@@ -497,6 +499,8 @@ def run_ray_sweep(
     node. ``on_dispatch`` is called in the driver each time a round is handed to a worker;
     ``worker_class`` (a :class:`SweepWorker` subclass, importable or pickled by value on the
     workers) instruments the workers.
+
+    Size: being reworked by issue 24; split there.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     started_ray = _connect(ray_options.address)

@@ -90,7 +90,10 @@ class Vocabulary:
     def from_metadata(
         cls, md: Mapping[str, Any], array: Callable[[str], list[Any]] | None = None
     ) -> Vocabulary:
-        """Read ``tokenizer.ggml.*``; ``array(key)`` decodes arrays left on disk (read_array)."""
+        """Read ``tokenizer.ggml.*``; ``array(key)`` decodes arrays left on disk (read_array).
+
+        Size: being reworked by issue 29; split there.
+        """
         k = Keys.Tokenizer
 
         def arr(key: str) -> list[Any] | None:
