@@ -20,9 +20,10 @@ from ggufswap.runtime.errors import (
 )
 from ggufswap.runtime.families import DerivedTensor, family_of, group_families
 from ggufswap.runtime.kernels import KERNEL_TYPES, QuantizedMatrix, dequantize, has_kernel
+from ggufswap.runtime.placement import Placement
 from ggufswap.runtime.plans import PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
-from ggufswap.runtime.store import Placement, Slot, TensorStore
+from ggufswap.runtime.store import Slot, TensorStore
 
 __all__ = [
     "KERNEL_TYPES",

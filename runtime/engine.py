@@ -42,15 +42,11 @@ from ggufswap.runtime.commit import commit
 from ggufswap.runtime.coordinated import Coordinator, Decision
 from ggufswap.runtime.errors import PlanRejected, RuntimeLibraryError, StagingFailed
 from ggufswap.runtime.kernels import KERNELS
+from ggufswap.runtime.placement import Placement
 from ggufswap.runtime.plans import Follower, PlanState, PlanTicket
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet
 from ggufswap.runtime.staging import StagedPlan, Stager
-from ggufswap.runtime.store import (
-    Placement,
-    Slot,
-    TensorStore,
-    choose_storage,
-)
+from ggufswap.runtime.store import Slot, TensorStore, choose_storage
 from ggufswap.runtime.validate import validate_plan
 from ggufswap.shards import HeaderCache, Keys, ShardSet, open_shard_set
 

@@ -14,7 +14,6 @@ Storage modes:
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -25,12 +24,12 @@ import torch
 from ggufswap.config import DEFAULT_DECODED_CACHE, MapShards, Storage
 from ggufswap.ipc import SlotState
 from ggufswap.logs import get_logger
-from ggufswap.runtime.errors import PoolFull
-from ggufswap.runtime.families import DerivedTensor, block_of, expert_of, family_of
+from ggufswap.runtime.families import DerivedTensor, expert_of, family_of
 from ggufswap.runtime.kernels import QuantizedMatrix, dequantize
 from ggufswap.runtime.loading import Loader, LoadJob, Segment, trim_heap
 from ggufswap.runtime.mapping import ShardMaps
-from ggufswap.runtime.pools import Buffer, Pool, PoolSet
+from ggufswap.runtime.placement import Placement, Placer
+from ggufswap.runtime.pools import Buffer, Pool, PoolSet, first_fit
 from ggufswap.runtime.resident import DecodedCache
 from ggufswap.runtime.split import (
     ExpertSplit,
@@ -49,17 +48,6 @@ _PLAIN_DTYPES = {
     GGMLType.F16: torch.float16,
     GGMLType.BF16: torch.bfloat16,
 }
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where tensors go at load: like llama.cpp's ``n_gpu_layers``, plus a pool for experts."""
-
-    gpu_layers: int = -1  # blocks [0, gpu_layers) on the first pool; -1 = all
-    experts_pool: str | None = None
-    # An MoE family that fits no single non-fallback pool is split into expert ranges over the
-    # pools in preference order (the fallback last), instead of going whole to the fallback.
-    split_experts: bool = False
 
 
 @dataclass(eq=False)
@@ -357,33 +345,24 @@ class TensorStore:
     def plan_placement(
         self, records: Iterable[TensorRecord], placement: Placement, n_blocks: int
     ) -> dict[str, Pool | ExpertSplit]:
-        """Choose a home pool for every tensor; a family lands in one pool as a unit, or, with
-        ``split_experts``, in the same expert ranges on several pools when no pool holds it."""
-        ordered = self.pools.ordered()
-        primary, fallback = ordered[0], self.pools.fallback
-        units: dict[str, list[TensorRecord]] = {}
-        for record in records:
-            units.setdefault(family_of(record.name) or record.name, []).append(record)
+        """Choose a home pool for every tensor: the pool its placement rules prefer
+        (:mod:`.placement`, llama.cpp's vocabulary), else the next pools in order with room,
+        the fallback last; a family lands in one pool as a unit, or, with ``split_experts``, in
+        the same expert ranges on several pools when no pool holds it."""
+        ordered, fallback = self.pools.ordered(), self.pools.fallback
+        units = _units(records)
+        placer = Placer(placement, self.pools, n_blocks=n_blocks, nbytes=self.buffer_nbytes)
+        preferred = placer.preferred(units)
         tally: dict[str, int] = {p.name: 0 for p in ordered}
         homes: dict[str, Pool | ExpertSplit] = {}
-        for members in units.values():
-            first = members[0].name
-            block = block_of(first)
-            on_primary = (
-                placement.gpu_layers < 0
-                or (block is not None and block < placement.gpu_layers)
-                or (block is None and placement.gpu_layers > n_blocks)
-            )
-            preferred = primary if on_primary else fallback
-            if placement.experts_pool is not None and family_of(first) is not None:
-                preferred = self.pools[placement.experts_pool]
+        for unit, members in units.items():
             need = sum(self.buffer_nbytes(r) for r in members)
-            candidates = [preferred, *(p for p in ordered if p is not preferred)]
+            candidates = [preferred[unit], *(p for p in ordered if p is not preferred[unit])]
             chosen: Pool | ExpertSplit = next(
                 (p for p in candidates if p.budget is None or tally[p.name] + need <= p.budget),
                 fallback,
             )
-            if chosen is fallback and preferred is not fallback and placement.split_experts:
+            if chosen is fallback and preferred[unit] is not fallback and placement.split_experts:
                 chosen = self._split_at_load(members, candidates, tally) or chosen
             if isinstance(chosen, ExpertSplit):
                 per_expert = need // chosen.n_expert
@@ -429,12 +408,11 @@ class TensorStore:
         homes = self.plan_placement(records, placement, n_blocks)
         report = LoadReport()
         held: dict[str, tuple[Buffer, tuple[Part, ...]]] = {}
+        taken: list[Buffer] = []
         try:
-            jobs = []
-            for record in records:
-                buffer, parts = self._allocate_home(record, homes[record.name])
-                held[record.name] = (buffer, parts)
-                jobs.append(LoadJob(record, self._segments(record, buffer, parts)))
+            for members in _units(records).values():
+                held.update(self._allocate_unit(members, homes[members[0].name], taken))
+            jobs = [LoadJob(r, self._segments(r, *held[r.name])) for r in records]
             total = sum(r.nbytes for r in records)
             with _progress_bar(total, enabled=progress) as bar:
                 loader = Loader(
@@ -445,9 +423,8 @@ class TensorStore:
                 )
                 digests = {r.name: d for r, d in loader.run(jobs)}
         except BaseException:  # a failed load gives its pools back everything it took
-            for buffer, parts in held.values():
-                for kept in [p.buffer for p in parts] or [buffer]:
-                    kept.release()
+            for buffer in taken:
+                buffer.release()
             self.maps.close()
             raise
         trim_heap()
@@ -486,27 +463,37 @@ class TensorStore:
                 self.families[slot.family] = (*self.families[slot.family], slot.name)
         return report
 
-    def _allocate_home(
-        self, record: TensorRecord, home: Pool | ExpertSplit
+    def _allocate_unit(
+        self, members: list[TensorRecord], home: Pool | ExpertSplit, taken: list[Buffer]
+    ) -> dict[str, tuple[Buffer, tuple[Part, ...]]]:
+        """The buffers (or expert-range parts) a family or lone tensor is loaded into: in its
+        home, or, when an allocation there is refused (the budget, or the device's allocator),
+        all of it in the fallback pool (:func:`first_fit`, as staging places a plan's units)."""
+        fallback = self.pools.fallback
+        candidates: list[Pool | ExpertSplit] = [home] if home is fallback else [home, fallback]
+
+        def attempt(where: Pool | ExpertSplit) -> dict[str, tuple[Buffer, tuple[Part, ...]]]:
+            return {r.name: self._allocate_at(r, where, taken) for r in members}
+
+        _, placed = first_fit(candidates, attempt, taken)
+        return placed
+
+    def _allocate_at(
+        self, record: TensorRecord, where: Pool | ExpertSplit, taken: list[Buffer]
     ) -> tuple[Buffer, tuple[Part, ...]]:
-        """The buffer (or expert-range parts) ``record`` is loaded into."""
+        """``record``'s buffer in ``where`` (appended to ``taken``), or PoolFull."""
         numel, dtype = self.buffer_spec(record)
-        if isinstance(home, Pool) and home.device.type == "cpu":
-            view = self.maps.view(record)  # native storage: the file's own bytes, if mapped
-            with contextlib.suppress(PoolFull):  # a full home: the fallback, as below
-                if view is not None:
-                    return home.adopt(view), ()
-        if isinstance(home, ExpertSplit):
+        if isinstance(where, ExpertSplit):
             unit = self.expert_unit(record)
-            parts = tuple(
-                Part(pool.allocate((stop - start) * unit, dtype), start, stop)
-                for pool, start, stop in home.ranges
-            )
-            return parts[0].buffer, parts
-        try:
-            return home.allocate(numel, dtype), ()
-        except PoolFull:
-            return self.pools.fallback.allocate(numel, dtype), ()
+            parts = []
+            for pool, start, stop in where.ranges:
+                taken.append(pool.allocate((stop - start) * unit, dtype))
+                parts.append(Part(taken[-1], start, stop))
+            return parts[0].buffer, tuple(parts)
+        view = self.maps.view(record) if where.device.type == "cpu" else None
+        # native storage: the file's own bytes where it is mapped, else memory of our own
+        taken.append(where.adopt(view) if view is not None else where.allocate(numel, dtype))
+        return taken[-1], ()
 
     def _segments(
         self, record: TensorRecord, buffer: Buffer, parts: tuple[Part, ...]
@@ -564,6 +551,14 @@ class TensorStore:
 
     def loaded_table(self) -> Mapping[str, Slot]:
         return self.slots
+
+
+def _units(records: Iterable[TensorRecord]) -> dict[str, list[TensorRecord]]:
+    """Placement units: each family's members together, every other tensor alone."""
+    units: dict[str, list[TensorRecord]] = {}
+    for record in records:
+        units.setdefault(family_of(record.name) or record.name, []).append(record)
+    return units
 
 
 @contextmanager

@@ -27,7 +27,6 @@ from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.models.registry import Decoder, build_model, unused_tensors
 from ggufswap.runtime.pools import Pool
 from ggufswap.runtime.serving.serve import Mode, ServeLoop, ServeOptions
-from ggufswap.runtime.store import Placement
 from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
 
 log = get_logger(__name__)
@@ -47,11 +46,7 @@ def open_runtime(config: Config) -> HotSwapRuntime:
         decoded_cache=rc.decoded_cache,
         map_shards=rc.map_shards,
         strict=rc.strict_types,
-        placement=Placement(
-            gpu_layers=rc.placement.gpu_layers,
-            experts_pool=rc.placement.experts_pool,
-            split_experts=rc.placement.split_experts,
-        ),
+        placement=rc.placement,
         allowed_roots=[str(r) for r in rc.allowed_roots],
         model_name=rc.name,
         progress=sys.stderr.isatty(),
