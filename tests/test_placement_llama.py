@@ -336,3 +336,40 @@ def test_yaml_keys_are_checked_with_their_lines() -> None:
     assert any(
         "runtime.placement.tensor_split: 2 proportions for 1 GPU pool" in line for line in lines
     )
+
+
+def test_runtime_command_refuses_flags_it_does_not_honour(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ggufswap runtime --llama-args` exits 2 before loading anything, naming every refused
+    flag (-c outside perplexity mode too); honoured flags become the runtime's placement and
+    threads."""
+    from ggufswap.main import build_parser
+
+    def runtime(flags: str) -> int:
+        args = build_parser().parse_args(
+            ["runtime", "--config", str(config), "--llama-args", flags]
+        )
+        code: int = args.func(args)
+        return code
+
+    model = ModelDir.write(tmp_path / "m", tiny_dense())
+    config = tmp_path / "r.yaml"
+    config.write_text(f"runtime:\n  model: {model.first}\n  serve: {{mode: probe}}\n")
+    assert runtime("-ngl 9 --mlock -fa on") == 2
+    err = capsys.readouterr().err
+    assert "--llama-args: --mlock: '--mlock' is refused" in err
+    assert "--llama-args: -fa: '-fa on' is refused" in err
+    assert runtime("-c 512") == 2
+    assert "-c and -b size the perplexity mode's windows, not probe mode" in capsys.readouterr().err
+    from ggufswap._cmd_runtime import with_llama_args
+    from ggufswap.config import load_config
+
+    loaded = load_config(config)
+    placed, _ = with_llama_args(loaded, loaded.require_runtime().serve, "-ngl 2 -ot exps=CPU -t 3")
+    rc = placed.require_runtime()
+    assert (rc.placement.gpu_layers, rc.placement.override_tensor, rc.threads) == (
+        2,
+        (OverrideRule("exps", "CPU"),),
+        3,
+    )
