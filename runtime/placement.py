@@ -254,8 +254,8 @@ class Placer:
         value = self.placement.gpu_layers
         if value == "all" or value is None:
             return every, []
-        if value != "auto":
-            return int(value), []
+        if value != "auto":  # a negative count is all, as llama_model::n_gpu_layers() reads it
+            return (every if int(value) < 0 else int(value)), []
         placement = self.placement
         if placement.user_rules or placement.tensor_split or not self.devices:
             return every, []  # llama_params_fit changes nothing the user set
