@@ -90,14 +90,15 @@ def test_quantized_matrix_uses_the_kernel_on_cuda_and_keeps_its_shape() -> None:
     torch.testing.assert_close(few, many, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("ggml_type", list(GGMLType), ids=lambda t: t.name)
-def test_dispatch_sends_kernel_types_on_cuda_to_the_kernel(ggml_type: GGMLType) -> None:
+def test_dispatch_sends_kernel_types_on_cuda_to_the_kernel() -> None:
     """A type runs the GPU kernel exactly when it is one of the kernel's types, the matrix is on
     CUDA and Triton is installed; CPU matrices never do (they have the C kernel)."""
-    from_blocks = gpu.unavailable() is None and ggml_type in {*MAINLINE, *IK}
-    assert gpu.handles(ggml_type, torch.device("cuda", 0)) is from_blocks
-    assert gpu.handles(ggml_type, torch.device("cpu")) is False
-    assert gpu.handles(ggml_type, torch.device("cpu"), interpret=True) is from_blocks
+    installed = gpu.unavailable() is None
+    for ggml_type in GGMLType:
+        from_blocks = installed and ggml_type in {*MAINLINE, *IK}
+        assert gpu.handles(ggml_type, torch.device("cuda", 0)) is from_blocks, ggml_type
+        assert gpu.handles(ggml_type, torch.device("cpu")) is False, ggml_type
+        assert gpu.handles(ggml_type, torch.device("cpu"), interpret=True) is from_blocks
 
 
 def test_cpu_matrices_keep_the_compiled_c_kernel() -> None:
