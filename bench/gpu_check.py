@@ -15,7 +15,7 @@ fails. On a CUDA device:
   fresh load's logits; ``torch.cuda.memory_allocated`` back at its baseline after each return;
 - **graph**: a CUDA graph captured on the dense model, replayed after an in-place commit: the
   replay gives the new weights' logits (eager), not the old ones;
-- **speed**: one decode step of a generated qwen3moe (Q4_K/Q6_K, 32 experts) in native storage
+- **speed**: one decode step of a generated qwen3moe (Q4_K/Q6_K, 32 experts, 142 MB) in native storage
   against dequantized float32 (target >= 0.7), and each kernel type's product from its blocks
   against decode + ``F.linear`` on a 4096 x 4096 matrix.
 
@@ -394,7 +394,7 @@ def _time(fn: Callable[[], object], device: torch.device, repeats: int = 10) -> 
 
 def check_speed(root: Path, device: torch.device, quick: bool) -> Result:
     small = quick or device.type == "cpu"
-    n_layers, n_embd, n_ff = (2, 256, 256) if small else (8, 1024, 512)
+    n_layers, n_embd, n_ff = (2, 256, 256) if small else (4, 1024, 512)
     path = write_model(moe_spec(n_layers=n_layers, n_embd=n_embd, n_ff=n_ff), root / "speed")[0]
     steps = 4 if small else 32
     native = decode_ms(path, device, Storage.NATIVE, steps)
