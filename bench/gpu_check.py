@@ -15,9 +15,9 @@ fails. On a CUDA device:
   fresh load's logits; ``torch.cuda.memory_allocated`` back at its baseline after each return;
 - **graph**: a CUDA graph captured on the dense model, replayed after an in-place commit: the
   replay gives the new weights' logits (eager), not the old ones;
-- **speed**: one decode step of a generated qwen3moe (Q4_K/Q6_K, 32 experts, 142 MB) in native storage
-  against dequantized float32 (target >= 0.7), and each kernel type's product from its blocks
-  against decode + ``F.linear`` on a 4096 x 4096 matrix.
+- **speed**: one decode step of a generated qwen3moe (Q4_K/Q6_K, 32 experts, 142 MB) in native
+  storage against dequantized float32 (target >= 0.7), and each kernel type's product from its
+  blocks against decode + ``F.linear`` on a 4096 x 4096 matrix.
 
 Without CUDA it is a dry run on the CPU: parity (CPU against CPU), swap and speed run their code
 at small sizes, and the device-only checks say SKIP. Every figure is measured in this run.
