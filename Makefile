@@ -14,7 +14,7 @@ MODULES := $(VENV)/.ggufswap-modules
 PACKAGE_FOLDERS := $(shell $(PYTHON) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["ggufswap"]["packages"].values())')
 MODULE_LIST := $(sort $(foreach folder,$(PACKAGE_FOLDERS),$(wildcard $(folder)/*.py)))
 
-.PHONY: test demo bench fuzz soak lint typecheck crosscheck clean FORCE
+.PHONY: test demo bench fuzz soak lint typecheck crosscheck clean gpu-wheels gpu-env gpu-check FORCE
 
 $(MODULES): FORCE
 	@mkdir -p $(VENV)
@@ -75,6 +75,39 @@ $(XCHECK_VENV)/.llama-cpp-installed:
 crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed
 	$(BIN)/python crosscheck/run.py --llama-python $(XCHECK_VENV)/bin/python
 	$(BIN)/python crosscheck/gemma_real.py --llama-python $(XCHECK_VENV)/bin/python
+
+# On a GPU host (docs/operations.md, "GPU check"): the CUDA tests and bench/gpu_check.py (parity,
+# swap, out-of-memory fallback, CUDA-graph replay, native speed), in under 5 minutes. The host's own
+# torch (a CUDA build, with the Triton it brings) is used from a venv that sees the system's
+# packages; what the host lacks comes from $(GPU_WHEELS), made here by `make gpu-wheels` where the
+# package index is reachable (the GPU host may reach none). Dry run on a CPU machine:
+# `make gpu-check GPU_VENV=.venv` (the device-only checks say SKIP).
+GPU_PYTHON ?= python3
+GPU_VENV ?= .venv-gpu
+GPU_WHEELS ?= gpu-wheels
+GPU_PY_VERSION ?= 3.12
+GPU_WHEEL_SPECS ?= gguf==0.19.0 pyzmq==27.3.0 structlog==26.1.0 watchdog==7.1.0 PyYAML==6.0.4 \
+	grimp==3.20 setuptools==84.2.1 wheel
+# The tests that touch CUDA (each skips without it), and the kernels' dispatch.
+GPU_TESTS := tests/test_triton_kernels.py tests/test_dequant.py tests/test_ik_types.py tests/test_model.py
+
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m pip download --quiet --disable-pip-version-check --only-binary :all: \
+		--no-deps --python-version $(GPU_PY_VERSION) --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+		-d $(GPU_WHEELS) $(GPU_WHEEL_SPECS)
+
+gpu-env:
+	test -x $(GPU_VENV)/bin/python || $(GPU_PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/python -c "import gguf, zmq, structlog, watchdog, yaml, grimp" 2>/dev/null || \
+		$(GPU_VENV)/bin/python -m pip install --quiet --no-index --no-deps $(GPU_WHEELS)/*.whl
+	$(GPU_VENV)/bin/python -c "import ggufswap.runtime" 2>/dev/null || \
+		$(GPU_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+
+gpu-check: gpu-env
+	$(GPU_VENV)/bin/python -m pytest -q -p no:benchmark -p no:cacheprovider -n 4 \
+		-k "cuda or triton" $(GPU_TESTS)
+	$(GPU_VENV)/bin/python bench/gpu_check.py --json gpu-check.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

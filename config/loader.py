@@ -93,7 +93,16 @@ SERVE_KEYS = (
     "batch_interval_s",
 )
 POOL_KEYS = ("name", "device", "budget")
-PLACEMENT_KEYS = ("gpu_layers", "experts_pool", "split_experts")
+PLACEMENT_KEYS = (
+    "gpu_layers",
+    "override_tensor",
+    "cpu_moe",
+    "n_cpu_moe",
+    "tensor_split",
+    "fit_margin",
+    "experts_pool",
+    "split_experts",
+)
 SECURITY_KEYS = ("curve", "allow_insecure_tcp")
 CURVE_KEYS = ("server_secret_key", "server_public_key", "client_secret_key", "authorized_keys_dir")
 
@@ -416,8 +425,16 @@ class _Builder:
     def placement(self, sec: Section | None) -> PlacementConfig:
         if sec is None:
             return PlacementConfig()
+        d = PlacementConfig()
         return PlacementConfig(
-            gpu_layers=self.r.get(sec, "gpu_layers", self.v.integer(minimum=-1), -1),
+            gpu_layers=self.r.get(sec, "gpu_layers", self.v.gpu_layers, d.gpu_layers),
+            override_tensor=self.r.get(
+                sec, "override_tensor", self.v.list_of(self.v.override_rule), ()
+            ),
+            cpu_moe=self.r.get(sec, "cpu_moe", self.v.boolean, False),
+            n_cpu_moe=self.r.get(sec, "n_cpu_moe", self.v.integer(minimum=0), 0),
+            tensor_split=self.r.get(sec, "tensor_split", self.v.tensor_split, ()),
+            fit_margin=self.r.get(sec, "fit_margin", self.v.size_or_zero, d.fit_margin),
             experts_pool=self.r.get(sec, "experts_pool", optional(self.v.name), None),
             split_experts=self.r.get(sec, "split_experts", self.v.boolean, False),
         )

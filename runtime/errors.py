@@ -30,13 +30,35 @@ class PlanRejected(RuntimeLibraryError):
 
 
 class PoolFull(RuntimeLibraryError):
-    """A pool cannot hold an allocation (budget, or the device itself is out of memory)."""
+    """A pool cannot hold an allocation: its budget, or the device's allocator refused it
+    (``device_error``: CUDA out of memory, or any allocator error)."""
 
-    def __init__(self, pool: str, nbytes: int, free: int) -> None:
+    def __init__(self, pool: str, nbytes: int, free: int, *, device_error: str | None = None):
         self.pool = pool
         self.nbytes = nbytes
         self.free = free
-        super().__init__(f"pool {pool!r}: {nbytes} bytes requested, {free} free")
+        self.device_error = device_error
+        if device_error is None:
+            message = f"pool {pool!r}: {nbytes} bytes requested, {free} free"
+        else:
+            first_line = device_error.strip().splitlines()[0] if device_error.strip() else "?"
+            message = f"pool {pool!r}: the device could not allocate {nbytes} bytes ({first_line})"
+        super().__init__(message)
+
+
+class NoPoolFits(PoolFull):
+    """Every pool a tensor (or its family) may go to, the fallback last, refused it; ``failures``
+    holds each pool's refusal in the order they were tried."""
+
+    def __init__(self, failures: list[PoolFull]) -> None:
+        assert failures, "NoPoolFits needs the refusals of the pools that were tried"
+        last = failures[-1]
+        super().__init__(last.pool, last.nbytes, last.free, device_error=last.device_error)
+        self.failures = tuple(failures)
+        self.args = ("; then ".join(str(f) for f in failures),)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class StagingFailed(RuntimeLibraryError):
@@ -59,6 +81,10 @@ class MapRefused(RuntimeLibraryError, RuntimeError):
     """``map_shards: true`` and a shard that cannot be served from a mapping (names the file)."""
 
 
+class PlacementError(RuntimeLibraryError, ValueError):
+    """A placement the runtime cannot honour (an override naming no pool), found at load."""
+
+
 class PlanStateError(RuntimeLibraryError, RuntimeError):
     """An illegal plan lifecycle transition: a bug in the runtime, never an input problem."""
 
@@ -70,6 +96,8 @@ class SlotStateError(RuntimeLibraryError, RuntimeError):
 
 __all__ = [
     "MapRefused",
+    "NoPoolFits",
+    "PlacementError",
     "PlanRejected",
     "PlanStateError",
     "PoolFull",

@@ -14,7 +14,6 @@ Storage modes:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -23,13 +22,12 @@ import torch
 from ggufswap.config import DEFAULT_DECODED_CACHE, MapShards, Storage
 from ggufswap.ipc import SlotState
 from ggufswap.logs import get_logger
-from ggufswap.runtime.errors import PoolFull
 from ggufswap.runtime.families import DerivedTensor, family_of
 from ggufswap.runtime.kernels import QuantizedMatrix, dequantize
 from ggufswap.runtime.loading import Loader, LoadJob, Segment, trim_heap
 from ggufswap.runtime.mapping import ShardMaps
-from ggufswap.runtime.placement import Placement, plan_placement
-from ggufswap.runtime.pools import Buffer, Pool, PoolSet
+from ggufswap.runtime.placement import Placement, placement_units, plan_placement
+from ggufswap.runtime.pools import Buffer, Pool, PoolSet, first_fit
 from ggufswap.runtime.progress import progress_bar
 from ggufswap.runtime.resident import DecodedCache
 from ggufswap.runtime.split import (
@@ -334,12 +332,11 @@ class TensorStore:
         records = list(shards.tensors.values())
         homes = self.plan_placement(records, placement, n_blocks)
         held: dict[str, tuple[Buffer, tuple[Part, ...]]] = {}
+        taken: list[Buffer] = []
         try:
-            jobs = []
-            for record in records:
-                buffer, parts = self._allocate_home(record, homes[record.name])
-                held[record.name] = (buffer, parts)
-                jobs.append(LoadJob(record, self._segments(record, buffer, parts)))
+            for members in placement_units(records).values():
+                held.update(self._allocate_unit(members, homes[members[0].name], taken))
+            jobs = [LoadJob(r, self._segments(r, *held[r.name])) for r in records]
             total = sum(r.nbytes for r in records)
             with progress_bar(total, enabled=progress) as bar:
                 loader = Loader(
@@ -350,9 +347,8 @@ class TensorStore:
                 )
                 digests = {r.name: d for r, d in loader.run(jobs)}
         except BaseException:  # a failed load gives its pools back everything it took
-            for buffer, parts in held.values():
-                for kept in [p.buffer for p in parts] or [buffer]:
-                    kept.release()
+            for buffer in taken:
+                buffer.release()
             self.maps.close()
             raise
         trim_heap()
@@ -402,27 +398,37 @@ class TensorStore:
                 report.placed[name] = report.placed.get(name, 0) + kept.nbytes
         return report
 
-    def _allocate_home(
-        self, record: TensorRecord, home: Pool | ExpertSplit
+    def _allocate_unit(
+        self, members: list[TensorRecord], home: Pool | ExpertSplit, taken: list[Buffer]
+    ) -> dict[str, tuple[Buffer, tuple[Part, ...]]]:
+        """The buffers (or expert-range parts) a family or lone tensor is loaded into: in its
+        home, or, when an allocation there is refused (the budget, or the device's allocator),
+        all of it in the fallback pool (:func:`first_fit`, as staging places a plan's units)."""
+        fallback = self.pools.fallback
+        candidates: list[Pool | ExpertSplit] = [home] if home is fallback else [home, fallback]
+
+        def attempt(where: Pool | ExpertSplit) -> dict[str, tuple[Buffer, tuple[Part, ...]]]:
+            return {r.name: self._allocate_at(r, where, taken) for r in members}
+
+        _, placed = first_fit(candidates, attempt, taken)
+        return placed
+
+    def _allocate_at(
+        self, record: TensorRecord, where: Pool | ExpertSplit, taken: list[Buffer]
     ) -> tuple[Buffer, tuple[Part, ...]]:
-        """The buffer (or expert-range parts) ``record`` is loaded into."""
+        """``record``'s buffer in ``where`` (appended to ``taken``), or PoolFull."""
         numel, dtype = self.buffer_spec(record)
-        if isinstance(home, Pool) and home.device.type == "cpu":
-            view = self.maps.view(record)  # native storage: the file's own bytes, if mapped
-            with contextlib.suppress(PoolFull):  # a full home: the fallback, as below
-                if view is not None:
-                    return home.adopt(view), ()
-        if isinstance(home, ExpertSplit):
+        if isinstance(where, ExpertSplit):
             unit = self.expert_unit(record)
-            parts = tuple(
-                Part(pool.allocate((stop - start) * unit, dtype), start, stop)
-                for pool, start, stop in home.ranges
-            )
-            return parts[0].buffer, parts
-        try:
-            return home.allocate(numel, dtype), ()
-        except PoolFull:
-            return self.pools.fallback.allocate(numel, dtype), ()
+            parts = []
+            for pool, start, stop in where.ranges:
+                taken.append(pool.allocate((stop - start) * unit, dtype))
+                parts.append(Part(taken[-1], start, stop))
+            return parts[0].buffer, tuple(parts)
+        view = self.maps.view(record) if where.device.type == "cpu" else None
+        # native storage: the file's own bytes where it is mapped, else memory of our own
+        taken.append(where.adopt(view) if view is not None else where.allocate(numel, dtype))
+        return taken[-1], ()
 
     def _segments(
         self, record: TensorRecord, buffer: Buffer, parts: tuple[Part, ...]

@@ -139,7 +139,7 @@ def test_minimal_runtime_config_gets_defaults(tmp_path: Path) -> None:
     assert runtime.allowed_roots == (Path("/m"),)
     assert [(p.name, p.device, p.budget) for p in runtime.pools] == [("host", "cpu", None)]
     assert (runtime.storage, runtime.compute_dtype) == (Storage.DEQUANTIZED, ComputeDtype.FLOAT32)
-    assert (runtime.placement.gpu_layers, runtime.placement.experts_pool) == (-1, None)
+    assert (runtime.placement.gpu_layers, runtime.placement.experts_pool) == (None, None)
     assert runtime.placement.split_experts is False
     assert runtime.strict_types is False
     assert runtime.threads is None  # auto: one thread per CPU of the affinity mask

@@ -3,6 +3,8 @@
 A :class:`QuantizedMatrix` is a weight matrix as native storage holds it (its blocks, its type and
 its logical shape). ``linear`` multiplies activations by it:
 
+- for a few activation rows (decode) on CUDA, for the types :mod:`.gpu` lists, with the Triton
+  kernel (:mod:`.triton_qmatmul`): the blocks are decoded in registers, tile by tile;
 - for a few activation rows (decode), on the CPU, for the types ``runtime/kernels/csrc/qkernels.c``
   handles, with the compiled kernel: each block is decoded into L1 and multiplied there, so the
   product reads the quantized bytes once and never writes the float32 weights (float32
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
-from ggufswap.runtime.kernels import _compiled
+from ggufswap.runtime.kernels import _compiled, gpu
 from ggufswap.runtime.kernels.dequant import dequantize
 from ggufswap.runtime.kernels.scratch import role_scratch
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, row_nbytes
@@ -77,7 +79,10 @@ class QuantizedMatrix:
 
     @property
     def compiled(self) -> bool:
-        """Whether :meth:`linear` runs the compiled kernel for this matrix."""
+        """Whether :meth:`linear` runs a compiled kernel for this matrix: the C kernel on the
+        CPU, the Triton kernel on CUDA (:mod:`.gpu`)."""
+        if self.raw.device.type != "cpu":
+            return gpu.handles(self.ggml_type, self.raw.device)
         return _compiled.handles(self.ggml_type, self.shape[1], self.raw.device)
 
     def decode(self, dtype: torch.dtype, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -101,6 +106,8 @@ class QuantizedMatrix:
             return F.linear(x.to(device=w.device, dtype=w.dtype), w)
         if not self.compiled or n >= FUSED_MAX_ROWS:
             return self._decoded_linear(x, dtype)
+        if self.raw.device.type != "cpu":  # the GPU's kernel (Triton), from the blocks
+            return gpu.linear(self.raw, self.ggml_type, self.shape, x)
         flat = x.to(device="cpu", dtype=torch.float32).reshape(-1, cols).contiguous()
         out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
         raw = self.raw if self.raw.is_contiguous() else self.raw.contiguous()

@@ -21,7 +21,6 @@ from ggufswap.config import Config
 from ggufswap.ipc import PlanCommittedEvent
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
 from ggufswap.logs import get_logger
-from ggufswap.runtime import Placement
 from ggufswap.runtime.control import ControlServer
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.models.hparams import HParams
@@ -47,11 +46,7 @@ def open_runtime(config: Config) -> HotSwapRuntime:
         decoded_cache=rc.decoded_cache,
         map_shards=rc.map_shards,
         strict=rc.strict_types,
-        placement=Placement(
-            gpu_layers=rc.placement.gpu_layers,
-            experts_pool=rc.placement.experts_pool,
-            split_experts=rc.placement.split_experts,
-        ),
+        placement=rc.placement,
         allowed_roots=[str(r) for r in rc.allowed_roots],
         model_name=rc.name,
         progress=sys.stderr.isatty(),
