@@ -418,12 +418,19 @@ class TensorStore:
         return split if split is not None and len(split.ranges) > 1 else None
 
     def load(
-        self, shards: ShardSet, *, placement: Placement, n_blocks: int, progress: bool = False
+        self,
+        shards: ShardSet,
+        *,
+        placement: Placement,
+        n_blocks: int,
+        progress: bool = False,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> LoadReport:
         """Read every tensor of ``shards`` into its home pool (or its expert split).
 
         Each tensor is read once, in file order, straight into its buffer when that holds the
         file's bytes on the CPU, and fingerprinted in the same pass (:mod:`.loading`).
+        ``on_progress(done, total)`` is told the bytes read so far (a server's ``/health``).
         """
         records = list(shards.tensors.values())
         homes = self.plan_placement(records, placement, n_blocks)
@@ -436,7 +443,7 @@ class TensorStore:
                 held[record.name] = (buffer, parts)
                 jobs.append(LoadJob(record, self._segments(record, buffer, parts)))
             total = sum(r.nbytes for r in records)
-            with _progress_bar(total, enabled=progress) as bar:
+            with _progress_bar(total, enabled=progress, also=on_progress) as bar:
                 loader = Loader(
                     decode=self._decode_rows,
                     row_slice=self._row_slice,
@@ -567,15 +574,33 @@ class TensorStore:
 
 
 @contextmanager
-def _progress_bar(total: int, *, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+def _progress_bar(
+    total: int, *, enabled: bool, also: Callable[[int, int], None] | None = None
+) -> Iterator[Callable[[int], None] | None]:
     """A byte counter that shows GB/s and the time left (tqdm's rate and ETA) on a terminal, and
-    logs ``load.progress`` lines (runtime/progress.py) when not on one."""
+    logs ``load.progress`` lines (runtime/progress.py) when not on one; ``also(done, total)``
+    is told every step too."""
     if not enabled:
         from ggufswap.runtime.progress import ProgressLog
 
-        yield ProgressLog("load.progress", total=total, unit="B").update
+        update: Callable[[int], None] = ProgressLog("load.progress", total=total, unit="B").update
+        yield update if also is None else _tee(update, also, total)
         return
     from tqdm import tqdm
 
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False) as bar:
-        yield bar.update
+        yield bar.update if also is None else _tee(bar.update, also, total)
+
+
+def _tee(
+    update: Callable[[int], None], also: Callable[[int, int], None], total: int
+) -> Callable[[int], None]:
+    done = 0
+
+    def both(amount: int) -> None:
+        nonlocal done
+        done += amount
+        update(amount)
+        also(done, total)
+
+    return both
