@@ -9,11 +9,12 @@ sequence in flight.
 
 **One weight version per request.** Plans are committed only at request boundaries: the thread
 calls :meth:`HotSwapRuntime.at_batch_boundary` when no sequence is in flight, and while a plan is
-staged it admits nothing new, so the requests in flight drain (each is bounded by its
-``max_tokens`` and its deadline) and the plan is committed right after them. Every token of a
-request therefore comes from the version named in its :class:`Started` event, and a streamed
-token is never taken back. (Restarting interrupted requests instead would have to un-send
-streamed text.)
+in flight (accepted, staging or staged) it admits nothing new, so the requests in flight drain
+(each is bounded by its ``max_tokens`` and its deadline) and the plan is committed right after
+them: a commit waits at most for the longest request in flight, however busy the server.
+Every token of a request therefore comes from the version named in its :class:`Started` event,
+and a streamed token is never taken back. (Restarting interrupted requests instead would have to
+un-send streamed text.)
 
 **KV cache.** Each sequence has its own :class:`KVCache`: its first forward runs the whole prompt
 (prefill), every later one only the token picked last. The cache holds activations of one weight
@@ -24,14 +25,13 @@ is in flight, so a cache is created and dropped within one version (``_decode_on
 never stacked with other requests): CPU matmul results can depend on the batch shape, so a
 sequence's logits must not depend on which other requests share its round. The shapes of a
 sequence's forwards depend only on its own prompt. Greedy decoding (temperature 0) takes the first
-maximal logit; sampling uses a ``torch.Generator`` seeded from the request's ``seed``. Same
-prompt, same version, same options: same text.
+maximal logit; sampling (sampling.py) uses a ``torch.Generator`` seeded from the request's
+``seed``. Same prompt, same version, same options: same text.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
 import queue
 import threading
 import time
@@ -47,25 +47,44 @@ from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.runtime.models.registry import Decoder
 from ggufswap.runtime.serving.errors import Closed, InvalidRequest, QueueFull
+from ggufswap.runtime.serving.events import (
+    Ended,
+    Event,
+    EventQueue,
+    Failed,
+    FailureKind,
+    Finished,
+    FinishReason,
+    Generation,
+    GenerationState,
+    Started,
+    TextDelta,
+)
 from ggufswap.runtime.serving.sampling import Sampling, TokenLogprob, new_generator, pick
 from ggufswap.runtime.serving.streaming import first_stop, sendable_end
 from ggufswap.runtime.serving.tokenizer import GgufTokenizer
 
+__all__ = [  # the events are defined in events.py; callers may take them from here
+    "Batcher",
+    "BatcherOptions",
+    "Ended",
+    "Event",
+    "EventQueue",
+    "Failed",
+    "FailureKind",
+    "FinishReason",
+    "Finished",
+    "Generation",
+    "GenerationState",
+    "Sampling",
+    "Started",
+    "TextDelta",
+    "greedy_continuation",
+]
+
 log = get_logger(__name__)
 
 IDLE_WAIT_S: Final = 0.1  # an idle loop wakes on a request or a staged plan, or this often
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # end-of-sequence token or a stop string
-    LENGTH = "length"  # max_tokens reached
-
-
-class GenerationState(enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,94 +100,6 @@ class BatcherOptions:
 
 
 PROMPT_CHARS_PER_TOKEN: Final = 8
-
-
-# -- events, read by the submitting thread -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Started:
-    weight_version: int
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    index: int
-    text: str
-    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens decoded since the last delta
-
-
-@dataclass(frozen=True)
-class Finished:
-    index: int
-    reason: FinishReason
-    completion_tokens: int
-    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens not yet carried by a delta
-
-
-@dataclass(frozen=True)
-class Ended:
-    weight_version: int
-    prompt_tokens: int
-    completion_tokens: int
-
-
-class FailureKind(str, enum.Enum):
-    TIMEOUT = "timeout"  # the request's deadline passed
-    SHUTDOWN = "shutdown"  # the server stopped before the request finished
-    ERROR = "error"  # the model or tokenizer raised
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-    kind: FailureKind = FailureKind.ERROR
-
-
-Event = Started | TextDelta | Finished | Ended | Failed
-
-
-class EventQueue(queue.Queue[Event]):
-    """A generation's events; ``waker()``, when set, is called after each put (an event loop's
-    ``call_soon_threadsafe``, so an async reader never blocks a thread waiting)."""
-
-    waker: Callable[[], None] | None = None
-
-    def put(self, item: Event, block: bool = True, timeout: float | None = None) -> None:
-        super().put(item, block, timeout)
-        waker = self.waker
-        if waker is not None:
-            waker()
-
-
-@dataclass(eq=False)
-class Generation:
-    """One request: its prompts' token ids, options and the queue its events arrive on."""
-
-    prompts: tuple[tuple[int, ...], ...]
-    sampling: Sampling
-    deadline: float  # time.monotonic() after which the request fails
-    events: EventQueue = field(default_factory=EventQueue)
-    state: GenerationState = GenerationState.QUEUED
-    weight_version: int | None = None
-    _cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        """Stop generating (the client went away or gave up); safe from any thread."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def sequences(self) -> int:
-        """Sequences decoded for it: ``n`` per prompt."""
-        return len(self.prompts) * self.sampling.n
 
 
 @dataclass(eq=False)

@@ -14,7 +14,8 @@ uvicorn's protocol (httptools) with three additions, against slow and greedy cli
   take every slot.
 
 A new connection that sends no byte within ``header_timeout_s`` is closed without an answer, as
-is a kept-alive one idle for ``idle_timeout_s`` (uvicorn's keep-alive timeout). Every refusal is counted in :class:`ConnectionLimits` for ``/metrics``.
+is a kept-alive one idle for ``idle_timeout_s`` (uvicorn's keep-alive timeout). Every refusal is
+counted in :class:`ConnectionLimits` (the runtime's ``status``, under ``http.connections``).
 """
 
 from __future__ import annotations
@@ -144,10 +145,9 @@ class _GuardedProtocol(HttpToolsProtocol):
         if not self._refused:
             super().data_received(data)
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> None:
         if self._refused:
             self.transport.close()
-        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
