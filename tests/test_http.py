@@ -125,6 +125,7 @@ def start_server(
     *,
     run_loop: bool = True,
     chat_template: ChatTemplate | None = None,
+    chat_error: str | None = None,
     http: HttpOptions | None = None,
     **options: Any,
 ) -> Iterator[Served]:
@@ -137,7 +138,11 @@ def start_server(
         runtime, model, GgufTokenizer.from_file(first), options=BatcherOptions(**options)
     )
     server = CompletionServer.serving(
-        batcher, runtime, options=http or HttpOptions(port=0), chat_template=chat_template
+        batcher,
+        runtime,
+        options=http or HttpOptions(port=0),
+        chat_template=chat_template,
+        chat_error=chat_error,
     ).start()
     stop = threading.Event()
     loop = threading.Thread(target=batcher.run, args=(stop,), name="test-inference")

@@ -172,10 +172,11 @@ class Vocabulary:
 
 # The merge extraction examines, for each normal token, only the cuts whose two halves have
 # lengths that vocabulary tokens have, at a cost of the token's length each; this many such
-# characters per character of the vocabulary (plus a constant) is the most it will do. Real
-# vocabularies stay far under it (Gemma 3's 262k tokens: about 2 per character); a vocabulary
-# built to make the extraction quadratic is refused rather than stalling every start.
-MERGE_WORK_PER_CHAR: Final = 64
+# characters per character of the vocabulary (plus a constant) is the most it will do, known
+# before it starts. Real vocabularies stay under it (Gemma 3's 262k tokens: about 8 per
+# character); a vocabulary built to make the extraction quadratic is refused at once rather
+# than stalling every start.
+MERGE_WORK_PER_CHAR: Final = 24
 MERGE_WORK_FLOOR: Final = 1 << 22
 
 
@@ -268,14 +269,17 @@ def spm_merge_ids(vocab: Vocabulary) -> list[tuple[int, int]]:
         if types[i] == TokenType.NORMAL and len(piece) >= 2:
             by_length.setdefault(len(piece), []).append(i)
     budget = MERGE_WORK_PER_CHAR * sum(len(t) for t in tokens) + MERGE_WORK_FLOOR
+    cuts: dict[int, list[int]] = {}
     work = 0
+    for n, ids in sorted(by_length.items()):  # the work is known before any is done
+        cuts[n] = [c for c in sorted(present) if c < n and n - c in present]
+        work += n * len(ids) * len(cuts[n])
+        if work > budget:
+            raise _too_much_work(tokens, present, budget)
     ranked: list[tuple[float, int, int]] = []
     for n, ids in sorted(by_length.items()):
         pieces = [tokens[i] for i in ids]
-        for cut in sorted(c for c in present if c < n and n - c in present):
-            work += n * len(ids)
-            if work > budget:
-                raise _too_much_work(tokens, present, budget)
+        for cut in cuts[n]:
             lefts = list(map(index.get, [p[:cut] for p in pieces]))
             found = [k for k, a in enumerate(lefts) if a is not None]
             rights = list(map(index.get, [pieces[k][cut:] for k in found]))
