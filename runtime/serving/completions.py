@@ -155,21 +155,21 @@ class Formatter:
         self.chat = chat
 
     def _piece(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special=False)
+        return self.tokenizer.piece_bytes(token_id).decode("utf-8", errors="replace")
 
     def logprobs(self, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> Any:
         if self.chat:
             return {
                 "content": [
                     {
-                        "token": (piece := self._piece(e.token_id)),
+                        "token": self._piece(e.token_id),
                         "logprob": e.logprob,
-                        "bytes": list(piece.encode()),
+                        "bytes": list(self.tokenizer.piece_bytes(e.token_id)),
                         "top_logprobs": [
                             {
-                                "token": (alt := self._piece(i)),
+                                "token": self._piece(i),
                                 "logprob": lp,
-                                "bytes": list(alt.encode()),
+                                "bytes": list(self.tokenizer.piece_bytes(i)),
                             }
                             for i, lp in e.top
                         ],

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -136,7 +137,15 @@ class CompletionServer:
         asyncio.run(self._server.serve(sockets=[self._sock]))
 
     def start(self) -> CompletionServer:
+        """Serve from a thread of its own; return once it accepts connections."""
         self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                raise ListenError(f"the HTTP server did not start within {START_TIMEOUT_S:g} s")
+            time.sleep(0.005)
+        if not self._server.started:
+            raise ListenError(f"the HTTP server on {self.host}:{self.port} stopped at its start")
         log.info("http.listening", host=self.host, port=self.port, model=self.model_name)
         return self
 

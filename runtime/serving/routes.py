@@ -338,7 +338,8 @@ class Routes:
         )
         if body.get("with_pieces"):
             pieces = [
-                {"id": i, "piece": ready.tokenizer.decode([i], skip_special=False)} for i in ids
+                {"id": i, "piece": ready.tokenizer.piece_bytes(i).decode("utf-8", "replace")}
+                for i in ids
             ]
             return JSONResponse({"tokens": pieces})
         return JSONResponse({"tokens": ids})
@@ -352,7 +353,7 @@ class Routes:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n for t in tokens
         ):
             raise bad_request(f"'tokens' must be a list of token ids in 0..{n - 1}", param="tokens")
-        return JSONResponse({"content": ready.tokenizer.decode(tokens, skip_special=False)})
+        return JSONResponse({"content": ready.tokenizer.decode(tokens)})
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.exposition(), media_type=self.metrics.content_type)

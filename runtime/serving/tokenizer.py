@@ -405,6 +405,19 @@ class GgufTokenizer:
             run += 1
         return run
 
+    def piece_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for in text (a response's logprobs show them): a byte
+        token's byte, an SPM piece with ``▁`` as a space, a byte-level BPE piece decoded;
+        control tokens as written."""
+        token = self.vocab.tokens[token_id]
+        kind = self.vocab.token_types[token_id]
+        if kind == TokenType.BYTE and len(token) == 6 and token.startswith("<0x"):
+            return bytes([int(token[3:5], 16)])
+        if kind in (TokenType.CONTROL, TokenType.UNKNOWN) or self.vocab.kind is TokenizerKind.SPM:
+            return token.replace(SPACE, " ").encode()
+        table = _byte_decoder()
+        return bytes(table.get(ch, ord(" ")) for ch in token)
+
     def token(self, token_id: int) -> str:
         """The vocabulary entry of ``token_id`` (``▁``-spaced for SPM, byte-level for BPE)."""
         return self.vocab.tokens[token_id]
@@ -413,3 +426,20 @@ class GgufTokenizer:
         """The id of a vocabulary entry, or None."""
         found: int | None = self._tok.token_to_id(token)
         return found
+
+
+_BYTE_DECODER: dict[str, int] = {}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (the inverse of its ``bytes_to_unicode``)."""
+    if not _BYTE_DECODER:
+        kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+        shifted = 0
+        for byte in range(256):
+            if byte in kept:
+                _BYTE_DECODER[chr(byte)] = byte
+            else:
+                _BYTE_DECODER[chr(256 + shifted)] = byte
+                shifted += 1
+    return _BYTE_DECODER
