@@ -32,7 +32,7 @@ from ggufswap.runtime.serving.errors import (
     bad_request,
     unavailable,
 )
-from ggufswap.runtime.serving.generate import (
+from ggufswap.runtime.serving.events import (
     Ended,
     Event,
     Failed,

@@ -157,19 +157,27 @@ def build_service(
 
 
 def run(
-    config: Config, *, options: ServeOptions, stop: threading.Event, threads: int | None = None
+    config: Config,
+    *,
+    options: ServeOptions,
+    stop: threading.Event,
+    threads: int | None = None,
+    server: CompletionServer | None = None,
 ) -> int:
     """Serve until ``stop`` is set; return the process exit code.
 
     ``threads`` (``--threads``) overrides ``runtime.threads``; ``None`` leaves it to the config.
+    ``server``: the HTTP server the command line opened before importing torch (http mode);
+    None opens one here.
     """
     rc = config.require_runtime()
     notifier = Notifier.from_env()
     started = time.monotonic()
     # Once, before any torch work: the thread policy (runtime/threads.py), logged with its reason.
     apply_thread_policy(resolve_threads(flag=threads, config=rc.threads))
-    startup = Startup(rc.name)
-    server = open_http(options, startup) if options.mode is Mode.HTTP else None
+    if server is None and options.mode is Mode.HTTP:
+        server = open_http(options, Startup(rc.name))
+    startup = server.startup if server is not None else Startup(rc.name)
     loop: Service | None = None
     runtime: HotSwapRuntime | None = None
     try:

@@ -18,27 +18,30 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import uvicorn
 
 from ggufswap.logs import get_logger
-from ggufswap.runtime.engine import HotSwapRuntime
-from ggufswap.runtime.models.registry import Decoder
 from ggufswap.runtime.serving.chat import ChatTemplate, RenderBudget
 from ggufswap.runtime.serving.errors import ChatTemplateError, ListenError
-from ggufswap.runtime.serving.generate import Batcher, BatcherOptions
 from ggufswap.runtime.serving.http_guard import ConnectionLimits, Limits, guarded_protocol
 from ggufswap.runtime.serving.metrics import ServingMetrics
 from ggufswap.runtime.serving.routes import Ready, Routes
 from ggufswap.runtime.serving.startup import Phase, Startup
 from ggufswap.runtime.serving.tokenizer import GgufTokenizer
 
+if TYPE_CHECKING:  # this module loads without torch: the port opens before torch is imported
+    from ggufswap.runtime.engine import HotSwapRuntime
+    from ggufswap.runtime.models.registry import Decoder
+    from ggufswap.runtime.serving.generate import Batcher, BatcherOptions
+
 log = get_logger(__name__)
 
 CONNECTION_HEADROOM: Final = 16  # connections over the batcher's capacity (health, models)
 MIN_BACKLOG: Final = 128  # the listen backlog is the connection limit, at least this
 START_TIMEOUT_S: Final = 30.0
+DEFAULT_CAPACITY: Final = 8 + 64  # BatcherOptions' max_batch + max_queue
 STOP_TIMEOUT_S: Final = 10.0
 
 
@@ -66,7 +69,7 @@ class CompletionServer:
         *,
         options: HttpOptions,
         model_name: str,
-        capacity: int = BatcherOptions().max_batch + BatcherOptions().max_queue,
+        capacity: int = DEFAULT_CAPACITY,
         startup: Startup | None = None,
     ) -> None:
         self.options = options
@@ -278,6 +281,8 @@ class HttpService:
         server: CompletionServer,
         warm_up: Callable[[Batcher], None] | None = None,
     ) -> None:
+        from ggufswap.runtime.serving.generate import Batcher
+
         self.batcher = Batcher(runtime, model, tokenizer, options=batcher)
         self.server = server
         self.runtime = runtime

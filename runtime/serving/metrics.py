@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ggufswap.ipc import Event, PlanCommittedEvent, PlanRejectedEvent, SlotState
-from ggufswap.runtime.engine import HotSwapRuntime
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from prometheus_client import CollectorRegistry
+
+    from ggufswap.runtime.engine import HotSwapRuntime
 
 # Commit stalls are sub-millisecond to tens of milliseconds; buckets in seconds.
 STALL_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)

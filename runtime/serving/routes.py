@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -36,16 +36,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ggufswap.logs import get_logger
-from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.serving import completions as cmp
 from ggufswap.runtime.serving.chat import ChatTemplate, RenderBudget
 from ggufswap.runtime.serving.errors import ApiError, ChatTemplateError, bad_request, unavailable
-from ggufswap.runtime.serving.generate import Batcher, Ended
+from ggufswap.runtime.serving.events import Ended
 from ggufswap.runtime.serving.metrics import ServingMetrics
 from ggufswap.runtime.serving.params import CompletionRequest, parse_chat, parse_completion
 from ggufswap.runtime.serving.startup import Startup
 from ggufswap.runtime.serving.tokenizer import GgufTokenizer
 from ggufswap.runtime.serving.weights import apply_update, parse_update
+
+if TYPE_CHECKING:  # the server's modules load without torch (ggufswap.runtime)
+    from ggufswap.runtime.engine import HotSwapRuntime
+    from ggufswap.runtime.serving.generate import Batcher
 
 log = get_logger(__name__)
 

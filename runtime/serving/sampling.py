@@ -16,11 +16,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
-
-import torch
+from typing import TYPE_CHECKING, Final
 
 from ggufswap.runtime.serving.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_TOP_LOGPROBS: Final = 20  # as OpenAI's chat API (completions: 5)
 MAX_LOGIT_BIAS: Final = 100.0  # as OpenAI's API: a bias is within [-100, 100]
@@ -98,6 +99,8 @@ class TokenLogprob:
 
 def new_generator(sampling: Sampling, index: int) -> torch.Generator | None:
     """The sampler of one sequence (``index``: its place in the request), or None when greedy."""
+    import torch  # here, not at import: the HTTP server's modules load without torch
+
     if sampling.greedy:
         return None
     generator = torch.Generator()
@@ -116,6 +119,8 @@ def pick(
 ) -> tuple[int, TokenLogprob | None]:
     """The next token of a sequence and, if asked, its log-probabilities."""
     # logits: [V] float32, the model's raw output
+    import torch
+
     processed = _processed(logits, sampling, prompt=prompt, completion=completion)
     if sampling.greedy or generator is None:
         token = int(torch.argmax(processed))  # the first maximal logit
@@ -136,6 +141,8 @@ def _processed(
     logits: torch.Tensor, sampling: Sampling, *, prompt: Sequence[int], completion: Sequence[int]
 ) -> torch.Tensor:
     """The logits after ``logit_bias`` and the penalties (the input itself when all are off)."""
+    import torch
+
     if not sampling.logit_bias and not sampling.penalised:
         return logits
     out = logits.clone()
@@ -158,6 +165,8 @@ def _processed(
 
 def _distribution(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """The probabilities to draw from: temperature, then top-k, top-p and min-p."""
+    import torch
+
     scaled = logits.double() / sampling.temperature
     if 0 < sampling.top_k < scaled.shape[0]:
         kth = torch.topk(scaled, sampling.top_k).values[-1]

@@ -16,14 +16,16 @@ import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ggufswap.ipc.plan import Job, Plan
-from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.plans import PlanState
 from ggufswap.runtime.serving.errors import bad_request
 from ggufswap.shards import ShardError, open_shard_set
 from ggufswap.shards.diff import ChangeKind, diff_tables
+
+if TYPE_CHECKING:
+    from ggufswap.runtime.engine import HotSwapRuntime
 
 DEFAULT_UPDATE_TIMEOUT_S = 300.0
 
