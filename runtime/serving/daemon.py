@@ -210,6 +210,7 @@ def run(
         model=runtime.model_name,
         control=rc.control_endpoint,
         mode=options.mode.value,
+        http_port=None if server is None else server.port,
         load_s=round(time.monotonic() - started, 3),
     )
     notifier.ready(status=f"serving {runtime.model_name} (weight_version 0)")

@@ -149,7 +149,9 @@ class CompletionServer:
             time.sleep(0.005)
         if not self._server.started:
             raise ListenError(f"the HTTP server on {self.host}:{self.port} stopped at its start")
-        log.info("http.listening", host=self.host, port=self.port, model=self.model_name)
+        # debug: a start that fails before torch loads says one line only; runtime.ready and
+        # status name the port
+        log.debug("http.listening", host=self.host, port=self.port, model=self.model_name)
         return self
 
     def attach(
