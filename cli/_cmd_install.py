@@ -140,6 +140,20 @@ def hidden_by_units(executable: Path) -> str | None:
     return None
 
 
+def _runnable_by_units(executable: Path, *, host: bool) -> bool:
+    """Say, in one line with the fix, when the units could not run ``executable``; False (refuse)
+    on the host, a warning for a scratch root (files written for review)."""
+    hidden = hidden_by_units(executable)
+    if hidden is None:
+        return True
+    line = f"ggufswap install-systemd: {hidden}: the service would fail (203/EXEC); "
+    if host:  # refused before anything is written
+        print(line + INSTALL_HINT, file=sys.stderr)
+        return False
+    print(line + "on the host this is refused; " + INSTALL_HINT, file=sys.stderr)
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     prefix = Path(args.prefix)
     executable = Path(args.executable) if args.executable else default_executable()
@@ -150,13 +164,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILURE
-    hidden = hidden_by_units(executable)
-    if hidden is not None:
-        line = f"ggufswap install-systemd: {hidden}: the service would fail (203/EXEC); "
-        if prefix.resolve() == Path("/"):  # the host: refuse before writing anything
-            print(line + INSTALL_HINT, file=sys.stderr)
-            return EXIT_FAILURE
-        print(line + "on the host this is refused; " + INSTALL_HINT, file=sys.stderr)
+    if not _runnable_by_units(executable, host=prefix.resolve() == Path("/")):
+        return EXIT_FAILURE
     templates = data_dir("systemd")
     if templates is None:
         print(

@@ -195,6 +195,15 @@ class Formatter:
         return {"index": index, key: content, "logprobs": logprobs, "finish_reason": reason}
 
 
+def _role_delta(index: int) -> dict[str, Any]:
+    return {
+        "index": index,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+
+
 def usage(ended: Ended) -> dict[str, int]:
     return {
         "prompt_tokens": ended.prompt_tokens,
@@ -262,14 +271,7 @@ async def stream(
         try:
             if formatter.chat:  # OpenAI's first chat chunk names the role
                 for i in range(events.generation.sequences):
-                    yield chunk(
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    )
+                    yield chunk(_role_delta(i))
             while True:
                 try:
                     event = await events.next()

@@ -156,28 +156,12 @@ def build_service(
     return service.start()
 
 
-def run(
-    config: Config,
-    *,
-    options: ServeOptions,
-    stop: threading.Event,
-    threads: int | None = None,
-    server: CompletionServer | None = None,
-) -> int:
-    """Serve until ``stop`` is set; return the process exit code.
-
-    ``threads`` (``--threads``) overrides ``runtime.threads``; ``None`` leaves it to the config.
-    ``server``: the HTTP server the command line opened before importing torch (http mode);
-    None opens one here.
-    """
-    rc = config.require_runtime()
-    notifier = Notifier.from_env()
-    started = time.monotonic()
-    # Once, before any torch work: the thread policy (runtime/threads.py), logged with its reason.
-    apply_thread_policy(resolve_threads(flag=threads, config=rc.threads))
-    if server is None and options.mode is Mode.HTTP:
-        server = open_http(options, Startup(rc.name))
-    startup = server.startup if server is not None else Startup(rc.name)
+def _start(
+    config: Config, options: ServeOptions, server: CompletionServer | None
+) -> tuple[HotSwapRuntime, Service, ControlServer]:
+    """The start's phases (startup.py): load, model, the service (tokenizer and warm-up in http
+    mode), then the control endpoint; a failure is shown on ``/health`` and closes what opened."""
+    startup = server.startup if server is not None else Startup(config.require_runtime().name)
     loop: Service | None = None
     runtime: HotSwapRuntime | None = None
     try:
@@ -201,6 +185,31 @@ def run(
         if runtime is not None:
             runtime.close()
         raise
+    return runtime, loop, control
+
+
+def run(
+    config: Config,
+    *,
+    options: ServeOptions,
+    stop: threading.Event,
+    threads: int | None = None,
+    server: CompletionServer | None = None,
+) -> int:
+    """Serve until ``stop`` is set; return the process exit code.
+
+    ``threads`` (``--threads``) overrides ``runtime.threads``; ``None`` leaves it to the config.
+    ``server``: the HTTP server the command line opened before importing torch (http mode);
+    None opens one here.
+    """
+    rc = config.require_runtime()
+    notifier = Notifier.from_env()
+    started = time.monotonic()
+    # Once, before any torch work: the thread policy (runtime/threads.py), logged with its reason.
+    apply_thread_policy(resolve_threads(flag=threads, config=rc.threads))
+    if server is None and options.mode is Mode.HTTP:
+        server = open_http(options, Startup(rc.name))
+    runtime, loop, control = _start(config, options, server)
     if rc.metrics_port is not None:
         from ggufswap.runtime.serving.metrics import RuntimeMetrics
 
