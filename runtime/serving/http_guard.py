@@ -33,7 +33,7 @@ from ggufswap.logs import get_logger
 
 log = get_logger(__name__)
 
-REASONS: Final = {408: "Request Timeout", 503: "Service Unavailable"}
+REASONS: Final = {400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailable"}
 # After a refusal the connection is half-closed and what the client still sends is read and
 # dropped for this long, so that its request does not meet a closed socket (the kernel would
 # reset the connection, and the client could lose the answer before reading it).
@@ -140,6 +140,10 @@ class _GuardedProtocol(HttpToolsProtocol):
             return
         self._client_key = client
         self._arm(limits.header_timeout_s, "header")
+
+    def send_400_response(self, msg: str) -> None:
+        """A request the parser refuses (a ``Content-Length: ²``): an OpenAI-shaped 400."""
+        self._refuse(400, f"{msg} (malformed request line or header)", "invalid_request")
 
     def data_received(self, data: bytes) -> None:
         if not self._refused:

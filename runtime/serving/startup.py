@@ -49,14 +49,10 @@ class Startup:
         now = time.monotonic()
         with self._lock:
             previous, elapsed = self.phase, now - self._phase_started
-            if previous is not Phase.STARTING:
-                self.seconds[previous.value] = round(elapsed, 3)
+            self.seconds[previous.value] = round(elapsed, 3)
             self.phase, self._phase_started = phase, now
             self._done = self._total = 0
-        if previous is not Phase.STARTING:
-            log.info(
-                "startup.phase", model=self.model, phase=previous.value, seconds=round(elapsed, 3)
-            )
+        log.info("startup.phase", model=self.model, phase=previous.value, seconds=round(elapsed, 3))
         if phase is Phase.READY:
             log.info(
                 "startup.ready",
