@@ -124,6 +124,7 @@ def test_an_executable_the_units_hide_is_named(where: str, directive: str | None
         assert directive in reason, reason
 
 
+@pytest.mark.process
 def test_a_venv_in_tmp_is_refused_on_the_host_and_warned_in_a_scratch_root(tmp_path: Path) -> None:
     """A ggufswap whose venv lives under /tmp: one line naming PrivateTmp and the /opt/ggufswap
     fix; a scratch --prefix still gets its files (for review), the host (--prefix /) nothing."""
