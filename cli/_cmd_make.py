@@ -186,16 +186,24 @@ def run_make_model(args: argparse.Namespace) -> int:
 
 
 def run_requant(args: argparse.Namespace) -> int:
+    from ggufswap.shards import read_header
     from ggufswap.shards.errors import ShardError
     from ggufswap.shards.requant import requantize
 
     try:
+        before = read_header(args.shard).tensor_map().get(args.tensor)
         path = requantize(args.shard, args.tensor, args.type, out=args.out)
+        after = read_header(path).tensor_map()[args.tensor]
     except ShardError as exc:
         _error("requant", str(exc))
         return EXIT_FAILURE
     except OSError as exc:
         _error("requant", f"{exc.filename or args.shard}: {exc.strerror or exc}")
         return EXIT_FAILURE
+    if before is not None:  # "blk.3.attn_q.weight: Q5_0 → Q8_0, 450,560 → 696,320 bytes"
+        print(
+            f"{args.tensor}: {before.ggml_type.name} → {after.ggml_type.name}, "
+            f"{before.nbytes:,} → {after.nbytes:,} bytes"
+        )
     print(path)
     return EXIT_OK

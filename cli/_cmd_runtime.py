@@ -182,15 +182,21 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         print("\n".join(f"ggufswap runtime: {p}" for p in problems), file=sys.stderr)
         return EXIT_CONFIG
+    from ggufswap.runtime.serving.errors import ListenError
+
+    signals = ProcessSignals().install()
+    try:  # the port first, before torch is imported: /health answers 503 loading at once
+        server = _listen_early(config.require_runtime().name, serve)
+    except ListenError as exc:
+        print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     from ggufswap.ipc import IpcError
     from ggufswap.runtime import MapRefused
     from ggufswap.runtime.errors import PlacementError
     from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
-    from ggufswap.runtime.serving.errors import ListenError
     from ggufswap.runtime.serving.serve import Mode, ServeOptions
     from ggufswap.shards import ShardError
 
-    signals = ProcessSignals().install()
     options = ServeOptions(
         mode=Mode(serve.mode.value),
         batch_interval_s=serve.batch_interval_s,
@@ -208,7 +214,25 @@ def run(args: argparse.Namespace) -> int:
             eval_batch=eval_batch or options.eval_batch,
         )
     try:
-        return daemon.run(config, options=options, stop=signals.stop, threads=args.threads)
+        return daemon.run(
+            config, options=options, stop=signals.stop, threads=args.threads, server=server
+        )
     except (ListenError, IpcError, ShardError, MapRefused, PlacementError) as exc:
         print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+def _listen_early(model: str, serve: ServeConfig) -> Any:
+    """http mode: the HTTP server, listening (``/health``: 503 ``loading`` with the start's
+    phase) before the model and torch load; None in the other modes."""
+    if serve.mode is not ServeMode.HTTP:
+        return None
+    from ggufswap.runtime.serving.http import CompletionServer, HttpOptions
+    from ggufswap.runtime.serving.startup import Startup
+
+    return CompletionServer(
+        options=HttpOptions(host=serve.host, port=serve.port),
+        model_name=model,
+        capacity=serve.max_batch + serve.max_queue,
+        startup=Startup(model),
+    ).start()

@@ -134,13 +134,15 @@ class HotSwapRuntime:
         stable_pointers: bool | None = None,
         model_name: str | None = None,
         progress: bool = False,
+        on_progress: Callable[[int, int], None] | None = None,
         group: torch.distributed.ProcessGroup | bool | None = None,
     ) -> HotSwapRuntime:
         """Load the shard set containing ``model`` onto ``pools`` and start the stager.
 
         The model's options are :func:`~ggufswap.runtime.opening.load_model`'s (``storage=AUTO``
         is resolved there). ``allowed_roots``: the directories plans may name (default: the
-        model's own).
+        model's own). ``on_progress(done, total)``: the bytes of the load read so far (a server's
+        ``/health``).
         ``group``: a ``torch.distributed`` process group (``True``: the default group) makes
         this runtime one rank of a coordinated commit (:mod:`ggufswap.runtime.coordinated`).
         """
@@ -156,6 +158,7 @@ class HotSwapRuntime:
             placement=placement,
             model_name=model_name,
             progress=progress,
+            on_progress=on_progress,
         )
         roots = (
             list(allowed_roots)
@@ -282,6 +285,14 @@ class HotSwapRuntime:
         if ticket.state is PlanState.REJECTED:
             raise PlanRejected(plan.plan_id, list(ticket.reasons), stale=ticket.stale)
         return ticket
+
+    @property
+    def plans_in_flight(self) -> int:
+        """Plans accepted and not yet committed or rejected (queued, staging or staged): a
+        server that starts no new request while there are any bounds a commit by its longest
+        request in flight, and the stager does not compete with new work for the CPU."""
+        with self._cond:
+            return self._in_flight
 
     def wait_staged(self, timeout: float) -> bool:
         """Block until a plan is staged or none is in flight; True if something is staged."""

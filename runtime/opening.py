@@ -9,6 +9,7 @@ siblings found by their metadata), ``storage: auto`` is resolved against the poo
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -35,13 +36,15 @@ def load_model(
     placement: Placement | None = None,
     model_name: str | None = None,
     progress: bool = False,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> tuple[ShardSet, TensorStore, str]:
     """The shard set containing ``model``, a store holding its tensors, and the model's name
     (``model_name``, else ``general.name``, else the first shard's file name).
 
     ``storage=AUTO`` is resolved here; ``decoded_cache`` bounds the decoded dense tensors native
     storage keeps (bytes); ``map_shards`` serves native CPU tensors from their files' pages
-    (:mod:`.mapping`); ``placement`` puts blocks and experts on pools (:mod:`.placement`).
+    (:mod:`.mapping`); ``placement`` puts blocks and experts on pools (:mod:`.placement`);
+    ``on_progress(done, total)`` is told the bytes of the load read so far.
     """
     shards = open_shard_set(model, cache=HeaderCache())
     pool_set = PoolSet(pools or [], fallback=fallback_pool)
@@ -57,7 +60,11 @@ def load_model(
         map_shards=map_shards,
     )
     report = store.load(
-        shards, placement=placement or Placement(), n_blocks=_block_count(shards), progress=progress
+        shards,
+        placement=placement or Placement(),
+        n_blocks=_block_count(shards),
+        progress=progress,
+        on_progress=on_progress,
     )
     name = model_name or str(
         shards.metadata.get(Keys.General.NAME) or os.path.basename(shards.first.path)

@@ -14,7 +14,7 @@ Storage modes:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -322,12 +322,19 @@ class TensorStore:
         )
 
     def load(
-        self, shards: ShardSet, *, placement: Placement, n_blocks: int, progress: bool = False
+        self,
+        shards: ShardSet,
+        *,
+        placement: Placement,
+        n_blocks: int,
+        progress: bool = False,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> LoadReport:
         """Read every tensor of ``shards`` into its home pool (or its expert split).
 
         Each tensor is read once, in file order, straight into its buffer when that holds the
         file's bytes on the CPU, and fingerprinted in the same pass (:mod:`.loading`).
+        ``on_progress(done, total)`` is told the bytes read so far (a server's ``/health``).
         """
         records = list(shards.tensors.values())
         homes = self.plan_placement(records, placement, n_blocks)
@@ -338,7 +345,7 @@ class TensorStore:
                 held.update(self._allocate_unit(members, homes[members[0].name], taken))
             jobs = [LoadJob(r, self._segments(r, *held[r.name])) for r in records]
             total = sum(r.nbytes for r in records)
-            with progress_bar(total, enabled=progress) as bar:
+            with progress_bar(total, enabled=progress, also=on_progress) as bar:
                 loader = Loader(
                     decode=self._decode_rows,
                     row_slice=self._row_slice,

@@ -167,11 +167,18 @@ def test_k_quant_target_needs_whole_super_blocks(tmp_path: Path) -> None:
 
 
 def test_requant_command(tmp_path: Path) -> None:
-    """`ggufswap requant` prints the written shard; an unknown tensor or type exits 1 with why."""
+    """`ggufswap requant` prints what it changed (types and bytes) and the written shard; an
+    unknown tensor or type exits 1 with why."""
     (src,) = write_model(tiny_moe(), tmp_path)
     done = run_ggufswap("requant", str(src), UP, "q8_0", "--out", str(tmp_path / "o.gguf"))
     assert done.returncode == 0, done.stderr
-    assert Path(done.stdout.strip()) == tmp_path / "o.gguf"
+    changed, written = done.stdout.strip().splitlines()
+    old = read_header(src).tensor_map()[UP]
+    new = read_header(tmp_path / "o.gguf").tensor_map()[UP]
+    assert changed == (
+        f"{UP}: {old.ggml_type.name} → Q8_0, {old.nbytes:,} → {new.nbytes:,} bytes"
+    ), changed
+    assert Path(written) == tmp_path / "o.gguf"
     _assert_only_changed(src, tmp_path / "o.gguf", UP, Q.Q8_0)
     bad = run_ggufswap("requant", str(src), "blk.1.ffn_upexps.weight", "q8_0")
     assert bad.returncode == 1
