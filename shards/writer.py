@@ -36,11 +36,8 @@ from gguf import (
 from ggufswap.logs import get_logger
 from ggufswap.shards import _synth, ggml_types
 from ggufswap.shards._arch_spec import (
-    PlannedTensor,
-    glm_metadata,
     head_lengths,
     llama_cpp_errors,
-    mla_metadata,
     plan,
     rope_freqs_errors,
 )
@@ -51,6 +48,7 @@ from ggufswap.shards._gguf_encode import (
     encode_metadata,
     write_gguf,
 )
+from ggufswap.shards._planned import PlannedTensor
 from ggufswap.shards._roles import (
     ACCEPTED_TYPES,
     DEFAULT_TYPES,
@@ -426,10 +424,7 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
         if spec.shared_expert and rules.shared_expert is not SharedExpert.COUNTED:
             key = LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a)
             kv.append((key, _u32(spec.n_ff_shexp)))
-    if rules.mla:
-        kv += mla_metadata(spec)
-    if rules.glm:
-        kv += glm_metadata(spec)
+    kv += rules.writer.metadata(spec)
     tokens, scores, token_types = _synth.vocabulary(spec.n_vocab, extra=spec.extra_vocab_strings)
     A = GGUFValueType.ARRAY  # noqa: N806
     kv += [

@@ -10,10 +10,10 @@ import torch
 
 from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime.models.blocks import DictWeightProvider
 from ggufswap.runtime.models.errors import HParamsError
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer, sliding_window_mask
 from ggufswap.runtime.models.hparams import Arch, HParams
-from ggufswap.runtime.models.llama import DictWeightProvider
 from ggufswap.runtime.models.registry import DECODERS, build_model
 from ggufswap.shards import read_header, requantize
 from ggufswap.shards.presets import tiny_arch

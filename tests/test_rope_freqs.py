@@ -12,7 +12,7 @@ from runtime_helpers import ModelDir, fresh_logits, logits, one_thread, open_run
 
 from ggufswap.runtime import HotSwapRuntime, PlanState, Storage
 from ggufswap.runtime.models import HParams, MissingWeightError, Transformer, build_model
-from ggufswap.runtime.models.llama import DictWeightProvider, RotaryEmbedding
+from ggufswap.runtime.models.blocks import DictWeightProvider, RotaryEmbedding
 from ggufswap.shards import read_header
 from ggufswap.shards.keys import Arch, TensorNames
 from ggufswap.shards.presets import tiny_arch, tiny_llama3

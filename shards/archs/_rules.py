@@ -1,22 +1,25 @@
-"""What llama.cpp's loader requires of a file, per ``general.architecture``.
+"""The shape of an architecture's torch-free spec: ``ArchRules`` (what llama.cpp's loader and
+graph do for it) and ``WriterHooks`` (what the writer does for it beyond the shared plan).
 
-One table, read by the writer (which refuses a spec llama.cpp would refuse) and by the reference
-decoder's config (which reads every hyper-parameter with llama.cpp's rule). The facts are those of
-llama.cpp as llama-cpp-python 0.3.36 vendors it: ``llama_model_base::load_hparams``
-(``src/llama-model.cpp``, the keys every architecture shares) and each architecture's
-``load_arch_hparams`` / ``load_arch_tensors`` (``src/models/<arch>.cpp``), named in
-``ArchRules.source``. ``docs/models.md`` has the same rules as a table.
+The facts are those of llama.cpp as llama-cpp-python 0.3.36 vendors it:
+``llama_model_base::load_hparams`` (``src/llama-model.cpp``, the keys every architecture shares)
+and each architecture's ``load_arch_hparams`` / ``load_arch_tensors`` (``src/models/<arch>.cpp``),
+named in ``ArchRules.source``. ``docs/models.md`` has the same rules as a table.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Final
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ggufswap.shards.keys import Arch
+
+if TYPE_CHECKING:
+    from ggufswap.shards._gguf_encode import TypedValue
+    from ggufswap.shards._planned import PlannedTensor
+    from ggufswap.shards.writer import ModelSpec
 
 
 class Experts(enum.Enum):
@@ -58,6 +61,28 @@ class SharedExpert(enum.Enum):
     COUNTED_OPTIONAL = "expert_shared_count (0: none)"
 
 
+def _no_errors(spec: ModelSpec, why: str) -> list[str]:
+    return []
+
+
+def _no_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
+    return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriterHooks:
+    """What the writer does for one architecture beyond the plan every architecture shares
+    (``shards._arch_spec.plan``): the spec combinations its loader refuses (``errors(spec,
+    why)``, ``why`` naming the loader), its own metadata keys, its attention tensors of a block
+    (``attention(spec, add, block)``, ``add(role, ne, block)``: None = Q/K/V/O), or a whole block
+    of its own (``block(spec, block)``: None = the shared block)."""
+
+    errors: Callable[[ModelSpec, str], list[str]] = _no_errors
+    metadata: Callable[[ModelSpec], list[tuple[str, TypedValue]]] = _no_metadata
+    attention: Callable[[ModelSpec, Any, int], None] | None = None
+    block: Callable[[ModelSpec, int], list[PlannedTensor]] | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ArchRules:
     """What one architecture's loader reads and requires (see the module docstring)."""
@@ -89,13 +114,24 @@ class ArchRules:
     # exp_probs_b; q/k/v biases and per-head q/k norms are optional (TENSOR_NOT_REQUIRED);
     # nextn_predict_layers trailing blocks are NextN/MTP blocks (loaded, never run).
     glm: bool = False
+    # llama_model_rope_type: NEOX (halves) or NORM (adjacent pairs: llama, deepseek2).
+    rope_neox: bool = True
+    # rope.scaling.type "yarn" is implemented (deepseek2, gpt-oss); elsewhere it is refused.
+    rope_yarn: bool = False
+    # build_moe_ffn's norm_w in the graph: the top-k weights renormalised (llama, qwen3moe) or
+    # not (qwen2moe, gpt-oss); deepseek2 and glm4moe read expert_weights_norm (default false).
+    norm_topk: bool = True
+    # gemma: GeGLU (tanh GELU) FFNs and token embeddings scaled by sqrt(n_embd).
+    ffn_gelu: bool = False
+    embd_scaled: bool = False
+    writer: WriterHooks = field(default_factory=WriterHooks, compare=False)
 
     @property
     def has_experts(self) -> bool:
         return self.experts is not Experts.NONE
 
 
-def _rules(
+def rules(
     arch: Arch,
     source: str,
     *,
@@ -111,7 +147,13 @@ def _rules(
     rope_dims_equal_head: bool = False,
     mla: bool = False,
     glm: bool = False,
+    rope_neox: bool = True,
+    rope_yarn: bool = False,
+    norm_topk: bool = True,
+    gemma: bool = False,
+    writer: WriterHooks | None = None,
 ) -> ArchRules:
+    """An architecture's rules: every flag off unless named (see ``ArchRules``)."""
     return ArchRules(
         arch=arch,
         experts=experts,
@@ -127,83 +169,10 @@ def _rules(
         source=source,
         mla=mla,
         glm=glm,
+        rope_neox=rope_neox,
+        rope_yarn=rope_yarn,
+        norm_topk=norm_topk,
+        ffn_gelu=gemma,
+        embd_scaled=gemma,
+        writer=writer or WriterHooks(),
     )
-
-
-ARCH_RULES: Final[Mapping[Arch, ArchRules]] = MappingProxyType(
-    {
-        Arch.LLAMA: _rules(
-            Arch.LLAMA,
-            "llama_model_llama::load_arch_hparams/load_arch_tensors (src/models/llama.cpp); "
-            "n_rot check in llama_model_base::load_hparams",
-            experts=Experts.ALL_OR_NONE,
-            expert_width=ExpertWidth.FEED_FORWARD_LENGTH,
-            rope_dims_equal_head=True,
-            rope_freqs=True,
-        ),
-        Arch.QWEN2: _rules(
-            Arch.QWEN2,
-            "llama_model_qwen2::load_arch_tensors (src/models/qwen2.cpp)",
-            free_head_dim=False,
-        ),
-        Arch.QWEN2MOE: _rules(
-            Arch.QWEN2MOE,
-            "llama_model_qwen2moe::load_arch_hparams/load_arch_tensors (src/models/qwen2moe.cpp)",
-            experts=Experts.ALL,
-            expert_width=ExpertWidth.EXPERT_KEY_OR_SPLIT,
-            shared_expert=SharedExpert.REQUIRED,
-            tied_output=False,
-            free_head_dim=False,
-        ),
-        Arch.QWEN3: _rules(
-            Arch.QWEN3,
-            "llama_model_qwen3::load_arch_tensors (src/models/qwen3.cpp)",
-            qk_norm=True,
-        ),
-        Arch.QWEN3MOE: _rules(
-            Arch.QWEN3MOE,
-            "llama_model_qwen3moe::load_arch_hparams/load_arch_tensors (src/models/qwen3moe.cpp)",
-            experts=Experts.ALL,
-            expert_width=ExpertWidth.EXPERT_KEY_OR_SPLIT,
-            qk_norm=True,
-        ),
-        # gpt-oss (llama.cpp's LLM_ARCH_OPENAI_MOE): experts in every block, sized by the
-        # required expert_feed_forward_length; output.weight required.
-        Arch.GPT_OSS: _rules(
-            Arch.GPT_OSS,
-            "llama_model_openai_moe::load_arch_hparams/load_arch_tensors "
-            "(src/models/openai-moe.cpp)",
-            experts=Experts.ALL,
-            expert_width=ExpertWidth.EXPERT_KEY,
-            tied_output=False,
-            gpt_oss=True,
-        ),
-        Arch.GEMMA3: _rules(
-            Arch.GEMMA3,
-            "llama_model_gemma3::load_arch_hparams/load_arch_tensors (src/models/gemma3.cpp)",
-            qk_norm=True,
-            post_norms=True,
-        ),
-        Arch.DEEPSEEK2: _rules(
-            Arch.DEEPSEEK2,
-            "llama_model_deepseek2::load_arch_hparams/load_arch_tensors (src/models/deepseek2.cpp)",
-            experts=Experts.AFTER_DENSE_LEAD,
-            expert_width=ExpertWidth.EXPERT_KEY,
-            shared_expert=SharedExpert.COUNTED,
-            mla=True,
-        ),
-        Arch.GLM4MOE: _rules(
-            Arch.GLM4MOE,
-            "llama_model_glm4_moe::load_arch_hparams/load_arch_tensors (src/models/glm4-moe.cpp)",
-            experts=Experts.AFTER_DENSE_LEAD,
-            expert_width=ExpertWidth.EXPERT_KEY,
-            shared_expert=SharedExpert.COUNTED_OPTIONAL,
-            glm=True,
-        ),
-    }
-)
-
-
-def rules_of(arch: Arch | str) -> ArchRules:
-    """The rules of ``arch`` (a ``general.architecture`` value)."""
-    return ARCH_RULES[Arch(arch)]

@@ -1,15 +1,23 @@
 """RoPE: the cos/sin tables of one forward (``RopeTables``) and their per-device cache
 (``RotaryEmbedding``), as ggml_rope computes them: NORM (adjacent pairs) or NEOX (halves), linear
-scaling and llama 3.1's frequency factors. deepseek2 and gpt-oss subclass the cache for YaRN."""
+scaling and llama 3.1's frequency factors; ggml's ``rope_yarn`` (``YarnRotaryEmbedding``) for
+YaRN scaling and a magnitude factor."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Final
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ggufswap.runtime.models.hparams import HParams, RopeType
+
+# llama_hparams' YaRN defaults (gpt-oss's loader reads no yarn_beta_* keys).
+YARN_BETA_FAST: Final = 32.0
+YARN_BETA_SLOW: Final = 1.0
 
 
 @dataclass(frozen=True)
@@ -96,3 +104,56 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._tables[device]
         end = start + length
         return RopeTables(cos[start:end], sin[start:end], self.n_rot, self.rope_type)
+
+
+class YarnRotaryEmbedding(RotaryEmbedding):
+    """RoPE tables as ggml_rope's ``rope_yarn`` computes them. With YaRN (``rope_ext_factor`` 1)
+    pair ``i`` mixes the interpolated angle ``freq_scale * theta`` and the original ``theta`` by a
+    ramp over the correction dims of the original context, and cos/sin are scaled by
+    ``rope_attn_factor * (1 + 0.1 ln(1/freq_scale))``; without, the angle is the interpolated one
+    and the scale ``rope_attn_factor``. ``base``: the layer's RoPE base (it sets the dims too)."""
+
+    def __init__(self, config: HParams, *, base: float) -> None:
+        self.ext_factor = config.rope_ext_factor
+        self.mscale = config.rope_attn_factor
+        if self.ext_factor != 0.0:
+            self.mscale *= 1.0 + 0.1 * math.log(1.0 / config.rope_freq_scale)
+        orig_ctx = config.rope_ctx_orig or config.context_length
+        self.corr_dims = yarn_corr_dims(config.n_rot, orig_ctx, base)
+        super().__init__(config, base=base, freq_scale=config.rope_freq_scale)
+
+    def _extend(self, n_pos: int) -> None:
+        half = self.n_rot // 2
+        i = torch.arange(half, dtype=torch.float64)
+        theta_extrap = torch.outer(
+            torch.arange(n_pos, dtype=torch.float64), self.base ** (-2.0 * i / self.n_rot)
+        )  # [P, n_rot/2]
+        low, high = self.corr_dims
+        ramp = 1.0 - ((i - low) / max(0.001, high - low)).clamp(0.0, 1.0)  # [n_rot/2]
+        ramp = ramp * self.ext_factor
+        theta = self.freq_scale * theta_extrap * (1.0 - ramp) + theta_extrap * ramp
+        cos, sin = theta.cos() * self.mscale, theta.sin() * self.mscale
+        self._tables = {torch.device("cpu"): (cos.float(), sin.float())}
+        self._n_pos = n_pos
+
+
+def yarn_corr_dims(n_dims: int, orig_ctx: int, base: float) -> tuple[float, float]:
+    """ggml_rope_yarn_corr_dims in float32: the pairs below ``low`` keep their angle, those above
+    ``high`` are interpolated."""
+    f32 = np.float32
+
+    def corr_dim(n_rot: float) -> np.float32:
+        num = f32(n_dims) * np.log(f32(orig_ctx) / (f32(n_rot) * f32(2) * f32(math.pi)))
+        return f32(num / (f32(2) * np.log(f32(base))))
+
+    low = max(0.0, float(np.floor(corr_dim(YARN_BETA_FAST))))
+    high = min(float(n_dims - 1), float(np.ceil(corr_dim(YARN_BETA_SLOW))))
+    return low, high
+
+
+def rotary(config: HParams, base: float) -> RotaryEmbedding:
+    """The RoPE tables of one kind of layer: YaRN when the file says so, else linear (with
+    ``rope.scaling.attn_factor`` as ggml's ``attn_factor`` when it is not 1)."""
+    if config.rope_ext_factor != 0.0 or config.rope_attn_factor != 1.0:
+        return YarnRotaryEmbedding(config, base=base)
+    return RotaryEmbedding(config, base=base, freq_scale=config.rope_freq_scale)
