@@ -448,7 +448,7 @@ def project_logits(
     try:
         assert runtime.shards is not None, "open() keeps the shard set"
         model = build_model(
-            HParams.from_metadata(runtime.shards.metadata),
+            HParams.from_metadata(runtime.shards.metadata, source=str(path)),
             runtime.store,
             store=runtime.store,
             numerics=numerics,

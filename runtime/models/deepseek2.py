@@ -36,7 +36,7 @@ from ggufswap.runtime.models.architecture import Architecture
 from ggufswap.runtime.models.blocks.decoder import DecoderStack, TransformerBlock
 from ggufswap.runtime.models.blocks.moe import lead_dense_ffn
 from ggufswap.runtime.models.blocks.norms import rms_norm
-from ggufswap.runtime.models.blocks.rope import RopeTables, RotaryEmbedding
+from ggufswap.runtime.models.blocks.rope import RopeTables, rotary
 from ggufswap.runtime.models.blocks.weights import (
     ExpertStack,
     TensorSpec,
@@ -143,48 +143,6 @@ def _yarn(
         "rope_ctx_orig": reader.get_int(k.ROPE_SCALING_ORIG_CTX_LEN, common["context_length"]),
         "attention_scale": mscale * mscale / math.sqrt(head_k),
     }
-
-
-class YarnRotaryEmbedding(RotaryEmbedding):
-    """ggml's ``rope_yarn`` tables over ``n_rot`` dims: theta mixes the interpolated
-    (``freq_scale``) and extrapolated angles along the correction ramp when ``ext_factor`` != 0,
-    and cos/sin carry the magnitude ``attn_factor`` (times ``1 + 0.1 ln(1/freq_scale)`` under
-    YaRN)."""
-
-    def __init__(self, config: HParams, n_rot: int) -> None:
-        self.config = config
-        super().__init__(config, n_rot=n_rot, freq_scale=config.rope_freq_scale)
-
-    def _extend(self, n_pos: int) -> None:
-        c, n = self.config, self.n_rot
-        pair = torch.arange(0, n // 2, dtype=torch.float64)  # i0 / 2
-        theta_extrap = torch.outer(
-            torch.arange(n_pos, dtype=torch.float64), c.rope_base ** (-2.0 * pair / n)
-        )  # [P, n/2]
-        theta = theta_extrap * c.rope_freq_scale
-        mscale = c.rope_attn_factor
-        if c.rope_ext_factor != 0.0:
-            low, high = _yarn_corr_dims(c, n)
-            y = (pair - low) / max(0.001, high - low)
-            ramp = (1.0 - y.clamp(0.0, 1.0)) * c.rope_ext_factor
-            theta = theta * (1.0 - ramp) + theta_extrap * ramp
-            mscale *= 1.0 + 0.1 * math.log(1.0 / c.rope_freq_scale)
-        cos, sin = (theta.cos() * mscale).float(), (theta.sin() * mscale).float()
-        self._tables = {torch.device("cpu"): (cos, sin)}
-        self._n_pos = n_pos
-
-
-def _yarn_corr_dims(c: HParams, n_dims: int) -> tuple[float, float]:
-    """ggml_rope_yarn_corr_dims: the dims where the ramp between extrapolation and interpolation
-    starts and ends."""
-    n_ctx_orig = c.rope_ctx_orig or c.context_length
-
-    def corr_dim(n_rot: float) -> float:
-        return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(c.rope_base))
-
-    start = math.floor(corr_dim(c.yarn_beta_fast))
-    end = math.ceil(corr_dim(c.yarn_beta_slow))
-    return max(0.0, start), min(n_dims - 1.0, end)
 
 
 def head_linear(x: Tensor, w: Tensor | ExpertStack) -> Tensor:
@@ -335,7 +293,7 @@ class Deepseek2Transformer(DecoderStack):
     ) -> None:
         super().__init__(config, weights, check_shapes=check_shapes)
         assert config.mla is not None, "deepseek2 configs carry their MLAShape"
-        self.rope = YarnRotaryEmbedding(config, config.mla.n_rot)
+        self.rope = rotary(config, config.rope_base, n_rot=config.mla.n_rot)
 
 
 ARCHITECTURE = Architecture(

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -49,7 +49,15 @@ from ggufswap.runtime.models._moe_hparams import (
     lead_problems,
 )
 from ggufswap.runtime.models.errors import HParamsError
-from ggufswap.shards.archs import ArchRules, Experts, ExpertWidth, SharedExpert, rules_of
+from ggufswap.shards.archs import (
+    NEUTRAL_VALUES,
+    SHARED_LLAMA_CPP_KEYS,
+    ArchRules,
+    Experts,
+    ExpertWidth,
+    SharedExpert,
+    rules_of,
+)
 from ggufswap.shards.keys import Arch, Keys
 
 __all__ = [
@@ -64,6 +72,7 @@ __all__ = [
     "MLAShape",
     "RopeType",
     "expert_width",
+    "unimplemented_keys",
 ]
 
 
@@ -81,6 +90,26 @@ class Activation(str, enum.Enum):
     GELU_TANH = "gelu_tanh"
 
 
+# The keys every architecture shares that from_metadata reads (llama_model_base::load_hparams).
+SHARED_KEYS: Final = (
+    Keys.LLM.EMBEDDING_LENGTH,
+    Keys.LLM.BLOCK_COUNT,
+    Keys.LLM.FEED_FORWARD_LENGTH,
+    Keys.LLM.HEAD_COUNT,
+    Keys.LLM.HEAD_COUNT_KV,
+    Keys.LLM.KEY_LENGTH,
+    Keys.LLM.VALUE_LENGTH,
+    Keys.LLM.RMS_EPS,
+    Keys.LLM.EXPERT_COUNT,
+    Keys.LLM.EXPERT_USED_COUNT,
+    Keys.LLM.ROPE_FREQ_BASE,
+    Keys.LLM.ROPE_DIMENSION_COUNT,
+    Keys.LLM.ROPE_SCALING_TYPE,
+    Keys.LLM.ROPE_SCALING_FACTOR,
+    Keys.LLM.ROPE_SCALE_LINEAR,
+    Keys.LLM.CONTEXT_LENGTH,
+    Keys.LLM.VOCAB_SIZE,
+)
 ROPE_SCALING_LINEAR: Final = "linear"
 ROPE_SCALING_NONE: Final = "none"
 ROPE_SCALING_YARN: Final = "yarn"
@@ -233,10 +262,15 @@ class HParams:
         return n == 0 or layer % n < n - 1
 
     @classmethod
-    def from_metadata(cls, md: Mapping[str, Any], *, n_vocab: int | None = None) -> HParams:
+    def from_metadata(
+        cls, md: Mapping[str, Any], *, n_vocab: int | None = None, source: str | None = None
+    ) -> HParams:
         """Read ``general.architecture`` and its ``{arch}.*`` keys as llama.cpp does; ``n_vocab``
         is the fallback (e.g. ``token_embd.weight``'s row count) when neither the tokenizer's
-        token list nor ``{arch}.vocab_size`` is present."""
+        token list nor ``{arch}.vocab_size`` is present. A key llama.cpp reads for the
+        architecture and that changes what it computes, which neither the shared keys here nor
+        the architecture's module read, refuses the file by name (``unimplemented_keys``);
+        ``source`` names the file in the message."""
         arch_name = md.get(Keys.General.ARCHITECTURE)
         if arch_name is None:
             raise HParamsError(f"metadata has no {Keys.General.ARCHITECTURE!r} key")
@@ -284,11 +318,36 @@ class HParams:
         # The architecture's own keys: its module's read_keys (its load_arch_hparams).
         from ggufswap.runtime.models.registry import architecture
 
-        kwargs.update(architecture(arch).read_keys(reader, kwargs))
+        module = architecture(arch)
+        kwargs.update(module.read_keys(reader, kwargs))
+        reader.problems += unimplemented_keys(md, arch, module.keys)
         if reader.problems:
             lines = "\n  ".join(reader.problems)
-            raise HParamsError(f"cannot build a {arch.value} model config:\n  {lines}")
+            where = f" from {source}" if source else ""
+            raise HParamsError(f"cannot build a {arch.value} model config{where}:\n  {lines}")
         return cls(arch=arch, **kwargs)
+
+
+def unimplemented_keys(md: Mapping[str, Any], arch: Arch, own_keys: Iterable[str]) -> list[str]:
+    """One line for each key of ``md`` that llama.cpp reads for ``arch`` and that changes what
+    it computes (``shards.archs``: the shared keys and the architecture's ``llama_cpp_keys``),
+    which neither ``HParams.from_metadata`` nor the architecture's module (``own_keys``) reads,
+    unless it holds llama.cpp's no-op default."""
+    implemented = {*SHARED_KEYS, *own_keys}
+    lines = []
+    for template in (*SHARED_LLAMA_CPP_KEYS, *rules_of(arch).llama_cpp_keys):
+        key = template.format(arch.value)
+        if key not in md or template in implemented:
+            continue
+        value = md[key]
+        scalar = isinstance(value, (bool, int, float, str))
+        if scalar and value in NEUTRAL_VALUES.get(template, ()):
+            continue
+        lines.append(
+            f"{key} = {value!r}: llama.cpp's {arch.value} uses this key and it changes what the "
+            "model computes; the reference decoder does not implement it, so the file is refused"
+        )
+    return lines
 
 
 def expert_width(rules: ArchRules, n_ff: int, n_expert_used: int) -> int:

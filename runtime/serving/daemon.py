@@ -137,7 +137,7 @@ def run(
     loop: Service | None = None
     try:
         assert runtime.shards is not None, "open() always records the shard set"
-        hparams = HParams.from_metadata(runtime.shards.metadata)
+        hparams = HParams.from_metadata(runtime.shards.metadata, source=runtime.shards.first.path)
         model = build_model(hparams, runtime.store, store=runtime.store)
         report_unused(runtime, model)
         loop = build_service(runtime, model, options)

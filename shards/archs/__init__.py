@@ -25,6 +25,8 @@ from ggufswap.shards.archs import (
     qwen3moe,
 )
 from ggufswap.shards.archs._rules import (
+    NEUTRAL_VALUES,
+    SHARED_LLAMA_CPP_KEYS,
     ArchRules,
     Experts,
     ExpertWidth,
@@ -35,6 +37,8 @@ from ggufswap.shards.keys import Arch
 
 __all__ = [
     "ARCH_RULES",
+    "NEUTRAL_VALUES",
+    "SHARED_LLAMA_CPP_KEYS",
     "ArchRules",
     "ExpertWidth",
     "Experts",

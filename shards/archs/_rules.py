@@ -10,11 +10,12 @@ named in ``ArchRules.source``. ``docs/models.md`` has the same rules as a table.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final
 
-from ggufswap.shards.keys import Arch
+from ggufswap.shards.keys import Arch, Keys
 
 if TYPE_CHECKING:
     from ggufswap.shards._gguf_encode import TypedValue
@@ -59,6 +60,49 @@ class SharedExpert(enum.Enum):
     COUNTED = "expert_shared_count"
     # glm4moe: as COUNTED, but expert_shared_count 0 means no shared-expert tensors.
     COUNTED_OPTIONAL = "expert_shared_count (0: none)"
+
+
+# The keys llama_model_base::load_hparams reads for every architecture that change what a model
+# computes (context length, names, pooling and the like do not). An architecture's own are its
+# ArchRules.llama_cpp_keys. A file holding one that the runtime's module does not read is
+# refused by name (HParams.from_metadata), unless its value is llama.cpp's no-op default below.
+SHARED_LLAMA_CPP_KEYS: Final = (
+    Keys.LLM.EMBEDDING_LENGTH,
+    Keys.LLM.BLOCK_COUNT,
+    Keys.LLM.FEED_FORWARD_LENGTH,
+    Keys.LLM.HEAD_COUNT,
+    Keys.LLM.HEAD_COUNT_KV,
+    Keys.LLM.KEY_LENGTH,
+    Keys.LLM.VALUE_LENGTH,
+    Keys.LLM.RMS_EPS,
+    Keys.LLM.EXPERT_COUNT,
+    Keys.LLM.EXPERT_USED_COUNT,
+    Keys.LLM.EXPERT_GROUP_COUNT,
+    Keys.LLM.EXPERT_GROUP_USED_COUNT,
+    Keys.LLM.NEXTN_PREDICT_LAYERS,
+    Keys.LLM.ROPE_FREQ_BASE,
+    Keys.LLM.ROPE_DIMENSION_COUNT,
+    Keys.LLM.ROPE_SCALING_TYPE,
+    Keys.LLM.ROPE_SCALING_FACTOR,
+    Keys.LLM.ROPE_SCALE_LINEAR,
+    Keys.LLM.ROPE_SCALING_ATTN_FACTOR,
+    Keys.LLM.ROPE_SCALING_ALPHA,
+    Keys.LLM.ATTENTION_CAUSAL,
+    Keys.LLM.KEY_LENGTH_SWA,
+    Keys.LLM.VALUE_LENGTH_SWA,
+    Keys.LLM.ROPE_DIMENSION_COUNT_SWA,
+)
+# Values with which a key changes nothing (llama.cpp's defaults).
+NEUTRAL_VALUES: Final[Mapping[str, tuple[object, ...]]] = MappingProxyType(
+    {
+        Keys.LLM.ATTENTION_CAUSAL: (True, 1),
+        Keys.LLM.EXPERT_GROUP_COUNT: (0, 1),
+        Keys.LLM.EXPERT_GROUP_USED_COUNT: (0, 1),
+        Keys.LLM.NEXTN_PREDICT_LAYERS: (0,),
+        Keys.LLM.ROPE_SCALING_ATTN_FACTOR: (1.0,),
+        Keys.LLM.ROPE_SCALING_ALPHA: (0.0, 1.0),
+    }
+)
 
 
 def _no_errors(spec: ModelSpec, why: str) -> list[str]:
@@ -124,6 +168,9 @@ class ArchRules:
     # gemma: GeGLU (tanh GELU) FFNs and token embeddings scaled by sqrt(n_embd).
     ffn_gelu: bool = False
     embd_scaled: bool = False
+    # The keys of its own llama.cpp's load_arch_hparams reads that change what the model
+    # computes (besides SHARED_LLAMA_CPP_KEYS).
+    llama_cpp_keys: tuple[str, ...] = ()
     writer: WriterHooks = field(default_factory=WriterHooks, compare=False)
 
     @property
@@ -152,6 +199,7 @@ def rules(
     norm_topk: bool = True,
     gemma: bool = False,
     writer: WriterHooks | None = None,
+    llama_cpp_keys: tuple[str, ...] = (),
 ) -> ArchRules:
     """An architecture's rules: every flag off unless named (see ``ArchRules``)."""
     return ArchRules(
@@ -175,4 +223,5 @@ def rules(
         ffn_gelu=gemma,
         embd_scaled=gemma,
         writer=writer or WriterHooks(),
+        llama_cpp_keys=llama_cpp_keys,
     )

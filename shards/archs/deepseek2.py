@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from gguf import GGUFValueType, Keys
 
+from ggufswap.shards import keys as names
 from ggufswap.shards._gguf_encode import TypedValue
 from ggufswap.shards._roles import Role
 from ggufswap.shards.archs._common import f32, routing_metadata, u32
@@ -110,4 +111,19 @@ RULES = rules(
     rope_yarn=True,
     norm_topk=False,
     writer=WriterHooks(errors=mla_errors, metadata=mla_metadata, attention=plan_attention),
+    llama_cpp_keys=(
+        names.Keys.LLM.KEY_LENGTH_MLA,
+        names.Keys.LLM.VALUE_LENGTH_MLA,
+        names.Keys.LLM.Q_LORA_RANK,
+        names.Keys.LLM.KV_LORA_RANK,
+        names.Keys.LLM.ATTENTION_TEMPERATURE_LENGTH,
+        names.Keys.LLM.ATTENTION_TEMPERATURE_SCALE,
+        names.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
+        names.Keys.LLM.EXPERT_GATING_FUNC,
+        names.Keys.LLM.EXPERT_SHARED_COUNT,
+        names.Keys.LLM.EXPERT_WEIGHTS_NORM,
+        names.Keys.LLM.EXPERT_WEIGHTS_SCALE,
+        names.Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
+        names.Keys.LLM.ROPE_SCALING_YARN_LOG_MUL,
+    ),
 )

@@ -7,7 +7,7 @@ read by the writer and by the runtime's ``HParams``).
 from __future__ import annotations
 
 from ggufswap.shards.archs._rules import rules
-from ggufswap.shards.keys import Arch
+from ggufswap.shards.keys import Arch, Keys
 
 RULES = rules(
     Arch.GEMMA3,
@@ -15,4 +15,10 @@ RULES = rules(
     qk_norm=True,
     post_norms=True,
     gemma=True,
+    llama_cpp_keys=(
+        Keys.LLM.SLIDING_WINDOW,
+        Keys.LLM.SLIDING_WINDOW_PATTERN,
+        Keys.LLM.FINAL_LOGIT_SOFTCAPPING,
+        Keys.LLM.ROPE_FREQ_BASE_SWA,
+    ),
 )

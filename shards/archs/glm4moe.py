@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from gguf import Keys
 
+from ggufswap.shards import keys as names
 from ggufswap.shards._gguf_encode import TypedValue
 from ggufswap.shards.archs._common import routing_metadata, u32
 from ggufswap.shards.archs._rules import Experts, ExpertWidth, SharedExpert, WriterHooks, rules
@@ -62,4 +63,13 @@ RULES = rules(
     glm=True,
     norm_topk=False,
     writer=WriterHooks(errors=glm_errors, metadata=glm_metadata),
+    llama_cpp_keys=(
+        names.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
+        names.Keys.LLM.EXPERT_GATING_FUNC,
+        names.Keys.LLM.EXPERT_SHARED_COUNT,
+        names.Keys.LLM.EXPERT_WEIGHTS_NORM,
+        names.Keys.LLM.EXPERT_WEIGHTS_SCALE,
+        names.Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
+        names.Keys.LLM.ROPE_DIMENSION_SECTIONS,
+    ),
 )

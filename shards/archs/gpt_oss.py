@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ggufswap.shards._planned import PlannedTensor
 from ggufswap.shards._roles import Role
 from ggufswap.shards.archs._rules import Experts, ExpertWidth, WriterHooks, rules
-from ggufswap.shards.keys import Arch
+from ggufswap.shards.keys import Arch, Keys
 
 if TYPE_CHECKING:
     from ggufswap.shards.writer import ModelSpec
@@ -58,4 +58,10 @@ RULES = rules(
     rope_yarn=True,
     norm_topk=False,
     writer=WriterHooks(block=plan_block),
+    llama_cpp_keys=(
+        Keys.LLM.SLIDING_WINDOW,
+        Keys.LLM.SLIDING_WINDOW_PATTERN,
+        Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
+        Keys.LLM.ROPE_FREQ_BASE_SWA,
+    ),
 )

@@ -7,7 +7,7 @@ read by the writer and by the runtime's ``HParams``).
 from __future__ import annotations
 
 from ggufswap.shards.archs._rules import Experts, ExpertWidth, SharedExpert, rules
-from ggufswap.shards.keys import Arch
+from ggufswap.shards.keys import Arch, Keys
 
 RULES = rules(
     Arch.QWEN2MOE,
@@ -18,4 +18,8 @@ RULES = rules(
     tied_output=False,
     free_head_dim=False,
     norm_topk=False,
+    llama_cpp_keys=(
+        Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
+        Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH,
+    ),
 )

@@ -7,7 +7,7 @@ read by the writer and by the runtime's ``HParams``).
 from __future__ import annotations
 
 from ggufswap.shards.archs._rules import Experts, ExpertWidth, rules
-from ggufswap.shards.keys import Arch
+from ggufswap.shards.keys import Arch, Keys
 
 RULES = rules(
     Arch.QWEN3MOE,
@@ -15,4 +15,5 @@ RULES = rules(
     experts=Experts.ALL,
     expert_width=ExpertWidth.EXPERT_KEY_OR_SPLIT,
     qk_norm=True,
+    llama_cpp_keys=(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,),
 )

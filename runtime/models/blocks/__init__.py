@@ -32,7 +32,7 @@ from ggufswap.runtime.models.blocks.moe import (
     lead_dense_ffn,
 )
 from ggufswap.runtime.models.blocks.norms import rms_norm
-from ggufswap.runtime.models.blocks.rope import RopeTables, RotaryEmbedding, YarnRotaryEmbedding
+from ggufswap.runtime.models.blocks.rope import RopeTables, RotaryEmbedding, rotary
 from ggufswap.runtime.models.blocks.weights import (
     DictWeightProvider,
     ExpertStack,
@@ -59,7 +59,6 @@ __all__ = [
     "TensorSpec",
     "TransformerBlock",
     "WeightProvider",
-    "YarnRotaryEmbedding",
     "check_weights",
     "combine_experts",
     "embed",
@@ -70,6 +69,7 @@ __all__ = [
     "output_name",
     "rms_norm",
     "rope_freqs_of",
+    "rotary",
     "sliding_window_mask",
     "swiglu",
 ]
