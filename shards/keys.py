@@ -20,6 +20,9 @@ class Arch(str, enum.Enum):
     DEEPSEEK2 = "deepseek2"
     GLM4MOE = "glm4moe"
     GPT_OSS = "gpt-oss"
+    QWEN35 = "qwen35"
+    QWEN35MOE = "qwen35moe"
+    QWEN3NEXT = "qwen3next"
 
 
 class Keys:

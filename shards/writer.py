@@ -170,6 +170,14 @@ class ModelSpec:
     n_nextn: int = 0  # NextN/MTP blocks after the n_layers trunk blocks (nextn_predict_layers)
     attn_bias: bool = False  # attn_q/k/v biases
     attn_qk_norm: bool = False  # per-head attn_q_norm / attn_k_norm
+    # qwen35 / qwen35moe / qwen3next (shards.archs: hybrid): gated delta-net blocks beside full
+    # attention; also head_dim, rope_dim (partial rotary), n_ff_shexp.
+    ssm_conv_kernel: int = 4  # ssm.conv_kernel
+    ssm_state_size: int = 16  # ssm.state_size: the delta net's key and value head width
+    ssm_k_heads: int = 2  # ssm.group_count
+    ssm_v_heads: int = 4  # ssm.time_step_rank
+    full_attention_interval: int = 4  # every Nth block is full attention
+    rope_sections: tuple[int, ...] = (11, 11, 10, 0)  # qwen35 / qwen35moe
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -339,6 +347,9 @@ def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
         size = raw.size // spec.n_expert
         return raw[t.expert * size : (t.expert + 1) * size]
     rng = _synth.tensor_rng(spec.seed, t.name)
+    if t.role is Role.SSM_A:  # -exp(A_log) as the converter stores it: every head decays
+        a_log = rng.normal(0.0, 0.5, size=t.ne[0]).astype(np.float32)
+        return _synth.encode_floats(-np.exp(a_log)[None, :], Q(t.ggml_type))
     if t.role is Role.ROPE_FREQS:
         return _synth.encode_floats(llama3_rope_factors(spec)[None, :], Q(t.ggml_type))
     if t.role in NORM_ROLES:

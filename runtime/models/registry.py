@@ -29,6 +29,9 @@ from ggufswap.runtime.models import (
     qwen2moe,
     qwen3,
     qwen3moe,
+    qwen3next,
+    qwen35,
+    qwen35moe,
 )
 from ggufswap.runtime.models.architecture import Architecture
 from ggufswap.runtime.models.blocks.decoder import DecoderStack
@@ -53,6 +56,9 @@ ARCHITECTURES: Final[Mapping[Arch, Architecture]] = MappingProxyType(
         Arch.DEEPSEEK2: deepseek2.ARCHITECTURE,
         Arch.GLM4MOE: glm4moe.ARCHITECTURE,
         Arch.GPT_OSS: gpt_oss.ARCHITECTURE,
+        Arch.QWEN35: qwen35.ARCHITECTURE,
+        Arch.QWEN35MOE: qwen35moe.ARCHITECTURE,
+        Arch.QWEN3NEXT: qwen3next.ARCHITECTURE,
     }
 )
 DECODERS: Final[Mapping[Arch, type[DecoderStack]]] = MappingProxyType(

@@ -23,6 +23,9 @@ from ggufswap.shards.archs import (
     qwen2moe,
     qwen3,
     qwen3moe,
+    qwen3next,
+    qwen35,
+    qwen35moe,
 )
 from ggufswap.shards.archs._rules import (
     NEUTRAL_VALUES,
@@ -58,6 +61,9 @@ ARCH_RULES: Final[Mapping[Arch, ArchRules]] = MappingProxyType(
         Arch.GEMMA3: gemma3.RULES,
         Arch.DEEPSEEK2: deepseek2.RULES,
         Arch.GLM4MOE: glm4moe.RULES,
+        Arch.QWEN35: qwen35.RULES,
+        Arch.QWEN35MOE: qwen35moe.RULES,
+        Arch.QWEN3NEXT: qwen3next.RULES,
     }
 )
 

@@ -168,6 +168,10 @@ class ArchRules:
     # gemma: GeGLU (tanh GELU) FFNs and token embeddings scaled by sqrt(n_embd).
     ffn_gelu: bool = False
     embd_scaled: bool = False
+    # Qwen3.5 / Qwen3-Next: gated delta-net blocks beside full attention (whole blocks of their
+    # own in the writer), interleaved multimodal RoPE sections (qwen35, qwen35moe: required).
+    hybrid: bool = False
+    rope_sections: bool = False
     # The keys of its own llama.cpp's load_arch_hparams reads that change what the model
     # computes (besides SHARED_LLAMA_CPP_KEYS).
     llama_cpp_keys: tuple[str, ...] = ()
@@ -198,6 +202,8 @@ def rules(
     rope_yarn: bool = False,
     norm_topk: bool = True,
     gemma: bool = False,
+    hybrid: bool = False,
+    rope_sections: bool = False,
     writer: WriterHooks | None = None,
     llama_cpp_keys: tuple[str, ...] = (),
 ) -> ArchRules:
@@ -222,6 +228,8 @@ def rules(
         norm_topk=norm_topk,
         ffn_gelu=gemma,
         embd_scaled=gemma,
+        hybrid=hybrid,
+        rope_sections=rope_sections,
         writer=writer or WriterHooks(),
         llama_cpp_keys=llama_cpp_keys,
     )

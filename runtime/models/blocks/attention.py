@@ -69,13 +69,64 @@ class Attention(nn.Module):
         v = self._proj(x, self.wv, self.bv).view(bsz, seq, c.n_head_kv, c.head_dim)
         q = rope.rotate(self._norm(q, self.q_norm))
         k = rope.rotate(self._norm(k, self.k_norm))
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H(kv), T, hd]
-        if cache is not None:  # the rope tables already carry start_pos = cache.length
-            k, v = cache.update(self.layer, k, v)  # [B, Hkv, S, hd]
-        k = k.repeat_interleave(c.q_per_kv, dim=1)  # query head h reads kv head h // q_per_kv
-        v = v.repeat_interleave(c.q_per_kv, dim=1)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=c.attn_scale
-        )
-        y = y.transpose(1, 2).reshape(bsz, seq, c.n_head * c.head_dim)  # [B, T, H*hd]
+        y = attend(q, k, v, layer=self.layer, scale=c.attn_scale, mask=mask, cache=cache)
         return self._proj(y, self.wo, self.bo)  # [B, T, D]
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    layer: int,
+    scale: float,
+    mask: Tensor | None,
+    cache: KVCache | None,
+) -> Tensor:
+    """Grouped-query attention of ``q [B, T, H, hd]`` over ``k, v [B, T, Hkv, hd]`` (with the
+    cached keys and values first when ``cache``): query head ``h`` reads kv head ``h // (H /
+    Hkv)``; ``[B, T, H * hd]``."""
+    bsz, seq, heads, _ = q.shape
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H(kv), T, hd]
+    if cache is not None:  # the rope tables already carry start_pos = cache.length
+        k, v = cache.update(layer, k, v)  # [B, Hkv, S, hd]
+    q_per_kv = heads // k.shape[1]
+    k = k.repeat_interleave(q_per_kv, dim=1)  # query head h reads kv head h // q_per_kv
+    v = v.repeat_interleave(q_per_kv, dim=1)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return y.transpose(1, 2).reshape(bsz, seq, heads * v.shape[-1])  # [B, T, H*hd]
+
+
+class GatedAttention(nn.Module):
+    """Qwen3-Next / Qwen3.5 full attention: ``attn_q`` gives each head its query and an output
+    gate (``[q, gate]`` per head), per-head Q/K RMS norms (required), RoPE, grouped-query
+    attention, then the output times ``sigmoid(gate)`` before ``attn_output``."""
+
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: TensorSpec):
+        super().__init__()
+        self.config, self.weights, self.layer = config, weights, layer
+        d, hd = config.n_embd, config.head_dim
+        q_dim, kv_dim = config.n_head * hd, config.n_head_kv * hd
+        tn = TensorNames
+        self.wq = spec.need(tn.ATTN_Q.format(layer, "weight"), (2 * q_dim, d))
+        self.wk = spec.need(tn.ATTN_K.format(layer, "weight"), (kv_dim, d))
+        self.wv = spec.need(tn.ATTN_V.format(layer, "weight"), (kv_dim, d))
+        self.wo = spec.need(tn.ATTN_OUT.format(layer, "weight"), (d, q_dim))
+        self.q_norm = spec.need(tn.ATTN_Q_NORM.format(layer), (hd,))
+        self.k_norm = spec.need(tn.ATTN_K_NORM.format(layer), (hd,))
+
+    def forward(
+        self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
+    ) -> Tensor:
+        # x: [B, T, D]
+        c, w = self.config, self.weights
+        bsz, seq, _ = x.shape
+        qg = linear(x, w.matrix(self.wq)).view(bsz, seq, c.n_head, 2 * c.head_dim)
+        q, gate = qg[..., : c.head_dim], qg[..., c.head_dim :]  # [B, T, H, hd] each
+        k = linear(x, w.matrix(self.wk)).view(bsz, seq, c.n_head_kv, c.head_dim)
+        v = linear(x, w.matrix(self.wv)).view(bsz, seq, c.n_head_kv, c.head_dim)
+        q = rope.rotate(rms_norm(q, w.weight(self.q_norm), c.norm_eps))
+        k = rope.rotate(rms_norm(k, w.weight(self.k_norm), c.norm_eps))
+        y = attend(q, k, v, layer=self.layer, scale=c.attn_scale, mask=mask, cache=cache)
+        y = y * torch.sigmoid(gate.reshape(bsz, seq, -1))
+        return linear(y, w.matrix(self.wo))  # [B, T, D]

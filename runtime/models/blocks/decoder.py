@@ -45,8 +45,12 @@ class TransformerBlock(nn.Module):
         self.config, self.weights = config, weights
         self.attn_norm = spec.need(TensorNames.ATTN_NORM.format(layer), (config.n_embd,))
         self.ffn_norm = spec.need(self.ffn_norm_name.format(layer), (config.n_embd,))
-        self.attention = self.attention_cls(config, weights, layer, spec)
+        self.attention = self.attention_cls_for(layer)(config, weights, layer, spec)
         self.feed_forward = self.ffn_cls(layer)(config, weights, layer, spec)
+
+    def attention_cls_for(self, layer: int) -> type[nn.Module]:
+        """The attention of ``layer`` (hybrid models mix kinds): ``attention_cls``."""
+        return self.attention_cls
 
     def ffn_cls(self, layer: int) -> type[nn.Module]:
         """The FFN of ``layer``: llama.cpp's loaders of the llama and qwen families give experts
