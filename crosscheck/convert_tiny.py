@@ -3,11 +3,12 @@
 ``python convert_tiny.py --llama-src VENDOR/llama.cpp --out DIR [--only NAME]``: for each
 checkpoint of ``CHECKPOINTS`` (a Qwen3.5, Qwen3.5-MoE and Qwen3-Next text model with small random
 weights, laid out as ``transformers`` saves them: ``config.json``, ``model.safetensors``, a tiny
-byte-level BPE tokenizer) this writes the checkpoint under ``DIR/hf/NAME`` and converts it with
-``convert_hf_to_gguf.py`` from the llama.cpp sources llama-cpp-python vendors, to
-``DIR/NAME-F32.gguf`` (``--outtype f32``) and ``DIR/NAME-F16.gguf``. Quantized files are made
-from the F32 one by llama.cpp's own quantizer (``llama_logits.py``'s ``quantize`` job, in the
-cross-check venv). Prints one JSON line: ``{"files": {NAME/TYPE: path}}``.
+byte-level BPE tokenizer), in two sizes (``SIZES``: tiny, and wide rows for K-quants), this writes
+the checkpoint under ``DIR/hf/NAME-SIZE`` and converts it with ``convert_hf_to_gguf.py`` from the
+llama.cpp sources llama-cpp-python vendors: ``DIR/NAME-tiny-F32.gguf``, ``-tiny-F16``,
+``-wide-F32``. Quantized files are made from the F32 ones by llama.cpp's own quantizer
+(``llama_logits.py``'s ``quantize`` job, in the cross-check venv). Prints one JSON line:
+``{"files": {NAME-SIZE/TYPE: path}}``.
 
 The one change to the converter's run: the tiny tokenizer's pre-tokenizer is unknown to its table
 of checksums (``get_vocab_base_pre`` recognizes released tokenizers by the hash of their output on a
@@ -23,7 +24,6 @@ import argparse
 import json
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,18 +142,43 @@ def hybrid_state(cfg: dict[str, Any], *, moe: bool) -> dict[str, torch.Tensor]:
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
-def hybrid_config(architecture: str, model_type: str, *, moe: bool, qkvz: bool) -> dict[str, Any]:
-    """A tiny text config: 4 layers (3 linear attention, then full attention), GQA 2:1, heads
-    of 32 with a quarter rotated, 2 key heads and 4 value heads of 16 in the delta net."""
+# The checkpoints' sizes: "tiny" (rows of 32 and 64: the F32, F16 and Q8_0 files) and "wide"
+# (every quantizable row 256 values: llama.cpp's K-quants).
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "hidden_size": 32,
+        "head_dim": 32,
+        "intermediate_size": 64,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    },
+    "wide": {
+        "hidden_size": 256,
+        "head_dim": 128,
+        "intermediate_size": 256,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "moe_intermediate_size": 256,
+        "shared_expert_intermediate_size": 256,
+    },
+}
+
+
+def hybrid_config(
+    architecture: str, model_type: str, *, moe: bool, qkvz: bool, size: str
+) -> dict[str, Any]:
+    """A small text config: 4 layers (3 linear attention, then full attention), two query
+    heads over one kv head with a quarter of each head rotated, 2 key heads and 4 value heads in
+    the delta net, conv kernel 4; ``SIZES[size]`` sets the widths."""
+    sizes = dict(SIZES[size])
     cfg: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
-        "hidden_size": 64,
         "num_hidden_layers": 4,
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
-        "head_dim": 32,
-        "intermediate_size": 128,
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 512,
         "rope_parameters": {
@@ -162,8 +187,6 @@ def hybrid_config(architecture: str, model_type: str, *, moe: bool, qkvz: bool) 
             "partial_rotary_factor": 0.25,
         },
         "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
         "full_attention_interval": 4,
@@ -171,13 +194,18 @@ def hybrid_config(architecture: str, model_type: str, *, moe: bool, qkvz: bool) 
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
         "_qkvz": qkvz,
+        "hidden_size": sizes["hidden_size"],
+        "head_dim": sizes["head_dim"],
+        "intermediate_size": sizes["intermediate_size"],
+        "linear_key_head_dim": sizes["linear_key_head_dim"],
+        "linear_value_head_dim": sizes["linear_value_head_dim"],
     }
     if moe:
         cfg |= {
             "num_experts": 4,
             "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 64,
+            "moe_intermediate_size": sizes["moe_intermediate_size"],
+            "shared_expert_intermediate_size": sizes["shared_expert_intermediate_size"],
             "norm_topk_prob": True,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
@@ -185,22 +213,20 @@ def hybrid_config(architecture: str, model_type: str, *, moe: bool, qkvz: bool) 
     return cfg
 
 
-CHECKPOINTS: dict[str, Callable[[], dict[str, Any]]] = {
-    "hf-qwen35": lambda: hybrid_config("Qwen3_5ForCausalLM", "qwen3_5_text", moe=False, qkvz=False),
-    "hf-qwen35moe": lambda: hybrid_config(
-        "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", moe=True, qkvz=False
-    ),
-    "hf-qwen3next": lambda: hybrid_config(
-        "Qwen3NextForCausalLM", "qwen3_next", moe=True, qkvz=True
-    ),
+# name -> (HF architecture, model_type, MoE, Qwen3-Next's fused in_proj_qkvz / in_proj_ba)
+CHECKPOINTS: dict[str, tuple[str, str, bool, bool]] = {
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text", False, False),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", True, False),
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next", True, True),
 }
 
 
-def write_checkpoint(name: str, out: Path) -> Path:
-    """The checkpoint ``name`` under ``out/hf/name``."""
-    root = out / "hf" / name
+def write_checkpoint(name: str, size: str, out: Path) -> Path:
+    """The checkpoint ``name`` of ``size`` under ``out/hf/name-size``."""
+    root = out / "hf" / f"{name}-{size}"
     root.mkdir(parents=True, exist_ok=True)
-    cfg = CHECKPOINTS[name]()
+    architecture, model_type, moe, qkvz = CHECKPOINTS[name]
+    cfg = hybrid_config(architecture, model_type, moe=moe, qkvz=qkvz, size=size)
     cfg["vocab_size"] = tokenizer_files(root)
     state = hybrid_state(cfg, moe="num_experts" in cfg)
     qkvz = cfg.pop("_qkvz")
@@ -246,11 +272,12 @@ def main() -> int:
     for name in CHECKPOINTS:
         if args.only and args.only not in name:
             continue
-        checkpoint = write_checkpoint(name, args.out)
-        for outtype in ("f32", "f16"):
-            path = args.out / f"{name}-{outtype.upper()}.gguf"
-            convert(args.llama_src, checkpoint, path, outtype)
-            files[f"{name}/{outtype.upper()}"] = str(path)
+        for size, outtypes in (("tiny", ("f32", "f16")), ("wide", ("f32",))):
+            checkpoint = write_checkpoint(name, size, args.out)
+            for outtype in outtypes:
+                path = args.out / f"{name}-{size}-{outtype.upper()}.gguf"
+                convert(args.llama_src, checkpoint, path, outtype)
+                files[f"{name}-{size}/{outtype.upper()}"] = str(path)
     print(json.dumps({"files": files}))
     return 0
 

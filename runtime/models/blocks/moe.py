@@ -121,7 +121,8 @@ class MoEFeedForward(nn.Module):
         w = self.weights.weight
         y = swiglu(x, *(self.weights.matrix(name) for name in self.shared))  # [N, D]
         assert self.shared_gate is not None, "a shared expert always has its gate (qwen2moe)"
-        return y * torch.sigmoid(linear(x, w(self.shared_gate).unsqueeze(0)))  # gate: [N, 1]
+        gate = w(self.shared_gate).reshape(1, -1)  # {n_embd} or {n_embd, 1}: one row
+        return y * torch.sigmoid(linear(x, gate))  # [N, 1]
 
 
 class RoutedExperts(nn.Module):

@@ -159,8 +159,18 @@ def check_weights(weights: WeightProvider, spec: TensorSpec, *, shapes: bool) ->
     if shapes and not problems:
         for name, expected in spec.required.items():
             found = weights.shape(name)
-            if found != expected:
+            if _ggml_dims(found) != _ggml_dims(expected):
                 problems.append(f"{name}: expected shape {list(expected)}, found {list(found)}")
     if problems:
         lines = "\n  ".join(problems)
         raise MissingWeightError(f"the weights do not fit the model config:\n  {lines}")
+
+
+def _ggml_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A logical torch shape without its leading 1s: ggml's trailing ``ne`` of 1, which
+    llama.cpp's check_tensor_dims accepts as absent (the converter writes the shared expert's gate
+    of Qwen2-MoE / Qwen3.5-MoE as ``{n_embd, 1}``)."""
+    start = 0
+    while start < len(shape) - 1 and shape[start] == 1:
+        start += 1
+    return shape[start:]
