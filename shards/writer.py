@@ -1,7 +1,7 @@
 """Deterministic writers of small llama.cpp-compatible GGUF models, for tests and the demo.
 
-A ``ModelSpec`` describes a tiny ``llama`` (dense, or Mixtral-style MoE), ``qwen2`` / ``qwen3``
-(dense), ``qwen2moe`` / ``qwen3moe`` or ``gemma3`` model (six gemma3 blocks: 5 local + 1 global);
+A ``ModelSpec`` describes a tiny model of any architecture of ``shards.archs`` (the tensors its
+loader creates: the shared plan of ``_arch_spec``, or the architecture's own ``WriterHooks``);
 ``write_model`` writes it as one file, as a gguf-split style shard set, or as one shard per tensor.
 Tensor names and metadata keys are llama.cpp's (taken from gguf-py's constants), weights are
 seeded per tensor name, and the encoder embeds no timestamps: the same spec always gives

@@ -42,6 +42,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from ggufswap.runtime.models._hybrid_hparams import SSMShape, hybrid_problems
 from ggufswap.runtime.models._moe_hparams import (
     Gating,
     MLAShape,
@@ -82,50 +83,6 @@ class RopeType(enum.IntEnum):
 
     NORM = 0  # adjacent pairs (x[2i], x[2i+1]); GGUF conversion permutes llama's Q/K for this
     NEOX = 2  # halves (x[i], x[i + n_rot/2])
-
-
-@dataclass(frozen=True)
-class SSMShape:
-    """The gated delta net of Qwen3.5 / Qwen3-Next (llama.cpp's ``ssm.*`` keys)."""
-
-    d_conv: int  # ssm.conv_kernel: taps of the causal convolution
-    d_inner: int  # ssm.inner_size: value heads x value head width
-    d_state: int  # ssm.state_size: key (and value) head width
-    n_v_heads: int  # ssm.time_step_rank
-    n_k_heads: int  # ssm.group_count
-
-    @property
-    def head_v(self) -> int:
-        return self.d_inner // self.n_v_heads if self.n_v_heads else 0
-
-    @property
-    def key_dim(self) -> int:
-        return self.d_state * self.n_k_heads
-
-    @property
-    def value_dim(self) -> int:
-        return self.d_inner
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
-
-    def problems(self) -> list[str]:
-        """What llama.cpp's hybrid loaders and graphs assert of these sizes."""
-        out = []
-        if min(self.d_conv, self.d_inner, self.d_state, self.n_v_heads, self.n_k_heads) <= 0:
-            out.append(f"ssm sizes must be > 0, found {self}")
-        elif self.n_v_heads % self.n_k_heads:
-            out.append(
-                f"ssm.time_step_rank {self.n_v_heads} must be a multiple of ssm.group_count "
-                f"{self.n_k_heads}"
-            )
-        elif self.head_v != self.d_state or self.d_inner % self.n_v_heads:
-            out.append(
-                f"ssm.inner_size {self.d_inner} must be ssm.state_size {self.d_state} x "
-                f"ssm.time_step_rank {self.n_v_heads} (llama.cpp: S_k == S_v)"
-            )
-        return out
 
 
 class Activation(str, enum.Enum):
@@ -278,7 +235,7 @@ class HParams:
         if shared and n_ff_shexp <= 0:
             problems.append(f"the shared expert width must be > 0, found {n_ff_shexp}")
         if rules.hybrid:
-            problems += _hybrid_problems(self, head_dim=head_dim)
+            problems += hybrid_problems(self, head_dim=head_dim)
         if self.swa_layers is not None and len(self.swa_layers) != self.n_layer:
             problems.append(
                 f"swa_layers has {len(self.swa_layers)} entries for {self.n_layer} layers"
@@ -378,27 +335,6 @@ class HParams:
             where = f" from {source}" if source else ""
             raise HParamsError(f"cannot build a {arch.value} model config{where}:\n  {lines}")
         return cls(arch=arch, **kwargs)
-
-
-def _hybrid_problems(config: HParams, *, head_dim: int) -> list[str]:
-    """What llama.cpp's qwen35 / qwen35moe / qwen3next loaders and graphs refuse."""
-    a = config.arch.value
-    if config.ssm is None or config.recurrent_layers is None:
-        return [f"{a}: the delta net's shape (SSMShape) and the layer pattern are missing"]
-    problems = [f"{a}: {p}" for p in config.ssm.problems()]
-    if len(config.recurrent_layers) != config.n_layer:
-        problems.append(
-            f"{a}: attention.recurrent_layers has {len(config.recurrent_layers)} entries for "
-            f"{config.n_layer} blocks"
-        )
-    rules = rules_of(config.arch)
-    sections = config.rope_sections
-    if rules.rope_sections and (sections is None or sum(sections[:4]) > head_dim):
-        problems.append(
-            f"{a}: rope.dimension_sections {sections} must hold four values summing to at most "
-            f"the head width {head_dim} (GGML_ASSERT(sect_dims <= ne0))"
-        )
-    return problems
 
 
 def unimplemented_keys(md: Mapping[str, Any], arch: Arch, own_keys: Iterable[str]) -> list[str]:
