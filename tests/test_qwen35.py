@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ggufswap.ipc.plan import Job, Plan
-from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime import HotSwapRuntime, Storage
 from ggufswap.runtime.models import HParams, HParamsError, build_model
 from ggufswap.runtime.models.blocks.delta_net import (
     causal_conv,
@@ -182,3 +182,48 @@ def test_a_commit_between_requests_leaves_no_recurrent_state(tmp_path: Path) -> 
         assert isinstance(before, str)
     finally:
         runtime.close()
+
+
+SWAPS = [
+    (tiny_qwen35moe, "blk.1.ffn_down_exps.weight", Storage.DEQUANTIZED),
+    (tiny_qwen35moe, "blk.1.ffn_down_exps.weight", Storage.NATIVE),
+    (tiny_qwen3next, "blk.0.ssm_ba.weight", Storage.NATIVE),
+    (tiny_qwen35, "blk.2.ssm_alpha.weight", Storage.DEQUANTIZED),
+]
+
+
+@pytest.mark.parametrize(
+    ("preset", "name", "storage"),
+    SWAPS,
+    ids=["qwen35moe-experts", "qwen35moe-experts-native", "qwen3next-ssm_ba", "qwen35-alpha"],
+)
+def test_a_swap_equals_a_fresh_load(
+    preset: Any, name: str, storage: Storage, tmp_path: Path
+) -> None:
+    """Re-quantizing an expert stack or a delta-net projection and hot-swapping it gives the
+    logits of a fresh load bit for bit, in both storages."""
+    tokens = torch.tensor([[1, 17, 33, 250, 4, 99, 7, 128, 5, 60]])
+    path = write_model(preset().with_types(ffn_down_exps="q8_0", ssm_beta_alpha="q8_0"), tmp_path)[
+        0
+    ]
+
+    def logits(runtime: HotSwapRuntime) -> torch.Tensor:
+        assert runtime.shards is not None, "open() keeps the shard set"
+        model = build_model(HParams.from_metadata(runtime.shards.metadata), runtime.store)
+        with torch.inference_mode():
+            return model(tokens)
+
+    runtime = HotSwapRuntime.open(path, storage=storage)
+    try:
+        before = logits(runtime)
+        requantize(path, name, "q4_0")
+        runtime.apply(Plan("p", "", (Job(read_header(path).tensor_map()[name]),)))
+        swapped = logits(runtime)
+    finally:
+        runtime.close()
+    fresh = HotSwapRuntime.open(path, storage=storage)
+    try:
+        assert torch.equal(swapped, logits(fresh))
+    finally:
+        fresh.close()
+    assert not torch.equal(swapped, before), "the swap changed nothing"
