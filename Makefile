@@ -72,8 +72,30 @@ $(XCHECK_VENV)/.llama-cpp-installed:
 		$(XCHECK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "$(LLAMA_CPP_SPEC)"
 	touch $@
 
-crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed
+# llama.cpp's own converter (convert_hf_to_gguf.py from the sources llama-cpp-python vendors,
+# in the sdist) runs in a venv of its own (torch CPU, transformers) on tiny checkpoints written by
+# crosscheck/convert_tiny.py; crosscheck/converted.py checks the files it and llama.cpp's quantizer
+# make (tests/fixtures/crosscheck/converted).
+CONVERT_VENV ?= .venv-convert
+LLAMA_CPP_VERSION := $(lastword $(subst ==, ,$(LLAMA_CPP_SPEC)))
+LLAMA_SRC ?= build/llama-cpp-src/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp
+
+$(CONVERT_VENV)/.convert-installed:
+	test -x $(CONVERT_VENV)/bin/python || $(PYTHON) -m venv $(CONVERT_VENV)
+	$(CONVERT_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC) \
+		transformers safetensors sentencepiece protobuf
+	touch $@
+
+$(LLAMA_SRC)/convert_hf_to_gguf.py:
+	mkdir -p build/llama-cpp-src
+	$(PYTHON) -m pip download --quiet --no-deps --no-binary :all: "$(LLAMA_CPP_SPEC)" -d build/llama-cpp-src
+	tar -xzf build/llama-cpp-src/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C build/llama-cpp-src
+	touch $@
+
+crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed $(CONVERT_VENV)/.convert-installed $(LLAMA_SRC)/convert_hf_to_gguf.py
 	$(BIN)/python crosscheck/run.py --llama-python $(XCHECK_VENV)/bin/python
+	$(BIN)/python crosscheck/converted.py --llama-python $(XCHECK_VENV)/bin/python \
+		--convert-python $(CONVERT_VENV)/bin/python --llama-src $(LLAMA_SRC)
 	$(BIN)/python crosscheck/gemma_real.py --llama-python $(XCHECK_VENV)/bin/python
 
 # On a GPU host (docs/operations.md, "GPU check"): the CUDA tests and bench/gpu_check.py (parity,

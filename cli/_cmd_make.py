@@ -21,6 +21,9 @@ PRESETS = (
     "tiny-glm4moe",
     "tiny-llama3",
     "tiny-gpt-oss",
+    "tiny-qwen35",
+    "tiny-qwen35moe",
+    "tiny-qwen3next",
 )
 ARCHES = (
     "llama",
@@ -32,9 +35,19 @@ ARCHES = (
     "deepseek2",
     "glm4moe",
     "gpt-oss",
+    "qwen35",
+    "qwen35moe",
+    "qwen3next",
 )  # shards.keys.Arch values
 # Architectures whose tiny model is a preset of its own (the default --preset for --arch).
-ARCH_PRESETS = {"deepseek2": "tiny-deepseek2", "glm4moe": "tiny-glm4moe", "gpt-oss": "tiny-gpt-oss"}
+ARCH_PRESETS = {
+    "deepseek2": "tiny-deepseek2",
+    "glm4moe": "tiny-glm4moe",
+    "gpt-oss": "tiny-gpt-oss",
+    "qwen35": "tiny-qwen35",
+    "qwen35moe": "tiny-qwen35moe",
+    "qwen3next": "tiny-qwen3next",
+}
 MOE_ONLY_ARCHES = ("qwen2moe", "qwen3moe")  # default preset tiny-moe (qwen2moe: shared expert)
 LAYOUTS = ("single", "split", "per-tensor")  # ggufswap.shards.writer.Layout values
 
@@ -55,8 +68,8 @@ def register(subparsers: Any) -> None:
         "--preset",
         choices=PRESETS,
         help=(
-            "base model (default: tiny-moe for qwen2moe/qwen3moe, tiny-deepseek2 / tiny-glm4moe "
-            "/ tiny-gpt-oss for deepseek2 / glm4moe / gpt-oss, else tiny-dense)"
+            "base model (default: tiny-moe for qwen2moe/qwen3moe, tiny-ARCH for deepseek2, "
+            "glm4moe, gpt-oss, qwen35, qwen35moe and qwen3next, else tiny-dense)"
         ),
     )
     make.add_argument("--arch", choices=ARCHES)
@@ -151,6 +164,9 @@ def run_make_model(args: argparse.Namespace) -> int:
         tiny_gpt_oss,
         tiny_llama3,
         tiny_moe,
+        tiny_qwen3next,
+        tiny_qwen35,
+        tiny_qwen35moe,
     )
     from ggufswap.shards.writer import Layout, write_model
 
@@ -162,6 +178,9 @@ def run_make_model(args: argparse.Namespace) -> int:
         "tiny-glm4moe": tiny_glm4moe,
         "tiny-llama3": tiny_llama3,
         "tiny-gpt-oss": tiny_gpt_oss,
+        "tiny-qwen35": tiny_qwen35,
+        "tiny-qwen35moe": tiny_qwen35moe,
+        "tiny-qwen3next": tiny_qwen3next,
     }
     preset = args.preset or ("tiny-moe" if args.arch in MOE_ONLY_ARCHES else "tiny-dense")
     if args.preset is None and args.arch in ARCH_PRESETS:

@@ -129,7 +129,7 @@ def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int
         runtime = HotSwapRuntime.open(args.model, storage=storage)
     try:
         assert runtime.shards is not None, "open() always records the shard set"
-        hparams = HParams.from_metadata(runtime.shards.metadata)
+        hparams = HParams.from_metadata(runtime.shards.metadata, source=runtime.shards.first.path)
         try:
             model = build_model(hparams, runtime.store, store=runtime.store, numerics=args.numerics)
         except ModelError as exc:

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     results = _Results()
     try:
         assert runtime.shards is not None, "open() keeps the shard set"
-        hparams = HParams.from_metadata(runtime.shards.metadata)
+        hparams = HParams.from_metadata(runtime.shards.metadata, source=runtime.shards.first.path)
         numerics = Numerics(args.numerics)
         model = build_model(hparams, runtime.store, store=runtime.store, numerics=numerics)
         tokens, bos = text_tokens(GgufTokenizer.from_file(runtime.shards.first.path), text)

@@ -26,6 +26,7 @@ whatever remains without it is that rounding, not a difference in dequantization
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,11 +37,10 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from gguf import GGMLQuantizationType, GGUFReader
 
-from ggufswap.runtime.models import deepseek2, gpt_oss, llama
-from ggufswap.runtime.models.deepseek2 import RoutedExperts
+from ggufswap.runtime.models import deepseek2
+from ggufswap.runtime.models.blocks import MoEFeedForward, RoutedExperts, weights
 from ggufswap.runtime.models.ggml_numerics import VEC_DOT, gelu, q8_blocks, round_activations
 from ggufswap.runtime.models.hparams import Gating
-from ggufswap.runtime.models.llama import MoEFeedForward
 from ggufswap.shards.ggml_types import GGMLType
 
 Q = GGMLQuantizationType
@@ -87,10 +87,10 @@ def _q4_1_mins(reader: GGUFReader, name: str) -> torch.Tensor:
 
 @contextmanager
 def emulating(runtime: Any, path: Path, *, q8_1_sums: bool = True) -> Iterator[None]:
-    """Within the block, ``llama.linear`` rounds activations as ggml's CPU matmul does for the
-    type of the weight it multiplies (found by the weight's data pointer in ``runtime.store``),
-    and GELU goes through ggml's F16 table. ``q8_1_sums=False`` leaves out the F16 rounding of
-    Q8_1's block sums (Q4_1 weights), to measure what it alone contributes."""
+    """Within the block, the decoders' ``linear`` rounds activations as ggml's CPU matmul does
+    for the type of the weight it multiplies (found by the weight's data pointer in
+    ``runtime.store``), and GELU goes through ggml's F16 table. ``q8_1_sums=False`` leaves out
+    the F16 rounding of Q8_1's block sums (Q4_1 weights), to measure what it alone contributes."""
     reader = GGUFReader(path)
     types = {t.name: GGMLQuantizationType(t.tensor_type) for t in reader.tensors}
     table: dict[int, _Weight] = {}
@@ -106,8 +106,16 @@ def emulating(runtime: Any, path: Path, *, q8_1_sums: bool = True) -> Iterator[N
                 table[w[e].data_ptr()] = _Weight(ggml_type, part)
         else:
             table[w.data_ptr()] = _Weight(ggml_type, mins)
-    original = llama.linear
+    original = weights.linear
     original_gelu = F.gelu
+    # Every module of the models package that multiplies through ``linear`` (blocks and
+    # architectures alike) calls the name it imported: patch each of them.
+    users = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("ggufswap.runtime.models")
+        and getattr(module, "linear", None) is original
+    ]
 
     def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         info = table.get(w.data_ptr())
@@ -122,16 +130,16 @@ def emulating(runtime: Any, path: Path, *, q8_1_sums: bool = True) -> Iterator[N
         """deepseek2's per-head products (attn_k_b, attn_v_b): one ggml matmul per head."""
         return torch.stack([linear(x[..., h, :], w[h]) for h in range(w.shape[0])], dim=-2)
 
-    llama.linear = linear
+    for module in users:
+        module.linear = linear  # type: ignore[attr-defined]
     deepseek2.head_linear = head_linear
-    gpt_oss.linear = linear
     F.gelu = _gelu_fp16_table
     try:
         yield
     finally:
-        llama.linear = original
+        for module in users:
+            module.linear = original  # type: ignore[attr-defined]
         deepseek2.head_linear = original_head
-        gpt_oss.linear = original
         F.gelu = original_gelu
 
 

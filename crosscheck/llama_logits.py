@@ -8,7 +8,10 @@ are evaluated in one batch, and OUT gets one
 ``[T, V]`` float32 array per case. A model llama.cpp refuses gets no array; its load log's tail
 is printed under the case name on stdout as JSON (``{"refused": {case: log}}``).
 
-Optional JOBS fields: ``"case_tokens": {case: [...]}`` gives a case its own tokens instead of
+Optional JOBS fields: ``"quantize": [{"src", "dst", "ftype"}]`` has llama.cpp's quantizer
+(``llama_model_quantize``, what ``llama-quantize`` runs; ``ftype`` a ``LLAMA_FTYPE_*`` number)
+write each ``dst`` first, reported as ``"quantized"``; ``"case_tokens": {case: [...]}`` gives a
+case its own tokens instead of
 ``tokens``; ``"tokenize": {"model": path, "text": str}`` has llama.cpp tokenize the text with that
 model's vocabulary as ``llama-perplexity`` does (``common_tokenize(..., add_special=true,
 parse_special=false)``: BOS in front when the vocabulary adds it), reported as ``"tokenized"``.
@@ -80,8 +83,22 @@ def tokenize(path: str, text: str) -> list[int]:
         llm.close()
 
 
+def quantize(src: str, dst: str, ftype: int) -> None:
+    """``dst``: ``src`` quantized by llama.cpp (its default parameters, one thread)."""
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 1
+    status = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize({src} -> {dst}, ftype {ftype}) returned {status}")
+
+
 def main(argv: list[str]) -> int:
     jobs = json.loads(Path(argv[1]).read_text())
+    quantized = []
+    for job in jobs.get("quantize", []):
+        quantize(job["src"], job["dst"], int(job["ftype"]))
+        quantized.append(job["dst"])
     tokens = [int(t) for t in jobs.get("tokens", [])]
     case_tokens = {c: [int(t) for t in ts] for c, ts in jobs.get("case_tokens", {}).items()}
     kv_type = int(jobs.get("kv_type", GGML_TYPE_F32))
@@ -98,6 +115,7 @@ def main(argv: list[str]) -> int:
         "version": llama_cpp.__version__,
         "cases": list(out),
         "refused": refused,
+        "quantized": quantized,
     }
     if "tokenize" in jobs:
         report["tokenized"] = tokenize(jobs["tokenize"]["model"], jobs["tokenize"]["text"])

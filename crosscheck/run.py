@@ -32,14 +32,20 @@ HERE = Path(__file__).resolve().parent
 
 
 def llama_cpp_logits(
-    python: str, paths: dict[str, Path], tmp: Path
+    python: str,
+    paths: dict[str, Path],
+    tmp: Path,
+    *,
+    quantize: list[dict[str, Any]] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Run ``llama_logits.py`` under ``python``; returns the logits by case and its report."""
+    """Run ``llama_logits.py`` under ``python``; returns the logits by case and its report.
+    ``quantize``: llama.cpp's quantizer writes these files first (``llama_logits.py``)."""
     jobs = tmp / "jobs.json"
     out = tmp / "llama.npz"
-    jobs.write_text(
-        json.dumps({"tokens": xcheck.TOKENS, "models": {c: str(p) for c, p in paths.items()}})
-    )
+    job: dict[str, Any] = {"tokens": xcheck.TOKENS, "models": {c: str(p) for c, p in paths.items()}}
+    if quantize:
+        job["quantize"] = quantize
+    jobs.write_text(json.dumps(job))
     done = subprocess.run(
         [python, str(HERE / "llama_logits.py"), str(jobs), str(out)],
         check=True,
@@ -103,7 +109,12 @@ def _within(routing: Routing, *, emulate: bool) -> Callable[[Any, Path], Any]:
 
 
 def check_case(
-    name: str, path: Path, reference: np.ndarray, *, emulate_only: bool
+    name: str,
+    path: Path,
+    reference: np.ndarray,
+    *,
+    emulate_only: bool,
+    limit: xcheck.Threshold | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """The manifest entry of one case (figures, and an allowance when a miss is explained) and
     its failures.
@@ -113,7 +124,7 @@ def check_case(
     (recorded as the case's allowance, with the routing decisions it flips); if not, it fails.
     """
     ggml_type = next(t for t in xcheck.CHECK_TYPES if name.endswith("/" + t.name))
-    limit = xcheck.case_threshold(name)
+    limit = limit or xcheck.case_threshold(name)
     routing: Routing = []
     ours = xcheck.project_logits(path, within=_within(routing, emulate=emulate_only))
     full = xcheck.compare(reference, ours)

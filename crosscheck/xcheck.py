@@ -30,6 +30,7 @@ from ggufswap.shards.keys import Arch
 from ggufswap.shards.presets import (
     deepseek2_wide,
     demo_moe,
+    hybrid_wide,
     tiny_arch,
     tiny_deepseek2,
     tiny_dense,
@@ -37,6 +38,9 @@ from ggufswap.shards.presets import (
     tiny_gpt_oss,
     tiny_llama3,
     tiny_moe,
+    tiny_qwen3next,
+    tiny_qwen35,
+    tiny_qwen35moe,
 )
 from ggufswap.shards.writer import (
     DEFAULT_TYPES,
@@ -119,6 +123,18 @@ def _glm4moe(**fixed: Any) -> Callable[..., ModelSpec]:
     return build
 
 
+def _hybrid(preset: Callable[..., ModelSpec]) -> Callable[..., ModelSpec]:
+    """A Qwen3.5 / Qwen3-Next preset; widened (``hybrid_wide``: heads, delta-net state) when
+    asked for the K-quant rows of 256."""
+
+    def build(**kw: Any) -> ModelSpec:
+        if kw.get("n_embd") == WIDE["n_embd"]:
+            kw = hybrid_wide(**kw)
+        return preset(**kw)
+
+    return build
+
+
 # name -> spec builder. Every architecture with each option llama.cpp accepts for it
 # (shards.archs): dense/MoE where the architecture offers both, a tied output where allowed,
 # qwen2moe's shared expert (required there, refused elsewhere); plus the presets.
@@ -164,6 +180,10 @@ VARIANTS: Final[Mapping[str, Callable[..., ModelSpec]]] = {
     "llama-rope-freqs": tiny_llama3,  # llama 3.1 RoPE scaling: rope_freqs.weight
     "gpt-oss": tiny_gpt_oss,  # every matrix in the case's type, experts included
     "gpt-oss-mxfp4": tiny_gpt_oss,  # experts in MXFP4 as OpenAI ships them (PINNED_TYPES)
+    # gated delta-net blocks 0-2 (conv and recurrent state), gated full attention in block 3
+    "qwen35": _hybrid(tiny_qwen35),  # interleaved multimodal RoPE sections, dense FFN
+    "qwen35moe": _hybrid(tiny_qwen35moe),  # routed experts + gated shared expert
+    "qwen3next": _hybrid(tiny_qwen3next),  # ssm_ba, interleaved value heads, NEOX RoPE
 }
 _EXPERT_ROLES: Final = (Role.FFN_GATE_EXPS, Role.FFN_UP_EXPS, Role.FFN_DOWN_EXPS)
 # Variants some of whose roles keep their type whatever the case's type is.
@@ -183,6 +203,12 @@ OWN_ROLES: Final = frozenset(
         Role.ATTN_K_B,
         Role.ATTN_V_B,
         Role.NEXTN_EH_PROJ,
+        Role.ATTN_QKV,
+        Role.ATTN_GATE,
+        Role.SSM_BETA,
+        Role.SSM_ALPHA,
+        Role.SSM_BETA_ALPHA,
+        Role.SSM_OUT,
     }
 )
 
@@ -192,7 +218,7 @@ def case_spec(variant: str, ggml_type: GGMLQuantizationType) -> ModelSpec:
     (``WIDE``) when its rows cannot hold the type's blocks."""
     build = VARIANTS[variant]
     rules = rules_of(build().arch)
-    own = rules.mla or rules.glm
+    own = rules.mla or rules.glm or rules.hybrid
     types = {
         role.name: ggml_type
         for role in Role
@@ -448,7 +474,7 @@ def project_logits(
     try:
         assert runtime.shards is not None, "open() keeps the shard set"
         model = build_model(
-            HParams.from_metadata(runtime.shards.metadata),
+            HParams.from_metadata(runtime.shards.metadata, source=str(path)),
             runtime.store,
             store=runtime.store,
             numerics=numerics,

@@ -75,6 +75,17 @@ class Role(Enum):
     FFN_GATE_EXPS_BIAS = (MODEL_TENSOR.FFN_GATE_EXP, "bias")
     FFN_UP_EXPS_BIAS = (MODEL_TENSOR.FFN_UP_EXP, "bias")
     FFN_DOWN_EXPS_BIAS = (MODEL_TENSOR.FFN_DOWN_EXP, "bias")
+    # qwen35 / qwen35moe / qwen3next: gated delta-net layers (ssm_a has no suffix)
+    ATTN_QKV = MODEL_TENSOR.ATTN_QKV
+    ATTN_GATE = MODEL_TENSOR.ATTN_GATE
+    SSM_CONV1D = MODEL_TENSOR.SSM_CONV1D
+    SSM_DT_BIAS = (MODEL_TENSOR.SSM_DT, "bias")
+    SSM_A = (MODEL_TENSOR.SSM_A, "")
+    SSM_BETA = MODEL_TENSOR.SSM_BETA
+    SSM_ALPHA = MODEL_TENSOR.SSM_ALPHA
+    SSM_BETA_ALPHA = MODEL_TENSOR.SSM_BETA_ALPHA
+    SSM_NORM = MODEL_TENSOR.SSM_NORM
+    SSM_OUT = MODEL_TENSOR.SSM_OUT
 
     def tensor_name(self, block: int | None = None) -> str:
         """The llama.cpp tensor name, e.g. ``blk.3.ffn_up_exps.weight``."""
@@ -99,6 +110,7 @@ NORM_ROLES: Final = frozenset(
         Role.NEXTN_ENORM,
         Role.NEXTN_HNORM,
         Role.NEXTN_SHARED_HEAD_NORM,
+        Role.SSM_NORM,
     }
 )
 # 1-D or routing tensors stay F32, as llama.cpp's quantizer leaves them.
@@ -116,6 +128,10 @@ F32_ONLY_ROLES: Final = frozenset(
         Role.FFN_GATE_EXPS_BIAS,
         Role.FFN_UP_EXPS_BIAS,
         Role.FFN_DOWN_EXPS_BIAS,
+        # ggml_ssm_conv's kernel and the delta net's per-head vectors: floats
+        Role.SSM_CONV1D,
+        Role.SSM_A,
+        Role.SSM_DT_BIAS,
     }
 )
 F32_ROLES: Final = (

@@ -136,6 +136,50 @@ def tiny_gpt_oss(**overrides: Any) -> ModelSpec:
     )
 
 
+# Qwen3.5 / Qwen3-Next tiny: 4 blocks (three gated delta-net blocks, then full attention), two
+# query heads of 32 over one key/value head, 8 dims rotated (Qwen3.5's partial rotary is 1/4).
+_HYBRID: Final[Mapping[str, Any]] = MappingProxyType(
+    {"n_layers": 4, "n_head": 2, "n_head_kv": 1, "head_dim": 32, "rope_dim": 8}
+)
+# ... and its routed experts: 4 of width 32 (2 used) and a gated shared expert of width 64.
+_HYBRID_MOE: Final[Mapping[str, Any]] = MappingProxyType(
+    {**_HYBRID, "n_expert": 4, "n_expert_used": 2, "n_ff_expert": 32, "shared_expert": True}
+)
+
+
+def tiny_qwen35(**overrides: Any) -> ModelSpec:
+    """A qwen35 like Qwen3.5 dense, tiny (n_embd 64, vocab 256): blocks 0-2 gated delta net (2
+    key heads, 4 value heads of 16, conv kernel 4), block 3 full attention with its output gate
+    (interleaved multimodal RoPE sections [11, 11, 10, 0]), dense SwiGLU."""
+    return _preset(Arch.QWEN35, "tiny-qwen35", overrides, **_HYBRID)
+
+
+def tiny_qwen35moe(**overrides: Any) -> ModelSpec:
+    """``tiny-qwen35`` with routed experts (4, 2 used) and a gated shared expert in every
+    block, as Qwen3.5-35B-A3B."""
+    return _preset(Arch.QWEN35MOE, "tiny-qwen35moe", overrides, **_HYBRID_MOE)
+
+
+def tiny_qwen3next(**overrides: Any) -> ModelSpec:
+    """A qwen3next like Qwen3-Next-80B-A3B, tiny: ``tiny-qwen35moe``'s shapes with the fused
+    ``ssm_ba`` projection, interleaved value heads and plain NEOX RoPE."""
+    return _preset(Arch.QWEN3NEXT, "tiny-qwen3next", overrides, **_HYBRID_MOE)
+
+
+def hybrid_wide(**overrides: Any) -> dict[str, Any]:
+    """Spec fields that give every quantizable row of the hybrid presets 256 values."""
+    wide = {
+        "n_embd": 256,
+        "n_ff": 256,
+        "n_ff_expert": 256,
+        "n_ff_shexp": 256,
+        "head_dim": 128,
+        "rope_dim": 32,
+        "ssm_state_size": 64,
+    }
+    return {**wide, **overrides}
+
+
 def deepseek2_wide(**overrides: Any) -> dict[str, Any]:
     """Spec fields that give every row of ``tiny_deepseek2`` 256 values (K-quant blocks)."""
     wide = {
@@ -161,6 +205,9 @@ def tiny_arch(arch: Arch | str, **overrides: Any) -> ModelSpec:
         Arch.GLM4MOE: tiny_glm4moe,
         Arch.QWEN3MOE: tiny_moe,
         Arch.GPT_OSS: tiny_gpt_oss,
+        Arch.QWEN35: tiny_qwen35,
+        Arch.QWEN35MOE: tiny_qwen35moe,
+        Arch.QWEN3NEXT: tiny_qwen3next,
     }
     if arch in own:
         return own[arch](**overrides)

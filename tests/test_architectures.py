@@ -10,10 +10,10 @@ import torch
 
 from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime.models.blocks import DictWeightProvider
 from ggufswap.runtime.models.errors import HParamsError
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer, sliding_window_mask
 from ggufswap.runtime.models.hparams import Arch, HParams
-from ggufswap.runtime.models.llama import DictWeightProvider
 from ggufswap.runtime.models.registry import DECODERS, build_model
 from ggufswap.shards import read_header, requantize
 from ggufswap.shards.presets import tiny_arch
@@ -39,18 +39,27 @@ CASES = {
     "glm4moe-qk-norm": ("glm4moe", {"attn_qk_norm": True, "attn_bias": False}),
     "llama-rope-freqs": ("llama", {"rope_llama3_factor": 8.0, "rope_llama3_original_context": 32}),
     "gpt-oss": ("gpt-oss", {}),
+    "qwen35": ("qwen35", {}),  # the swap is a delta-net block's attn_qkv
+    "qwen35moe": ("qwen35moe", {}),
+    "qwen3next": ("qwen3next", {}),
     "llama-moe-per-expert": (
         "llama",
         {"n_expert": 4, "n_expert_used": 2, "per_expert_tensors": True},
     ),
 }
 # The tensor each case re-quantizes: attn_q, or attn_q_b where the queries come through q_lora.
-SWAPPED = {"deepseek2": "blk.0.attn_q_b.weight", "deepseek2-kv-b": "blk.0.attn_q_b.weight"}
+SWAPPED = {
+    "deepseek2": "blk.0.attn_q_b.weight",
+    "deepseek2-kv-b": "blk.0.attn_q_b.weight",
+    **dict.fromkeys(("qwen35", "qwen35moe", "qwen3next"), "blk.0.attn_qkv.weight"),
+}
 
 
 def spec_for(case: str) -> ModelSpec:
     arch, overrides = CASES[case]
-    return tiny_arch(arch, **overrides).with_types(attn_q="q5_0", attn_q_b="q5_0", ffn_down="q4_0")
+    return tiny_arch(arch, **overrides).with_types(
+        attn_q="q5_0", attn_q_b="q5_0", attn_qkv="q5_0", ffn_down="q4_0"
+    )
 
 
 def open_model(path: Path) -> tuple[HotSwapRuntime, torch.nn.Module]:

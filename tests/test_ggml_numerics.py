@@ -182,7 +182,7 @@ def test_ggml_rms_norm_is_ggml_kernel_inside_a_ggml_forward_only() -> None:
     """Inside ggml_norms (a ggml decoder's forward) the decoders' rms_norm is ggml's kernel bit
     for bit; outside it is the exact path's float32 norm, unchanged; the switch is reset when
     the forward raises."""
-    from ggufswap.runtime.models import llama
+    from ggufswap.runtime.models.blocks import norms
     from ggufswap.runtime.models.ggml_numerics import ggml_norms, ggml_norms_active
 
     g = torch.Generator().manual_seed(5)
@@ -191,10 +191,10 @@ def test_ggml_rms_norm_is_ggml_kernel_inside_a_ggml_forward_only() -> None:
     eps = 1e-6
     expected = _ggml_rms_norm_reference(x.numpy(), w.numpy(), eps)
     with ggml_norms():
-        inside = llama.rms_norm(x, w, eps)
+        inside = norms.rms_norm(x, w, eps)
     assert np.array_equal(inside.numpy(), expected)
     exact = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w
-    outside = llama.rms_norm(x, w, eps)
+    outside = norms.rms_norm(x, w, eps)
     assert torch.equal(outside, exact)
     assert not np.array_equal(outside.numpy(), expected), "the two norms differ somewhere"
 

@@ -12,14 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
+from ggufswap.runtime.models.blocks import DictWeightProvider, MoEFeedForward, RotaryEmbedding
 from ggufswap.runtime.models.errors import HParamsError, MissingWeightError
 from ggufswap.runtime.models.hparams import Arch, HParams, RopeType
-from ggufswap.runtime.models.llama import (
-    DictWeightProvider,
-    MoEFeedForward,
-    RotaryEmbedding,
-    Transformer,
-)
+from ggufswap.runtime.models.llama import Transformer
 from ggufswap.runtime.serving.perplexity import (
     NllStats,
     evaluate_batches,

@@ -41,6 +41,7 @@ from ggufswap.shards.presets import (
     tiny_gpt_oss,
     tiny_llama3,
     tiny_moe,
+    tiny_qwen35moe,
 )
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -66,6 +67,7 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "deepseek2-kv-b": lambda: tiny_deepseek2(mla_split=False),
     "glm4moe": tiny_glm4moe,
     "gpt-oss": tiny_gpt_oss,
+    "qwen35moe": tiny_qwen35moe,  # delta-net state through the server's per-request caches
 }
 
 

@@ -24,74 +24,125 @@ at load, so a swap of ``attn_kv_b``, ``attn_k_b`` or ``attn_v_b`` is what the ne
 from __future__ import annotations
 
 import math
-from typing import Final
+from collections.abc import Mapping
+from typing import Any, Final
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
-from ggufswap.runtime.models import llama as base
-from ggufswap.runtime.models.ggml_numerics import GgmlWeights
-from ggufswap.runtime.models.hparams import Arch, Gating, HParams, MLAShape
-from ggufswap.runtime.models.kv_cache import KVCache
-from ggufswap.runtime.models.llama import (
-    DecoderStack,
+from ggufswap.runtime.models._moe_hparams import ROUTING_KEYS, routing_kwargs
+from ggufswap.runtime.models.architecture import Architecture
+from ggufswap.runtime.models.blocks.decoder import DecoderStack, TransformerBlock
+from ggufswap.runtime.models.blocks.moe import lead_dense_ffn
+from ggufswap.runtime.models.blocks.norms import rms_norm
+from ggufswap.runtime.models.blocks.rope import RopeTables, rotary
+from ggufswap.runtime.models.blocks.weights import (
     ExpertStack,
-    FeedForward,
-    RopeTables,
-    RotaryEmbedding,
-    TransformerBlock,
+    TensorSpec,
     WeightProvider,
-    _Spec,
-    rms_norm,
+    linear,
 )
-from ggufswap.shards.keys import TensorNames
+from ggufswap.runtime.models.ggml_numerics import GgmlWeights
+from ggufswap.runtime.models.hparams import (
+    ROPE_SCALING_YARN,
+    Arch,
+    Gating,
+    HParams,
+    KeyReader,
+    MLAShape,
+)
+from ggufswap.runtime.models.kv_cache import KVCache
+from ggufswap.shards.keys import Keys, TensorNames
 
 TN: Final = TensorNames
-# build_moe_ffn clamps the sum of the selected weights to the smallest normal F16 before dividing.
-WEIGHTS_SUM_MIN = 6.103515625e-5
+# deepseek2's "lite" files (DeepSeek-V2-Lite, GigaChat3, Kanana-2) may omit q_lora_rank: these
+# block counts (and 48 with a 128256-token vocabulary), as load_arch_hparams decides.
+DEEPSEEK2_LITE_LAYERS: Final = (26, 27)
+# No expert_gating_func: softmax (DeepSeek V2/V2.5), but sigmoid for GLM 4.7 Lite (47 or 48
+# blocks, 154880 tokens).
+DEEPSEEK2_SIGMOID_LAYERS: Final = (47, 48)
+DEEPSEEK2_SIGMOID_VOCAB: Final = 154880
 
 
-class YarnRotaryEmbedding(RotaryEmbedding):
-    """ggml's ``rope_yarn`` tables over ``n_rot`` dims: theta mixes the interpolated
-    (``freq_scale``) and extrapolated angles along the correction ramp when ``ext_factor`` != 0,
-    and cos/sin carry the magnitude ``attn_factor`` (times ``1 + 0.1 ln(1/freq_scale)`` under
-    YaRN)."""
-
-    def __init__(self, config: HParams, n_rot: int) -> None:
-        self.config = config
-        super().__init__(config, n_rot=n_rot, freq_scale=config.rope_freq_scale)
-
-    def _extend(self, n_pos: int) -> None:
-        c, n = self.config, self.n_rot
-        pair = torch.arange(0, n // 2, dtype=torch.float64)  # i0 / 2
-        theta_extrap = torch.outer(
-            torch.arange(n_pos, dtype=torch.float64), c.rope_base ** (-2.0 * pair / n)
-        )  # [P, n/2]
-        theta = theta_extrap * c.rope_freq_scale
-        mscale = c.rope_attn_factor
-        if c.rope_ext_factor != 0.0:
-            low, high = _yarn_corr_dims(c, n)
-            y = (pair - low) / max(0.001, high - low)
-            ramp = (1.0 - y.clamp(0.0, 1.0)) * c.rope_ext_factor
-            theta = theta * (1.0 - ramp) + theta_extrap * ramp
-            mscale *= 1.0 + 0.1 * math.log(1.0 / c.rope_freq_scale)
-        cos, sin = (theta.cos() * mscale).float(), (theta.sin() * mscale).float()
-        self._tables = {torch.device("cpu"): (cos, sin)}
-        self._n_pos = n_pos
+KEYS: Final = (
+    *ROUTING_KEYS,
+    Keys.LLM.Q_LORA_RANK,
+    Keys.LLM.KV_LORA_RANK,
+    Keys.LLM.KEY_LENGTH_MLA,
+    Keys.LLM.VALUE_LENGTH_MLA,
+    Keys.LLM.ROPE_SCALING_YARN_LOG_MUL,
+    Keys.LLM.ROPE_SCALING_ATTN_FACTOR,
+    Keys.LLM.ROPE_SCALING_ORIG_CTX_LEN,
+)
 
 
-def _yarn_corr_dims(c: HParams, n_dims: int) -> tuple[float, float]:
-    """ggml_rope_yarn_corr_dims: the dims where the ramp between extrapolation and interpolation
-    starts and ends."""
-    n_ctx_orig = c.rope_ctx_orig or c.context_length
+def read_keys(reader: KeyReader, common: Mapping[str, Any]) -> dict[str, Any]:
+    """llama_model_deepseek2::load_arch_hparams, the YaRN parameters llama_context derives from
+    them, and the graph's attention scale (src/models/deepseek2.cpp)."""
+    k = Keys.LLM
+    n_head = common["n_head"]
+    default_head = common["n_embd"] // n_head if n_head > 0 else 0
+    key_length = common["key_length"] or default_head
+    value_length = reader.get_int(k.VALUE_LENGTH, default_head)
+    n_rot = common["rope_dim"] or key_length
+    yarn = reader.md.get(k.ROPE_SCALING_TYPE.format(reader.arch)) == ROPE_SCALING_YARN
+    n_layer = common["n_layer"] - reader.get_int(k.NEXTN_PREDICT_LAYERS, 0)
+    n_vocab = common["n_vocab"]
+    lite = n_layer in DEEPSEEK2_LITE_LAYERS or (n_layer == 48 and n_vocab == 128256)
+    k_mla = reader.get_int(k.KEY_LENGTH_MLA, 0)
+    v_mla = reader.get_int(k.VALUE_LENGTH_MLA, 0)
+    if (k_mla == 0) != (v_mla == 0):
+        reader.problems.append(
+            f"{k.KEY_LENGTH_MLA.format(reader.arch)} ({k_mla}) and "
+            f"{k.VALUE_LENGTH_MLA.format(reader.arch)} ({v_mla}) must be both set or both absent"
+        )
+    split = k_mla != 0 and v_mla != 0
+    mla = MLAShape(
+        q_lora_rank=reader.get_int(k.Q_LORA_RANK, 0) if lite else reader.get_int(k.Q_LORA_RANK),
+        kv_lora_rank=reader.get_int(k.KV_LORA_RANK),
+        head_k=k_mla if split else key_length,
+        head_v=v_mla if split else value_length,
+        n_rot=n_rot,
+        split=split,
+    )
+    sigmoid = n_layer in DEEPSEEK2_SIGMOID_LAYERS and n_vocab == DEEPSEEK2_SIGMOID_VOCAB
+    out = routing_kwargs(reader, default_gating=Gating.SIGMOID if sigmoid else Gating.SOFTMAX)
+    out["mla"] = mla
+    out.update(_yarn(reader, common, head_k=mla.head_k, yarn=yarn))
+    return out
 
-    def corr_dim(n_rot: float) -> float:
-        return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(c.rope_base))
 
-    start = math.floor(corr_dim(c.yarn_beta_fast))
-    end = math.ceil(corr_dim(c.yarn_beta_slow))
-    return max(0.0, start), min(n_dims - 1.0, end)
+def _yarn(
+    reader: KeyReader, common: Mapping[str, Any], *, head_k: int, yarn: bool
+) -> dict[str, Any]:
+    """llama_context's YaRN parameters (ext_factor 1 for ``yarn`` scaling, attn_factor with its
+    mscale adjustments) and deepseek2's kq scale ``mscale^2 / sqrt(head_k)``, which undoes the
+    adjustment and applies ``rope.scaling.yarn_log_multiplier`` (stored x0.1 by the converter)."""
+    k = Keys.LLM
+    freq_scale = common["rope_freq_scale"]  # 1 for scaling type none (hparams._rope_freq_scale)
+    log_mul = reader.get_float(k.ROPE_SCALING_YARN_LOG_MUL, 0.0) / 0.1
+    ext_factor = 1.0 if yarn else 0.0
+    attn_factor = 1.0
+    factor = 1.0 / freq_scale
+    if ext_factor != 0.0:
+
+        def get_mscale(scale: float, mscale: float) -> float:
+            return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
+
+        # With a log multiplier, deepseek2 takes mscale = mscale_all_dims, so the ratio
+        # get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dims) is 1.
+        attn_factor = 1.0 if log_mul != 0.0 else get_mscale(factor, 1.0)
+        attn_factor *= 1.0 / (1.0 + 0.1 * math.log(factor))
+    attn_factor *= reader.get_float(k.ROPE_SCALING_ATTN_FACTOR, 1.0)
+    attn_factor_org = attn_factor * (1.0 + 0.1 * math.log(factor))
+    mscale = attn_factor_org * (1.0 + 0.1 * log_mul * math.log(factor))
+    return {
+        "rope_ext_factor": ext_factor,
+        "rope_attn_factor": attn_factor,
+        "rope_ctx_orig": reader.get_int(k.ROPE_SCALING_ORIG_CTX_LEN, common["context_length"]),
+        "attention_scale": mscale * mscale / math.sqrt(head_k),
+    }
 
 
 def head_linear(x: Tensor, w: Tensor | ExpertStack) -> Tensor:
@@ -99,7 +150,7 @@ def head_linear(x: Tensor, w: Tensor | ExpertStack) -> Tensor:
     in ``w``'s device and dtype, back in ``x``'s. With ggml's numerics ``w`` is the per-head
     matrices (ggml's batched product: each head's rows rounded for its type)."""
     if not isinstance(w, Tensor):
-        return torch.stack([base.linear(x[..., h, :], w[h]) for h in range(w.shape[0])], dim=-2)
+        return torch.stack([linear(x[..., h, :], w[h]) for h in range(w.shape[0])], dim=-2)
     xw = x.to(device=w.device, dtype=w.dtype)
     y = torch.einsum("...hk,hnk->...hn", xw, w)
     return y.to(device=x.device, dtype=x.dtype)
@@ -114,7 +165,7 @@ def _heads(weights: WeightProvider, name: str) -> Tensor | ExpertStack:
 class LatentAttention(nn.Module):
     """Multi-head latent attention in either file form (see the module docstring)."""
 
-    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: TensorSpec):
         super().__init__()
         assert config.mla is not None, "deepseek2 configs carry their MLAShape"
         self.config, self.weights, self.layer = config, weights, layer
@@ -147,8 +198,8 @@ class LatentAttention(nn.Module):
         # x: [B, T, D] -> [B, T, H, head_k]
         w, c = self.weights, self.config
         if self.wq_a is not None:
-            x = rms_norm(base.linear(x, w.matrix(self.wq_a)), w.weight(self.q_a_norm), c.norm_eps)
-        return base.linear(x, w.matrix(self.wq)).unflatten(-1, (c.n_head, self.m.head_k))
+            x = rms_norm(linear(x, w.matrix(self.wq_a)), w.weight(self.q_a_norm), c.norm_eps)
+        return linear(x, w.matrix(self.wq)).unflatten(-1, (c.n_head, self.m.head_k))
 
     def forward(
         self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
@@ -157,14 +208,14 @@ class LatentAttention(nn.Module):
         m, c, w = self.m, self.config, self.weights
         q = self._query(x)
         q_nope, q_pe = q[..., : m.nope], rope.rotate(q[..., m.nope :])  # [B, T, H, nope / rot]
-        kv = base.linear(x, w.matrix(self.wkv_a))  # [B, T, rank + rot]
+        kv = linear(x, w.matrix(self.wkv_a))  # [B, T, rank + rot]
         latent = rms_norm(kv[..., : m.kv_lora_rank], w.weight(self.kv_a_norm), c.norm_eps)
         k_pe = rope.rotate(kv[..., None, m.kv_lora_rank :])  # [B, T, 1, rot]
         if m.split:
             y = self._absorbed(q_nope, q_pe, latent, k_pe, mask=mask, cache=cache)  # [B, T, H, v]
         else:
             y = self._decompressed(q_nope, q_pe, latent, k_pe, mask=mask, cache=cache)
-        return base.linear(y.flatten(-2), w.matrix(self.wo))  # [B, T, D]
+        return linear(y.flatten(-2), w.matrix(self.wo))  # [B, T, D]
 
     def _absorbed(
         self,
@@ -209,7 +260,7 @@ class LatentAttention(nn.Module):
         """attn_kv_b decompresses the latent into per-head keys and values (multi-head
         attention, as llama.cpp runs files without attn_k_b / attn_v_b)."""
         m, heads = self.m, q_nope.shape[2]
-        kv = base.linear(latent, self.weights.matrix(self.wkv_b))  # [B, T, H * (nope + v)]
+        kv = linear(latent, self.weights.matrix(self.wkv_b))  # [B, T, H * (nope + v)]
         kv = kv.unflatten(-1, (heads, m.nope + m.head_v))
         k = torch.cat((kv[..., : m.nope], k_pe.expand(-1, -1, heads, -1)), dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1).transpose(1, 2)  # [B, H, T, head_k]
@@ -220,84 +271,6 @@ class LatentAttention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.config.attn_scale
         )  # [B, H, T, v]
         return y.transpose(1, 2)
-
-
-class RoutedExperts(nn.Module):
-    """build_moe_ffn as deepseek2 and glm4moe call it, plus the shared experts (see the module
-    docstring; glm4moe's shared experts are optional, its exp_probs_b required)."""
-
-    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
-        super().__init__()
-        self.config, self.weights = config, weights
-        d, n_exp, ff = config.n_embd, config.n_expert, config.n_ff_exp
-        self.router = spec.need(TN.FFN_GATE_INP.format(layer), (n_exp, d))
-        bias = TN.FFN_EXP_PROBS_B.format(layer)
-        required = config.rules.glm  # glm4moe creates exp_probs_b without TENSOR_NOT_REQUIRED
-        self.bias = spec.need(bias, (n_exp,)) if required else spec.maybe(weights, bias, (n_exp,))
-        self.gate_exps = spec.need_experts(TN.FFN_GATE_EXPS.format(layer), (n_exp, ff, d))
-        self.up_exps = spec.need_experts(TN.FFN_UP_EXPS.format(layer), (n_exp, ff, d))
-        self.down_exps = spec.need_experts(TN.FFN_DOWN_EXPS.format(layer), (n_exp, d, ff))
-        sh, a = config.n_ff_shexp, config.arch.value
-        names = [t.format(layer) for t in (TN.FFN_GATE_SHEXP, TN.FFN_UP_SHEXP, TN.FFN_DOWN_SHEXP)]
-        self.shared: tuple[str, ...] | None = None
-        if config.has_shared_expert:
-            shapes = ((sh, d), (sh, d), (d, sh))
-            self.shared = tuple(spec.need(n, s) for n, s in zip(names, shapes, strict=True))
-        else:
-            spec.refuse(weights, names, f"{a}: expert_shared_count is 0")
-        spec.refuse(weights, [TN.FFN_GATE_INP_SHEXP.format(layer)], f"{a}'s shared experts")
-
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Top-k expert weights and ids per token: ``([N, k] float32, [N, k] int64)``."""
-        # x: [N, D]
-        c = self.config
-        logits = base.linear(x, self.weights.weight(self.router)).float()  # [N, E]
-        probs = logits.softmax(-1) if c.gating is Gating.SOFTMAX else logits.sigmoid()
-        chosen = probs
-        if self.bias is not None:  # selection only: the weights stay unbiased
-            chosen = probs + self.weights.weight(self.bias).to(probs.device, torch.float32)
-        if c.n_expert_groups > 1:
-            chosen = _best_groups(chosen, c.n_expert_groups, c.n_group_used)
-        top_i = chosen.topk(c.n_expert_used, dim=-1).indices  # [N, k]
-        top_w = probs.gather(-1, top_i)
-        if c.norm_topk:
-            top_w = top_w / top_w.sum(-1, keepdim=True).clamp(min=WEIGHTS_SUM_MIN)
-        if c.expert_weights_scale != 1.0:
-            top_w = top_w * c.expert_weights_scale
-        return top_w, top_i
-
-    def forward(self, x: Tensor) -> Tensor:
-        # x: [B, T, D]
-        flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        top_w, top_i = self.route(flat)  # [N, k]
-        out = torch.zeros_like(flat)
-        w = self.weights.experts
-        for e in top_i.unique().tolist():  # ascending expert order: deterministic sums
-            rows, slot = (top_i == e).nonzero(as_tuple=True)
-            gate, up, down = w(self.gate_exps)[e], w(self.up_exps)[e], w(self.down_exps)[e]
-            y = base.swiglu(flat[rows], gate, up, down) * top_w[rows, slot, None].to(flat.dtype)
-            out.index_add_(0, rows, y)
-        if self.shared is not None:
-            gate, up, down = (self.weights.matrix(name) for name in self.shared)
-            out = out + base.swiglu(flat, gate, up, down)
-        return out.view_as(x)
-
-
-def _best_groups(scores: Tensor, n_groups: int, n_used: int) -> Tensor:
-    """Keep the experts of the ``n_used`` groups whose two best scores sum highest; the others
-    become -inf (build_moe_ffn's group-limited routing)."""
-    # scores: [N, E]
-    groups = scores.unflatten(-1, (n_groups, -1))  # [N, G, E/G]
-    group_scores = groups.topk(2, dim=-1).values.sum(-1)  # [N, G]
-    keep = torch.zeros_like(group_scores, dtype=torch.bool)
-    keep.scatter_(-1, group_scores.topk(n_used, dim=-1).indices, True)
-    return groups.masked_fill(~keep[..., None], -math.inf).flatten(-2)
-
-
-def lead_dense_ffn(config: HParams, layer: int) -> type[nn.Module]:
-    """The FFN of ``layer`` in deepseek2 and glm4moe: dense SwiGLU in the
-    ``leading_dense_block_count`` first blocks, routed experts after."""
-    return FeedForward if layer < config.n_layer_dense_lead else RoutedExperts
 
 
 class Deepseek2Block(TransformerBlock):
@@ -320,4 +293,9 @@ class Deepseek2Transformer(DecoderStack):
     ) -> None:
         super().__init__(config, weights, check_shapes=check_shapes)
         assert config.mla is not None, "deepseek2 configs carry their MLAShape"
-        self.rope = YarnRotaryEmbedding(config, config.mla.n_rot)
+        self.rope = rotary(config, config.rope_base, n_rot=config.mla.n_rot)
+
+
+ARCHITECTURE = Architecture(
+    arch=Arch.DEEPSEEK2, decoder=Deepseek2Transformer, read_keys=read_keys, keys=KEYS
+)

@@ -164,7 +164,7 @@ def _start(
         runtime = open_runtime(config, on_progress=startup.progress)
         assert runtime.shards is not None, "open() always records the shard set"
         startup.enter(Phase.MODEL)
-        hparams = HParams.from_metadata(runtime.shards.metadata)
+        hparams = HParams.from_metadata(runtime.shards.metadata, source=runtime.shards.first.path)
         model = build_model(hparams, runtime.store, store=runtime.store)
         report_unused(runtime, model)
         loop = build_service(runtime, model, options, server=server, startup=startup)

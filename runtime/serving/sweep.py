@@ -414,7 +414,7 @@ def run_sweep(
     runtime = HotSwapRuntime.open(model_path, storage=options.storage, allowed_roots=roots)
     try:
         assert runtime.shards is not None, "open() keeps the shard set"
-        hparams = HParams.from_metadata(runtime.shards.metadata)
+        hparams = HParams.from_metadata(runtime.shards.metadata, source=runtime.shards.first.path)
         try:
             model = build_model(
                 hparams, runtime.store, store=runtime.store, numerics=options.numerics

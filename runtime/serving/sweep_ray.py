@@ -154,7 +154,9 @@ class SweepWorker:
         roots = sorted({os.path.dirname(p) for p in shards.paths} | set(self.sources.roots))
         self.runtime = HotSwapRuntime.open(model_path, storage=options.storage, allowed_roots=roots)
         assert self.runtime.shards is not None, "open() keeps the shard set"
-        hparams = HParams.from_metadata(self.runtime.shards.metadata)
+        hparams = HParams.from_metadata(
+            self.runtime.shards.metadata, source=self.runtime.shards.first.path
+        )
         model = build_model(hparams, self.runtime.store, store=self.runtime.store)
         tokens, bos = text_tokens(GgufTokenizer.from_file(self.runtime.shards.first.path), text)
         n_ctx = min(options.n_ctx, hparams.context_length)

@@ -1,0 +1,176 @@
+"""Where the decoders read their weights from, and the checks of what they read.
+
+The modules own no weights: each ``forward`` asks a :class:`WeightProvider` (the runtime's tensor
+store when serving) for the tensors it needs, so a swap committed between two batches is what the
+next batch computes with. Weights may live on different devices (mixed pools); activations move
+to a weight's device for each matmul and come back (llama.cpp's hybrid CPU/GPU style).
+
+:class:`TensorSpec` records every tensor a decoder's modules read, with its shape, at
+construction; :func:`check_weights` refuses a provider that lacks one, holds it misshapen, or
+holds tensors the architecture does not have, all of them in one message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Protocol, TypeAlias
+
+import torch
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
+from torch import Tensor
+
+from ggufswap.runtime import QuantizedMatrix
+from ggufswap.runtime.models.errors import MissingWeightError
+from ggufswap.runtime.models.ggml_numerics import GgmlMatrix
+
+
+class ExpertStack(Protocol):
+    """Stacked experts ``[E, ...]`` read one expert at a time: a tensor, or the store's view of
+    a stack whose expert ranges live on different devices, or whose experts stay in their GGUF
+    blocks (``[e]`` is then a :class:`~ggufswap.runtime.QuantizedMatrix`, which ``linear``
+    multiplies from)."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def __getitem__(self, e: int, /) -> Tensor | QuantizedMatrix | GgmlMatrix: ...
+
+
+class WeightProvider(Protocol):
+    """Where the model reads its weights from at forward time (the runtime's tensor store)."""
+
+    def weight(self, name: str) -> Tensor:
+        """The tensor in logical torch shape (reversed ggml ``ne``), compute dtype, own device."""
+        ...
+
+    def experts(self, name: str) -> ExpertStack:
+        """A stacked expert tensor; ``[e]`` is expert ``e`` on the device that holds it."""
+        ...
+
+    def matrix(self, name: str) -> Tensor | QuantizedMatrix | GgmlMatrix:
+        """A weight ``linear`` multiplies by: the tensor, or (native storage) its GGUF blocks
+        where multiplying from them is the cheaper way, or (numerics "ggml") its blocks to
+        multiply as ggml does."""
+        ...
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's logical torch shape, without reading its data."""
+        ...
+
+    def rows(self, name: str, ids: Tensor) -> Tensor:
+        """Rows ``ids`` (any shape of int64) of a 2-D tensor: ``[*ids.shape, ne[0]]`` in the
+        compute dtype, on the tensor's device (an embedding lookup)."""
+        ...
+
+    def has(self, name: str) -> bool:
+        """Whether the model file holds a tensor of this name."""
+        ...
+
+
+class DictWeightProvider:
+    """A provider over a plain dict: for tests, tools and models loaded without the store."""
+
+    def __init__(self, tensors: Mapping[str, Tensor]) -> None:
+        self._tensors = dict(tensors)
+
+    def weight(self, name: str) -> Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise MissingWeightError(f"no tensor named {name!r} in this provider") from None
+
+    def experts(self, name: str) -> Tensor:
+        return self.weight(name)
+
+    def matrix(self, name: str) -> Tensor:
+        return self.weight(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.weight(name).shape)
+
+    def rows(self, name: str, ids: Tensor) -> Tensor:
+        w = self.weight(name)
+        return F.embedding(ids.to(w.device), w)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def set(self, name: str, tensor: Tensor) -> None:
+        """Replace (or add) one tensor; the next forward sees it."""
+        self._tensors[name] = tensor
+
+    def names(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+
+def linear(x: Tensor, w: Tensor | QuantizedMatrix | GgmlMatrix, b: Tensor | None = None) -> Tensor:
+    """``x @ w.T (+ b)`` on ``w``'s device and dtype; the result returns to ``x``'s device/dtype.
+
+    ``w`` may be a matrix still in its GGUF blocks (native storage's experts): it multiplies
+    from them (:class:`~ggufswap.runtime.QuantizedMatrix`); or a weight of a decoder with ggml's
+    numerics: the activations are rounded as ggml's CPU matmul rounds them (:mod:`.ggml_numerics`).
+    """
+    if isinstance(w, GgmlMatrix):
+        return w.linear(x, b)
+    if isinstance(w, QuantizedMatrix):
+        y = w.linear(x, dtype=x.dtype if x.is_floating_point() else torch.float32)
+        if b is not None:
+            y = y + b.to(device=y.device, dtype=y.dtype)
+        return y.to(device=x.device, dtype=x.dtype)
+    xw = x.to(device=w.device, dtype=w.dtype)
+    bw = None if b is None else b.to(device=w.device, dtype=w.dtype)
+    return F.linear(xw, w, bw).to(device=x.device, dtype=x.dtype)
+
+
+Matrix: TypeAlias = "Tensor | QuantizedMatrix | GgmlMatrix"
+
+
+class TensorSpec:
+    """Expected shapes of the tensors a module reads, checked once at construction."""
+
+    def __init__(self) -> None:
+        self.required: dict[str, tuple[int, ...]] = {}
+        self.unexpected: list[str] = []  # tensors the architecture does not have
+
+    def need(self, name: str, shape: tuple[int, ...]) -> str:
+        self.required[name] = shape
+        return name
+
+    def need_experts(self, name: str, shape: tuple[int, ...]) -> str:
+        """A stacked expert tensor (read per expert, through ``experts``)."""
+        return self.need(name, shape)
+
+    def maybe(self, weights: WeightProvider, name: str, shape: tuple[int, ...]) -> str | None:
+        return self.need(name, shape) if weights.has(name) else None
+
+    def refuse(self, weights: WeightProvider, names: Iterable[str], reason: str) -> None:
+        """Record tensors present that llama.cpp's loader would refuse for this architecture."""
+        self.unexpected += [
+            f"{name}: {reason} (llama.cpp refuses the file: wrong number of tensors)"
+            for name in names
+            if weights.has(name)
+        ]
+
+
+def check_weights(weights: WeightProvider, spec: TensorSpec, *, shapes: bool) -> None:
+    """Raise one error listing every missing, misshapen and unexpected tensor."""
+    problems = [f"{name}: missing" for name in spec.required if not weights.has(name)]
+    problems += spec.unexpected
+    if shapes and not problems:
+        for name, expected in spec.required.items():
+            found = weights.shape(name)
+            if _ggml_dims(found) != _ggml_dims(expected):
+                problems.append(f"{name}: expected shape {list(expected)}, found {list(found)}")
+    if problems:
+        lines = "\n  ".join(problems)
+        raise MissingWeightError(f"the weights do not fit the model config:\n  {lines}")
+
+
+def _ggml_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A logical torch shape without its leading 1s: ggml's trailing ``ne`` of 1, which
+    llama.cpp's check_tensor_dims accepts as absent (the converter writes the shared expert's gate
+    of Qwen2-MoE / Qwen3.5-MoE as ``{n_embd, 1}``)."""
+    start = 0
+    while start < len(shape) - 1 and shape[start] == 1:
+        start += 1
+    return shape[start:]
