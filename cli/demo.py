@@ -27,7 +27,6 @@ from typing import Any, Final
 import yaml
 from gguf import GGMLQuantizationType
 
-from ggufswap._demo_procs import Child, CommitEvents, Committed, DemoError, poll_until, status_of
 from ggufswap._demo_report import (
     SWEPT_TENSOR,
     DemoOptions,
@@ -55,6 +54,11 @@ from ggufswap.shards import (
     write_model,
 )
 from ggufswap.shards.atomic import temp_path_for
+from ggufswap.sweep.children import Child, CommitEvents, Committed, poll_until, status_of
+from ggufswap.sweep.errors import ChildFailed
+
+# The demo's failures are those of its child processes (the library's ChildFailed).
+DemoError = ChildFailed
 
 AGENT_COMMAND_MODULE: Final = "ggufswap._cmd_agent"
 EXPERT_PATTERN: Final = r"^blk\.\d+\.ffn_(gate|up|down)_exps\.weight$"

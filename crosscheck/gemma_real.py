@@ -83,7 +83,7 @@ def real_model() -> Path | None:
 def project_tokens(path: Path) -> tuple[list[int], int | None]:
     """The text's tokens as the sweep makes them, and the BOS id the chunks start with."""
     from ggufswap.runtime.serving import GgufTokenizer
-    from ggufswap.runtime.serving.sweep import text_tokens
+    from ggufswap.sweep.sweep import text_tokens
 
     return text_tokens(GgufTokenizer.from_file(path), TEXT.read_text(encoding="utf-8"))
 
@@ -91,7 +91,7 @@ def project_tokens(path: Path) -> tuple[list[int], int | None]:
 def eval_chunks(tokens: list[int], bos: int | None) -> tuple[np.ndarray, np.ndarray]:
     """``(chunks, batch)``, both ``[C, N_CTX]``: the text cut as llama-perplexity cuts it, and the
     chunks as evaluated (first token BOS)."""
-    from ggufswap.runtime.serving.kld import eval_batch, text_chunks
+    from ggufswap.sweep.kld import eval_batch, text_chunks
 
     chunks = text_chunks(tokens, n_ctx=N_CTX)
     return chunks, eval_batch(chunks, bos).numpy()
@@ -124,7 +124,7 @@ def chunk_nll(logits: np.ndarray, chunk: np.ndarray) -> tuple[np.ndarray, np.nda
     of each actual next token (``kld.encode_base_rows``)."""
     import torch
 
-    from ggufswap.runtime.serving.kld import encode_base_rows, first_scored
+    from ggufswap.sweep.kld import encode_base_rows, first_scored
 
     first = first_scored(N_CTX)
     targets = torch.from_numpy(chunk[first + 1 :].astype(np.int64))
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import xcheck
 
-    from ggufswap.runtime.serving.kld import KldStats, first_scored
+    from ggufswap.sweep.kld import KldStats, first_scored
 
     torch.set_num_threads(1)
     path = real_model()

@@ -22,15 +22,15 @@ import numpy as np
 import torch
 
 from ggufswap.runtime.serving import GgufTokenizer
-from ggufswap.runtime.serving.kld import (
+from ggufswap.shards import requantize
+from ggufswap.sweep.kld import (
     BaseLogProbs,
     KldStats,
     encode_base_rows,
     eval_batch,
     first_scored,
 )
-from ggufswap.runtime.serving.sweep_results import JOURNAL
-from ggufswap.shards import requantize
+from ggufswap.sweep.results import JOURNAL
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_LLAMA_PYTHON = HERE.parent / ".venv-crosscheck" / "bin" / "python"

@@ -132,7 +132,25 @@ PLANTED = [
         "from ggufswap.runtime.store import TensorStore",
         "the models use only the core's public names",
     ),
-    ("runtime/serving/sweep.py", "import ray", "only the Ray sweep imports ray"),
+    ("sweep/sweep.py", "import ray", "only the Ray sweep imports ray"),
+    # the sweep: only the command line imports it, it never imports the command line
+    (
+        "runtime/serving/perplexity.py",
+        "import ggufswap.sweep.kld",
+        "nothing but the command line imports the sweep",
+    ),
+    (
+        "runtime/staging.py",
+        "import ggufswap.sweep",
+        "nothing but the command line imports the sweep",
+    ),
+    (
+        "runtime/models/gemma3.py",
+        "from ggufswap.sweep import recipe",
+        "nothing but the command line imports the sweep",
+    ),
+    ("sweep/recipe.py", "import ggufswap.main", "nothing but the command line imports the command"),
+    ("sweep/procs.py", "import ray", "the single-host sweep never reaches ray"),
     (
         "shards/reader.py",
         "import ggufswap.main",

@@ -19,12 +19,12 @@ import yaml
 from processes import GGUFSWAP, wait_for
 from runtime_helpers import ModelDir, one_thread
 
-from ggufswap._sweep_procs import AGENT_CONFIG, SWEEP_SETTLE_MS, ProcessTarget
 from ggufswap.config import load_config
-from ggufswap.runtime.serving.recipe import Recipe
-from ggufswap.runtime.serving.sweep import SweepOptions, run_sweep
-from ggufswap.runtime.serving.sweep_results import Journal
 from ggufswap.shards import Layout, open_shard_set, tiny_dense
+from ggufswap.sweep import SweepOptions, run_sweep
+from ggufswap.sweep.procs import AGENT_CONFIG, SWEEP_SETTLE_MS, ProcessTarget
+from ggufswap.sweep.recipe import Recipe
+from ggufswap.sweep.results import Journal
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -68,6 +68,8 @@ def write_config(path: Path, model: ModelDir, run: Path) -> None:
             "events_endpoint": f"ipc://{run}/rt.events.sock",
             "allowed_roots": [str(model.root)],
             "pools": [{"name": "host", "device": "cpu"}],
+            # the sweep's default numerics (llama.cpp's rounding) read the weights' blocks
+            "storage": "native",
         },
     }
     path.write_text(yaml.safe_dump(doc))

@@ -20,14 +20,14 @@ from processes import GGUFSWAP, wait_for
 from runtime_helpers import ModelDir
 from test_sweep import english
 
-from ggufswap.runtime.serving.recipe import Recipe, Round
-from ggufswap.runtime.serving.sweep import SweepError, SweepOptions, SweepReport, run_sweep
-from ggufswap.runtime.serving.sweep_results import JOURNAL, KLD_CSV, PPL_CSV, write_text
 from ggufswap.shards import tiny_dense
+from ggufswap.sweep import SweepError, SweepOptions, SweepReport, run_sweep
+from ggufswap.sweep.recipe import Recipe, Round
+from ggufswap.sweep.results import JOURNAL, KLD_CSV, PPL_CSV, write_text
 
 ray = pytest.importorskip("ray", reason="the ray extra (ggufswap[ray]) is not installed")
 
-from ggufswap.runtime.serving.sweep_ray import (  # noqa: E402 (after the importorskip)
+from ggufswap.sweep.ray_driver import (  # noqa: E402 (after the importorskip)
     RayOptions,
     SweepWorker,
     WorkerInfo,
@@ -218,7 +218,7 @@ def test_sweep_command_over_three_workers_gives_the_single_host_files(
 def test_the_single_host_sweep_never_imports_ray() -> None:
     code = (
         "import sys\n"
-        "import ggufswap.runtime.serving.sweep, ggufswap._cmd_sweep, ggufswap._sweep_procs\n"
+        "import ggufswap.sweep.sweep, ggufswap._cmd_sweep, ggufswap.sweep.procs\n"
         "from ggufswap.main import build_parser\n"
         "build_parser()\n"
         "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))\n"

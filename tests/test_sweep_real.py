@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ggufswap.runtime.serving.recipe import Recipe
-from ggufswap.runtime.serving.sweep import SweepOptions, run_sweep
-from ggufswap.runtime.serving.sweep_results import PPL_CSV
 from ggufswap.shards.resplit import split_per_tensor
+from ggufswap.sweep import SweepOptions, run_sweep
+from ggufswap.sweep.recipe import Recipe
+from ggufswap.sweep.results import PPL_CSV
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 

@@ -1,8 +1,9 @@
-"""The demo's view of its two child processes: start, status polls, events, bounded stop.
+"""Child ``ggufswap`` processes seen from their parent: start, status polls, events, bounded stop.
 
-Kept apart from the sweep logic in :mod:`ggufswap.demo`: this module only knows how to run a
-``ggufswap`` subcommand with its log in a file, how to ask a process for its status, and how to
-collect the runtime's ``plan.committed`` events (with the demo's own receive time) on a thread.
+The process sweep (:mod:`.procs`) and the demo (``ggufswap demo``) both run a runtime and an
+agent this way: this module only knows how to run a ``ggufswap`` subcommand with its log in a
+file, how to ask a process for its status, and how to collect the runtime's ``plan.committed``
+events (with the parent's own receive time) on a thread. Failures are :class:`ChildFailed`.
 """
 
 from __future__ import annotations
@@ -30,16 +31,13 @@ from ggufswap.ipc import (
     make_message,
     request,
 )
+from ggufswap.sweep.errors import ChildFailed
 
 T = TypeVar("T")
 
 STOP_TIMEOUT_S: Final = 15.0
 POLL_INTERVAL_S: Final = 0.05
 LOG_TAIL_LINES: Final = 30
-
-
-class DemoError(RuntimeError):
-    """The demo could not complete a step; the message says which and what was seen."""
 
 
 def poll_until(
@@ -49,7 +47,8 @@ def poll_until(
     what: str,
     interval_s: float = POLL_INTERVAL_S,
 ) -> T:
-    """Call ``probe`` until it returns something other than None; DemoError after ``timeout_s``."""
+    """Call ``probe`` until it returns something other than None; ChildFailed after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     wake = threading.Event()  # never set: a wait with a timeout that nothing else can cut short
     while True:
@@ -57,7 +56,7 @@ def poll_until(
         if value is not None:
             return value
         if time.monotonic() > deadline:
-            raise DemoError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            raise ChildFailed(f"timed out after {timeout_s:.0f} s waiting for {what}")
         wake.wait(interval_s)
 
 
@@ -91,9 +90,9 @@ class Child:
         return self.popen.poll() is None
 
     def check_alive(self) -> None:
-        """DemoError with the end of the log if the process has exited."""
+        """ChildFailed with the end of the log if the process has exited."""
         if not self.alive():
-            raise DemoError(
+            raise ChildFailed(
                 f"the {self.name} process exited with status {self.popen.returncode}; "
                 f"end of {self.log_path}:\n{self.log_tail()}"
             )
@@ -123,7 +122,7 @@ class Child:
 
 @dataclass(frozen=True, slots=True)
 class Committed:
-    """A ``plan.committed`` event and when the demo received it (``time.monotonic()``)."""
+    """A ``plan.committed`` event and when the parent received it (``time.monotonic()``)."""
 
     received_at: float
     plan_id: str
@@ -142,13 +141,13 @@ class CommitEvents:
         self._stop = threading.Event()
         self._started = threading.Event()
         self._error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="demo-events", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="commit-events", daemon=True)
 
     def start(self) -> CommitEvents:
         self._thread.start()
         if not self._started.wait(5.0) or self._error is not None:
             why = f": {self._error}" if self._error else ""
-            raise DemoError(f"could not subscribe to {self.endpoint}{why}")
+            raise ChildFailed(f"could not subscribe to {self.endpoint}{why}")
         return self
 
     def _run(self) -> None:
