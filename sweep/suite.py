@@ -237,8 +237,14 @@ def _name(layout: SuiteLayout, what: str, unit_or_q: str, qtype: str | None = No
 # --- maps and logs -------------------------------------------------------------------------------
 
 
-def map_lines(originals: Mapping[str, TensorRecord], qtype: str) -> list[str]:
-    """``tensors.<qtype>.map``: every tensor of the model as it would be in that type."""
+def map_lines(
+    originals: Mapping[str, TensorRecord],
+    qtype: str,
+    *,
+    files: Mapping[str, str] | None = None,
+) -> list[str]:
+    """``tensors.<qtype>.map``: every tensor of the model as it would be in that type, in
+    natural order; ``files``: each tensor's file name (default: the model's shard holding it)."""
     target = GGMLType[qtype.upper()]
     block = LAYOUTS[target].block_size
     lines = []
@@ -247,8 +253,9 @@ def map_lines(originals: Mapping[str, TensorRecord], qtype: str) -> list[str]:
         dtype = target if fits else GGMLType(int(rec.ggml_type))
         nbytes = tensor_nbytes(dtype, rec.ne)
         shape = "(" + ", ".join(str(n) for n in rec.ne) + ")"
+        file = files[name] if files is not None else Path(rec.path).name
         lines.append(
-            f"{Path(rec.path).name}:{ZERO_SHA}:{name}:shape={shape}:dtype={qtype_name(dtype)}:"
+            f"{file}:{ZERO_SHA}:{name}:shape={shape}:dtype={qtype_name(dtype)}:"
             f"elements={math.prod(rec.ne)}:bytes={nbytes}"
         )
     return lines
