@@ -9,8 +9,8 @@ package the step says so and is skipped). The text is ``tests/fixtures/gemma_rea
 1. **Tokens.** The project's tokenizer tokenizes the text as the sweep does
    (``perplexity.text_tokens``: BOS in front when the vocabulary adds it); llama.cpp tokenizes it as
    ``llama-perplexity`` does. They must be equal.
-2. **Chunks.** The sweep's protocol (``perplexity.text_chunks``, ``perplexity.eval_batch``): ``N_CTX``-token
-   chunks, each evaluated alone, its first token replaced by BOS. llama.cpp (``llama_logits.py``:
+2. **Chunks.** The one protocol (``perplexity.text_chunks``, ``perplexity.eval_batch``):
+   ``N_CTX``-token chunks, each evaluated alone, its first token replaced by BOS. llama.cpp (``llama_logits.py``:
    F32 KV cache, one thread) computes every position's logits of every chunk twice (``SIDES``):
    on the file as shipped, and on a copy with every tensor dequantized to F32 by gguf-py
    (``write_dequantized``: the values the project's decoder computes with, so llama.cpp's
@@ -387,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_figures_line(f"golden positions (top-{TOP_K} + rest)", at_golden))
         print(
             f"  PPL {side.ppl:.4f} (ln ratio {ln_ratio:+.2e}); KLD of ggufswap's logits against "
-            f"it as the base: mean {kld.kld_mean:.2e} ± {kld.kld_unc:.1e}  p99 {kld.percentiles['kld_p99']:.2e}"
-            f"  max {kld.percentiles['kld_max']:.2e}  same top {kld.same_top:.1%}  dp RMS {100 * kld.dp_rms:.3f}%"
+            f"it as the base: mean {kld.kld_mean:.2e} ± {kld.kld_unc:.1e}  "
+            f"p99 {kld.percentiles['kld_p99']:.2e}  max {kld.percentiles['kld_max']:.2e}  "
+            f"same top {kld.same_top:.1%}  dp RMS {100 * kld.dp_rms:.3f}%"
         )
         manifest["sides"][name] = {
             "ppl_llama_cpp": side.ppl,

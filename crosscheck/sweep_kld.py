@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from ggufswap.runtime.serving import GgufTokenizer
-from ggufswap.shards import requantize
 from ggufswap.runtime.serving.perplexity import eval_batch, first_scored
+from ggufswap.shards import requantize
 from ggufswap.sweep.basefile import BaseLogProbs, encode_base_rows
 from ggufswap.sweep.kld import KldStats
 from ggufswap.sweep.results import JOURNAL
