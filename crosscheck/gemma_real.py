@@ -10,10 +10,10 @@ package the step says so and is skipped). The text is ``tests/fixtures/gemma_rea
    (``perplexity.text_tokens``: BOS in front when the vocabulary adds it); llama.cpp tokenizes it as
    ``llama-perplexity`` does. They must be equal.
 2. **Chunks.** The one protocol (``perplexity.text_chunks``, ``perplexity.eval_batch``):
-   ``N_CTX``-token chunks, each evaluated alone, its first token replaced by BOS. llama.cpp (``llama_logits.py``:
-   F32 KV cache, one thread) computes every position's logits of every chunk twice (``SIDES``):
-   on the file as shipped, and on a copy with every tensor dequantized to F32 by gguf-py
-   (``write_dequantized``: the values the project's decoder computes with, so llama.cpp's
+   ``N_CTX``-token chunks, each evaluated alone, its first token replaced by BOS. llama.cpp
+   (``llama_logits.py``: F32 KV cache, one thread) computes every position's logits of every chunk
+   twice (``SIDES``): on the file as shipped, and on a copy with every tensor dequantized to F32 by
+   gguf-py (``write_dequantized``: the values the project's decoder computes with, so llama.cpp's
    quantized kernels and their 8-bit activation rounding are out of the picture). The project's
    decoder computes them on the shipped file, through the tensor store as the server reads it.
 3. **Logits.** The first chunk is the fixed real-text sequence: top-1 agreement, mean and max KL
