@@ -374,3 +374,30 @@ def report_originals(out: Path) -> dict[str, Any]:
 
     protocol = json.loads((out / "protocol.json").read_text())
     return dict(open_shard_set(protocol["model"]).tensors)
+
+
+@pytest.mark.process
+@pytest.mark.timeout(600)
+def test_ik_types_made_by_ik_llama_cpps_quantizer(tmp_path: Path) -> None:
+    """With ik_llama.cpp's llama-quantize installed (the ik extra, or GGUFSWAP_IK_QUANTIZE), ik
+    types need no files: each round's tensor is quantized by the tool from a model of one
+    tensor (its name as block 0's, the block count 1), recorded, and its scratch file removed."""
+    if ik_quantize.find_binary() is None:
+        pytest.skip("ik_llama.cpp's llama-quantize: pip install 'ggufswap[ik]' or set "
+                    f"{ik_quantize.ENV_BINARY}")  # fmt: skip
+    model = ModelDir.write(tmp_path / "model", moe_spec())
+    recipe = Recipe.from_document(
+        {"quants": ["iq4_ks", "q6_0"], "tensors": [{"match": r"^blk\.1\.attn_v\.weight$"}]}
+    )
+    out = tmp_path / "out"
+    report = run_sweep(
+        model.first, text=english(), recipe=recipe, out_dir=out,
+        options=exact(n_ctx=MOE_CTX, max_chunks=1),
+    )  # fmt: skip
+    assert set(report.journal) == {"blk.1.attn_v.weight@iq4_ks", "blk.1.attn_v.weight@q6_0"}
+    for record in report.journal.values():
+        assert record["sources"] == [
+            str(out / "scratch" / f"blk.1.attn_v.weight.{record['qtype']}.gguf")
+        ]
+        assert record["metrics"]["kld_mean"] > 0
+    assert not (out / "scratch").exists()
