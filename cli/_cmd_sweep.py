@@ -27,7 +27,7 @@ EXIT_USAGE: Final = 2
 DEFAULT_CTX: Final = 512
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Any) -> None:  # one flat list of options: long, not complex
     parser = subparsers.add_parser(
         "sweep",
         help="per-tensor quantization sweep of a model: PPL and KLD per tensor and quant type",

@@ -21,6 +21,11 @@ A worker that dies (killed, its node lost) or holds a round longer than ``round_
 another worker; a round is recorded once, when a worker returns it verified. A round that took
 down ``max_round_failures`` workers is reported as refused. A restore that does not reproduce
 the baseline on any worker stops the sweep, as on one host.
+
+One module (about 590 lines) on purpose: it is the only one that imports ray
+(``tests/layout_rules.py``), so the actor and the driver that schedules it stay together.
+``run_ray_sweep`` is the driver's one sequence (start, plan, baseline, dispatch, record) and
+reads top to bottom.
 """
 
 from __future__ import annotations
