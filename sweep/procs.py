@@ -9,9 +9,10 @@ it, and renamed over it; the agent notices, plans, and the runtime commits. The
 ``plan.committed`` events (the runtime's PUB socket) must name exactly the round's tensors. The
 runtime process evaluates every swapped weight version and reports the figures and logit
 digests in its ``status``; after a restore (every tensor back at its original fingerprint) it
-evaluates only the chunks the restore check compares. A restore renames the saved originals
-back, so between rounds nothing is kept. The model must be laid out one tensor per shard
-(``ggufswap split --per-tensor``): a round then rewrites only its tensors' shards. Before the
+evaluates only the chunks the restore check compares. A restore copies the saved originals back
+(atomically) and drops them, so between rounds nothing is kept. The model must be laid out one
+tensor per shard (``ggufswap split --per-tensor``): a round then rewrites only its tensors'
+shards. Before the
 children start, and when the sweep ends or fails, every shard with a saved original is put
 back.
 
@@ -253,16 +254,15 @@ class ProcessTarget:
         return stopped
 
     def put_back_originals(self) -> None:
-        """Rename every saved original shard back where its content differs (a killed round's);
-        drop the saved copies equal to the shards."""
+        """Copy every saved original shard back where its content differs (a killed round's),
+        then drop the saved copies."""
         if not self.saved_dir.exists():
             return
         for saved in sorted(self.saved_dir.glob("*.gguf")):
             shard = Path(self.rc.model).parent / saved.name
             if not shard.exists() or not filecmp.cmp(saved, shard, shallow=False):
-                atomic_replace(saved, shard)
-            else:
-                saved.unlink()
+                atomic_copy(saved, shard)
+            saved.unlink()
 
     def _sweep_status(self, runtime: Child) -> dict[str, Any] | None:
         runtime.check_alive()
@@ -330,8 +330,9 @@ class ProcessTarget:
         for name in names:
             shard = Path(self._originals[name].path)
             saved = self.saved_dir / shard.name
-            if saved.exists():  # renamed back: nothing is kept between rounds
-                atomic_replace(saved, shard)
+            if saved.exists():  # copied back and dropped: nothing is kept between rounds
+                atomic_copy(saved, shard)
+                saved.unlink()
             paths.append(str(shard))
         try:
             return self._await(expect, started, what, paths, 0)

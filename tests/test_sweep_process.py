@@ -106,7 +106,7 @@ def test_process_sweep_equals_the_in_process_sweep(tmp_path: Path, run_dir: Path
     )  # fmt: skip
     assert run.returncode == 0, run.stderr + run.stdout
     assert "4 of 4 rounds recorded" in run.stdout
-    assert not (out / "originals").exists(), "every saved shard was renamed back"
+    assert not (out / "originals").exists(), "every saved shard was put back and dropped"
     shard_bytes = max(
         sum(Path(model.shard_of(n)).stat().st_size for n in r["tensors"])
         for r in Journal(out / "rounds.jsonl").records.values()
