@@ -322,7 +322,7 @@ class Sweep:
             report.plot = write_plot(
                 journal.records.values(),
                 self.out_dir / PLOT_PNG,
-                title=f"ggufswap sweep (PPL_base {report.ppl_base:.4f}, {_protocol_line(report)})",
+                title=f"ggufswap sweep, PPL_base {report.ppl_base:.4f}\n{_protocol_line(report)}",
             )
         write_report(report)
         return report
