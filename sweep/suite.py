@@ -48,7 +48,7 @@ import numpy as np
 from ggufswap.shards import TensorRecord
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, tensor_nbytes
 from ggufswap.sweep.qtypes import qtype_name
-from ggufswap.sweep.recipe import UNUSED, Recipe, Round, Skip
+from ggufswap.sweep.recipe import Recipe, Round, Skip
 from ggufswap.sweep.results import KLD_CSV, PPL_CSV, natural_key, write_text
 from ggufswap.sweep.sources import SCRATCH
 
@@ -103,9 +103,8 @@ class SuiteLayout:
         equivalent: dict[tuple[str, str], Cell] = {}
         for s in skipped:
             for q in s.equivalent:
-                kind = (
-                    "unused" if s.reason.startswith(UNUSED) or "swappable" in s.reason else "same"
-                )
+                # an unused unit is skipped for every target ("*"), a same-type one for its type
+                kind = "unused" if s.target == "*" else "same"
                 equivalent[(s.unit, q)] = Cell(kind, s.reason)
                 if s.unit not in groups:
                     units.add(s.unit)
