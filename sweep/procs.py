@@ -46,6 +46,7 @@ from ggufswap.shards import (
     atomic_copy,
     atomic_replace,
     open_shard_set,
+    read_header,
     read_tensor_bytes,
     rewrite_tensor,
 )
@@ -309,7 +310,8 @@ class ProcessTarget:
             shard, saved = self._saved(name)
             tmp = temp_path_for(shard)  # hidden: the agent ignores it
             try:
-                record = self.sources.record(name, target)
+                original = read_header(saved).tensor_map()[name]  # the bytes as they are now
+                record = self.sources.record(name, target, original=original)
                 rewrite_tensor(saved, name, _replace_with(target, record), out=tmp)
             except (SourceError, ShardError) as exc:
                 tmp.unlink(missing_ok=True)

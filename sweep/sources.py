@@ -116,8 +116,13 @@ class TensorSources:
             out.append(f"{name}: the project cannot quantize to it: {hint}")
         return out
 
-    def record(self, name: str, target: int) -> TensorRecord:
-        original = self.originals.get(name)
+    def record(
+        self, name: str, target: int, *, original: TensorRecord | None = None
+    ) -> TensorRecord:
+        """A file's record of ``name`` in ``target``. ``original``: where the tensor's original
+        bytes are now (default: the model's record; the process sweep passes its saved copy,
+        the model's shard having been rewritten since it was opened)."""
+        original = original if original is not None else self.originals.get(name)
         if original is None:
             raise SourceError(f"{name}: the swept model has no such tensor")
         how = self.how(target)

@@ -197,7 +197,7 @@ def test_process_sweep_resumes_after_a_kill(tmp_path: Path, run_dir: Path) -> No
     assert rerun.returncode == 0, rerun.stderr + rerun.stdout
     lines = journal.read_bytes().splitlines(keepends=True)
     assert lines[: len(kept)] == kept
-    assert len({json.loads(line)["key"] for line in lines}) == len(lines) == 12
+    assert len({json.loads(line)["key"] for line in lines}) == len(lines) == 12, rerun.stdout
     after = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
     assert after == before
 
