@@ -401,3 +401,33 @@ def test_ik_types_made_by_ik_llama_cpps_quantizer(tmp_path: Path) -> None:
         ]
         assert record["metrics"]["kld_mean"] > 0
     assert not (out / "scratch").exists()
+
+
+def test_kld_against_a_baseline_model(tmp_path: Path) -> None:
+    """--baseline MODEL: the KLD is measured against that model's logits (its PPL is the
+    baseline's, the unswapped swept model's own distance to it is recorded), while every restore
+    is still checked against the swept model's own logits."""
+    model = ModelDir.write(tmp_path / "model", tiny_dense())
+    every = {r.name: "f16" for r in Role if r not in F32_ROLES}
+    (reference,) = write_model(
+        tiny_dense().with_types(**every), tmp_path / "ref", layout=Layout.SINGLE
+    )
+    recipe = Recipe.from_document({"quants": ["q4_0"], "tensors": [{"match": r"^blk\.0\.attn_q"}]})
+    own = run_sweep(model.first, text=english(), recipe=recipe, out_dir=tmp_path / "own",
+                    options=exact())  # fmt: skip
+    out = tmp_path / "out"
+    report = run_sweep(
+        model.first, text=english(), recipe=recipe, out_dir=out, options=exact(),
+        baseline_model=str(reference),
+    )  # fmt: skip
+    baseline = json.loads((out / "baseline.json").read_text())
+    assert baseline["protocol"]["baseline_model"] == str(reference)
+    assert baseline["model_vs_baseline"]["kld_mean"] > 0, "the swept model is not the reference"
+    assert report.ppl_base != own.ppl_base
+    assert (
+        baseline["digests"]
+        == json.loads((tmp_path / "own" / "baseline.json").read_text())["digests"]
+    ), "the restore check compares the swept model's own logits"
+    (record,) = report.journal.values()
+    assert record["metrics"]["ppl_base"] == pytest.approx(report.ppl_base, rel=1e-3)
+    assert record["metrics"]["kld_mean"] != own.journal[record["key"]]["metrics"]["kld_mean"]
