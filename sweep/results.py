@@ -124,9 +124,14 @@ def render_table(
     p = protocol
     lines.insert(
         0,
-        f"numerics {p.get('numerics')}, ctx {p.get('n_ctx')}, {p.get('n_chunk')} chunks "
+        f"numerics {p.get('numerics')}, ctx {p.get('n_ctx')}, {chunks(p.get('n_chunk'))} "
         f"({p.get('scored_per_chunk')} scored each), text sha256 "
         f"{str(p.get('text_sha256'))[:16]}..., baseline {p.get('baseline_file')} of "
         f"{p.get('baseline_model')}",
     )
     return [line.rstrip() for line in lines]
+
+
+def chunks(n: Any) -> str:
+    """``1 chunk``, ``4 chunks``."""
+    return f"{n} chunk" if n == 1 else f"{n} chunks"

@@ -46,7 +46,7 @@ from ggufswap.sweep.evaluate import BASELINE_LOGITS
 from ggufswap.sweep.plot import PLOT_PNG, PlotResult, write_plot
 from ggufswap.sweep.qtypes import qtype_name
 from ggufswap.sweep.recipe import Recipe, Round, Skip, plan_rounds
-from ggufswap.sweep.results import JOURNAL, Journal, write_text
+from ggufswap.sweep.results import JOURNAL, Journal, chunks, write_text
 from ggufswap.sweep.sources import SCRATCH, scratch_bytes
 from ggufswap.sweep.suite import ORIGINALS, SuiteLayout, write_outputs
 
@@ -330,7 +330,7 @@ class Sweep:
 
 def _protocol_line(report: SweepReport) -> str:
     p = report.protocol
-    return f"{p.get('numerics')} numerics, ctx {p.get('n_ctx')} x {p.get('n_chunk')} chunks"
+    return f"{p.get('numerics')} numerics, ctx {p.get('n_ctx')} x {chunks(p.get('n_chunk'))}"
 
 
 def write_report(report: SweepReport) -> None:
