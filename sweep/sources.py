@@ -8,7 +8,8 @@ For a tensor and a target type, in this order:
    is: nothing is written.
 2. **requantization** (``shards.requantize_bytes``, the project's quantizers) for the types the
    project writes: the tensor's bytes are re-encoded into a one-tensor GGUF in the scratch
-   directory.
+   directory (from a type gguf-py decodes; an ik-typed tensor goes to ik's quantizer when it is
+   installed).
 3. **ik_llama.cpp's own** ``llama-quantize`` (:mod:`.ik_quantize`) for every other type it
    writes, ik's and mainline's, when it is installed (the ``ik`` extra).
 
@@ -24,6 +25,8 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
+
+from gguf import GGML_QUANT_SIZES
 
 from ggufswap.shards import (
     SUPPORTED_TARGETS,
@@ -41,6 +44,7 @@ from ggufswap.sweep.ik_quantize import IkQuantizer
 from ggufswap.sweep.qtypes import is_ik_type, qtype_name
 
 SCRATCH = "scratch"
+GGUF_DECODES = frozenset(int(t) for t in GGML_QUANT_SIZES)  # the types gguf-py dequantizes
 
 
 class TensorSet(Protocol):
@@ -128,10 +132,10 @@ class TensorSources:
         how = self.how(target)
         if how == "source":
             return self._from_set(self.models[int(target)], name, target, original)
-        if how == "requant":
+        if how == "requant" and (self.ik is None or int(original.ggml_type) in GGUF_DECODES):
             return self._requantized(name, target, original)
-        if how == "ik":
-            assert self.ik is not None, "how() said ik"
+        if how in ("requant", "ik") and self.ik is not None:
+            # requant decodes with gguf-py, which reads no ik type: ik's tool requantizes those
             path = self.ik.quantize(original, target, out=self.scratch / scratch_name(name, target))
             return self._read(path, name, target, f"ik_llama.cpp's llama-quantize ({path})")
         raise SourceError(f"{name}: no source makes {qtype_name(target)}")
