@@ -90,6 +90,11 @@ class BaseLogProbsWriter:
         self._f.write(rows.astype("<u2").tobytes())
         self._written += 1
 
+    def discard(self) -> None:
+        """Close and remove the unfinished file (an evaluation failed or was interrupted)."""
+        self._f.close()
+        self.path.unlink(missing_ok=True)
+
     def close(self) -> None:
         if self._written != self.n_chunk:
             self._f.close()

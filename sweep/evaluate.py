@@ -157,18 +157,25 @@ class ChunkEvaluator:
         ref = base if base is not None else self
         writer: BaseLogProbsWriter | None = None
         digests, nll_sum, nll2_sum, count = [], 0.0, 0.0, 0
-        for c in range(len(self.chunks)):
-            logits = ref.scored_logits(c)
-            if writer is None:
-                tmp = out_dir / f".{BASELINE_LOGITS}.tmp"
-                writer = BaseLogProbsWriter(tmp, chunks=self.chunks, n_vocab=int(logits.shape[1]))
-            rows, nll = encode_base_rows(logits, self.targets(c))
-            writer.write_chunk(rows)
-            if base is None:
-                digests.append(logits_digest(logits))
-            nll_sum += float(nll.sum())
-            nll2_sum += float((nll * nll).sum())
-            count += len(nll)
+        try:
+            for c in range(len(self.chunks)):
+                logits = ref.scored_logits(c)
+                if writer is None:
+                    tmp = out_dir / f".{BASELINE_LOGITS}.tmp"
+                    writer = BaseLogProbsWriter(
+                        tmp, chunks=self.chunks, n_vocab=int(logits.shape[1])
+                    )
+                rows, nll = encode_base_rows(logits, self.targets(c))
+                writer.write_chunk(rows)
+                if base is None:
+                    digests.append(logits_digest(logits))
+                nll_sum += float(nll.sum())
+                nll2_sum += float((nll * nll).sum())
+                count += len(nll)
+        except BaseException:
+            if writer is not None:  # no half-written base file is left behind
+                writer.discard()
+            raise
         assert writer is not None, "text_chunks gives at least two chunks"
         writer.close()
         writer.path.replace(out_dir / BASELINE_LOGITS)
