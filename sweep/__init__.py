@@ -20,6 +20,9 @@ Nothing but the command line imports this package; only :mod:`.ray_driver` impor
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ggufswap.sweep.errors import (
     BaselineMismatch,
     ChildFailed,
@@ -30,12 +33,33 @@ from ggufswap.sweep.errors import (
     SweepError,
     SweepLibraryError,
 )
-from ggufswap.sweep.inprocess import InProcessTarget, run_sweep
 from ggufswap.sweep.qtypes import parse_qtype, qtype_name
 from ggufswap.sweep.recipe import Recipe, Round, Skip, plan_rounds
 from ggufswap.sweep.sources import TensorSet, TensorSources
 from ggufswap.sweep.suite_dir import GgufSet, ShardDir, open_source
-from ggufswap.sweep.sweep import Sweep, SweepOptions, SweepReport, SweepTarget
+
+if TYPE_CHECKING:
+    from ggufswap.sweep.inprocess import InProcessTarget, run_sweep
+    from ggufswap.sweep.sweep import Sweep, SweepOptions, SweepReport, SweepTarget
+
+# The names whose modules import torch load on first use: importing the package (or its light
+# modules, e.g. .children for a parent that only starts processes) imports no torch.
+_LAZY = {
+    "InProcessTarget": "ggufswap.sweep.inprocess",
+    "run_sweep": "ggufswap.sweep.inprocess",
+    "Sweep": "ggufswap.sweep.sweep",
+    "SweepOptions": "ggufswap.sweep.sweep",
+    "SweepReport": "ggufswap.sweep.sweep",
+    "SweepTarget": "ggufswap.sweep.sweep",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "BaselineMismatch",

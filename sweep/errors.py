@@ -1,11 +1,13 @@
-"""Errors raised by the sweep: every one is a :class:`SweepLibraryError`."""
+"""Errors raised by the sweep: every one is a :class:`SweepLibraryError`.
+
+The base is its own (not the runtime's): the light half of the package (recipes, type names,
+sources, child processes: what a parent that only starts a runtime process needs) imports no
+torch, and ``ggufswap.runtime``'s package does."""
 
 from __future__ import annotations
 
-from ggufswap.runtime.errors import RuntimeLibraryError
 
-
-class SweepLibraryError(RuntimeLibraryError):
+class SweepLibraryError(Exception):
     """Base class of every error the sweep package raises."""
 
 
