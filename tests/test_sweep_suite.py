@@ -266,6 +266,7 @@ def test_missing_and_equivalent_cells(tmp_path: Path) -> None:
     assert SUITE_KLD.search(same).group(1) == "0.000000000"  # type: ignore[union-attr]
 
 
+@pytest.mark.slow  # 20 rounds: about 20 s on a loaded CPU
 def test_scratch_disk_stays_at_one_round_over_twenty_rounds(tmp_path: Path) -> None:
     """Over 20 rounds the scratch directory never holds more than one round's tensors (the
     high-water mark in report.json), and nothing is left at the end."""
