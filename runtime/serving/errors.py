@@ -16,6 +16,10 @@ class TokenizerError(ServingError, ValueError):
     """The GGUF's tokenizer metadata is missing, inconsistent or of an unsupported kind."""
 
 
+class EvalTextError(ServingError, ValueError):
+    """An evaluation text or context that llama-perplexity's protocol cannot use (too short)."""
+
+
 class GenerateError(ServingError):
     """A generation request could not be queued."""
 

@@ -6,9 +6,11 @@ record what each ``weight_version`` produced:
 - ``probe``: every batch is the same fixed token batch; the loop records an xxh3 digest of its
   logits per version. A client compares it with a fresh load of the same files (bit-exactness
   across processes, without shipping logits).
-- ``perplexity``: batches walk a deterministic evaluation stream; a pass completed entirely on
-  one version gives that version's perplexity (a pass interrupted by a commit starts over). This
-  is the per-expert sweep's measurement.
+- ``perplexity``: batches walk a deterministic evaluation stream cut in windows of ``eval_ctx``
+  tokens, each scored as the one protocol scores a chunk (its second half,
+  :func:`~.perplexity.batch_nll`: the figure ``ggufswap perplexity`` and the sweep give for the
+  same tokens); a pass completed entirely on one version gives that version's perplexity (a pass
+  interrupted by a commit starts over). This is the per-expert sweep's measurement.
 
 A third mode, ``http``, serves completions over HTTP instead of this loop (``runtime.generate``
 and ``runtime.http``); its options live here too so that the daemon takes one options record.

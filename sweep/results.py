@@ -4,17 +4,11 @@ The journal (``rounds.jsonl``) is append-only: one JSON object per verified roun
 fsync'd before the next round starts, so a kill loses at most the round in progress (never a
 verified one) and a restart repeats none. A torn last line (a kill mid-write) is cut off on open.
 
-``ppl_results.csv`` and ``kld_results.csv`` use the GGUF Tool Suite's layout
-(``collect_ppl_results.sh``): a header ``QTYPE,<unit>,<unit>,...`` with one column per tensor
-(or group) in natural sort order, then one row per target quant type (llama.cpp's spelling,
-``q4_K``) holding the PPL, or the mean KLD, of the round that swapped that unit to that type;
-empty where no round was recorded.
+The CSVs and logs in the GGUF Tool Suite's formats are :mod:`.suite`'s.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import os
 import re
@@ -75,33 +69,6 @@ def natural_key(text: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
-def results_csv(records: Iterable[Mapping[str, Any]], metric: str) -> str:
-    """The Tool Suite's table of ``metric`` (a key of a record's ``metrics``) as CSV text."""
-    values: dict[tuple[str, str], float] = {}
-    units: set[str] = set()
-    qtypes: set[str] = set()
-    for r in records:
-        values[(r["qtype"], r["unit"])] = float(r["metrics"][metric])
-        units.add(r["unit"])
-        qtypes.add(r["qtype"])
-    columns = sorted(units, key=natural_key)
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["QTYPE", *columns])
-    for q in sorted(qtypes):
-        cells = [values.get((q, u)) for u in columns]
-        writer.writerow([q, *("" if v is None else f"{v:.6f}" for v in cells)])
-    return out.getvalue()
-
-
-def write_csvs(out_dir: Path, records: Iterable[Mapping[str, Any]]) -> tuple[Path, Path]:
-    rows = list(records)
-    paths = (out_dir / PPL_CSV, out_dir / KLD_CSV)
-    for path, metric in zip(paths, ("ppl", "kld_mean"), strict=True):
-        write_text(path, results_csv(rows, metric))
-    return paths
-
-
 def write_text(path: Path, text: str) -> None:
     """Atomically replace ``path`` with ``text`` (UTF-8)."""
 
@@ -111,22 +78,26 @@ def write_text(path: Path, text: str) -> None:
     atomic_write(path, write)
 
 
-def render_table(records: Iterable[Mapping[str, Any]], *, ppl_base: float) -> list[str]:
-    """The rounds as a fixed-width table, with the figures llama-perplexity prints."""
+def render_table(
+    records: Iterable[Mapping[str, Any]], *, ppl_base: float, protocol: Mapping[str, Any]
+) -> list[str]:
+    """The rounds as a fixed-width table, with the figures llama-perplexity prints, under a line
+    saying how they were measured."""
     header = (
         "unit",
         "qtype",
         "PPL",
         "ln(PPL/base)",
         "mean KLD",
+        "KLD median",
         "KLD 99%",
-        "KLD 99.9%",
         "KLD max",
+        "Δp mean",
         "Δp RMS",
         "same top",
         "swap+restore",  # making the tensors, both commits: the round's time without evaluation
     )
-    rows = [("baseline", "-", f"{ppl_base:.4f}", "0", "0", "0", "0", "0", "0", "100 %", "-")]
+    rows = [("baseline", "-", f"{ppl_base:.4f}", "0", "0", "0", "0", "0", "0", "0", "100 %", "-")]
     for r in sorted(records, key=lambda r: (natural_key(r["unit"]), r["qtype"])):
         m, t = r["metrics"], r["timings"]
         rows.append(
@@ -136,11 +107,13 @@ def render_table(records: Iterable[Mapping[str, Any]], *, ppl_base: float) -> li
                 f"{m['ppl']:.4f} ± {m['ppl_unc']:.4f}",
                 f"{m['ln_ppl_ratio']:+.5f} ± {m['ln_ppl_ratio_unc']:.5f}",
                 f"{m['kld_mean']:.6f} ± {m['kld_unc']:.6f}",
+                f"{m.get('kld_median', float('nan')):.6f}",
                 f"{m['kld_p99']:.5f}",
-                f"{m['kld_p999']:.5f}",
                 f"{m['kld_max']:.5f}",
+                f"{100 * m.get('dp_mean', float('nan')):+.3f} ± "
+                f"{100 * m.get('dp_mean_unc', float('nan')):.3f} %",
                 f"{100 * m['dp_rms']:.3f} %",
-                f"{100 * m['same_top']:.2f} %",
+                f"{100 * m['same_top']:.2f} ± {100 * m['same_top_unc']:.2f} %",
                 f"{t['swap_s'] + t['restore_s']:.3f} s",
             )
         )
@@ -148,4 +121,17 @@ def render_table(records: Iterable[Mapping[str, Any]], *, ppl_base: float) -> li
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(0, "  ".join(c.ljust(w) for c, w in zip(header, widths, strict=True)))
     lines.insert(1, "  ".join("-" * w for w in widths))
+    p = protocol
+    lines.insert(
+        0,
+        f"numerics {p.get('numerics')}, ctx {p.get('n_ctx')}, {chunks(p.get('n_chunk'))} "
+        f"({p.get('scored_per_chunk')} scored each), text sha256 "
+        f"{str(p.get('text_sha256'))[:16]}..., baseline {p.get('baseline_file')} of "
+        f"{p.get('baseline_model')}",
+    )
     return [line.rstrip() for line in lines]
+
+
+def chunks(n: Any) -> str:
+    """``1 chunk``, ``4 chunks``."""
+    return f"{n} chunk" if n == 1 else f"{n} chunks"

@@ -1,14 +1,20 @@
-"""The separate-process path of ``ggufswap sweep --config``: the same :class:`Sweep`, driving a
-runtime process (``ggufswap sweep-runtime``) and an agent that watches the model's directory.
+"""The separate-process path of ``ggufswap sweep --config``: the same :class:`~.sweep.Sweep`,
+driving a runtime process (``ggufswap sweep-runtime``, :mod:`.runtime_proc`) and an agent that
+watches the model's directory.
 
-A swap is what an operator would do: the round's shards are requantized from saved copies of
-the originals (``OUT/originals/``) into hidden temp files beside them and renamed over them; the
-agent notices, plans, and the runtime commits. The ``plan.committed`` events (the runtime's PUB
-socket) must name exactly the round's tensors. The runtime process evaluates every new weight
-version and reports the figures and logit digests in its ``status``; a restore copies the saved
-originals back. The model must be laid out one tensor per shard (``ggufswap split
---per-tensor``): a round then rewrites only its tensors' shards. Before the children start, and
-when the sweep ends or fails, every shard with a saved original is put back.
+A swap is what an operator would do: each of the round's shards is saved
+(``OUT/originals/``), rewritten with the round's tensor (from the sweep's sources: requantized,
+ik's quantizer, or the user's ``--source`` files, :mod:`.sources`) into a hidden temp file beside
+it, and renamed over it; the agent notices, plans, and the runtime commits. The
+``plan.committed`` events (the runtime's PUB socket) must name exactly the round's tensors. The
+runtime process evaluates every swapped weight version and reports the figures and logit
+digests in its ``status``; after a restore (every tensor back at its original fingerprint) it
+evaluates only the chunks the restore check compares. A restore copies the saved originals back
+(atomically) and drops them, so between rounds nothing is kept. The model must be laid out one
+tensor per shard (``ggufswap split --per-tensor``): a round then rewrites only its tensors'
+shards. Before the
+children start, and when the sweep ends or fails, every shard with a saved original is put
+back.
 
 The agent runs with ``OUT/agent.yaml``: the config with the ``settle_ms`` of the sweep's model
 lowered to :data:`SWEEP_SETTLE_MS`. Every write the sweep makes is a rename of a complete file
@@ -27,38 +33,36 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import yaml
-from gguf import GGMLQuantizationType
 
-from ggufswap._demo_procs import Child, CommitEvents, DemoError, poll_until, status_of
-from ggufswap.config import Config, ConfigError, load_config
-from ggufswap.runtime.serving.kld import BaseLogProbs
-from ggufswap.runtime.serving.sweep import (
-    COMMIT_TIMEOUT_S,
-    RoundRefused,
-    Swapped,
-    SweepError,
-    check_changed,
-)
-from ggufswap.runtime.serving.sweep_eval import BASELINE_JSON
-from ggufswap.runtime.serving.sweep_results import write_text
+from ggufswap.config import Config, ConfigError, Storage, load_config
 from ggufswap.shards import (
-    RequantError,
+    ShardError,
     TensorRecord,
     atomic_copy,
     atomic_replace,
     open_shard_set,
-    requantize,
+    read_header,
+    read_tensor_bytes,
+    rewrite_tensor,
 )
 from ggufswap.shards.atomic import temp_path_for
+from ggufswap.sweep.basefile import BaseLogProbs
+from ggufswap.sweep.children import Child, CommitEvents, poll_until, status_of
+from ggufswap.sweep.errors import ChildFailed, RoundRefused, SourceError, SweepError
+from ggufswap.sweep.evaluate import BASELINE_JSON
+from ggufswap.sweep.inprocess import open_sources
+from ggufswap.sweep.results import write_text
+from ggufswap.sweep.sources import TensorSet, TensorSources
+from ggufswap.sweep.suite import ORIGINALS
+from ggufswap.sweep.sweep import COMMIT_TIMEOUT_S, Swapped, check_changed
 
 STARTUP_TIMEOUT_S: Final = 600.0
 EVAL_TIMEOUT_S: Final = 3600.0
-ORIGINALS: Final = "originals"
 CHILDREN: Final = "children.json"
 LEFTOVER_STOP_S: Final = 15.0
 AGENT_CONFIG: Final = "agent.yaml"
@@ -80,7 +84,11 @@ class ProcessTarget:
         n_ctx: int,
         max_chunks: int | None,
         threads: int | None = None,
-        numerics: str = "exact",
+        numerics: str = "ggml",
+        verify_chunks: int = 1,
+        models: Mapping[int, TensorSet] | None = None,
+        baseline_model: str | None = None,
+        imatrix: Path | None = None,
         commit_timeout_s: float = COMMIT_TIMEOUT_S,
     ) -> None:
         rc = config.require_runtime()
@@ -88,6 +96,12 @@ class ProcessTarget:
             raise SweepError(
                 f"{config_path}: runtime.events_endpoint and runtime.status_endpoint are needed "
                 "(the sweep reads commits and results there)"
+            )
+        if numerics == "ggml" and rc.storage is not Storage.NATIVE:
+            raise SweepError(
+                f"{config_path}: numerics ggml (the default: figures comparable with llama.cpp) "
+                f"needs runtime.storage: native, found {rc.storage.value}; set it, or give "
+                "--numerics exact"
             )
         self.config_path = config_path
         self.config = config
@@ -100,6 +114,11 @@ class ProcessTarget:
         self.max_chunks = max_chunks
         self.threads = threads
         self.numerics = numerics
+        self.verify_chunks = verify_chunks
+        self.models = models
+        self.baseline_model = baseline_model
+        self.imatrix = imatrix
+        self.sources: TensorSources | None = None
         self.commit_timeout_s = commit_timeout_s
         self.saved_dir = out_dir / ORIGINALS
         self.children: list[Child] = []
@@ -124,6 +143,13 @@ class ProcessTarget:
                 f"{crowded[0]}); make one tensor per shard first: ggufswap split --per-tensor"
             )
         self._originals = dict(shard_set.tensors)
+        self.sources = open_sources(
+            str(self.rc.model),
+            out_dir=self.out_dir,
+            originals=self._originals,
+            models=self.models,
+            imatrix=self.imatrix,
+        )
         self.events = CommitEvents(self.rc.events_endpoint or "").start()
         logs = self.out_dir / "logs"
         logs.mkdir(exist_ok=True)
@@ -133,7 +159,9 @@ class ProcessTarget:
             args += ["--chunks", str(self.max_chunks)]
         if self.threads is not None:
             args += ["--threads", str(self.threads)]
-        args += ["--numerics", self.numerics]
+        args += ["--numerics", self.numerics, "--verify-chunks", str(self.verify_chunks)]
+        if self.baseline_model is not None:
+            args += ["--baseline", self.baseline_model]
         runtime = Child("runtime", args, log_path=logs / "runtime.log")
         self.children.append(runtime)
         self._record_children()
@@ -227,13 +255,15 @@ class ProcessTarget:
         return stopped
 
     def put_back_originals(self) -> None:
-        """Copy every saved original shard back where its content differs."""
+        """Copy every saved original shard back where its content differs (a killed round's),
+        then drop the saved copies."""
         if not self.saved_dir.exists():
             return
         for saved in sorted(self.saved_dir.glob("*.gguf")):
             shard = Path(self.rc.model).parent / saved.name
             if not shard.exists() or not filecmp.cmp(saved, shard, shallow=False):
                 atomic_copy(saved, shard)
+            saved.unlink()
 
     def _sweep_status(self, runtime: Child) -> dict[str, Any] | None:
         runtime.check_alive()
@@ -244,7 +274,7 @@ class ProcessTarget:
     def _wait(self, probe: Any, *, what: str, timeout_s: float) -> Any:
         try:
             return poll_until(probe, timeout_s=timeout_s, what=what)
-        except DemoError as exc:
+        except ChildFailed as exc:
             raise SweepError(str(exc)) from None
 
     # -- the target ------------------------------------------------------------------------
@@ -267,35 +297,53 @@ class ProcessTarget:
             atomic_copy(shard, saved)
         return shard, saved
 
-    def swap(self, names: tuple[str, ...], target: GGMLQuantizationType, what: str) -> Swapped:
+    def source_problems(self, targets: set[int], example: str) -> list[str]:
+        assert self.sources is not None, "started"
+        return self.sources.problems(targets, example)
+
+    def swap(self, names: tuple[str, ...], target: int, what: str) -> Swapped:
+        assert self.sources is not None, "started"
         started = time.monotonic()
-        shards = []
+        shards: list[tuple[Path, Path]] = []
+        sources: list[str] = []
         for name in names:
             shard, saved = self._saved(name)
             tmp = temp_path_for(shard)  # hidden: the agent ignores it
             try:
-                requantize(saved, name, target, out=tmp)
-            except RequantError as exc:
+                original = read_header(saved).tensor_map()[name]  # the bytes as they are now
+                record = self.sources.record(name, target, original=original)
+                rewrite_tensor(saved, name, _replace_with(target, record), out=tmp)
+            except (SourceError, ShardError) as exc:
                 tmp.unlink(missing_ok=True)
+                for t, _ in shards:
+                    t.unlink(missing_ok=True)
                 self.put_back_originals()
-                raise RoundRefused(f"{name}: cannot requantize to {target.name}: {exc}") from None
+                raise RoundRefused(str(exc)) from None
             shards.append((tmp, shard))
+            sources.append(record.path)
         for tmp, shard in shards:
             atomic_replace(tmp, shard)
         nbytes = sum(self._originals[n].nbytes for n in names)
-        return self._await(frozenset(names), started, what, [str(s) for _, s in shards], nbytes)
+        return self._await(frozenset(names), started, what, sources, nbytes)
 
     def restore(self, names: tuple[str, ...], expect: frozenset[str], what: str) -> Swapped:
         started = time.monotonic()
         paths = []
         for name in names:
-            shard, saved = self._saved(name)
-            atomic_copy(saved, shard)
+            shard = Path(self._originals[name].path)
+            saved = self.saved_dir / shard.name
+            if saved.exists():  # copied back and dropped: nothing is kept between rounds
+                atomic_copy(saved, shard)
+                saved.unlink()
             paths.append(str(shard))
         try:
             return self._await(expect, started, what, paths, 0)
         except RoundRefused as exc:
             raise SweepError(f"{exc}; the model is no longer at its baseline, stopping") from None
+
+    def release(self, names: tuple[str, ...], target: int) -> None:
+        if self.sources is not None:
+            self.sources.release(names, target)
 
     def _await(
         self, expect: frozenset[str], after: float, what: str, paths: list[str], nbytes: int
@@ -347,3 +395,14 @@ class ProcessTarget:
     def digests(self, version: int, n: int) -> list[str]:
         digests = list(self._result(version)["digests"])
         return digests[:n] if n else digests
+
+
+def _replace_with(
+    target: int, record: TensorRecord
+) -> Callable[[TensorRecord, bytes], tuple[int, memoryview]]:
+    """``rewrite_tensor``'s maker: the tensor becomes ``record``'s bytes, in ``target``."""
+
+    def make(_old: TensorRecord, _data: bytes) -> tuple[int, memoryview]:
+        return int(target), read_tensor_bytes(record)
+
+    return make

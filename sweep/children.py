@@ -1,8 +1,9 @@
-"""The demo's view of its two child processes: start, status polls, events, bounded stop.
+"""Child ``ggufswap`` processes seen from their parent: start, status polls, events, bounded stop.
 
-Kept apart from the sweep logic in :mod:`ggufswap.demo`: this module only knows how to run a
-``ggufswap`` subcommand with its log in a file, how to ask a process for its status, and how to
-collect the runtime's ``plan.committed`` events (with the demo's own receive time) on a thread.
+The process sweep (:mod:`.procs`) and the demo (``ggufswap demo``) both run a runtime and an
+agent this way: this module only knows how to run a ``ggufswap`` subcommand with its log in a
+file, how to ask a process for its status, and how to collect the runtime's ``plan.committed``
+events (with the parent's own receive time) on a thread. Failures are :class:`ChildFailed`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any, Final, TypeVar
 
 import zmq
 
-from ggufswap.errors import DemoError
 from ggufswap.ipc import (
     Fields,
     IpcError,
@@ -31,6 +31,7 @@ from ggufswap.ipc import (
     make_message,
     request,
 )
+from ggufswap.sweep.errors import ChildFailed
 
 T = TypeVar("T")
 
@@ -46,7 +47,8 @@ def poll_until(
     what: str,
     interval_s: float = POLL_INTERVAL_S,
 ) -> T:
-    """Call ``probe`` until it returns something other than None; DemoError after ``timeout_s``."""
+    """Call ``probe`` until it returns something other than None; ChildFailed after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     wake = threading.Event()  # never set: a wait with a timeout that nothing else can cut short
     while True:
@@ -54,7 +56,7 @@ def poll_until(
         if value is not None:
             return value
         if time.monotonic() > deadline:
-            raise DemoError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            raise ChildFailed(f"timed out after {timeout_s:.0f} s waiting for {what}")
         wake.wait(interval_s)
 
 
@@ -88,9 +90,9 @@ class Child:
         return self.popen.poll() is None
 
     def check_alive(self) -> None:
-        """DemoError with the end of the log if the process has exited."""
+        """ChildFailed with the end of the log if the process has exited."""
         if not self.alive():
-            raise DemoError(
+            raise ChildFailed(
                 f"the {self.name} process exited with status {self.popen.returncode}; "
                 f"end of {self.log_path}:\n{self.log_tail()}"
             )
@@ -120,7 +122,7 @@ class Child:
 
 @dataclass(frozen=True, slots=True)
 class Committed:
-    """A ``plan.committed`` event and when the demo received it (``time.monotonic()``)."""
+    """A ``plan.committed`` event and when the parent received it (``time.monotonic()``)."""
 
     received_at: float
     plan_id: str
@@ -139,13 +141,13 @@ class CommitEvents:
         self._stop = threading.Event()
         self._started = threading.Event()
         self._error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="demo-events", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="commit-events", daemon=True)
 
     def start(self) -> CommitEvents:
         self._thread.start()
         if not self._started.wait(5.0) or self._error is not None:
             why = f": {self._error}" if self._error else ""
-            raise DemoError(f"could not subscribe to {self.endpoint}{why}")
+            raise ChildFailed(f"could not subscribe to {self.endpoint}{why}")
         return self
 
     def _run(self) -> None:

@@ -1,7 +1,7 @@
 """A sweep recipe: which tensors to swap to which quant types, in which groups, and what to leave.
 
 ```yaml
-quants: [q4_0, q8_0]              # default targets of every rule without its own
+quants: [q4_0, q8_0, iq4_ks]      # default targets of every rule without its own (any case)
 tensors:                          # one round per matching tensor and target
   - match: '^blk\\.\\d+\\.attn_q\\.weight$'
   - match: '^blk\\.\\d+\\.ffn_down\\.weight$'
@@ -13,7 +13,9 @@ locked: ['^token_embd\\.weight$'] # never swapped, whatever matches it
 ```
 
 Regexes are Python's, searched (``re.search``) in the tensor name. A tensor in a group is not
-also swapped alone. :func:`plan_rounds` turns a recipe and the model's tensor names into rounds.
+also swapped alone. Type names are any type of the project's table, mainline's or ik_llama.cpp's,
+in any case (:mod:`.qtypes`). :func:`plan_rounds` turns a recipe and the model's tensor names
+into rounds.
 """
 
 from __future__ import annotations
@@ -25,31 +27,22 @@ from pathlib import Path
 from typing import Any, Final
 
 import yaml
-from gguf import GGMLQuantizationType
 
-from ggufswap.runtime.serving.errors import ServingError
-from ggufswap.shards.writer import parse_type
+from ggufswap.shards.ggml_types import GGMLType
+from ggufswap.sweep.errors import RecipeError
+from ggufswap.sweep.qtypes import parse_qtype, qtype_name
 
 _TOP_KEYS: Final = frozenset({"quants", "tensors", "groups", "locked"})
 _RULE_KEYS: Final = frozenset({"match", "quants"})
 _GROUP_KEYS: Final = frozenset({"name", "match", "quants"})
 
 
-class RecipeError(ServingError, ValueError):
-    """A recipe that cannot be used; the message names the file and every problem."""
-
-
-def qtype_name(ggml_type: GGMLQuantizationType) -> str:
-    """llama.cpp's spelling of a type (``q4_K``, ``q8_0``, ``iq3_xxs``, ``bf16``)."""
-    name = ggml_type.name.lower()
-    return name[:-2] + "_K" if name.endswith("_k") else name
-
-
 @dataclass(frozen=True, slots=True)
 class Rule:
     patterns: tuple[re.Pattern[str], ...]
-    quants: tuple[GGMLQuantizationType, ...]
+    quants: tuple[GGMLType, ...]
     group: str | None = None  # the group's column name; None: each tensor alone
+    group_index: int | None = None  # its position among the recipe's groups (the Suite's N)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +88,7 @@ class Recipe:
             patterns = _patterns(matches, f"{where}.match", problems)
             quants = _quants(item.get("quants", default), f"{where}.quants", problems)
             name = str(item.get("name") or f"group{i}")
-            rules.append(Rule(patterns, quants or default, group=name))
+            rules.append(Rule(patterns, quants or default, group=name, group_index=i))
         locked = _patterns(_list(doc.get("locked", []), "locked", problems), "locked", problems)
         for rule in rules:
             if not rule.quants:
@@ -138,16 +131,14 @@ def _patterns(items: Iterable[Any], where: str, problems: list[str]) -> tuple[re
     return tuple(out)
 
 
-def _quants(value: Any, where: str, problems: list[str]) -> tuple[GGMLQuantizationType, ...]:
+def _quants(value: Any, where: str, problems: list[str]) -> tuple[GGMLType, ...]:
     items = value if isinstance(value, (list, tuple)) else [value]
     out = []
     for item in items:
         try:
-            out.append(
-                parse_type(item if isinstance(item, (int, GGMLQuantizationType)) else str(item))
-            )
-        except (ValueError, KeyError):
-            problems.append(f"{where}: unknown GGML type {item!r}")
+            out.append(parse_qtype(int(item) if isinstance(item, int) else str(item)))
+        except ValueError as exc:
+            problems.append(f"{where}: {exc}")
     return tuple(out)
 
 
@@ -158,7 +149,8 @@ class Round:
 
     unit: str
     tensors: tuple[str, ...]
-    target: GGMLQuantizationType
+    target: GGMLType
+    group_index: int | None = None  # the Tool Suite's groupN of a group's round
 
     @property
     def key(self) -> str:
@@ -168,11 +160,18 @@ class Round:
 
 @dataclass(frozen=True, slots=True)
 class Skip:
-    """A tensor or round left out, and why."""
+    """A tensor or round left out, and why. ``equivalent``: the target types for which the unit
+    is recorded as baseline-equivalent (KLD 0, the baseline's PPL), as the Tool Suite records a
+    tensor the model ignores: swapping it cannot change the logits (unused, or already that
+    type); empty for locked tensors (not part of the sweep)."""
 
     unit: str
     target: str
     reason: str
+    equivalent: tuple[str, ...] = ()
+
+
+UNUSED: Final = "the model never computes with it"
 
 
 def plan_rounds(
@@ -184,7 +183,7 @@ def plan_rounds(
 ) -> tuple[list[Round], list[Skip]]:
     """The rounds of ``recipe`` over the model's tensor ``names`` (in model order), and what is
     skipped: locked tensors, tensors the model never computes with (not in ``computed``), and
-    single-tensor rounds whose target is the tensor's own type."""
+    rounds whose every tensor already has the target type (the last two baseline-equivalent)."""
     ordered = list(names)
     rounds: list[Round] = []
     skips: list[Skip] = []
@@ -192,19 +191,25 @@ def plan_rounds(
     for group in (r for r in recipe.rules if r.group is not None):
         assert group.group is not None, "filtered on groups"
         members = [n for n in ordered if _matches(group, n)]
-        kept = []
+        grouped.update(members)
+        kept = [n for n in members if not recipe.is_locked(n) and n in computed]
         for name in members:
-            grouped.add(name)
             if recipe.is_locked(name):
                 skips.append(Skip(name, "*", f"locked (group {group.group} goes without it)"))
             elif name not in computed:
-                skips.append(Skip(name, "*", "the model never computes with it"))
-            else:
-                kept.append(name)
+                skips.append(Skip(name, "*", f"{UNUSED} (group {group.group} goes without it)"))
         if not kept:
-            skips.append(Skip(group.group, "*", "no swappable tensor matches the group"))
+            why = "no swappable tensor matches the group"
+            unused = any(n not in computed and not recipe.is_locked(n) for n in members)
+            equivalent = tuple(qtype_name(q) for q in group.quants) if unused else ()
+            skips.append(Skip(group.group, "*", why, equivalent))
             continue
-        rounds.extend(Round(group.group, tuple(kept), q) for q in group.quants)
+        for q in group.quants:
+            if all(types.get(n) == q for n in kept):
+                name = qtype_name(q)
+                skips.append(Skip(group.group, name, f"every member is already {name}", (name,)))
+            else:
+                rounds.append(Round(group.group, tuple(kept), q, group.group_index))
     seen: set[str] = set()
     for name in ordered:
         if name in grouped:
@@ -217,11 +222,13 @@ def plan_rounds(
             skips.append(Skip(name, "*", "locked"))
             continue
         if name not in computed:
-            skips.append(Skip(name, "*", "the model never computes with it"))
+            skips.append(Skip(name, "*", UNUSED, tuple(qtype_name(q) for q in rule.quants)))
             continue
         for q in rule.quants:
             if types.get(name) == q:
-                skips.append(Skip(name, qtype_name(q), f"already {qtype_name(q)}"))
+                skips.append(
+                    Skip(name, qtype_name(q), f"already {qtype_name(q)}", (qtype_name(q),))
+                )
             else:
                 rounds.append(Round(name, (name,), q))
     return rounds, skips

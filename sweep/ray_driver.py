@@ -22,7 +22,10 @@ another worker; a round is recorded once, when a worker returns it verified. A r
 down ``max_round_failures`` workers is reported as refused. A restore that does not reproduce
 the baseline on any worker stops the sweep, as on one host.
 
-Size: being reworked by issue 24; split there.
+Size: one module (about 590 lines) on purpose: it is the only one that imports ray
+(``tests/layout_rules.py``), so the actor and the driver that schedules it stay together.
+``run_ray_sweep`` is the driver's one sequence (start, plan, baseline, dispatch, record) and
+reads top to bottom.
 """
 
 from __future__ import annotations
@@ -39,23 +42,17 @@ from pathlib import Path
 from typing import Any, BinaryIO, Final
 
 import ray
-from gguf import GGMLQuantizationType
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from ggufswap.logs import get_logger
-from ggufswap.runtime.serving.kld import BaseLogProbs, text_chunks
-from ggufswap.runtime.serving.recipe import Recipe, Round, plan_rounds
-from ggufswap.runtime.serving.sweep import (
-    REPORT_JSON,
-    RoundRefused,
-    Sweep,
-    SweepError,
-    SweepOptions,
-    SweepReport,
-)
-from ggufswap.runtime.serving.sweep_eval import BASELINE_JSON, BASELINE_LOGITS
-from ggufswap.runtime.serving.sweep_results import JOURNAL, Journal, write_csvs, write_text
 from ggufswap.shards import TensorRecord
+from ggufswap.sweep.basefile import BaseLogProbs
+from ggufswap.sweep.errors import RoundRefused, SweepError
+from ggufswap.sweep.evaluate import BASELINE_JSON, BASELINE_LOGITS
+from ggufswap.sweep.recipe import Recipe, Round, plan_rounds
+from ggufswap.sweep.results import JOURNAL, Journal, write_text
+from ggufswap.sweep.suite import SuiteLayout, write_outputs
+from ggufswap.sweep.sweep import Sweep, SweepOptions, SweepReport, write_report
 
 log = get_logger(__name__)
 
@@ -132,13 +129,14 @@ class SweepWorker:
     ) -> None:
         # torch is imported by the worker only (the driver holds no model)
         from ggufswap.runtime import HotSwapRuntime
-        from ggufswap.runtime.models import HParams, build_model
-        from ggufswap.runtime.serving.sweep import InProcessTarget, text_tokens
-        from ggufswap.runtime.serving.sweep_eval import ChunkEvaluator
-        from ggufswap.runtime.serving.sweep_sources import TensorSources
+        from ggufswap.runtime.models import HParams
+        from ggufswap.runtime.serving.perplexity import text_chunks, text_tokens
         from ggufswap.runtime.serving.tokenizer import GgufTokenizer
         from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
         from ggufswap.shards import open_shard_set
+        from ggufswap.sweep.evaluate import ChunkEvaluator
+        from ggufswap.sweep.inprocess import InProcessTarget, decoder_of, open_sources
+        from ggufswap.sweep.suite_dir import open_source
 
         if cpu is not None:
             mask = sorted(os.sched_getaffinity(0))
@@ -147,9 +145,9 @@ class SweepWorker:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         (self.work_dir / CURRENT_ROUND).unlink(missing_ok=True)
         shards = open_shard_set(model_path)
-        models = {GGMLQuantizationType(t): open_shard_set(p) for t, p in sources.items()}
-        self.sources = TensorSources(
-            scratch=self.work_dir / "scratch", originals=shards.tensors, models=models
+        models = {int(t): open_source(p, t) for t, p in sources.items()}
+        self.sources = open_sources(
+            model_path, out_dir=self.work_dir, originals=shards.tensors, models=models
         )
         roots = sorted({os.path.dirname(p) for p in shards.paths} | set(self.sources.roots))
         self.runtime = HotSwapRuntime.open(model_path, storage=options.storage, allowed_roots=roots)
@@ -157,11 +155,14 @@ class SweepWorker:
         hparams = HParams.from_metadata(
             self.runtime.shards.metadata, source=self.runtime.shards.first.path
         )
-        model = build_model(hparams, self.runtime.store, store=self.runtime.store)
+        model = decoder_of(self.runtime, options.numerics.value)
         tokens, bos = text_tokens(GgufTokenizer.from_file(self.runtime.shards.first.path), text)
         n_ctx = min(options.n_ctx, hparams.context_length)
         chunks = text_chunks(tokens, n_ctx=n_ctx, max_chunks=options.max_chunks)
-        self.evaluator = ChunkEvaluator(model, chunks, bos)
+        self.evaluator = ChunkEvaluator(
+            model, chunks, bos, numerics=options.numerics, storage=options.storage,
+            source=model_path, text=text,
+        )  # fmt: skip
         self.target = InProcessTarget(
             runtime=self.runtime,
             evaluator=self.evaluator,
@@ -196,6 +197,10 @@ class SweepWorker:
             "computed": self.target.computed,
             "model_name": self.runtime.model_name,
         }
+
+    def source_problems(self, targets: set[int], example: str) -> list[str]:
+        """The target types this worker's sources cannot make (before the first round)."""
+        return self.target.source_problems(targets, example)
 
     def compute_baseline(self) -> tuple[dict[str, Any], bytes]:
         """The baseline, evaluated here: ``(baseline.json's record, baseline.logits' bytes)``."""
@@ -314,7 +319,7 @@ def _start_workers(
     out_dir: Path,
     options: SweepOptions,
     ray_options: RayOptions,
-    sources: Mapping[GGMLQuantizationType, str],
+    sources: Mapping[int, str],
     worker_class: type[SweepWorker],
 ) -> list[_Worker]:
     count = ray_options.workers or _alive_nodes()
@@ -489,7 +494,7 @@ def run_ray_sweep(
     out_dir: Path,
     options: SweepOptions,
     ray_options: RayOptions,
-    sources: Mapping[GGMLQuantizationType, str] | None = None,
+    sources: Mapping[int, str] | None = None,
     progress: Callable[[Iterator[Round], int], Iterator[Round]] = _no_progress,
     announce: Callable[[str], None] | None = None,
     on_dispatch: Dispatched | None = None,
@@ -528,6 +533,19 @@ def run_ray_sweep(
         originals: Mapping[str, TensorRecord] = first["originals"]
         types = {n: rec.ggml_type for n, rec in originals.items()}
         rounds, skipped = plan_rounds(recipe, originals, computed=first["computed"], types=types)
+        if rounds:
+            problems = _get(
+                workers[0].actor.source_problems.remote(
+                    {int(r.target) for r in rounds}, rounds[0].tensors[0]
+                ),
+                ray_options.call_timeout_s,
+                "checking the sources",
+            )
+            if problems:
+                raise SweepError(
+                    "no source for these target types (nothing was run):\n  "
+                    + "\n  ".join(problems)
+                )
         base_record = _baseline(workers, out_dir, first["identity"], ray_options.call_timeout_s)
         journal = Journal(out_dir / JOURNAL)
         report = RaySweepReport(
@@ -535,7 +553,9 @@ def run_ray_sweep(
             ppl_base=float(base_record["ppl"]),
             rounds_planned=len(rounds),
             skipped=skipped,
+            protocol=dict(base_record.get("protocol", {})),
         )
+        layout = SuiteLayout.of(recipe, rounds, skipped, originals, base_record, options)
         todo = [r for r in rounds if r.key not in journal]
         report.resumed = len(rounds) - len(todo)
         state = _Dispatch(todo=todo)
@@ -561,19 +581,11 @@ def run_ray_sweep(
                 continue
             journal.append(payload)
             report.recorded.append(payload)
-            write_csvs(out_dir, journal.records.values())
+            write_outputs(out_dir, layout, journal.records.values(), report.refused)
             log.info("sweep.round", round=r.key, kld=payload["metrics"]["kld_mean"])
         report.journal = dict(journal.records)
-        write_csvs(out_dir, journal.records.values())
-        summary = {
-            "ppl_base": report.ppl_base,
-            "rounds_planned": report.rounds_planned,
-            "recorded": len(journal.records),
-            "resumed": report.resumed,
-            "skipped": [asdict(s) for s in report.skipped],
-            "refused": report.refused,
-        }
-        write_text(out_dir / REPORT_JSON, json.dumps(summary, indent=1) + "\n")
+        write_outputs(out_dir, layout, journal.records.values(), report.refused)
+        write_report(report)
         report.workers = [w.info for w in workers]
         report.retried = state.retried
         ray_summary = {"workers": [asdict(w) for w in report.workers], "retried": report.retried}
