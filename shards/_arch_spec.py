@@ -7,7 +7,7 @@ tensors a spec implies (``plan``: the shared block, or an architecture's own att
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from gguf import GGMLQuantizationType, Keys
 
@@ -118,79 +118,91 @@ def rope_freqs_errors(spec: ModelSpec) -> list[str]:
 def plan(spec: ModelSpec) -> tuple[PlannedTensor, ...]:
     """The tensors of ``spec`` in file order, with llama.cpp's names and ``ne`` shapes (``spec``
     not checked: ``writer.plan_tensors`` checks it first)."""
-    e, hd, rules = spec.n_embd, spec.n_embd_head, rules_of(spec.arch)
+    e, hd = spec.n_embd, spec.n_embd_head
     out: list[PlannedTensor] = []
 
     def add(role: Role, ne: tuple[int, ...], block: int | None = None) -> None:
         out.append(PlannedTensor(role.tensor_name(block), role, spec.type_of(role), ne, block))
 
-    def add_bias(role: Role, ne: tuple[int, ...], block: int) -> None:
-        name = tensor_template(role.value, "bias").format(block)
-        out.append(PlannedTensor(name, role, Q.F32, ne, block))
-
     if spec.rope_llama3_factor > 0:  # first, where llama.cpp's converter writes it
         add(Role.ROPE_FREQS, (hd // 2,))
     add(Role.TOKEN_EMBD, (e, spec.vocab_size))
     for b in range(spec.n_blocks):
-        if rules.writer.block is not None:
-            out.extend(rules.writer.block(spec, b))
-            continue
-        add(Role.ATTN_NORM, (e,), b)
-        if rules.writer.attention is not None:
-            rules.writer.attention(spec, add, b)
-        else:
-            add(Role.ATTN_Q, (e, spec.n_head * hd), b)
-            add(Role.ATTN_K, (e, spec.n_head_kv * hd), b)
-            add(Role.ATTN_V, (e, spec.n_head_kv * hd), b)
-            add(Role.ATTN_O, (spec.n_head * hd, e), b)
-        if spec.attn_bias:  # glm4moe
-            add_bias(Role.ATTN_Q, (spec.n_head * hd,), b)
-            add_bias(Role.ATTN_K, (spec.n_head_kv * hd,), b)
-            add_bias(Role.ATTN_V, (spec.n_head_kv * hd,), b)
-        if rules.qk_norm or spec.attn_qk_norm:
-            add(Role.ATTN_Q_NORM, (hd,), b)
-            add(Role.ATTN_K_NORM, (hd,), b)
-        if rules.post_norms:
-            add(Role.ATTN_POST_NORM, (e,), b)
-            add(Role.FFN_POST_NORM, (e,), b)
-        # glm4moe: attn_post_norm is the FFN's pre-norm
-        add(Role.ATTN_POST_NORM if rules.glm else Role.FFN_NORM, (e,), b)
-        if b >= spec.n_layers:  # glm4moe's NextN/MTP block
-            add(Role.NEXTN_EH_PROJ, (2 * e, e), b)
-            add(Role.NEXTN_ENORM, (e,), b)
-            add(Role.NEXTN_HNORM, (e,), b)
-            add(Role.NEXTN_SHARED_HEAD_NORM, (e,), b)
-        if b in spec.moe_blocks and spec.per_expert_tensors:
-            add(Role.FFN_GATE_INP, (e, spec.n_expert), b)
-            out.extend(_per_expert_tensors(spec, b))
-        elif b in spec.moe_blocks:
-            f, x = spec.n_ff_expert, spec.n_expert
-            add(Role.FFN_GATE_INP, (e, x), b)
-            if spec.expert_probs_bias:
-                add(Role.FFN_EXP_PROBS_B, (x,), b)
-            add(Role.FFN_GATE_EXPS, (e, f, x), b)
-            add(Role.FFN_UP_EXPS, (e, f, x), b)
-            add(Role.FFN_DOWN_EXPS, (f, e, x), b)
-            counted = (SharedExpert.COUNTED, SharedExpert.COUNTED_OPTIONAL)
-            if spec.shared_expert and rules.shared_expert in counted:
-                s = f * spec.n_expert_shared  # ungated, fused shared experts
-                add(Role.FFN_GATE_SHEXP, (e, s), b)
-                add(Role.FFN_UP_SHEXP, (e, s), b)
-                add(Role.FFN_DOWN_SHEXP, (s, e), b)
-            elif spec.shared_expert:
-                s = spec.n_ff_shexp
-                add(Role.FFN_GATE_INP_SHEXP, (e,), b)
-                add(Role.FFN_GATE_SHEXP, (e, s), b)
-                add(Role.FFN_UP_SHEXP, (e, s), b)
-                add(Role.FFN_DOWN_SHEXP, (s, e), b)
-        else:
-            add(Role.FFN_GATE, (e, spec.n_ff), b)
-            add(Role.FFN_UP, (e, spec.n_ff), b)
-            add(Role.FFN_DOWN, (spec.n_ff, e), b)
+        _plan_block(spec, add, out, b)
     add(Role.OUTPUT_NORM, (e,))
     if not spec.tied_output:
         add(Role.OUTPUT, (e, spec.vocab_size))
     return tuple(out)
+
+
+def _plan_block(spec: ModelSpec, add: Any, out: list[PlannedTensor], b: int) -> None:
+    """Block ``b``'s tensors: the architecture's own block or attention where it has one, else
+    llama's attention, its norms, and the block's FFN (dense, stacked experts or per-expert)."""
+    e, hd, rules = spec.n_embd, spec.n_embd_head, rules_of(spec.arch)
+    if rules.writer.block is not None:
+        out.extend(rules.writer.block(spec, b))
+        return
+    add(Role.ATTN_NORM, (e,), b)
+    if rules.writer.attention is not None:
+        rules.writer.attention(spec, add, b)
+    else:
+        add(Role.ATTN_Q, (e, spec.n_head * hd), b)
+        add(Role.ATTN_K, (e, spec.n_head_kv * hd), b)
+        add(Role.ATTN_V, (e, spec.n_head_kv * hd), b)
+        add(Role.ATTN_O, (spec.n_head * hd, e), b)
+    if spec.attn_bias:  # glm4moe
+        for role, width in (
+            (Role.ATTN_Q, spec.n_head * hd),
+            (Role.ATTN_K, spec.n_head_kv * hd),
+            (Role.ATTN_V, spec.n_head_kv * hd),
+        ):
+            name = tensor_template(role.value, "bias").format(b)
+            out.append(PlannedTensor(name, role, Q.F32, (width,), b))
+    if rules.qk_norm or spec.attn_qk_norm:
+        add(Role.ATTN_Q_NORM, (hd,), b)
+        add(Role.ATTN_K_NORM, (hd,), b)
+    if rules.post_norms:
+        add(Role.ATTN_POST_NORM, (e,), b)
+        add(Role.FFN_POST_NORM, (e,), b)
+    # glm4moe: attn_post_norm is the FFN's pre-norm
+    add(Role.ATTN_POST_NORM if rules.glm else Role.FFN_NORM, (e,), b)
+    if b >= spec.n_layers:  # glm4moe's NextN/MTP block
+        add(Role.NEXTN_EH_PROJ, (2 * e, e), b)
+        add(Role.NEXTN_ENORM, (e,), b)
+        add(Role.NEXTN_HNORM, (e,), b)
+        add(Role.NEXTN_SHARED_HEAD_NORM, (e,), b)
+    if b in spec.moe_blocks and spec.per_expert_tensors:
+        add(Role.FFN_GATE_INP, (e, spec.n_expert), b)
+        out.extend(_per_expert_tensors(spec, b))
+    elif b in spec.moe_blocks:
+        _plan_moe_ffn(spec, add, b)
+    else:
+        add(Role.FFN_GATE, (e, spec.n_ff), b)
+        add(Role.FFN_UP, (e, spec.n_ff), b)
+        add(Role.FFN_DOWN, (spec.n_ff, e), b)
+
+
+def _plan_moe_ffn(spec: ModelSpec, add: Any, b: int) -> None:
+    """The routed experts (stacked) of block ``b``, with their shared experts if any."""
+    e, f, x = spec.n_embd, spec.n_ff_expert, spec.n_expert
+    add(Role.FFN_GATE_INP, (e, x), b)
+    if spec.expert_probs_bias:
+        add(Role.FFN_EXP_PROBS_B, (x,), b)
+    add(Role.FFN_GATE_EXPS, (e, f, x), b)
+    add(Role.FFN_UP_EXPS, (e, f, x), b)
+    add(Role.FFN_DOWN_EXPS, (f, e, x), b)
+    counted = (SharedExpert.COUNTED, SharedExpert.COUNTED_OPTIONAL)
+    if spec.shared_expert and rules_of(spec.arch).shared_expert in counted:
+        s = f * spec.n_expert_shared  # ungated, fused shared experts
+        add(Role.FFN_GATE_SHEXP, (e, s), b)
+        add(Role.FFN_UP_SHEXP, (e, s), b)
+        add(Role.FFN_DOWN_SHEXP, (s, e), b)
+    elif spec.shared_expert:
+        s = spec.n_ff_shexp
+        add(Role.FFN_GATE_INP_SHEXP, (e,), b)
+        add(Role.FFN_GATE_SHEXP, (e, s), b)
+        add(Role.FFN_UP_SHEXP, (e, s), b)
+        add(Role.FFN_DOWN_SHEXP, (s, e), b)
 
 
 # Old Mixtral layout: per-expert tensor names by the stacked role they slice.

@@ -21,16 +21,16 @@ if TYPE_CHECKING:
         NllStats,
         evaluate_batches,
         make_eval_tokens,
-        perplexity,
     )
     from ggufswap.runtime.serving.tokenizer import GgufTokenizer
 
 # Imported on first use: the HTTP server's modules load without torch (see ggufswap.runtime).
+# The ``perplexity`` function is not among them: its name is its module's, which any import of
+# that module binds here first (use ``ggufswap.runtime.serving.perplexity.perplexity``).
 _HOMES: dict[str, str] = {
     "NllStats": "ggufswap.runtime.serving.perplexity",
     "evaluate_batches": "ggufswap.runtime.serving.perplexity",
     "make_eval_tokens": "ggufswap.runtime.serving.perplexity",
-    "perplexity": "ggufswap.runtime.serving.perplexity",
     "GgufTokenizer": "ggufswap.runtime.serving.tokenizer",
 }
 
@@ -53,5 +53,4 @@ __all__ = [
     "TokenizerError",
     "evaluate_batches",
     "make_eval_tokens",
-    "perplexity",
 ]
