@@ -156,6 +156,9 @@ class ModelSpec:
     rope_dim: int | None = None  # rope.dimension_count: the decoupled rope dims per head
     v_head_dim: int | None = None  # None = head_dim - rope_dim
     mla_split: bool = True  # attn_k_b / attn_v_b (llama.cpp's converter today), else attn_kv_b
+    # ik_llama.cpp's form (mla_split False): attn_kv_b *and* 2-D attn_k_b / attn_v_b holding the
+    # same matrices split per head, as ik's converter writes them (mainline refuses the file).
+    mla_ik: bool = False
     expert_gating_func: int = 0  # 0: key not written (deepseek2: softmax); 1 softmax, 2 sigmoid
     expert_probs_bias: bool = False  # blk.N.exp_probs_b.bias (selection bias)
     n_expert_groups: int = 0  # expert_group_count (0: not written)
@@ -166,6 +169,11 @@ class ModelSpec:
     rope_scaling_factor: float = 0.0
     rope_orig_ctx: int = 0  # rope.scaling.original_context_length (0: not written)
     yarn_log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier as written (0.1 x mscale_all_dim)
+    # deepseek32 / glm-dsa (shards.archs: dsa): the lightning indexer; also the deepseek2 fields.
+    indexer_heads: int = 4  # attention.indexer.head_count
+    indexer_head_dim: int = 64  # attention.indexer.key_length (llama.cpp: a power of 2, >= 64)
+    indexer_top_k: int = 4  # attention.indexer.top_k: positions each query attends
+    indexer_types: tuple[bool, ...] | None = None  # glm-dsa: per-block full (True) / shared
     # glm4moe (shards.archs: glm); also n_dense_lead, n_expert_shared, rope_dim, the routing.
     n_nextn: int = 0  # NextN/MTP blocks after the n_layers trunk blocks (nextn_predict_layers)
     attn_bias: bool = False  # attn_q/k/v biases
@@ -184,6 +192,8 @@ class ModelSpec:
             object.__setattr__(self, name, value)
 
         put("arch", Arch(self.arch))
+        if self.indexer_types is not None:
+            put("indexer_types", tuple(bool(f) for f in self.indexer_types))
         if self.moe_layers is not None:
             put("moe_layers", tuple(sorted(set(self.moe_layers))))
         resolved: dict[Role, GGMLQuantizationType | GGMLType] = dict(DEFAULT_TYPES)
@@ -275,6 +285,8 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
             f"per_expert_tensors is the old Mixtral layout: it needs arch llama with experts, "
             f"found {spec.arch_name} with n_expert {spec.n_expert}"
         )
+    if spec.mla_ik and spec.arch is not Arch.DEEPSEEK2:
+        errors.append(f"mla_ik is ik_llama.cpp's deepseek2 form, not {spec.arch_name}'s")
     if spec.sliding_window <= 0:
         errors.append(f"sliding_window must be > 0, found {spec.sliding_window}")
     if spec.extra_vocab_strings < 0:
@@ -346,6 +358,8 @@ def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
         raw = tensor_bytes(spec, replace(t, name=name, ne=ne, expert=None))
         size = raw.size // spec.n_expert
         return raw[t.expert * size : (t.expert + 1) * size]
+    if spec.mla_ik and t.role in (Role.ATTN_K_B, Role.ATTN_V_B):
+        return _synth.encode_floats(ik_mla_split(spec, t), Q(t.ggml_type))
     rng = _synth.tensor_rng(spec.seed, t.name)
     if t.role is Role.SSM_A:  # -exp(A_log) as the converter stores it: every head decays
         a_log = rng.normal(0.0, 0.5, size=t.ne[0]).astype(np.float32)
@@ -355,6 +369,23 @@ def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
     if t.role in NORM_ROLES:
         return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=1.0, std=0.05)
     return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=0.0, std=1.0 / math.sqrt(t.ne[0]))
+
+
+def ik_mla_split(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
+    """ik_llama.cpp's 2-D ``attn_k_b`` / ``attn_v_b`` of ``t``'s block as its converter derives
+    them from ``attn_kv_b`` (``[H, nope + v, rank]`` split per head, ``k_b`` transposed):
+    ``[H * rank, nope]`` / ``[H * v, rank]`` floats, the block's ``attn_kv_b`` as written (its
+    dequantized values)."""
+    h, rank, nope, v = spec.n_head, spec.kv_lora_rank, spec.n_embd_head - spec.n_rot, spec.head_v
+    role = Role.ATTN_KV_B
+    kv_b = PlannedTensor(
+        role.tensor_name(t.block), role, spec.type_of(role), (rank, h * (nope + v)), t.block
+    )
+    values = _synth.decode_floats(tensor_bytes(spec, kv_b), kv_b.ggml_type, rank)
+    heads = values.reshape(h, nope + v, rank)
+    if t.role is Role.ATTN_K_B:
+        return np.ascontiguousarray(heads[:, :nope].transpose(0, 2, 1).reshape(h * rank, nope))
+    return np.ascontiguousarray(heads[:, nope:].reshape(h * v, rank))
 
 
 # --- metadata ---------------------------------------------------------------------------------

@@ -8,6 +8,13 @@ Follows llama.cpp's ``llama_model_deepseek2::graph`` (``src/models/deepseek2.cpp
   ``attn_kv_a_norm``) and one shared rope key. Files with ``attn_k_b`` / ``attn_v_b`` run the
   absorbed form (queries multiplied into the latent space, one shared key/value head: the cache
   holds the latent); files with the older ``attn_kv_b`` decompress per-head keys and values;
+  ik_llama.cpp's files (DeepSeek-R1-0528, V3-0324 as the GGUF Tool Suite ships them) hold
+  ``attn_kv_b`` *and* 2-D ``attn_k_b`` ``{nope, H * rank}`` / ``attn_v_b`` ``{rank, H * v}``
+  (the same matrices split per head, without the ``*_mla`` keys): mainline refuses them, ik
+  computes every batch of fewer than 128 tokens (every batch without flash attention) with the
+  absorbed form from ``attn_k_b`` / ``attn_v_b``, and so does this decoder for every batch;
+  ``attn_kv_b`` is loaded and never read (``unused``: ik reads it only for prompt batches of
+  128 tokens or more with flash attention);
 - RoPE NORM (adjacent pairs) on the last ``rope.dimension_count`` dims of each query head and on
   the shared rope key, with linear or YaRN scaling, and the softmax scale
   ``mscale^2 / sqrt(head_k)`` llama.cpp applies (``hparams._yarn``);
@@ -156,10 +163,14 @@ def head_linear(x: Tensor, w: Tensor | ExpertStack) -> Tensor:
     return y.to(device=x.device, dtype=x.dtype)
 
 
-def _heads(weights: WeightProvider, name: str) -> Tensor | ExpertStack:
-    """``attn_k_b`` / ``attn_v_b``: the stacked tensor, or with ggml's numerics its per-head
-    matrices."""
-    return weights.experts(name) if isinstance(weights, GgmlWeights) else weights.weight(name)
+def _heads(weights: WeightProvider, name: str, heads: int) -> Tensor | ExpertStack:
+    """``attn_k_b`` / ``attn_v_b`` as ``[H, N, K]``: the stacked tensor (ik_llama.cpp's 2-D
+    ``[H * N, K]`` form viewed per head), or with ggml's numerics its per-head matrices (the
+    2-D form then multiplies in float)."""
+    if isinstance(weights, GgmlWeights) and len(weights.shape(name)) == 3:
+        return weights.experts(name)
+    w = weights.weight(name)
+    return w if w.dim() == 3 else w.view(heads, -1, w.shape[-1])
 
 
 class LatentAttention(nn.Module):
@@ -185,33 +196,49 @@ class LatentAttention(nn.Module):
         self.wkv_a = need(TN.ATTN_KV_A_MQA.format(layer), (m.kv_lora_rank + m.n_rot, d))
         self.kv_a_norm = need(TN.ATTN_KV_A_NORM.format(layer), (m.kv_lora_rank,))
         split = (TN.ATTN_K_B.format(layer), TN.ATTN_V_B.format(layer))
+        kv_b = TN.ATTN_KV_B.format(layer)
+        # ik_llama.cpp's form: attn_kv_b beside 2-D attn_k_b / attn_v_b (module docstring).
+        self.ik = not m.split and weights.has(split[0]) and weights.has(split[1])
+        self.absorbed = m.split or self.ik
         if m.split:
             self.wk_b = need(split[0], (h, m.kv_lora_rank, m.nope))
             self.wv_b = need(split[1], (h, m.head_v, m.kv_lora_rank))
-            spec.refuse(weights, [TN.ATTN_KV_B.format(layer)], "attention.key_length_mla is set")
+            spec.refuse(weights, [kv_b], "attention.key_length_mla is set")
+        elif self.ik:
+            self.wk_b = need(split[0], (h * m.kv_lora_rank, m.nope))
+            self.wv_b = need(split[1], (h * m.head_v, m.kv_lora_rank))
+            self.unread_kv_b = kv_b  # loaded, never computed with (``unused``)
         else:
-            self.wkv_b = need(TN.ATTN_KV_B.format(layer), (h * (m.nope + m.head_v), m.kv_lora_rank))
+            self.wkv_b = need(kv_b, (h * (m.nope + m.head_v), m.kv_lora_rank))
             spec.refuse(weights, split, "attention.key_length_mla is not set")
         self.wo = need(TN.ATTN_OUT.format(layer, "weight"), (d, h * m.head_v))
 
-    def _query(self, x: Tensor) -> Tensor:
-        # x: [B, T, D] -> [B, T, H, head_k]
+    def q_lora(self, x: Tensor) -> Tensor:
+        """``attn_q_a_norm(attn_q_a x)`` (``qr``, which the DSA indexer reads too), or ``x``
+        itself without q_lora."""
+        # x: [B, T, D] -> [B, T, q_lora_rank or D]
         w, c = self.weights, self.config
-        if self.wq_a is not None:
-            x = rms_norm(linear(x, w.matrix(self.wq_a)), w.weight(self.q_a_norm), c.norm_eps)
-        return linear(x, w.matrix(self.wq)).unflatten(-1, (c.n_head, self.m.head_k))
+        if self.wq_a is None:
+            return x
+        return rms_norm(linear(x, w.matrix(self.wq_a)), w.weight(self.q_a_norm), c.norm_eps)
 
     def forward(
         self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
     ) -> Tensor:
-        # x: [B, T, D]
+        return self.attend(self.q_lora(x), x, rope, mask, cache)
+
+    def attend(
+        self, qr: Tensor, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
+    ) -> Tensor:
+        """The attention of ``x`` (``[B, T, D]``) with the queries from ``qr`` (``q_lora``'s
+        output), under ``mask`` (``[T, S]`` or ``[B, 1, T, S]`` bool; None: causal)."""
         m, c, w = self.m, self.config, self.weights
-        q = self._query(x)
+        q = linear(qr, w.matrix(self.wq)).unflatten(-1, (c.n_head, m.head_k))  # [B, T, H, hk]
         q_nope, q_pe = q[..., : m.nope], rope.rotate(q[..., m.nope :])  # [B, T, H, nope / rot]
         kv = linear(x, w.matrix(self.wkv_a))  # [B, T, rank + rot]
         latent = rms_norm(kv[..., : m.kv_lora_rank], w.weight(self.kv_a_norm), c.norm_eps)
         k_pe = rope.rotate(kv[..., None, m.kv_lora_rank :])  # [B, T, 1, rot]
-        if m.split:
+        if self.absorbed:
             y = self._absorbed(q_nope, q_pe, latent, k_pe, mask=mask, cache=cache)  # [B, T, H, v]
         else:
             y = self._decompressed(q_nope, q_pe, latent, k_pe, mask=mask, cache=cache)
@@ -230,7 +257,7 @@ class LatentAttention(nn.Module):
         """attn_k_b turns the queries into latent queries; one key/value head (the latent and
         the rope key) serves every query head; attn_v_b decompresses each head's output."""
         rank, w = self.m.kv_lora_rank, self.weights
-        q_lat = head_linear(q_nope, _heads(w, self.wk_b))  # [B, T, H, rank]
+        q_lat = head_linear(q_nope, _heads(w, self.wk_b, self.config.n_head))  # [B, T, H, rank]
         q = torch.cat((q_lat, q_pe), dim=-1).transpose(1, 2)  # [B, H, T, rank + rot]
         k = torch.cat((latent[:, :, None], k_pe), dim=-1).transpose(1, 2)  # [B, 1, T, rank+rot]
         if cache is not None:  # the values are the keys' latent part: cache nothing twice
@@ -245,7 +272,9 @@ class LatentAttention(nn.Module):
             is_causal=mask is None,
             scale=self.config.attn_scale,
         )  # [B, H, T, rank]
-        return head_linear(y.transpose(1, 2), _heads(w, self.wv_b))  # [B, T, H, v]
+        return head_linear(
+            y.transpose(1, 2), _heads(w, self.wv_b, self.config.n_head)
+        )  # [B, T, H, v]
 
     def _decompressed(
         self,

@@ -43,9 +43,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ggufswap.runtime.models._moe_hparams import (
+    DSAShape,
     Gating,
     MLAShape,
     deepseek2_problems,
+    dsa_problems,
     lead_problems,
 )
 from ggufswap.runtime.models.errors import HParamsError
@@ -66,6 +68,7 @@ __all__ = [
     "ROPE_SCALING_YARN",
     "Activation",
     "Arch",
+    "DSAShape",
     "Gating",
     "HParams",
     "KeyReader",
@@ -202,6 +205,7 @@ class HParams:
     n_expert_groups: int = 0  # 0 or 1: no group-limited routing
     n_group_used: int = 0
     mla: MLAShape | None = None
+    dsa: DSAShape | None = None  # deepseek32 / glm-dsa: the lightning indexer
     rope_ext_factor: float = 0.0
     rope_attn_factor: float = 1.0
     rope_ctx_orig: int = 0  # YaRN's original context (0 = context_length)
@@ -271,6 +275,8 @@ class HParams:
             problems += lead_problems(self, is_moe=is_moe)
         if rules.mla:
             problems += deepseek2_problems(self, head_dim=head_dim)
+        if rules.dsa:
+            problems += dsa_problems(self)
         if is_moe and n_ff_exp <= 0:
             problems.append(
                 f"the expert width must be > 0 ({rules.expert_width}), found {n_ff_exp}"

@@ -39,6 +39,11 @@ def mla_errors(spec: ModelSpec, why: str) -> list[str]:
         )
     if not spec.mla_split and spec.n_head_kv != spec.n_head:
         errors.append(f"{a} with attn_kv_b is multi-head: n_head_kv must equal n_head {why}")
+    if spec.mla_ik and spec.mla_split:
+        errors.append(
+            f"mla_ik is ik_llama.cpp's attn_kv_b form with 2-D attn_k_b/attn_v_b beside it: "
+            f"it needs mla_split=False {why}"
+        )
     if spec.expert_gating_func not in (0, 1, 2):
         errors.append(f"expert_gating_func must be 0 (unset), 1 (softmax) or 2 (sigmoid) {why}")
     g, used = spec.n_expert_groups, spec.n_group_used
@@ -97,6 +102,9 @@ def plan_attention(spec: ModelSpec, add: Any, b: int) -> None:
         add(Role.ATTN_V_B, (rank, v, h), b)
     else:
         add(Role.ATTN_KV_B, (rank, h * (nope + v)), b)
+    if spec.mla_ik:  # ik_llama.cpp's converter: the same matrices split per head, 2-D
+        add(Role.ATTN_K_B, (nope, h * rank), b)
+        add(Role.ATTN_V_B, (rank, h * v), b)
     add(Role.ATTN_O, (h * v, e), b)
 
 
