@@ -14,7 +14,7 @@ MODULES := $(VENV)/.ggufswap-modules
 PACKAGE_FOLDERS := $(shell $(PYTHON) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["ggufswap"]["packages"].values())')
 MODULE_LIST := $(sort $(foreach folder,$(PACKAGE_FOLDERS),$(wildcard $(folder)/*.py)))
 
-.PHONY: test demo bench fuzz soak lint typecheck crosscheck clean FORCE
+.PHONY: test demo bench fuzz soak lint typecheck crosscheck ik-venv clean FORCE
 
 $(MODULES): FORCE
 	@mkdir -p $(VENV)
@@ -72,8 +72,20 @@ $(XCHECK_VENV)/.llama-cpp-installed:
 		$(XCHECK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "$(LLAMA_CPP_SPEC)"
 	touch $@
 
-crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed
+# ik_llama.cpp (the ik-llama-cpp-python wheel, MIT) checks the files only ik reads
+# (crosscheck/families.py: the three-tensor deepseek2 form); installed only when its venv lacks it.
+IK_VENV ?= .venv-ik
+IK_SPEC ?= ik-llama-cpp-python==0.1.5
+
+ik-venv:
+	$(IK_VENV)/bin/python -c "import ik_llama_cpp" 2>/dev/null || { \
+		test -x $(IK_VENV)/bin/python || $(PYTHON) -m venv $(IK_VENV); \
+		$(IK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "$(IK_SPEC)"; }
+
+crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed ik-venv
 	$(BIN)/python crosscheck/run.py --llama-python $(XCHECK_VENV)/bin/python
+	$(BIN)/python crosscheck/families.py --llama-python $(XCHECK_VENV)/bin/python \
+		--ik-python $(IK_VENV)/bin/python
 	$(BIN)/python crosscheck/gemma_real.py --llama-python $(XCHECK_VENV)/bin/python
 
 clean:

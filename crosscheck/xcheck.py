@@ -33,8 +33,11 @@ from ggufswap.shards.presets import (
     hybrid_wide,
     tiny_arch,
     tiny_deepseek2,
+    tiny_deepseek2_ik,
+    tiny_deepseek32,
     tiny_dense,
     tiny_glm4moe,
+    tiny_glm_dsa,
     tiny_gpt_oss,
     tiny_llama3,
     tiny_moe,
@@ -123,6 +126,18 @@ def _glm4moe(**fixed: Any) -> Callable[..., ModelSpec]:
     return build
 
 
+def _wide_mla(preset: Callable[..., ModelSpec]) -> Callable[..., ModelSpec]:
+    """A latent-attention preset; widened as ``tiny-deepseek2`` is (``deepseek2_wide``) when
+    asked for the K-quant rows of 256."""
+
+    def build(**kw: Any) -> ModelSpec:
+        if kw.get("n_embd") == WIDE["n_embd"]:
+            kw = deepseek2_wide(**kw)
+        return preset(**kw)
+
+    return build
+
+
 def _hybrid(preset: Callable[..., ModelSpec]) -> Callable[..., ModelSpec]:
     """A Qwen3.5 / Qwen3-Next preset; widened (``hybrid_wide``: heads, delta-net state) when
     asked for the K-quant rows of 256."""
@@ -185,6 +200,18 @@ VARIANTS: Final[Mapping[str, Callable[..., ModelSpec]]] = {
     "qwen35moe": _hybrid(tiny_qwen35moe),  # routed experts + gated shared expert
     "qwen3next": _hybrid(tiny_qwen3next),  # ssm_ba, interleaved value heads, NEOX RoPE
 }
+# Families recorded in fixtures of their own (``tests/fixtures/crosscheck/<family>/``, so that
+# adding one touches no other family's binary fixture), each checked against its reference:
+# llama.cpp, or ik_llama.cpp for the files only ik reads (``FAMILY_ENGINES``).
+FAMILIES: Final[Mapping[str, Mapping[str, Callable[..., ModelSpec]]]] = {
+    # DeepSeek-V3.2 and GLM-5.x: deepseek2's blocks behind the DSA lightning indexer (top-k 4 of
+    # the 12 positions), glm-dsa with shared indexer blocks
+    "dsa": {"deepseek32": _wide_mla(tiny_deepseek32), "glm-dsa": _wide_mla(tiny_glm_dsa)},
+    # DeepSeek-R1-0528 / V3-0324 as ik_llama.cpp's converter writes them: attn_kv_b and 2-D
+    # attn_k_b / attn_v_b, ungrouped routing in ik
+    "ik-mla": {"deepseek2-ik": _wide_mla(tiny_deepseek2_ik)},
+}
+FAMILY_ENGINES: Final[Mapping[str, str]] = {"dsa": "llama.cpp", "ik-mla": "ik_llama.cpp"}
 _EXPERT_ROLES: Final = (Role.FFN_GATE_EXPS, Role.FFN_UP_EXPS, Role.FFN_DOWN_EXPS)
 # Variants some of whose roles keep their type whatever the case's type is.
 PINNED_TYPES: Final[Mapping[str, Mapping[Role, GGMLQuantizationType]]] = {
@@ -211,18 +238,22 @@ OWN_ROLES: Final = frozenset(
         Role.SSM_OUT,
     }
 )
+# The DSA indexer's matrix roles: only the dsa family's cases set them.
+DSA_ROLES: Final = frozenset({Role.INDEXER_PROJ, Role.INDEXER_ATTN_K, Role.INDEXER_ATTN_Q_B})
 
 
 def case_spec(variant: str, ggml_type: GGMLQuantizationType) -> ModelSpec:
     """The spec of one case: the variant with every matrix role in ``ggml_type``, widened
     (``WIDE``) when its rows cannot hold the type's blocks."""
-    build = VARIANTS[variant]
+    build = VARIANTS[variant] if variant in VARIANTS else family_variant(variant)
     rules = rules_of(build().arch)
     own = rules.mla or rules.glm or rules.hybrid
     types = {
         role.name: ggml_type
         for role in Role
-        if role not in F32_ROLES and (own or role not in OWN_ROLES)
+        if role not in F32_ROLES
+        and (own or role not in OWN_ROLES)
+        and (rules.dsa or role not in DSA_ROLES)
     }
     types |= {role.name: t for role, t in PINNED_TYPES.get(variant, {}).items()}
     name = f"xc-{variant}-{ggml_type.name.lower()}"
@@ -248,9 +279,24 @@ def case_threshold(name: str) -> Threshold:
     )
 
 
-def all_cases() -> dict[str, ModelSpec]:
-    """Every case, by name (``variant/TYPE``), in a stable order."""
-    return {case_name(v, t): case_spec(v, t) for v in VARIANTS for t in CHECK_TYPES}
+def all_cases(family: str | None = None) -> dict[str, ModelSpec]:
+    """Every case, by name (``variant/TYPE``), in a stable order: of ``VARIANTS``, or of one
+    of the ``FAMILIES``."""
+    variants = VARIANTS if family is None else FAMILIES[family]
+    return {case_name(v, t): case_spec(v, t) for v in variants for t in CHECK_TYPES}
+
+
+def family_variant(variant: str) -> Callable[..., ModelSpec]:
+    """The builder of a variant of one of the ``FAMILIES``."""
+    for variants in FAMILIES.values():
+        if variant in variants:
+            return variants[variant]
+    raise KeyError(f"no cross-check variant {variant!r}")
+
+
+def fixtures_of(family: str | None) -> Path:
+    """Where a family's golden fixtures live (``FIXTURES`` for ``VARIANTS``)."""
+    return FIXTURES if family is None else FIXTURES / family
 
 
 # Beyond the cases: the other layouts make-model writes (the same tensors over several files) and

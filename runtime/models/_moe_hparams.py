@@ -42,6 +42,10 @@ class MLAShape:
     head_v: int  # value head width (n_embd_head_v_mla)
     n_rot: int  # the decoupled rope dims at the end of each query head
     split: bool
+    # ik_llama.cpp's attention scale and RoPE magnitude factor for this file (its deepseek2
+    # graph's mscale = attn_factor * (1 + log_mul * ln(1 / freq_scale)), the converter's log_mul
+    # as stored, and 1 / (1 + 0.1 ln(1 / freq_scale))): what its three-tensor form runs with.
+    ik_scales: tuple[float, float] = (0.0, 1.0)
 
     @property
     def nope(self) -> int:

@@ -14,7 +14,8 @@ Follows llama.cpp's ``llama_model_deepseek2::graph`` (``src/models/deepseek2.cpp
   computes every batch of fewer than 128 tokens (every batch without flash attention) with the
   absorbed form from ``attn_k_b`` / ``attn_v_b``, and so does this decoder for every batch;
   ``attn_kv_b`` is loaded and never read (``unused``: ik reads it only for prompt batches of
-  128 tokens or more with flash attention);
+  128 tokens or more with flash attention). Such a file routes as ik routes deepseek2: without
+  the group limit (``is_ik_form``);
 - RoPE NORM (adjacent pairs) on the last ``rope.dimension_count`` dims of each query head and on
   the shared rope key, with linear or YaRN scaling, and the softmax scale
   ``mscale^2 / sqrt(head_k)`` llama.cpp applies (``hparams._yarn``);
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, Final
 
 import torch
@@ -115,9 +117,21 @@ def read_keys(reader: KeyReader, common: Mapping[str, Any]) -> dict[str, Any]:
     )
     sigmoid = n_layer in DEEPSEEK2_SIGMOID_LAYERS and n_vocab == DEEPSEEK2_SIGMOID_VOCAB
     out = routing_kwargs(reader, default_gating=Gating.SIGMOID if sigmoid else Gating.SOFTMAX)
-    out["mla"] = mla
+    out["mla"] = replace(mla, ik_scales=_ik_scales(reader, common, head_k=mla.head_k))
     out.update(_yarn(reader, common, head_k=mla.head_k, yarn=yarn))
     return out
+
+
+def _ik_scales(reader: KeyReader, common: Mapping[str, Any], *, head_k: int) -> tuple[float, float]:
+    """ik_llama.cpp's kq scale and RoPE attn_factor (``src/graphs/build_deepseek2.cpp``): the log
+    multiplier as the converter stored it (0.1 x mscale_all_dim), ``rope.scaling.attn_factor``
+    on the kq scale; equal to llama.cpp's whenever YaRN comes with a log multiplier."""
+    k, freq_scale = Keys.LLM, common["rope_freq_scale"]
+    log_mul = reader.get_float(k.ROPE_SCALING_YARN_LOG_MUL, 0.0)
+    mscale = reader.get_float(k.ROPE_SCALING_ATTN_FACTOR, 1.0) * (
+        1.0 + log_mul * math.log(1.0 / freq_scale)
+    )
+    return mscale * mscale / math.sqrt(head_k), 1.0 / (1.0 + 0.1 * math.log(1.0 / freq_scale))
 
 
 def _yarn(
@@ -320,9 +334,31 @@ class Deepseek2Transformer(DecoderStack):
     def __init__(
         self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
     ) -> None:
-        super().__init__(config, weights, check_shapes=check_shapes)
         assert config.mla is not None, "deepseek2 configs carry their MLAShape"
+        self.ik_form = is_ik_form(config, weights)
+        if self.ik_form:  # ik routes deepseek2 ungrouped, scales its attention its own way
+            scale, rope_attn = config.mla.ik_scales
+            config = replace(
+                config,
+                n_expert_groups=0,
+                n_group_used=0,
+                attention_scale=scale,
+                rope_attn_factor=rope_attn,
+            )
+        super().__init__(config, weights, check_shapes=check_shapes)
         self.rope = rotary(config, config.rope_base, n_rot=config.mla.n_rot)
+
+
+def is_ik_form(config: HParams, weights: WeightProvider) -> bool:
+    """Whether the file is in ik_llama.cpp's three-tensor form (``attn_kv_b`` beside
+    ``attn_k_b`` / ``attn_v_b``, no ``*_mla`` keys): a file only ik_llama.cpp reads, so the
+    decoder computes what ik computes. Its routing then ignores ``expert_group_count`` (ik's
+    ``build_moe_ffn`` limits groups for BailingMoE only; mainline and the other forms here
+    apply them), and its attention scale and RoPE magnitude are ik's (``MLAShape.ik_scales``:
+    llama.cpp's too, but for YaRN without a log multiplier or linear scaling)."""
+    assert config.mla is not None, "deepseek2 configs carry their MLAShape"
+    k_b, kv_b = TN.ATTN_K_B.format(0), TN.ATTN_KV_B.format(0)
+    return not config.mla.split and weights.has(k_b) and weights.has(kv_b)
 
 
 ARCHITECTURE = Architecture(
