@@ -334,10 +334,11 @@ class Deepseek2Transformer(DecoderStack):
     def __init__(
         self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
     ) -> None:
-        assert config.mla is not None, "deepseek2 configs carry their MLAShape"
-        self.ik_form = is_ik_form(config, weights)
-        if self.ik_form:  # ik routes deepseek2 ungrouped, scales its attention its own way
-            scale, rope_attn = config.mla.ik_scales
+        mla = config.mla
+        assert mla is not None, "deepseek2 configs carry their MLAShape"
+        ik_form = is_ik_form(config, weights)
+        if ik_form:  # ik routes deepseek2 ungrouped, scales its attention its own way
+            scale, rope_attn = mla.ik_scales
             config = replace(
                 config,
                 n_expert_groups=0,
@@ -346,7 +347,8 @@ class Deepseek2Transformer(DecoderStack):
                 rope_attn_factor=rope_attn,
             )
         super().__init__(config, weights, check_shapes=check_shapes)
-        self.rope = rotary(config, config.rope_base, n_rot=config.mla.n_rot)
+        self.ik_form = ik_form
+        self.rope = rotary(config, config.rope_base, n_rot=mla.n_rot)
 
 
 def is_ik_form(config: HParams, weights: WeightProvider) -> bool:
