@@ -120,7 +120,58 @@ class LightningIndexer(nn.Module):
         query = torch.arange(start, start + seq, device=score.device)
         causal = query[:, None] >= torch.arange(keys, device=score.device)[None, :]  # [T, S]
         score = score.masked_fill(~causal, float("-inf"))
-        k = min(self.top_k, keys)
-        chosen = torch.zeros_like(score, dtype=torch.bool)
-        chosen.scatter_(-1, score.topk(k, dim=-1).indices, True)
-        return chosen & causal
+        return top_k_mask(score, min(self.top_k, keys)) & causal
+
+
+def top_k_mask(score: Tensor, k: int) -> Tensor:
+    """``[..., S]`` bool: the ``k`` best scores of each row, as ggml's CPU ``top_k`` picks them.
+    Ties at the boundary (an exact tie: typically two positions whose every head's product is
+    negative, both scoring 0) go the way ggml's ``std::partial_sort`` leaves them (``heap_top_k``);
+    the other rows take the plain top ``k``."""
+    ranked = score.sort(dim=-1, descending=True, stable=True)
+    chosen = torch.zeros_like(score, dtype=torch.bool)
+    chosen.scatter_(-1, ranked.indices[..., :k], True)
+    if k < score.shape[-1]:
+        kth, next_ = ranked.values[..., k - 1], ranked.values[..., k]
+        tied = (kth == next_) & torch.isfinite(kth)
+        flat_scores, flat_chosen = (
+            score.reshape(-1, score.shape[-1]),
+            chosen.view(-1, score.shape[-1]),
+        )
+        for row in tied.reshape(-1).nonzero().flatten().tolist():
+            flat_chosen[row] = False
+            flat_chosen[row, heap_top_k(flat_scores[row].tolist(), k)] = True
+    return chosen
+
+
+def heap_top_k(data: list[float], k: int) -> list[int]:
+    """The indices ``std::partial_sort(idx, idx + k, idx + n, data[a] > data[b])`` leaves in
+    front (libstdc++'s ``__heap_select``: a heap of the first ``k``, whose worst element each
+    later, strictly better one replaces), the set ggml's ``top_k`` returns."""
+    heap = list(range(k))
+
+    def less(a: int, b: int) -> bool:  # the comparator: a before b
+        return data[a] > data[b]
+
+    def adjust(hole: int, length: int, value: int) -> None:  # std::__adjust_heap
+        top, child = hole, hole
+        while child < (length - 1) // 2:
+            child = 2 * (child + 1)
+            if less(heap[child], heap[child - 1]):
+                child -= 1
+            heap[hole], hole = heap[child], child
+        if length % 2 == 0 and child == (length - 2) // 2:
+            child = 2 * (child + 1)
+            heap[hole], hole = heap[child - 1], child - 1
+        parent = (hole - 1) // 2
+        while hole > top and less(heap[parent], value):  # std::__push_heap
+            heap[hole], hole = heap[parent], parent
+            parent = (hole - 1) // 2
+        heap[hole] = value
+
+    for parent in range((k - 2) // 2, -1, -1):  # std::__make_heap
+        adjust(parent, k, heap[parent])
+    for i in range(k, len(data)):
+        if less(i, heap[0]):  # std::__pop_heap: i takes the worst one's place
+            adjust(0, k, i)
+    return heap
