@@ -82,10 +82,35 @@ ik-venv:
 		test -x $(IK_VENV)/bin/python || $(PYTHON) -m venv $(IK_VENV); \
 		$(IK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "$(IK_SPEC)"; }
 
-crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed ik-venv
+# llama.cpp's own converter (convert_hf_to_gguf.py from the sources llama-cpp-python vendors,
+# in the sdist) runs in a venv of its own (torch CPU, transformers) on tiny checkpoints written by
+# crosscheck/convert_mla.py; crosscheck/converted_mla.py checks the files it and llama.cpp's
+# quantizer make (tests/fixtures/crosscheck/converted-mla). ik_llama.cpp's converter is in no
+# package: IK_SRC=DIR (a checkout holding convert_hf_to_gguf.py and gguf-py) adds its files.
+CONVERT_VENV ?= .venv-convert
+LLAMA_CPP_VERSION := $(lastword $(subst ==, ,$(LLAMA_CPP_SPEC)))
+LLAMA_SRC ?= build/llama-cpp-src/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp
+IK_SRC ?=
+
+$(CONVERT_VENV)/.convert-installed:
+	test -x $(CONVERT_VENV)/bin/python || $(PYTHON) -m venv $(CONVERT_VENV)
+	$(CONVERT_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC) \
+		transformers safetensors sentencepiece protobuf
+	touch $@
+
+$(LLAMA_SRC)/convert_hf_to_gguf.py:
+	mkdir -p build/llama-cpp-src
+	$(PYTHON) -m pip download --quiet --no-deps --no-binary :all: "$(LLAMA_CPP_SPEC)" -d build/llama-cpp-src
+	tar -xzf build/llama-cpp-src/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C build/llama-cpp-src
+	touch $@
+
+crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed ik-venv $(CONVERT_VENV)/.convert-installed $(LLAMA_SRC)/convert_hf_to_gguf.py
 	$(BIN)/python crosscheck/run.py --llama-python $(XCHECK_VENV)/bin/python
 	$(BIN)/python crosscheck/families.py --llama-python $(XCHECK_VENV)/bin/python \
 		--ik-python $(IK_VENV)/bin/python
+	$(BIN)/python crosscheck/converted_mla.py --llama-python $(XCHECK_VENV)/bin/python \
+		--convert-python $(CONVERT_VENV)/bin/python --llama-src $(LLAMA_SRC) \
+		$(if $(IK_SRC),--ik-src $(IK_SRC) --ik-python $(IK_VENV)/bin/python)
 	$(BIN)/python crosscheck/gemma_real.py --llama-python $(XCHECK_VENV)/bin/python
 
 clean:

@@ -40,12 +40,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 from ggufswap.runtime.models import deepseek2
 from ggufswap.runtime.models.blocks import MoEFeedForward, RoutedExperts, weights
 from ggufswap.runtime.models.ggml_numerics import VEC_DOT, gelu, q8_blocks, round_activations
 from ggufswap.runtime.models.hparams import Gating
+from ggufswap.shards import read_header
 from ggufswap.shards.ggml_types import GGMLType
 
 Q = GGMLQuantizationType
@@ -56,7 +57,9 @@ class _Weight:
     """What ggml would do with one weight: its type and, for Q4_1, its block minima (None: the
     F16 rounding of Q8_1's block sums is not emulated)."""
 
-    def __init__(self, ggml_type: GGMLQuantizationType, mins: torch.Tensor | None) -> None:
+    def __init__(
+        self, ggml_type: GGMLQuantizationType | GGMLType, mins: torch.Tensor | None
+    ) -> None:
         self.ggml_type, self.mins = ggml_type, mins  # mins: [out, K/32]
 
 
@@ -80,9 +83,13 @@ def _emulated(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, info: _W
     """The product in float64 on activations rounded by the package's ggml numerics (or by
     ik_llama.cpp's rule, ``ROUNDING``)."""
     flat = x.reshape(-1, x.shape[-1]).float()
-    vec_dot = VEC_DOT.get(GGMLType(int(info.ggml_type)), GGMLType.F32)
-    if ROUNDING == "ik" and vec_dot not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
-        y = F.linear(_ik_q8_2(flat).double(), w.double(), None if b is None else b.double())
+    weight_type = GGMLType(int(info.ggml_type))
+    vec_dot = VEC_DOT.get(weight_type, GGMLType.F32)
+    if ROUNDING == "ik" and weight_type not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        # ik's AVX2 vec_dot types: Q8_K for its IQ*_K types, Q8_2_X4 for the others here
+        ik_q8_k = weight_type.name.startswith("IQ") and weight_type.name.endswith("_K")
+        xq = round_activations(flat, GGMLType.Q8_K) if ik_q8_k else _ik_q8_2(flat)
+        y = F.linear(xq.double(), w.double(), None if b is None else b.double())
         return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     xq = round_activations(flat, vec_dot).double()
     extra = None
@@ -101,24 +108,23 @@ def _gelu_fp16_table(input: torch.Tensor, approximate: str = "none") -> torch.Te
     return gelu(input)
 
 
-def _q4_1_mins(reader: GGUFReader, name: str) -> torch.Tensor:
+def _q4_1_mins(record: Any) -> torch.Tensor:
     """``[rows, K/32]`` block minima of a Q4_1 tensor (rows over every expert)."""
-    t = next(t for t in reader.tensors if t.name == name)
-    raw = np.asarray(t.data, dtype=np.uint8).reshape(-1, Q4_1_BLOCK_BYTES)
+    with open(record.path, "rb") as f:
+        f.seek(record.offset)
+        raw = np.frombuffer(f.read(record.nbytes), dtype=np.uint8).reshape(-1, Q4_1_BLOCK_BYTES)
     mins = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
-    k = int(t.shape[0])
-    return torch.from_numpy(mins.reshape(-1, k // 32))
+    return torch.from_numpy(mins.reshape(-1, record.ne[0] // 32))
 
 
-def _row_groups(reader: GGUFReader, name: str, w: torch.Tensor) -> int:
+def _row_groups(metadata: Any, name: str, w: torch.Tensor) -> int:
     """How many matrices ggml multiplies ``w`` as: its experts (or heads) when 3-D; the heads of
     ik_llama.cpp's 2-D ``attn_k_b`` / ``attn_v_b`` (``[H * rows, cols]``, reshaped per head in its
     graph); else 1."""
     if w.dim() == 3:
         return int(w.shape[0])
     if name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
-        field = reader.fields["deepseek2.attention.head_count"]
-        return int(field.parts[field.data[0]][0])
+        return int(metadata["deepseek2.attention.head_count"])
     return 1
 
 
@@ -128,15 +134,15 @@ def emulating(runtime: Any, path: Path, *, q8_1_sums: bool = True) -> Iterator[N
     for the type of the weight it multiplies (found by the weight's data pointer in
     ``runtime.store``), and GELU goes through ggml's F16 table. ``q8_1_sums=False`` leaves out
     the F16 rounding of Q8_1's block sums (Q4_1 weights), to measure what it alone contributes."""
-    reader = GGUFReader(path)
-    types = {t.name: GGMLQuantizationType(t.tensor_type) for t in reader.tensors}
+    header = read_header(path)  # the project's reader: ik_llama.cpp's types too
     table: dict[int, _Weight] = {}
     store = runtime.store
-    for name, ggml_type in types.items():
+    for name, record in header.tensor_map().items():
+        ggml_type = record.ggml_type
         with_sums = q8_1_sums and ggml_type == Q.Q4_1
-        mins = _q4_1_mins(reader, name) if with_sums else None
+        mins = _q4_1_mins(record) if with_sums else None
         w = store.experts(name)
-        groups = _row_groups(reader, name, w)
+        groups = _row_groups(header.metadata, name, w)
         if groups > 1:  # one matrix per head or expert: ggml multiplies each on its own
             rows = w.shape[-2] if w.dim() == 3 else w.shape[0] // groups
             flat = w.reshape(groups, rows, -1)

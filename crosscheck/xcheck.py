@@ -495,6 +495,24 @@ def load_golden(out_dir: Path = FIXTURES) -> tuple[dict[str, Any], dict[str, Gol
     return manifest, out
 
 
+def load_golden_files(
+    out_dir: Path,
+) -> tuple[dict[str, Any], dict[str, tuple[Path, np.ndarray]]]:
+    """A folder of files recorded with their reference's logits (the converter-made files of
+    ``converted_mla.py``): the manifest, and for each case whose file is kept, the file and the
+    decoded logits at ``GOLDEN_POSITIONS``."""
+    manifest = json.loads((out_dir / MANIFEST.name).read_text())
+    out = {}
+    with np.load(out_dir / LOGITS.name) as arrays:
+        for name, case in manifest["cases"].items():
+            if not case.get("file"):
+                continue
+            key = case["logits_key"]
+            codes = (arrays[f"{key}_codes"], arrays[f"{key}_offset"], arrays[f"{key}_step"])
+            out[name] = (out_dir / case["file"], decode_logits(*codes))
+    return manifest, out
+
+
 # --- the project's side ---------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ miss the reference's own rounding explains (its allowance).
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,3 +82,32 @@ def test_decoder_agrees_with_the_recorded_reference_logits(
 def _variant_and_type(name: str) -> tuple[str, xcheck.GGMLQuantizationType]:
     variant, _, type_name = name.rpartition("/")
     return variant, xcheck.GGMLQuantizationType[type_name]
+
+
+CONVERTED_DIR = xcheck.FIXTURES / "converted-mla"
+CONVERTED_MANIFEST, CONVERTED = xcheck.load_golden_files(CONVERTED_DIR)
+
+
+def test_every_converted_architecture_and_type_was_checked() -> None:
+    """Files made by the references' own converters and quantizers were checked for
+    DeepSeek-V3.2 and GLM-5 (llama.cpp: F32, F16, Q8_0, Q4_K) and ik_llama.cpp's deepseek2 form
+    (ik: those and its Q6_0 and IQ4_K), every check within its threshold or the recorded
+    allowance; the F32 files are kept."""
+    types = {"F32", "F16", "Q8_0", "Q4_K"}
+    expected = {f"{arch}/{t}" for arch in ("deepseek32", "glm-dsa") for t in types}
+    expected |= {f"deepseek2-ik/{t}" for t in (*types, "Q6_0", "IQ4_K")}
+    assert set(CONVERTED_MANIFEST["cases"]) == expected
+    assert set(CONVERTED) == {n for n in expected if n.endswith("/F32")}
+
+
+@pytest.mark.parametrize("name", sorted(CONVERTED))
+def test_decoder_agrees_with_the_reference_on_its_converters_file(name: str) -> None:
+    """The converter's file is the recorded one, and the decoder's logits agree with the
+    reference's (llama.cpp, or ik_llama.cpp for its form) to a mean KLD below 1e-6, top-1 100%."""
+    path, logits = CONVERTED[name]
+    assert (
+        hashlib.sha256(path.read_bytes()).hexdigest() == CONVERTED_MANIFEST["cases"][name]["sha256"]
+    )
+    ours = xcheck.project_logits(path)[list(xcheck.GOLDEN_POSITIONS)]
+    figures = xcheck.compare(logits, ours)
+    assert not figures.meets(xcheck.Threshold(1e-6, exact_top1=True)), (name, figures)
