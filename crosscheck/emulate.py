@@ -86,8 +86,8 @@ def _emulated(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, info: _W
     weight_type = GGMLType(int(info.ggml_type))
     vec_dot = VEC_DOT.get(weight_type, GGMLType.F32)
     if ROUNDING == "ik" and weight_type not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
-        # ik's AVX2 vec_dot types: Q8_K for its IQ*_K types, Q8_2_X4 for the others here
-        ik_q8_k = weight_type.name.startswith("IQ") and weight_type.name.endswith("_K")
+        # ik's AVX2 vec_dot types: Q8_K for its IQ*_K and IQ*_KS types, Q8_2_X4 for the others
+        ik_q8_k = weight_type.name.startswith("IQ") and "_K" in weight_type.name
         xq = round_activations(flat, GGMLType.Q8_K) if ik_q8_k else _ik_q8_2(flat)
         y = F.linear(xq.double(), w.double(), None if b is None else b.double())
         return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
