@@ -39,7 +39,7 @@ from typing import Any, Final
 import emulate
 import numpy as np
 import xcheck
-from families import ik_llama_logits
+from families import check_own_type, ik_llama_logits
 from run import HERE, check_case, llama_cpp_logits
 
 FIXTURES: Final = xcheck.FIXTURES / "converted-mla"
@@ -124,32 +124,7 @@ def check(name: str, path: Path, reference: np.ndarray) -> tuple[dict[str, Any],
     limit = threshold(name)
     type_name = name.rpartition("/")[2]
     if type_name in IK_LIKE:
-        figures = xcheck.compare(reference, xcheck.project_logits(path))
-        positions = list(xcheck.GOLDEN_POSITIONS)
-        golden = xcheck.decode_logits(*xcheck.encode_logits(reference[positions]))
-        at_golden = xcheck.compare(golden, xcheck.project_logits(path)[positions])
-        entry: dict[str, Any] = {
-            "type": type_name,
-            "figures": figures.as_json(),
-            "golden_figures": at_golden.as_json(),
-            "allowance": None,
-        }
-        misses = figures.meets(limit) + at_golden.meets(limit)
-        line = f"{name:28s} top1 {figures.top1:5.0%}  mean KLD {figures.mean_kld:.1e}"
-        if misses:  # explained by ik's rounding, emulated?
-            within = emulate.emulating
-            emulated = xcheck.compare(reference, xcheck.project_logits(path, within=within))
-            if emulated.meets(limit):
-                print(line, flush=True)
-                return entry, [f"{name}: {m} (also with ik's rounding emulated)" for m in misses]
-            reason = (
-                f"ik_llama.cpp's activation rounding: emulated, mean KLD {emulated.mean_kld:.1e}"
-            )
-            entry["allowance"] = {"misses": misses, "reason": reason}
-            entry["allowance"]["emulated_mean_kld"] = emulated.mean_kld
-            line += f"  (allowed: {'; '.join(misses)}; emulated {emulated.mean_kld:.1e})"
-        print(line, flush=True)
-        return entry, []
+        return check_own_type(name, path, reference, limit)
     entry, missed = check_case(name, path, reference, emulate_only=False)
     if limit is F32_LIMIT:  # stricter than the writer cases' F32 bound
         missed = [f"{name}: {m}" for m in xcheck.Figures(**entry["figures"]).meets(limit)]

@@ -26,6 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from ggufswap.shards.archs import rules_of
+from ggufswap.shards.ggml_types import GGMLType
 from ggufswap.shards.keys import Arch
 from ggufswap.shards.presets import (
     deepseek2_wide,
@@ -80,9 +81,19 @@ class Threshold:
     exact_top1: bool
 
 
-def threshold(ggml_type: GGMLQuantizationType) -> Threshold:
+def type_named(name: str) -> GGMLQuantizationType | GGMLType:
+    """A GGML type by name: gguf-py's, or one of ik_llama.cpp's (``GGMLType``)."""
+    if name in GGMLQuantizationType.__members__:
+        return GGMLQuantizationType[name]
+    return GGMLType[name]
+
+
+def threshold(ggml_type: GGMLQuantizationType | GGMLType) -> Threshold:
     """Top-1 100% and mean KLD < 1e-4 for F32/F16; < 1e-3 for Q8_0 (and Q6_K, the 6-bit type
-    issue 12 does not name); < 1e-2 for the 4-bit types."""
+    issue 12 does not name, and ik_llama.cpp's Q6_0); < 1e-2 for the 4-bit types (ik's IQ4_K
+    among them)."""
+    if ggml_type == GGMLType.Q6_0:
+        return Threshold(1e-3, exact_top1=False)
     if ggml_type in (Q.F32, Q.F16):
         return Threshold(1e-4, exact_top1=True)
     if ggml_type in (Q.Q8_0, Q.Q6_K):
@@ -212,6 +223,10 @@ FAMILIES: Final[Mapping[str, Mapping[str, Callable[..., ModelSpec]]]] = {
     "ik-mla": {"deepseek2-ik": _wide_mla(tiny_deepseek2_ik)},
 }
 FAMILY_ENGINES: Final[Mapping[str, str]] = {"dsa": "llama.cpp", "ik-mla": "ik_llama.cpp"}
+# Types a family checks beyond CHECK_TYPES: ik_llama.cpp's own, where ik is the reference.
+FAMILY_TYPES: Final[Mapping[str, tuple[GGMLType, ...]]] = {
+    "ik-mla": (GGMLType.Q6_0, GGMLType.IQ4_K),
+}
 _EXPERT_ROLES: Final = (Role.FFN_GATE_EXPS, Role.FFN_UP_EXPS, Role.FFN_DOWN_EXPS)
 # Variants some of whose roles keep their type whatever the case's type is.
 PINNED_TYPES: Final[Mapping[str, Mapping[Role, GGMLQuantizationType]]] = {
@@ -242,7 +257,7 @@ OWN_ROLES: Final = frozenset(
 DSA_ROLES: Final = frozenset({Role.INDEXER_PROJ, Role.INDEXER_ATTN_K, Role.INDEXER_ATTN_Q_B})
 
 
-def case_spec(variant: str, ggml_type: GGMLQuantizationType) -> ModelSpec:
+def case_spec(variant: str, ggml_type: GGMLQuantizationType | GGMLType) -> ModelSpec:
     """The spec of one case: the variant with every matrix role in ``ggml_type``, widened
     (``WIDE``) when its rows cannot hold the type's blocks."""
     build = VARIANTS[variant] if variant in VARIANTS else family_variant(variant)
@@ -263,7 +278,7 @@ def case_spec(variant: str, ggml_type: GGMLQuantizationType) -> ModelSpec:
         return replace(build(**WIDE), name=name).with_types(**types)
 
 
-def case_name(variant: str, ggml_type: GGMLQuantizationType) -> str:
+def case_name(variant: str, ggml_type: GGMLQuantizationType | GGMLType) -> str:
     return f"{variant}/{ggml_type.name}"
 
 
@@ -271,7 +286,7 @@ def case_threshold(name: str) -> Threshold:
     """The threshold of case ``variant/TYPE``: its type's, or the loosest of it and the types its
     variant pins (``gpt-oss-mxfp4/F32`` holds 4-bit experts: the 4-bit threshold)."""
     variant, _, type_name = name.rpartition("/")
-    limits = [threshold(GGMLQuantizationType[type_name])]
+    limits = [threshold(type_named(type_name))]
     limits += [threshold(t) for t in PINNED_TYPES.get(variant, {}).values()]
     return Threshold(
         max(limit.max_mean_kld for limit in limits),
@@ -283,7 +298,8 @@ def all_cases(family: str | None = None) -> dict[str, ModelSpec]:
     """Every case, by name (``variant/TYPE``), in a stable order: of ``VARIANTS``, or of one
     of the ``FAMILIES``."""
     variants = VARIANTS if family is None else FAMILIES[family]
-    return {case_name(v, t): case_spec(v, t) for v in variants for t in CHECK_TYPES}
+    types = (*CHECK_TYPES, *FAMILY_TYPES.get(family or "", ()))
+    return {case_name(v, t): case_spec(v, t) for v in variants for t in types}
 
 
 def family_variant(variant: str) -> Callable[..., ModelSpec]:
@@ -349,7 +365,7 @@ def spec_to_json(spec: ModelSpec) -> dict[str, Any]:
 def spec_from_json(data: Mapping[str, Any]) -> ModelSpec:
     """The spec ``spec_to_json`` recorded."""
     kw = dict(data)
-    kw["types"] = {Role[r]: GGMLQuantizationType[t] for r, t in kw.get("types", {}).items()}
+    kw["types"] = {Role[r]: type_named(t) for r, t in kw.get("types", {}).items()}
     if kw.get("moe_layers") is not None:
         kw["moe_layers"] = tuple(kw["moe_layers"])
     return ModelSpec(**kw)
@@ -445,7 +461,7 @@ class GoldenCase:
     name: str
     spec: ModelSpec
     sha256: str
-    ggml_type: GGMLQuantizationType
+    ggml_type: GGMLQuantizationType | GGMLType
     figures: Mapping[str, Any]  # what make crosscheck measured over every position
     logits: np.ndarray  # [len(GOLDEN_POSITIONS), V] llama.cpp's logits (decoded)
 
@@ -488,7 +504,7 @@ def load_golden(out_dir: Path = FIXTURES) -> tuple[dict[str, Any], dict[str, Gol
                 name=name,
                 spec=spec_from_json(case["spec"]),
                 sha256=case["sha256"],
-                ggml_type=GGMLQuantizationType[case["type"]],
+                ggml_type=type_named(case["type"]),
                 figures=case["figures"],
                 logits=logits,
             )

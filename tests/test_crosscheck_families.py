@@ -79,9 +79,9 @@ def test_decoder_agrees_with_the_recorded_reference_logits(
     assert figures.top1 >= recorded["top1"], (name, figures)
 
 
-def _variant_and_type(name: str) -> tuple[str, xcheck.GGMLQuantizationType]:
+def _variant_and_type(name: str) -> tuple[str, xcheck.GGMLQuantizationType | xcheck.GGMLType]:
     variant, _, type_name = name.rpartition("/")
-    return variant, xcheck.GGMLQuantizationType[type_name]
+    return variant, xcheck.type_named(type_name)
 
 
 CONVERTED_DIR = xcheck.FIXTURES / "converted-mla"
