@@ -39,10 +39,11 @@ from typing import Any, Final
 import emulate
 import numpy as np
 import xcheck
+import xfamily
 from families import check_own_type, ik_llama_logits
 from run import HERE, check_case, llama_cpp_logits
 
-FIXTURES: Final = xcheck.FIXTURES / "converted-mla"
+FIXTURES: Final = xfamily.CONVERTED
 # llama.cpp's LLAMA_FTYPE_* of the quantized cases and the converted file each is made from.
 QUANTIZED: Final = {"Q8_0": (7, "tiny"), "Q4_K": (14, "wide")}  # MOSTLY_Q8_0, MOSTLY_Q4_K_S
 # ik_llama.cpp's llama-quantize type of each quantized ik case and the file it is made from.

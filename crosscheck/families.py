@@ -1,10 +1,10 @@
-"""``make crosscheck``, the families recorded in fixtures of their own (``xcheck.FAMILIES``).
+"""``make crosscheck``, the families recorded in fixtures of their own (``xfamily.FAMILIES``).
 
 ``python families.py --llama-python PY --ik-python PY [--only FAMILY] [--details]``: for each
 family (DeepSeek-V3.2 / GLM-5.x ``dsa``; ik_llama.cpp's three-tensor deepseek2 ``ik-mla``), every
 variant x ``xcheck.CHECK_TYPES`` case is written by the project's writer, its reference computes
 the logits of ``xcheck.TOKENS`` (llama.cpp through ``llama_logits.py`` in the cross-check venv, or
-ik_llama.cpp through ``ik_logits.py`` in ``.venv-ik``, as ``xcheck.FAMILY_ENGINES`` says), the
+ik_llama.cpp through ``ik_logits.py`` in ``.venv-ik``, as ``xfamily.ENGINES`` says), the
 project's decoder computes them through the tensor store, and ``run.check_case`` measures and
 judges each case (the same thresholds and allowances as ``run.py``; for ik_llama.cpp a miss is
 explained by ik's rounding, ``emulate.ROUNDING = "ik"``). Each family's golden fixtures
@@ -27,6 +27,7 @@ from typing import Any
 import emulate
 import numpy as np
 import xcheck
+import xfamily
 from run import HERE, check_case, detail_table, llama_cpp_logits
 
 
@@ -88,10 +89,10 @@ def check_own_type(
 def summary(family: str, figures: dict[str, xcheck.Figures], entries: dict[str, Any]) -> str:
     """Markdown: one row per variant of ``family``, one column per type, mean KLD (top-1 % when
     below 100; a dagger for a recorded allowance)."""
-    own = xcheck.FAMILY_TYPES.get(family, ())
+    own = xfamily.EXTRA_TYPES.get(family, ())
     types = [t.name for t in (*xcheck.CHECK_TYPES, *own)]
     lines = ["| variant | " + " | ".join(types) + " |", "|---" * (len(types) + 1) + "|"]
-    for variant in xcheck.FAMILIES[family]:
+    for variant in xfamily.FAMILIES[family]:
         cells = []
         for t in types:
             f = figures.get(f"{variant}/{t}")
@@ -109,13 +110,13 @@ def check_family(
     family: str, args: argparse.Namespace, tmp: Path
 ) -> tuple[dict[str, Any], dict[str, np.ndarray], list[str]]:
     """One family's manifest, reference logits and failures."""
-    cases = xcheck.all_cases(family)
+    cases = xfamily.all_cases(family)
     if args.only and args.only != family:
         cases = {n: s for n, s in cases.items() if args.only in n}
     paths, hashes = {}, {}
     for name, spec in cases.items():
         paths[name], hashes[name] = xcheck.write_case(spec, tmp / name.replace("/", "-"))
-    engine = xcheck.FAMILY_ENGINES[family]
+    engine = xfamily.ENGINES[family]
     if engine == "ik_llama.cpp":
         reference, report = ik_llama_logits(args.ik_python, paths, tmp)
         emulate.ROUNDING = "ik"  # a miss is explained by ik's rounding, not ggml's
@@ -161,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     failures: list[str] = []
-    for family in xcheck.FAMILIES:
+    for family in xfamily.FAMILIES:
         if (
             args.only
             and args.only != family
-            and not any(args.only in name for name in xcheck.all_cases(family))
+            and not any(args.only in name for name in xfamily.all_cases(family))
         ):
             continue
         with tempfile.TemporaryDirectory(prefix=f"ggufswap-{family}-") as tmp_name:
@@ -173,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         failures += missed
         whole = not args.only or args.only == family
         if whole and not missed:
-            xcheck.save_golden(manifest, reference, xcheck.fixtures_of(family))
-            print(f"golden fixtures written to {xcheck.fixtures_of(family)}")
+            xcheck.save_golden(manifest, reference, xfamily.fixtures_of(family))
+            print(f"golden fixtures written to {xfamily.fixtures_of(family)}")
     for failure in failures:
         print("FAILED " + failure, file=sys.stderr)
     return 1 if failures else 0

@@ -34,11 +34,8 @@ from ggufswap.shards.presets import (
     hybrid_wide,
     tiny_arch,
     tiny_deepseek2,
-    tiny_deepseek2_ik,
-    tiny_deepseek32,
     tiny_dense,
     tiny_glm4moe,
-    tiny_glm_dsa,
     tiny_gpt_oss,
     tiny_llama3,
     tiny_moe,
@@ -83,20 +80,15 @@ class Threshold:
 
 def type_named(name: str) -> GGMLQuantizationType | GGMLType:
     """A GGML type by name: gguf-py's, or one of ik_llama.cpp's (``GGMLType``)."""
-    if name in GGMLQuantizationType.__members__:
-        return GGMLQuantizationType[name]
-    return GGMLType[name]
+    return Q[name] if name in Q.__members__ else GGMLType[name]
 
 
 def threshold(ggml_type: GGMLQuantizationType | GGMLType) -> Threshold:
-    """Top-1 100% and mean KLD < 1e-4 for F32/F16; < 1e-3 for Q8_0 (and Q6_K, the 6-bit type
-    issue 12 does not name, and ik_llama.cpp's Q6_0); < 1e-2 for the 4-bit types (ik's IQ4_K
-    among them)."""
-    if ggml_type == GGMLType.Q6_0:
-        return Threshold(1e-3, exact_top1=False)
+    """Top-1 100% and mean KLD < 1e-4 for F32/F16; < 1e-3 for Q8_0 (and the 6-bit Q6_K and ik's
+    Q6_0, which issue 12 does not name); < 1e-2 for the 4-bit types (ik's IQ4_K among them)."""
     if ggml_type in (Q.F32, Q.F16):
         return Threshold(1e-4, exact_top1=True)
-    if ggml_type in (Q.Q8_0, Q.Q6_K):
+    if ggml_type in (Q.Q8_0, Q.Q6_K, GGMLType.Q6_0):
         return Threshold(1e-3, exact_top1=False)
     return Threshold(1e-2, exact_top1=False)
 
@@ -133,18 +125,6 @@ def _glm4moe(**fixed: Any) -> Callable[..., ModelSpec]:
         if kw.get("n_embd") == WIDE["n_embd"]:
             kw = {"head_dim": 64, "rope_dim": 32, **kw}
         return tiny_glm4moe(**{**kw, **fixed})
-
-    return build
-
-
-def _wide_mla(preset: Callable[..., ModelSpec]) -> Callable[..., ModelSpec]:
-    """A latent-attention preset; widened as ``tiny-deepseek2`` is (``deepseek2_wide``) when
-    asked for the K-quant rows of 256."""
-
-    def build(**kw: Any) -> ModelSpec:
-        if kw.get("n_embd") == WIDE["n_embd"]:
-            kw = deepseek2_wide(**kw)
-        return preset(**kw)
 
     return build
 
@@ -211,22 +191,6 @@ VARIANTS: Final[Mapping[str, Callable[..., ModelSpec]]] = {
     "qwen35moe": _hybrid(tiny_qwen35moe),  # routed experts + gated shared expert
     "qwen3next": _hybrid(tiny_qwen3next),  # ssm_ba, interleaved value heads, NEOX RoPE
 }
-# Families recorded in fixtures of their own (``tests/fixtures/crosscheck/<family>/``, so that
-# adding one touches no other family's binary fixture), each checked against its reference:
-# llama.cpp, or ik_llama.cpp for the files only ik reads (``FAMILY_ENGINES``).
-FAMILIES: Final[Mapping[str, Mapping[str, Callable[..., ModelSpec]]]] = {
-    # DeepSeek-V3.2 and GLM-5.x: deepseek2's blocks behind the DSA lightning indexer (top-k 4 of
-    # the 12 positions), glm-dsa with shared indexer blocks
-    "dsa": {"deepseek32": _wide_mla(tiny_deepseek32), "glm-dsa": _wide_mla(tiny_glm_dsa)},
-    # DeepSeek-R1-0528 / V3-0324 as ik_llama.cpp's converter writes them: attn_kv_b and 2-D
-    # attn_k_b / attn_v_b, ungrouped routing in ik
-    "ik-mla": {"deepseek2-ik": _wide_mla(tiny_deepseek2_ik)},
-}
-FAMILY_ENGINES: Final[Mapping[str, str]] = {"dsa": "llama.cpp", "ik-mla": "ik_llama.cpp"}
-# Types a family checks beyond CHECK_TYPES: ik_llama.cpp's own, where ik is the reference.
-FAMILY_TYPES: Final[Mapping[str, tuple[GGMLType, ...]]] = {
-    "ik-mla": (GGMLType.Q6_0, GGMLType.IQ4_K),
-}
 _EXPERT_ROLES: Final = (Role.FFN_GATE_EXPS, Role.FFN_UP_EXPS, Role.FFN_DOWN_EXPS)
 # Variants some of whose roles keep their type whatever the case's type is.
 PINNED_TYPES: Final[Mapping[str, Mapping[Role, GGMLQuantizationType]]] = {
@@ -234,8 +198,8 @@ PINNED_TYPES: Final[Mapping[str, Mapping[Role, GGMLQuantizationType]]] = {
 }
 
 
-# deepseek2's attention and glm4moe's NextN matrix roles: only their cases set them (the other
-# specs have no such tensors, and their recorded specs predate the roles).
+# deepseek2's attention and glm4moe's NextN matrix roles (DSA_ROLES: the indexer's): only their
+# cases set them (the other specs have no such tensors; their recorded specs predate the roles).
 OWN_ROLES: Final = frozenset(
     {
         Role.ATTN_Q_A,
@@ -253,14 +217,17 @@ OWN_ROLES: Final = frozenset(
         Role.SSM_OUT,
     }
 )
-# The DSA indexer's matrix roles: only the dsa family's cases set them.
 DSA_ROLES: Final = frozenset({Role.INDEXER_PROJ, Role.INDEXER_ATTN_K, Role.INDEXER_ATTN_Q_B})
 
 
-def case_spec(variant: str, ggml_type: GGMLQuantizationType | GGMLType) -> ModelSpec:
-    """The spec of one case: the variant with every matrix role in ``ggml_type``, widened
-    (``WIDE``) when its rows cannot hold the type's blocks."""
-    build = VARIANTS[variant] if variant in VARIANTS else family_variant(variant)
+def case_spec(
+    variant: str,
+    ggml_type: GGMLQuantizationType | GGMLType,
+    build: Callable[..., ModelSpec] | None = None,
+) -> ModelSpec:
+    """The spec of one case: the variant (``build``, else ``VARIANTS``' own) with every matrix
+    role in ``ggml_type``, widened (``WIDE``) when its rows cannot hold the type's blocks."""
+    build = build or VARIANTS[variant]
     rules = rules_of(build().arch)
     own = rules.mla or rules.glm or rules.hybrid
     types = {
@@ -294,25 +261,9 @@ def case_threshold(name: str) -> Threshold:
     )
 
 
-def all_cases(family: str | None = None) -> dict[str, ModelSpec]:
-    """Every case, by name (``variant/TYPE``), in a stable order: of ``VARIANTS``, or of one
-    of the ``FAMILIES``."""
-    variants = VARIANTS if family is None else FAMILIES[family]
-    types = (*CHECK_TYPES, *FAMILY_TYPES.get(family or "", ()))
-    return {case_name(v, t): case_spec(v, t) for v in variants for t in types}
-
-
-def family_variant(variant: str) -> Callable[..., ModelSpec]:
-    """The builder of a variant of one of the ``FAMILIES``."""
-    for variants in FAMILIES.values():
-        if variant in variants:
-            return variants[variant]
-    raise KeyError(f"no cross-check variant {variant!r}")
-
-
-def fixtures_of(family: str | None) -> Path:
-    """Where a family's golden fixtures live (``FIXTURES`` for ``VARIANTS``)."""
-    return FIXTURES if family is None else FIXTURES / family
+def all_cases() -> dict[str, ModelSpec]:
+    """Every case, by name (``variant/TYPE``), in a stable order."""
+    return {case_name(v, t): case_spec(v, t) for v in VARIANTS for t in CHECK_TYPES}
 
 
 # Beyond the cases: the other layouts make-model writes (the same tensors over several files) and
@@ -508,24 +459,6 @@ def load_golden(out_dir: Path = FIXTURES) -> tuple[dict[str, Any], dict[str, Gol
                 figures=case["figures"],
                 logits=logits,
             )
-    return manifest, out
-
-
-def load_golden_files(
-    out_dir: Path,
-) -> tuple[dict[str, Any], dict[str, tuple[Path, np.ndarray]]]:
-    """A folder of files recorded with their reference's logits (the converter-made files of
-    ``converted_mla.py``): the manifest, and for each case whose file is kept, the file and the
-    decoded logits at ``GOLDEN_POSITIONS``."""
-    manifest = json.loads((out_dir / MANIFEST.name).read_text())
-    out = {}
-    with np.load(out_dir / LOGITS.name) as arrays:
-        for name, case in manifest["cases"].items():
-            if not case.get("file"):
-                continue
-            key = case["logits_key"]
-            codes = (arrays[f"{key}_codes"], arrays[f"{key}_offset"], arrays[f"{key}_step"])
-            out[name] = (out_dir / case["file"], decode_logits(*codes))
     return manifest, out
 
 

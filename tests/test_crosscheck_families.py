@@ -1,6 +1,6 @@
 """The cross-check families with fixtures of their own, replayed without their references.
 
-``make crosscheck`` (``crosscheck/families.py``) recorded, per family of ``xcheck.FAMILIES``
+``make crosscheck`` (``crosscheck/families.py``) recorded, per family of ``xfamily.FAMILIES``
 (DeepSeek-V3.2 / GLM-5.x against llama.cpp; ik_llama.cpp's three-tensor deepseek2 against
 ik_llama.cpp), every case's writer spec, the SHA-256 of its file and the reference's logits under
 ``tests/fixtures/crosscheck/<family>/``. As ``test_crosscheck.py`` does for the other cases, each
@@ -22,8 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "crosscheck"))  # the shared code
 
 import xcheck  # found on the path above
+import xfamily  # found on the path above
 
-RECORDED = {family: xcheck.load_golden(xcheck.fixtures_of(family)) for family in xcheck.FAMILIES}
+RECORDED = {family: xcheck.load_golden(xfamily.fixtures_of(family)) for family in xfamily.FAMILIES}
 CASES = {
     (family, name): case for family, (_, cases) in RECORDED.items() for name, case in cases.items()
 }
@@ -40,15 +41,15 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("family", list(xcheck.FAMILIES))
+@pytest.mark.parametrize("family", list(xfamily.FAMILIES))
 def test_each_family_records_every_case_against_its_reference(family: str) -> None:
     """Every variant x type of the family is recorded, against the family's reference, in a few
     kilobytes per case."""
     manifest, cases = RECORDED[family]
-    assert set(cases) == set(xcheck.all_cases(family))
+    assert set(cases) == set(xfamily.all_cases(family))
     assert manifest["tokens"] == list(xcheck.TOKENS)
-    assert manifest["reference"] == xcheck.FAMILY_ENGINES[family]
-    folder = xcheck.fixtures_of(family)
+    assert manifest["reference"] == xfamily.ENGINES[family]
+    folder = xfamily.fixtures_of(family)
     size = (folder / xcheck.MANIFEST.name).stat().st_size + (
         folder / xcheck.LOGITS.name
     ).stat().st_size
@@ -62,7 +63,7 @@ def test_decoder_agrees_with_the_recorded_reference_logits(
     """The case's model is rewritten byte for byte and the decoder's logits agree with the
     reference's recorded ones within the case's threshold (or its recorded allowance)."""
     case = CASES[(family, name)]
-    assert case.spec == xcheck.case_spec(*_variant_and_type(name)), "the case's spec"
+    assert case.spec == xfamily.case_spec(name), "the case's spec"
     path, sha256 = xcheck.write_case(case.spec, tmp_path)
     assert sha256 == case.sha256, (
         f"{name}: the writer no longer writes the recorded bytes; if intended, run "
@@ -79,13 +80,7 @@ def test_decoder_agrees_with_the_recorded_reference_logits(
     assert figures.top1 >= recorded["top1"], (name, figures)
 
 
-def _variant_and_type(name: str) -> tuple[str, xcheck.GGMLQuantizationType | xcheck.GGMLType]:
-    variant, _, type_name = name.rpartition("/")
-    return variant, xcheck.type_named(type_name)
-
-
-CONVERTED_DIR = xcheck.FIXTURES / "converted-mla"
-CONVERTED_MANIFEST, CONVERTED = xcheck.load_golden_files(CONVERTED_DIR)
+CONVERTED_MANIFEST, CONVERTED = xfamily.load_files(xfamily.CONVERTED)
 
 
 def test_every_converted_architecture_and_type_was_checked() -> None:
