@@ -27,6 +27,8 @@ Supported architectures (``general.architecture``):
   layers of llama.cpp's pattern (five of every six by default; local RoPE base
   ``rope.freq_base_swa``, 10000 by default), the others global with ``rope.freq_base`` and linear
   ``rope.scaling.factor``. RoPE NEOX.
+- ``deepseek32`` / ``glm-dsa``: deepseek2's blocks (the attn_k_b/attn_v_b form) behind the DSA
+  lightning indexer's top-k selection (``DSAShape``; glm-dsa's shared indexer blocks).
 - ``gpt-oss``: attention sinks and biases, sliding-window attention on even layers (llama.cpp's
   pattern of 2), a biased router with softmax over the top-k logits, biased experts of the
   required ``expert_feed_forward_length`` with clamped SwiGLU, YaRN RoPE scaling. RoPE NEOX.
