@@ -14,7 +14,7 @@ MODULES := $(VENV)/.ggufswap-modules
 PACKAGE_FOLDERS := $(shell $(PYTHON) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["ggufswap"]["packages"].values())')
 MODULE_LIST := $(sort $(foreach folder,$(PACKAGE_FOLDERS),$(wildcard $(folder)/*.py)))
 
-.PHONY: test demo bench fuzz soak lint typecheck crosscheck clean gpu-wheels gpu-env gpu-check FORCE
+.PHONY: test demo bench fuzz soak lint typecheck crosscheck ik-venv clean gpu-wheels gpu-env gpu-check FORCE
 
 $(MODULES): FORCE
 	@mkdir -p $(VENV)
@@ -72,13 +72,26 @@ $(XCHECK_VENV)/.llama-cpp-installed:
 		$(XCHECK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "$(LLAMA_CPP_SPEC)"
 	touch $@
 
+# ik_llama.cpp (the ik-llama-cpp-python wheel, MIT) checks the files only ik reads
+# (crosscheck/families.py: the three-tensor deepseek2 form); installed only when its venv lacks it.
+IK_VENV ?= .venv-ik
+IK_SPEC ?= ik-llama-cpp-python==0.1.5
+
+ik-venv:
+	$(IK_VENV)/bin/python -c "import ik_llama_cpp" 2>/dev/null || { \
+		test -x $(IK_VENV)/bin/python || $(PYTHON) -m venv $(IK_VENV); \
+		$(IK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "$(IK_SPEC)"; }
+
 # llama.cpp's own converter (convert_hf_to_gguf.py from the sources llama-cpp-python vendors,
 # in the sdist) runs in a venv of its own (torch CPU, transformers) on tiny checkpoints written by
-# crosscheck/convert_tiny.py; crosscheck/converted.py checks the files it and llama.cpp's quantizer
-# make (tests/fixtures/crosscheck/converted).
+# crosscheck/convert_tiny.py and crosscheck/convert_mla.py; crosscheck/converted.py and
+# crosscheck/converted_mla.py check the files it and llama.cpp's quantizer make
+# (tests/fixtures/crosscheck/converted, converted-mla). ik_llama.cpp's converter is in no
+# package: IK_SRC=DIR (a checkout holding convert_hf_to_gguf.py and gguf-py) adds its files.
 CONVERT_VENV ?= .venv-convert
 LLAMA_CPP_VERSION := $(lastword $(subst ==, ,$(LLAMA_CPP_SPEC)))
 LLAMA_SRC ?= build/llama-cpp-src/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp
+IK_SRC ?=
 
 $(CONVERT_VENV)/.convert-installed:
 	test -x $(CONVERT_VENV)/bin/python || $(PYTHON) -m venv $(CONVERT_VENV)
@@ -92,10 +105,15 @@ $(LLAMA_SRC)/convert_hf_to_gguf.py:
 	tar -xzf build/llama-cpp-src/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C build/llama-cpp-src
 	touch $@
 
-crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed $(CONVERT_VENV)/.convert-installed $(LLAMA_SRC)/convert_hf_to_gguf.py
+crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed ik-venv $(CONVERT_VENV)/.convert-installed $(LLAMA_SRC)/convert_hf_to_gguf.py
 	$(BIN)/python crosscheck/run.py --llama-python $(XCHECK_VENV)/bin/python
+	$(BIN)/python crosscheck/families.py --llama-python $(XCHECK_VENV)/bin/python \
+		--ik-python $(IK_VENV)/bin/python
 	$(BIN)/python crosscheck/converted.py --llama-python $(XCHECK_VENV)/bin/python \
 		--convert-python $(CONVERT_VENV)/bin/python --llama-src $(LLAMA_SRC)
+	$(BIN)/python crosscheck/converted_mla.py --llama-python $(XCHECK_VENV)/bin/python \
+		--convert-python $(CONVERT_VENV)/bin/python --llama-src $(LLAMA_SRC) \
+		$(if $(IK_SRC),--ik-src $(IK_SRC) --ik-python $(IK_VENV)/bin/python)
 	$(BIN)/python crosscheck/gemma_real.py --llama-python $(XCHECK_VENV)/bin/python
 
 # On a GPU host (docs/operations.md, "GPU check"): the CUDA tests and bench/gpu_check.py (parity,

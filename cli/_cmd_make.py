@@ -24,6 +24,9 @@ PRESETS = (
     "tiny-qwen35",
     "tiny-qwen35moe",
     "tiny-qwen3next",
+    "tiny-deepseek2-ik",
+    "tiny-deepseek32",
+    "tiny-glm-dsa",
 )
 ARCHES = (
     "llama",
@@ -38,6 +41,8 @@ ARCHES = (
     "qwen35",
     "qwen35moe",
     "qwen3next",
+    "deepseek32",
+    "glm-dsa",
 )  # shards.keys.Arch values
 # Architectures whose tiny model is a preset of its own (the default --preset for --arch).
 ARCH_PRESETS = {
@@ -47,12 +52,19 @@ ARCH_PRESETS = {
     "qwen35": "tiny-qwen35",
     "qwen35moe": "tiny-qwen35moe",
     "qwen3next": "tiny-qwen3next",
+    "deepseek32": "tiny-deepseek32",
+    "glm-dsa": "tiny-glm-dsa",
 }
 MOE_ONLY_ARCHES = ("qwen2moe", "qwen3moe")  # default preset tiny-moe (qwen2moe: shared expert)
 LAYOUTS = ("single", "split", "per-tensor")  # ggufswap.shards.writer.Layout values
 
 
 def register(subparsers: Any) -> None:
+    _register_make_model(subparsers)
+    _register_requant(subparsers)
+
+
+def _register_make_model(subparsers: Any) -> None:
     make = subparsers.add_parser(
         "make-model",
         help="write a small deterministic GGUF model (tests, demo)",
@@ -69,7 +81,8 @@ def register(subparsers: Any) -> None:
         choices=PRESETS,
         help=(
             "base model (default: tiny-moe for qwen2moe/qwen3moe, tiny-ARCH for deepseek2, "
-            "glm4moe, gpt-oss, qwen35, qwen35moe and qwen3next, else tiny-dense)"
+            "glm4moe, gpt-oss, qwen35, qwen35moe, qwen3next, deepseek32 and glm-dsa, else "
+            "tiny-dense; tiny-deepseek2-ik: ik_llama.cpp's three-tensor deepseek2 form)"
         ),
     )
     make.add_argument("--arch", choices=ARCHES)
@@ -95,6 +108,8 @@ def register(subparsers: Any) -> None:
     make.add_argument("--name", help="model name (file name stem)")
     make.set_defaults(func=run_make_model)
 
+
+def _register_requant(subparsers: Any) -> None:
     requant = subparsers.add_parser(
         "requant",
         help="re-encode one tensor of a shard to another GGML type",
@@ -159,8 +174,11 @@ def run_make_model(args: argparse.Namespace) -> int:
     from ggufswap.shards.presets import (
         demo_moe,
         tiny_deepseek2,
+        tiny_deepseek2_ik,
+        tiny_deepseek32,
         tiny_dense,
         tiny_glm4moe,
+        tiny_glm_dsa,
         tiny_gpt_oss,
         tiny_llama3,
         tiny_moe,
@@ -181,6 +199,9 @@ def run_make_model(args: argparse.Namespace) -> int:
         "tiny-qwen35": tiny_qwen35,
         "tiny-qwen35moe": tiny_qwen35moe,
         "tiny-qwen3next": tiny_qwen3next,
+        "tiny-deepseek2-ik": tiny_deepseek2_ik,
+        "tiny-deepseek32": tiny_deepseek32,
+        "tiny-glm-dsa": tiny_glm_dsa,
     }
     preset = args.preset or ("tiny-moe" if args.arch in MOE_ONLY_ARCHES else "tiny-dense")
     if args.preset is None and args.arch in ARCH_PRESETS:

@@ -26,6 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from ggufswap.shards.archs import rules_of
+from ggufswap.shards.ggml_types import GGMLType
 from ggufswap.shards.keys import Arch
 from ggufswap.shards.presets import (
     deepseek2_wide,
@@ -77,12 +78,17 @@ class Threshold:
     exact_top1: bool
 
 
-def threshold(ggml_type: GGMLQuantizationType) -> Threshold:
-    """Top-1 100% and mean KLD < 1e-4 for F32/F16; < 1e-3 for Q8_0 (and Q6_K, the 6-bit type
-    issue 12 does not name); < 1e-2 for the 4-bit types."""
+def type_named(name: str) -> GGMLQuantizationType | GGMLType:
+    """A GGML type by name: gguf-py's, or one of ik_llama.cpp's (``GGMLType``)."""
+    return Q[name] if name in Q.__members__ else GGMLType[name]
+
+
+def threshold(ggml_type: GGMLQuantizationType | GGMLType) -> Threshold:
+    """Top-1 100% and mean KLD < 1e-4 for F32/F16; < 1e-3 for Q8_0 (and the 6-bit Q6_K and ik's
+    Q6_0, which issue 12 does not name); < 1e-2 for the 4-bit types (ik's IQ4_K among them)."""
     if ggml_type in (Q.F32, Q.F16):
         return Threshold(1e-4, exact_top1=True)
-    if ggml_type in (Q.Q8_0, Q.Q6_K):
+    if ggml_type in (Q.Q8_0, Q.Q6_K, GGMLType.Q6_0):
         return Threshold(1e-3, exact_top1=False)
     return Threshold(1e-2, exact_top1=False)
 
@@ -192,8 +198,8 @@ PINNED_TYPES: Final[Mapping[str, Mapping[Role, GGMLQuantizationType]]] = {
 }
 
 
-# deepseek2's attention and glm4moe's NextN matrix roles: only their cases set them (the other
-# specs have no such tensors, and their recorded specs predate the roles).
+# deepseek2's attention and glm4moe's NextN matrix roles (DSA_ROLES: the indexer's): only their
+# cases set them (the other specs have no such tensors; their recorded specs predate the roles).
 OWN_ROLES: Final = frozenset(
     {
         Role.ATTN_Q_A,
@@ -211,18 +217,25 @@ OWN_ROLES: Final = frozenset(
         Role.SSM_OUT,
     }
 )
+DSA_ROLES: Final = frozenset({Role.INDEXER_PROJ, Role.INDEXER_ATTN_K, Role.INDEXER_ATTN_Q_B})
 
 
-def case_spec(variant: str, ggml_type: GGMLQuantizationType) -> ModelSpec:
-    """The spec of one case: the variant with every matrix role in ``ggml_type``, widened
-    (``WIDE``) when its rows cannot hold the type's blocks."""
-    build = VARIANTS[variant]
+def case_spec(
+    variant: str,
+    ggml_type: GGMLQuantizationType | GGMLType,
+    build: Callable[..., ModelSpec] | None = None,
+) -> ModelSpec:
+    """The spec of one case: the variant (``build``, else ``VARIANTS``' own) with every matrix
+    role in ``ggml_type``, widened (``WIDE``) when its rows cannot hold the type's blocks."""
+    build = build or VARIANTS[variant]
     rules = rules_of(build().arch)
     own = rules.mla or rules.glm or rules.hybrid
     types = {
         role.name: ggml_type
         for role in Role
-        if role not in F32_ROLES and (own or role not in OWN_ROLES)
+        if role not in F32_ROLES
+        and (own or role not in OWN_ROLES)
+        and (rules.dsa or role not in DSA_ROLES)
     }
     types |= {role.name: t for role, t in PINNED_TYPES.get(variant, {}).items()}
     name = f"xc-{variant}-{ggml_type.name.lower()}"
@@ -232,7 +245,7 @@ def case_spec(variant: str, ggml_type: GGMLQuantizationType) -> ModelSpec:
         return replace(build(**WIDE), name=name).with_types(**types)
 
 
-def case_name(variant: str, ggml_type: GGMLQuantizationType) -> str:
+def case_name(variant: str, ggml_type: GGMLQuantizationType | GGMLType) -> str:
     return f"{variant}/{ggml_type.name}"
 
 
@@ -240,7 +253,7 @@ def case_threshold(name: str) -> Threshold:
     """The threshold of case ``variant/TYPE``: its type's, or the loosest of it and the types its
     variant pins (``gpt-oss-mxfp4/F32`` holds 4-bit experts: the 4-bit threshold)."""
     variant, _, type_name = name.rpartition("/")
-    limits = [threshold(GGMLQuantizationType[type_name])]
+    limits = [threshold(type_named(type_name))]
     limits += [threshold(t) for t in PINNED_TYPES.get(variant, {}).values()]
     return Threshold(
         max(limit.max_mean_kld for limit in limits),
@@ -303,7 +316,7 @@ def spec_to_json(spec: ModelSpec) -> dict[str, Any]:
 def spec_from_json(data: Mapping[str, Any]) -> ModelSpec:
     """The spec ``spec_to_json`` recorded."""
     kw = dict(data)
-    kw["types"] = {Role[r]: GGMLQuantizationType[t] for r, t in kw.get("types", {}).items()}
+    kw["types"] = {Role[r]: type_named(t) for r, t in kw.get("types", {}).items()}
     if kw.get("moe_layers") is not None:
         kw["moe_layers"] = tuple(kw["moe_layers"])
     return ModelSpec(**kw)
@@ -399,7 +412,7 @@ class GoldenCase:
     name: str
     spec: ModelSpec
     sha256: str
-    ggml_type: GGMLQuantizationType
+    ggml_type: GGMLQuantizationType | GGMLType
     figures: Mapping[str, Any]  # what make crosscheck measured over every position
     logits: np.ndarray  # [len(GOLDEN_POSITIONS), V] llama.cpp's logits (decoded)
 
@@ -442,7 +455,7 @@ def load_golden(out_dir: Path = FIXTURES) -> tuple[dict[str, Any], dict[str, Gol
                 name=name,
                 spec=spec_from_json(case["spec"]),
                 sha256=case["sha256"],
-                ggml_type=GGMLQuantizationType[case["type"]],
+                ggml_type=type_named(case["type"]),
                 figures=case["figures"],
                 logits=logits,
             )

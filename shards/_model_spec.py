@@ -90,6 +90,9 @@ class ModelSpec:
     rope_dim: int | None = None  # rope.dimension_count: the decoupled rope dims per head
     v_head_dim: int | None = None  # None = head_dim - rope_dim
     mla_split: bool = True  # attn_k_b / attn_v_b (llama.cpp's converter today), else attn_kv_b
+    # ik_llama.cpp's form (mla_split False): attn_kv_b *and* 2-D attn_k_b / attn_v_b holding the
+    # same matrices split per head, as ik's converter writes them (mainline refuses the file).
+    mla_ik: bool = False
     expert_gating_func: int = 0  # 0: key not written (deepseek2: softmax); 1 softmax, 2 sigmoid
     expert_probs_bias: bool = False  # blk.N.exp_probs_b.bias (selection bias)
     n_expert_groups: int = 0  # expert_group_count (0: not written)
@@ -100,6 +103,11 @@ class ModelSpec:
     rope_scaling_factor: float = 0.0
     rope_orig_ctx: int = 0  # rope.scaling.original_context_length (0: not written)
     yarn_log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier as written (0.1 x mscale_all_dim)
+    # deepseek32 / glm-dsa (shards.archs: dsa): the lightning indexer; also the deepseek2 fields.
+    indexer_heads: int = 4  # attention.indexer.head_count
+    indexer_head_dim: int = 64  # attention.indexer.key_length (llama.cpp: a power of 2, >= 64)
+    indexer_top_k: int = 4  # attention.indexer.top_k: positions each query attends
+    indexer_types: tuple[bool, ...] | None = None  # glm-dsa: per-block full (True) / shared
     # glm4moe (shards.archs: glm); also n_dense_lead, n_expert_shared, rope_dim, the routing.
     n_nextn: int = 0  # NextN/MTP blocks after the n_layers trunk blocks (nextn_predict_layers)
     attn_bias: bool = False  # attn_q/k/v biases
@@ -118,6 +126,8 @@ class ModelSpec:
             object.__setattr__(self, name, value)
 
         put("arch", Arch(self.arch))
+        if self.indexer_types is not None:
+            put("indexer_types", tuple(bool(f) for f in self.indexer_types))
         if self.moe_layers is not None:
             put("moe_layers", tuple(sorted(set(self.moe_layers))))
         resolved: dict[Role, GGMLQuantizationType | GGMLType] = dict(DEFAULT_TYPES)
@@ -210,6 +220,8 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
             f"per_expert_tensors is the old Mixtral layout: it needs arch llama with experts, "
             f"found {spec.arch_name} with n_expert {spec.n_expert}"
         )
+    if spec.mla_ik and spec.arch is not Arch.DEEPSEEK2:
+        errors.append(f"mla_ik is ik_llama.cpp's deepseek2 form, not {spec.arch_name}'s")
     if spec.sliding_window <= 0:
         errors.append(f"sliding_window must be > 0, found {spec.sliding_window}")
     if spec.extra_vocab_strings < 0:
@@ -218,8 +230,13 @@ def _spec_errors(spec: ModelSpec) -> list[str]:
     if unwritable:
         names = ", ".join(t.name for t in ACCEPTED_TYPES)
         errors.append(f"types {unwritable} cannot be written; writable types are: {names}")
-    if errors:
-        return errors
+    return errors or _plan_errors(spec)
+
+
+def _plan_errors(spec: ModelSpec) -> list[str]:
+    """What the tensor plan of a spec otherwise valid cannot hold: a role ggml reads as floats
+    in another type, a row length that is not a multiple of its type's block size."""
+    errors = []
     misfits: dict[Role, list[PlannedTensor]] = {}
     planned = plan(spec)
     for role in sorted({t.role for t in planned} & F32_ONLY_ROLES, key=lambda r: r.name):

@@ -86,9 +86,18 @@ class Role(Enum):
     SSM_BETA_ALPHA = MODEL_TENSOR.SSM_BETA_ALPHA
     SSM_NORM = MODEL_TENSOR.SSM_NORM
     SSM_OUT = MODEL_TENSOR.SSM_OUT
+    # deepseek32 / glm-dsa: the DSA lightning indexer (literal names: gguf-py before 0.19 lacks
+    # these tensors)
+    INDEXER_K_NORM = "blk.{}.indexer.k_norm.weight"
+    INDEXER_K_NORM_BIAS = "blk.{}.indexer.k_norm.bias"
+    INDEXER_PROJ = "blk.{}.indexer.proj.weight"
+    INDEXER_ATTN_K = "blk.{}.indexer.attn_k.weight"
+    INDEXER_ATTN_Q_B = "blk.{}.indexer.attn_q_b.weight"
 
     def tensor_name(self, block: int | None = None) -> str:
         """The llama.cpp tensor name, e.g. ``blk.3.ffn_up_exps.weight``."""
+        if isinstance(self.value, str):  # a literal template
+            return self.value.format(block)
         if isinstance(self.value, tuple):
             tensor, suffix = self.value
         else:
@@ -111,6 +120,7 @@ NORM_ROLES: Final = frozenset(
         Role.NEXTN_HNORM,
         Role.NEXTN_SHARED_HEAD_NORM,
         Role.SSM_NORM,
+        Role.INDEXER_K_NORM,
     }
 )
 # 1-D or routing tensors stay F32, as llama.cpp's quantizer leaves them.
@@ -132,6 +142,7 @@ F32_ONLY_ROLES: Final = frozenset(
         Role.SSM_CONV1D,
         Role.SSM_A,
         Role.SSM_DT_BIAS,
+        Role.INDEXER_K_NORM_BIAS,  # ggml_add's float operand, F32 in the converter's files
     }
 )
 F32_ROLES: Final = (

@@ -23,6 +23,8 @@ class Arch(str, enum.Enum):
     QWEN35 = "qwen35"
     QWEN35MOE = "qwen35moe"
     QWEN3NEXT = "qwen3next"
+    DEEPSEEK32 = "deepseek32"
+    GLM_DSA = "glm-dsa"
 
 
 class Keys:
@@ -101,6 +103,11 @@ class Keys:
         SSM_GROUP_COUNT: Final = "{}.ssm.group_count"
         FULL_ATTENTION_INTERVAL: Final = "{}.full_attention_interval"
         ATTENTION_RECURRENT_LAYERS: Final = "{}.attention.recurrent_layers"
+        # deepseek32 / glm-dsa: the DSA lightning indexer (glm-dsa: which layers run their own)
+        INDEXER_HEAD_COUNT: Final = "{}.attention.indexer.head_count"
+        INDEXER_KEY_LENGTH: Final = "{}.attention.indexer.key_length"
+        INDEXER_TOP_K: Final = "{}.attention.indexer.top_k"
+        INDEXER_TYPES: Final = "{}.attention.indexer.types"
 
     class Tokenizer:
         MODEL: Final = "tokenizer.ggml.model"
@@ -182,6 +189,12 @@ class TensorNames:
     SSM_NORM: Final = tensor_template(MODEL_TENSOR.SSM_NORM)
     SSM_OUT: Final = tensor_template(MODEL_TENSOR.SSM_OUT)
     SSM_IN: Final = tensor_template(MODEL_TENSOR.SSM_IN)
+    # deepseek32 / glm-dsa: the DSA lightning indexer (k_norm comes as weight and bias).
+    # Literal: gguf-py releases before the DSA architectures lack these tensors.
+    INDEXER_K_NORM: Final = "blk.{}.indexer.k_norm.{}"
+    INDEXER_PROJ: Final = "blk.{}.indexer.proj.weight"
+    INDEXER_ATTN_K: Final = "blk.{}.indexer.attn_k.weight"
+    INDEXER_ATTN_Q_B: Final = "blk.{}.indexer.attn_q_b.weight"
     # NextN/MTP blocks (glm4moe, deepseek2): loaded, never computed
     NEXTN_EH_PROJ: Final = tensor_template(MODEL_TENSOR.NEXTN_EH_PROJ)
     NEXTN_ENORM: Final = tensor_template(MODEL_TENSOR.NEXTN_ENORM)

@@ -87,6 +87,53 @@ def tiny_deepseek2(**overrides: Any) -> ModelSpec:
     )
 
 
+def tiny_deepseek2_ik(**overrides: Any) -> ModelSpec:
+    """``tiny-deepseek2`` in ik_llama.cpp's form (DeepSeek-R1-0528 / V3-0324 as the GGUF Tool
+    Suite ships them): ``attn_kv_b`` and, beside it, 2-D ``attn_k_b`` / ``attn_v_b`` holding its
+    matrices split per head (from the written ``attn_kv_b``'s values), no ``*_mla`` keys, one
+    key/value head per query head. ik_llama.cpp loads it; mainline llama.cpp refuses it."""
+    fields = {"name": "tiny-deepseek2-ik", "mla_split": False, "mla_ik": True, **overrides}
+    return tiny_deepseek2(**fields)
+
+
+# The DSA lightning indexer of the tiny DeepSeek-V3.2 / GLM-5: 4 heads of 64 (llama.cpp's
+# Hadamard rotation needs a power of 2 >= 64), each query keeping its 4 best-scored positions,
+# so every position past the fourth attends sparsely.
+_INDEXER: Final[Mapping[str, Any]] = MappingProxyType(
+    {"indexer_heads": 4, "indexer_head_dim": 64, "indexer_top_k": 4}
+)
+
+
+def tiny_deepseek32(**overrides: Any) -> ModelSpec:
+    """A deepseek32 like DeepSeek-V3.2, tiny: ``tiny-deepseek2``'s blocks (attn_k_b/attn_v_b,
+    q_lora, 8 experts in 4 groups, sigmoid with the selection bias, YaRN x4) and a lightning
+    indexer in every block (4 heads of 64, top-k 4)."""
+    return tiny_deepseek2(
+        **{"arch": Arch.DEEPSEEK32, "name": "tiny-deepseek32", **_INDEXER, **overrides}
+    )
+
+
+def tiny_glm_dsa(**overrides: Any) -> ModelSpec:
+    """A glm-dsa like GLM-5.2, tiny (n_embd 64, vocab 256): 4 blocks (one dense), latent
+    attention with q_lora, the indexer in blocks 0 and 2 (blocks 1 and 3 reuse their top-k,
+    ``indexer_types``), 8 experts (2 used) with the default sigmoid gating and the selection
+    bias, renormalised and scaled by 2.5, one shared expert, no RoPE scaling."""
+    return _preset(
+        Arch.GLM_DSA,
+        "tiny-glm-dsa",
+        overrides,
+        **{**_ROUTED, "n_layers": 4, "expert_gating_func": 0},
+        **_INDEXER,
+        indexer_types=(True, False, True, False),
+        n_head_kv=1,
+        head_dim=48,
+        rope_dim=16,
+        v_head_dim=32,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+    )
+
+
 def tiny_glm4moe(**overrides: Any) -> ModelSpec:
     """A glm4moe like GLM-4.5-Air, tiny (n_embd 64, vocab 256): 3 blocks (one dense) and one
     NextN/MTP block, heads of 32 with Q/K/V biases and half of each head rotated, 8 experts (2
@@ -202,6 +249,8 @@ def tiny_arch(arch: Arch | str, **overrides: Any) -> ModelSpec:
     arch = Arch(arch)
     own = {
         Arch.DEEPSEEK2: tiny_deepseek2,
+        Arch.DEEPSEEK32: tiny_deepseek32,
+        Arch.GLM_DSA: tiny_glm_dsa,
         Arch.GLM4MOE: tiny_glm4moe,
         Arch.QWEN3MOE: tiny_moe,
         Arch.GPT_OSS: tiny_gpt_oss,

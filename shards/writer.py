@@ -139,6 +139,13 @@ def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
         raw = tensor_bytes(spec, replace(t, name=name, ne=ne, expert=None))
         size = raw.size // spec.n_expert
         return raw[t.expert * size : (t.expert + 1) * size]
+    split_types = (t.ggml_type, spec.type_of(Role.ATTN_KV_B))
+    if (
+        spec.mla_ik
+        and t.role in (Role.ATTN_K_B, Role.ATTN_V_B)
+        and all(x in _synth.QUANTIZABLE_TYPES for x in split_types)
+    ):  # ik's own types are synthesized blocks, which gguf-py can neither decode nor encode
+        return _synth.encode_floats(ik_mla_split(spec, t), Q(t.ggml_type))
     rng = _synth.tensor_rng(spec.seed, t.name)
     if t.role is Role.SSM_A:  # -exp(A_log) as the converter stores it: every head decays
         a_log = rng.normal(0.0, 0.5, size=t.ne[0]).astype(np.float32)
@@ -148,6 +155,24 @@ def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
     if t.role in NORM_ROLES:
         return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=1.0, std=0.05)
     return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=0.0, std=1.0 / math.sqrt(t.ne[0]))
+
+
+def ik_mla_split(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
+    """ik_llama.cpp's 2-D ``attn_k_b`` / ``attn_v_b`` of ``t``'s block as its converter derives
+    them from ``attn_kv_b`` (``[H, nope + v, rank]`` split per head, ``k_b`` transposed):
+    ``[H * rank, nope]`` / ``[H * v, rank]`` floats, the block's ``attn_kv_b`` as written (its
+    dequantized values). In ik's own types (random valid blocks, which gguf-py cannot decode)
+    the three are synthesized each on its own instead."""
+    h, rank, nope, v = spec.n_head, spec.kv_lora_rank, spec.n_embd_head - spec.n_rot, spec.head_v
+    role = Role.ATTN_KV_B
+    kv_b = PlannedTensor(
+        role.tensor_name(t.block), role, spec.type_of(role), (rank, h * (nope + v)), t.block
+    )
+    values = _synth.decode_floats(tensor_bytes(spec, kv_b), kv_b.ggml_type, rank)
+    heads = values.reshape(h, nope + v, rank)
+    if t.role is Role.ATTN_K_B:
+        return np.ascontiguousarray(heads[:, :nope].transpose(0, 2, 1).reshape(h * rank, nope))
+    return np.ascontiguousarray(heads[:, nope:].reshape(h * v, rank))
 
 
 # --- metadata ---------------------------------------------------------------------------------

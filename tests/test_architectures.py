@@ -46,11 +46,15 @@ CASES = {
         "llama",
         {"n_expert": 4, "n_expert_used": 2, "per_expert_tensors": True},
     ),
+    "deepseek2-ik": ("deepseek2", {"mla_split": False, "mla_ik": True}),  # ik_llama.cpp's form
+    "deepseek32": ("deepseek32", {}),  # the DSA indexer in every block
+    "glm-dsa": ("glm-dsa", {}),  # full and shared indexer blocks
 }
 # The tensor each case re-quantizes: attn_q, or attn_q_b where the queries come through q_lora.
 SWAPPED = {
     "deepseek2": "blk.0.attn_q_b.weight",
     "deepseek2-kv-b": "blk.0.attn_q_b.weight",
+    **dict.fromkeys(("deepseek2-ik", "deepseek32", "glm-dsa"), "blk.0.attn_q_b.weight"),
     **dict.fromkeys(("qwen35", "qwen35moe", "qwen3next"), "blk.0.attn_qkv.weight"),
 }
 

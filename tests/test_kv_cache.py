@@ -57,6 +57,10 @@ SPECS = {
     # delta-net blocks: conv and recurrent state in the cache, a chunked prefill
     "qwen35": tiny_arch("qwen35"),
     "qwen3next": tiny_arch("qwen3next"),
+    # the indexer's keys cached beside the latent; top-k 4 of up to 12 positions
+    "deepseek32": tiny_arch("deepseek32"),
+    "glm-dsa": tiny_arch("glm-dsa"),  # shared blocks reuse the full ones' selection
+    "deepseek2-ik": tiny_arch("deepseek2", mla_split=False, mla_ik=True),
 }
 
 

@@ -68,6 +68,7 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "glm4moe": tiny_glm4moe,
     "gpt-oss": tiny_gpt_oss,
     "qwen35moe": tiny_qwen35moe,  # delta-net state through the server's per-request caches
+    "glm-dsa": lambda: tiny_arch("glm-dsa"),  # the indexer's keys in the per-request caches
 }
 
 

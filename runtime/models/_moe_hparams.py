@@ -42,10 +42,53 @@ class MLAShape:
     head_v: int  # value head width (n_embd_head_v_mla)
     n_rot: int  # the decoupled rope dims at the end of each query head
     split: bool
+    # ik_llama.cpp's attention scale and RoPE magnitude factor for this file (its deepseek2
+    # graph's mscale = attn_factor * (1 + log_mul * ln(1 / freq_scale)), the converter's log_mul
+    # as stored, and 1 / (1 + 0.1 ln(1 / freq_scale))): what its three-tensor form runs with.
+    ik_scales: tuple[float, float] = (0.0, 1.0)
 
     @property
     def nope(self) -> int:
         return self.head_k - self.n_rot
+
+
+@dataclass(frozen=True)
+class DSAShape:
+    """The DSA lightning indexer of deepseek32 / glm-dsa (``attention.indexer.*``;
+    ``blocks.indexer``).
+
+    ``full_layers[i]``: block ``i`` runs its own indexer; glm-dsa's "shared" blocks (False) reuse
+    the top-k of the last block that did. ``rope_neox``: the indexer's RoPE pairs (deepseek32
+    NEOX, glm-dsa NORM). ``norm_eps``: the indexer key norm's epsilon (llama.cpp's
+    ``f_norm_eps``: 1e-6 for deepseek32, never set, so 0, for glm-dsa).
+    """
+
+    n_head: int
+    head_dim: int
+    top_k: int
+    full_layers: tuple[bool, ...]
+    rope_neox: bool
+    norm_eps: float
+
+    def problems(self, *, n_rot: int) -> list[str]:
+        """What llama.cpp's DSA graphs assert of the indexer."""
+        out = []
+        if min(self.n_head, self.head_dim, self.top_k) <= 0:
+            out.append(
+                f"attention.indexer.head_count / key_length / top_k must be > 0, found "
+                f"{self.n_head} / {self.head_dim} / {self.top_k}"
+            )
+        if n_rot > self.head_dim:
+            out.append(
+                f"rope.dimension_count {n_rot} exceeds attention.indexer.key_length "
+                f"{self.head_dim} (llama.cpp: GGML_ASSERT(n_rot <= n_embd_indexer_head))"
+            )
+        if self.full_layers and not self.full_layers[0]:
+            out.append(
+                "attention.indexer.types: block 0 must run its own indexer (a shared block "
+                "reuses the top-k of an earlier full one)"
+            )
+        return out
 
 
 # The keys routing_kwargs reads.
@@ -168,3 +211,26 @@ def deepseek2_problems(config: HParams, *, head_dim: int) -> list[str]:
             f"attn_kv_b (decompressed multi-head attention), found {config.n_head_kv}"
         )
     return problems
+
+
+def dsa_problems(config: HParams) -> list[str]:
+    """What llama.cpp's deepseek32 / glm-dsa loaders and graphs refuse beyond deepseek2's: the
+    absorbed form only (``DEEPSEEK32 architecture requires MLA``), q_lora (``attn_q_a`` is
+    created unconditionally) and the indexer's shape."""
+    a, mla, dsa = config.arch.value, config.mla, config.dsa
+    if mla is None or dsa is None:
+        return [f"{a}: the latent attention's and the indexer's shapes are missing"]
+    problems = []
+    if not mla.split:
+        problems.append(
+            f"{a}: attention.key_length_mla / value_length_mla are required (llama.cpp: "
+            f"the architecture requires MLA, the attn_k_b/attn_v_b form)"
+        )
+    if mla.q_lora_rank <= 0:
+        problems.append(f"{a}: attention.q_lora_rank must be > 0, found {mla.q_lora_rank}")
+    n_trunk = config.n_layer - config.n_layer_nextn
+    if len(dsa.full_layers) != n_trunk:
+        problems.append(
+            f"{a}: the indexer pattern has {len(dsa.full_layers)} entries for {n_trunk} blocks"
+        )
+    return problems + [f"{a}: {p}" for p in dsa.problems(n_rot=mla.n_rot)]

@@ -8,6 +8,14 @@ Follows llama.cpp's ``llama_model_deepseek2::graph`` (``src/models/deepseek2.cpp
   ``attn_kv_a_norm``) and one shared rope key. Files with ``attn_k_b`` / ``attn_v_b`` run the
   absorbed form (queries multiplied into the latent space, one shared key/value head: the cache
   holds the latent); files with the older ``attn_kv_b`` decompress per-head keys and values;
+  ik_llama.cpp's files (DeepSeek-R1-0528, V3-0324 as the GGUF Tool Suite ships them) hold
+  ``attn_kv_b`` *and* 2-D ``attn_k_b`` ``{nope, H * rank}`` / ``attn_v_b`` ``{rank, H * v}``
+  (the same matrices split per head, without the ``*_mla`` keys): mainline refuses them, ik
+  computes every batch of fewer than 128 tokens (every batch without flash attention) with the
+  absorbed form from ``attn_k_b`` / ``attn_v_b``, and so does this decoder for every batch;
+  ``attn_kv_b`` is loaded and never read (``unused``: ik reads it only for prompt batches of
+  128 tokens or more with flash attention). Such a file routes as ik routes deepseek2: without
+  the group limit (``is_ik_form``);
 - RoPE NORM (adjacent pairs) on the last ``rope.dimension_count`` dims of each query head and on
   the shared rope key, with linear or YaRN scaling, and the softmax scale
   ``mscale^2 / sqrt(head_k)`` llama.cpp applies (``hparams._yarn``);
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, Final
 
 import torch
@@ -108,9 +117,21 @@ def read_keys(reader: KeyReader, common: Mapping[str, Any]) -> dict[str, Any]:
     )
     sigmoid = n_layer in DEEPSEEK2_SIGMOID_LAYERS and n_vocab == DEEPSEEK2_SIGMOID_VOCAB
     out = routing_kwargs(reader, default_gating=Gating.SIGMOID if sigmoid else Gating.SOFTMAX)
-    out["mla"] = mla
+    out["mla"] = replace(mla, ik_scales=_ik_scales(reader, common, head_k=mla.head_k))
     out.update(_yarn(reader, common, head_k=mla.head_k, yarn=yarn))
     return out
+
+
+def _ik_scales(reader: KeyReader, common: Mapping[str, Any], *, head_k: int) -> tuple[float, float]:
+    """ik_llama.cpp's kq scale and RoPE attn_factor (``src/graphs/build_deepseek2.cpp``): the log
+    multiplier as the converter stored it (0.1 x mscale_all_dim), ``rope.scaling.attn_factor``
+    on the kq scale; equal to llama.cpp's whenever YaRN comes with a log multiplier."""
+    k, freq_scale = Keys.LLM, common["rope_freq_scale"]
+    log_mul = reader.get_float(k.ROPE_SCALING_YARN_LOG_MUL, 0.0)
+    mscale = reader.get_float(k.ROPE_SCALING_ATTN_FACTOR, 1.0) * (
+        1.0 + log_mul * math.log(1.0 / freq_scale)
+    )
+    return mscale * mscale / math.sqrt(head_k), 1.0 / (1.0 + 0.1 * math.log(1.0 / freq_scale))
 
 
 def _yarn(
@@ -156,10 +177,14 @@ def head_linear(x: Tensor, w: Tensor | ExpertStack) -> Tensor:
     return y.to(device=x.device, dtype=x.dtype)
 
 
-def _heads(weights: WeightProvider, name: str) -> Tensor | ExpertStack:
-    """``attn_k_b`` / ``attn_v_b``: the stacked tensor, or with ggml's numerics its per-head
-    matrices."""
-    return weights.experts(name) if isinstance(weights, GgmlWeights) else weights.weight(name)
+def _heads(weights: WeightProvider, name: str, heads: int) -> Tensor | ExpertStack:
+    """``attn_k_b`` / ``attn_v_b`` as ``[H, N, K]``: the stacked tensor (ik_llama.cpp's 2-D
+    ``[H * N, K]`` form viewed per head), or with ggml's numerics its per-head matrices (the
+    2-D form then multiplies in float)."""
+    if isinstance(weights, GgmlWeights) and len(weights.shape(name)) == 3:
+        return weights.experts(name)
+    w = weights.weight(name)
+    return w if w.dim() == 3 else w.view(heads, -1, w.shape[-1])
 
 
 class LatentAttention(nn.Module):
@@ -185,33 +210,49 @@ class LatentAttention(nn.Module):
         self.wkv_a = need(TN.ATTN_KV_A_MQA.format(layer), (m.kv_lora_rank + m.n_rot, d))
         self.kv_a_norm = need(TN.ATTN_KV_A_NORM.format(layer), (m.kv_lora_rank,))
         split = (TN.ATTN_K_B.format(layer), TN.ATTN_V_B.format(layer))
+        kv_b = TN.ATTN_KV_B.format(layer)
+        # ik_llama.cpp's form: attn_kv_b beside 2-D attn_k_b / attn_v_b (module docstring).
+        self.ik = not m.split and weights.has(split[0]) and weights.has(split[1])
+        self.absorbed = m.split or self.ik
         if m.split:
             self.wk_b = need(split[0], (h, m.kv_lora_rank, m.nope))
             self.wv_b = need(split[1], (h, m.head_v, m.kv_lora_rank))
-            spec.refuse(weights, [TN.ATTN_KV_B.format(layer)], "attention.key_length_mla is set")
+            spec.refuse(weights, [kv_b], "attention.key_length_mla is set")
+        elif self.ik:
+            self.wk_b = need(split[0], (h * m.kv_lora_rank, m.nope))
+            self.wv_b = need(split[1], (h * m.head_v, m.kv_lora_rank))
+            self.unread_kv_b = kv_b  # loaded, never computed with (``unused``)
         else:
-            self.wkv_b = need(TN.ATTN_KV_B.format(layer), (h * (m.nope + m.head_v), m.kv_lora_rank))
+            self.wkv_b = need(kv_b, (h * (m.nope + m.head_v), m.kv_lora_rank))
             spec.refuse(weights, split, "attention.key_length_mla is not set")
         self.wo = need(TN.ATTN_OUT.format(layer, "weight"), (d, h * m.head_v))
 
-    def _query(self, x: Tensor) -> Tensor:
-        # x: [B, T, D] -> [B, T, H, head_k]
+    def q_lora(self, x: Tensor) -> Tensor:
+        """``attn_q_a_norm(attn_q_a x)`` (``qr``, which the DSA indexer reads too), or ``x``
+        itself without q_lora."""
+        # x: [B, T, D] -> [B, T, q_lora_rank or D]
         w, c = self.weights, self.config
-        if self.wq_a is not None:
-            x = rms_norm(linear(x, w.matrix(self.wq_a)), w.weight(self.q_a_norm), c.norm_eps)
-        return linear(x, w.matrix(self.wq)).unflatten(-1, (c.n_head, self.m.head_k))
+        if self.wq_a is None:
+            return x
+        return rms_norm(linear(x, w.matrix(self.wq_a)), w.weight(self.q_a_norm), c.norm_eps)
 
     def forward(
         self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
     ) -> Tensor:
-        # x: [B, T, D]
+        return self.attend(self.q_lora(x), x, rope, mask, cache)
+
+    def attend(
+        self, qr: Tensor, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
+    ) -> Tensor:
+        """The attention of ``x`` (``[B, T, D]``) with the queries from ``qr`` (``q_lora``'s
+        output), under ``mask`` (``[T, S]`` or ``[B, 1, T, S]`` bool; None: causal)."""
         m, c, w = self.m, self.config, self.weights
-        q = self._query(x)
+        q = linear(qr, w.matrix(self.wq)).unflatten(-1, (c.n_head, m.head_k))  # [B, T, H, hk]
         q_nope, q_pe = q[..., : m.nope], rope.rotate(q[..., m.nope :])  # [B, T, H, nope / rot]
         kv = linear(x, w.matrix(self.wkv_a))  # [B, T, rank + rot]
         latent = rms_norm(kv[..., : m.kv_lora_rank], w.weight(self.kv_a_norm), c.norm_eps)
         k_pe = rope.rotate(kv[..., None, m.kv_lora_rank :])  # [B, T, 1, rot]
-        if m.split:
+        if self.absorbed:
             y = self._absorbed(q_nope, q_pe, latent, k_pe, mask=mask, cache=cache)  # [B, T, H, v]
         else:
             y = self._decompressed(q_nope, q_pe, latent, k_pe, mask=mask, cache=cache)
@@ -230,7 +271,7 @@ class LatentAttention(nn.Module):
         """attn_k_b turns the queries into latent queries; one key/value head (the latent and
         the rope key) serves every query head; attn_v_b decompresses each head's output."""
         rank, w = self.m.kv_lora_rank, self.weights
-        q_lat = head_linear(q_nope, _heads(w, self.wk_b))  # [B, T, H, rank]
+        q_lat = head_linear(q_nope, _heads(w, self.wk_b, self.config.n_head))  # [B, T, H, rank]
         q = torch.cat((q_lat, q_pe), dim=-1).transpose(1, 2)  # [B, H, T, rank + rot]
         k = torch.cat((latent[:, :, None], k_pe), dim=-1).transpose(1, 2)  # [B, 1, T, rank+rot]
         if cache is not None:  # the values are the keys' latent part: cache nothing twice
@@ -245,7 +286,9 @@ class LatentAttention(nn.Module):
             is_causal=mask is None,
             scale=self.config.attn_scale,
         )  # [B, H, T, rank]
-        return head_linear(y.transpose(1, 2), _heads(w, self.wv_b))  # [B, T, H, v]
+        return head_linear(
+            y.transpose(1, 2), _heads(w, self.wv_b, self.config.n_head)
+        )  # [B, T, H, v]
 
     def _decompressed(
         self,
@@ -291,9 +334,33 @@ class Deepseek2Transformer(DecoderStack):
     def __init__(
         self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
     ) -> None:
+        mla = config.mla
+        assert mla is not None, "deepseek2 configs carry their MLAShape"
+        ik_form = is_ik_form(config, weights)
+        if ik_form:  # ik routes deepseek2 ungrouped, scales its attention its own way
+            scale, rope_attn = mla.ik_scales
+            config = replace(
+                config,
+                n_expert_groups=0,
+                n_group_used=0,
+                attention_scale=scale,
+                rope_attn_factor=rope_attn,
+            )
         super().__init__(config, weights, check_shapes=check_shapes)
-        assert config.mla is not None, "deepseek2 configs carry their MLAShape"
-        self.rope = rotary(config, config.rope_base, n_rot=config.mla.n_rot)
+        self.ik_form = ik_form
+        self.rope = rotary(config, config.rope_base, n_rot=mla.n_rot)
+
+
+def is_ik_form(config: HParams, weights: WeightProvider) -> bool:
+    """Whether the file is in ik_llama.cpp's three-tensor form (``attn_kv_b`` beside
+    ``attn_k_b`` / ``attn_v_b``, no ``*_mla`` keys): a file only ik_llama.cpp reads, so the
+    decoder computes what ik computes. Its routing then ignores ``expert_group_count`` (ik's
+    ``build_moe_ffn`` limits groups for BailingMoE only; mainline and the other forms here
+    apply them), and its attention scale and RoPE magnitude are ik's (``MLAShape.ik_scales``:
+    llama.cpp's too, but for YaRN without a log multiplier or linear scaling)."""
+    assert config.mla is not None, "deepseek2 configs carry their MLAShape"
+    k_b, kv_b = TN.ATTN_K_B.format(0), TN.ATTN_KV_B.format(0)
+    return not config.mla.split and weights.has(k_b) and weights.has(kv_b)
 
 
 ARCHITECTURE = Architecture(

@@ -27,6 +27,8 @@ Supported architectures (``general.architecture``):
   layers of llama.cpp's pattern (five of every six by default; local RoPE base
   ``rope.freq_base_swa``, 10000 by default), the others global with ``rope.freq_base`` and linear
   ``rope.scaling.factor``. RoPE NEOX.
+- ``deepseek32`` / ``glm-dsa``: deepseek2's blocks (the attn_k_b/attn_v_b form) behind the DSA
+  lightning indexer's top-k selection (``DSAShape``; glm-dsa's shared indexer blocks).
 - ``gpt-oss``: attention sinks and biases, sliding-window attention on even layers (llama.cpp's
   pattern of 2), a biased router with softmax over the top-k logits, biased experts of the
   required ``expert_feed_forward_length`` with clamped SwiGLU, YaRN RoPE scaling. RoPE NEOX.
@@ -46,9 +48,11 @@ from typing import Any, Final
 
 from ggufswap.runtime.models._hybrid_hparams import SSMShape, hybrid_problems
 from ggufswap.runtime.models._moe_hparams import (
+    DSAShape,
     Gating,
     MLAShape,
     deepseek2_problems,
+    dsa_problems,
     lead_problems,
 )
 from ggufswap.runtime.models.errors import HParamsError
@@ -69,6 +73,7 @@ __all__ = [
     "ROPE_SCALING_YARN",
     "Activation",
     "Arch",
+    "DSAShape",
     "Gating",
     "HParams",
     "KeyReader",
@@ -161,6 +166,7 @@ class HParams:
     n_expert_groups: int = 0  # 0 or 1: no group-limited routing
     n_group_used: int = 0
     mla: MLAShape | None = None
+    dsa: DSAShape | None = None  # deepseek32 / glm-dsa: the lightning indexer
     rope_ext_factor: float = 0.0
     rope_attn_factor: float = 1.0
     rope_ctx_orig: int = 0  # YaRN's original context (0 = context_length)
@@ -231,6 +237,8 @@ class HParams:
             problems += lead_problems(self, is_moe=is_moe)
         if rules.mla:
             problems += deepseek2_problems(self, head_dim=head_dim)
+        if rules.dsa:
+            problems += dsa_problems(self)
         if is_moe and n_ff_exp <= 0:
             problems.append(
                 f"the expert width must be > 0 ({rules.expert_width}), found {n_ff_exp}"

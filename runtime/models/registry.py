@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Final
 
 from ggufswap.runtime.models import (
     deepseek2,
+    deepseek32,
     gemma3,
     glm4moe,
+    glm_dsa,
     gpt_oss,
     llama,
     qwen2,
@@ -59,6 +61,8 @@ ARCHITECTURES: Final[Mapping[Arch, Architecture]] = MappingProxyType(
         Arch.QWEN35: qwen35.ARCHITECTURE,
         Arch.QWEN35MOE: qwen35moe.ARCHITECTURE,
         Arch.QWEN3NEXT: qwen3next.ARCHITECTURE,
+        Arch.DEEPSEEK32: deepseek32.ARCHITECTURE,
+        Arch.GLM_DSA: glm_dsa.ARCHITECTURE,
     }
 )
 DECODERS: Final[Mapping[Arch, type[DecoderStack]]] = MappingProxyType(

@@ -15,8 +15,10 @@ from typing import Final
 
 from ggufswap.shards.archs import (
     deepseek2,
+    deepseek32,
     gemma3,
     glm4moe,
+    glm_dsa,
     gpt_oss,
     llama,
     qwen2,
@@ -64,6 +66,8 @@ ARCH_RULES: Final[Mapping[Arch, ArchRules]] = MappingProxyType(
         Arch.QWEN35: qwen35.RULES,
         Arch.QWEN35MOE: qwen35moe.RULES,
         Arch.QWEN3NEXT: qwen3next.RULES,
+        Arch.DEEPSEEK32: deepseek32.RULES,
+        Arch.GLM_DSA: glm_dsa.RULES,
     }
 )
 

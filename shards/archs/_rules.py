@@ -154,6 +154,9 @@ class ArchRules:
     # optional attn_q_a/attn_q_b), the expert_gating_func / expert_weights_* / expert_group_*
     # keys, the optional exp_probs_b selection bias, and YaRN RoPE scaling.
     mla: bool = False
+    # deepseek32 / glm-dsa: the DSA lightning indexer (indexer.* tensors, attention.indexer.*
+    # keys) beside deepseek2's latent attention in its attn_k_b/attn_v_b form.
+    dsa: bool = False
     # glm4moe: the FFN's pre-norm is attn_post_norm (no ffn_norm); every MoE block has
     # exp_probs_b; q/k/v biases and per-head q/k norms are optional (TENSOR_NOT_REQUIRED);
     # nextn_predict_layers trailing blocks are NextN/MTP blocks (loaded, never run).
@@ -197,6 +200,7 @@ def rules(
     free_head_dim: bool = True,
     rope_dims_equal_head: bool = False,
     mla: bool = False,
+    dsa: bool = False,
     glm: bool = False,
     rope_neox: bool = True,
     rope_yarn: bool = False,
@@ -222,6 +226,7 @@ def rules(
         rope_dims_equal_head=rope_dims_equal_head,
         source=source,
         mla=mla,
+        dsa=dsa,
         glm=glm,
         rope_neox=rope_neox,
         rope_yarn=rope_yarn,

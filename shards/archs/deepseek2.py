@@ -39,6 +39,8 @@ def mla_errors(spec: ModelSpec, why: str) -> list[str]:
         )
     if not spec.mla_split and spec.n_head_kv != spec.n_head:
         errors.append(f"{a} with attn_kv_b is multi-head: n_head_kv must equal n_head {why}")
+    if spec.mla_ik:
+        errors += ik_errors(spec)
     if spec.expert_gating_func not in (0, 1, 2):
         errors.append(f"expert_gating_func must be 0 (unset), 1 (softmax) or 2 (sigmoid) {why}")
     g, used = spec.n_expert_groups, spec.n_group_used
@@ -49,6 +51,30 @@ def mla_errors(spec: ModelSpec, why: str) -> list[str]:
         )
     if spec.n_expert > 0 and spec.n_expert_shared <= 0:
         errors.append(f"{a} needs n_expert_shared > 0 in an MoE model {why}")
+    return errors
+
+
+IK_SOURCE = "ik_llama.cpp: llm_load_hparams, LLM_ARCH_DEEPSEEK2 (src/llama-hparams.cpp)"
+IK_LITE_LAYERS = (26, 27)  # ik's is_lite: no q_lora_rank
+
+
+def ik_errors(spec: ModelSpec) -> list[str]:
+    """What ik_llama.cpp's deepseek2 loader needs of its three-tensor form."""
+    errors, why = [], f"({IK_SOURCE})"
+    if spec.mla_split:
+        errors.append(
+            f"mla_ik is ik_llama.cpp's attn_kv_b form with 2-D attn_k_b/attn_v_b beside it: "
+            f"it needs mla_split=False {why}"
+        )
+    if spec.expert_weights_scale == 0 or spec.n_expert == 0:
+        errors.append(
+            f"mla_ik: ik_llama.cpp requires expert_weights_scale, which the writer writes for "
+            f"an MoE model with a scale {why}"
+        )
+    if spec.q_lora_rank <= 0 and spec.n_layers not in IK_LITE_LAYERS:
+        errors.append(
+            f"mla_ik: ik_llama.cpp requires q_lora_rank > 0 but in {IK_LITE_LAYERS} blocks {why}"
+        )
     return errors
 
 
@@ -97,6 +123,9 @@ def plan_attention(spec: ModelSpec, add: Any, b: int) -> None:
         add(Role.ATTN_V_B, (rank, v, h), b)
     else:
         add(Role.ATTN_KV_B, (rank, h * (nope + v)), b)
+    if spec.mla_ik:  # ik_llama.cpp's converter: the same matrices split per head, 2-D
+        add(Role.ATTN_K_B, (nope, h * rank), b)
+        add(Role.ATTN_V_B, (rank, h * v), b)
     add(Role.ATTN_O, (h * v, e), b)
 
 
