@@ -88,7 +88,9 @@ def run(
         root = Path(tmp)
         model = write_model(tiny_dense(), root / "model")[0]
         ray.init(
-            num_cpus=workers, include_dashboard=False, logging_level="warning", log_to_driver=False
+            address="local",  # a new local cluster, never one `ray start` left behind
+            num_cpus=workers,
+            include_dashboard=False, logging_level="warning", log_to_driver=False
         )
         try:
             one_s, rounds = _timed_sweep(model, root / "one", recipe, options, 1)

@@ -266,8 +266,10 @@ def test_memory_exhausted_midway_through_staging_fits_via_fallback_or_rejects_wh
         finally:
             runtime.close()
         trip_at += 1
-    assert outcomes["rejected whole"] > 0, outcomes
-    if victim == "dev":  # squeezed while staging allocated on the host: later units fall back
+    if victim == "allocating":  # the host squeezed too: nothing left to fall back to
+        assert outcomes["rejected whole"] > 0, outcomes
+    else:  # the device squeezed: every unit still fits the host (first_fit), so each plan commits
+        assert outcomes["rejected whole"] == 0, outcomes
         assert outcomes["committed, squeezed"] > 0, outcomes
     record(
         "faults",

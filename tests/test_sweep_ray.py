@@ -83,7 +83,9 @@ def single_host(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 def cluster() -> Iterator[str]:
     """A private local Ray cluster of 3 CPUs (one per worker); its address."""
     context = ray.init(
-        num_cpus=3, include_dashboard=False, logging_level="warning", log_to_driver=False
+        address="local",  # never a cluster a previous run left in /tmp/ray/ray_current_cluster
+        num_cpus=3,
+        include_dashboard=False,, logging_level="warning", log_to_driver=False
     )
     try:
         yield str(context.address_info["gcs_address"])
