@@ -7,6 +7,10 @@ runtime's ``plan.committed`` events (the endpoint is the one the runtime adverti
 ``state_reply``, field ``events``); a commit of a plan the link did not send makes it fetch the
 state (a delta) and reconcile, which restores the files' content in the next plan.
 
+It follows ``tensors.lost`` events the same way: the runtime took tensors out of service (their
+mapped bytes changed outside any commit) and serves no batch until a commit restores them, so
+the link re-syncs at once and plans them (their fingerprint reads ``lost``).
+
 PUB/SUB may drop events (a subscriber still connecting, over its high-water mark): the periodic
 refresh stays as the safety net, and a plan of the link's own is recognised by its id.
 """
@@ -17,7 +21,7 @@ from typing import Final
 
 from ggufswap.config.endpoints import Transport, transport_of
 from ggufswap.ipc import IpcError, MalformedMessage, SocketOptions, Subscriber, Topic
-from ggufswap.ipc.events import PlanCommittedEvent, event_from_wire
+from ggufswap.ipc.events import PlanCommittedEvent, TensorsLostEvent, event_from_wire
 from ggufswap.logs import get_logger
 
 log = get_logger(__name__)
@@ -62,25 +66,25 @@ class CommitFollower:
             return
         try:
             self._subscriber = Subscriber(
-                endpoint, topics=(Topic.PLAN_COMMITTED,), options=self._options
+                endpoint, topics=(Topic.PLAN_COMMITTED, Topic.TENSORS_LOST), options=self._options
             )
             self.error = None
         except IpcError as exc:  # an endpoint this client may not use: the refresh remains
             self.error = f"cannot follow events at {endpoint}: {exc}"
             log.warning("link.events_refused", endpoint=endpoint, error=str(exc))
 
-    def commits(self) -> list[PlanCommittedEvent]:
-        """The ``plan.committed`` events received since the last call."""
+    def commits(self) -> list[PlanCommittedEvent | TensorsLostEvent]:
+        """The ``plan.committed`` and ``tensors.lost`` events received since the last call."""
         if self._subscriber is None:
             return []
-        found: list[PlanCommittedEvent] = []
+        found: list[PlanCommittedEvent | TensorsLostEvent] = []
         for _topic, payload in self._subscriber.drain(_MAX_PER_STEP):
             try:
                 event = event_from_wire(payload)
             except MalformedMessage as exc:
                 log.warning("link.bad_event", endpoint=self.endpoint, error=str(exc))
                 continue
-            if isinstance(event, PlanCommittedEvent):
+            if isinstance(event, PlanCommittedEvent | TensorsLostEvent):
                 self.received += 1
                 found.append(event)
         return found

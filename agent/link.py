@@ -45,6 +45,7 @@ from ggufswap.config import ModelConfig, VerifyMode
 from ggufswap.ipc import (
     DealerClient,
     Fields,
+    InsecureEndpoint,
     IpcError,
     MessageType,
     Plan,
@@ -53,6 +54,7 @@ from ggufswap.ipc import (
     RuntimeState,
     SocketOptions,
     TensorEntry,
+    TensorsLostEvent,
     committed_from_wire,
     error_from_wire,
     make_message,
@@ -63,6 +65,7 @@ from ggufswap.ipc import (
     state_from_wire,
 )
 from ggufswap.ipc.messages import StateRequest, state_request_to_wire
+from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
 from ggufswap.shards import Fingerprinter, TensorRecord
 
@@ -82,15 +85,17 @@ class LinkState(str, enum.Enum):
     STOPPED = "stopped"
 
 
+# Every state may go UNREACHABLE: the endpoint may be refused at any reconnect (an insecure
+# socket directory, ``_endpoint_refused``), not only when a request runs out of retries.
 _ALLOWED: dict[LinkState, frozenset[LinkState]] = {
     LinkState.SYNCING: frozenset({LinkState.IDLE, LinkState.SYNCING, LinkState.UNREACHABLE}),
-    LinkState.IDLE: frozenset({LinkState.PLAN_SENT, LinkState.SYNCING}),
+    LinkState.IDLE: frozenset({LinkState.PLAN_SENT, LinkState.SYNCING, LinkState.UNREACHABLE}),
     LinkState.PLAN_SENT: frozenset(
         {LinkState.ACCEPTED, LinkState.STAGED, LinkState.SYNCING, LinkState.UNREACHABLE}
     ),
-    LinkState.ACCEPTED: frozenset({LinkState.STAGED, LinkState.SYNCING}),
-    LinkState.STAGED: frozenset({LinkState.SYNCING}),
-    LinkState.UNREACHABLE: frozenset({LinkState.SYNCING}),
+    LinkState.ACCEPTED: frozenset({LinkState.STAGED, LinkState.SYNCING, LinkState.UNREACHABLE}),
+    LinkState.STAGED: frozenset({LinkState.SYNCING, LinkState.UNREACHABLE}),
+    LinkState.UNREACHABLE: frozenset({LinkState.SYNCING, LinkState.UNREACHABLE}),
     LinkState.STOPPED: frozenset(),
 }
 
@@ -131,7 +136,7 @@ class RuntimeLink:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: Supervised | None = None
         self._client: DealerClient | None = None
         self._reconnects_seen = 0
         self._state = LinkState.SYNCING
@@ -151,6 +156,7 @@ class RuntimeLink:
         # retries of one outage log at debug level, its end once at info, and the outage's
         # error is cleared once the runtime answers again.
         self._outage = False
+        self._refused_why: str | None = None  # the endpoint refusal last logged (said on change)
         self.log = log.bind(model=model.name, endpoint=self.endpoint)
         self._plans = PlanLedger(log=self.log)  # the plan in flight and what became of the others
         self._suspect: set[str] = set()  # bytes changed under an equal identity (the scrub)
@@ -158,6 +164,7 @@ class RuntimeLink:
         # once (agent/events.py), not at the next periodic refresh.
         self._events = CommitFollower(control=self.endpoint, options=self._options)
         self._foreign: PlanCommittedEvent | None = None  # a foreign commit not yet re-synced
+        self._lost_event = False  # a tensors.lost event not yet re-synced
         self.foreign_commits = 0
         self._scrub_peers: tuple[RuntimeLink, ...] = ()  # the model's other runtimes
         self._scrubber = (
@@ -179,10 +186,14 @@ class RuntimeLink:
         return self._state
 
     def start(self) -> RuntimeLink:
-        self._thread = threading.Thread(
-            target=self._run, name=f"ggufswap-link-{self.model.name}", daemon=True
-        )
-        self._thread.start()
+        self._thread = Supervised(
+            f"ggufswap-link-{self.model.name}",
+            self._run,
+            stop=self._stop,
+            on_crash=self._after_crash,
+            on_exit=self._on_exit,
+            context={"model": self.model.name, "endpoint": self.endpoint},
+        ).start()
         if self._scrubber is not None:
             self._scrubber.start()
         return self
@@ -194,10 +205,8 @@ class RuntimeLink:
         self._wake.set()
         if self._scrubber is not None:
             self._scrubber.stop(timeout_s)
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                self.log.error("link.stop_timeout", timeout_s=timeout_s)
+        if self._thread is not None and not self._thread.join(timeout_s):
+            self.log.error("link.stop_timeout", timeout_s=timeout_s)
         self._thread = None
 
     def set_desired(self, snapshot: ModelSnapshot) -> None:
@@ -259,6 +268,7 @@ class RuntimeLink:
                 "not_loaded_count": self._not_loaded,
                 "refused": sorted(self._refused),
                 "last_error": self._last_error,
+                "thread": self._thread.status() if self._thread is not None else None,
                 "scrub": self._scrubber.status() if self._scrubber is not None else None,
                 "events": {**self._events.status(), "foreign_commits": self.foreign_commits},
             }
@@ -286,33 +296,75 @@ class RuntimeLink:
         return self._client
 
     def _run(self) -> None:
+        """The link thread's body (supervised: restarted with backoff when it raises). Each run
+        starts from the runtime's full state, on a new socket."""
+        with self._lock:
+            self._state = LinkState.SYNCING
         try:
             self._new_client()
             self._sync(first=True)
-            while not self._stop.is_set():
+        except InsecureEndpoint as exc:
+            self._endpoint_refused(exc, time.monotonic())
+        while not self._stop.is_set():
+            try:
                 self._step()
-        except Exception as exc:  # a bug: logged; the daemon notices the dead thread
-            self.log.exception("link.crashed", error=str(exc))
-            self._last_error = f"link thread crashed: {exc}"
-        finally:
-            if self._client is not None:
-                self._client.close()
-            self._events.close()
-            with self._lock:
-                self._state = LinkState.STOPPED
+            except InsecureEndpoint as exc:  # at a reconnect: unreachable, retried on a timer
+                self._endpoint_refused(exc, time.monotonic())
+
+    def _after_crash(self, exc: BaseException) -> None:
+        """The body raised (a bug): what it had in flight is abandoned; the next run re-syncs."""
+        self._last_error = f"link thread crashed: {type(exc).__name__}: {exc}"
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._plans.in_flight is not None:
+            self._plans.finish(Outcome.ABANDONED, time.monotonic(), reasons=(self._last_error,))
+
+    def _on_exit(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        self._events.close()
+        with self._lock:
+            self._state = LinkState.STOPPED
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def _endpoint_refused(self, exc: InsecureEndpoint, now: float) -> None:
+        """The endpoint was refused (its socket directory is writable by others, a tcp
+        endpoint without CURVE keys...): unreachable, tried again every ``request_timeout_s``;
+        logged as an error each time the reason changes."""
+        why = str(exc)
+        if why != self._refused_why:
+            self.log.error("link.endpoint_refused", error=why, retry_s=self.model.request_timeout_s)
+        self._refused_why = why
+        self._last_error = why
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        self._outage = True
+        if self._plans.in_flight is not None:
+            self._plans.finish(Outcome.ABANDONED, now, reasons=(why,))
+        self._move(LinkState.UNREACHABLE)
+        self._timers.retry_at = now + self.model.request_timeout_s
+
     def _step(self) -> None:
         client = self._client
-        assert client is not None, "the link thread opens a client first"
+        if client is None:  # refused at the last reconnect: only the retry timer runs
+            self._wake.wait(TICK_S)
+            self._wake.clear()
+            self._check_timers(time.monotonic())
+            return
         msg = client.poll(TICK_S)
         now = time.monotonic()
         if msg is not None:
             self._handle(msg, now)
         for event in self._events.commits():
             self._on_commit_event(event)
+        if self._lost_event and self._state is LinkState.IDLE:
+            self._lost_event = False
+            self._sync(delta=True)  # their fingerprints read 'lost': the next plan reloads them
         if self._foreign is not None and self._state is LinkState.IDLE:
             foreign, self._foreign = self._foreign, None
             self.log.info(
@@ -447,9 +499,18 @@ class RuntimeLink:
             self._last_error = f"bad {msg_type} from {self.endpoint}: {exc}"
             self.log.warning("link.bad_message", type=msg_type, error=str(exc))
 
-    def _on_commit_event(self, event: PlanCommittedEvent) -> None:
+    def _on_commit_event(self, event: PlanCommittedEvent | TensorsLostEvent) -> None:
         """A ``plan.committed`` event: one of another client's plans (or of a plan this link
-        abandoned) moved the runtime's state; this link's own outcomes re-sync already."""
+        abandoned) moved the runtime's state; this link's own outcomes re-sync already. A
+        ``tensors.lost`` event: the runtime took tensors out of service; re-sync and plan."""
+        if isinstance(event, TensorsLostEvent):
+            self.log.warning(
+                "link.tensors_lost",
+                count=len(event.reasons),
+                first=[f"{r.tensor}: {r.reason}" for r in event.reasons[:3]],
+            )
+            self._lost_event = True
+            return
         if self._plans.is_own(event.plan_id):
             return
         with self._lock:
@@ -475,6 +536,7 @@ class RuntimeLink:
             self.log.warning("link.model_mismatch", runtime_model=state.model)
         if self._outage:
             self._outage = False
+            self._refused_why = None
             if refused is None and not (state.model and state.model != self.model.name):
                 self._last_error = None  # the outage's error is over
             self.log.info("link.reconnected", endpoint=self.endpoint)

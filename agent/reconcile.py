@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from ggufswap.config import VerifyMode
 from ggufswap.ipc import Job, Plan, Reason, SlotState, TensorEntry
+from ggufswap.ipc.messages import LOST_FINGERPRINT
 from ggufswap.shards import ShardError, TensorRecord
 
 PLAN_ID_BYTES = 16
@@ -146,7 +147,8 @@ def reconcile(
                 )
             )
             continue
-        if _same_version(old, record) and not (checksum and name in suspect):
+        lost = entry.fingerprint == LOST_FINGERPRINT  # out of service: reloaded whatever
+        if _same_version(old, record) and not (checksum and name in suspect) and not lost:
             unchanged += 1
             continue
         fp = None

@@ -12,7 +12,7 @@ from typing import Any
 
 from ggufswap.config import ConfigError, default_runtime_dir, load_config
 from ggufswap.config.endpoints import ipc_endpoint
-from ggufswap.ipc import Fields, MessageType, PeerTimeout, make_message, request
+from ggufswap.ipc import Fields, MessageType, PeerRefused, PeerTimeout, make_message, request
 
 AGENT_SOCKET = "agent.sock"
 STATUS_SUFFIX = ".status.sock"
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             reply = request(
                 endpoint, make_message(MessageType.STATUS), timeout_s=args.timeout, retries=0
             )
-        except PeerTimeout as exc:
+        except (PeerTimeout, PeerRefused) as exc:
             replies[endpoint] = {"error": str(exc)}
             code = EXIT_UNREACHABLE
             continue

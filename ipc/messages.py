@@ -34,6 +34,9 @@ MAX_PLAN_ID_LENGTH = MAX_ID_LENGTH
 MAX_NAME_LENGTH = 256
 MAX_FINGERPRINT_LENGTH = 128
 MAX_PLAN_JOBS = 65536
+# The fingerprint a runtime reports for a tensor out of service (its bytes changed outside any
+# commit: runtime/integrity.py): not a digest, so equal to no content; an agent plans it.
+LOST_FINGERPRINT = "lost"
 
 
 class MessageType(str, Enum):
@@ -74,6 +77,7 @@ class Topic(str, Enum):
     TENSOR_FALLBACK = "tensor.fallback"
     TENSOR_REATTACHED = "tensor.reattached"
     SHARD_INVALID = "shard.invalid"
+    TENSORS_LOST = "tensors.lost"
 
 
 class Process(str, Enum):

@@ -17,6 +17,7 @@ from ggufswap.runtime.errors import (
     PoolFull,
     RuntimeLibraryError,
     UnsupportedTypeError,
+    WeightsLost,
 )
 from ggufswap.runtime.families import DerivedTensor, family_of, group_families
 from ggufswap.runtime.kernels import KERNEL_TYPES, QuantizedMatrix, dequantize, has_kernel
@@ -44,6 +45,7 @@ __all__ = [
     "Storage",
     "TensorStore",
     "UnsupportedTypeError",
+    "WeightsLost",
     "dequantize",
     "family_of",
     "group_families",

@@ -43,9 +43,12 @@ from ggufswap.ipc import (
     new_id,
     rejected_to_wire,
     state_to_wire,
+    supervisor,
 )
+from ggufswap.ipc.codec import STATUS_MAX_REQUEST_SIZE
 from ggufswap.ipc.errors import UnknownMessageType
 from ggufswap.ipc.messages import StateRequest
+from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.plans import PlanState, PlanTicket
@@ -115,7 +118,11 @@ class ControlServer:
         self.instance = new_id()
         self._extra_status = extra_status
         self.control = RequestServer(
-            control_endpoint, self._handle, name="runtime", options=options
+            control_endpoint,
+            self._handle,
+            name="runtime",
+            options=options,
+            types=(MessageType.PLAN, MessageType.STATE, MessageType.STATUS),
         )
         self.status_server = (
             RequestServer(
@@ -124,6 +131,8 @@ class ControlServer:
                 name="runtime-status",
                 # `ggufswap status` by members of the socket directory's group (docs/operations.md)
                 options=dataclasses.replace(options, group_access=True),
+                types=(MessageType.STATUS,),
+                max_request_size=STATUS_MAX_REQUEST_SIZE,
             )
             if status_endpoint and status_endpoint != control_endpoint
             else None
@@ -138,7 +147,8 @@ class ControlServer:
         self._waiting: dict[str, _Waiting] = {}  # plan id -> where it waits
         self._handed: set[str] = set()  # plan ids handed to the runtime, not yet final
         self._stopping = False
-        self._dispatcher: threading.Thread | None = None
+        self._stopped = threading.Event()  # set with _stopping: ends a restart's backoff
+        self._dispatcher: Supervised | None = None
         self.dispatched: list[tuple[str, str]] = []  # (client, plan id) of the last handed plans
         runtime.on_event(self._publish)
 
@@ -165,10 +175,9 @@ class ControlServer:
         self.control.start()
         if self.status_server is not None:
             self.status_server.start()
-        self._dispatcher = threading.Thread(
-            target=self._dispatch, name="ggufswap-control-fair", daemon=True
-        )
-        self._dispatcher.start()
+        self._dispatcher = Supervised(
+            "ggufswap-control-fair", self._dispatch, stop=self._stopped
+        ).start()
         return self
 
     def close(self) -> None:
@@ -177,6 +186,7 @@ class ControlServer:
         with self._fair:
             self._stopping = True
             self._fair.notify_all()
+        self._stopped.set()
         if self._dispatcher is not None:
             self._dispatcher.join(5.0)
             self._dispatcher = None
@@ -373,6 +383,8 @@ class ControlServer:
     def status(self) -> dict[str, Any]:
         status = self.runtime.status()
         status["control_queue"] = self.fairness()
+        status["threads"] = supervisor.snapshot()
+        status["threads_down"] = supervisor.down()
         if self._extra_status is not None:
             status.update(self._extra_status())
         return status

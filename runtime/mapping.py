@@ -24,12 +24,23 @@ Where the lease cannot be taken (a file owned by another user without ``CAP_LEAS
 system without leases such as NFS or FUSE, a writer holding the file open at load, a process
 whose ``SIGIO`` cannot be handled), ``auto`` copies that file as before and says why, and ``true``
 refuses to load.
+
+What the lease cannot stop, the watcher detects (issue 28): a lease the kernel broke before the
+move ended (the process stopped, or a move slower than ``fs.lease-break-time``), and a file
+truncated under its mapping by an ``open(O_RDONLY | O_TRUNC)``, which breaks no read lease (every
+access past the new end would raise ``SIGBUS``: the C guard ``ggufswap.runtime._sigbus`` maps
+zero pages there instead, and without it nothing is mapped). Such a file is reported
+(:meth:`ShardMaps.take_compromised`); at the next batch boundary the store re-hashes the tensors
+it serves and takes those whose bytes changed out of service (``TensorStore.check_mapped``).
+A pass of the watcher older than ``STALE_S`` (the process was stopped) is re-run by the
+inference thread before its next batch. ``docs/reliability.md`` says what this guarantees.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import resource
@@ -38,11 +49,13 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Final
 
 import torch
 
 from ggufswap.config import MapShards
+from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
 from ggufswap.runtime._libc import (
     MADV_POPULATE_WRITE,
@@ -55,8 +68,14 @@ from ggufswap.shards import FileIdentity, TensorRecord, leases
 
 log = get_logger(__name__)
 
-POLL_S: Final = 0.1  # how often held leases are looked at (a SIGIO looks at once)
+POLL_S: Final = 0.1  # how often held leases are looked at
+STALE_S: Final = 1.0  # a watcher pass older than this is re-run before the next batch
 _COPY_CHUNK: Final = 64 << 20  # bytes per copy call while moving a mapping to anonymous memory
+NO_GUARD: Final = (
+    "the SIGBUS guard (ggufswap.runtime._sigbus, built from runtime/csrc/sigbus.c) is not "
+    "built, so a file truncated under its mapping would kill the process; install with a C "
+    "compiler to map shards"
+)
 
 
 class MapRefused(RuntimeError):
@@ -75,6 +94,18 @@ class _Mapped:
     lock: threading.RLock = field(default_factory=threading.RLock)  # the finalizer may re-enter
     closed: bool = False  # the lease is given up (moved to anonymous memory, or unmapped)
     move_failed: bool = False  # a move failed (no memory); it is retried each poll
+    guard_entry: int = -1  # its range in the SIGBUS guard (-1: none)
+
+
+@dataclass(frozen=True)
+class Compromised:
+    """A mapped file whose bytes may have changed outside any commit: where it was mapped
+    (its tensors' buffers lie in ``[address, address + length)``) and why."""
+
+    path: str
+    address: int
+    length: int
+    why: str
 
 
 class ShardMaps:
@@ -89,11 +120,14 @@ class ShardMaps:
         self.policy = policy
         self.refused: dict[str, str] = {}  # path -> why it is copied instead (policy auto)
         self.moved = 0  # files moved to anonymous memory because a writer came
+        self.compromised: dict[str, str] = {}  # path -> why its bytes may have changed
+        self._reports: list[Compromised] = []  # not yet taken by the store
+        self.last_pass = time.monotonic()  # the end of the watcher's last pass
         self._files: dict[str, _Mapped] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: Supervised | None = None
         _ALL_MAPS.add(self)
 
     @property
@@ -144,6 +178,9 @@ class ShardMaps:
             "copied": len(self.refused),
             "copied_why": next(iter(self.refused.values()), None),
             "moved": self.moved,
+            "compromised": len(self.compromised),
+            "compromised_why": dict(list(self.compromised.items())[:10]),
+            "watcher": self._thread.status() if self._thread is not None else None,
         }
 
     def report(self) -> None:
@@ -175,7 +212,8 @@ class ShardMaps:
         """Map ``record``'s file under a lease; None (policy ``auto``) where it cannot be."""
         if not self._files and not self.refused:
             _raise_descriptor_limit()
-        why = leases.guard_sigio(self._wake.set)
+        guard = sigbus_guard()
+        why = NO_GUARD if guard is None else leases.guard_sigio()
         region = None
         if why is None:
             region, why = self._map_file(record)
@@ -208,6 +246,7 @@ class ShardMaps:
                 else:
                     region = (ctypes.c_char * length).from_address(address)
                     mapped = _Mapped(record.path, fd, weakref.ref(region), address, length)
+                    mapped.guard_entry = _guard(mapped)
                     # Not at exit: threads may still read the tensors; the kernel unmaps last.
                     weakref.finalize(region, self._unmap, mapped).atexit = False
                     with self._lock:
@@ -224,6 +263,7 @@ class ShardMaps:
     def _unmap(self, mapped: _Mapped) -> None:
         """The last tensor of a mapped file is gone: unmap it, and give its lease up."""
         with mapped.lock:
+            _unguard(mapped)
             Libc.get().munmap(mapped.address, mapped.length)
             if not mapped.closed:
                 _give_up(mapped)
@@ -242,6 +282,7 @@ class ShardMaps:
             mapped.lock = threading.RLock()
             if mapped.closed:
                 continue
+            _unguard(mapped)  # the parent's descriptor: guarded again with the child's own
             inherited, mapped.fd = mapped.fd, -1
             why: str | None = "it cannot be reopened"
             with contextlib.suppress(OSError):  # the same file, even when renamed over
@@ -250,6 +291,7 @@ class ShardMaps:
                 why = leases.take_read_lease(mapped.fd)
             os.close(inherited)  # the parent's lease stays: it is on the parent's description
             if why is None:
+                mapped.guard_entry = _guard(mapped)
                 continue
             if mapped.fd >= 0:
                 os.close(mapped.fd)
@@ -265,41 +307,109 @@ class ShardMaps:
     def _start(self) -> None:
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._watch, name="ggufswap-leases", daemon=True
-                )
-                self._thread.start()
+                self._thread = Supervised(
+                    "ggufswap-leases", self._watch, stop=self._stop, on_exit=self._wake.clear
+                ).start()
+
+    @property
+    def open_files(self) -> bool:
+        """Whether any file is served from a mapping (one attribute: read before each batch)."""
+        return bool(self._files)
 
     def _watch(self) -> None:
-        try:
-            while True:
-                with self._lock:
-                    files = [f for f in self._files.values() if not f.closed]
-                if self._stop.is_set() and not files:
-                    return
-                for mapped in files:
-                    with mapped.lock:
-                        if not mapped.closed and leases.breaking(mapped.fd):
-                            self._move(mapped)
-                self._wake.wait(POLL_S)
-                self._wake.clear()
-        finally:
-            leases.unwatch(self._wake.set)
+        """The watcher thread's body (supervised: restarted with backoff when it raises; a file
+        whose check raises is given up, the others stay watched)."""
+        while True:
+            with self._lock:
+                files = [f for f in self._files.values() if not f.closed]
+            if self._stop.is_set() and not files:
+                return
+            self.check_all(files)
+            self._wake.wait(POLL_S)
+            self._wake.clear()
 
-    def _move(self, mapped: _Mapped) -> None:
-        """A writer waits: move the file's pages to anonymous memory, then let it in."""
+    def stale(self) -> bool:
+        """Whether the watcher's last pass is older than ``STALE_S`` while files are mapped (the
+        process was stopped, or the watcher is down): the caller runs one itself."""
+        return time.monotonic() - self.last_pass > STALE_S and self.mapped_files > 0
+
+    def check_all(self, files: list[_Mapped] | None = None) -> None:
+        """One pass: every leased file is checked (:meth:`_check`), each on its own."""
+        if files is None:
+            with self._lock:
+                files = [f for f in self._files.values() if not f.closed]
+        for mapped in files:
+            with mapped.lock:
+                if mapped.closed:
+                    continue
+                try:
+                    self._check(mapped)
+                except Exception as exc:  # this file is given up; the others are watched on
+                    log.exception("mapping.check_failed", file=mapped.path)
+                    self._given_up(mapped, f"its check failed: {type(exc).__name__}: {exc}")
+        self.last_pass = time.monotonic()
+
+    def _check(self, mapped: _Mapped) -> None:
+        """A writer waits, the kernel broke the lease, or the file shrank: move the file's
+        pages to anonymous memory, let the writer in, and report what may have changed."""
+        tampered = _tampered(mapped)
+        if tampered is None and not leases.breaking(mapped.fd):
+            return
+        if not self._move(mapped):
+            return  # no memory: retried at the next pass
+        if not _give_up(mapped) and tampered is None:
+            tampered = (
+                "the kernel broke its read lease before the runtime let the writer in "
+                "(fs.lease-break-time passed: the process was stopped, or the move was slower); "
+                "the writer may have changed its bytes"
+            )
+        self.moved += 1
+        if tampered is not None:
+            self._report(mapped, tampered)
+
+    def _given_up(self, mapped: _Mapped, why: str) -> None:
+        """A file whose check failed: moved out if it can be, its lease released, reported."""
+        with contextlib.suppress(Exception):
+            self._move(mapped)
+        if not mapped.closed:
+            with contextlib.suppress(OSError):
+                _give_up(mapped)
+        self._report(mapped, why)
+
+    def _report(self, mapped: _Mapped, why: str) -> None:
+        log.error(
+            "mapping.compromised",
+            file=mapped.path,
+            why=why,
+            action="its tensors are re-hashed before the next batch; those whose bytes changed "
+            "are out of service until a commit restores them",
+        )
+        with self._lock:
+            self.compromised[mapped.path] = why
+            self._reports.append(Compromised(mapped.path, mapped.address, mapped.length, why))
+
+    def take_compromised(self) -> list[Compromised]:
+        """The files reported since the last call (the store checks their tensors)."""
+        with self._lock:
+            reports, self._reports = self._reports, []
+        return reports
+
+    def _move(self, mapped: _Mapped) -> bool:
+        """Move the file's pages to anonymous memory (a writer waits); False if it failed."""
         region = mapped.region()  # held: the pages cannot be unmapped meanwhile
         started = time.perf_counter()
         try:
             if region is not None:
+                guard = sigbus_guard()
+                if guard is not None:
+                    guard.install()  # first in line again: the copy may read past a new end
                 move_to_anonymous(mapped.address, mapped.length)
         except OSError as exc:  # tried again each poll; the lease-break time bounds the wait
             if not mapped.move_failed:  # said once, not every poll
                 log.error("mapping.move_failed", file=mapped.path, error=str(exc))
             mapped.move_failed = True
-            return
-        _give_up(mapped)  # the writer's open returns
-        self.moved += 1
+            return False
+        _unguard(mapped)  # anonymous memory now: no access can fault
         log.info(
             "mapping.moved",
             file=mapped.path,
@@ -308,6 +418,7 @@ class ShardMaps:
             why="a writer opened the file",
         )
         del region
+        return True
 
 
 _ALL_MAPS: Final[weakref.WeakSet[ShardMaps]] = weakref.WeakSet()
@@ -332,13 +443,65 @@ def _raise_descriptor_limit() -> None:
             log.info("load.descriptor_limit", soft=soft, raised_to=target)
 
 
-def _give_up(mapped: _Mapped) -> None:
-    """Release the lease and close its descriptor."""
+def _give_up(mapped: _Mapped) -> bool:
+    """Release the lease and close its descriptor; False when there was no lease left to
+    release (the kernel broke it: the lease-break time passed)."""
     mapped.closed = True
+    _unguard(mapped)
     try:
         leases.release(mapped.fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EAGAIN, errno.ENOLCK, errno.EINVAL):
+            raise
+        return False
     finally:
         os.close(mapped.fd)
+    return True
+
+
+def _tampered(mapped: _Mapped) -> str | None:
+    """Why the file's bytes under the mapping may have changed without a lease break: it shrank
+    (``open(O_RDONLY | O_TRUNC)`` breaks no read lease), or an access faulted past its end."""
+    guard = sigbus_guard()
+    faults = guard.faults(mapped.guard_entry) if guard and mapped.guard_entry >= 0 else 0
+    size = os.fstat(mapped.fd).st_size
+    if size >= mapped.length and not faults:
+        return None
+    return (
+        f"it was truncated under its mapping ({size} bytes now, {mapped.length} mapped; "
+        f"{faults} access(es) past its end read zeros instead of raising SIGBUS): an open with "
+        "O_TRUNC and without write access breaks no read lease"
+    )
+
+
+_SIGBUS: list[ModuleType | None] = []
+
+
+def sigbus_guard() -> ModuleType | None:
+    """The compiled SIGBUS guard (``runtime/csrc/sigbus.c``), or None where it is not built."""
+    if not _SIGBUS:
+        try:
+            from ggufswap.runtime import _sigbus  # type: ignore[attr-defined]
+        except ImportError:
+            _SIGBUS.append(None)
+        else:
+            _SIGBUS.append(_sigbus)
+    return _SIGBUS[0]
+
+
+def _guard(mapped: _Mapped) -> int:
+    """Guard ``mapped``'s range (installing the handler first in line); its entry."""
+    guard = sigbus_guard()
+    assert guard is not None, "nothing is mapped without the guard"
+    guard.install()
+    return int(guard.register(mapped.address, mapped.length, mapped.fd))
+
+
+def _unguard(mapped: _Mapped) -> None:
+    guard = sigbus_guard()
+    if guard is not None and mapped.guard_entry >= 0:
+        guard.unregister(mapped.guard_entry)
+    mapped.guard_entry = -1
 
 
 def move_to_anonymous(address: int, length: int) -> None:

@@ -146,13 +146,15 @@ def _check_writer_in_place(runtime: HotSwapRuntime, model: Transformer, *, trunc
     path = Path(slot.record.path)
     _write_in_place(path, slot.record.offset, slot.record.nbytes, truncate=truncate)
     assert runtime.store.maps.moved == 1
-    assert runtime.status()["mapped_shards"] == {
+    mapped = runtime.status()["mapped_shards"]
+    assert {k: mapped[k] for k in ("policy", "mapped", "copied", "copied_why", "moved")} == {
         "policy": "true",
         "mapped": len({s.record.path for s in runtime.store.slots.values()}) - 1,
         "copied": 0,
         "copied_why": None,
         "moved": 1,
     }
+    assert mapped["compromised"] == 0, mapped  # the writer waited: nothing changed unseen
     assert str(path) not in _mapped_files()
     if truncate:
         assert path.stat().st_size == 0

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from ggufswap.config import Config
-from ggufswap.ipc import PlanCommittedEvent
+from ggufswap.ipc import PlanCommittedEvent, supervisor
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
 from ggufswap.logs import get_logger
 from ggufswap.runtime.control import ControlServer
@@ -159,8 +159,16 @@ def run(
         load_s=round(time.monotonic() - started, 3),
     )
     notifier.ready(status=f"serving {runtime.model_name} (weight_version 0)")
-    pinger = WatchdogPinger(notifier)
+    pinger = WatchdogPinger(notifier)  # withholds pings while an essential thread is down
     last_version = -1
+    given_up: list[str] = []
+
+    def on_thread_dead(name: str) -> None:  # an essential thread failed repeatedly: exit 1
+        given_up.append(name)
+        log.error("runtime.thread_given_up", thread=name, exit="non-zero, for a restart")
+        stop.set()
+
+    forget_dead_hook = supervisor.on_dead(on_thread_dead)
 
     def on_iteration() -> None:
         nonlocal last_version
@@ -178,8 +186,9 @@ def run(
         loop.close()
         control.close()
         runtime.close(timeout=SHUTDOWN_TIMEOUT_S)
+        forget_dead_hook()
         log.info("runtime.stopped", model=runtime.model_name, batches=loop.batches)
-    return 0
+    return 1 if given_up else 0
 
 
 __all__ = ["open_runtime", "report_unused", "run"]

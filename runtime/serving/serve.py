@@ -27,6 +27,7 @@ from typing import Any, Final
 import torch
 
 from ggufswap.runtime.engine import HotSwapRuntime
+from ggufswap.runtime.errors import WeightsLost
 from ggufswap.runtime.models.registry import Decoder
 from ggufswap.runtime.serving.perplexity import NllStats, batch_nll, make_eval_tokens, token_windows
 from ggufswap.shards import fingerprint_bytes
@@ -86,6 +87,7 @@ class ServeLoop:
         self._digests: dict[int, set[str]] = {}
         self.batches = 0
         self.failed_batches = 0
+        self.refused_batches = 0  # not run: served tensors were out of service (WeightsLost)
         self.last_batch_s: float | None = None
         self._pass_version: int | None = None
         self._pass_index = 0
@@ -99,8 +101,13 @@ class ServeLoop:
             stop.wait(self.options.batch_interval_s)
 
     def step(self) -> int:
-        """Commit what is staged, then run one batch; return the version it ran on."""
-        version = self.runtime.at_batch_boundary()
+        """Commit what is staged, then run one batch; return the version it ran on (a batch
+        is refused, not run, while served tensors are out of service: ``WeightsLost``)."""
+        try:
+            version = self.runtime.at_batch_boundary()
+        except WeightsLost:  # logged by the runtime; a commit of the agent's plan ends it
+            self.refused_batches += 1
+            return self.runtime.weight_version
         started = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -153,6 +160,7 @@ class ServeLoop:
                 "mode": self.options.mode.value,
                 "batches": self.batches,
                 "failed_batches": self.failed_batches,
+                "refused_batches": self.refused_batches,
                 "last_batch_ms": None
                 if self.last_batch_s is None
                 else round(self.last_batch_s * 1e3, 3),
