@@ -116,6 +116,7 @@ class HotSwapRuntime:
         self.last_stall_s: float | None = None
         self.bytes_reloaded = 0
         self._staging: PlanTicket | None = None  # the ticket the stager works on
+        self._reported_at_boundary = 0  # store.maps.reported as the last batch began
         self._stopped = threading.Event()  # set by close(): ends a restart's backoff
         self._thread = Supervised(
             "ggufswap-stager",
@@ -439,10 +440,23 @@ class HotSwapRuntime:
             self._refuse_lost()
         return version
 
+    def batch_intact(self) -> bool:
+        """After a batch: whether nothing it read may have changed since ``at_batch_boundary``
+        (no mapped file shrank, faulted, or was reported, and the lease watcher's pass is
+        recent: a process stopped mid-batch may have had its lease broken). A loop drops a
+        batch for which this is False (its output may mix bytes), as it would a refused one."""
+        maps = self.store.maps
+        if not maps.open_files:
+            return True
+        return maps.reported == self._reported_at_boundary and not (
+            maps.suspect() or maps.stale()
+        )
+
     def _refuse_lost(self) -> None:
         with self._commit_lock:
             before = set(self.store.lost)
             lost = dict(check_mapped(self.store))
+            self._reported_at_boundary = self.store.maps.reported
         if set(lost) - before:
             reasons = tuple(Reason(name, why) for name, why in sorted(lost.items()))
             self._emit(TensorsLostEvent(reasons=reasons))

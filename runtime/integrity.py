@@ -39,11 +39,14 @@ __all__ = ["LOST_FINGERPRINT", "check_mapped"]
 
 
 def check_mapped(store: TensorStore) -> dict[str, str]:
-    """Before a batch (inference thread, commits excluded): run a watcher pass if the last is
-    stale, take the tensors of reported files whose bytes changed out of service, drop the
-    restored ones; returns the tensors out of service now (tensor -> why)."""
+    """Before a batch (inference thread, commits excluded): run a watcher pass if a file
+    shrank or the last pass is stale, take the tensors of reported files whose bytes changed
+    out of service, drop the restored ones; returns the tensors out of service now (tensor ->
+    why)."""
     maps = store.maps
-    if maps.stale():  # the process was stopped, or the watcher is down: look now
+    # A file truncated since the watcher's last pass (no lease break tells), or a pass too old
+    # (the process was stopped, or the watcher is down): look now, before the batch.
+    if maps.suspect() or maps.stale():
         maps.check_all()
     for report in maps.take_compromised():
         _take_out_of_service(store, report)

@@ -32,8 +32,9 @@ access past the new end would raise ``SIGBUS``: the C guard ``ggufswap.runtime._
 zero pages there instead, and without it nothing is mapped). Such a file is reported
 (:meth:`ShardMaps.take_compromised`); at the next batch boundary the store re-hashes the tensors
 it serves and takes those whose bytes changed out of service (``TensorStore.check_mapped``).
-A pass of the watcher older than ``STALE_S`` (the process was stopped) is re-run by the
-inference thread before its next batch. ``docs/reliability.md`` says what this guarantees.
+A pass of the watcher older than ``fs.lease-break-time`` (the process was stopped) is re-run
+by the inference thread before its next batch, and a batch that ran meanwhile is dropped
+(``HotSwapRuntime.batch_intact``). ``docs/reliability.md`` says what this guarantees.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ from ggufswap.shards import FileIdentity, TensorRecord, leases
 log = get_logger(__name__)
 
 POLL_S: Final = 0.1  # how often held leases are looked at
-STALE_S: Final = 1.0  # a watcher pass older than this is re-run before the next batch
+# A lease can be broken by the kernel only after a writer waited fs.lease-break-time without a
+# pass of the watcher: a pass older than that, less this margin, may have missed one.
+STALE_MARGIN_S: Final = 0.5
 _COPY_CHUNK: Final = 64 << 20  # bytes per copy call while moving a mapping to anonymous memory
 NO_GUARD: Final = (
     "the SIGBUS guard (ggufswap.runtime._sigbus, built from runtime/csrc/sigbus.c) is not "
@@ -121,8 +124,11 @@ class ShardMaps:
         self.refused: dict[str, str] = {}  # path -> why it is copied instead (policy auto)
         self.moved = 0  # files moved to anonymous memory because a writer came
         self.compromised: dict[str, str] = {}  # path -> why its bytes may have changed
+        self.reported = 0  # files reported compromised, ever (a batch compares it)
         self._reports: list[Compromised] = []  # not yet taken by the store
         self.last_pass = time.monotonic()  # the end of the watcher's last pass
+        self._break_time_s = leases.lease_break_time()
+        self._break_time_at = time.monotonic()
         self._files: dict[str, _Mapped] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -328,10 +334,22 @@ class ShardMaps:
             self._wake.wait(POLL_S)
             self._wake.clear()
 
+    def suspect(self) -> bool:
+        """Whether a guarded file shrank under its mapping or an access faulted past its end
+        (one ``fstat`` per mapped file, in C): the caller runs a pass before its next batch."""
+        guard = sigbus_guard()
+        return bool(guard is not None and self._files and guard.suspects())
+
     def stale(self) -> bool:
-        """Whether the watcher's last pass is older than ``STALE_S`` while files are mapped (the
-        process was stopped, or the watcher is down): the caller runs one itself."""
-        return time.monotonic() - self.last_pass > STALE_S and self.mapped_files > 0
+        """Whether the watcher's last pass is so old that the kernel may have broken a lease
+        meanwhile (older than ``fs.lease-break-time`` less a margin: the process was stopped,
+        the watcher is down, or a move is slower), while files are mapped; the caller runs a
+        pass itself (or drops the batch that ran meanwhile)."""
+        now = time.monotonic()
+        if now - self._break_time_at > 1.0:  # the sysctl, read at most once a second
+            self._break_time_at, self._break_time_s = now, leases.lease_break_time()
+        limit = max(STALE_MARGIN_S, self._break_time_s - STALE_MARGIN_S)
+        return now - self.last_pass > limit and self.mapped_files > 0
 
     def check_all(self, files: list[_Mapped] | None = None) -> None:
         """One pass: every leased file is checked (:meth:`_check`), each on its own."""
@@ -386,6 +404,7 @@ class ShardMaps:
         )
         with self._lock:
             self.compromised[mapped.path] = why
+            self.reported += 1
             self._reports.append(Compromised(mapped.path, mapped.address, mapped.length, why))
 
     def take_compromised(self) -> list[Compromised]:

@@ -84,6 +84,20 @@ def take_read_lease(fd: int) -> str | None:
     return f"no read lease can be taken on it ({errno.errorcode.get(code, '?')})"
 
 
+LEASE_BREAK_TIME: Final = "/proc/sys/fs/lease-break-time"
+DEFAULT_LEASE_BREAK_S: Final = 45.0
+
+
+def lease_break_time() -> float:
+    """Seconds the kernel lets a writer wait for a lease holder before it breaks the lease
+    itself (``fs.lease-break-time``; 45 where it cannot be read)."""
+    try:
+        with open(LEASE_BREAK_TIME, encoding="ascii") as f:
+            return max(1.0, float(int(f.read().strip())))
+    except (OSError, ValueError):
+        return DEFAULT_LEASE_BREAK_S
+
+
 def breaking(fd: int) -> bool:
     """Whether the read lease on ``fd`` is being broken (a writer waits) or is gone."""
     return bool(fcntl.fcntl(fd, fcntl.F_GETLEASE) != fcntl.F_RDLCK)

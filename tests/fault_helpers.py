@@ -174,6 +174,7 @@ class Rig:
         settle_ms: int = 30,
         batch_interval_s: float = 0.01,
         allowed_roots: list[Path] | None = None,
+        map_shards: bool = False,
     ) -> Rig:
         model = ModelDir.write(model_dir or tmp / "model", tiny_moe())
         run = tmp / "run"
@@ -205,6 +206,7 @@ runtime:
   events_endpoint: ipc://{run}/events.sock
   allowed_roots: [{", ".join(str(r) for r in roots)}]
   storage: {storage.value}
+  map_shards: {"true" if map_shards else "false"}
   pools:
     - {{name: dev, device: cpu{budget}}}
     - {{name: host, device: cpu}}

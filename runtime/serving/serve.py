@@ -112,7 +112,11 @@ class ServeLoop:
         try:
             with torch.inference_mode():
                 if self.options.mode is Mode.PROBE:
-                    self._record(version, digest=logits_digest(self.model(self._probe)))
+                    digest = logits_digest(self.model(self._probe))
+                    if not self.runtime.batch_intact():  # served bytes changed meanwhile
+                        self.refused_batches += 1
+                        return version
+                    self._record(version, digest=digest)
                 else:
                     self._perplexity_step(version)
         except Exception:
@@ -125,7 +129,12 @@ class ServeLoop:
     def _perplexity_step(self, version: int) -> None:
         if version != self._pass_version:  # a commit interrupted the pass: start over
             self._pass_version, self._pass_index, self._pass_stats = version, 0, NllStats()
-        self._pass_stats = self._pass_stats + batch_nll(self.model, self._windows[self._pass_index])
+        stats = batch_nll(self.model, self._windows[self._pass_index])
+        if not self.runtime.batch_intact():  # served bytes changed meanwhile: start over
+            self._pass_version = -1
+            self.refused_batches += 1
+            return
+        self._pass_stats = self._pass_stats + stats
         self._pass_index += 1
         if self._pass_index == len(self._windows):
             stats = self._pass_stats
