@@ -448,9 +448,7 @@ class HotSwapRuntime:
         maps = self.store.maps
         if not maps.open_files:
             return True
-        return maps.reported == self._reported_at_boundary and not (
-            maps.suspect() or maps.stale()
-        )
+        return maps.reported == self._reported_at_boundary and not (maps.suspect() or maps.stale())
 
     def _refuse_lost(self) -> None:
         with self._commit_lock:
