@@ -563,6 +563,7 @@ class AgentDaemon:
             "reloads": dict(self._reloads),
             "threads": supervisor.snapshot(),
             "threads_down": supervisor.down(),
+            "threads_unsupervised": supervisor.unsupervised(),
             **{k: v for k, v in published.items() if k != "models"},
             "models": models,
         }

@@ -50,8 +50,8 @@ class Backoff:
     ``healthy_after_s`` without a crash ends the row)."""
 
     initial: float = 0.1
-    maximum: float = 5.0
-    give_up_after: int = 8
+    maximum: float = 2.0
+    give_up_after: int = 6  # ~3 s of restarts (0.1 + 0.2 + 0.4 + 0.8 + 1.6), then dead
     healthy_after_s: float = 30.0
 
     def delay(self, crashes: int) -> float:
@@ -236,6 +236,14 @@ def down() -> list[str]:
     return sorted(s.name for s in list(_REGISTRY) if s.essential and s.down)
 
 
+def unsupervised() -> list[str]:
+    """The names of this process's other Python threads (besides the main one): library
+    threads (watchdog's observers, ZeroMQ's authenticator, an HTTP server's), for a status."""
+    ours = {s.thread for s in list(_REGISTRY)}
+    main = threading.main_thread()
+    return sorted(t.name for t in threading.enumerate() if t is not main and t not in ours)
+
+
 def snapshot() -> dict[str, dict[str, Any]]:
     """For a process's ``status``: every supervised thread's health, restarts and last error."""
     return {s.name: s.status() for s in threads()}
@@ -243,9 +251,13 @@ def snapshot() -> dict[str, dict[str, Any]]:
 
 def on_dead(hook: Callable[[str], None]) -> Callable[[], None]:
     """Call ``hook(thread name)`` (from that thread) when an essential thread is given up; the
-    daemons stop and exit non-zero then. Returns the function that removes the hook."""
+    daemons stop and exit non-zero then. A thread given up before the hook was added (during a
+    model load) is reported to it at once. Returns the function that removes the hook."""
     with _hooks_lock:
         _dead_hooks.append(hook)
+    for thread in threads():
+        if thread.essential and thread.health is ThreadHealth.DEAD:
+            hook(thread.name)
 
     def remove() -> None:
         with _hooks_lock:
@@ -267,7 +279,8 @@ def _call_dead_hooks(thread: Supervised) -> None:
 
 # -- failpoints ------------------------------------------------------------------------------
 
-_failpoints: dict[str, int | None] = {}  # pattern -> starts left to fail (None: always)
+_failpoints: dict[str, int | None] = {}  # pattern -> starts to fail, per thread (None: all)
+_fired: dict[tuple[str, str], int] = {}  # (pattern, thread name) -> starts it failed
 _loaded = threading.Event()  # set once the environment was read (at the first start)
 _failpoints_lock = threading.Lock()
 
@@ -287,6 +300,7 @@ def load_failpoints(text: str | None = None) -> dict[str, int | None]:
     with _failpoints_lock:
         _failpoints.clear()
         _failpoints.update(armed)
+        _fired.clear()
         _loaded.set()
     return armed
 
@@ -301,11 +315,11 @@ def _failpoint(name: str) -> None:
     if not _failpoints:
         return
     with _failpoints_lock:
-        for pattern, left in _failpoints.items():
+        for pattern, count in _failpoints.items():
             if not fnmatch.fnmatchcase(name, pattern):
                 continue
-            if left is not None:
-                if left <= 0:
-                    continue
-                _failpoints[pattern] = left - 1
+            fired = _fired.get((pattern, name), 0)
+            if count is not None and fired >= count:
+                continue
+            _fired[(pattern, name)] = fired + 1
             raise InjectedFault(f"failpoint {pattern!r} ({ENV_FAILPOINTS}) in thread {name}")

@@ -385,6 +385,7 @@ class ControlServer:
         status["control_queue"] = self.fairness()
         status["threads"] = supervisor.snapshot()
         status["threads_down"] = supervisor.down()
+        status["threads_unsupervised"] = supervisor.unsupervised()
         if self._extra_status is not None:
             status.update(self._extra_status())
         return status
