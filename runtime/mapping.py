@@ -44,13 +44,11 @@ import ctypes
 import errno
 import mmap
 import os
-import resource
 import threading
 import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Final
 
 import torch
@@ -58,12 +56,17 @@ import torch
 from ggufswap.config import MapShards
 from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
-from ggufswap.runtime._libc import (
-    MADV_POPULATE_WRITE,
-    MAP_FAILED,
-    MREMAP_FIXED,
-    MREMAP_MAYMOVE,
-    Libc,
+from ggufswap.runtime._libc import MAP_FAILED, Libc
+from ggufswap.runtime._pages import (
+    NO_GUARD,
+    guard_faults,
+    guard_range,
+    guard_suspects,
+    move_to_anonymous,
+    raise_descriptor_limit,
+    reinstall_guard,
+    sigbus_guard,
+    unguard,
 )
 from ggufswap.shards import FileIdentity, TensorRecord, leases
 
@@ -73,12 +76,6 @@ POLL_S: Final = 0.1  # how often held leases are looked at
 # A lease can be broken by the kernel only after a writer waited fs.lease-break-time without a
 # pass of the watcher: a pass older than that, less this margin, may have missed one.
 STALE_MARGIN_S: Final = 0.5
-_COPY_CHUNK: Final = 64 << 20  # bytes per copy call while moving a mapping to anonymous memory
-NO_GUARD: Final = (
-    "the SIGBUS guard (ggufswap.runtime._sigbus, built from runtime/csrc/sigbus.c) is not "
-    "built, so a file truncated under its mapping would kill the process; install with a C "
-    "compiler to map shards"
-)
 
 
 class MapRefused(RuntimeError):
@@ -217,9 +214,8 @@ class ShardMaps:
     def _map(self, record: TensorRecord) -> ctypes.Array[ctypes.c_char] | None:
         """Map ``record``'s file under a lease; None (policy ``auto``) where it cannot be."""
         if not self._files and not self.refused:
-            _raise_descriptor_limit()
-        guard = sigbus_guard()
-        why = NO_GUARD if guard is None else leases.guard_sigio()
+            raise_descriptor_limit()
+        why = NO_GUARD if sigbus_guard() is None else leases.guard_sigio()
         region = None
         if why is None:
             region, why = self._map_file(record)
@@ -337,8 +333,7 @@ class ShardMaps:
     def suspect(self) -> bool:
         """Whether a guarded file shrank under its mapping or an access faulted past its end
         (one ``fstat`` per mapped file, in C): the caller runs a pass before its next batch."""
-        guard = sigbus_guard()
-        return bool(guard is not None and self._files and guard.suspects())
+        return bool(self._files) and guard_suspects()
 
     def stale(self) -> bool:
         """Whether the watcher's last pass is so old that the kernel may have broken a lease
@@ -419,9 +414,7 @@ class ShardMaps:
         started = time.perf_counter()
         try:
             if region is not None:
-                guard = sigbus_guard()
-                if guard is not None:
-                    guard.install()  # first in line again: the copy may read past a new end
+                reinstall_guard()  # first in line again: the copy may read past a new end
                 move_to_anonymous(mapped.address, mapped.length)
         except OSError as exc:  # tried again each poll; the lease-break time bounds the wait
             if not mapped.move_failed:  # said once, not every poll
@@ -451,17 +444,6 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _raise_descriptor_limit() -> None:
-    """One descriptor per mapped file: let this process open as many as its hard limit allows
-    (a model split per tensor has thousands of files; the usual soft limit is 1024)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
-    if soft != resource.RLIM_INFINITY and soft < target:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            log.info("load.descriptor_limit", soft=soft, raised_to=target)
-
-
 def _give_up(mapped: _Mapped) -> bool:
     """Release the lease and close its descriptor; False when there was no lease left to
     release (the kernel broke it: the lease-break time passed)."""
@@ -481,8 +463,7 @@ def _give_up(mapped: _Mapped) -> bool:
 def _tampered(mapped: _Mapped) -> str | None:
     """Why the file's bytes under the mapping may have changed without a lease break: it shrank
     (``open(O_RDONLY | O_TRUNC)`` breaks no read lease), or an access faulted past its end."""
-    guard = sigbus_guard()
-    faults = guard.faults(mapped.guard_entry) if guard and mapped.guard_entry >= 0 else 0
+    faults = guard_faults(mapped.guard_entry)
     size = os.fstat(mapped.fd).st_size
     if size >= mapped.length and not faults:
         return None
@@ -493,56 +474,11 @@ def _tampered(mapped: _Mapped) -> str | None:
     )
 
 
-_SIGBUS: list[ModuleType | None] = []
-
-
-def sigbus_guard() -> ModuleType | None:
-    """The compiled SIGBUS guard (``runtime/csrc/sigbus.c``), or None where it is not built."""
-    if not _SIGBUS:
-        try:
-            from ggufswap.runtime import _sigbus  # type: ignore[attr-defined]
-        except ImportError:
-            _SIGBUS.append(None)
-        else:
-            _SIGBUS.append(_sigbus)
-    return _SIGBUS[0]
-
-
 def _guard(mapped: _Mapped) -> int:
-    """Guard ``mapped``'s range (installing the handler first in line); its entry."""
-    guard = sigbus_guard()
-    assert guard is not None, "nothing is mapped without the guard"
-    guard.install()
-    return int(guard.register(mapped.address, mapped.length, mapped.fd))
+    """Guard ``mapped``'s range against SIGBUS (the handler first in line); its entry."""
+    return guard_range(mapped.address, mapped.length, mapped.fd)
 
 
 def _unguard(mapped: _Mapped) -> None:
-    guard = sigbus_guard()
-    if guard is not None and mapped.guard_entry >= 0:
-        guard.unregister(mapped.guard_entry)
+    unguard(mapped.guard_entry)
     mapped.guard_entry = -1
-
-
-def move_to_anonymous(address: int, length: int) -> None:
-    """Replace the mapping at ``[address, address + length)`` by anonymous memory holding the
-    same bytes, at the same address (copy, then ``mremap`` over it in one step: a thread reading
-    meanwhile sees the same bytes before and after). ctypes releases the GIL for each call."""
-    libc = Libc.get()
-    size = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
-    prot = mmap.PROT_READ | mmap.PROT_WRITE
-    anon = libc.mmap(None, size, prot, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-    if anon in (None, MAP_FAILED):
-        raise OSError(ctypes.get_errno(), f"mmap of {size} anonymous bytes failed")
-    try:
-        for offset in range(0, length, _COPY_CHUNK):
-            n = min(_COPY_CHUNK, length - offset)
-            # Fault the new pages in with one call first (5-10x faster than a fault per page
-            # inside the copy on this project's VMs); no support: the copy faults them.
-            libc.madvise(anon + offset, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE, MADV_POPULATE_WRITE)
-            ctypes.memmove(anon + offset, address + offset, n)
-        moved = libc.mremap(anon, size, size, MREMAP_MAYMOVE | MREMAP_FIXED, address)
-        if moved != address:
-            raise OSError(ctypes.get_errno(), "mremap onto the mapping failed")
-    except BaseException:
-        libc.munmap(anon, size)
-        raise
