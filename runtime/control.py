@@ -68,6 +68,8 @@ MAX_PLANS_IN_FLIGHT_PER_PEER = 4
 # and the clients' queues are served round-robin: a plan waits behind at most this many plans
 # plus one of each other client with plans waiting.
 RUNTIME_WINDOW: Final = 2
+# The answer to a plan that waited here when the runtime stopped: the client re-plans.
+_SHUTTING_DOWN: Final = Reason("*", "runtime shutting down before this plan's turn", stale=True)
 
 
 def peer_identity(request: Request, *, ipc: bool) -> str:
@@ -148,6 +150,7 @@ class ControlServer:
         self._handed: set[str] = set()  # plan ids handed to the runtime, not yet final
         self._stopping = False
         self._stopped = threading.Event()  # set with _stopping: ends a restart's backoff
+        self._closed = False  # the sockets are closed: events are no longer published
         self._dispatcher: Supervised | None = None
         self.dispatched: list[tuple[str, str]] = []  # (client, plan id) of the last handed plans
         runtime.on_event(self._publish)
@@ -180,16 +183,32 @@ class ControlServer:
         ).start()
         return self
 
-    def close(self) -> None:
-        # 1. the dispatcher: plans still waiting here are dropped (their clients re-plan from
-        # the runtime's state, which they never changed).
+    def stop_intake(self) -> None:
+        """First step of a shutdown: no plan is handed to the runtime any more, and each plan
+        still waiting here is answered ``rejected`` (stale: the client re-plans from the next
+        runtime's state, which it never changed), not left undecided. The sockets still run,
+        so that closing the runtime next tells the clients of the plans it held."""
         with self._fair:
             self._stopping = True
+            waiting = list(self._waiting.values())
+            self._waiting.clear()
+            self._queues.clear()
+            self._turns.clear()
+            self._peer_plans.clear()
             self._fair.notify_all()
         self._stopped.set()
         if self._dispatcher is not None:
             self._dispatcher.join(5.0)
             self._dispatcher = None
+        for plan in waiting:
+            for answer in plan.answers:
+                answer.refuse(plan.plan.plan_id, _SHUTTING_DOWN)
+
+    def close(self) -> None:
+        """Stop taking plans (:meth:`stop_intake`, if not done yet), then the sockets; events
+        published after this (the runtime rejecting what it held) are dropped."""
+        self.stop_intake()
+        self._closed = True
         self.control.stop()
         if self.status_server is not None:
             self.status_server.stop()
@@ -259,7 +278,11 @@ class ControlServer:
             msg_id,
             on_final=lambda: self._release(identity, plan.plan_id),
         )
-        self.runtime.submit(plan, follow=answer)
+        try:
+            self.runtime.submit(plan, follow=answer)
+        except BaseException:  # a bug (answered INTERNAL): its room is not held forever
+            self._release(identity, plan.plan_id)
+            raise
         assert answer.first is not None, "submit follows the ticket, which answers at once"
         return answer.first
 
@@ -349,7 +372,7 @@ class ControlServer:
     # -- events ----------------------------------------------------------------------------
 
     def _publish(self, event: Event) -> None:
-        if self.publisher is not None:
+        if self.publisher is not None and not self._closed:
             self.publisher.publish(event)
 
     # -- reports ---------------------------------------------------------------------------
@@ -432,10 +455,21 @@ class _Answer:
         self._send(self._reply(ticket, MessageType.STAGED), ticket)
 
     def _send(self, reply: Reply, ticket: PlanTicket) -> None:
+        self._send_for(reply, ticket.plan_id)
+
+    def _send_for(self, reply: Reply, plan_id: str) -> None:
         try:
             self._server.send_to(self._peer, reply)
         except IpcError as exc:  # the server stopped: the peer re-plans from ``state``
-            log.info("control.reply_dropped", plan_id=ticket.plan_id, error=str(exc))
+            log.info("control.reply_dropped", plan_id=plan_id, error=str(exc))
+
+    def refuse(self, plan_id: str, reason: Reason) -> None:
+        """Answer the request with ``rejected`` for ``reason`` (a plan never handed over)."""
+        outcome = Rejected(plan_id=plan_id, stale=reason.stale, reasons=(reason,))
+        request = {Fields.ID: self._request_id}
+        self._send_for(
+            make_reply(request, MessageType.REJECTED, **rejected_to_wire(outcome)), plan_id
+        )
 
     def _reply(self, ticket: PlanTicket, in_flight: MessageType) -> Reply:
         """The reply for the ticket's state; ``in_flight`` for a plan not yet decided."""

@@ -181,11 +181,14 @@ def run(
     try:
         loop.run(stop, on_iteration=on_iteration)
     finally:
-        # Shutdown, bounded: stop answering, discard staged plans, let the stager go.
+        # Shutdown, bounded: take no more plans (those waiting are answered rejected), reject
+        # the runtime's queued and staged plans (their clients told while the sockets run),
+        # then stop answering.
         notifier.stopping()
         loop.close()
-        control.close()
+        control.stop_intake()
         runtime.close(timeout=SHUTDOWN_TIMEOUT_S)
+        control.close()
         forget_dead_hook()
         log.info("runtime.stopped", model=runtime.model_name, batches=loop.batches)
     return 1 if given_up else 0
