@@ -52,7 +52,13 @@ def test_an_outage_is_logged_once_and_its_error_cleared_on_reconnect(
         warnings = [r["event"] for r in records if r.get("level") == "warning"]
         assert len(warnings) <= 3, warnings
         with FakeRuntime(f"ipc://{short_dir}/rt.sock", paths[0]):
-            wait_for(lambda: link().get("connected"), timeout=30, what="the reconnect")
+            # Connected (a pong on the last retry's socket) may come before the state reply
+            # that ends the outage: wait for the link to be in sync.
+            wait_for(
+                lambda: link().get("connected") and link().get("state") == "idle",
+                timeout=30,
+                what="the reconnect",
+            )
             assert link().get("last_error") is None, link()
     finally:
         assert agent.stop() == 0, agent.log()
