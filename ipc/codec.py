@@ -20,7 +20,7 @@ Any failure is a ``MalformedMessage``, ``UnsupportedVersion``, ``UnknownMessageT
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any, Final
 
 import msgpack
@@ -52,20 +52,33 @@ def _refuse_ext(code: int, data: bytes) -> object:
     raise MalformedMessage(f"msgpack ext type {code} ({len(data)} bytes) is not allowed")
 
 
+_SCALARS: Final = frozenset({type(None), bool, int, float, str, bytes})
+
+
 def _check_plain(obj: object) -> None:
-    """Walk the decoded value: only nil, bool, int, float, str, bin, array and str-keyed map."""
+    """Walk the decoded value: only nil, bool, int, float, str, bin, array and str-keyed map
+    (msgpack's own Timestamp, for one, is refused). Each container's members are checked by
+    their set of types (``map(type, ...)`` runs in C), so a long array of scalars costs no
+    Python work per element."""
     stack = [obj]
     while stack:
         item = stack.pop()
-        if isinstance(item, dict):
-            for key, value in item.items():
-                if not isinstance(key, str):
-                    raise MalformedMessage(f"map keys must be strings, found {key!r}")
-                stack.append(value)
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif item is not None and not isinstance(item, bool | int | float | str | bytes):
-            raise MalformedMessage(f"value of type {type(item).__name__} is not allowed")
+        if type(item) is dict:
+            if set(map(type, item)) - {str}:
+                key = next(k for k in item if type(k) is not str)
+                raise MalformedMessage(f"map keys must be strings, found {key!r}")
+            members: Iterable[object] = item.values()
+        elif type(item) is list:
+            members = item
+        else:
+            continue
+        kinds = set(map(type, members)) - _SCALARS
+        if not kinds:
+            continue
+        if kinds - {list, dict}:
+            found = next(t for t in kinds if t is not list and t is not dict)
+            raise MalformedMessage(f"value of type {found.__name__} is not allowed")
+        stack.extend(m for m in members if type(m) is list or type(m) is dict)
 
 
 def encode(msg: Mapping[str, Any]) -> bytes:

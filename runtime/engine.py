@@ -6,6 +6,10 @@ between batches, which commits every staged plan in order. The stager stages the
 after the previous one is committed or rejected, so a staged plan never copies a buffer that an
 earlier commit is about to replace.
 
+Size: ~650 lines, over the ~500 the style asks: submission, the stager's loop and the commit at
+the batch boundary share the plan queue, the staged deque and their locks; the checks of mapped
+weights before and after a batch are ``runtime/integrity.py``'s, called from here.
+
 Usage::
 
     runtime = HotSwapRuntime.open(model_path, pools=..., allowed_roots=[...])
