@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 from runtime_helpers import WAIT_S, ModelDir
 
-pytestmark = pytest.mark.process
+# slow: a child imports torch and loads a model (45 s measured under the suite on 2 busy cores)
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 TESTS = Path(__file__).parent
 STORM_S = 3.0
