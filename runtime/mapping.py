@@ -370,13 +370,13 @@ class ShardMaps:
             return
         if not self._move(mapped):
             return  # no memory: retried at the next pass
+        self.moved += 1  # counted before the writer is let in (it may be waited on)
         if not _give_up(mapped) and tampered is None:
             tampered = (
                 "the kernel broke its read lease before the runtime let the writer in "
                 "(fs.lease-break-time passed: the process was stopped, or the move was slower); "
                 "the writer may have changed its bytes"
             )
-        self.moved += 1
         if tampered is not None:
             self._report(mapped, tampered)
 
