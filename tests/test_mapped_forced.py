@@ -90,11 +90,12 @@ def test_a_truncation_without_a_lease_break_takes_the_tensor_out_of_service(rig:
     os.close(os.open(path, os.O_RDONLY | os.O_TRUNC))  # no lease break: the file is 0 bytes
     assert path.stat().st_size == 0
     wait_for(
-        lambda: not rig.runtime_alive() or _refused(rig) > refused,
+        lambda: not rig.runtime_alive() or _lost(rig) == 1,
         timeout=WAIT_S,
-        what="batches refused (or the runtime dead)",
+        what="the tensor out of service (or the runtime dead)",
     )
     assert rig.runtime_alive(), f"the runtime died:\n{_log(rig)[-3000:]}"
+    wait_for(lambda: _refused(rig) > refused, timeout=WAIT_S, what="batches refused")
     _versions_served_one_digest(rig)
     status = rig.runtime_status()
     assert list(status["weights_lost"]["tensors"]) == [TENSOR], status["weights_lost"]
