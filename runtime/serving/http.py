@@ -118,7 +118,7 @@ class CompletionServer:
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
         self._server = uvicorn.Server(self._config)
         self._closing = threading.Event()  # set by close(): no run of the server after it
-        self._runs = 0
+        self._served = False  # a run began with the current uvicorn server (the next needs one)
         self._thread = Supervised(
             "ggufswap-http",
             self._serve,
@@ -158,11 +158,11 @@ class CompletionServer:
         """The server thread's body (supervised): uvicorn's event loop until :meth:`close`. A
         run after a crash serves a new ``uvicorn.Server`` (the dead loop's connections are gone)
         on the listening socket, opened again on the same port if the crash closed it."""
-        self._runs += 1
-        if self._runs > 1:
-            if self._sock.fileno() == -1:
-                self._sock = _listen(self._host, self.port, self._backlog)
+        if self._sock.fileno() == -1:
+            self._sock = _listen(self._host, self.port, self._backlog)
+        if self._served:
             self._server = uvicorn.Server(self._config)
+        self._served = True
         if self._closing.is_set():  # after the assignment: close() stops this server or none
             return
         asyncio.run(self._server.serve(sockets=[self._sock]))
