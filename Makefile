@@ -20,8 +20,9 @@ $(MODULES): FORCE
 	@mkdir -p $(VENV)
 	@echo "$(MODULE_LIST)" | cmp -s - $@ || echo "$(MODULE_LIST)" > $@
 
-# The compiled kernels (runtime/kernels/csrc) are built by the same install (setup.py).
-$(STAMP): pyproject.toml setup.py Makefile $(MODULES) $(wildcard runtime/kernels/csrc/*.c shards/csrc/*.c)
+# The compiled kernels (runtime/kernels/csrc) and the SIGBUS guard (runtime/csrc) are built by the
+# same install (setup.py).
+$(STAMP): pyproject.toml setup.py Makefile $(MODULES) $(wildcard runtime/kernels/csrc/*.c runtime/csrc/*.c shards/csrc/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
 	rm -rf build/__editable__.*

@@ -34,7 +34,8 @@ from ggufswap.agent.status import runtimes_view, status_handler, status_line
 from ggufswap.agent.watch import ChangeQueue, RescanReason, Watcher
 from ggufswap.agent.watchset import WatchSet
 from ggufswap.config import Config, ConfigError, ModelConfig, WatchBackend, load_config
-from ggufswap.ipc import RequestServer, SocketOptions
+from ggufswap.ipc import MessageType, RequestServer, SocketOptions, supervisor
+from ggufswap.ipc.codec import STATUS_MAX_REQUEST_SIZE
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
 from ggufswap.logs import get_logger
 from ggufswap.shards import Fingerprinter, HeaderCache
@@ -131,6 +132,9 @@ class AgentDaemon:
         self._forced_at = 0.0
         self._reloads: dict[str, Any] = {"ok": 0, "failed": 0, "last_error": None}
         self.iterations = 0
+        # Set when an essential supervised thread was given up: run() ends, main exits 1.
+        self.failure: str | None = None
+        self._forget_dead_hook: Any = None
 
     # -- flags (signal-safe) -----------------------------------------------------------------
 
@@ -165,12 +169,15 @@ class AgentDaemon:
     def start(self) -> None:
         """Bind the status socket, watch, scan every model, connect; then READY=1."""
         self._check_move(DaemonState.RUNNING)
+        self._forget_dead_hook = supervisor.on_dead(self._on_thread_dead)
         self._server = RequestServer(
             self.config.agent.status_endpoint,
             status_handler(self.status),
             name="agent",
             # `ggufswap status` by members of the socket directory's group (docs/operations.md)
             options=dataclasses.replace(self._options, group_access=True),
+            types=(MessageType.STATUS,),
+            max_request_size=STATUS_MAX_REQUEST_SIZE,
         ).start()
         try:
             self._build(self.config)
@@ -221,6 +228,13 @@ class AgentDaemon:
 
     def _on_stale(self, model: str) -> None:  # called from a link thread
         self.queue.rescan_needed(RescanReason.STALE, model)
+
+    def _on_thread_dead(self, name: str) -> None:  # called from the thread given up
+        """An essential thread failed ``give_up_after`` times in a row: the watchdog pings
+        stopped already; stop, so that the process exits non-zero and is restarted."""
+        self.failure = f"essential thread {name} failed repeatedly and was given up"
+        log.error("agent.thread_given_up", thread=name, exit="non-zero, for a restart")
+        self._stop_flag.set()
 
     # -- watches -----------------------------------------------------------------------------
 
@@ -416,6 +430,9 @@ class AgentDaemon:
             "events": self.queue.events,
             "pending_paths": self._pending_count,
             "reloads": dict(self._reloads),
+            "threads": supervisor.snapshot(),
+            "threads_down": supervisor.down(),
+            "threads_unsupervised": supervisor.unsupervised(),
             **{k: v for k, v in published.items() if k != "models"},
             "models": models,
         }
@@ -476,5 +493,7 @@ class AgentDaemon:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
             self._metrics_http = None
+        if self._forget_dead_hook is not None:
+            self._forget_dead_hook()
         self._move(DaemonState.STOPPED)
         log.info("agent.stopped")

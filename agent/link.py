@@ -17,8 +17,17 @@ The requests, their retries and the reply handlers stay in this one module becau
 on the one request outstanding and the one plan in flight. What to plan next (the desired state,
 what the runtime refused) is ``agent/planner.py``; what became of the plans (the plan in flight,
 the last finished ones, counts by outcome, the canonical ``plan`` log line) ``agent/ledger.py``;
-the events subscription (commits by other clients) ``agent/events.py``; the scrub
-``agent/scrub.py``.
+the events subscription (commits by other clients, tensors the runtime lost) ``agent/events.py``;
+the scrub ``agent/scrub.py``.
+
+The thread is supervised (``ipc/supervisor.py``): a bug is logged, what was in flight abandoned,
+and the body run again from a full ``state``; an endpoint refused at a (re)connect (its socket
+directory writable by others) is ``UNREACHABLE``, retried, and logged once per change.
+
+Size: ~540 lines, over the ~500 the style asks, since the supervision of the thread (its body
+run again from a full ``state``, an endpoint refused at a reconnect) joined the requests and
+replies it acts on; the reconnect and refusal handling (``_run`` ... ``_endpoint_refused``,
+``_unreachable``, ``_peer_lost``) is the part to move to its own module next.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from ggufswap.ipc import (
     DealerClient,
     ErrorReply,
     Fields,
+    InsecureEndpoint,
     IpcError,
     MessageType,
     Plan,
@@ -58,6 +68,7 @@ from ggufswap.ipc import (
     plan_to_wire,
 )
 from ggufswap.ipc.bodies import state_request_to_wire
+from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
 from ggufswap.shards import Fingerprinter, TensorRecord
 
@@ -91,7 +102,7 @@ class RuntimeLink:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: Supervised | None = None
         self._client: DealerClient | None = None
         self._reconnects_seen = 0
         self._state = LinkState.SYNCING
@@ -105,6 +116,7 @@ class RuntimeLink:
         # retries of one outage log at debug level, its end once at info, and the outage's
         # error is cleared once the runtime answers again.
         self._outage = False
+        self._refused_why: str | None = None  # the endpoint refusal last logged (said on change)
         self.log = log.bind(model=model.name, endpoint=self.endpoint)
         self._plans = PlanLedger(log=self.log)  # the plan in flight and what became of the others
         self._planner = Planner(
@@ -133,10 +145,14 @@ class RuntimeLink:
         return self._state
 
     def start(self) -> RuntimeLink:
-        self._thread = threading.Thread(
-            target=self._run, name=f"ggufswap-link-{self.model.name}", daemon=True
-        )
-        self._thread.start()
+        self._thread = Supervised(
+            f"ggufswap-link-{self.model.name}",
+            self._run,
+            stop=self._stop,
+            on_crash=self._after_crash,
+            on_exit=self._on_exit,
+            context={"model": self.model.name, "endpoint": self.endpoint},
+        ).start()
         if self._scrubber is not None:
             self._scrubber.start()
         return self
@@ -148,10 +164,8 @@ class RuntimeLink:
         self._wake.set()
         if self._scrubber is not None:
             self._scrubber.stop(timeout_s)
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                self.log.error("link.stop_timeout", timeout_s=timeout_s)
+        if self._thread is not None and not self._thread.join(timeout_s):
+            self.log.error("link.stop_timeout", timeout_s=timeout_s)
         self._thread = None
 
     def set_desired(self, snapshot: ModelSnapshot) -> None:
@@ -203,6 +217,7 @@ class RuntimeLink:
                 **plans,  # pending_plan, last_plans, plans_sent, plans_by_outcome
                 **self._planner.status(),  # reconciled_generation, blocked, refused...
                 "last_error": self._last_error,
+                "thread": self._thread.status() if self._thread is not None else None,
                 "scrub": self._scrubber.status() if self._scrubber is not None else None,
                 "events": self._events.status(),
             }
@@ -227,32 +242,72 @@ class RuntimeLink:
         return self._client
 
     def _run(self) -> None:
+        """The link thread's body (supervised: restarted with backoff when it raises). Each run
+        starts from the runtime's full state, on a new socket."""
+        with self._lock:
+            self._state = LinkState.SYNCING
         try:
             self._new_client()
             self._sync(first=True)
-            while not self._stop.is_set():
+        except InsecureEndpoint as exc:
+            self._endpoint_refused(exc, time.monotonic())
+        while not self._stop.is_set():
+            try:
                 self._step()
-        except Exception as exc:  # a bug: logged; the daemon notices the dead thread
-            self.log.exception("link.crashed", error=str(exc))
-            self._last_error = f"link thread crashed: {exc}"
-        finally:
-            if self._client is not None:
-                self._client.close()
-            self._events.close()
-            with self._lock:
-                self._state = LinkState.STOPPED
+            except InsecureEndpoint as exc:  # at a reconnect: unreachable, retried on a timer
+                self._endpoint_refused(exc, time.monotonic())
+
+    def _after_crash(self, exc: BaseException) -> None:
+        """The body raised (a bug): what it had in flight is abandoned; the next run re-syncs."""
+        self._last_error = f"link thread crashed: {type(exc).__name__}: {exc}"
+        self._close_client()
+        if self._plans.in_flight is not None:
+            self._plans.finish(Outcome.ABANDONED, time.monotonic(), reasons=(self._last_error,))
+
+    def _on_exit(self) -> None:
+        self._close_client()
+        self._events.close()
+        with self._lock:
+            self._state = LinkState.STOPPED
+
+    def _close_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def _endpoint_refused(self, exc: InsecureEndpoint, now: float) -> None:
+        """The endpoint was refused (its socket directory is writable by others, a tcp
+        endpoint without CURVE keys...): unreachable, tried again every ``request_timeout_s``;
+        logged as an error each time the reason changes."""
+        why = str(exc)
+        if why != self._refused_why:
+            self.log.error("link.endpoint_refused", error=why, retry_s=self.model.request_timeout_s)
+        self._refused_why = why
+        self._last_error = why
+        self._close_client()
+        self._outage = True
+        if self._plans.in_flight is not None:
+            self._plans.finish(Outcome.ABANDONED, now, reasons=(why,))
+        self._move(LinkState.UNREACHABLE)
+        self._timers.retry_at = now + self.model.request_timeout_s
+
     def _step(self) -> None:
         client = self._client
-        assert client is not None, "the link thread opens a client first"
+        if client is None:  # refused at the last reconnect: only the retry timer runs
+            self._wake.wait(TICK_S)
+            self._wake.clear()
+            self._check_timers(time.monotonic())
+            return
         msg = client.poll(TICK_S)
         now = time.monotonic()
         if msg is not None:
             self._handle(msg, now)
         self._events.note_commits(self._plans.is_own)
+        if self._state is LinkState.IDLE and self._events.take_lost():
+            self._sync(delta=True)  # their fingerprints read 'lost': the next plan reloads them
         foreign = self._events.take_foreign() if self._state is LinkState.IDLE else None
         if foreign is not None:
             self.log.info(
@@ -413,6 +468,7 @@ class RuntimeLink:
             self.log.warning("link.model_mismatch", runtime_model=state.model)
         if self._outage:
             self._outage = False
+            self._refused_why = None
             if refused is None and not (state.model and state.model != self.model.name):
                 self._last_error = None  # the outage's error is over
             self.log.info("link.reconnected", endpoint=self.endpoint)

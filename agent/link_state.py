@@ -8,6 +8,9 @@ with both states)::
        │  └─no reply after────┼─────────────────┘ (Lazy Pirate retries) │                  │
        │    1+retries: UNREACHABLE (retry later)                         │                  │
        └──────────── committed / rejected / peer lost / reconnect ◄──────┴──────────────────┘
+
+Any state goes UNREACHABLE when the endpoint is refused at a (re)connect (its socket directory
+writable by others), and a link thread restarted after a crash starts again at SYNCING.
 """
 
 from __future__ import annotations
@@ -30,15 +33,18 @@ class LinkState(str, enum.Enum):
     STOPPED = "stopped"
 
 
+# Every state may go UNREACHABLE: the endpoint may be refused at any reconnect (an insecure
+# socket directory, ``RuntimeLink._endpoint_refused``), not only when a request runs out of
+# retries.
 ALLOWED: dict[LinkState, frozenset[LinkState]] = {
     LinkState.SYNCING: frozenset({LinkState.IDLE, LinkState.SYNCING, LinkState.UNREACHABLE}),
-    LinkState.IDLE: frozenset({LinkState.PLAN_SENT, LinkState.SYNCING}),
+    LinkState.IDLE: frozenset({LinkState.PLAN_SENT, LinkState.SYNCING, LinkState.UNREACHABLE}),
     LinkState.PLAN_SENT: frozenset(
         {LinkState.ACCEPTED, LinkState.STAGED, LinkState.SYNCING, LinkState.UNREACHABLE}
     ),
-    LinkState.ACCEPTED: frozenset({LinkState.STAGED, LinkState.SYNCING}),
-    LinkState.STAGED: frozenset({LinkState.SYNCING}),
-    LinkState.UNREACHABLE: frozenset({LinkState.SYNCING}),
+    LinkState.ACCEPTED: frozenset({LinkState.STAGED, LinkState.SYNCING, LinkState.UNREACHABLE}),
+    LinkState.STAGED: frozenset({LinkState.SYNCING, LinkState.UNREACHABLE}),
+    LinkState.UNREACHABLE: frozenset({LinkState.SYNCING, LinkState.UNREACHABLE}),
     LinkState.STOPPED: frozenset(),
 }
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from ggufswap.config import VerifyMode
 from ggufswap.ipc import Job, Plan, Reason, SlotState, TensorEntry
+from ggufswap.ipc.bodies import LOST_FINGERPRINT
 from ggufswap.shards import ShardError, TensorRecord
 
 PLAN_ID_BYTES = 16
@@ -186,7 +187,8 @@ def _reload(
             )
         )
         return None
-    if _same_version(old, record) and not (checksum and suspect):
+    lost = entry.fingerprint == LOST_FINGERPRINT  # out of service: reloaded whatever
+    if _same_version(old, record) and not (checksum and suspect) and not lost:
         return None
     fp = None
     if checksum:

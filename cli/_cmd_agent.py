@@ -93,6 +93,9 @@ def run_agent(args: argparse.Namespace) -> int:
         print(f"ggufswap agent: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     daemon.run()
+    if daemon.failure is not None:
+        print(f"ggufswap agent: {daemon.failure}", file=sys.stderr)
+        return EXIT_FAILURE
     return EXIT_OK
 
 

@@ -16,6 +16,7 @@ from ggufswap.ipc import (
     ErrorReply,
     IpcError,
     MessageType,
+    PeerRefused,
     PeerTimeout,
     StatusReply,
     make_message,
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             reply = request(
                 endpoint, make_message(MessageType.STATUS), timeout_s=args.timeout, retries=0
             )
-        except PeerTimeout as exc:
+        except (PeerTimeout, PeerRefused) as exc:
             replies[endpoint] = {"error": str(exc)}
             code = EXIT_UNREACHABLE
             continue

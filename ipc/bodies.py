@@ -18,6 +18,9 @@ from ggufswap.ipc.plan import fingerprint_from_wire, record_fast, record_fields,
 from ggufswap.shards.records import TensorRecord
 
 _SLOTS: Final = {slot.value: slot for slot in SlotState}
+# The fingerprint a runtime reports for a tensor out of service (its bytes changed outside any
+# commit: runtime/integrity.py): not a digest, so equal to no content; an agent plans it.
+LOST_FINGERPRINT: Final = "lost"
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,6 +62,7 @@ class Topic(str, Enum):
     TENSOR_FALLBACK = "tensor.fallback"
     TENSOR_REATTACHED = "tensor.reattached"
     SHARD_INVALID = "shard.invalid"
+    TENSORS_LOST = "tensors.lost"
 
 
 class Process(str, Enum):

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         PoolFull,
         RuntimeLibraryError,
         UnsupportedTypeError,
+        WeightsLost,
     )
     from ggufswap.runtime.families import DerivedTensor, family_of, group_families
     from ggufswap.runtime.kernels import KERNEL_TYPES, QuantizedMatrix, dequantize, has_kernel
@@ -42,6 +43,7 @@ _HOMES: dict[str, str] = {  # name -> the module that defines it
     "PoolFull": "ggufswap.runtime.errors",
     "RuntimeLibraryError": "ggufswap.runtime.errors",
     "UnsupportedTypeError": "ggufswap.runtime.errors",
+    "WeightsLost": "ggufswap.runtime.errors",
     "DerivedTensor": "ggufswap.runtime.families",
     "family_of": "ggufswap.runtime.families",
     "group_families": "ggufswap.runtime.families",
@@ -90,6 +92,7 @@ __all__ = [
     "Storage",
     "TensorStore",
     "UnsupportedTypeError",
+    "WeightsLost",
     "dequantize",
     "family_of",
     "group_families",

@@ -14,12 +14,14 @@ Usage::
         runtime.at_batch_boundary()   # commits staged plans; cheap when there are none
         logits = model(batch)
 
-Size: ~530 lines in one class, because its three threads (submit, the stager, the inference
+Size: ~620 lines in one class, because its three threads (submit, the stager, the inference
 loop) share one queue, one deque of staged plans and the locks that order them, and each step of
-a plan's life reads that shared state. What does not touch it lives apart: opening a model
-(``opening.py``), placement (``placement.py``), validation (``validate.py``), staging
-(``staging.py``), the commit itself (``commit.py``), what became of the plans (``history.py``)
-and the group's agreement (``coordinated.py``).
+a plan's life reads that shared state (the stager's crash handling rejects the plan it held; the
+checks of mapped weights at the batch boundary run under the commit lock). What does not touch
+it lives apart: opening a model (``opening.py``), placement (``placement.py``), validation
+(``validate.py``), staging (``staging.py``), the commit itself (``commit.py``), what became of
+the plans (``history.py``), the group's agreement (``coordinated.py``) and the integrity of
+mapped weights (``integrity.py``).
 """
 
 from __future__ import annotations
@@ -43,12 +45,15 @@ from ggufswap.ipc import (
     PlanRejectedEvent,
     PlanStagedEvent,
     Reason,
+    TensorsLostEvent,
 )
+from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
 from ggufswap.runtime.commit import commit
 from ggufswap.runtime.coordinated import Coordinator, Decision
-from ggufswap.runtime.errors import PlanRejected, RuntimeLibraryError, StagingFailed
+from ggufswap.runtime.errors import PlanRejected, RuntimeLibraryError, StagingFailed, WeightsLost
 from ggufswap.runtime.history import PlanHistory
+from ggufswap.runtime.integrity import check_mapped
 from ggufswap.runtime.kernels import KERNELS
 from ggufswap.runtime.opening import load_model
 from ggufswap.runtime.placement import Placement
@@ -110,10 +115,16 @@ class HotSwapRuntime:
         self._on_event: list[EventCallback] = []
         self.last_stall_s: float | None = None
         self.bytes_reloaded = 0
-        self._thread = threading.Thread(
-            target=self._stage_loop, name="ggufswap-stager", daemon=True
-        )
-        self._thread.start()
+        self._staging: PlanTicket | None = None  # the ticket the stager works on
+        self._reported_at_boundary = 0  # store.maps.reported as the last batch began
+        self._stopped = threading.Event()  # set by close(): ends a restart's backoff
+        self._thread = Supervised(
+            "ggufswap-stager",
+            self._stage_loop,
+            stop=self._stopped,
+            on_crash=self._stager_crashed,
+            context={"model": model_name},
+        ).start()
 
     # -- construction ----------------------------------------------------------------------
 
@@ -318,12 +329,31 @@ class HotSwapRuntime:
     # -- staging (background thread) -------------------------------------------------------
 
     def _stage_loop(self) -> None:
+        """The stager thread's body (supervised: restarted with backoff when it raises)."""
         while True:
             item = self._queue.get()
             if item is _STOP:
                 return
             assert isinstance(item, PlanTicket), "only tickets are queued"
+            self._staging = item
             self._stage_one(item)
+            self._staging = None
+
+    def _stager_crashed(self, exc: BaseException) -> None:
+        """The stager raised outside staging (a bug): its plan is rejected, never left
+        undecided, so its client re-plans."""
+        ticket, self._staging = self._staging, None
+        if ticket is None or ticket.state.final:
+            return
+        with self._cond:
+            entry = next((e for e in self._staged if e[0] is ticket), None)
+            if entry is not None:
+                self._staged.remove(entry)
+        if entry is not None:
+            entry[1].discard()
+        if ticket.state is not PlanState.COMMITTED:
+            self._finish_rejected(ticket, [Reason("*", f"stager crashed: {exc!r}", stale=True)])
+            self._settled(1)
 
     def _stage_one(self, ticket: PlanTicket) -> None:
         if self._closed:  # taken off the queue just before close() drained it
@@ -377,15 +407,46 @@ class HotSwapRuntime:
     def at_batch_boundary(self) -> int:
         """Commit every staged plan; return the weight version the next batch runs on.
 
-        Call it from the inference loop between two batches. With nothing staged it costs one
-        attribute check. A rank of a coordinated group makes one collective here at every call
-        and commits only what every rank has staged, so every rank calls it at the same steps.
-        A commit callback that raises does not undo the commit: its error is raised once the
-        plans are recorded as committed.
+        Call it from the inference loop between two batches. With nothing staged and nothing
+        mapped it costs two attribute checks. A rank of a coordinated group makes one
+        collective here at every call and commits only what every rank has staged, so every
+        rank calls it at the same steps. A commit callback that raises does not undo the
+        commit: its error is raised once the plans are recorded as committed.
+
+        Raises :class:`WeightsLost` while served tensors are out of service (their mapped
+        bytes changed outside any commit, ``runtime/integrity.py``): the next batch must not
+        run; call again (a commit of the agent's plan restores them).
         """
         agreed = self._agree() if self._coordinator is not None else None
-        if not self._staged:
-            return self.store.weight_version
+        version = self._commit_all(agreed) if self._staged else self.store.weight_version
+        if self.store.maps.open_files or self.store.lost:
+            self._refuse_lost()
+        return version
+
+    def batch_intact(self) -> bool:
+        """After a batch: whether nothing it read may have changed since ``at_batch_boundary``
+        (no mapped file shrank, faulted, or was reported, and the lease watcher's pass is
+        recent: a process stopped mid-batch may have had its lease broken). A loop drops a
+        batch for which this is False (its output may mix bytes), as it would a refused one."""
+        maps = self.store.maps
+        if not maps.open_files:
+            return True
+        return maps.reported == self._reported_at_boundary and not (maps.suspect() or maps.stale())
+
+    def _refuse_lost(self) -> None:
+        with self._commit_lock:
+            before = set(self.store.lost)
+            lost = dict(check_mapped(self.store))
+            self._reported_at_boundary = self.store.maps.reported
+        if set(lost) - before:
+            reasons = tuple(Reason(name, why) for name, why in sorted(lost.items()))
+            self._emit(TensorsLostEvent(reasons=reasons))
+        if lost:
+            raise WeightsLost(lost)
+
+    def _commit_all(self, agreed: set[str] | None) -> int:
+        """Commit the staged plans (all, or those ``agreed``) and record them as committed;
+        the weight version after them. A commit callback's error is raised after that."""
         committed, errors, stall, version = self._commit_staged(agreed)
         if not committed:
             return version
@@ -477,7 +538,7 @@ class HotSwapRuntime:
         """Wait (briefly) until the stager has delivered the plan's ``plan.staged``, so that
         listeners see staged before committed. A listener that commits from inside its own
         ``plan.staged`` callback (the stager thread) does not wait for itself."""
-        if threading.current_thread() is self._thread:
+        if threading.current_thread() is self._thread.thread:
             return
         if not ticket.staged_published.wait(_PUBLISH_WAIT_S):
             log.warning("plan.staged_event_late", plan_id=ticket.plan_id)
@@ -506,22 +567,29 @@ class HotSwapRuntime:
         return dict(self.store.slots)
 
     def status(self) -> dict[str, Any]:
-        return {
-            "model": self.model_name,
-            "weight_version": self.store.weight_version,
-            "storage": self.store.storage.value,
-            "kernels": KERNELS,
-            "decoded_cache": self.store.decoded.snapshot(),
-            "mapped_shards": self.store.maps.snapshot(),
-            **self._history.status(),  # plans, recent_plans
-            "pending": self._queue.qsize() + len(self._staged),
-            "tensor_states": self.store.state_counts(),
-            "pools": self.store.pools.snapshot(),
-            "last_stall_ms": None
-            if self.last_stall_s is None
-            else round(self.last_stall_s * 1e3, 3),
-            "bytes_reloaded": self.bytes_reloaded,
-        } | ({"group": self._coordinator.status()} if self._coordinator is not None else {})
+        return (
+            {
+                "model": self.model_name,
+                "weight_version": self.store.weight_version,
+                "storage": self.store.storage.value,
+                "kernels": KERNELS,
+                "decoded_cache": self.store.decoded.snapshot(),
+                "mapped_shards": self.store.maps.snapshot(),
+                **self._history.status(),  # plans, recent_plans
+                "pending": self._queue.qsize() + len(self._staged),
+                "tensor_states": self.store.state_counts(),
+                "weights_lost": {
+                    "count": len(self.store.lost),
+                    "tensors": dict(sorted(self.store.lost.items())[:20]),
+                },
+                "pools": self.store.pools.snapshot(),
+                "last_stall_ms": None
+                if self.last_stall_s is None
+                else round(self.last_stall_s * 1e3, 3),
+                "bytes_reloaded": self.bytes_reloaded,
+            }
+            | ({"group": self._coordinator.status()} if self._coordinator is not None else {})
+        )
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the stager; queued and staged plans are rejected (nothing half-applied)."""
@@ -538,6 +606,7 @@ class HotSwapRuntime:
                 self._finish_rejected(item, [_SHUTTING_DOWN])
                 self._settled(1)
         self._queue.put(_STOP)
+        self._stopped.set()
         for ticket, staged in staged_plans:
             staged.discard()
             self._finish_rejected(ticket, [_SHUTTING_DOWN])

@@ -89,6 +89,24 @@ class PlanStateError(RuntimeLibraryError, RuntimeError):
     """An illegal plan lifecycle transition: a bug in the runtime, never an input problem."""
 
 
+class WeightsLost(RuntimeLibraryError):
+    """Served tensors whose bytes a writer changed outside any commit (a mapped shard file
+    truncated, or written after the kernel broke its lease): no batch runs until a commit
+    restores them. ``lost`` maps each tensor to why."""
+
+    def __init__(self, lost: dict[str, str]) -> None:
+        self.lost = dict(lost)
+        names = sorted(self.lost)
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        why = sorted(set(self.lost.values()))
+        super().__init__(
+            f"{len(names)} tensor(s) out of service, their bytes changed outside any commit "
+            f"({shown}): {'; '.join(why[:3])}. Batches are refused until a commit restores "
+            "them: the runtime reports their fingerprint as 'lost', so the agent re-plans them "
+            "from the files"
+        )
+
+
 class SlotStateError(RuntimeLibraryError, RuntimeError):
     """A commit would put a slot in a state its buffers do not match: a bug, never an input
     problem. Raised before the commit changes anything."""
@@ -108,4 +126,5 @@ __all__ = [
     "StaleJob",
     "Unplaceable",
     "UnsupportedTypeError",
+    "WeightsLost",
 ]

@@ -142,6 +142,9 @@ class TensorStore:
         self._dense_cached = True  # set by load(): every dense quantized matrix fits the cache
         # Native storage: CPU tensors served from their files' pages, under read leases.
         self.maps = ShardMaps(map_shards if storage is Storage.NATIVE else MapShards.OFF)
+        # Tensors out of service (their mapped bytes changed outside a commit) -> why; see
+        # runtime/integrity.py. No batch runs while it is not empty.
+        self.lost: dict[str, str] = {}
 
     # -- the model's view ------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from ggufswap.ipc import (
     make_message,
     request,
 )
+from ggufswap.ipc.supervisor import Supervised
 from ggufswap.sweep.errors import ChildFailed
 
 T = TypeVar("T")
@@ -132,7 +133,11 @@ class Committed:
 
 
 class CommitEvents:
-    """Collects the runtime's ``plan.committed`` events on a thread (SUB sockets stay in it)."""
+    """Collects the runtime's ``plan.committed`` events on a thread (SUB sockets stay in it).
+
+    The thread is supervised (``ipc/supervisor.py``, not essential): a bug is logged and the
+    subscription opened again after a backoff (events published meanwhile are missed: a wait
+    for one then times out instead of the thread dying unseen)."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
@@ -141,7 +146,13 @@ class CommitEvents:
         self._stop = threading.Event()
         self._started = threading.Event()
         self._error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="commit-events", daemon=True)
+        self._thread = Supervised(
+            "ggufswap-commit-events",
+            self._run,
+            stop=self._stop,
+            essential=False,
+            context={"endpoint": endpoint},
+        )
 
     def start(self) -> CommitEvents:
         self._thread.start()

@@ -396,14 +396,18 @@ def test_pseudo_file_systems_are_refused_as_watch_roots(tmp_path: Path) -> None:
     assert "pseudo file system" in done.stdout + done.stderr
 
 
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
 def test_an_ordinary_watch_root_is_accepted(tmp_path: Path) -> None:
-    """Paired: a directory of model files is accepted as a watch root."""
-    config = tmp_path / "c.yaml"
-    config.write_text(
-        f"models:\n  - name: m\n    runtime: ipc://{tmp_path}/rt.sock\n    watch:\n"
-        f"      - path: {tmp_path}\n"
-    )
-    assert load_config(config).models[0].watch[0].path == tmp_path
+    """Paired: a directory of model files is accepted as a watch root, and so is one in
+    ``/dev/shm`` (a tmpfs under ``/dev``: refused by type, not by prefix)."""
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        for root in (tmp_path, Path(shm)):
+            config = tmp_path / "c.yaml"
+            config.write_text(
+                f"models:\n  - name: m\n    runtime: ipc://{tmp_path}/rt.sock\n    watch:\n"
+                f"      - path: {root}\n"
+            )
+            assert load_config(config).models[0].watch[0].path == root
 
 
 @pytest.mark.reliability(
@@ -429,3 +433,64 @@ def test_config_files_must_be_regular_and_bounded(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=why) as caught:
             load_config(path)
         assert path in str(caught.value), caught.value
+
+
+@pytest.mark.reliability(
+    "faults",
+    "runtime shut down with a raw client's plans handed to it (staged, queued) and another "
+    "client's plan waiting in the fair queue",
+    tries=3,
+    outcome="every plan answered rejected (stale: re-plan), none left undecided; no event "
+    "published after the sockets closed (no 'publish() after close()' traceback)",
+)
+def test_a_shutdown_decides_every_plan_and_publishes_nothing_after_close(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Shut down in the daemon's order (stop the intake, close the runtime, close the sockets)
+    while plans are staged, queued and waiting: each client gets ``rejected`` for each of its
+    plans, and the runtime's rejections after the sockets closed log no traceback."""
+    sockdir = tmp_path_factory.mktemp("s")
+    model_dir = ModelDir.write(tmp_path / "m")
+    runtime, _ = open_runtime(model_dir.first)
+    control = ControlServer(
+        runtime,
+        control_endpoint=f"ipc://{sockdir}/control.sock",
+        events_endpoint=f"ipc://{sockdir}/events.sock",
+    ).start()
+    endpoint = control.control.endpoint
+    closed = False
+    try:
+        with RawPeer(endpoint) as first, RawPeer(endpoint) as second:
+            handed = [plan_frame(model_dir.plan(f"handed-{i}", [OUTPUT])) for i in range(2)]
+            for _, frame in handed:
+                first.send([frame])
+            accepted = [r for r in first.replies(want=3, timeout=2.0) if r[Fields.TYPE] != "staged"]
+            assert [r[Fields.TYPE] for r in accepted] == ["accepted"] * 2, accepted
+            runtime.wait_staged(WAIT_S)  # nothing commits: no inference loop runs
+            waiting_id, frame = plan_frame(model_dir.plan("waiting", [OUTPUT]))
+            second.send([frame])
+            assert [r[Fields.TYPE] for r in second.replies()] == ["accepted"]
+            control.stop_intake()
+            runtime.close()
+            replies = _finals(first, 2) + _finals(second, 1)
+            control.close()
+            closed = True
+        outcomes = {r[Fields.IN_REPLY_TO]: (r[Fields.TYPE], r[Fields.STALE]) for r in replies}
+        expected = [msg_id for msg_id, _ in handed] + [waiting_id]
+        assert outcomes == dict.fromkeys(expected, ("rejected", True)), replies
+    finally:
+        if not closed:
+            control.close()
+            runtime.close()
+    assert "publish() after close()" not in capfd.readouterr().err
+
+
+def _finals(peer: RawPeer, count: int) -> list[dict[str, Any]]:
+    """The next ``count`` outcomes (committed, rejected or error) ``peer`` receives, skipping
+    ``staged``."""
+    finals: list[dict[str, Any]] = []
+    while len(finals) < count:
+        got = peer.replies()
+        assert got, f"no outcome within the reply timeout; have {finals}"
+        finals += [r for r in got if r[Fields.TYPE] != "staged"]
+    return finals

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ggufswap.config import Config
-from ggufswap.ipc import PlanCommittedEvent
+from ggufswap.ipc import PlanCommittedEvent, supervisor
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
 from ggufswap.logs import get_logger
 from ggufswap.runtime.control import ControlServer
@@ -218,8 +218,16 @@ def run(
         load_s=round(time.monotonic() - started, 3),
     )
     notifier.ready(status=f"serving {runtime.model_name} (weight_version 0)")
-    pinger = WatchdogPinger(notifier)
+    pinger = WatchdogPinger(notifier)  # withholds pings while an essential thread is down
     last_version = -1
+    given_up: list[str] = []
+
+    def on_thread_dead(name: str) -> None:  # an essential thread failed repeatedly: exit 1
+        given_up.append(name)
+        log.error("runtime.thread_given_up", thread=name, exit="non-zero, for a restart")
+        stop.set()
+
+    forget_dead_hook = supervisor.on_dead(on_thread_dead)
 
     def on_iteration() -> None:
         nonlocal last_version
@@ -232,13 +240,22 @@ def run(
     try:
         loop.run(stop, on_iteration=on_iteration)
     finally:
-        # Shutdown, bounded: stop answering, discard staged plans, let the stager go.
         notifier.stopping()
-        loop.close()
-        control.close()
-        runtime.close(timeout=SHUTDOWN_TIMEOUT_S)
+        _shut_down(loop, control, runtime)
+        forget_dead_hook()
         log.info("runtime.stopped", model=runtime.model_name, batches=loop.batches)
-    return 0
+    return 1 if given_up else 0
+
+
+def _shut_down(loop: Service, control: ControlServer, runtime: HotSwapRuntime) -> None:
+    """Shutdown, bounded, in this order: the service admits nothing more; the control server
+    takes no more plans (those waiting there are answered rejected); the runtime rejects its
+    queued and staged plans (their clients told while the sockets still run); then the sockets
+    close, and nothing is published after."""
+    loop.close()
+    control.stop_intake()
+    runtime.close(timeout=SHUTDOWN_TIMEOUT_S)
+    control.close()
 
 
 __all__ = ["open_runtime", "report_unused", "run"]

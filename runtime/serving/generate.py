@@ -44,6 +44,7 @@ import torch
 from ggufswap import ipc
 from ggufswap.logs import get_logger
 from ggufswap.runtime.engine import HotSwapRuntime
+from ggufswap.runtime.errors import WeightsLost
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.runtime.models.registry import Decoder
 from ggufswap.runtime.serving.errors import Closed, InvalidRequest, QueueFull
@@ -284,6 +285,8 @@ class Batcher:
         if not self._active:  # a request boundary: the only place plans are committed
             try:
                 self.runtime.at_batch_boundary()
+            except WeightsLost:  # served tensors out of service: admit nothing until restored
+                return False
             except Exception:  # a commit callback failed; the commit itself stands
                 log.exception("serve.commit_callback_failed")
         # While a plan is in flight (queued, staging or staged) no request starts: the ones

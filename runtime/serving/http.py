@@ -7,6 +7,12 @@ hands it the batcher, and every other route answers ``503 loading``. Connection 
 whole-request deadlines are :mod:`.http_guard`'s; keep-alive, HTTP parsing, chunked bodies and
 streaming are the library's. The server binds ``127.0.0.1`` unless told otherwise: it has no
 authentication.
+
+The server's thread is supervised (``ipc/supervisor.py``, essential): an event loop that dies
+(a bug in a protocol or the library) is logged and run again on the same listening socket (a new
+one on the same port if it was closed), and a server that keeps dying is given up: the daemon
+exits 1 for a restart. The routes' worker threads (:mod:`.routes`) are a thread pool's, which a
+failing handler does not end; a status lists them as unsupervised.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import uvicorn
 
+from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
 from ggufswap.runtime.serving.chat import ChatTemplate, RenderBudget
 from ggufswap.runtime.serving.errors import ChatTemplateError, ListenError
@@ -93,8 +100,12 @@ class CompletionServer:
         )
         self.metrics = ServingMetrics()
         self.routes = Routes(model_name=model_name, startup=self.startup, metrics=self.metrics)
-        self._sock = _listen(options.host, options.port, max(MIN_BACKLOG, self.max_connections))
-        config = uvicorn.Config(
+        self._backlog = max(MIN_BACKLOG, self.max_connections)
+        self._sock = _listen(options.host, options.port, self._backlog)
+        # Where it listens (a restart after a crash that closed the socket listens there again).
+        bound = self._sock.getsockname()
+        self._host, self._port = str(bound[0]), int(bound[1])
+        self._config = uvicorn.Config(
             self.routes.app,
             http=guarded_protocol(self.limits),
             lifespan="off",
@@ -102,11 +113,18 @@ class CompletionServer:
             access_log=False,
             timeout_keep_alive=max(1, round(options.idle_timeout_s)),
             timeout_graceful_shutdown=int(STOP_TIMEOUT_S / 2),
-            backlog=max(MIN_BACKLOG, self.max_connections),
+            backlog=self._backlog,
         )
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._serve, name="ggufswap-http", daemon=True)
+        self._server = uvicorn.Server(self._config)
+        self._closing = threading.Event()  # set by close(): no run of the server after it
+        self._served = False  # a run began with the current uvicorn server (the next needs one)
+        self._thread = Supervised(
+            "ggufswap-http",
+            self._serve,
+            stop=self._closing,
+            context={"model": model_name, "port": self.port},
+        )
         self.batcher: Batcher | None = None
 
     @classmethod
@@ -130,20 +148,32 @@ class CompletionServer:
 
     @property
     def port(self) -> int:
-        return int(self._sock.getsockname()[1])
+        return self._port
 
     @property
     def host(self) -> str:
-        return str(self._sock.getsockname()[0])
+        return self._host
 
     def _serve(self) -> None:
+        """The server thread's body (supervised): uvicorn's event loop until :meth:`close`. A
+        run after a crash serves a new ``uvicorn.Server`` (the dead loop's connections are gone)
+        on the listening socket, opened again on the same port if the crash closed it."""
+        if self._sock.fileno() == -1:
+            self._sock = _listen(self._host, self.port, self._backlog)
+        if self._served:
+            self._server = uvicorn.Server(self._config)
+        self._served = True
+        if self._closing.is_set():  # after the assignment: close() stops this server or none
+            return
         asyncio.run(self._server.serve(sockets=[self._sock]))
+        if not self._closing.is_set():
+            raise ListenError(f"the HTTP server on {self.host}:{self.port} stopped by itself")
 
     def start(self) -> CompletionServer:
         """Serve from a thread of its own; return once it accepts connections."""
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._server.started and self._thread.is_alive():
+        while not self._server.started and self._thread.is_alive():  # restarts count as alive
             if time.monotonic() > deadline:
                 raise ListenError(f"the HTTP server did not start within {START_TIMEOUT_S:g} s")
             time.sleep(0.005)
@@ -187,9 +217,10 @@ class CompletionServer:
         """Refuse new requests, then stop serving (bounded)."""
         if self.batcher is not None:
             self.batcher.close()
+        self._closing.set()
         self._server.should_exit = True
-        if self._thread.is_alive():
-            self._thread.join(STOP_TIMEOUT_S)
+        if not self._thread.join(STOP_TIMEOUT_S):
+            log.error("http.stop_timeout", timeout_s=STOP_TIMEOUT_S)
         self.routes.close()
         self._sock.close()
 

@@ -1,10 +1,17 @@
-"""Which file system a directory lives on, and whether inotify can be trusted there.
+"""Which file system a directory lives on: whether inotify can be trusted there (the agent's
+choice of backend), and whether it is one of the kernel's pseudo file systems (never a watch
+root: the configuration refuses it).
 
 inotify reports changes made through the local kernel's VFS. On network and user-space file
 systems (NFS, SMB/CIFS, FUSE, 9p, Ceph, Lustre...) writes made by another host, or by the FUSE
 daemon itself, never reach it; on overlayfs a change to a lower layer is invisible too. The agent
 polls such directories. The file system is identified by ``statfs(2)``'s ``f_type`` (through
 ctypes), with ``/proc/self/mountinfo`` as the fallback when ``statfs`` cannot be called.
+
+Pseudo file systems (``proc``, ``sysfs``, ``devtmpfs``, cgroups...) hold no model files (``/proc``
+a file per process, ``/dev/zero`` never ends) and are refused as watch roots by their type, not by
+a path prefix: ``/dev/shm`` is an ordinary tmpfs under ``/dev``. ``devtmpfs`` reports tmpfs's
+``statfs`` magic, so the type comes from ``/proc/self/mountinfo`` first.
 """
 
 from __future__ import annotations
@@ -38,6 +45,31 @@ NO_INOTIFY_NAMES: Final = frozenset(
     | {"gpfs", "fuse", "fuseblk"}
 )
 FUSE_PREFIX: Final = "fuse."
+# The kernel's pseudo file systems, as /proc/self/mountinfo names them, and the statfs magics of
+# those that have one of their own (linux/magic.h), for when mountinfo cannot be read.
+PSEUDO_FS_NAMES: Final = frozenset(
+    {"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs"}
+    | {"securityfs", "pstore", "bpf", "configfs", "mqueue", "binfmt_misc", "efivarfs"}
+    | {"selinuxfs", "nsfs", "fusectl", "rpc_pipefs", "autofs"}
+)
+PSEUDO_FS_MAGICS: Final[dict[int, str]] = {
+    0x9FA0: "proc",
+    0x62656572: "sysfs",
+    0x1CD1: "devpts",
+    0x27E0EB: "cgroup",
+    0x63677270: "cgroup2",
+    0x64626720: "debugfs",
+    0x74726163: "tracefs",
+    0x73636673: "securityfs",
+    0x6165676C: "pstore",
+    0xCAFE4A11: "bpf",
+    0x62656570: "configfs",
+    0x19800202: "mqueue",
+    0x42494E4D: "binfmt_misc",
+    0xDE5E81E4: "efivarfs",
+    0xF97CFF8C: "selinuxfs",
+    0x6E736673: "nsfs",
+}
 _STATFS_BUFFER_BYTES: Final = 512  # larger than struct statfs on every Linux ABI
 
 
@@ -112,3 +144,13 @@ def fs_info(path: str) -> FsInfo:
         return FsInfo("unknown", inotify_reliable=True, source="unknown")
     reliable = name not in NO_INOTIFY_NAMES and not name.startswith(FUSE_PREFIX)
     return FsInfo(name, inotify_reliable=reliable, source="mountinfo")
+
+
+def pseudo_fs(path: str) -> str | None:
+    """The name of the kernel pseudo file system holding ``path`` (``proc``, ``devtmpfs``...),
+    or None for a file system that can hold files (ext4, xfs, tmpfs such as ``/dev/shm``...)."""
+    name = mountinfo_fstype(path)
+    if name is not None:
+        return name if name in PSEUDO_FS_NAMES else None
+    magic = statfs_magic(path)
+    return PSEUDO_FS_MAGICS.get(magic) if magic is not None else None
