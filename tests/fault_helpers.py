@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tiers
 from processes import GGUFSWAP, Proc, close_piped, status_of, wait_for
 from runtime_helpers import ModelDir, fresh_digest, loaded_bytes
 
@@ -92,6 +93,7 @@ class Zygote:
     def spawn(self, args: list[str], *, log: Path, out: Path | None = None) -> Child:
         """Fork ``ggufswap ARGS``: its stderr goes to ``log``, and its stdout too unless ``out``
         names a file of its own (a command whose printed output is checked)."""
+        tiers.starting(f"asked the zygote to fork `ggufswap {' '.join(args[:1])}`")
         assert self.popen.stdin is not None
         assert self.popen.stdout is not None
         exit_file = log.with_suffix(".exit")

@@ -47,6 +47,7 @@ def as_group_member(*args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.process
 def test_status_sockets_admit_the_group_and_control_does_not(
     tmp_path: Path, shared_dir: Path
 ) -> None:

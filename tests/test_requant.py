@@ -166,6 +166,7 @@ def test_k_quant_target_needs_whole_super_blocks(tmp_path: Path) -> None:
         requantize(src, UP, "q4_k")
 
 
+@pytest.mark.process
 def test_requant_command(tmp_path: Path) -> None:
     """`ggufswap requant` prints the written shard; an unknown tensor or type exits 1 with why."""
     (src,) = write_model(tiny_moe(), tmp_path)

@@ -84,6 +84,7 @@ class MakesDirectory:
         return (os.mkdir, (str(self.path),))
 
 
+@pytest.mark.process
 def test_pickled_payload_is_refused_and_never_unpickled(
     live: Live, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -116,6 +117,7 @@ def test_pickled_payload_is_refused_and_never_unpickled(
     )
 
 
+@pytest.mark.process
 def test_plain_status_still_answered_everywhere(live: Live) -> None:
     """Paired with the pickle test: a well-formed status request gets status_reply everywhere."""
     for where, endpoint in endpoints(live).items():
@@ -128,6 +130,7 @@ def test_plain_status_still_answered_everywhere(live: Live) -> None:
 # --- size cap -------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_frame_just_over_the_cap_gets_too_large(live: Live, request: pytest.FixtureRequest) -> None:
     """A frame one byte over the 64 MiB cap is answered TOO_LARGE by both processes."""
     frame = b"\x00" * (DEFAULT_MAX_MSG_SIZE + 1)
@@ -148,6 +151,7 @@ def test_frame_just_over_the_cap_gets_too_large(live: Live, request: pytest.Fixt
     )
 
 
+@pytest.mark.process
 def test_frame_far_over_the_cap_is_cut_off_and_process_keeps_serving(
     live: Live, request: pytest.FixtureRequest
 ) -> None:
@@ -168,6 +172,7 @@ def test_frame_far_over_the_cap_is_cut_off_and_process_keeps_serving(
     )
 
 
+@pytest.mark.process
 def test_large_frame_under_the_cap_is_served(live: Live) -> None:
     """Paired with the cap tests: a 16 MiB status request (unknown padding field) is answered."""
     msg = message_from(MessageType.STATUS, {"padding": b"\x00" * (16 << 20)})
@@ -204,6 +209,7 @@ def flood(endpoint: str, stop: threading.Event, sent: list[int]) -> None:
         ctx.term()
 
 
+@pytest.mark.process
 def test_flood_past_hwm_keeps_the_control_path_working(
     live: Live, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -331,6 +337,7 @@ def curve_status(
         return None
 
 
+@pytest.mark.process
 def test_curve_refuses_unauthenticated_and_wrong_key_clients(
     curve_runtime: CurveRuntime, request: pytest.FixtureRequest
 ) -> None:
@@ -529,6 +536,7 @@ def test_yaml_python_tags_are_refused_with_their_line_and_never_run(
     )
 
 
+@pytest.mark.process
 def test_config_check_cli_refuses_python_tag(tmp_path: Path) -> None:
     """``ggufswap check-config`` on a file with an os.system tag exits 1, names the line, runs
     nothing."""

@@ -34,7 +34,7 @@ from ggufswap.runtime.serving.sweep_ray import (  # noqa: E402 (after the import
     run_ray_sweep,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 # Ray's driver keeps sockets to the module's cluster open until ray.shutdown() at the module's end
 ray_driver = pytest.mark.leaks_ok("the Ray driver's connections to the module's cluster")
 
