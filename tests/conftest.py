@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+import cpu_times
 import leak_rules
 import pluggy
 import pytest
@@ -192,6 +193,8 @@ def pytest_configure(config: pytest.Config) -> None:
     at once would each read the other's half-written file (a wrong sha256). Once it exists
     ``assemble()`` only reads it."""
     config.pluginmanager.register(tiers.TierGuard(), "ggufswap-tiers")
+    if top := int(os.environ.get(cpu_times.ENV, "0")):
+        config.pluginmanager.register(cpu_times.CpuTimes(top), "ggufswap-cpu-times")
     if _is_xdist_worker(config) or not config.getoption("numprocesses", None):
         return
     if config.getoption("dist", "no") == "loadgroup":

@@ -39,9 +39,10 @@ SPECS = xcheck.all_cases()
 ALLOWED_DRIFT = 1.25
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def one_torch_thread() -> Iterator[None]:
-    """One torch thread, as make crosscheck ran (restored afterwards)."""
+    """One torch thread, as make crosscheck ran (restored afterwards). Per test, not per module:
+    a module-scoped fixture would make the module one unit of work for xdist (conftest.py)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
