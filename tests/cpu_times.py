@@ -61,3 +61,10 @@ class CpuTimes:
         ranked = sorted(self.seconds.items(), key=lambda kv: -sum(kv[1]))[: self.top]
         for nodeid, (own, children) in ranked:
             terminalreporter.line(f"{own + children:7.2f}s  ({children:6.2f}s children)  {nodeid}")
+        modules: dict[str, float] = {}
+        for nodeid, (own, children) in self.seconds.items():
+            module = nodeid.split("::", 1)[0]
+            modules[module] = modules.get(module, 0.0) + own + children
+        terminalreporter.section("CPU time by module", sep="-")
+        for module, seconds in sorted(modules.items(), key=lambda kv: -kv[1])[: self.top]:
+            terminalreporter.line(f"{seconds:7.2f}s  {module}")
