@@ -1,4 +1,5 @@
 # One command runs the main job (make demo), one runs the tests (make test). Each sets itself up.
+# make check is the fast tier to run while working; make soak the slow one (docs/testing.md).
 PYTHON ?= python3
 VENV ?= .venv
 # GPU users: make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" ...
@@ -14,7 +15,12 @@ MODULES := $(VENV)/.ggufswap-modules
 PACKAGE_FOLDERS := $(shell $(PYTHON) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["ggufswap"]["packages"].values())')
 MODULE_LIST := $(sort $(foreach folder,$(PACKAGE_FOLDERS),$(wildcard $(folder)/*.py)))
 
-.PHONY: test demo bench fuzz soak lint typecheck crosscheck ik-venv clean gpu-wheels gpu-env gpu-check FORCE
+.PHONY: check test soak demo bench fuzz lint typecheck crosscheck ik-venv clean gpu-wheels gpu-env gpu-check FORCE
+
+# Python writes the bytecode of what it compiles (an environment that sets
+# PYTHONDONTWRITEBYTECODE would have every test process, every worker and every runtime or agent
+# process a test starts compile the project and the tests again: a third of the collection's CPU).
+unexport PYTHONDONTWRITEBYTECODE
 
 $(MODULES): FORCE
 	@mkdir -p $(VENV)
@@ -22,12 +28,14 @@ $(MODULES): FORCE
 
 # The compiled kernels (runtime/kernels/csrc) and the SIGBUS guard (runtime/csrc) are built by the
 # same install (setup.py).
+# --no-compile: pip would compile all ~11,000 modules of the environment (~1 minute of CPU, torch
+# and ray most of it); Python compiles, and keeps, the few thousand that are imported instead.
+PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile
 $(STAMP): pyproject.toml setup.py Makefile $(MODULES) $(wildcard runtime/kernels/csrc/*.c runtime/csrc/*.c shards/csrc/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
+	$(PIP_INSTALL) $(TORCH_SPEC)
 	rm -rf build/__editable__.*
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
-		--config-settings editable_mode=strict -e ".[$(EXTRAS)]"
+	$(PIP_INSTALL) --config-settings editable_mode=strict -e ".[$(EXTRAS)]"
 	touch $@
 
 lint: $(STAMP)
@@ -42,8 +50,22 @@ typecheck: $(STAMP)
 # module that share a fixture stay in one worker (tests/conftest.py). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= auto
 TEST_MAX_WORKERS ?= 8
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses $(TEST_MAX_WORKERS) \
+	--dist loadgroup
+# The tiers, by marker (tests/tiers.py fails a test that starts a process or loads the real model
+# without its marker): the fast tier has none of the three; make test runs all but the slow one.
+FAST_TIER := not process and not real_model and not slow
+
+check: lint typecheck
+	$(PYTEST) -m "$(FAST_TIER)" --durations=10
+
 test: lint typecheck
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses $(TEST_MAX_WORKERS) --dist loadgroup --durations=20
+	$(PYTEST) -m "not slow" --durations=20
+
+# The slow tier: long scenarios (the 1,000-swap soak through real agent and runtime processes,
+# the real model's sweep). CI runs it after make test (.ci/run).
+soak: $(STAMP)
+	$(PYTEST) -m slow --durations=10
 
 demo: $(STAMP)
 	$(BIN)/ggufswap demo
@@ -53,10 +75,6 @@ bench: $(STAMP)
 
 fuzz: $(STAMP)
 	GGUFSWAP_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest -q -m "not slow" tests -k fuzz
-
-# The 1,000-swap soak through real agent and runtime processes (make test runs 120 swaps).
-soak: $(STAMP)
-	GGUFSWAP_SOAK=1 $(BIN)/python -m pytest -q tests/test_soak.py
 
 # The cross-check against llama.cpp (docs/models.md#cross-check): llama-cpp-python built from
 # source into its own venv (a one-time 15-25 min build; pip caches the wheel), never part of make

@@ -90,7 +90,9 @@ def run(
         ray.init(
             address="local",  # a new local cluster, never one `ray start` left behind
             num_cpus=workers,
-            include_dashboard=False, logging_level="warning", log_to_driver=False
+            include_dashboard=False,
+            logging_level="warning",
+            log_to_driver=False,
         )
         try:
             one_s, rounds = _timed_sweep(model, root / "one", recipe, options, 1)

@@ -17,7 +17,6 @@ a path prefix: ``/dev/shm`` is an ordinary tmpfs under ``/dev``. ``devtmpfs`` re
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from dataclasses import dataclass
 from typing import Final
@@ -85,7 +84,9 @@ class FsInfo:
 def statfs_magic(path: str) -> int | None:
     """``f_type`` from ``statfs(2)``, or None when libc's ``statfs`` cannot be called."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        # The C library this process already has (dlopen(NULL)): find_library would run
+        # `ldconfig -p` in a subprocess on every call.
+        libc = ctypes.CDLL(None, use_errno=True)
         statfs = libc.statfs
     except (OSError, AttributeError):
         return None

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from ggufswap.ipc import SlotState, TensorFallbackEvent, TensorReattachedEvent
+from ggufswap.ipc.bodies import LOST_FINGERPRINT
 from ggufswap.runtime.errors import SlotStateError
 from ggufswap.runtime.pools import Buffer, Pool
 from ggufswap.runtime.split import Part
@@ -93,6 +94,19 @@ def commit(store: TensorStore, staged: StagedPlan) -> Applied:
     if changed or staged.derived or moved:
         store.weight_version += 1
     return Applied(store.weight_version, changed, tuple(retired), _events(staged, fallback))
+
+
+def distrust_original(slot: Slot) -> None:
+    """The mapped pages of ``slot``'s original buffer changed outside a commit: a later return to
+    the original content is staged from the file again, never reattached to those pages."""
+    slot.held = ("", slot.held[1])
+
+
+def take_out_of_service(store: TensorStore, slot: Slot) -> None:
+    """``slot``'s served bytes changed outside a commit (runtime/integrity.py): its fingerprint
+    reads 'lost', in the next ``state`` delta, until a commit restores it."""
+    slot.fingerprint = LOST_FINGERPRINT
+    slot.changed_at = store.weight_version + 1
 
 
 def check_move(op: StagedOp, fallback: Pool) -> None:

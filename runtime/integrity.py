@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from ggufswap.ipc.bodies import LOST_FINGERPRINT
 from ggufswap.logs import get_logger
+from ggufswap.runtime.commit import distrust_original, take_out_of_service
 from ggufswap.shards.fingerprint import fingerprint_bytes
 
 if TYPE_CHECKING:
@@ -70,14 +71,13 @@ def _take_out_of_service(store: TensorStore, report: Compromised) -> None:
         if slot.is_split:
             continue  # split families are never mapped (their parts are pool buffers)
         if _inside(slot.original, report):
-            slot.held = ("", slot.held[1])  # the original buffer's content is not trusted
+            distrust_original(slot)
         if not _inside(slot.active, report) or slot.fingerprint == LOST_FINGERPRINT:
             continue
         served = slot.active.tensor[: slot.record.nbytes]
         if fingerprint_bytes(served.numpy().data) == slot.fingerprint:
             continue
-        slot.fingerprint = LOST_FINGERPRINT
-        slot.changed_at = store.weight_version + 1  # in the next ``state`` delta
+        take_out_of_service(store, slot)
         store.lost[slot.name] = f"{report.path}: {report.why}"
         lost.append(slot.name)
     if not lost:

@@ -104,10 +104,14 @@ def llama3_rope_factors(spec: ModelSpec) -> np.ndarray:
     llama.cpp's converter (``LlamaModel.generate_extra_tensors``, rope_type "llama3"): 1 for
     wavelengths below ``original_context / high_freq_factor``, ``factor`` above
     ``original_context / low_freq_factor``, a smooth interpolation between; in float32 as it
-    computes them."""
+    computes them. The powers come from Python's ``math.pow`` rounded to float32, not numpy's
+    ``power``, whose AVX-512 path (SVML) rounds differently from its others: the written bytes
+    must not depend on the CPU that writes them (the golden fixtures record them)."""
     f32 = np.float32
     dim = spec.n_embd_head
-    freqs = f32(1.0) / (f32(spec.rope_freq_base) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim)))
+    base = float(f32(spec.rope_freq_base))
+    powers = [f32(math.pow(base, float(f32(i) / f32(dim)))) for i in range(0, dim, 2)]
+    freqs = f32(1.0) / np.asarray(powers, dtype=f32)
     factor, context = spec.rope_llama3_factor, spec.rope_llama3_original_context
     low, high = spec.rope_llama3_low_freq_factor, spec.rope_llama3_high_freq_factor
     out = []

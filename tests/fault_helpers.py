@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tiers
 from processes import GGUFSWAP, Proc, close_piped, status_of, wait_for
 from runtime_helpers import ModelDir, fresh_digest, loaded_bytes
 
@@ -101,6 +102,7 @@ class Zygote:
         """Fork ``ggufswap ARGS``: its stderr goes to ``log``, and its stdout too unless ``out``
         names a file of its own (a command whose printed output is checked); ``env`` is added
         to the child's environment."""
+        tiers.starting(f"asked the zygote to fork `ggufswap {' '.join(args[:1])}`")
         assert self.popen.stdin is not None
         assert self.popen.stdout is not None
         exit_file = log.with_suffix(".exit")

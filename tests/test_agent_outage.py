@@ -14,6 +14,8 @@ import pytest
 from agent_fakes import FakeRuntime, write_per_tensor_model
 from processes import Proc, status_of, wait_for
 
+pytestmark = pytest.mark.process
+
 OUTAGE_S = 4.0  # about 13 retry rounds of 0.3 s
 
 

@@ -13,7 +13,12 @@ from ggufswap.agent.watch import make_watcher
 from ggufswap.config import WatchBackend
 from ggufswap.config.fstypes import fs_info, mountinfo_fstype
 
-BACKENDS = [WatchBackend.WATCHDOG, WatchBackend.PYINOTIFY, WatchBackend.POLLING]
+# pyinotify finds its C library with ctypes.util.find_library, which runs `ldconfig -p`.
+BACKENDS = [
+    WatchBackend.WATCHDOG,
+    pytest.param(WatchBackend.PYINOTIFY, marks=pytest.mark.process),
+    WatchBackend.POLLING,
+]
 
 
 @pytest.mark.parametrize("kind", BACKENDS, ids=lambda k: k.value)

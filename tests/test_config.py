@@ -701,6 +701,7 @@ def test_load_config_text_without_source() -> None:
 # --- the command ----------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_check_config_summarizes_a_valid_file(tmp_path: Path) -> None:
     """check-config exits 0 and lists the models, watch paths with backends and pools."""
     (tmp_path / "models").mkdir()
@@ -725,6 +726,7 @@ def test_check_config_summarizes_a_valid_file(tmp_path: Path) -> None:
     assert data["config"]["runtime"]["threads"] is None
 
 
+@pytest.mark.process
 def test_check_config_lists_problems_and_exits_1(tmp_path: Path) -> None:
     """check-config exits 1 and prints every problem as FILE:LINE: key: message, paths too."""
     path = tmp_path / "c.yaml"

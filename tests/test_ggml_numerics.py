@@ -51,9 +51,10 @@ GGML_MAX_KLD = 5e-9
 EXACT_MARGIN = 50
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def one_torch_thread() -> Iterator[None]:
-    """One torch thread, as make crosscheck ran (restored afterwards)."""
+    """One torch thread, as make crosscheck ran (restored afterwards). Per test, not per module:
+    a module-scoped fixture would make the module one unit of work for xdist (conftest.py)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -54,6 +54,7 @@ def as_group_member(*args: str) -> subprocess.CompletedProcess[str]:
     outcome="refused at once as 'permission denied' naming the socket's mode and owner, not "
     "reported as 'no reply' after the timeout",
 )
+@pytest.mark.process
 def test_status_sockets_admit_the_group_and_control_does_not(
     tmp_path: Path, shared_dir: Path
 ) -> None:

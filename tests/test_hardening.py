@@ -136,6 +136,7 @@ def test_plans_over_the_bounds_are_malformed(served: Served) -> None:
         assert outcome(peer, served.runtime, msg_id)[Fields.TYPE] == "committed"
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     "security",
     "one client floods 50 plans, then another sends its update",
@@ -189,6 +190,7 @@ def drain(served: Served, committed: list[str], count: int) -> None:
     assert len(committed) == count, committed
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     "security",
     "3 flooding processes, 4 connections each, 4 no-op plans per connection; then the agent's "
@@ -313,6 +315,7 @@ def test_a_private_socket_directory_is_accepted(
 # -- names that are not UTF-8 (findings 6 and 9) ----------------------------------------------
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     "bad input",
     "model directory reached through a non-UTF-8 path, and a file junk\\xff.gguf beside it",
@@ -366,6 +369,7 @@ def test_non_utf8_names_are_carried_byte_for_byte(tmp_path: Path) -> None:
 # -- watch roots and configuration files (finding 9) ------------------------------------------
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     "bad input",
     "pseudo file systems (/proc, /sys, /dev, and a symlink to /proc) as watch roots",

@@ -434,6 +434,7 @@ def client_loop(port: int, index: int, done: threading.Event, out: list[Answer |
         out.append(Answer(prompt, streamed, version, text, now - started, now))
 
 
+@pytest.mark.process
 def test_concurrent_clients_get_answers_through_a_20_swap_sweep(tmp_path: Path) -> None:
     """While 20 plans (re-quantized shards renamed into place, sent over the control socket) are
     committed under a runtime serving HTTP, 4 concurrent clients get every answer; each names a
@@ -502,6 +503,7 @@ def test_concurrent_clients_get_answers_through_a_20_swap_sweep(tmp_path: Path) 
     )
 
 
+@pytest.mark.process
 @pytest.mark.real_model
 def test_real_model_serves_english_and_a_swap_under_it(tmp_path: Path, real_gemma: Path) -> None:
     """Gemma 3 270M served over HTTP continues a sequence greedily, streamed and not, and after a

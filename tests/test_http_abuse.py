@@ -177,6 +177,7 @@ def listen_backlog(port: int) -> int:
     return int(out[2])
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     "bad input",
     "HTTP burst of 200 connections at once",

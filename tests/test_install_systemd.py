@@ -16,9 +16,12 @@ from processes import GGUFSWAP, run_ggufswap
 from ggufswap.config import load_config
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
-pytestmark = pytest.mark.skipif(
-    SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (package systemd)"
-)
+pytestmark = [
+    pytest.mark.process,
+    pytest.mark.skipif(
+        SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (package systemd)"
+    ),
+]
 TIMEOUT_S = 60
 
 

@@ -127,6 +127,7 @@ def _write_in_place(path: Path, offset: int, nbytes: int, *, truncate: bool) -> 
     subprocess.run([sys.executable, "-c", code], check=True, timeout=WAIT_S)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("truncate", [False, True], ids=["overwrite", "truncate"])
 def test_a_writer_in_place_waits_while_the_file_moves_out_and_served_weights_stay(
     own_model: ModelDir, truncate: bool

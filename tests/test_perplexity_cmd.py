@@ -30,7 +30,7 @@ from ggufswap.runtime.serving.perplexity import (
 )
 from ggufswap.shards import tiny_dense
 
-pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures(one_thread.__name__)]
 
 WAIT_S = 60.0
 CTX = 64

@@ -158,6 +158,7 @@ def test_disabled_notifier_sends_nothing(path_receiver: Receiver) -> None:
     assert path_receiver.receive() == {"STOPPING": "1"}
 
 
+@pytest.mark.process
 def test_from_env_reads_os_environ_in_a_real_process(path_receiver: Receiver) -> None:
     """A child given NOTIFY_SOCKET sends READY=1 from its own PID (what NotifyAccess=main needs)."""
     path_receiver.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)

@@ -85,6 +85,7 @@ class MakesDirectory:
         return (os.mkdir, (str(self.path),))
 
 
+@pytest.mark.process
 def test_pickled_payload_is_refused_and_never_unpickled(
     live: Live, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -117,6 +118,7 @@ def test_pickled_payload_is_refused_and_never_unpickled(
     )
 
 
+@pytest.mark.process
 def test_plain_status_still_answered_everywhere(live: Live) -> None:
     """Paired with the pickle test: a well-formed status request gets status_reply everywhere."""
     for where, endpoint in endpoints(live).items():
@@ -138,6 +140,7 @@ def caps(live: Live) -> dict[str, int]:
     }
 
 
+@pytest.mark.process
 def test_frame_just_over_the_cap_gets_too_large(live: Live, request: pytest.FixtureRequest) -> None:
     """A frame one byte over a socket's cap (64 MiB on the control socket, 64 KiB on the status
     sockets) is answered TOO_LARGE naming that cap, by both processes."""
@@ -183,6 +186,7 @@ def _map_bomb(count: int, msg_type: MessageType) -> bytes:
 BOMB_MAPS = 8 << 20  # an 8 MiB frame: ~600 MB decoded before the budget
 
 
+@pytest.mark.process
 @pytest.mark.skipif(os.geteuid() != 0, reason="resetting a process's peak RSS needs root")
 def test_a_decode_bomb_under_the_cap_costs_no_memory(
     live: Live, request: pytest.FixtureRequest
@@ -225,6 +229,7 @@ def test_a_decode_bomb_under_the_cap_costs_no_memory(
     )
 
 
+@pytest.mark.process
 def test_a_plan_to_a_status_socket_is_refused_before_its_body_is_read(live: Live) -> None:
     """A ``plan`` to a status socket gets UNKNOWN_TYPE naming what the socket serves, even when
     its body could not be decoded (an ext value): the envelope was checked first."""
@@ -237,6 +242,7 @@ def test_a_plan_to_a_status_socket_is_refused_before_its_body_is_read(live: Live
         assert "status" in reply[Fields.MESSAGE], reply
 
 
+@pytest.mark.process
 def test_frame_far_over_the_cap_is_cut_off_and_process_keeps_serving(
     live: Live, request: pytest.FixtureRequest
 ) -> None:
@@ -257,6 +263,7 @@ def test_frame_far_over_the_cap_is_cut_off_and_process_keeps_serving(
     )
 
 
+@pytest.mark.process
 def test_large_frame_under_the_cap_is_served(live: Live) -> None:
     """Paired with the cap tests: a 16 MiB status request (unknown padding field) is answered."""
     msg = message_from(MessageType.STATUS, {"padding": b"\x00" * (16 << 20)})
@@ -293,6 +300,7 @@ def flood(endpoint: str, stop: threading.Event, sent: list[int]) -> None:
         ctx.term()
 
 
+@pytest.mark.process
 def test_flood_past_hwm_keeps_the_control_path_working(
     live: Live, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -420,6 +428,7 @@ def curve_status(
         return None
 
 
+@pytest.mark.process
 def test_curve_refuses_unauthenticated_and_wrong_key_clients(
     curve_runtime: CurveRuntime, request: pytest.FixtureRequest
 ) -> None:
@@ -618,6 +627,7 @@ def test_yaml_python_tags_are_refused_with_their_line_and_never_run(
     )
 
 
+@pytest.mark.process
 def test_config_check_cli_refuses_python_tag(tmp_path: Path) -> None:
     """``ggufswap check-config`` on a file with an os.system tag exits 1, names the line, runs
     nothing."""

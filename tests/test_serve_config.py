@@ -67,6 +67,7 @@ def test_serve_keys_are_read_and_checked(tmp_path: Path) -> None:
     assert "runtime.serve.port: port 9100 is also used by runtime.metrics_port" in text
 
 
+@pytest.mark.process
 def test_flags_override_the_yaml_and_help_shows_defaults(tmp_path: Path) -> None:
     """A given flag replaces its key of ``runtime.serve``; absent flags leave the file's value."""
     from_file = ServeConfig(mode=ServeMode.HTTP, port=9000, max_batch=3)
@@ -79,6 +80,7 @@ def test_flags_override_the_yaml_and_help_shows_defaults(tmp_path: Path) -> None
         assert shown in " ".join(helptext.split()), shown
 
 
+@pytest.mark.process
 def test_runtime_with_only_a_model_serves_http(tmp_path: Path) -> None:
     """``ggufswap runtime --config m.yaml`` with no flag (the unit's command line) serves HTTP on
     the port its file names."""

@@ -44,7 +44,7 @@ from ggufswap.shards.presets import (
     tiny_qwen35moe,
 )
 
-pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures(one_thread.__name__)]
 
 START_S = 90.0  # a runtime process loads the model on a busy machine
 STOP_S = 60.0  # a runtime that logged runtime.stopped took over 15 s to exit on 2 busy cores

@@ -241,6 +241,7 @@ def sweep_command(model: Path, text: Path, recipe: Path, out: Path) -> list[str]
     ]  # fmt: skip
 
 
+@pytest.mark.process
 def test_kill_and_restart_loses_no_verified_round_and_repeats_none(tmp_path: Path) -> None:
     """SIGKILL mid-sweep, a torn journal line, then the same command again: every round the first
     run verified is kept as it was, none is measured twice, and the sweep completes."""
@@ -288,6 +289,7 @@ def test_kill_and_restart_loses_no_verified_round_and_repeats_none(tmp_path: Pat
     )
 
 
+@pytest.mark.process
 def test_sweep_command_usage_errors_name_the_problem(tmp_path: Path) -> None:
     """A bad recipe or a text too short for two contexts is refused with the reason."""
     model = ModelDir.write(tmp_path / "model", tiny_dense())

@@ -76,6 +76,7 @@ def write_config(path: Path, model: ModelDir, run: Path) -> None:
     path.write_text(yaml.safe_dump(doc))
 
 
+@pytest.mark.process
 def test_process_sweep_equals_the_in_process_sweep(tmp_path: Path, run_dir: Path) -> None:
     """Every round through the agent and the runtime process records the figures the in-process
     sweep records for it (==), q5_1 taken from a --source model on both paths; each swap and
@@ -134,6 +135,7 @@ def test_process_sweep_equals_the_in_process_sweep(tmp_path: Path, run_dir: Path
     assert after == before
 
 
+@pytest.mark.process
 def test_process_sweep_needs_one_tensor_per_shard(tmp_path: Path, run_dir: Path) -> None:
     """A model whose shards hold several tensors is refused before any process starts, naming
     the command that splits it."""
@@ -155,6 +157,7 @@ def test_process_sweep_needs_one_tensor_per_shard(tmp_path: Path, run_dir: Path)
     assert not (tmp_path / "out" / "logs" / "runtime.log").exists()
 
 
+@pytest.mark.process
 def test_process_sweep_resumes_after_a_kill(tmp_path: Path, run_dir: Path) -> None:
     """SIGKILL of the sweep mid-way leaves its runtime and agent running and maybe a swapped
     shard; the same command again stops them, puts the originals back, keeps every verified round

@@ -34,7 +34,7 @@ from ggufswap.sweep.ray_driver import (  # noqa: E402 (after the importorskip)
     run_ray_sweep,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 # Ray's driver keeps sockets to the module's cluster open until ray.shutdown() at the module's end
 ray_driver = pytest.mark.leaks_ok("the Ray driver's connections to the module's cluster")
 
@@ -85,7 +85,9 @@ def cluster() -> Iterator[str]:
     context = ray.init(
         address="local",  # never a cluster a previous run left in /tmp/ray/ray_current_cluster
         num_cpus=3,
-        include_dashboard=False,, logging_level="warning", log_to_driver=False
+        include_dashboard=False,
+        logging_level="warning",
+        log_to_driver=False,
     )
     try:
         yield str(context.address_info["gcs_address"])

@@ -67,6 +67,7 @@ def test_the_lease_probe_sees_descriptors_and_shared_mappings(tmp_path: Path) ->
     assert writer_of(str(path)) is None
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     "faults",
     "in-place writer: preallocates the shard, writes half, pauses with the descriptor open",
@@ -148,6 +149,7 @@ def rewrite_in_place(path: str) -> None:
         f.write(data)
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     "faults",
     "writes through a MAP_SHARED mapping made after the descriptor closed (no inotify event)",
@@ -329,6 +331,7 @@ writers.racing_writer.wait(timeout=30)
 """
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("process", ["agent", "library"])
 def test_a_writer_racing_the_lease_probe_does_not_kill_the_prober(
     tmp_path: Path, process: str
