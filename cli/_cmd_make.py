@@ -21,6 +21,9 @@ PRESETS = (
     "tiny-glm4moe",
     "tiny-llama3",
     "tiny-gpt-oss",
+    "tiny-qwen3vlmoe",
+    "tiny-minimax-m2",
+    "tiny-llama4",
     "tiny-qwen35",
     "tiny-qwen35moe",
     "tiny-qwen3next",
@@ -35,6 +38,9 @@ ARCHES = (
     "deepseek2",
     "glm4moe",
     "gpt-oss",
+    "qwen3vlmoe",
+    "minimax-m2",
+    "llama4",
     "qwen35",
     "qwen35moe",
     "qwen3next",
@@ -44,6 +50,9 @@ ARCH_PRESETS = {
     "deepseek2": "tiny-deepseek2",
     "glm4moe": "tiny-glm4moe",
     "gpt-oss": "tiny-gpt-oss",
+    "qwen3vlmoe": "tiny-qwen3vlmoe",
+    "minimax-m2": "tiny-minimax-m2",
+    "llama4": "tiny-llama4",
     "qwen35": "tiny-qwen35",
     "qwen35moe": "tiny-qwen35moe",
     "qwen3next": "tiny-qwen3next",
@@ -68,8 +77,8 @@ def register(subparsers: Any) -> None:
         "--preset",
         choices=PRESETS,
         help=(
-            "base model (default: tiny-moe for qwen2moe/qwen3moe, tiny-ARCH for deepseek2, "
-            "glm4moe, gpt-oss, qwen35, qwen35moe and qwen3next, else tiny-dense)"
+            "base model (default: tiny-moe for qwen2moe/qwen3moe, tiny-ARCH for "
+            f"{', '.join(ARCH_PRESETS)}, else tiny-dense)"
         ),
     )
     make.add_argument("--arch", choices=ARCHES)
@@ -163,8 +172,11 @@ def run_make_model(args: argparse.Namespace) -> int:
         tiny_glm4moe,
         tiny_gpt_oss,
         tiny_llama3,
+        tiny_llama4,
+        tiny_minimax_m2,
         tiny_moe,
         tiny_qwen3next,
+        tiny_qwen3vlmoe,
         tiny_qwen35,
         tiny_qwen35moe,
     )
@@ -178,6 +190,9 @@ def run_make_model(args: argparse.Namespace) -> int:
         "tiny-glm4moe": tiny_glm4moe,
         "tiny-llama3": tiny_llama3,
         "tiny-gpt-oss": tiny_gpt_oss,
+        "tiny-qwen3vlmoe": tiny_qwen3vlmoe,
+        "tiny-minimax-m2": tiny_minimax_m2,
+        "tiny-llama4": tiny_llama4,
         "tiny-qwen35": tiny_qwen35,
         "tiny-qwen35moe": tiny_qwen35moe,
         "tiny-qwen3next": tiny_qwen3next,

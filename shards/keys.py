@@ -20,6 +20,9 @@ class Arch(str, enum.Enum):
     DEEPSEEK2 = "deepseek2"
     GLM4MOE = "glm4moe"
     GPT_OSS = "gpt-oss"
+    QWEN3VLMOE = "qwen3vlmoe"
+    MINIMAX_M2 = "minimax-m2"
+    LLAMA4 = "llama4"
     QWEN35 = "qwen35"
     QWEN35MOE = "qwen35moe"
     QWEN3NEXT = "qwen3next"
@@ -83,6 +86,13 @@ class Keys:
         ROPE_SCALING_YARN_LOG_MUL: Final = "{}.rope.scaling.yarn_log_multiplier"
         NEXTN_PREDICT_LAYERS: Final = "{}.nextn_predict_layers"
         ROPE_DIMENSION_SECTIONS: Final = "{}.rope.dimension_sections"  # glm4moe: refused
+        # qwen3vlmoe: vision features added to the first blocks' outputs (zero for text)
+        NUM_DEEPSTACK_LAYERS: Final = "{}.n_deepstack_layers"
+        # llama4: every n-th block is MoE (chunked attention and NoPE layers are llama.cpp's own)
+        INTERLEAVE_MOE_LAYER_STEP: Final = "{}.interleave_moe_layer_step"
+        # gemma4: trailing blocks reusing earlier blocks' keys and values, per-layer embeddings
+        SHARED_KV_LAYERS: Final = "{}.attention.shared_kv_layers"
+        EMBEDDING_LENGTH_PER_LAYER: Final = "{}.embedding_length_per_layer_input"
         # Read by llama.cpp for every architecture (llama_model_base::load_hparams); each
         # changes what a model computes where its value is not the default.
         ATTENTION_CAUSAL: Final = "{}.attention.causal"

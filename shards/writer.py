@@ -126,6 +126,9 @@ class ModelSpec:
     # llama.cpp 0.3.36 no longer loads it (its llama loader requires ffn_{up,down}_exps); the
     # project does.
     per_expert_tensors: bool = False
+    # llama4's interleave_moe_layer_step: blocks i with (i + 1) % step == 0 have experts (and a
+    # shared expert), the others a dense FFN of n_ff (Llama 4 Scout: 1, Maverick: 2).
+    moe_layer_step: int = 1
     tied_output: bool = False
     rope_freq_base: float = 10000.0
     # Llama 3.1 RoPE scaling (rope_scaling.rope_type "llama3"): a factor > 0 writes

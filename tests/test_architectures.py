@@ -39,6 +39,9 @@ CASES = {
     "glm4moe-qk-norm": ("glm4moe", {"attn_qk_norm": True, "attn_bias": False}),
     "llama-rope-freqs": ("llama", {"rope_llama3_factor": 8.0, "rope_llama3_original_context": 32}),
     "gpt-oss": ("gpt-oss", {}),
+    "qwen3vlmoe": ("qwen3vlmoe", {}),  # interleaved multimodal RoPE sections
+    "minimax-m2": ("minimax-m2", {}),  # Q/K norms across heads, sigmoid + exp_probs_b
+    "llama4": ("llama4", {}),  # chunked and NoPE layers, MoE every 2nd block, rope_freqs
     "qwen35": ("qwen35", {}),  # the swap is a delta-net block's attn_qkv
     "qwen35moe": ("qwen35moe", {}),
     "qwen3next": ("qwen3next", {}),

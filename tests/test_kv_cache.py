@@ -54,6 +54,9 @@ SPECS = {
     "glm4moe": tiny_arch("glm4moe"),
     "llama-rope-freqs": tiny_llama3(),
     "gpt-oss": tiny_gpt_oss(),  # sinks, window of 4 on even layers, YaRN, MXFP4 experts
+    "qwen3vlmoe": tiny_arch("qwen3vlmoe"),  # interleaved multimodal RoPE
+    "minimax-m2": tiny_arch("minimax-m2"),
+    "llama4": tiny_arch("llama4"),  # chunked RoPE layers, a NoPE layer with the temperature
     # delta-net blocks: conv and recurrent state in the cache, a chunked prefill
     "qwen35": tiny_arch("qwen35"),
     "qwen3next": tiny_arch("qwen3next"),

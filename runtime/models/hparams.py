@@ -201,6 +201,7 @@ class HParams:
     gating: Gating = Gating.SOFTMAX
     n_expert_groups: int = 0  # 0 or 1: no group-limited routing
     n_group_used: int = 0
+    moe_layer_step: int = 1  # llama4: blocks (i + 1) % step == 0 route, the others are dense
     mla: MLAShape | None = None
     rope_ext_factor: float = 0.0
     rope_attn_factor: float = 1.0
@@ -267,6 +268,8 @@ class HParams:
         if rules.shared_expert in (SharedExpert.COUNTED, SharedExpert.COUNTED_OPTIONAL):
             shared = is_moe and self.n_expert_shared > 0
             n_ff_shexp = n_ff_exp * self.n_expert_shared
+        if rules.shared_expert is SharedExpert.EXPERT_WIDTH:
+            shared, n_ff_shexp = is_moe, n_ff_exp
         if rules.experts is Experts.AFTER_DENSE_LEAD:
             problems += lead_problems(self, is_moe=is_moe)
         if rules.mla:

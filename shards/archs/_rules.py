@@ -60,6 +60,8 @@ class SharedExpert(enum.Enum):
     COUNTED = "expert_shared_count"
     # glm4moe: as COUNTED, but expert_shared_count 0 means no shared-expert tensors.
     COUNTED_OPTIONAL = "expert_shared_count (0: none)"
+    # llama4: one ungated shared expert of the routed experts' width in every MoE block.
+    EXPERT_WIDTH = "ungated, expert_feed_forward_length wide"
 
 
 # The keys llama_model_base::load_hparams reads for every architecture that change what a model
