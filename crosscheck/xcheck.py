@@ -30,10 +30,12 @@ from ggufswap.shards.keys import Arch
 from ggufswap.shards.presets import (
     deepseek2_wide,
     demo_moe,
+    gemma4_wide,
     hybrid_wide,
     tiny_arch,
     tiny_deepseek2,
     tiny_dense,
+    tiny_gemma4,
     tiny_glm4moe,
     tiny_gpt_oss,
     tiny_llama3,
@@ -195,8 +197,20 @@ PINNED_TYPES: Final[Mapping[str, Mapping[Role, GGMLQuantizationType]]] = {
 }
 
 
+def _gemma4(**fixed: Any) -> Callable[..., ModelSpec]:
+    """``tiny-gemma4`` with ``fixed`` options; widened (``gemma4_wide``: both head widths too)
+    when asked for the K-quant rows of 256."""
+
+    def build(**kw: Any) -> ModelSpec:
+        if kw.get("n_embd") == WIDE["n_embd"]:
+            kw = gemma4_wide(**kw)
+        return tiny_gemma4(**{**fixed, **kw})  # the wide widths win over a fixed width
+
+    return build
+
+
 # Families whose golden fixtures live in files of their own (``tests/fixtures/crosscheck/<family>``,
-# ``FAMILY_FIXTURES``): an architecture added beside the others records and replays its cases
+# ``family_fixtures``): an architecture added beside the others records and replays its cases
 # without rewriting the shared ``cases.json`` / ``logits.npz`` (``run.py --family NAME`` records
 # one family). family -> variant name -> spec builder; every matrix role takes the case's type.
 FAMILY_VARIANTS: Final[Mapping[str, Mapping[str, Callable[..., ModelSpec]]]] = {
@@ -216,6 +230,14 @@ FAMILY_VARIANTS: Final[Mapping[str, Mapping[str, Callable[..., ModelSpec]]]] = {
         # Scout-like: MoE in every block, 2 experts used, tied output, no rope_freqs
         "llama4-scout-tied": lambda **kw: tiny_llama4(
             moe_layer_step=1, n_expert_used=2, tied_output=True, rope_llama3_factor=0.0, **kw
+        ),
+    },
+    "gemma4": {
+        # Gemma 4 31B-like: 5 sliding + 1 full layer of other head shapes, V = K, proportional RoPE
+        "gemma4": _gemma4(),
+        # 26B-A4B-like: routed experts beside the dense MLP in every block; attn_v everywhere, tied
+        "gemma4-moe-tied": _gemma4(
+            n_expert=4, n_expert_used=2, n_ff_expert=32, attn_k_eq_v=False, tied_output=True
         ),
     },
 }

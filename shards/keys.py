@@ -23,6 +23,7 @@ class Arch(str, enum.Enum):
     QWEN3VLMOE = "qwen3vlmoe"
     MINIMAX_M2 = "minimax-m2"
     LLAMA4 = "llama4"
+    GEMMA4 = "gemma4"
     QWEN35 = "qwen35"
     QWEN35MOE = "qwen35moe"
     QWEN3NEXT = "qwen3next"
@@ -153,6 +154,15 @@ class TensorNames:
     ATTN_POST_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_POST_NORM)  # gemma3
     FFN_NORM: Final = tensor_template(MODEL_TENSOR.FFN_NORM)
     FFN_POST_NORM: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM)  # gemma3
+    # gemma4's MoE blocks: second pre/post norms, router and per-expert scales; layer scale
+    FFN_PRE_NORM_2: Final = tensor_template(MODEL_TENSOR.FFN_PRE_NORM_2)
+    FFN_POST_NORM_1: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM_1)
+    FFN_POST_NORM_2: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM_2)
+    FFN_GATE_INP_SCALE: Final = tensor_template(MODEL_TENSOR.FFN_GATE_INP, "scale")
+    FFN_DOWN_EXPS_SCALE: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_EXP, "scale")
+    FFN_GATE_UP_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_GATE_UP_EXP)
+    LAYER_OUT_SCALE: Final = tensor_template(MODEL_TENSOR.LAYER_OUT_SCALE)
+    PER_LAYER_TOKEN_EMBD: Final = tensor_template(MODEL_TENSOR.PER_LAYER_TOKEN_EMBD)
     ATTN_SINKS: Final = tensor_template(MODEL_TENSOR.ATTN_SINKS)  # gpt-oss: [n_head] logits
     FFN_GATE: Final = tensor_template(MODEL_TENSOR.FFN_GATE)
     FFN_UP: Final = tensor_template(MODEL_TENSOR.FFN_UP)

@@ -190,6 +190,41 @@ def tiny_llama4(**overrides: Any) -> ModelSpec:
     )
 
 
+def tiny_gemma4(**overrides: Any) -> ModelSpec:
+    """A gemma4 like Gemma 4 31B, tiny (n_embd 64, vocab 256): 6 blocks, the first five
+    sliding-window (window 4, heads of 16 over 2 key/value heads, RoPE base 10000), the sixth full
+    attention (heads of 32 over 1 key/value head and no attn_v, V = K; "proportional" RoPE: 8 of
+    the 32 dims rotate, base 1e6), Q/K/V norms, GeGLU (n_ff 128), soft-capping 30. With
+    ``n_expert`` > 0 every block adds routed experts (Gemma 4 26B-A4B)."""
+    return _preset(
+        Arch.GEMMA4,
+        "tiny-gemma4",
+        overrides,
+        n_layers=6,
+        full_attention_interval=6,
+        head_dim=32,
+        head_dim_swa=16,
+        n_head_kv_full=1,
+        attn_k_eq_v=True,
+        rope_dim=8,
+        rope_freq_base=1_000_000.0,
+        final_logit_softcap=30.0,
+    )
+
+
+def gemma4_wide(**overrides: Any) -> dict[str, Any]:
+    """Spec fields that give every quantizable row of ``tiny_gemma4`` 256 values."""
+    wide = {
+        "n_embd": 256,
+        "n_ff": 256,
+        "n_ff_expert": 256,
+        "head_dim": 128,
+        "head_dim_swa": 64,
+        "rope_dim": 32,
+    }
+    return {**wide, **overrides}
+
+
 # Qwen3.5 / Qwen3-Next tiny: 4 blocks (three gated delta-net blocks, then full attention), two
 # query heads of 32 over one key/value head, 8 dims rotated (Qwen3.5's partial rotary is 1/4).
 _HYBRID: Final[Mapping[str, Any]] = MappingProxyType(
@@ -262,6 +297,7 @@ def tiny_arch(arch: Arch | str, **overrides: Any) -> ModelSpec:
         Arch.QWEN3VLMOE: tiny_qwen3vlmoe,
         Arch.MINIMAX_M2: tiny_minimax_m2,
         Arch.LLAMA4: tiny_llama4,
+        Arch.GEMMA4: tiny_gemma4,
         Arch.QWEN35: tiny_qwen35,
         Arch.QWEN35MOE: tiny_qwen35moe,
         Arch.QWEN3NEXT: tiny_qwen3next,

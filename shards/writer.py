@@ -129,6 +129,14 @@ class ModelSpec:
     # llama4's interleave_moe_layer_step: blocks i with (i + 1) % step == 0 have experts (and a
     # shared expert), the others a dense FFN of n_ff (Llama 4 Scout: 1, Maverick: 2).
     moe_layer_step: int = 1
+    # gemma4: the sliding-window layers' head width (None: head_dim, the full layers'), the full
+    # layers' key/value heads (None: n_head_kv), full layers without attn_v (V = K, Gemma 4 31B's
+    # attention_k_eq_v), final logit soft-capping (0: none). Its pattern is
+    # full_attention_interval, its full layers' rotated dims rope_dim (by rope_freqs factors).
+    head_dim_swa: int | None = None
+    n_head_kv_full: int | None = None
+    attn_k_eq_v: bool = False
+    final_logit_softcap: float = 0.0
     tied_output: bool = False
     rope_freq_base: float = 10000.0
     # Llama 3.1 RoPE scaling (rope_scaling.rope_type "llama3"): a factor > 0 writes
@@ -354,7 +362,9 @@ def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
         a_log = rng.normal(0.0, 0.5, size=t.ne[0]).astype(np.float32)
         return _synth.encode_floats(-np.exp(a_log)[None, :], Q(t.ggml_type))
     if t.role is Role.ROPE_FREQS:
-        return _synth.encode_floats(llama3_rope_factors(spec)[None, :], Q(t.ggml_type))
+        own = rules_of(spec.arch).writer.rope_factors
+        factors = llama3_rope_factors(spec) if own is None else np.asarray(own(spec), np.float32)
+        return _synth.encode_floats(np.asarray(factors)[None, :], Q(t.ggml_type))
     if t.role in NORM_ROLES:
         return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=1.0, std=0.05)
     return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=0.0, std=1.0 / math.sqrt(t.ne[0]))
@@ -439,6 +449,7 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
             key = LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a)
             kv.append((key, _u32(spec.n_ff_shexp)))
     kv += rules.writer.metadata(spec)
+    kv = list(dict(kv).items())  # an architecture's own value of a key replaces the shared one
     tokens, scores, token_types = _synth.vocabulary(spec.n_vocab, extra=spec.extra_vocab_strings)
     A = GGUFValueType.ARRAY  # noqa: N806
     kv += [

@@ -42,6 +42,8 @@ CASES = {
     "qwen3vlmoe": ("qwen3vlmoe", {}),  # interleaved multimodal RoPE sections
     "minimax-m2": ("minimax-m2", {}),  # Q/K norms across heads, sigmoid + exp_probs_b
     "llama4": ("llama4", {}),  # chunked and NoPE layers, MoE every 2nd block, rope_freqs
+    "gemma4": ("gemma4", {}),  # sliding and full layers of other head shapes, V = K
+    "gemma4-moe": ("gemma4", {"n_expert": 4, "n_expert_used": 2, "n_ff_expert": 32}),
     "qwen35": ("qwen35", {}),  # the swap is a delta-net block's attn_qkv
     "qwen35moe": ("qwen35moe", {}),
     "qwen3next": ("qwen3next", {}),
