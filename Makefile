@@ -105,6 +105,7 @@ crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed $(CONVERT_VENV)/.conver
 			--convert-python $(CONVERT_VENV)/bin/python --llama-src $(LLAMA_SRC) \
 			--family $$family || exit 1; \
 	done
+	$(BIN)/python crosscheck/long_context.py --llama-python $(XCHECK_VENV)/bin/python
 	$(BIN)/python crosscheck/gemma_real.py --llama-python $(XCHECK_VENV)/bin/python
 
 clean:
