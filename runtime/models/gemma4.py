@@ -22,7 +22,8 @@
 Not implemented, refused by name: per-layer embeddings (``embedding_length_per_layer_input`` >
 0, Gemma 4 E2B/E4B), layers sharing earlier layers' keys and values
 (``attention.shared_kv_layers`` > 0), the fused ``attn_qkv`` form, and the per-tensor weight
-scales (``.scale``) llama.cpp's loader reads for any tensor beside the two above.
+scales (``.scale``) llama.cpp's loader reads beside any matrix but the experts' down projection
+(``blocks.weights.refuse_weight_scales``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,12 @@ from ggufswap.runtime.models.blocks.ffn import FeedForward, geglu
 from ggufswap.runtime.models.blocks.moe import WEIGHTS_SUM_MIN, combine_experts
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables, RotaryEmbedding
-from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider, linear
+from ggufswap.runtime.models.blocks.weights import (
+    TensorSpec,
+    WeightProvider,
+    linear,
+    refuse_weight_scales,
+)
 from ggufswap.runtime.models.errors import MissingWeightError
 from ggufswap.runtime.models.hparams import Arch, HParams, KeyReader
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
@@ -209,6 +215,7 @@ class Gemma4Block(nn.Module):
         self.out_scale = spec.maybe(weights, TN.LAYER_OUT_SCALE.format(layer), (1,))
         self.attention = Gemma4Attention(layer_config(config, layer), weights, layer, spec)
         self.mlp = FeedForward(config, weights, layer, spec)
+        refuse_weight_scales(spec, weights, layer, read=("ffn_down_exps",))
         self.experts: Gemma4Experts | None = None
         moe_norms = [TN.FFN_PRE_NORM_2, TN.FFN_POST_NORM_1, TN.FFN_POST_NORM_2]
         if weights.has(TN.FFN_GATE_INP.format(layer)):  # has_expert: the router decides

@@ -32,7 +32,12 @@ from ggufswap.runtime.models.blocks.ffn import FeedForward, swiglu
 from ggufswap.runtime.models.blocks.moe import combine_experts
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables, RotaryEmbedding
-from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider, linear
+from ggufswap.runtime.models.blocks.weights import (
+    TensorSpec,
+    WeightProvider,
+    linear,
+    refuse_weight_scales,
+)
 from ggufswap.runtime.models.hparams import Arch, HParams, KeyReader
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
 from ggufswap.shards.keys import Keys, TensorNames
@@ -178,6 +183,10 @@ class Llama4Block(TransformerBlock):
     """Pre-norm attention (chunked with RoPE, or NoPE) and a dense or routed FFN."""
 
     attention_cls: ClassVar[type[nn.Module]] = Llama4Attention
+
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: TensorSpec):
+        super().__init__(config, weights, layer, spec)
+        refuse_weight_scales(spec, weights, layer)
 
     def ffn_cls(self, layer: int) -> type[nn.Module]:
         moe = (layer + 1) % self.config.moe_layer_step == 0

@@ -25,7 +25,12 @@ from ggufswap.runtime.models.blocks.decoder import DecoderStack, TransformerBloc
 from ggufswap.runtime.models.blocks.moe import RoutedExperts
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables, RotaryEmbedding
-from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider, linear
+from ggufswap.runtime.models.blocks.weights import (
+    TensorSpec,
+    WeightProvider,
+    linear,
+    refuse_weight_scales,
+)
 from ggufswap.runtime.models.hparams import Arch, HParams, KeyReader
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.shards.keys import Keys, TensorNames
@@ -91,6 +96,10 @@ class MiniMaxBlock(TransformerBlock):
     """Pre-norm attention (Q/K normed across heads) and routed experts."""
 
     attention_cls: ClassVar[type[nn.Module]] = NormedAttention
+
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: TensorSpec):
+        super().__init__(config, weights, layer, spec)
+        refuse_weight_scales(spec, weights, layer)
 
     def ffn_cls(self, layer: int) -> type[nn.Module]:
         return BiasedExperts

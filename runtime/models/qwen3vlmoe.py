@@ -18,9 +18,13 @@ from typing import Any, Final
 
 from ggufswap.runtime.models._moe_hparams import QWEN_MOE_KEYS, qwen_moe_kwargs
 from ggufswap.runtime.models.architecture import Architecture
-from ggufswap.runtime.models.blocks.decoder import DecoderStack
+from ggufswap.runtime.models.blocks.decoder import DecoderStack, TransformerBlock
 from ggufswap.runtime.models.blocks.rope import RotaryEmbedding
-from ggufswap.runtime.models.blocks.weights import WeightProvider
+from ggufswap.runtime.models.blocks.weights import (
+    TensorSpec,
+    WeightProvider,
+    refuse_weight_scales,
+)
 from ggufswap.runtime.models.hparams import Arch, HParams, KeyReader
 from ggufswap.shards.keys import Keys
 
@@ -54,10 +58,19 @@ def read_keys(reader: KeyReader, common: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+class Qwen3VLMoeBlock(TransformerBlock):
+    """qwen3moe's block; llama.cpp's per-tensor weight scales refused by name."""
+
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: TensorSpec):
+        super().__init__(config, weights, layer, spec)
+        refuse_weight_scales(spec, weights, layer)
+
+
 class Qwen3VLMoeTransformer(DecoderStack):
     """qwen3moe's decoder with interleaved multimodal RoPE (text positions)."""
 
     arch = Arch.QWEN3VLMOE
+    block = Qwen3VLMoeBlock
 
     def __init__(
         self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
