@@ -1,6 +1,6 @@
-"""Tiny Hugging Face checkpoints of Qwen3-VL-MoE, Llama 4, MiniMax-M2 and Gemma 4, converted by
-llama.cpp's own converter; runs in ``.venv-convert`` beside ``convert_tiny.py`` (whose tokenizer,
-converter run and JSON output it shares).
+"""Tiny Hugging Face checkpoints of Qwen3-VL-MoE, Llama 4, MiniMax-M2, dots.llm1 and Gemma 4,
+converted by llama.cpp's own converter; runs in ``.venv-convert`` beside ``convert_tiny.py``
+(whose tokenizer, converter run and JSON output it shares).
 
 ``python convert_families.py --llama-src VENDOR/llama.cpp --out DIR [--only NAME]``: for each
 checkpoint of ``CHECKPOINTS``, in two sizes (tiny: rows of 32 and more, for F32, F16 and Q8_0;
@@ -44,6 +44,10 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
     "minimax-m2": {
         "tiny": {"d": 64, "head": 16, "ff": 64, "rot": 8},
         "wide": {"d": 256, "head": 64, "ff": 256, "rot": 32},
+    },
+    "dots1": {
+        "tiny": {"d": 64, "head": 16, "ff": 32, "ff_mlp": 128},
+        "wide": {"d": 256, "head": 64, "ff": 256, "ff_mlp": 256},
     },
     "gemma4": {
         "tiny": {"d": 64, "head": 16, "head_full": 32, "ff": 128, "ff_moe": 32},
@@ -112,12 +116,18 @@ def qwen3vlmoe(s: dict[str, int], vocab: int) -> tuple[dict[str, Any], dict[str,
 
 
 def _attention(
-    g: torch.Generator, a: str, d: int, hd: int, *, qk_norm: tuple[int, int] | None
+    g: torch.Generator,
+    a: str,
+    d: int,
+    hd: int,
+    *,
+    qk_norm: tuple[int, int] | None,
+    n_kv: int = N_KV,
 ) -> dict[str, torch.Tensor]:
     out = {
         a + "q_proj.weight": _normal(g, N_HEAD * hd, d),
-        a + "k_proj.weight": _normal(g, N_KV * hd, d),
-        a + "v_proj.weight": _normal(g, N_KV * hd, d),
+        a + "k_proj.weight": _normal(g, n_kv * hd, d),
+        a + "v_proj.weight": _normal(g, n_kv * hd, d),
         a + "o_proj.weight": _normal(g, d, N_HEAD * hd),
     }
     if qk_norm is not None:
@@ -230,6 +240,61 @@ def minimax_m2(s: dict[str, int], vocab: int) -> tuple[dict[str, Any], dict[str,
     return cfg, out
 
 
+def dots1(s: dict[str, int], vocab: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """dots.llm1: qwen3's attention (as many key/value heads as query heads) over DeepSeek-V3's
+    blocks (a dense first block, sigmoid routing with its bias, a shared expert). Seed
+    ``SEED + 1``: with ``SEED`` the F16 file had a near-tied routing choice (2nd and 3rd expert
+    6.5e-5 apart, block 2, position 4) that llama.cpp's F16 arithmetic settled the other way and
+    ggml's emulated rounding did not (mean KLD 1.1e-2, all of it at that position)."""
+    g = torch.Generator().manual_seed(SEED + 1)
+    d, hd, ff, ff_mlp = s["d"], s["head"], s["ff"], s["ff_mlp"]
+    cfg = {
+        "architectures": ["Dots1ForCausalLM"],
+        "model_type": "dots1",
+        "hidden_size": d,
+        "intermediate_size": ff_mlp,
+        "moe_intermediate_size": ff,
+        "num_hidden_layers": 3,
+        "num_attention_heads": N_HEAD,
+        "num_key_value_heads": N_HEAD,
+        "head_dim": hd,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000000.0,
+        "max_position_embeddings": 512,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+    }
+    out = {
+        "model.embed_tokens.weight": _normal(g, vocab, d, std=1.0),
+        "model.norm.weight": _near_one(g, d),
+        "lm_head.weight": _normal(g, vocab, d),
+    }
+    for i in range(3):
+        b = f"model.layers.{i}."
+        out |= _attention(g, b + "self_attn.", d, hd, qk_norm=(hd, hd), n_kv=N_HEAD)
+        out[b + "input_layernorm.weight"] = _near_one(g, d)
+        out[b + "post_attention_layernorm.weight"] = _near_one(g, d)
+        m = b + "mlp."
+        mlps = [(m, ff_mlp)]
+        if i > 0:
+            out[m + "gate.weight"] = _normal(g, 8, d)
+            out[m + "gate.e_score_correction_bias"] = 0.1 * torch.randn(8, generator=g)
+            mlps = [(m + f"experts.{e}.", ff) for e in range(8)]
+            mlps.append((m + "shared_experts.", ff))
+        for prefix, width in mlps:
+            out[prefix + "gate_proj.weight"] = _normal(g, width, d)
+            out[prefix + "up_proj.weight"] = _normal(g, width, d)
+            out[prefix + "down_proj.weight"] = _normal(g, d, width)
+    return cfg, out
+
+
 def gemma4_checkpoint(root: Path, s: dict[str, int], vocab: int) -> None:
     """Gemma 4 31B's shape, tiny, with 26B-A4B's routed experts in every block: five sliding
     layers then a full one (wider heads, one key/value head, V = K), proportional RoPE,
@@ -307,6 +372,7 @@ CHECKPOINTS: dict[str, StateWriter | None] = {
     "qwen3vlmoe": qwen3vlmoe,
     "llama4": llama4,
     "minimax-m2": minimax_m2,
+    "dots1": dots1,
     "gemma4": None,  # transformers' model: gemma4_checkpoint
 }
 

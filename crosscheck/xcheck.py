@@ -35,6 +35,7 @@ from ggufswap.shards.presets import (
     tiny_arch,
     tiny_deepseek2,
     tiny_dense,
+    tiny_dots1,
     tiny_gemma4,
     tiny_glm4moe,
     tiny_gpt_oss,
@@ -209,6 +210,15 @@ def _gemma4(**fixed: Any) -> Callable[..., ModelSpec]:
     return build
 
 
+def _dots1(**fixed: Any) -> Callable[..., ModelSpec]:
+    """``tiny-dots1`` with ``fixed`` options (the K-quant rows: ``WIDE``, heads of 64)."""
+
+    def build(**kw: Any) -> ModelSpec:
+        return tiny_dots1(**{**kw, **fixed})
+
+    return build
+
+
 # Families whose golden fixtures live in files of their own (``tests/fixtures/crosscheck/<family>``,
 # ``family_fixtures``): an architecture added beside the others records and replays its cases
 # without rewriting the shared ``cases.json`` / ``logits.npz`` (``run.py --family NAME`` records
@@ -238,6 +248,20 @@ FAMILY_VARIANTS: Final[Mapping[str, Mapping[str, Callable[..., ModelSpec]]]] = {
         # 26B-A4B-like: routed experts beside the dense MLP in every block; attn_v everywhere, tied
         "gemma4-moe-tied": _gemma4(
             n_expert=4, n_expert_used=2, n_ff_expert=32, attn_k_eq_v=False, tied_output=True
+        ),
+    },
+    "dots1": {
+        # deepseek2's routed blocks (sigmoid + bias, norm, scale, a shared expert, a dense
+        # block) under qwen3's attention
+        "dots1": _dots1(),
+        # softmax, no bias, 4 groups of 2 (2 used), no norm or scale
+        "dots1-softmax-groups": _dots1(
+            expert_gating_func=1,
+            expert_probs_bias=False,
+            n_expert_groups=4,
+            n_group_used=2,
+            expert_weights_norm=False,
+            expert_weights_scale=0.0,
         ),
     },
 }

@@ -24,6 +24,7 @@ class Arch(str, enum.Enum):
     MINIMAX_M2 = "minimax-m2"
     LLAMA4 = "llama4"
     GEMMA4 = "gemma4"
+    DOTS1 = "dots1"
     QWEN35 = "qwen35"
     QWEN35MOE = "qwen35moe"
     QWEN3NEXT = "qwen3next"

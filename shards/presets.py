@@ -225,6 +225,14 @@ def gemma4_wide(**overrides: Any) -> dict[str, Any]:
     return {**wide, **overrides}
 
 
+def tiny_dots1(**overrides: Any) -> ModelSpec:
+    """A dots1 like dots.llm1, tiny (n_embd 64, vocab 256): ``tiny-deepseek2``'s routed blocks
+    (3 blocks, one dense, 8 experts of 32, 2 used, sigmoid with the exp_probs_b bias,
+    renormalised and scaled by 2.5, one shared expert) under qwen3's attention (four heads of 16,
+    as many key/value heads, per-head Q/K norms)."""
+    return _preset(Arch.DOTS1, "tiny-dots1", overrides, **_ROUTED, n_head_kv=4)
+
+
 # Qwen3.5 / Qwen3-Next tiny: 4 blocks (three gated delta-net blocks, then full attention), two
 # query heads of 32 over one key/value head, 8 dims rotated (Qwen3.5's partial rotary is 1/4).
 _HYBRID: Final[Mapping[str, Any]] = MappingProxyType(
@@ -298,6 +306,7 @@ def tiny_arch(arch: Arch | str, **overrides: Any) -> ModelSpec:
         Arch.MINIMAX_M2: tiny_minimax_m2,
         Arch.LLAMA4: tiny_llama4,
         Arch.GEMMA4: tiny_gemma4,
+        Arch.DOTS1: tiny_dots1,
         Arch.QWEN35: tiny_qwen35,
         Arch.QWEN35MOE: tiny_qwen35moe,
         Arch.QWEN3NEXT: tiny_qwen3next,

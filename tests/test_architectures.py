@@ -44,6 +44,7 @@ CASES = {
     "llama4": ("llama4", {}),  # chunked and NoPE layers, MoE every 2nd block, rope_freqs
     "gemma4": ("gemma4", {}),  # sliding and full layers of other head shapes, V = K
     "gemma4-moe": ("gemma4", {"n_expert": 4, "n_expert_used": 2, "n_ff_expert": 32}),
+    "dots1": ("dots1", {}),  # qwen3's attention over deepseek2's routed blocks
     "qwen35": ("qwen35", {}),  # the swap is a delta-net block's attn_qkv
     "qwen35moe": ("qwen35moe", {}),
     "qwen3next": ("qwen3next", {}),
@@ -261,7 +262,7 @@ def _gemma_md(n_layer: int = 1, **extra: object) -> dict[str, object]:
     return md
 
 
-@pytest.mark.parametrize("arch", ["qwen3vlmoe", "minimax-m2", "llama4", "gemma4"])
+@pytest.mark.parametrize("arch", ["qwen3vlmoe", "minimax-m2", "llama4", "gemma4", "dots1"])
 def test_a_weight_scale_llama_cpp_would_apply_is_refused_by_name(arch: str, tmp_path: Path) -> None:
     """llama.cpp multiplies a matrix's product by its optional ``.scale`` tensor, for every
     architecture; the decoders of these refuse a file holding one they do not apply, naming it

@@ -62,6 +62,7 @@ SPECS = {
     "minimax-m2": tiny_arch("minimax-m2"),
     "llama4": tiny_arch("llama4"),  # chunked RoPE layers, a NoPE layer with the temperature
     "gemma4": tiny_arch("gemma4"),  # per-layer head shapes: the cache holds both kinds
+    "dots1": tiny_arch("dots1"),
     # delta-net blocks: conv and recurrent state in the cache, a chunked prefill
     "qwen35": tiny_arch("qwen35"),
     "qwen3next": tiny_arch("qwen3next"),

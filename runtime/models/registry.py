@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Final
 
 from ggufswap.runtime.models import (
     deepseek2,
+    dots1,
     gemma3,
     gemma4,
     glm4moe,
@@ -64,6 +65,7 @@ ARCHITECTURES: Final[Mapping[Arch, Architecture]] = MappingProxyType(
         Arch.MINIMAX_M2: minimax_m2.ARCHITECTURE,
         Arch.LLAMA4: llama4.ARCHITECTURE,
         Arch.GEMMA4: gemma4.ARCHITECTURE,
+        Arch.DOTS1: dots1.ARCHITECTURE,
         Arch.QWEN35: qwen35.ARCHITECTURE,
         Arch.QWEN35MOE: qwen35moe.ARCHITECTURE,
         Arch.QWEN3NEXT: qwen3next.ARCHITECTURE,

@@ -15,6 +15,7 @@ from typing import Final
 
 from ggufswap.shards.archs import (
     deepseek2,
+    dots1,
     gemma3,
     gemma4,
     glm4moe,
@@ -67,6 +68,7 @@ ARCH_RULES: Final[Mapping[Arch, ArchRules]] = MappingProxyType(
         Arch.MINIMAX_M2: minimax_m2.RULES,
         Arch.LLAMA4: llama4.RULES,
         Arch.GEMMA4: gemma4.RULES,
+        Arch.DOTS1: dots1.RULES,
         Arch.DEEPSEEK2: deepseek2.RULES,
         Arch.GLM4MOE: glm4moe.RULES,
         Arch.QWEN35: qwen35.RULES,
