@@ -124,6 +124,10 @@ $(LLAMA_SRC)/convert_hf_to_gguf.py:
 	tar -xzf build/llama-cpp-src/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C build/llama-cpp-src
 	touch $@
 
+# The architectures whose cross-check fixtures live in folders of their own (xcheck.FAMILY_VARIANTS;
+# run.py records their writer cases with the rest, convert_families.py makes their checkpoints).
+CROSSCHECK_FAMILIES = $(shell $(BIN)/python -c 'import sys; sys.path.insert(0, "crosscheck"); import xcheck; print(*xcheck.FAMILY_VARIANTS)')
+
 crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed ik-venv $(CONVERT_VENV)/.convert-installed $(LLAMA_SRC)/convert_hf_to_gguf.py
 	$(BIN)/python crosscheck/run.py --llama-python $(XCHECK_VENV)/bin/python
 	$(BIN)/python crosscheck/families.py --llama-python $(XCHECK_VENV)/bin/python \
@@ -133,6 +137,12 @@ crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed ik-venv $(CONVERT_VENV)
 	$(BIN)/python crosscheck/converted_mla.py --llama-python $(XCHECK_VENV)/bin/python \
 		--convert-python $(CONVERT_VENV)/bin/python --llama-src $(LLAMA_SRC) \
 		$(if $(IK_SRC),--ik-src $(IK_SRC) --ik-python $(IK_VENV)/bin/python)
+	for family in $(CROSSCHECK_FAMILIES); do \
+		$(BIN)/python crosscheck/converted.py --llama-python $(XCHECK_VENV)/bin/python \
+			--convert-python $(CONVERT_VENV)/bin/python --llama-src $(LLAMA_SRC) \
+			--family $$family || exit 1; \
+	done
+	$(BIN)/python crosscheck/long_context.py --llama-python $(XCHECK_VENV)/bin/python
 	$(BIN)/python crosscheck/gemma_real.py --llama-python $(XCHECK_VENV)/bin/python
 
 # On a GPU host (docs/operations.md, "GPU check"): the CUDA tests and bench/gpu_check.py (parity,

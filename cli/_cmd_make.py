@@ -21,6 +21,11 @@ PRESETS = (
     "tiny-glm4moe",
     "tiny-llama3",
     "tiny-gpt-oss",
+    "tiny-qwen3vlmoe",
+    "tiny-minimax-m2",
+    "tiny-llama4",
+    "tiny-gemma4",
+    "tiny-dots1",
     "tiny-qwen35",
     "tiny-qwen35moe",
     "tiny-qwen3next",
@@ -38,6 +43,11 @@ ARCHES = (
     "deepseek2",
     "glm4moe",
     "gpt-oss",
+    "qwen3vlmoe",
+    "minimax-m2",
+    "llama4",
+    "gemma4",
+    "dots1",
     "qwen35",
     "qwen35moe",
     "qwen3next",
@@ -49,6 +59,11 @@ ARCH_PRESETS = {
     "deepseek2": "tiny-deepseek2",
     "glm4moe": "tiny-glm4moe",
     "gpt-oss": "tiny-gpt-oss",
+    "qwen3vlmoe": "tiny-qwen3vlmoe",
+    "minimax-m2": "tiny-minimax-m2",
+    "llama4": "tiny-llama4",
+    "gemma4": "tiny-gemma4",
+    "dots1": "tiny-dots1",
     "qwen35": "tiny-qwen35",
     "qwen35moe": "tiny-qwen35moe",
     "qwen3next": "tiny-qwen3next",
@@ -80,9 +95,9 @@ def _register_make_model(subparsers: Any) -> None:
         "--preset",
         choices=PRESETS,
         help=(
-            "base model (default: tiny-moe for qwen2moe/qwen3moe, tiny-ARCH for deepseek2, "
-            "glm4moe, gpt-oss, qwen35, qwen35moe, qwen3next, deepseek32 and glm-dsa, else "
-            "tiny-dense; tiny-deepseek2-ik: ik_llama.cpp's three-tensor deepseek2 form)"
+            "base model (default: tiny-moe for qwen2moe/qwen3moe, tiny-ARCH for "
+            f"{', '.join(ARCH_PRESETS)}, else tiny-dense; tiny-deepseek2-ik: ik_llama.cpp's "
+            "three-tensor deepseek2 form)"
         ),
     )
     make.add_argument("--arch", choices=ARCHES)
@@ -171,43 +186,15 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from ggufswap.shards.presets import (
-        demo_moe,
-        tiny_deepseek2,
-        tiny_deepseek2_ik,
-        tiny_deepseek32,
-        tiny_dense,
-        tiny_glm4moe,
-        tiny_glm_dsa,
-        tiny_gpt_oss,
-        tiny_llama3,
-        tiny_moe,
-        tiny_qwen3next,
-        tiny_qwen35,
-        tiny_qwen35moe,
-    )
+    from ggufswap.shards import presets
     from ggufswap.shards.writer import Layout, write_model
 
-    presets = {
-        "tiny-dense": tiny_dense,
-        "tiny-moe": tiny_moe,
-        "demo-moe": demo_moe,
-        "tiny-deepseek2": tiny_deepseek2,
-        "tiny-glm4moe": tiny_glm4moe,
-        "tiny-llama3": tiny_llama3,
-        "tiny-gpt-oss": tiny_gpt_oss,
-        "tiny-qwen35": tiny_qwen35,
-        "tiny-qwen35moe": tiny_qwen35moe,
-        "tiny-qwen3next": tiny_qwen3next,
-        "tiny-deepseek2-ik": tiny_deepseek2_ik,
-        "tiny-deepseek32": tiny_deepseek32,
-        "tiny-glm-dsa": tiny_glm_dsa,
-    }
     preset = args.preset or ("tiny-moe" if args.arch in MOE_ONLY_ARCHES else "tiny-dense")
     if args.preset is None and args.arch in ARCH_PRESETS:
         preset = ARCH_PRESETS[args.arch]
     try:
-        spec = presets[preset](**_overrides(args))
+        # each preset is the function of its name in shards.presets (tiny-gpt-oss: tiny_gpt_oss)
+        spec = getattr(presets, preset.replace("-", "_"))(**_overrides(args))
         paths = write_model(
             spec,
             args.out_dir,

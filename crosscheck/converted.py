@@ -44,12 +44,17 @@ def threshold(name: str) -> xcheck.Threshold:
     return F32_LIMIT if type_name == "F32" else xcheck.case_threshold(f"x/{type_name}")
 
 
-def convert(convert_python: str, llama_src: Path, out: Path) -> dict[str, Path]:
-    """``convert_tiny.py`` under ``convert_python``: ``{NAME-SIZE/TYPE: path}``."""
+def convert(
+    convert_python: str, llama_src: Path, out: Path, *, family: str | None = None
+) -> dict[str, Path]:
+    """``convert_tiny.py`` (or for a family, ``convert_families.py --only FAMILY``) under
+    ``convert_python``: ``{NAME-SIZE/TYPE: path}``."""
+    script = ["convert_tiny.py"] if family is None else ["convert_families.py", "--only", family]
     done = subprocess.run(
         [
             convert_python,
-            str(HERE / "convert_tiny.py"),
+            str(HERE / script[0]),
+            *script[1:],
             "--llama-src",
             str(llama_src),
             "--out",
@@ -86,7 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--convert-python", required=True, help="Python with torch, transformers")
     parser.add_argument("--llama-src", required=True, type=Path, help="the vendored llama.cpp")
     parser.add_argument("--only", help="the cases whose name contains this (no fixtures)")
+    parser.add_argument(
+        "--family",
+        choices=sorted(xcheck.FAMILY_VARIANTS),
+        help="convert_families.py's checkpoint of this family; fixtures under its own folder",
+    )
     args = parser.parse_args(argv)
+    fixtures = (
+        FIXTURES if args.family is None else xcheck.family_fixtures(args.family) / "converted"
+    )
 
     import torch
 
@@ -95,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     manifest: dict[str, Any] = {"tokens": list(xcheck.TOKENS), "cases": {}}
     with tempfile.TemporaryDirectory(prefix="ggufswap-converted-") as tmp_name:
         tmp = Path(tmp_name)
-        paths, jobs = cases(convert(args.convert_python, args.llama_src, tmp), tmp)
+        converted = convert(args.convert_python, args.llama_src, tmp, family=args.family)
+        paths, jobs = cases(converted, tmp)
         if args.only:
             paths = {n: p for n, p in paths.items() if args.only in n}
         # llama_logits.py runs the quantize jobs first, then every case's logits.
@@ -117,14 +131,14 @@ def main(argv: list[str] | None = None) -> int:
             manifest["cases"][name] = entry
             logits[name] = reference[name]
         if not args.only and not failures:
-            if FIXTURES.exists():
-                shutil.rmtree(FIXTURES)
-            FIXTURES.mkdir(parents=True)
+            if fixtures.exists():
+                shutil.rmtree(fixtures)
+            fixtures.mkdir(parents=True)
             for name, entry in manifest["cases"].items():
                 if entry["file"]:
-                    shutil.copy2(paths[name], FIXTURES / entry["file"])
-            xcheck.save_golden(manifest, logits, FIXTURES)
-            print(f"\ngolden fixtures written to {FIXTURES}")
+                    shutil.copy2(paths[name], fixtures / entry["file"])
+            xcheck.save_golden(manifest, logits, fixtures)
+            print(f"\ngolden fixtures written to {fixtures}")
     for failure in failures:
         print("FAILED " + failure, file=sys.stderr)
     return 1 if failures else 0

@@ -67,7 +67,9 @@ def summary_table(figures: dict[str, xcheck.Figures], entries: dict[str, Any]) -
     a dagger where the threshold is missed because of llama.cpp's own rounding)."""
     types = [t.name for t in xcheck.CHECK_TYPES]
     lines = ["| variant | " + " | ".join(types) + " |", "|---" * (len(types) + 1) + "|"]
-    for variant in xcheck.VARIANTS:
+    for variant in xcheck.ALL_VARIANTS:
+        if not any(f"{variant}/{t}" in figures for t in types):
+            continue  # not run (--only, --family)
         cells = []
         for t in types:
             f = figures.get(f"{variant}/{t}")
@@ -212,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-python", required=True, help="Python with llama-cpp-python")
     parser.add_argument("--only", help="run the cases whose name contains this (no fixtures)")
+    parser.add_argument(
+        "--family",
+        choices=sorted(xcheck.FAMILY_VARIANTS),
+        help="run one family's cases and rewrite only its fixture files (xcheck.FAMILY_VARIANTS)",
+    )
     parser.add_argument("--details", action="store_true", help="print one row per case too")
     parser.add_argument(
         "--emulate-ggml-activations",
@@ -227,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     cases = xcheck.all_cases()
     if args.only:
         cases = {name: spec for name, spec in cases.items() if args.only in name}
+    if args.family:
+        cases = {
+            name: spec for name, spec in cases.items() if xcheck.family_of(name) == args.family
+        }
     manifest: dict[str, Any] = {"tokens": list(xcheck.TOKENS), "cases": {}}
     figures: dict[str, xcheck.Figures] = {}
     failures: list[str] = []
@@ -250,15 +261,16 @@ def main(argv: list[str] | None = None) -> int:
             failures += missed
             spec_json = xcheck.spec_to_json(spec)
             manifest["cases"][name] = {"spec": spec_json, "sha256": hashes[name], **entry}
-        if not args.only and not args.emulate_ggml_activations:
+        if not args.only and not args.family and not args.emulate_ggml_activations:
             print()
             failures += extra_checks(args.llama_python, cases, tmp)
     print("\n" + summary_table(figures, manifest["cases"]))
     if args.details:
         print("\n" + detail_table(figures))
     if not args.only and not args.emulate_ggml_activations and not report["refused"]:
-        xcheck.save_golden(manifest, reference)
-        print(f"\ngolden fixtures written to {xcheck.FIXTURES}")
+        xcheck.save_golden_by_family(manifest, reference)
+        where = xcheck.family_fixtures(args.family)
+        print(f"\ngolden fixtures written to {where}{'' if args.family else ' (and each family)'}")
     for failure in failures:
         print("FAILED " + failure, file=sys.stderr)
     return 1 if failures else 0

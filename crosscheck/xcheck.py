@@ -31,15 +31,21 @@ from ggufswap.shards.keys import Arch
 from ggufswap.shards.presets import (
     deepseek2_wide,
     demo_moe,
+    gemma4_wide,
     hybrid_wide,
     tiny_arch,
     tiny_deepseek2,
     tiny_dense,
+    tiny_dots1,
+    tiny_gemma4,
     tiny_glm4moe,
     tiny_gpt_oss,
     tiny_llama3,
+    tiny_llama4,
+    tiny_minimax_m2,
     tiny_moe,
     tiny_qwen3next,
+    tiny_qwen3vlmoe,
     tiny_qwen35,
     tiny_qwen35moe,
 )
@@ -198,6 +204,92 @@ PINNED_TYPES: Final[Mapping[str, Mapping[Role, GGMLQuantizationType]]] = {
 }
 
 
+def _gemma4(**fixed: Any) -> Callable[..., ModelSpec]:
+    """``tiny-gemma4`` with ``fixed`` options; widened (``gemma4_wide``: both head widths too)
+    when asked for the K-quant rows of 256."""
+
+    def build(**kw: Any) -> ModelSpec:
+        if kw.get("n_embd") == WIDE["n_embd"]:
+            kw = gemma4_wide(**kw)
+        return tiny_gemma4(**{**fixed, **kw})  # the wide widths win over a fixed width
+
+    return build
+
+
+def _dots1(**fixed: Any) -> Callable[..., ModelSpec]:
+    """``tiny-dots1`` with ``fixed`` options (the K-quant rows: ``WIDE``, heads of 64)."""
+
+    def build(**kw: Any) -> ModelSpec:
+        return tiny_dots1(**{**kw, **fixed})
+
+    return build
+
+
+# Families whose golden fixtures live in files of their own (``tests/fixtures/crosscheck/<family>``,
+# ``family_fixtures``): an architecture added beside the others records and replays its cases
+# without rewriting the shared ``cases.json`` / ``logits.npz`` (``run.py --family NAME`` records
+# one family). family -> variant name -> spec builder; every matrix role takes the case's type.
+FAMILY_VARIANTS: Final[Mapping[str, Mapping[str, Callable[..., ModelSpec]]]] = {
+    "qwen3vlmoe": {
+        # qwen3moe's blocks, interleaved multimodal RoPE over the whole head (one pair unrotated)
+        "qwen3vlmoe": tiny_qwen3vlmoe,
+        "qwen3vlmoe-tied": lambda **kw: tiny_qwen3vlmoe(tied_output=True, **kw),
+    },
+    "minimax-m2": {
+        # Q/K norms across heads, half-rotated heads, sigmoid + exp_probs_b, renormalised
+        "minimax-m2": tiny_minimax_m2,
+        "minimax-m2-softmax": lambda **kw: tiny_minimax_m2(expert_gating_func=1, **kw),
+    },
+    "llama4": {
+        # Maverick-like: MoE every 2nd block, chunked RoPE layers + a NoPE layer, rope_freqs
+        "llama4": tiny_llama4,
+        # Scout-like: MoE in every block, 2 experts used, tied output, no rope_freqs
+        "llama4-scout-tied": lambda **kw: tiny_llama4(
+            moe_layer_step=1, n_expert_used=2, tied_output=True, rope_llama3_factor=0.0, **kw
+        ),
+    },
+    "gemma4": {
+        # Gemma 4 31B-like: 5 sliding + 1 full layer of other head shapes, V = K, proportional RoPE
+        "gemma4": _gemma4(),
+        # 26B-A4B-like: routed experts beside the dense MLP in every block; attn_v everywhere, tied
+        "gemma4-moe-tied": _gemma4(
+            n_expert=4, n_expert_used=2, n_ff_expert=32, attn_k_eq_v=False, tied_output=True
+        ),
+    },
+    "dots1": {
+        # deepseek2's routed blocks (sigmoid + bias, norm, scale, a shared expert, a dense
+        # block) under qwen3's attention
+        "dots1": _dots1(),
+        # softmax, no bias, 4 groups of 2 (2 used), no norm or scale
+        "dots1-softmax-groups": _dots1(
+            expert_gating_func=1,
+            expert_probs_bias=False,
+            n_expert_groups=4,
+            n_group_used=2,
+            expert_weights_norm=False,
+            expert_weights_scale=0.0,
+        ),
+    },
+}
+# Every variant: the shared ones, then each family's.
+ALL_VARIANTS: Final[Mapping[str, Callable[..., ModelSpec]]] = {
+    **VARIANTS,
+    **{name: build for family in FAMILY_VARIANTS.values() for name, build in family.items()},
+}
+
+
+def family_of(case: str) -> str | None:
+    """The family whose fixture files hold ``case`` (``variant/TYPE``), or None (the shared
+    files)."""
+    variant = case.rpartition("/")[0]
+    return next((f for f, variants in FAMILY_VARIANTS.items() if variant in variants), None)
+
+
+def family_fixtures(family: str | None) -> Path:
+    """The folder of a family's fixture files (None: the shared ``FIXTURES``)."""
+    return FIXTURES if family is None else FIXTURES / family
+
+
 # deepseek2's attention and glm4moe's NextN matrix roles (DSA_ROLES: the indexer's): only their
 # cases set them (the other specs have no such tensors; their recorded specs predate the roles).
 OWN_ROLES: Final = frozenset(
@@ -227,9 +319,9 @@ def case_spec(
 ) -> ModelSpec:
     """The spec of one case: the variant (``build``, else ``VARIANTS``' own) with every matrix
     role in ``ggml_type``, widened (``WIDE``) when its rows cannot hold the type's blocks."""
-    build = build or VARIANTS[variant]
+    build = build or ALL_VARIANTS[variant]
     rules = rules_of(build().arch)
-    own = rules.mla or rules.glm or rules.hybrid
+    own = rules.mla or rules.glm or rules.hybrid or variant not in VARIANTS
     types = {
         role.name: ggml_type
         for role in Role
@@ -263,7 +355,7 @@ def case_threshold(name: str) -> Threshold:
 
 def all_cases() -> dict[str, ModelSpec]:
     """Every case, by name (``variant/TYPE``), in a stable order."""
-    return {case_name(v, t): case_spec(v, t) for v in VARIANTS for t in CHECK_TYPES}
+    return {case_name(v, t): case_spec(v, t) for v in ALL_VARIANTS for t in CHECK_TYPES}
 
 
 # Beyond the cases: the other layouts make-model writes (the same tensors over several files) and
@@ -319,6 +411,8 @@ def spec_from_json(data: Mapping[str, Any]) -> ModelSpec:
     kw["types"] = {Role[r]: type_named(t) for r, t in kw.get("types", {}).items()}
     if kw.get("moe_layers") is not None:
         kw["moe_layers"] = tuple(kw["moe_layers"])
+    if "rope_sections" in kw:  # a tuple field, a list in JSON
+        kw["rope_sections"] = tuple(kw["rope_sections"])
     return ModelSpec(**kw)
 
 
@@ -460,6 +554,29 @@ def load_golden(out_dir: Path = FIXTURES) -> tuple[dict[str, Any], dict[str, Gol
                 logits=logits,
             )
     return manifest, out
+
+
+def save_golden_by_family(manifest: Mapping[str, Any], logits: Mapping[str, np.ndarray]) -> None:
+    """``save_golden`` into each family's own files (``family_fixtures``): only the groups
+    ``logits`` holds cases of are written."""
+    groups: dict[str | None, list[str]] = {}
+    for name in logits:
+        groups.setdefault(family_of(name), []).append(name)
+    for family, names in groups.items():
+        head = {k: v for k, v in manifest.items() if k != "cases"}
+        part = {**head, "cases": {n: manifest["cases"][n] for n in names}}
+        save_golden(part, {n: logits[n] for n in names}, family_fixtures(family))
+
+
+def load_all_golden() -> tuple[dict[str, Any], dict[str, GoldenCase]]:
+    """The shared manifest (its ``cases`` merged with every family's) and every recorded case."""
+    manifest, cases = load_golden()
+    for family in FAMILY_VARIANTS:
+        if (family_fixtures(family) / MANIFEST.name).exists():
+            more, more_cases = load_golden(family_fixtures(family))
+            manifest["cases"] |= more["cases"]
+            cases |= more_cases
+    return manifest, cases
 
 
 # --- the project's side ---------------------------------------------------------------------

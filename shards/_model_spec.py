@@ -60,6 +60,17 @@ class ModelSpec:
     # llama.cpp 0.3.36 no longer loads it (its llama loader requires ffn_{up,down}_exps); the
     # project does.
     per_expert_tensors: bool = False
+    # llama4's interleave_moe_layer_step: blocks i with (i + 1) % step == 0 have experts (and a
+    # shared expert), the others a dense FFN of n_ff (Llama 4 Scout: 1, Maverick: 2).
+    moe_layer_step: int = 1
+    # gemma4: the sliding-window layers' head width (None: head_dim, the full layers'), the full
+    # layers' key/value heads (None: n_head_kv), full layers without attn_v (V = K, Gemma 4 31B's
+    # attention_k_eq_v), final logit soft-capping (0: none). Its pattern is
+    # full_attention_interval, its full layers' rotated dims rope_dim (by rope_freqs factors).
+    head_dim_swa: int | None = None
+    n_head_kv_full: int | None = None
+    attn_k_eq_v: bool = False
+    final_logit_softcap: float = 0.0
     tied_output: bool = False
     rope_freq_base: float = 10000.0
     # Llama 3.1 RoPE scaling (rope_scaling.rope_type "llama3"): a factor > 0 writes

@@ -48,6 +48,13 @@ class Role(Enum):
     FFN_GATE_INP_SHEXP = MODEL_TENSOR.FFN_GATE_INP_SHEXP
     ATTN_POST_NORM = MODEL_TENSOR.ATTN_POST_NORM  # gemma3
     FFN_POST_NORM = MODEL_TENSOR.FFN_POST_NORM  # gemma3
+    # gemma4: the MoE blocks' second pre/post norms, router and per-expert scales, layer scale
+    FFN_PRE_NORM_2 = MODEL_TENSOR.FFN_PRE_NORM_2
+    FFN_POST_NORM_1 = MODEL_TENSOR.FFN_POST_NORM_1
+    FFN_POST_NORM_2 = MODEL_TENSOR.FFN_POST_NORM_2
+    FFN_GATE_INP_SCALE = (MODEL_TENSOR.FFN_GATE_INP, "scale")
+    FFN_DOWN_EXPS_SCALE = (MODEL_TENSOR.FFN_DOWN_EXP, "scale")
+    LAYER_OUT_SCALE = MODEL_TENSOR.LAYER_OUT_SCALE
     # deepseek2: latent attention and the routers' selection bias
     ATTN_Q_A = MODEL_TENSOR.ATTN_Q_A
     ATTN_Q_B = MODEL_TENSOR.ATTN_Q_B
@@ -114,6 +121,12 @@ NORM_ROLES: Final = frozenset(
         Role.ATTN_K_NORM,
         Role.ATTN_POST_NORM,
         Role.FFN_POST_NORM,
+        Role.FFN_PRE_NORM_2,
+        Role.FFN_POST_NORM_1,
+        Role.FFN_POST_NORM_2,
+        Role.FFN_GATE_INP_SCALE,  # scales near 1, read as floats: like norms
+        Role.FFN_DOWN_EXPS_SCALE,
+        Role.LAYER_OUT_SCALE,
         Role.ATTN_Q_A_NORM,
         Role.ATTN_KV_A_NORM,
         Role.NEXTN_ENORM,

@@ -20,6 +20,11 @@ class Arch(str, enum.Enum):
     DEEPSEEK2 = "deepseek2"
     GLM4MOE = "glm4moe"
     GPT_OSS = "gpt-oss"
+    QWEN3VLMOE = "qwen3vlmoe"
+    MINIMAX_M2 = "minimax-m2"
+    LLAMA4 = "llama4"
+    GEMMA4 = "gemma4"
+    DOTS1 = "dots1"
     QWEN35 = "qwen35"
     QWEN35MOE = "qwen35moe"
     QWEN3NEXT = "qwen3next"
@@ -85,6 +90,13 @@ class Keys:
         ROPE_SCALING_YARN_LOG_MUL: Final = "{}.rope.scaling.yarn_log_multiplier"
         NEXTN_PREDICT_LAYERS: Final = "{}.nextn_predict_layers"
         ROPE_DIMENSION_SECTIONS: Final = "{}.rope.dimension_sections"  # glm4moe: refused
+        # qwen3vlmoe: vision features added to the first blocks' outputs (zero for text)
+        NUM_DEEPSTACK_LAYERS: Final = "{}.n_deepstack_layers"
+        # llama4: every n-th block is MoE (chunked attention and NoPE layers are llama.cpp's own)
+        INTERLEAVE_MOE_LAYER_STEP: Final = "{}.interleave_moe_layer_step"
+        # gemma4: trailing blocks reusing earlier blocks' keys and values, per-layer embeddings
+        SHARED_KV_LAYERS: Final = "{}.attention.shared_kv_layers"
+        EMBEDDING_LENGTH_PER_LAYER: Final = "{}.embedding_length_per_layer_input"
         # Read by llama.cpp for every architecture (llama_model_base::load_hparams); each
         # changes what a model computes where its value is not the default.
         ATTENTION_CAUSAL: Final = "{}.attention.causal"
@@ -150,6 +162,15 @@ class TensorNames:
     ATTN_POST_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_POST_NORM)  # gemma3
     FFN_NORM: Final = tensor_template(MODEL_TENSOR.FFN_NORM)
     FFN_POST_NORM: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM)  # gemma3
+    # gemma4's MoE blocks: second pre/post norms, router and per-expert scales; layer scale
+    FFN_PRE_NORM_2: Final = tensor_template(MODEL_TENSOR.FFN_PRE_NORM_2)
+    FFN_POST_NORM_1: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM_1)
+    FFN_POST_NORM_2: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM_2)
+    FFN_GATE_INP_SCALE: Final = tensor_template(MODEL_TENSOR.FFN_GATE_INP, "scale")
+    FFN_DOWN_EXPS_SCALE: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_EXP, "scale")
+    FFN_GATE_UP_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_GATE_UP_EXP)
+    LAYER_OUT_SCALE: Final = tensor_template(MODEL_TENSOR.LAYER_OUT_SCALE)
+    PER_LAYER_TOKEN_EMBD: Final = tensor_template(MODEL_TENSOR.PER_LAYER_TOKEN_EMBD)
     ATTN_SINKS: Final = tensor_template(MODEL_TENSOR.ATTN_SINKS)  # gpt-oss: [n_head] logits
     FFN_GATE: Final = tensor_template(MODEL_TENSOR.FFN_GATE)
     FFN_UP: Final = tensor_template(MODEL_TENSOR.FFN_UP)

@@ -155,7 +155,9 @@ def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
         a_log = rng.normal(0.0, 0.5, size=t.ne[0]).astype(np.float32)
         return _synth.encode_floats(-np.exp(a_log)[None, :], Q(t.ggml_type))
     if t.role is Role.ROPE_FREQS:
-        return _synth.encode_floats(llama3_rope_factors(spec)[None, :], Q(t.ggml_type))
+        own = rules_of(spec.arch).writer.rope_factors
+        factors = llama3_rope_factors(spec) if own is None else np.asarray(own(spec), np.float32)
+        return _synth.encode_floats(np.asarray(factors)[None, :], Q(t.ggml_type))
     if t.role in NORM_ROLES:
         return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=1.0, std=0.05)
     return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=0.0, std=1.0 / math.sqrt(t.ne[0]))
@@ -258,6 +260,7 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
             key = LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a)
             kv.append((key, _u32(spec.n_ff_shexp)))
     kv += rules.writer.metadata(spec)
+    kv = list(dict(kv).items())  # an architecture's own value of a key replaces the shared one
     tokens, scores, token_types = _synth.vocabulary(spec.n_vocab, extra=spec.extra_vocab_strings)
     A = GGUFValueType.ARRAY  # noqa: N806
     kv += [

@@ -11,7 +11,7 @@ import torch
 from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime import HotSwapRuntime
 from ggufswap.runtime.models.blocks import DictWeightProvider
-from ggufswap.runtime.models.errors import HParamsError
+from ggufswap.runtime.models.errors import HParamsError, MissingWeightError
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer, sliding_window_mask
 from ggufswap.runtime.models.hparams import Arch, HParams
 from ggufswap.runtime.models.registry import DECODERS, build_model
@@ -39,6 +39,12 @@ CASES = {
     "glm4moe-qk-norm": ("glm4moe", {"attn_qk_norm": True, "attn_bias": False}),
     "llama-rope-freqs": ("llama", {"rope_llama3_factor": 8.0, "rope_llama3_original_context": 32}),
     "gpt-oss": ("gpt-oss", {}),
+    "qwen3vlmoe": ("qwen3vlmoe", {}),  # interleaved multimodal RoPE sections
+    "minimax-m2": ("minimax-m2", {}),  # Q/K norms across heads, sigmoid + exp_probs_b
+    "llama4": ("llama4", {}),  # chunked and NoPE layers, MoE every 2nd block, rope_freqs
+    "gemma4": ("gemma4", {}),  # sliding and full layers of other head shapes, V = K
+    "gemma4-moe": ("gemma4", {"n_expert": 4, "n_expert_used": 2, "n_ff_expert": 32}),
+    "dots1": ("dots1", {}),  # qwen3's attention over deepseek2's routed blocks
     "qwen35": ("qwen35", {}),  # the swap is a delta-net block's attn_qkv
     "qwen35moe": ("qwen35moe", {}),
     "qwen3next": ("qwen3next", {}),
@@ -258,3 +264,22 @@ def _gemma_md(n_layer: int = 1, **extra: object) -> dict[str, object]:
     }
     md.update(extra)
     return md
+
+
+@pytest.mark.parametrize("arch", ["qwen3vlmoe", "minimax-m2", "llama4", "gemma4", "dots1"])
+def test_a_weight_scale_llama_cpp_would_apply_is_refused_by_name(arch: str, tmp_path: Path) -> None:
+    """llama.cpp multiplies a matrix's product by its optional ``.scale`` tensor, for every
+    architecture; the decoders of these refuse a file holding one they do not apply, naming it
+    (the paired file without it loads)."""
+    path = write_model(tiny_arch(arch), tmp_path)[0]
+    runtime = HotSwapRuntime.open(path)
+    try:
+        assert runtime.shards is not None, "open() keeps the shard set"
+        config = HParams.from_metadata(runtime.shards.metadata)
+        weights = {name: runtime.store.weight(name) for name in runtime.store.slots}
+    finally:
+        runtime.close()
+    build_model(config, DictWeightProvider(weights))
+    weights["blk.0.attn_q.scale"] = torch.ones(1)
+    with pytest.raises(MissingWeightError, match=r"blk\.0\.attn_q\.scale: llama\.cpp multiplies"):
+        build_model(config, DictWeightProvider(weights))

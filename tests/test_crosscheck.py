@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "crosscheck"))  # t
 
 import xcheck  # found on the path above
 
-MANIFEST, CASES = xcheck.load_golden()
+MANIFEST, CASES = xcheck.load_all_golden()  # the shared files and each family's
 SPECS = xcheck.all_cases()
 # How far a case with an allowance may drift from its recorded figures (summation order, torch).
 ALLOWED_DRIFT = 1.25

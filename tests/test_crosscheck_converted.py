@@ -1,4 +1,5 @@
-"""Files llama.cpp's own converter made from tiny Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoints,
+"""Files llama.cpp's own converter made from tiny Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoints
+(and, each in its family's folder, Qwen3-VL-MoE, Llama 4, MiniMax-M2 and Gemma 4 ones),
 replayed against llama.cpp's recorded logits (no llama.cpp, no converter needed).
 
 ``make crosscheck`` (``crosscheck/converted.py``) converted the checkpoints with
@@ -15,6 +16,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,6 +29,21 @@ from converted import FIXTURES, threshold  # found on the path above
 
 MANIFEST = json.loads((FIXTURES / xcheck.MANIFEST.name).read_text())
 KEPT = {name: case for name, case in MANIFEST["cases"].items() if case["file"]}
+# The families with fixture files of their own (xcheck.FAMILY_VARIANTS): converter files under
+# tests/fixtures/crosscheck/<family>/converted (crosscheck/converted.py --family).
+FAMILY_DIRS = {f: xcheck.family_fixtures(f) / "converted" for f in xcheck.FAMILY_VARIANTS}
+FAMILY_MANIFESTS = {
+    f: json.loads((d / xcheck.MANIFEST.name).read_text())
+    for f, d in FAMILY_DIRS.items()
+    if (d / xcheck.MANIFEST.name).exists()
+}
+FAMILY_KEPT = [
+    (f, name)
+    for f, m in FAMILY_MANIFESTS.items()
+    for name, case in m["cases"].items()
+    if case["file"]
+]
+CHECKED_TYPES = {"F32", "F16", "Q8_0", "Q4_K"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,10 +70,32 @@ def test_every_architecture_and_type_was_checked() -> None:
 def test_decoder_agrees_with_llama_cpp_on_converter_files(name: str) -> None:
     """The converter's file is the recorded one, and the decoder's logits agree with
     llama.cpp's within the case's threshold."""
-    case = KEPT[name]
-    path = FIXTURES / case["file"]
+    check_kept(FIXTURES, KEPT[name], name)
+
+
+def test_every_family_was_converted_and_checked() -> None:
+    """Each family with fixtures of its own (qwen3vlmoe, llama4, minimax-m2, gemma4) was
+    converted and checked at F32, F16, Q8_0 and Q4_K, its F32 file kept."""
+    assert set(FAMILY_MANIFESTS) == set(xcheck.FAMILY_VARIANTS)
+    for family, manifest in FAMILY_MANIFESTS.items():
+        types = {name.partition("/")[2] for name in manifest["cases"]}
+        assert types == CHECKED_TYPES, family
+        kept = {n for n, case in manifest["cases"].items() if case["file"]}
+        assert kept == {n for n in manifest["cases"] if n.endswith("/F32")}, family
+
+
+@pytest.mark.parametrize(("family", "name"), FAMILY_KEPT)
+def test_decoder_agrees_with_llama_cpp_on_family_converter_files(family: str, name: str) -> None:
+    """A family's converter file is the recorded one, and the decoder's logits agree with
+    llama.cpp's within the case's threshold (top-1 100%, mean KLD < 1e-6 at F32)."""
+    check_kept(FAMILY_DIRS[family], FAMILY_MANIFESTS[family]["cases"][name], name)
+
+
+def check_kept(fixtures: Path, case: dict[str, Any], name: str) -> None:
+    """The kept file's bytes, and the decoder against llama.cpp's recorded logits."""
+    path = fixtures / case["file"]
     assert hashlib.sha256(path.read_bytes()).hexdigest() == case["sha256"]
-    with np.load(FIXTURES / xcheck.LOGITS.name) as arrays:
+    with np.load(fixtures / xcheck.LOGITS.name) as arrays:
         key = case["logits_key"]
         golden = xcheck.decode_logits(
             arrays[f"{key}_codes"], arrays[f"{key}_offset"], arrays[f"{key}_step"]

@@ -165,6 +165,12 @@ class HParams:
     gating: Gating = Gating.SOFTMAX
     n_expert_groups: int = 0  # 0 or 1: no group-limited routing
     n_group_used: int = 0
+    moe_layer_step: int = 1  # llama4: blocks (i + 1) % step == 0 route, the others are dense
+    # gemma4: the sliding-window layers' head width and rotated dims (the fields above describe
+    # the full-attention layers), and each layer's key/value heads
+    head_dim_swa: int | None = None
+    rope_dim_swa: int | None = None
+    n_head_kv_layers: tuple[int, ...] | None = None
     mla: MLAShape | None = None
     dsa: DSAShape | None = None  # deepseek32 / glm-dsa: the lightning indexer
     rope_ext_factor: float = 0.0
@@ -233,6 +239,8 @@ class HParams:
         if rules.shared_expert in (SharedExpert.COUNTED, SharedExpert.COUNTED_OPTIONAL):
             shared = is_moe and self.n_expert_shared > 0
             n_ff_shexp = n_ff_exp * self.n_expert_shared
+        if rules.shared_expert is SharedExpert.EXPERT_WIDTH:
+            shared, n_ff_shexp = is_moe, n_ff_exp
         if rules.experts is Experts.AFTER_DENSE_LEAD:
             problems += lead_problems(self, is_moe=is_moe)
         if rules.mla:
@@ -303,7 +311,7 @@ class HParams:
                 f"the reference decoder implements: {supported}"
             ) from None
         rules = rules_of(arch)
-        reader = KeyReader(md, arch.value)
+        reader = KeyReader(md, arch.value, per_layer=rules.per_layer_keys)
         # llama_model_base::load_hparams: the keys every architecture shares. feed_forward_length,
         # head_count(_kv) and expert_used_count may be per-layer arrays (get_key_or_arr).
         n_embd = reader.get_int(Keys.LLM.EMBEDDING_LENGTH)
@@ -412,10 +420,12 @@ def _rope_freq_scale(reader: KeyReader, *, yarn: bool = False) -> float:
 class KeyReader:
     """Reads ``{arch}.*`` keys, collecting every problem instead of stopping at the first."""
 
-    def __init__(self, md: Mapping[str, Any], arch: str) -> None:
+    def __init__(self, md: Mapping[str, Any], arch: str, *, per_layer: Iterable[str] = ()) -> None:
         self.md = md
         self.arch = arch
         self.problems: list[str] = []
+        # Templates whose per-layer arrays the architecture's module reads (the first value here)
+        self.per_layer = frozenset(per_layer)
 
     def _get(self, template: str, default: object) -> object:
         key = template.format(self.arch)
@@ -430,7 +440,7 @@ class KeyReader:
         if value is _MISSING:
             return 0
         if isinstance(value, (list, tuple)):  # a per-layer array (llama.cpp's get_key_or_arr)
-            if len(set(value)) > 1:
+            if len(set(value)) > 1 and template not in self.per_layer:
                 self.problems.append(
                     f"{template.format(self.arch)}: per-layer values {list(value)} differ; the "
                     "reference decoder implements one value for every layer"

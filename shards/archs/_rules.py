@@ -60,6 +60,8 @@ class SharedExpert(enum.Enum):
     COUNTED = "expert_shared_count"
     # glm4moe: as COUNTED, but expert_shared_count 0 means no shared-expert tensors.
     COUNTED_OPTIONAL = "expert_shared_count (0: none)"
+    # llama4: one ungated shared expert of the routed experts' width in every MoE block.
+    EXPERT_WIDTH = "ungated, expert_feed_forward_length wide"
 
 
 # The keys llama_model_base::load_hparams reads for every architecture that change what a model
@@ -125,6 +127,8 @@ class WriterHooks:
     metadata: Callable[[ModelSpec], list[tuple[str, TypedValue]]] = _no_metadata
     attention: Callable[[ModelSpec, Any, int], None] | None = None
     block: Callable[[ModelSpec, int], list[PlannedTensor]] | None = None
+    # rope_freqs.weight's values when the architecture writes its own (gemma4), else llama 3.1's
+    rope_factors: Callable[[ModelSpec], list[float]] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,6 +182,9 @@ class ArchRules:
     # The keys of its own llama.cpp's load_arch_hparams reads that change what the model
     # computes (besides SHARED_LLAMA_CPP_KEYS).
     llama_cpp_keys: tuple[str, ...] = ()
+    # Keys whose per-layer arrays of different values the architecture's module reads itself
+    # (gemma4's head_count_kv); elsewhere such an array is refused.
+    per_layer_keys: tuple[str, ...] = ()
     writer: WriterHooks = field(default_factory=WriterHooks, compare=False)
 
     @property
@@ -210,6 +217,7 @@ def rules(
     rope_sections: bool = False,
     writer: WriterHooks | None = None,
     llama_cpp_keys: tuple[str, ...] = (),
+    per_layer_keys: tuple[str, ...] = (),
 ) -> ArchRules:
     """An architecture's rules: every flag off unless named (see ``ArchRules``)."""
     return ArchRules(
@@ -237,4 +245,5 @@ def rules(
         rope_sections=rope_sections,
         writer=writer or WriterHooks(),
         llama_cpp_keys=llama_cpp_keys,
+        per_layer_keys=per_layer_keys,
     )

@@ -37,15 +37,23 @@ SHARED_EXPERT_TENSORS: Final = (
 
 
 def combine_experts(
-    flat: Tensor, top_w: Tensor, top_i: Tensor, expert: Callable[[Tensor, int], Tensor]
+    flat: Tensor,
+    top_w: Tensor,
+    top_i: Tensor,
+    expert: Callable[[Tensor, int], Tensor],
+    *,
+    weight_before: bool = False,
 ) -> Tensor:
     """``sum_k top_w[n, k] * expert(flat[n], top_i[n, k])`` per token: each chosen expert runs
-    once over the tokens routed to it, in ascending expert order (deterministic sums)."""
+    once over the tokens routed to it, in ascending expert order (deterministic sums). With
+    ``weight_before`` (llama4) the weight scales the expert's input instead:
+    ``sum_k expert(top_w[n, k] * flat[n], top_i[n, k])``."""
     # flat: [N, D]; top_w, top_i: [N, k]
     out = torch.zeros_like(flat)
     for e in top_i.unique().tolist():
         rows, slot = (top_i == e).nonzero(as_tuple=True)  # tokens routed to e, and which slot
-        y = expert(flat[rows], e) * top_w[rows, slot, None].to(flat.dtype)
+        w = top_w[rows, slot, None].to(flat.dtype)
+        y = expert(flat[rows] * w, e) if weight_before else expert(flat[rows], e) * w
         out.index_add_(0, rows, y)
     return out
 

@@ -152,6 +152,43 @@ class TensorSpec:
         ]
 
 
+# The per-tensor weight scales llama.cpp's loader reads, for every architecture, beside these
+# matrices of a block (``blk.N.<name>.scale``, shape {1} or {n_expert}; llama_model_base's
+# create_tensor of ``*_s``) and multiplies their products by.
+WEIGHT_SCALES = (
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "attn_qkv",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+    "ffn_gate_shexp",
+    "ffn_up_shexp",
+    "ffn_down_shexp",
+    "ffn_gate_exps",
+    "ffn_up_exps",
+    "ffn_down_exps",
+)
+
+
+def refuse_weight_scales(
+    spec: TensorSpec, weights: WeightProvider, layer: int, *, read: Iterable[str] = ()
+) -> None:
+    """Record the weight scales of block ``layer`` present in the file that the decoder does not
+    apply (all but ``read``): llama.cpp would multiply by them, so ignoring them would compute
+    something else."""
+    skip = set(read)
+    names = [f"blk.{layer}.{t}.scale" for t in WEIGHT_SCALES if t not in skip]
+    spec.unexpected += [
+        f"{name}: llama.cpp multiplies its matrix's product by this scale; the reference "
+        "decoder does not implement it"
+        for name in names
+        if weights.has(name)
+    ]
+
+
 def check_weights(weights: WeightProvider, spec: TensorSpec, *, shapes: bool) -> None:
     """Raise one error listing every missing, misshapen and unexpected tensor."""
     problems = [f"{name}: missing" for name in spec.required if not weights.has(name)]
