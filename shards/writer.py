@@ -153,7 +153,10 @@ def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
     rng = _synth.tensor_rng(spec.seed, t.name)
     if t.role is Role.SSM_A:  # -exp(A_log) as the converter stores it: every head decays
         a_log = rng.normal(0.0, 0.5, size=t.ne[0]).astype(np.float32)
-        return _synth.encode_floats(-np.exp(a_log)[None, :], Q(t.ggml_type))
+        # math.exp, not numpy's: numpy's float32 exp takes the CPU's SIMD path (AVX2, AVX-512),
+        # whose rounding differs from one path to another (tests/test_crosscheck.py).
+        a = np.array([-math.exp(float(x)) for x in a_log], np.float32)
+        return _synth.encode_floats(a[None, :], Q(t.ggml_type))
     if t.role is Role.ROPE_FREQS:
         own = rules_of(spec.arch).writer.rope_factors
         factors = llama3_rope_factors(spec) if own is None else np.asarray(own(spec), np.float32)
