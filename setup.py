@@ -3,13 +3,14 @@
 The map (import name -> folder) is read from pyproject.toml's ``[tool.ggufswap.packages]``, its one
 place. The compiled pieces: quantized products straight from GGUF blocks
 (runtime/kernels/csrc/qkernels.c), the glue that calls ggml's own kernels from a libggml found
-at run time (runtime/kernels/csrc/ggmlcall.c), and ggml's reference K-quant/IQ4 quantizers
-(shards/csrc, used by requant, the agent-side tools and the sweep). Everything else is declared
-in pyproject.toml.
+at run time (runtime/kernels/csrc/ggmlcall.c), ggml's reference K-quant/IQ4 quantizers
+(shards/csrc, used by requant, the agent-side tools and the sweep), and the SIGBUS guard of
+mapped shards (runtime/csrc). Everything else is declared in pyproject.toml.
 
 The extensions are optional: where they cannot be built (no C compiler), the runtime decodes
 blocks with its torch kernels instead (runtime/kernels/qmatmul.py says which path runs), and
-shards/kquants.py quantizes with numpy (the same bytes, slower).
+shards/kquants.py quantizes with numpy (the same bytes, slower), and ``map_shards`` maps nothing
+(``auto`` copies the files, ``true`` refuses, saying the guard is missing).
 """
 
 import sys
@@ -45,6 +46,14 @@ setup(
             # build needs no ggml (runtime/kernels/_ggml.py).
             extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE"],
             extra_link_args=["-ldl", "-pthread"],
+            optional=True,
+        ),
+        Extension(
+            # The SIGBUS guard of mapped shards (runtime/mapping.py): without it, map_shards
+            # cannot defend against a file truncated under its mapping, and maps nothing.
+            "ggufswap.runtime._sigbus",
+            sources=["runtime/csrc/sigbus.c"],
+            extra_compile_args=["-O2", "-std=c11"],
             optional=True,
         ),
         Extension(

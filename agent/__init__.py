@@ -20,7 +20,8 @@ from ggufswap.agent.errors import (
 )
 from ggufswap.agent.index import Health, ModelIndex, ModelSnapshot, ShardStatus, WatchRoot
 from ggufswap.agent.ledger import Outcome, PlanRecord
-from ggufswap.agent.link import LinkState, RuntimeLink
+from ggufswap.agent.link import RuntimeLink
+from ggufswap.agent.link_state import LinkState
 from ggufswap.agent.reconcile import Reconciliation, plan_id_for, reconcile
 from ggufswap.agent.status import status_handler, status_line
 from ggufswap.agent.watch import (

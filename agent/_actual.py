@@ -10,7 +10,7 @@ it holds (another model or runtime instance, another version, a tensor it does n
 from __future__ import annotations
 
 from ggufswap.ipc import RuntimeState, TensorEntry
-from ggufswap.ipc.messages import StateRequest
+from ggufswap.ipc.bodies import StateRequest
 
 
 class ActualState:

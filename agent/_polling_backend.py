@@ -13,6 +13,7 @@ import threading
 from ggufswap.agent.errors import WatchError
 from ggufswap.agent.watch import ChangeQueue, Watcher
 from ggufswap.config import WatchBackend
+from ggufswap.ipc.supervisor import Supervised, ThreadHealth
 from ggufswap.logs import get_logger
 
 log = get_logger(__name__)
@@ -54,19 +55,22 @@ class PollingWatcher(Watcher):
         self._lock = threading.Lock()
         self._snapshots: dict[str, dict[str, _Stamp]] = {}
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: Supervised | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._run, name="ggufswap-agent-polling", daemon=True
-        )
-        self._thread.start()
+        # Supervised: a crash of a poll (a bug) is logged and the loop restarted with backoff,
+        # with a rescan, since changes may have been missed meanwhile.
+        self._thread = Supervised(
+            "ggufswap-agent-polling",
+            self._run,
+            stop=self._stop,
+            on_crash=lambda exc: self.on_error(f"poll crashed: {type(exc).__name__}: {exc}"),
+        ).start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
+            if not self._thread.join(timeout_s):
                 log.error("watch.stop_timeout", backend=self.kind.value, timeout_s=timeout_s)
             self._thread = None
 
@@ -83,7 +87,12 @@ class PollingWatcher(Watcher):
             self._dirs.pop(directory, None)
 
     def healthy(self) -> bool:
-        return self._thread is None or self._thread.is_alive()
+        """False once the supervised poll loop is given up (or ended without a stop)."""
+        return (
+            self._thread is None
+            or not self._thread.down
+            or (self._thread.health is ThreadHealth.RESTARTING)
+        )
 
     def poll_once(self) -> None:
         """Compare every watched directory with its last snapshot and report what differs."""

@@ -41,6 +41,9 @@ def _hooked_emitter_class(base: type[Any], on_overflow: Any) -> type[Any]:
 
     class OverflowReportingEmitter(base):
         def on_thread_start(self) -> None:
+            # A library thread, not supervised: the daemon rebuilds a backend that died
+            # (``watch.backend_died``); named so that a status can tell it apart.
+            self.name = "watchdog-emitter"
             super().on_thread_start()
             group = getattr(self, "_inotify", None)
             original = getattr(group, "on_queue_overflow", None)
@@ -64,6 +67,7 @@ class WatchdogWatcher(Watcher):
         events, inotify = load_watchdog()
         self._events = events
         self._observer = inotify.InotifyObserver(timeout=OBSERVER_TIMEOUT_S)
+        self._observer.name = "watchdog-observer"  # a library thread the daemon checks
         # watchdog >= 7: BaseObserver keeps the emitter class; wrap it to see overflows.
         emitter_class = getattr(self._observer, "_emitter_class", None)
         self.overflow_hooked = emitter_class is not None and hasattr(inotify, "InotifyWatchGroup")

@@ -11,9 +11,8 @@ Coalescing: changed paths settle individually (``settle_ms``); a model is re-sca
 path is pending, or when paths have been pending for ``max_defer_s`` (then the still-settling
 files are skipped and their tensors held). A burst of thousands of events is one scan.
 
-Size: ~580 lines, because the main loop owns the watches, the scans and the lifecycle together;
-the watch bookkeeping (``_sync_watches`` … ``_check_roots``) is the part that should become its
-own ``WatchSet`` module when this file next grows.
+The watched directories and their backends are ``agent/watchset.py``'s ``WatchSet``; the
+main loop hands it the roots its models need and makes the full scans its checks ask for.
 """
 
 from __future__ import annotations
@@ -28,20 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from ggufswap.agent.debounce import Debouncer
-from ggufswap.agent.errors import AgentError, DaemonStateError, WatchError, WatchLimitError
+from ggufswap.agent.errors import AgentError, DaemonStateError
 from ggufswap.agent.index import Health, ModelIndex, ModelSnapshot, WatchRoot
 from ggufswap.agent.link import RuntimeLink
 from ggufswap.agent.status import runtimes_view, status_handler, status_line
-from ggufswap.agent.watch import (
-    INOTIFY_WATCHES_SYSCTL,
-    ChangeQueue,
-    RescanReason,
-    Watcher,
-    choose_backend,
-    make_watcher,
-)
+from ggufswap.agent.watch import ChangeQueue, RescanReason, Watcher
+from ggufswap.agent.watchset import WatchSet
 from ggufswap.config import Config, ConfigError, ModelConfig, WatchBackend, load_config
-from ggufswap.ipc import RequestServer, SocketOptions
+from ggufswap.ipc import MessageType, RequestServer, SocketOptions, supervisor
+from ggufswap.ipc.codec import STATUS_MAX_REQUEST_SIZE
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
 from ggufswap.logs import get_logger
 from ggufswap.shards import Fingerprinter, HeaderCache
@@ -80,26 +74,9 @@ class _Model:
     last_health: dict[str, Health] = field(default_factory=dict)
 
 
-@dataclass
-class _Watch:
-    root: WatchRoot
-    kind: WatchBackend | None  # None: not watched (missing directory)
-    why: str
-    identity: tuple[int, int] | None
-    models: set[str] = field(default_factory=set)
-
-
 def _links(slot: _Model) -> list[RuntimeLink]:
     """The model's runtime links: its ``runtime`` first, then its ``replicas``."""
     return ([slot.link] if slot.link is not None else []) + slot.replicas
-
-
-def _dir_identity(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
 
 
 class AgentDaemon:
@@ -135,8 +112,7 @@ class AgentDaemon:
         self._fingerprinter = Fingerprinter()
         self.queue = ChangeQueue()
         self._debouncer = Debouncer()
-        self._watchers: dict[WatchBackend, Watcher] = {}
-        self._watches: dict[str, _Watch] = {}
+        self._watches = WatchSet(self.queue, stop_timeout_s=STOP_STEP_TIMEOUT_S)
         self._models: dict[str, _Model] = {}
         self._server: RequestServer | None = None
         self._metrics_http: Any = None  # the /metrics HTTP server, when metrics_port is set
@@ -154,9 +130,11 @@ class AgentDaemon:
         self._status_text = ""
         self._pending_count = 0
         self._forced_at = 0.0
-        self._rewatch: set[str] = set()
         self._reloads: dict[str, Any] = {"ok": 0, "failed": 0, "last_error": None}
         self.iterations = 0
+        # Set when an essential supervised thread was given up: run() ends, main exits 1.
+        self.failure: str | None = None
+        self._forget_dead_hook: Any = None
 
     # -- flags (signal-safe) -----------------------------------------------------------------
 
@@ -180,7 +158,7 @@ class AgentDaemon:
 
     def watchers(self) -> dict[WatchBackend, Watcher]:
         """The running backend instances (for diagnostics and tests)."""
-        return dict(self._watchers)
+        return dict(self._watches.watchers)
 
     @property
     def status_endpoint(self) -> str | None:
@@ -191,12 +169,15 @@ class AgentDaemon:
     def start(self) -> None:
         """Bind the status socket, watch, scan every model, connect; then READY=1."""
         self._check_move(DaemonState.RUNNING)
+        self._forget_dead_hook = supervisor.on_dead(self._on_thread_dead)
         self._server = RequestServer(
             self.config.agent.status_endpoint,
             status_handler(self.status),
             name="agent",
             # `ggufswap status` by members of the socket directory's group (docs/operations.md)
             options=dataclasses.replace(self._options, group_access=True),
+            types=(MessageType.STATUS,),
+            max_request_size=STATUS_MAX_REQUEST_SIZE,
         ).start()
         try:
             self._build(self.config)
@@ -248,102 +229,31 @@ class AgentDaemon:
     def _on_stale(self, model: str) -> None:  # called from a link thread
         self.queue.rescan_needed(RescanReason.STALE, model)
 
+    def _on_thread_dead(self, name: str) -> None:  # called from the thread given up
+        """An essential thread failed ``give_up_after`` times in a row: the watchdog pings
+        stopped already; stop, so that the process exits non-zero and is restarted."""
+        self.failure = f"essential thread {name} failed repeatedly and was given up"
+        log.error("agent.thread_given_up", thread=name, exit="non-zero, for a restart")
+        self._stop_flag.set()
+
     # -- watches -----------------------------------------------------------------------------
 
-    def _watcher(self, kind: WatchBackend, poll_interval_s: float) -> Watcher:
-        watcher = self._watchers.get(kind)
-        if watcher is None:
-            watcher = make_watcher(kind, self.queue, poll_interval_s=poll_interval_s)
-            watcher.start()
-            self._watchers[kind] = watcher
-        return watcher
+    def _wanted(self) -> list[tuple[WatchRoot, str]]:
+        """Every directory some model needs, with the model."""
+        return [
+            (root, slot.config.name)
+            for slot in self._models.values()
+            for root in slot.index.watch_roots()
+        ]
 
     def _sync_watches(self) -> None:
         """Watch every directory some model needs; forget the others."""
-        wanted: dict[str, tuple[WatchRoot, set[str]]] = {}
-        for slot in self._models.values():
-            for root in slot.index.watch_roots():
-                entry = wanted.setdefault(root.directory, (root, set()))
-                entry[1].add(slot.config.name)
-        for directory in [d for d in self._watches if d not in wanted]:
-            self._unwatch(directory)
-        for directory, (root, models) in wanted.items():
-            current = self._watches.get(directory)
-            identity = _dir_identity(directory)
-            if current is not None and current.identity == identity and current.kind is not None:
-                current.models = models
-                continue
-            if current is not None:
-                self._unwatch(directory)
-            self._watches[directory] = self._watch(root, models, identity)
-
-    def _watch(self, root: WatchRoot, models: set[str], identity: tuple[int, int] | None) -> _Watch:
-        directory = root.directory
-        if identity is None:
-            log.warning("watch.missing_directory", directory=directory, models=sorted(models))
-            return _Watch(root, None, "directory does not exist (yet)", None, models)
-        choice = choose_backend(root.config.backend, directory)
-        kind, why = choice.kind, choice.why
-        try:
-            self._watcher(kind, root.config.poll_interval_s).add(
-                directory, recursive=root.recursive
-            )
-        except WatchLimitError as exc:
-            log.warning(
-                "watch.limit_reached",
-                directory=directory,
-                error=str(exc),
-                fix=f"raise {INOTIFY_WATCHES_SYSCTL} (docs/operations.md); polling meanwhile",
-            )
-            kind, why = WatchBackend.POLLING, f"inotify watch limit reached ({exc.strerror})"
-            self._watcher(kind, root.config.poll_interval_s).add(
-                directory, recursive=root.recursive
-            )
-            self.queue.rescan_needed(RescanReason.WATCH_LIMIT, directory)
-        except WatchError as exc:
-            log.warning("watch.failed", directory=directory, error=str(exc))
-            return _Watch(root, None, str(exc), None, models)
-        log.info(
-            "watch.added",
-            directory=directory,
-            backend=kind.value,
-            why=why,
-            recursive=root.recursive,
-            link_target=root.is_link_target,
-        )
-        return _Watch(root, kind, why, identity, models)
-
-    def _unwatch(self, directory: str) -> None:
-        entry = self._watches.pop(directory, None)
-        if entry is not None and entry.kind is not None:
-            self._watchers[entry.kind].remove(directory)
+        self._watches.sync(self._wanted())
 
     def _check_roots(self) -> None:
-        """Re-watch directories that vanished, appeared or were replaced (inode changed)."""
-        changed = False
-        for directory, entry in list(self._watches.items()):
-            if _dir_identity(directory) != entry.identity or directory in self._rewatch:
-                changed = True
-                log.info("watch.directory_changed", directory=directory)
-                self._unwatch(directory)
-        self._rewatch.clear()
-        for slot in self._models.values():
-            roots = {r.directory for r in slot.index.watch_roots()}
-            if not roots <= set(self._watches):
-                changed = True
-        if changed:
-            self._sync_watches()
-            self._request_full_scan(RescanReason.ROOT_CHANGED, "watched directory changed")
-        for kind, watcher in list(self._watchers.items()):
-            if not watcher.healthy():
-                log.warning("watch.backend_died", backend=kind.value)
-                dirs = watcher.directories
-                watcher.stop(STOP_STEP_TIMEOUT_S)
-                del self._watchers[kind]
-                for directory in dirs:
-                    self._watches.pop(directory, None)
-                self._sync_watches()
-                self._request_full_scan(RescanReason.BACKEND_ERROR, f"{kind.value} restarted")
+        """Re-watch directories that changed, restart dead backends; rescan after either."""
+        for reason, detail in self._watches.check(self._wanted()):
+            self._request_full_scan(reason, detail)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -409,13 +319,7 @@ class AgentDaemon:
                 settle_s = max(settle_s or 0.0, slot.config.settle_ms / 1000)
         if settle_s is not None:
             self._debouncer.touch(path, now, settle_s)
-        entry = self._watches.get(path)
-        if entry is not None:
-            # An event on a watched directory itself: inotify reports its deletion or move (the
-            # watch is gone then, even if a new directory reuses the inode). Polling reports
-            # every change of the directory's mtime, which needs no new watch.
-            if entry.kind is not WatchBackend.POLLING:
-                self._rewatch.add(path)
+        if self._watches.event_on(path):  # a watched directory itself: look at it now
             self._next_root_check = now
 
     def _request_full_scan(self, reason: RescanReason, detail: str) -> None:
@@ -499,29 +403,8 @@ class AgentDaemon:
                 "last_scan_at": snap.scanned_at,
                 "last_scan_s": round(snap.scan_s, 6),
             }
-        watched = [
-            {
-                "models": sorted(w.models),
-                "directory": d,
-                "recursive": w.root.recursive,
-                "backend": w.kind.value if w.kind else None,
-                "why": w.why,
-                "link_target": w.root.is_link_target,
-                "watching": w.kind is not None,
-            }
-            for d, w in sorted(self._watches.items())
-        ]
-        backends = {
-            kind.value: {
-                "healthy": w.healthy(),
-                "overflows": w.overflows,
-                "directories": sorted(w.directories),
-            }
-            for kind, w in self._watchers.items()
-        }
         self._published = {
-            "watched": watched,
-            "backends": backends,
+            **self._watches.status(),  # watched, backends
             "scans": {"count": self._scans, **self._last_scan, "rescans": dict(self._rescans)},
             "models": models,
         }
@@ -547,6 +430,9 @@ class AgentDaemon:
             "events": self.queue.events,
             "pending_paths": self._pending_count,
             "reloads": dict(self._reloads),
+            "threads": supervisor.snapshot(),
+            "threads_down": supervisor.down(),
+            "threads_unsupervised": supervisor.unsupervised(),
             **{k: v for k, v in published.items() if k != "models"},
             "models": models,
         }
@@ -583,8 +469,7 @@ class AgentDaemon:
             for link in _links(slot):
                 link.stop(STOP_STEP_TIMEOUT_S)
         self._models.clear()
-        for directory in list(self._watches):
-            self._unwatch(directory)
+        self._watches.unwatch_all()
 
     def close(self) -> None:
         """Bounded shutdown: links, then watchers, then the status socket."""
@@ -599,10 +484,7 @@ class AgentDaemon:
             for link in _links(slot):
                 link.stop(STOP_STEP_TIMEOUT_S)
         # 2. watcher threads.
-        for watcher in self._watchers.values():
-            watcher.stop(STOP_STEP_TIMEOUT_S)
-        self._watchers.clear()
-        self._watches.clear()
+        self._watches.close()
         # 3. the status socket (removes the ipc socket file).
         if self._server is not None:
             self._server.stop(STOP_STEP_TIMEOUT_S)
@@ -611,5 +493,7 @@ class AgentDaemon:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
             self._metrics_http = None
+        if self._forget_dead_hook is not None:
+            self._forget_dead_hook()
         self._move(DaemonState.STOPPED)
         log.info("agent.stopped")

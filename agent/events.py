@@ -7,17 +7,22 @@ runtime's ``plan.committed`` events (the endpoint is the one the runtime adverti
 ``state_reply``, field ``events``); a commit of a plan the link did not send makes it fetch the
 state (a delta) and reconcile, which restores the files' content in the next plan.
 
+It follows ``tensors.lost`` events the same way: the runtime took tensors out of service (their
+mapped bytes changed outside any commit) and serves no batch until a commit restores them, so
+the link re-syncs at once and plans them (their fingerprint reads ``lost``).
+
 PUB/SUB may drop events (a subscriber still connecting, over its high-water mark): the periodic
 refresh stays as the safety net, and a plan of the link's own is recognised by its id.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final
 
 from ggufswap.config.endpoints import Transport, transport_of
 from ggufswap.ipc import IpcError, MalformedMessage, SocketOptions, Subscriber, Topic
-from ggufswap.ipc.events import PlanCommittedEvent, event_from_wire
+from ggufswap.ipc.events import PlanCommittedEvent, TensorsLostEvent, event_from_wire
 from ggufswap.logs import get_logger
 
 log = get_logger(__name__)
@@ -40,7 +45,8 @@ def connectable(advertised: str, control: str) -> str:
 
 
 class CommitFollower:
-    """A SUB socket on one runtime's ``plan.committed`` events. Owned by one thread (the link's)."""
+    """A SUB socket on one runtime's ``plan.committed`` and ``tensors.lost`` events. Owned by one
+    thread (the link's)."""
 
     def __init__(self, *, control: str, options: SocketOptions) -> None:
         self._control = control
@@ -48,6 +54,10 @@ class CommitFollower:
         self._subscriber: Subscriber | None = None
         self.endpoint: str | None = None
         self.received = 0
+        self.foreign_commits = 0
+        self._foreign: PlanCommittedEvent | None = None  # the latest, not yet taken
+        self.lost_events = 0
+        self._lost = False  # a tensors.lost event not yet taken
         self.error: str | None = None
 
     def follow(self, advertised: str | None) -> None:
@@ -62,28 +72,57 @@ class CommitFollower:
             return
         try:
             self._subscriber = Subscriber(
-                endpoint, topics=(Topic.PLAN_COMMITTED,), options=self._options
+                endpoint, topics=(Topic.PLAN_COMMITTED, Topic.TENSORS_LOST), options=self._options
             )
             self.error = None
         except IpcError as exc:  # an endpoint this client may not use: the refresh remains
             self.error = f"cannot follow events at {endpoint}: {exc}"
             log.warning("link.events_refused", endpoint=endpoint, error=str(exc))
 
-    def commits(self) -> list[PlanCommittedEvent]:
-        """The ``plan.committed`` events received since the last call."""
+    def commits(self) -> list[PlanCommittedEvent | TensorsLostEvent]:
+        """The ``plan.committed`` and ``tensors.lost`` events received since the last call."""
         if self._subscriber is None:
             return []
-        found: list[PlanCommittedEvent] = []
+        found: list[PlanCommittedEvent | TensorsLostEvent] = []
         for _topic, payload in self._subscriber.drain(_MAX_PER_STEP):
             try:
                 event = event_from_wire(payload)
             except MalformedMessage as exc:
                 log.warning("link.bad_event", endpoint=self.endpoint, error=str(exc))
                 continue
-            if isinstance(event, PlanCommittedEvent):
+            if isinstance(event, PlanCommittedEvent | TensorsLostEvent):
                 self.received += 1
                 found.append(event)
         return found
+
+    def note_commits(self, is_own: Callable[[str], bool]) -> None:
+        """Read the events received since the last call; a commit of a plan ``is_own`` does not
+        claim (another client's, or one the link abandoned) is counted, and the latest one is
+        kept for :meth:`take_foreign`; a ``tensors.lost`` event is logged and kept for
+        :meth:`take_lost`."""
+        for event in self.commits():
+            if isinstance(event, TensorsLostEvent):
+                log.warning(
+                    "link.tensors_lost",
+                    endpoint=self._control,
+                    count=len(event.reasons),
+                    first=[f"{r.tensor}: {r.reason}" for r in event.reasons[:3]],
+                )
+                self.lost_events += 1
+                self._lost = True
+            elif not is_own(event.plan_id):
+                self.foreign_commits += 1
+                self._foreign = event
+
+    def take_foreign(self) -> PlanCommittedEvent | None:
+        """The latest foreign commit noted since the last call that returned one, or None."""
+        foreign, self._foreign = self._foreign, None
+        return foreign
+
+    def take_lost(self) -> bool:
+        """True once after ``tensors.lost`` events were noted: the link re-syncs and plans."""
+        lost, self._lost = self._lost, False
+        return lost
 
     def close(self) -> None:
         if self._subscriber is not None:
@@ -92,4 +131,10 @@ class CommitFollower:
         self.endpoint = None
 
     def status(self) -> dict[str, object]:
-        return {"endpoint": self.endpoint, "commits_seen": self.received, "error": self.error}
+        return {
+            "endpoint": self.endpoint,
+            "commits_seen": self.received,
+            "foreign_commits": self.foreign_commits,
+            "lost_events": self.lost_events,
+            "error": self.error,
+        }

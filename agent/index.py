@@ -94,6 +94,17 @@ class _Found:
     held: bool
 
 
+def _one_per_file(found: list[_Found]) -> list[_Found]:
+    """One item per file: names that reach the same file (a ``current.gguf`` symlink to a
+    sibling, a hard link; equal device and inode) are one shard, not two shard sets holding each
+    other's tensors. The name that is the file itself wins over a symlink, then the first."""
+    kept: dict[tuple[int, int], _Found] = {}
+    for item in sorted(found, key=lambda i: (i.seen != i.real, i.seen)):
+        assert item.header is not None, "only items with a header are assembled"
+        kept.setdefault((item.header.identity.dev, item.header.identity.ino), item)
+    return sorted(kept.values(), key=lambda i: i.seen)
+
+
 class ModelIndex:
     """The shard index of one model. Not thread-safe: the daemon's main loop owns it."""
 
@@ -268,7 +279,7 @@ class ModelIndex:
         self, found: list[_Found], statuses: dict[str, ShardStatus], problems: list[str]
     ) -> tuple[dict[str, TensorRecord], set[str]]:
         groups: dict[tuple[str, int], list[_Found]] = {}
-        for item in found:
+        for item in _one_per_file(found):
             assert item.header is not None, "only items with a header are assembled"
             if item.header.split_count <= 1:
                 groups[(item.seen, 1)] = [item]

@@ -1,12 +1,6 @@
 """The link to one runtime: a DEALER connection on its own thread that keeps the runtime in sync.
 
-Life of a link (explicit states, guarded transitions)::
-
-    SYNCING ──state_reply──► IDLE ──plan──► PLAN_SENT ──accepted──► ACCEPTED ──staged──► STAGED
-       ▲  │                   ▲                 │                       │                  │
-       │  └─no reply after────┼─────────────────┘ (Lazy Pirate retries) │                  │
-       │    1+retries: UNREACHABLE (retry later)                         │                  │
-       └──────────── committed / rejected / peer lost / reconnect ◄──────┴──────────────────┘
+The link's states, their transitions and its timers are ``agent/link_state.py``.
 
 Only one plan is in flight per runtime. While it is, new scans only replace the desired state;
 the next plan is computed after the outcome, from the runtime's fresh ``state``, so a burst of
@@ -19,90 +13,68 @@ Requests are retried on a fresh socket after ``request_timeout_s`` (``retries`` 
 safe because ``state`` only reads (a retried one asks for the full state) and a plan's id is its
 content: the runtime answers a known plan id with its outcome instead of applying it again.
 
-The state table, the timers and the reply handlers stay in this one module because they all act
-on the one in-flight plan; what became of the plans (the plan in flight, the last finished ones,
-counts by outcome, the canonical ``plan`` log line) is ``agent/ledger.py``, the events
-subscription ``agent/events.py``, the scrub ``agent/scrub.py``.
+The requests, their retries and the reply handlers stay in this one module because they all act
+on the one request outstanding and the one plan in flight. What to plan next (the desired state,
+what the runtime refused) is ``agent/planner.py``; what became of the plans (the plan in flight,
+the last finished ones, counts by outcome, the canonical ``plan`` log line) ``agent/ledger.py``;
+the events subscription (commits by other clients, tensors the runtime lost) ``agent/events.py``;
+the scrub ``agent/scrub.py``.
+
+The thread is supervised (``ipc/supervisor.py``): a bug is logged, what was in flight abandoned,
+and the body run again from a full ``state``; an endpoint refused at a (re)connect (its socket
+directory writable by others) is ``UNREACHABLE``, retried, and logged once per change.
+
+Size: ~540 lines, over the ~500 the style asks, since the supervision of the thread (its body
+run again from a full ``state``, an endpoint refused at a reconnect) joined the requests and
+replies it acts on; the reconnect and refusal handling (``_run`` ... ``_endpoint_refused``,
+``_unreachable``, ``_peer_lost``) is the part to move to its own module next.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ggufswap.agent._actual import ActualState
-from ggufswap.agent.errors import LinkStateError
 from ggufswap.agent.events import CommitFollower
 from ggufswap.agent.index import ModelSnapshot
 from ggufswap.agent.ledger import InFlight, Outcome, PlanLedger, PlanRecord
-from ggufswap.agent.reconcile import reconcile
+from ggufswap.agent.link_state import LinkState, Timers, check_move
+from ggufswap.agent.planner import Planner
 from ggufswap.agent.scrub import Scrubber
 from ggufswap.config import ModelConfig, VerifyMode
 from ggufswap.ipc import (
+    Accepted,
+    Committed,
     DealerClient,
+    ErrorReply,
     Fields,
+    InsecureEndpoint,
     IpcError,
     MessageType,
     Plan,
-    PlanCommittedEvent,
-    Reason,
+    Rejected,
     RuntimeState,
     SocketOptions,
+    Staged,
+    StateRequest,
     TensorEntry,
-    committed_from_wire,
-    error_from_wire,
     make_message,
     message_from,
     new_id,
+    parse_reply,
     plan_to_wire,
-    rejected_from_wire,
-    state_from_wire,
 )
-from ggufswap.ipc.messages import StateRequest, state_request_to_wire
+from ggufswap.ipc.bodies import state_request_to_wire
+from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
 from ggufswap.shards import Fingerprinter, TensorRecord
 
 log = get_logger(__name__)
 
 TICK_S = 0.05  # longest wait of the link thread (latency of a new desired state)
-REJECT_ALL = "*"
-
-
-class LinkState(str, enum.Enum):
-    SYNCING = "syncing"  # a `state` request is outstanding
-    IDLE = "idle"  # actual state known, nothing in flight
-    PLAN_SENT = "plan_sent"  # waiting for accepted (or an early outcome)
-    ACCEPTED = "accepted"  # waiting for staged / committed / rejected
-    STAGED = "staged"
-    UNREACHABLE = "unreachable"  # no reply after every retry; trying again later
-    STOPPED = "stopped"
-
-
-_ALLOWED: dict[LinkState, frozenset[LinkState]] = {
-    LinkState.SYNCING: frozenset({LinkState.IDLE, LinkState.SYNCING, LinkState.UNREACHABLE}),
-    LinkState.IDLE: frozenset({LinkState.PLAN_SENT, LinkState.SYNCING}),
-    LinkState.PLAN_SENT: frozenset(
-        {LinkState.ACCEPTED, LinkState.STAGED, LinkState.SYNCING, LinkState.UNREACHABLE}
-    ),
-    LinkState.ACCEPTED: frozenset({LinkState.STAGED, LinkState.SYNCING}),
-    LinkState.STAGED: frozenset({LinkState.SYNCING}),
-    LinkState.UNREACHABLE: frozenset({LinkState.SYNCING}),
-    LinkState.STOPPED: frozenset(),
-}
-
-
-@dataclass
-class _Timers:
-    deadline: float = 0.0  # of the outstanding request
-    attempt: int = 0
-    retry_at: float = 0.0  # when UNREACHABLE
-    not_before: float = 0.0  # no plan before this (after a stale rejection)
-    stale_streak: int = 0
-    state_at: float = 0.0  # when the actual state was last fetched
 
 
 class RuntimeLink:
@@ -123,7 +95,6 @@ class RuntimeLink:
         others join it with :meth:`scrub_also`)."""
         self.model = model
         self.endpoint = model.runtime
-        self._fingerprinter = fingerprinter if fingerprinter is not None else Fingerprinter()
         self._options = options if options is not None else SocketOptions()
         self._heartbeat_s = heartbeat_interval_s
         self._state_refresh_s = state_refresh_s
@@ -131,34 +102,29 @@ class RuntimeLink:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: Supervised | None = None
         self._client: DealerClient | None = None
         self._reconnects_seen = 0
         self._state = LinkState.SYNCING
-        self._desired: ModelSnapshot | None = None
         self._actual = ActualState()
         self._asked = StateRequest()  # the outstanding (or last) state request
         self._request_id: str | None = None
         self._request: dict[str, Any] | None = None
-        self._timers = _Timers()
-        self._last_key: tuple[int, int] | None = None
-        self._reconciled_generation = 0
-        self._refused: dict[str, tuple[TensorRecord, str]] = {}
-        self._blocked: tuple[Reason, ...] = ()
-        self._not_loaded = 0
+        self._timers = Timers()
         self._last_error: str | None = None
         # Set while the runtime is unreachable (a runtime still loading its model, or down): the
         # retries of one outage log at debug level, its end once at info, and the outage's
         # error is cleared once the runtime answers again.
         self._outage = False
+        self._refused_why: str | None = None  # the endpoint refusal last logged (said on change)
         self.log = log.bind(model=model.name, endpoint=self.endpoint)
         self._plans = PlanLedger(log=self.log)  # the plan in flight and what became of the others
-        self._suspect: set[str] = set()  # bytes changed under an equal identity (the scrub)
+        self._planner = Planner(
+            model, fingerprinter if fingerprinter is not None else Fingerprinter(), log=self.log
+        )
         # The runtime's plan.committed events: a commit this link did not send is reconciled at
         # once (agent/events.py), not at the next periodic refresh.
         self._events = CommitFollower(control=self.endpoint, options=self._options)
-        self._foreign: PlanCommittedEvent | None = None  # a foreign commit not yet re-synced
-        self.foreign_commits = 0
         self._scrub_peers: tuple[RuntimeLink, ...] = ()  # the model's other runtimes
         self._scrubber = (
             Scrubber(
@@ -179,10 +145,14 @@ class RuntimeLink:
         return self._state
 
     def start(self) -> RuntimeLink:
-        self._thread = threading.Thread(
-            target=self._run, name=f"ggufswap-link-{self.model.name}", daemon=True
-        )
-        self._thread.start()
+        self._thread = Supervised(
+            f"ggufswap-link-{self.model.name}",
+            self._run,
+            stop=self._stop,
+            on_crash=self._after_crash,
+            on_exit=self._on_exit,
+            context={"model": self.model.name, "endpoint": self.endpoint},
+        ).start()
         if self._scrubber is not None:
             self._scrubber.start()
         return self
@@ -194,18 +164,13 @@ class RuntimeLink:
         self._wake.set()
         if self._scrubber is not None:
             self._scrubber.stop(timeout_s)
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                self.log.error("link.stop_timeout", timeout_s=timeout_s)
+        if self._thread is not None and not self._thread.join(timeout_s):
+            self.log.error("link.stop_timeout", timeout_s=timeout_s)
         self._thread = None
 
     def set_desired(self, snapshot: ModelSnapshot) -> None:
         """Hand over the latest scan; the link plans from it when nothing is in flight."""
-        with self._lock:
-            self._desired = snapshot
-            if self._suspect:
-                self._last_key = None  # plan again even if the scan found nothing new
+        self._planner.set_desired(snapshot)
         self._wake.set()
 
     def content_changed(self, record: TensorRecord, digest: str) -> None:
@@ -213,9 +178,7 @@ class RuntimeLink:
         file identity: re-scan the model (a writer may still have the file open: it is held
         then), and compare the tensor by fingerprint in the plans made from the new scans until
         one of them has it desired."""
-        self._fingerprinter.forget(record)
-        with self._lock:
-            self._suspect.add(record.name)
+        self._planner.content_changed(record)
         self._scrub_stale()
 
     def scrub_also(self, links: Sequence[RuntimeLink]) -> None:
@@ -230,8 +193,7 @@ class RuntimeLink:
     def _scrub_view(
         self,
     ) -> tuple[Mapping[str, TensorRecord], list[Mapping[str, TensorEntry]]]:
-        with self._lock:
-            desired = self._desired.desired if self._desired is not None else {}
+        desired = self._planner.desired()
         return desired, [link._loaded() for link in (self, *self._scrub_peers)]
 
     def _scrub_changed(self, runtime: int, record: TensorRecord, digest: str) -> None:
@@ -253,14 +215,11 @@ class RuntimeLink:
                 "runtime_model": actual.model if actual else None,
                 "tensors_loaded": len(actual.tensors) if actual else None,
                 **plans,  # pending_plan, last_plans, plans_sent, plans_by_outcome
-                "reconciled_generation": self._reconciled_generation,
-                "blocked": [{"tensor": b.tensor, "reason": b.reason} for b in self._blocked[:50]],
-                "blocked_count": len(self._blocked),
-                "not_loaded_count": self._not_loaded,
-                "refused": sorted(self._refused),
+                **self._planner.status(),  # reconciled_generation, blocked, refused...
                 "last_error": self._last_error,
+                "thread": self._thread.status() if self._thread is not None else None,
                 "scrub": self._scrubber.status() if self._scrubber is not None else None,
-                "events": {**self._events.status(), "foreign_commits": self.foreign_commits},
+                "events": self._events.status(),
             }
 
     def history(self) -> list[PlanRecord]:
@@ -269,10 +228,7 @@ class RuntimeLink:
     # -- the link thread ---------------------------------------------------------------------
 
     def _move(self, to: LinkState) -> None:
-        if to not in _ALLOWED[self._state] and to is not LinkState.STOPPED:
-            raise LinkStateError(
-                f"link {self.model.name}: {self._state.value} -> {to.value} is not allowed"
-            )
+        check_move(self.model.name, self._state, to)
         with self._lock:
             self._state = to
 
@@ -286,35 +242,74 @@ class RuntimeLink:
         return self._client
 
     def _run(self) -> None:
+        """The link thread's body (supervised: restarted with backoff when it raises). Each run
+        starts from the runtime's full state, on a new socket."""
+        with self._lock:
+            self._state = LinkState.SYNCING
         try:
             self._new_client()
             self._sync(first=True)
-            while not self._stop.is_set():
+        except InsecureEndpoint as exc:
+            self._endpoint_refused(exc, time.monotonic())
+        while not self._stop.is_set():
+            try:
                 self._step()
-        except Exception as exc:  # a bug: logged; the daemon notices the dead thread
-            self.log.exception("link.crashed", error=str(exc))
-            self._last_error = f"link thread crashed: {exc}"
-        finally:
-            if self._client is not None:
-                self._client.close()
-            self._events.close()
-            with self._lock:
-                self._state = LinkState.STOPPED
+            except InsecureEndpoint as exc:  # at a reconnect: unreachable, retried on a timer
+                self._endpoint_refused(exc, time.monotonic())
+
+    def _after_crash(self, exc: BaseException) -> None:
+        """The body raised (a bug): what it had in flight is abandoned; the next run re-syncs."""
+        self._last_error = f"link thread crashed: {type(exc).__name__}: {exc}"
+        self._close_client()
+        if self._plans.in_flight is not None:
+            self._plans.finish(Outcome.ABANDONED, time.monotonic(), reasons=(self._last_error,))
+
+    def _on_exit(self) -> None:
+        self._close_client()
+        self._events.close()
+        with self._lock:
+            self._state = LinkState.STOPPED
+
+    def _close_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def _endpoint_refused(self, exc: InsecureEndpoint, now: float) -> None:
+        """The endpoint was refused (its socket directory is writable by others, a tcp
+        endpoint without CURVE keys...): unreachable, tried again every ``request_timeout_s``;
+        logged as an error each time the reason changes."""
+        why = str(exc)
+        if why != self._refused_why:
+            self.log.error("link.endpoint_refused", error=why, retry_s=self.model.request_timeout_s)
+        self._refused_why = why
+        self._last_error = why
+        self._close_client()
+        self._outage = True
+        if self._plans.in_flight is not None:
+            self._plans.finish(Outcome.ABANDONED, now, reasons=(why,))
+        self._move(LinkState.UNREACHABLE)
+        self._timers.retry_at = now + self.model.request_timeout_s
+
     def _step(self) -> None:
         client = self._client
-        assert client is not None, "the link thread opens a client first"
+        if client is None:  # refused at the last reconnect: only the retry timer runs
+            self._wake.wait(TICK_S)
+            self._wake.clear()
+            self._check_timers(time.monotonic())
+            return
         msg = client.poll(TICK_S)
         now = time.monotonic()
         if msg is not None:
             self._handle(msg, now)
-        for event in self._events.commits():
-            self._on_commit_event(event)
-        if self._foreign is not None and self._state is LinkState.IDLE:
-            foreign, self._foreign = self._foreign, None
+        self._events.note_commits(self._plans.is_own)
+        if self._state is LinkState.IDLE and self._events.take_lost():
+            self._sync(delta=True)  # their fingerprints read 'lost': the next plan reloads them
+        foreign = self._events.take_foreign() if self._state is LinkState.IDLE else None
+        if foreign is not None:
             self.log.info(
                 "link.foreign_commit",
                 plan_id=foreign.plan_id,
@@ -432,29 +427,27 @@ class RuntimeLink:
     # -- replies -----------------------------------------------------------------------------
 
     def _handle(self, msg: dict[str, Any], now: float) -> None:
-        msg_type = msg.get(Fields.TYPE)
-        in_reply_to = msg.get(Fields.IN_REPLY_TO)
+        """Read a reply into its record (``ipc/schema.py``) and act on it by its type."""
         try:
-            if msg_type == MessageType.STATE_REPLY.value and in_reply_to == self._request_id:
-                self._on_state(state_from_wire(msg), now)
-            elif msg_type == MessageType.ERROR.value:
-                self._on_error(msg, now)
-            elif msg_type in _PLAN_REPLIES:
-                self._on_plan_reply(msg_type, msg, now)
-            else:
-                self.log.debug("link.unrelated_message", type=msg_type, in_reply_to=in_reply_to)
-        except IpcError as exc:
+            reply = parse_reply(msg)
+        except IpcError as exc:  # the runtime side's path: the field named, the message dropped
+            msg_type = msg.get(Fields.TYPE)
             self._last_error = f"bad {msg_type} from {self.endpoint}: {exc}"
             self.log.warning("link.bad_message", type=msg_type, error=str(exc))
-
-    def _on_commit_event(self, event: PlanCommittedEvent) -> None:
-        """A ``plan.committed`` event: one of another client's plans (or of a plan this link
-        abandoned) moved the runtime's state; this link's own outcomes re-sync already."""
-        if self._plans.is_own(event.plan_id):
             return
-        with self._lock:
-            self.foreign_commits += 1
-        self._foreign = event
+        match reply.body:
+            case RuntimeState() as state if reply.in_reply_to == self._request_id:
+                self._on_state(state, now)
+            case ErrorReply() as error:
+                self._on_error(error, now)
+            case Accepted() | Staged() | Committed() | Rejected() as outcome:
+                self._on_plan_reply(outcome, now)
+            case other:
+                self.log.debug(
+                    "link.unrelated_message",
+                    type=type(other).__name__,
+                    in_reply_to=reply.in_reply_to,
+                )
 
     def _on_state(self, state: RuntimeState, now: float) -> None:
         if self._state is not LinkState.SYNCING:
@@ -475,6 +468,7 @@ class RuntimeLink:
             self.log.warning("link.model_mismatch", runtime_model=state.model)
         if self._outage:
             self._outage = False
+            self._refused_why = None
             if refused is None and not (state.model and state.model != self.model.name):
                 self._last_error = None  # the outage's error is over
             self.log.info("link.reconnected", endpoint=self.endpoint)
@@ -482,46 +476,43 @@ class RuntimeLink:
         self._request_id = self._request = None
         self._timers.state_at = now
         self._move(LinkState.IDLE)
-        self._last_key = None  # a fresh actual state is always reconciled
+        self._planner.reconsider()  # a fresh actual state is always reconciled
 
-    def _on_error(self, msg: dict[str, Any], now: float) -> None:
-        body = error_from_wire(msg)
+    def _on_error(self, body: ErrorReply, now: float) -> None:
         self._last_error = f"runtime error {body.code.name}: {body.message}"
         self.log.warning("link.error_reply", code=body.code.name, message=body.message)
         if body.in_reply_to is None or body.in_reply_to != self._request_id:
             return
         flight = self._plans.in_flight
         if self._state is LinkState.PLAN_SENT and flight is not None:
-            for job in flight.plan.jobs:
-                self._refused[job.name] = (job.source, body.message)
+            self._planner.refuse_all(flight.plan, body.message)
             self._plans.finish(Outcome.REJECTED, now, reasons=(body.message,))
             self._sync()
         elif self._state is LinkState.SYNCING:
             self._unreachable(now)
 
-    def _on_plan_reply(self, msg_type: str, msg: dict[str, Any], now: float) -> None:
-        plan_id = msg.get(Fields.PLAN_ID)
+    def _on_plan_reply(self, body: Accepted | Staged | Committed | Rejected, now: float) -> None:
         flight = self._plans.in_flight
-        if flight is None or plan_id != flight.plan.plan_id:
-            if msg_type == MessageType.COMMITTED.value and self._state is LinkState.IDLE:
+        if flight is None or body.plan_id != flight.plan.plan_id:
+            if isinstance(body, Committed) and self._state is LinkState.IDLE:
                 self._sync()  # a late outcome of an abandoned plan: the state moved
             return
         flight.last_heard = now
-        if msg_type == MessageType.ACCEPTED.value:
-            if self._state is LinkState.PLAN_SENT:
-                self._move(LinkState.ACCEPTED)
-        elif msg_type == MessageType.STAGED.value:
-            if self._state in (LinkState.PLAN_SENT, LinkState.ACCEPTED):
-                self._move(LinkState.STAGED)
-        elif msg_type == MessageType.COMMITTED.value:
-            body = committed_from_wire(msg)
-            self._timers.stale_streak = 0
-            self._plans.finish(Outcome.COMMITTED, now, weight_version=body.weight_version)
-            self._sync(delta=True)
-        elif msg_type == MessageType.REJECTED.value:
-            self._on_rejected(flight, rejected_from_wire(msg), now)
+        match body:
+            case Accepted():
+                if self._state is LinkState.PLAN_SENT:
+                    self._move(LinkState.ACCEPTED)
+            case Staged():
+                if self._state in (LinkState.PLAN_SENT, LinkState.ACCEPTED):
+                    self._move(LinkState.STAGED)
+            case Committed():
+                self._timers.stale_streak = 0
+                self._plans.finish(Outcome.COMMITTED, now, weight_version=body.weight_version)
+                self._sync(delta=True)
+            case Rejected():
+                self._on_rejected(flight, body, now)
 
-    def _on_rejected(self, flight: InFlight, body: Any, now: float) -> None:
+    def _on_rejected(self, flight: InFlight, body: Rejected, now: float) -> None:
         reasons = tuple(f"{r.tensor}: {r.reason}" for r in body.reasons)
         if body.stale:
             self._timers.stale_streak += 1
@@ -531,59 +522,19 @@ class RuntimeLink:
             if self._on_stale is not None:
                 self._on_stale(self.model.name)
         else:
-            jobs = {job.name: job for job in flight.plan.jobs}
-            named = {r.tensor for r in body.reasons if r.tensor in jobs}
-            refuse_all = not named or any(r.tensor == REJECT_ALL for r in body.reasons)
-            for r in body.reasons:
-                if r.tensor in jobs:
-                    self._refused[r.tensor] = (jobs[r.tensor].source, r.reason)
-            if refuse_all:
-                text = "; ".join(reasons) or "rejected without reasons"
-                for name, job in jobs.items():
-                    self._refused.setdefault(name, (job.source, text))
+            self._planner.refuse_plan(flight.plan, body.reasons)
             self._plans.finish(Outcome.REJECTED, now, reasons=reasons)
-        self._last_key = None
+        self._planner.reconsider()
         self._sync(delta=True)
 
     # -- planning ----------------------------------------------------------------------------
 
     def _maybe_plan(self, now: float) -> None:
-        with self._lock:
-            desired, actual = self._desired, self._actual.state
-        if desired is None or actual is None or now < self._timers.not_before:
+        if now < self._timers.not_before:
             return
-        key = (desired.generation, actual.weight_version)
-        if key == self._last_key:
-            return
-        self._last_key = key
-        with self._lock:
-            self._reconciled_generation = desired.generation
-            suspect = frozenset(self._suspect)
-            # Compared by fingerprint now (planned, or found equal); a held one stays suspect.
-            self._suspect -= set(desired.desired)
-        result = reconcile(
-            desired.desired,
-            self._actual.by_name,
-            model=self.model.name,
-            base_version=actual.weight_version,
-            verify=self.model.verify,
-            fingerprint=self._fingerprinter,
-            refused=self._refused,
-            suspect=suspect,
-        )
-        with self._lock:
-            self._blocked = result.blocked
-            self._not_loaded = len(result.not_loaded)
-        if result.blocked:
-            self.log.warning(
-                "plan.blocked",
-                count=len(result.blocked),
-                first=[f"{b.tensor}: {b.reason}" for b in result.blocked[:5]],
-            )
-        if result.plan is None:
-            self.log.debug("link.in_sync", generation=desired.generation)
-            return
-        self._send_plan(result.plan, now)
+        plan = self._planner.next_plan(self._actual)
+        if plan is not None:
+            self._send_plan(plan, now)
 
     def _send_plan(self, plan: Plan, now: float) -> None:
         msg = message_from(MessageType.PLAN, plan_to_wire(plan), msg_id=new_id())
@@ -592,13 +543,3 @@ class RuntimeLink:
         self._timers.attempt = 1
         self.log.info("plan.sent", plan_id=plan.plan_id, jobs=len(plan.jobs))
         self._send(msg, now)
-
-
-_PLAN_REPLIES = frozenset(
-    {
-        MessageType.ACCEPTED.value,
-        MessageType.STAGED.value,
-        MessageType.COMMITTED.value,
-        MessageType.REJECTED.value,
-    }
-)

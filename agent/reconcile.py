@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from ggufswap.config import VerifyMode
 from ggufswap.ipc import Job, Plan, Reason, SlotState, TensorEntry
+from ggufswap.ipc.bodies import LOST_FINGERPRINT
 from ggufswap.shards import ShardError, TensorRecord
 
 PLAN_ID_BYTES = 16
@@ -126,40 +127,23 @@ def reconcile(
         if prior is not None and prior[0] == record:
             blocked.append(Reason(name, f"refused by the runtime: {prior[1]}"))
             continue
-        if entry is None:
-            if not plan_unloaded:
-                not_loaded.append(name)
-                continue
-            fp = _fingerprint_or_none(record, fingerprint, blocked) if checksum else None
-            if checksum and fp is None:
-                continue
-            jobs.append(((1, record.nbytes, name), Job(record, fp)))
-            why[name] = "not loaded"
+        if entry is None and not plan_unloaded:
+            not_loaded.append(name)
             continue
-        old = entry.record
-        if old.shape != record.shape:
-            blocked.append(
-                Reason(
-                    name,
-                    f"logical shape {list(old.shape)} -> {list(record.shape)} in {record.path}: "
-                    "the runtime cannot change a shape live; restart it to load this file",
-                )
-            )
-            continue
-        if _same_version(old, record) and not (checksum and name in suspect):
+        before = len(blocked)
+        change = _reload(
+            record,
+            entry,
+            checksum=checksum,
+            suspect=name in suspect,
+            fingerprint=fingerprint,
+            blocked=blocked,
+        )
+        if change is not None:
+            jobs.append(change[:2])
+            why[name] = change[2]
+        elif len(blocked) == before:
             unchanged += 1
-            continue
-        fp = None
-        if checksum:
-            fp = _fingerprint_or_none(record, fingerprint, blocked)
-            if fp is None:
-                continue
-            if fp == entry.fingerprint and record.ggml_type == old.ggml_type:
-                unchanged += 1  # same bytes, moved or rewritten: nothing to load
-                continue
-        detached = entry.slot is not SlotState.ON_ORIGINAL
-        jobs.append(((0 if detached else 1, record.nbytes - old.nbytes, name), Job(record, fp)))
-        why[name] = _differences(old, record)
     ordered = tuple(job for _key, job in sorted(jobs, key=lambda kj: kj[0]))
     plan = (
         Plan(plan_id=plan_id_for(model, base_version, ordered), model=model, jobs=ordered)
@@ -173,6 +157,49 @@ def reconcile(
         unchanged=unchanged,
         why=why,
     )
+
+
+def _reload(
+    record: TensorRecord,
+    entry: TensorEntry | None,
+    *,
+    checksum: bool,
+    suspect: bool,
+    fingerprint: Callable[[TensorRecord], str],
+    blocked: list[Reason],
+) -> tuple[tuple[int, int, str], Job, str] | None:
+    """The job that loads ``record`` over the runtime's ``entry`` (None: not loaded), with its
+    order key (see the module docstring) and why; or None: the same content (unchanged), or a
+    change that cannot be made (a reason added to ``blocked``)."""
+    name = record.name
+    if entry is None:
+        fp = _fingerprint_or_none(record, fingerprint, blocked) if checksum else None
+        if checksum and fp is None:
+            return None
+        return (1, record.nbytes, name), Job(record, fp), "not loaded"
+    old = entry.record
+    if old.shape != record.shape:
+        blocked.append(
+            Reason(
+                name,
+                f"logical shape {list(old.shape)} -> {list(record.shape)} in {record.path}: "
+                "the runtime cannot change a shape live; restart it to load this file",
+            )
+        )
+        return None
+    lost = entry.fingerprint == LOST_FINGERPRINT  # out of service: reloaded whatever
+    if _same_version(old, record) and not (checksum and suspect) and not lost:
+        return None
+    fp = None
+    if checksum:
+        fp = _fingerprint_or_none(record, fingerprint, blocked)
+        if fp is None:
+            return None
+        if fp == entry.fingerprint and record.ggml_type == old.ggml_type:
+            return None  # same bytes, moved or rewritten: nothing to load
+    detached = entry.slot is not SlotState.ON_ORIGINAL
+    key = (0 if detached else 1, record.nbytes - old.nbytes, name)
+    return key, Job(record, fp), _differences(old, record)
 
 
 def _fingerprint_or_none(

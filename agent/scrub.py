@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from ggufswap.ipc import TensorEntry
+from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
 from ggufswap.shards import ShardError, TensorRecord
 from ggufswap.shards.fingerprint import fingerprint
@@ -70,17 +72,22 @@ class Scrubber:
         self._on_changed = on_changed
         self._on_stale = on_stale
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: Supervised | None = None
         self._cursor = ""  # the last name hashed: the walk resumes after it
         self.hashed_bytes = 0
         self.passes = 0
         self.found = 0
 
     def start(self) -> Scrubber:
-        self._thread = threading.Thread(
-            target=self._run, name=f"ggufswap-scrub-{self.model}", daemon=True
-        )
-        self._thread.start()
+        # Not essential: the model stays in sync without it (restarted forever, never giving
+        # up, and never holding the watchdog back).
+        self._thread = Supervised(
+            f"ggufswap-scrub-{self.model}",
+            self._run,
+            stop=self._stop,
+            essential=False,
+            context={"model": self.model},
+        ).start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -89,22 +96,19 @@ class Scrubber:
             self._thread.join(timeout_s)
         self._thread = None
 
-    def status(self) -> dict[str, int]:
+    def status(self) -> dict[str, Any]:
         return {
             "rate": self.rate,
             "hashed_bytes": self.hashed_bytes,
             "passes": self.passes,
             "found": self.found,
+            "thread": self._thread.status() if self._thread is not None else None,
         }
 
     def _run(self) -> None:
+        """The scrub thread's body (supervised: a bug is logged and the body restarted)."""
         while not self._stop.is_set():
-            try:
-                wait = self.step()
-            except Exception:  # a bug: logged, and the scrub goes on after a pause
-                log.exception("scrub.failed", model=self.model)
-                wait = IDLE_S
-            self._stop.wait(wait)
+            self._stop.wait(self.step())
 
     def step(self) -> float:
         """Hash the next in-sync tensor; return how long to wait before the next one."""
@@ -130,7 +134,9 @@ class Scrubber:
         try:
             digest = fingerprint(record)
         except (ShardError, OSError) as exc:
-            log.info("scrub.file_changed", model=self.model, tensor=name, error=str(exc))
+            # Routine: a writer replaced or truncated the file since the last scan; the re-scan
+            # finds what it is now.
+            log.info("scrub.file_changed", model=self.model, tensor=name, why=str(exc))
             self._on_stale()
             return IDLE_S
         self.hashed_bytes += record.nbytes

@@ -19,9 +19,9 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from ggufswap.agent._fstype import FsInfo, fs_info
 from ggufswap.agent.errors import BackendUnavailable
 from ggufswap.config import WatchBackend
+from ggufswap.config.fstypes import FsInfo, fs_info
 from ggufswap.logs import get_logger
 
 log = get_logger(__name__)

@@ -52,9 +52,8 @@ from gguf import GGMLQuantizationType
 
 from ggufswap.config import MapShards, Storage
 from ggufswap.ipc.plan import Job, Plan
-from ggufswap.runtime import HotSwapRuntime, PoolSet, loading
+from ggufswap.runtime import HotSwapRuntime, Placement, PoolSet, TensorStore, loading
 from ggufswap.runtime.models import HParams, build_model
-from ggufswap.runtime.store import Placement, TensorStore
 from ggufswap.shards import open_shard_set, read_header, read_tensor_bytes
 from ggufswap.shards.keys import Arch
 from ggufswap.shards.requant import requantize

@@ -19,8 +19,8 @@ from typing import Any
 
 from gguf import GGMLQuantizationType as Q
 
-from ggufswap._demo_procs import Child, CommitEvents, poll_until, status_of
 from ggufswap.shards import Layout, open_shard_set, requantize, tiny_moe, write_model
+from ggufswap.sweep.children import Child, CommitEvents, poll_until, status_of
 
 TENSOR = "blk.1.ffn_down_exps.weight"
 

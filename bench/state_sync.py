@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType
 
 from ggufswap.agent._actual import ActualState
 from ggufswap.ipc import DealerClient, Fields, MessageType, message_from, state_from_wire
-from ggufswap.ipc.messages import state_request_to_wire
+from ggufswap.ipc.bodies import state_request_to_wire
 from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime import HotSwapRuntime
 from ggufswap.runtime.control import ControlServer

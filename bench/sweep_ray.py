@@ -26,11 +26,11 @@ from typing import Any
 
 import ray
 
-from ggufswap.runtime.serving.recipe import Recipe, Round
-from ggufswap.runtime.serving.sweep import SweepOptions
-from ggufswap.runtime.serving.sweep_eval import BASELINE_JSON, BASELINE_LOGITS
-from ggufswap.runtime.serving.sweep_ray import RayOptions, WorkerInfo, run_ray_sweep
 from ggufswap.shards import tiny_dense, write_model
+from ggufswap.sweep.evaluate import BASELINE_JSON, BASELINE_LOGITS
+from ggufswap.sweep.ray_driver import RayOptions, WorkerInfo, run_ray_sweep
+from ggufswap.sweep.recipe import Recipe, Round
+from ggufswap.sweep.sweep import SweepOptions
 
 
 def _recipe(quick: bool) -> Recipe:
@@ -88,7 +88,11 @@ def run(
         root = Path(tmp)
         model = write_model(tiny_dense(), root / "model")[0]
         ray.init(
-            num_cpus=workers, include_dashboard=False, logging_level="warning", log_to_driver=False
+            address="local",  # a new local cluster, never one `ray start` left behind
+            num_cpus=workers,
+            include_dashboard=False,
+            logging_level="warning",
+            log_to_driver=False,
         )
         try:
             one_s, rounds = _timed_sweep(model, root / "one", recipe, options, 1)

@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ggufswap.config import Config, ConfigError, ModelConfig, load_config
+
+if TYPE_CHECKING:
+    from ggufswap.ipc import RuntimeState
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -90,6 +93,9 @@ def run_agent(args: argparse.Namespace) -> int:
         print(f"ggufswap agent: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     daemon.run()
+    if daemon.failure is not None:
+        print(f"ggufswap agent: {daemon.failure}", file=sys.stderr)
+        return EXIT_FAILURE
     return EXIT_OK
 
 
@@ -111,38 +117,47 @@ def run_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _dry_run(model: ModelConfig, config: Config, *, timeout_s: float | None) -> dict[str, Any]:
-    from ggufswap.agent import ModelIndex, reconcile
+def _runtime_state(
+    model: ModelConfig, config: Config, *, timeout_s: float | None
+) -> tuple[RuntimeState | None, str]:
+    """The state ``model``'s runtime reports, or None and why not."""
     from ggufswap.ipc import (
-        Fields,
+        ErrorReply,
         IpcError,
         MessageType,
+        RuntimeState,
         SocketOptions,
         make_message,
-        plan_to_wire,
+        parse_reply,
         request,
-        state_from_wire,
     )
-    from ggufswap.shards import Fingerprinter
 
-    snapshot = ModelIndex(model).scan()
-    wait_s = timeout_s if timeout_s is not None else model.request_timeout_s
-    actual = None
-    why_empty = ""
     try:
         reply = request(
             model.runtime,
             make_message(MessageType.STATE),
-            timeout_s=wait_s,
+            timeout_s=timeout_s if timeout_s is not None else model.request_timeout_s,
             retries=0,
             options=SocketOptions.of(config.security),
         )
-        if reply.get(Fields.TYPE) == MessageType.STATE_REPLY.value:
-            actual = state_from_wire(reply)
-        else:
-            why_empty = f"runtime answered {reply.get(Fields.TYPE)}: {reply.get(Fields.MESSAGE)}"
+        match parse_reply(reply).body:
+            case RuntimeState() as state:
+                return state, ""
+            case ErrorReply() as error:
+                return None, f"runtime answered error {error.code.name}: {error.message}"
+            case other:
+                return None, f"runtime answered {type(other).__name__} to a state request"
     except IpcError as exc:
-        why_empty = f"runtime unreachable ({exc})"
+        return None, f"runtime unreachable ({exc})"
+
+
+def _dry_run(model: ModelConfig, config: Config, *, timeout_s: float | None) -> dict[str, Any]:
+    from ggufswap.agent import ModelIndex, reconcile
+    from ggufswap.ipc import plan_to_wire
+    from ggufswap.shards import Fingerprinter
+
+    snapshot = ModelIndex(model).scan()
+    actual, why_empty = _runtime_state(model, config, timeout_s=timeout_s)
     result = reconcile(
         snapshot.desired,
         actual.by_name() if actual is not None else {},

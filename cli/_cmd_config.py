@@ -11,6 +11,7 @@ from ggufswap._preflight import bind_dir_problems
 from ggufswap.config import (
     Config,
     ConfigError,
+    RuntimeConfig,
     ServeMode,
     config_to_dict,
     format_size,
@@ -117,12 +118,7 @@ def summary_lines(config: Config) -> list[str]:
         for pool in runtime.pools:
             budget = "unlimited" if pool.budget is None else format_size(pool.budget)
             lines.append(f"  pool {pool.name} on {pool.device}, budget {budget}")
-        placement = runtime.placement
-        layers = "all" if placement.gpu_layers < 0 else str(placement.gpu_layers)
-        experts = f", experts in {placement.experts_pool}" if placement.experts_pool else ""
-        if placement.split_experts:
-            experts += ", MoE families split across pools when they fit no single pool"
-        lines.append(f"  placement: {layers} layer(s) on {runtime.pools[0].name}{experts}")
+        lines.append(f"  placement: {placement_summary(runtime)}")
         serve = runtime.serve
         if serve.mode is ServeMode.HTTP:
             lines.append(
@@ -137,3 +133,23 @@ def summary_lines(config: Config) -> list[str]:
     elif security.allow_insecure_tcp:
         lines.append("security: WARNING allow_insecure_tcp is on (plaintext tcp:// allowed)")
     return lines
+
+
+def placement_summary(runtime: RuntimeConfig) -> str:
+    """One line saying where tensors start, in llama.cpp's words where they are used."""
+    placement = runtime.placement
+    if not placement.llama_layers:
+        parts = [f"every tensor on {runtime.pools[0].name} first"]
+    else:
+        layers = placement.gpu_layers if placement.gpu_layers is not None else "all"
+        parts = [f"gpu layers {layers} (llama.cpp's -ngl)"]
+        rules = placement.rules()
+        if rules:
+            parts.append("overrides " + ", ".join(str(r) for r in rules))
+        if placement.tensor_split:
+            parts.append("tensor split " + ",".join(f"{x:g}" for x in placement.tensor_split))
+    if placement.experts_pool:
+        parts.append(f"experts in {placement.experts_pool}")
+    if placement.split_experts:
+        parts.append("MoE families split across pools when they fit no single pool")
+    return "; ".join(parts)

@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_real(args: argparse.Namespace, model: Path) -> int:
     import time
 
-    from ggufswap.demo_sweep import DemoSweepError, cleanup, prepare, sweep_args
+    from ggufswap.demo_sweep import cleanup, prepare, sweep_args
+    from ggufswap.errors import DemoSweepError
     from ggufswap.main import build_parser
 
     started = time.monotonic()
@@ -110,7 +111,9 @@ def _run_real(args: argparse.Namespace, model: Path) -> int:
 
 def _run_synthetic(args: argparse.Namespace) -> int:
     from ggufswap._logsetup import configure_logging
-    from ggufswap.demo import DemoError, DemoOptions, render_table, run_demo
+    from ggufswap.demo import DemoOptions, render_table, run_demo
+    from ggufswap.errors import DemoError
+    from ggufswap.sweep import ChildFailed
 
     if args.log_level == "info":  # the default: the progress lines say it all; keep errors only
         configure_logging(level="error")
@@ -129,7 +132,7 @@ def _run_synthetic(args: argparse.Namespace) -> int:
     )
     try:
         report = run_demo(options, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    except DemoError as exc:  # the workspace could not be prepared
+    except (DemoError, ChildFailed) as exc:  # the workspace could not be prepared
         print(f"ggufswap demo: {exc}", file=sys.stderr)
         return EXIT_FAILED
     print(f"ggufswap demo: model {report.model}, plans by {report.planner.value}")

@@ -25,6 +25,20 @@ UNITS: Final = ("ggufswap-agent.service", "ggufswap-runtime@.service")
 SYSUSERS: Final = "ggufswap.sysusers.conf"
 TMPFILES: Final = "ggufswap.tmpfiles.conf"
 
+# What the units' sandboxing hides from the service (an ExecStart= there fails with 203/EXEC).
+HIDDEN: Final = (
+    ("/home", "ProtectHome=yes"),
+    ("/root", "ProtectHome=yes"),
+    ("/run/user", "ProtectHome=yes"),
+    ("/tmp", "PrivateTmp=yes"),  # noqa: S108 (a path the unit hides, not one written to)
+    ("/var/tmp", "PrivateTmp=yes"),  # noqa: S108
+)
+INSTALL_HINT: Final = (
+    "install into /opt/ggufswap (python3 -m venv /opt/ggufswap && /opt/ggufswap/bin/pip install "
+    "'CHECKOUT[runtime]'; then /opt/ggufswap/bin/ggufswap install-systemd --prefix /), or pass "
+    "--executable PATH outside them"
+)
+
 # Where each file goes, relative to --prefix: admin-installed files live under /etc.
 UNIT_DIR: Final = "etc/systemd/system"
 SYSUSERS_TARGET: Final = "etc/sysusers.d/ggufswap.conf"
@@ -106,6 +120,40 @@ def render_unit(text: str, *, executable: Path) -> str:
     return text.replace(f"ExecStart={SHIPPED_BINARY} ", f"ExecStart={executable} ")
 
 
+def hidden_by_units(executable: Path) -> str | None:
+    """Why the units could not run ``executable``: it (or the interpreter its ``#!`` line
+    names, a venv's python) resolves under a directory their sandboxing hides; None if not."""
+    paths = [executable.resolve()]
+    try:
+        with open(executable, "rb") as script:
+            first = script.readline(4096)
+    except OSError:
+        first = b""
+    if first.startswith(b"#!"):
+        interpreter = first[2:].strip().split(b" ")[0].decode(errors="replace")
+        if interpreter:
+            paths.append(Path(interpreter).resolve())
+    for path in paths:
+        for hidden, directive in HIDDEN:
+            if path == Path(hidden) or Path(hidden) in path.parents:
+                return f"{path} is under {hidden}, which the units hide ({directive})"
+    return None
+
+
+def _runnable_by_units(executable: Path, *, host: bool) -> bool:
+    """Say, in one line with the fix, when the units could not run ``executable``; False (refuse)
+    on the host, a warning for a scratch root (files written for review)."""
+    hidden = hidden_by_units(executable)
+    if hidden is None:
+        return True
+    line = f"ggufswap install-systemd: {hidden}: the service would fail (203/EXEC); "
+    if host:  # refused before anything is written
+        print(line + INSTALL_HINT, file=sys.stderr)
+        return False
+    print(line + "on the host this is refused; " + INSTALL_HINT, file=sys.stderr)
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     prefix = Path(args.prefix)
     executable = Path(args.executable) if args.executable else default_executable()
@@ -115,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
             "--executable PATH (the ggufswap script of the venv the units should run)",
             file=sys.stderr,
         )
+        return EXIT_FAILURE
+    if not _runnable_by_units(executable, host=prefix.resolve() == Path("/")):
         return EXIT_FAILURE
     templates = data_dir("systemd")
     if templates is None:

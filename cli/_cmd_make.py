@@ -21,6 +21,17 @@ PRESETS = (
     "tiny-glm4moe",
     "tiny-llama3",
     "tiny-gpt-oss",
+    "tiny-qwen3vlmoe",
+    "tiny-minimax-m2",
+    "tiny-llama4",
+    "tiny-gemma4",
+    "tiny-dots1",
+    "tiny-qwen35",
+    "tiny-qwen35moe",
+    "tiny-qwen3next",
+    "tiny-deepseek2-ik",
+    "tiny-deepseek32",
+    "tiny-glm-dsa",
 )
 ARCHES = (
     "llama",
@@ -32,14 +43,43 @@ ARCHES = (
     "deepseek2",
     "glm4moe",
     "gpt-oss",
+    "qwen3vlmoe",
+    "minimax-m2",
+    "llama4",
+    "gemma4",
+    "dots1",
+    "qwen35",
+    "qwen35moe",
+    "qwen3next",
+    "deepseek32",
+    "glm-dsa",
 )  # shards.keys.Arch values
 # Architectures whose tiny model is a preset of its own (the default --preset for --arch).
-ARCH_PRESETS = {"deepseek2": "tiny-deepseek2", "glm4moe": "tiny-glm4moe", "gpt-oss": "tiny-gpt-oss"}
+ARCH_PRESETS = {
+    "deepseek2": "tiny-deepseek2",
+    "glm4moe": "tiny-glm4moe",
+    "gpt-oss": "tiny-gpt-oss",
+    "qwen3vlmoe": "tiny-qwen3vlmoe",
+    "minimax-m2": "tiny-minimax-m2",
+    "llama4": "tiny-llama4",
+    "gemma4": "tiny-gemma4",
+    "dots1": "tiny-dots1",
+    "qwen35": "tiny-qwen35",
+    "qwen35moe": "tiny-qwen35moe",
+    "qwen3next": "tiny-qwen3next",
+    "deepseek32": "tiny-deepseek32",
+    "glm-dsa": "tiny-glm-dsa",
+}
 MOE_ONLY_ARCHES = ("qwen2moe", "qwen3moe")  # default preset tiny-moe (qwen2moe: shared expert)
 LAYOUTS = ("single", "split", "per-tensor")  # ggufswap.shards.writer.Layout values
 
 
 def register(subparsers: Any) -> None:
+    _register_make_model(subparsers)
+    _register_requant(subparsers)
+
+
+def _register_make_model(subparsers: Any) -> None:
     make = subparsers.add_parser(
         "make-model",
         help="write a small deterministic GGUF model (tests, demo)",
@@ -55,8 +95,9 @@ def register(subparsers: Any) -> None:
         "--preset",
         choices=PRESETS,
         help=(
-            "base model (default: tiny-moe for qwen2moe/qwen3moe, tiny-deepseek2 / tiny-glm4moe "
-            "/ tiny-gpt-oss for deepseek2 / glm4moe / gpt-oss, else tiny-dense)"
+            "base model (default: tiny-moe for qwen2moe/qwen3moe, tiny-ARCH for "
+            f"{', '.join(ARCH_PRESETS)}, else tiny-dense; tiny-deepseek2-ik: ik_llama.cpp's "
+            "three-tensor deepseek2 form)"
         ),
     )
     make.add_argument("--arch", choices=ARCHES)
@@ -82,6 +123,8 @@ def register(subparsers: Any) -> None:
     make.add_argument("--name", help="model name (file name stem)")
     make.set_defaults(func=run_make_model)
 
+
+def _register_requant(subparsers: Any) -> None:
     requant = subparsers.add_parser(
         "requant",
         help="re-encode one tensor of a shard to another GGML type",
@@ -143,31 +186,15 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from ggufswap.shards.presets import (
-        demo_moe,
-        tiny_deepseek2,
-        tiny_dense,
-        tiny_glm4moe,
-        tiny_gpt_oss,
-        tiny_llama3,
-        tiny_moe,
-    )
+    from ggufswap.shards import presets
     from ggufswap.shards.writer import Layout, write_model
 
-    presets = {
-        "tiny-dense": tiny_dense,
-        "tiny-moe": tiny_moe,
-        "demo-moe": demo_moe,
-        "tiny-deepseek2": tiny_deepseek2,
-        "tiny-glm4moe": tiny_glm4moe,
-        "tiny-llama3": tiny_llama3,
-        "tiny-gpt-oss": tiny_gpt_oss,
-    }
     preset = args.preset or ("tiny-moe" if args.arch in MOE_ONLY_ARCHES else "tiny-dense")
     if args.preset is None and args.arch in ARCH_PRESETS:
         preset = ARCH_PRESETS[args.arch]
     try:
-        spec = presets[preset](**_overrides(args))
+        # each preset is the function of its name in shards.presets (tiny-gpt-oss: tiny_gpt_oss)
+        spec = getattr(presets, preset.replace("-", "_"))(**_overrides(args))
         paths = write_model(
             spec,
             args.out_dir,
@@ -186,16 +213,24 @@ def run_make_model(args: argparse.Namespace) -> int:
 
 
 def run_requant(args: argparse.Namespace) -> int:
+    from ggufswap.shards import read_header
     from ggufswap.shards.errors import ShardError
     from ggufswap.shards.requant import requantize
 
     try:
+        before = read_header(args.shard).tensor_map().get(args.tensor)
         path = requantize(args.shard, args.tensor, args.type, out=args.out)
+        after = read_header(path).tensor_map()[args.tensor]
     except ShardError as exc:
         _error("requant", str(exc))
         return EXIT_FAILURE
     except OSError as exc:
         _error("requant", f"{exc.filename or args.shard}: {exc.strerror or exc}")
         return EXIT_FAILURE
+    if before is not None:  # "blk.3.attn_q.weight: Q5_0 → Q8_0, 450,560 → 696,320 bytes"
+        print(
+            f"{args.tensor}: {before.ggml_type.name} → {after.ggml_type.name}, "
+            f"{before.nbytes:,} → {after.nbytes:,} bytes"
+        )
     print(path)
     return EXIT_OK

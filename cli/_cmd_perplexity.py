@@ -1,9 +1,12 @@
 """``ggufswap perplexity --model FILE --text FILE``: perplexity of a GGUF model on a text file.
 
-The text is tokenized with the model's own tokenizer and cut into non-overlapping windows of
-``--ctx`` tokens; when the tokenizer adds BOS, each window is BOS followed by ``ctx - 1`` text
-tokens (llama.cpp's ``perplexity`` does the same). Every next-token prediction in a window is
-scored; the sums run in float64 in a fixed order, so the figure is reproducible bit for bit on CPU.
+The protocol is llama-perplexity's, the one the sweep uses too
+(:mod:`ggufswap.runtime.serving.perplexity`): the text is tokenized with the model's own
+tokenizer (BOS in front when the vocabulary adds it), cut into chunks of ``--ctx`` tokens (at
+most ``--chunks``), each chunk evaluated alone with its first token replaced by BOS, and the second
+half of each chunk scored. By default the products round as llama.cpp's CPU kernels round
+them (``--numerics ggml``), so the figure is comparable with ``llama-perplexity``'s; the sums run
+in float64 in a fixed order, so it is reproducible bit for bit on CPU.
 
 With ``--hot-swap --config FILE`` the model is loaded as the config's runtime section says, the
 control endpoint takes plans like ``ggufswap runtime`` does, and the text is evaluated again after
@@ -26,9 +29,10 @@ from ggufswap._signals import ProcessSignals
 from ggufswap.config import Config, ConfigError, load_config
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from ggufswap.runtime import HotSwapRuntime
     from ggufswap.runtime.models import Decoder
-    from ggufswap.runtime.serving import GgufTokenizer
 
 EXIT_OK: Final = 0
 EXIT_USAGE: Final = 2
@@ -48,9 +52,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--model", metavar="FILE", help="GGUF file (first shard of a split set)")
     parser.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to evaluate")
     parser.add_argument(
-        "--ctx", type=int, default=DEFAULT_CTX, metavar="N", help="tokens per window"
+        "--ctx", type=int, default=DEFAULT_CTX, metavar="N", help="tokens per chunk (512)"
     )
-    parser.add_argument("--batch", type=int, default=1, metavar="N", help="windows per forward")
+    parser.add_argument("--chunks", type=int, metavar="N", help="evaluate at most N chunks")
+    parser.add_argument("--batch", type=int, default=1, metavar="N", help="chunks per forward")
     parser.add_argument("--json", action="store_true", help="one JSON object per evaluation")
     parser.add_argument(
         "--hot-swap",
@@ -61,9 +66,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--numerics",
         choices=("exact", "ggml"),
-        default="exact",
-        help="exact: float products; ggml: activations rounded as llama.cpp's CPU kernels round "
-        "them (native storage: with --config, runtime.storage: native)",
+        default="ggml",
+        help="ggml (default): activations rounded as llama.cpp's CPU kernels round them, "
+        "comparable with llama-perplexity (native storage: with --config, runtime.storage: "
+        "native); exact: float products",
     )
     add_threads_option(parser)
     parser.set_defaults(func=run)
@@ -103,8 +109,10 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
         problems.append("give --model FILE (or --config FILE, whose runtime section names it)")
     if args.hot_swap and args.config is None:
         problems.append("--hot-swap needs --config FILE (its runtime section's control endpoint)")
-    if args.ctx < 2:
-        problems.append(f"--ctx must be >= 2, found {args.ctx}")
+    if args.ctx < 4:
+        problems.append(f"--ctx must be >= 4, found {args.ctx}")
+    if args.chunks is not None and args.chunks < 1:
+        problems.append(f"--chunks must be >= 1, found {args.chunks}")
     if args.batch < 1:
         problems.append(f"--batch must be >= 1, found {args.batch}")
     return problems
@@ -117,6 +125,8 @@ def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int
     from ggufswap.runtime.models import HParams, ModelError, build_model
     from ggufswap.runtime.serving import GgufTokenizer
     from ggufswap.runtime.serving.daemon import open_runtime
+    from ggufswap.runtime.serving.errors import EvalTextError
+    from ggufswap.runtime.serving.perplexity import eval_batch, text_chunks, text_tokens
     from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
 
     rc = config.runtime if config is not None else None
@@ -129,7 +139,7 @@ def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int
         runtime = HotSwapRuntime.open(args.model, storage=storage)
     try:
         assert runtime.shards is not None, "open() always records the shard set"
-        hparams = HParams.from_metadata(runtime.shards.metadata)
+        hparams = HParams.from_metadata(runtime.shards.metadata, source=runtime.shards.first.path)
         try:
             model = build_model(hparams, runtime.store, store=runtime.store, numerics=args.numerics)
         except ModelError as exc:
@@ -143,14 +153,16 @@ def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int
                 f"({hparams.context_length} tokens); using --ctx {ctx}",
                 file=sys.stderr,
             )
-        windows = text_windows(tokenizer, text, ctx=ctx)
-        if not windows:
-            print(
-                f"{args.text} has too few tokens for one window of {ctx} (try a smaller --ctx)",
-                file=sys.stderr,
-            )
+        tokens, bos = text_tokens(tokenizer, text)
+        try:
+            chunks = text_chunks(tokens, n_ctx=ctx, max_chunks=args.chunks)
+        except EvalTextError as exc:
+            print(f"ggufswap perplexity: {args.text}: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        evaluator = _Evaluator(model, windows, batch=args.batch, as_json=args.json, ctx=ctx)
+        evaluator = _Evaluator(
+            model, eval_batch(chunks, bos), batch=args.batch, as_json=args.json,
+            numerics=args.numerics,
+        )  # fmt: skip
         if signals is None:
             evaluator.evaluate(runtime.weight_version, plans=[])
             return EXIT_OK
@@ -160,46 +172,35 @@ def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int
         runtime.close()
 
 
-def text_windows(tokenizer: GgufTokenizer, text: str, *, ctx: int) -> list[list[int]]:
-    """The text's tokens in windows of ``ctx``: BOS + ``ctx - 1`` tokens when the tokenizer adds
-    BOS, else ``ctx`` tokens; a trailing partial window is dropped."""
-    ids = tokenizer.encode(text, add_bos=False, add_eos=False)
-    bos = [tokenizer.bos_id] if tokenizer.vocab.add_bos and tokenizer.bos_id is not None else []
-    step = ctx - len(bos)
-    return [bos + ids[i : i + step] for i in range(0, len(ids) - step + 1, step)]
-
-
 class _Evaluator:
-    """Evaluates the windows and keeps one result per weight version."""
+    """Evaluates the chunks and keeps one result per weight version."""
 
     def __init__(
-        self, model: Decoder, windows: list[list[int]], *, batch: int, as_json: bool, ctx: int
+        self, model: Decoder, chunks: Tensor, *, batch: int, as_json: bool, numerics: str
     ) -> None:
-        import torch
-
         self.model = model
-        tokens = torch.tensor(windows, dtype=torch.long)  # [W, ctx]
-        self.batches = list(tokens.split(batch))  # [<= batch, ctx] each
-        self.n_windows = len(windows)
-        self.ctx = ctx
+        self.batches = list(chunks.split(batch))  # [<= batch, ctx] each, BOS in place
+        self.n_chunks = len(chunks)
+        self.ctx = int(chunks.shape[1])
         self.as_json = as_json
+        self.numerics = numerics
         self.results: dict[int, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
     def evaluate(self, version: int, *, plans: list[str]) -> dict[str, Any]:
         from ggufswap.runtime.progress import ProgressLog
-        from ggufswap.runtime.serving.perplexity import NllStats, batch_nll
+        from ggufswap.runtime.serving.perplexity import NllStats, batch_nll, scored_per_chunk
 
         started = time.perf_counter()
         total = NllStats()
         progress = ProgressLog(
-            "perplexity.progress", total=self.n_windows, unit="windows", weight_version=version
+            "perplexity.progress", total=self.n_chunks, unit="chunks", weight_version=version
         )
         bar = None
         if sys.stderr.isatty():  # a bar on a terminal, progress lines elsewhere
             from tqdm import tqdm
 
-            bar = tqdm(total=self.n_windows, unit="window", desc="perplexity", leave=False)
+            bar = tqdm(total=self.n_chunks, unit="chunk", desc="perplexity", leave=False)
         try:
             for tokens in self.batches:
                 total = total + batch_nll(self.model, tokens)
@@ -210,10 +211,13 @@ class _Evaluator:
         result = {
             "weight_version": version,
             "perplexity": total.perplexity,
+            "perplexity_unc": total.perplexity_unc,
             "mean_nll": total.mean_nll,
             "tokens": total.n_tokens,
-            "windows": self.n_windows,
+            "chunks": self.n_chunks,
             "ctx": self.ctx,
+            "scored_per_chunk": scored_per_chunk(self.ctx),
+            "numerics": self.numerics,
             "plans": plans,
             "eval_s": round(time.perf_counter() - started, 3),
         }
@@ -224,8 +228,9 @@ class _Evaluator:
         else:
             after = f" after {', '.join(plans)}" if plans else ""
             print(
-                f"weight_version {version}{after}: perplexity {total.perplexity:.4f} "
-                f"over {total.n_tokens} tokens ({self.n_windows} windows of {self.ctx})",
+                f"weight_version {version}{after}: perplexity {total.perplexity:.4f} +/- "
+                f"{total.perplexity_unc:.5f} over {total.n_tokens} tokens ({self.n_chunks} chunks "
+                f"of {self.ctx}, the second half of each scored; {self.numerics} numerics)",
                 flush=True,
             )
         return result

@@ -13,12 +13,16 @@ from ggufswap._signals import ProcessSignals
 from ggufswap.config import (
     AUTO_THREADS,
     MAX_THREADS,
+    Config,
     ConfigError,
+    ConfigProblem,
     ServeConfig,
     ServeMode,
     load_config,
     parse_threads,
 )
+from ggufswap.config.llama_args import LlamaArgs
+from ggufswap.config.llama_args import translate as translate_llama_args
 
 EXIT_CONFIG = 2
 
@@ -52,6 +56,21 @@ def register(subparsers: Any) -> None:
         f"(default: runtime.serve.batch_interval_s, else {d.batch_interval_s})",
     )
     add_threads_option(parser)
+    parser.add_argument(
+        "--llama-args",
+        default=None,
+        metavar="FLAGS",
+        help="a llama-server/llama-perplexity command line (quoted): its placement flags "
+        "(-ngl, -ot, --cpu-moe, --n-cpu-moe, -ts, --fit, --fit-target, -sm layer) replace "
+        "runtime.placement's, -t sets the threads, -c/-b the perplexity window and batch; "
+        "any other flag is refused by name (docs/configuration.md#llama-cpp-flags)",
+    )
+    _add_http_options(parser, d)
+    parser.set_defaults(func=run)
+
+
+def _add_http_options(parser: argparse.ArgumentParser, d: ServeConfig) -> None:
+    """The http mode's flags, each overriding its key of ``runtime.serve`` (defaults ``d``)."""
     http = parser.add_argument_group(
         "http mode", "each flag overrides its key of runtime.serve in the configuration"
     )
@@ -86,7 +105,6 @@ def register(subparsers: Any) -> None:
         metavar="S",
         help=f"per-request limit in seconds (default: {d.request_timeout_s:g})",
     )
-    parser.set_defaults(func=run)
 
 
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
@@ -128,10 +146,34 @@ def serve_settings(serve: ServeConfig, args: argparse.Namespace) -> ServeConfig:
     return dataclasses.replace(serve, **{k: v for k, v in flags.items() if v is not None})
 
 
+def with_llama_args(
+    config: Config, serve: ServeConfig, text: str | None
+) -> tuple[Config, LlamaArgs | None]:
+    """``config`` with the placement and threads of a llama.cpp command line, and what else
+    the line sets (ConfigError names every flag refused)."""
+    if text is None:
+        return config, None
+    llama = translate_llama_args(text)
+    if (llama.ctx, llama.batch_tokens) != (None, None) and serve.mode is not ServeMode.PERPLEXITY:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "--llama-args",
+                    None,
+                    "-c" if llama.ctx is not None else "-b",
+                    f"-c and -b size the perplexity mode's windows, not {serve.mode.value} mode",
+                )
+            ]
+        )
+    runtime = llama.apply(config.require_runtime())
+    return dataclasses.replace(config, runtime=runtime), llama
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         serve = serve_settings(config.require_runtime().serve, args)
+        config, llama = with_llama_args(config, serve, args.llama_args)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_CONFIG
@@ -140,14 +182,21 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         print("\n".join(f"ggufswap runtime: {p}" for p in problems), file=sys.stderr)
         return EXIT_CONFIG
-    from ggufswap.ipc import IpcError
-    from ggufswap.runtime.mapping import MapRefused
-    from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
     from ggufswap.runtime.serving.errors import ListenError
+
+    signals = ProcessSignals().install()
+    try:  # the port first, before torch is imported: /health answers 503 loading at once
+        server = _listen_early(config.require_runtime().name, serve)
+    except ListenError as exc:
+        print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    from ggufswap.ipc import IpcError
+    from ggufswap.runtime import MapRefused
+    from ggufswap.runtime.errors import PlacementError
+    from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
     from ggufswap.runtime.serving.serve import Mode, ServeOptions
     from ggufswap.shards import ShardError
 
-    signals = ProcessSignals().install()
     options = ServeOptions(
         mode=Mode(serve.mode.value),
         batch_interval_s=serve.batch_interval_s,
@@ -157,8 +206,33 @@ def run(args: argparse.Namespace) -> int:
         max_queue=serve.max_queue,
         request_timeout_s=serve.request_timeout_s,
     )
+    if llama is not None:  # llama-perplexity's -c and -b
+        eval_ctx, eval_batch = llama.windows(options.eval_ctx)
+        options = dataclasses.replace(
+            options,
+            eval_ctx=eval_ctx or options.eval_ctx,
+            eval_batch=eval_batch or options.eval_batch,
+        )
     try:
-        return daemon.run(config, options=options, stop=signals.stop, threads=args.threads)
-    except (ListenError, IpcError, ShardError, MapRefused) as exc:
+        return daemon.run(
+            config, options=options, stop=signals.stop, threads=args.threads, server=server
+        )
+    except (ListenError, IpcError, ShardError, MapRefused, PlacementError) as exc:
         print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+def _listen_early(model: str, serve: ServeConfig) -> Any:
+    """http mode: the HTTP server, listening (``/health``: 503 ``loading`` with the start's
+    phase) before the model and torch load; None in the other modes."""
+    if serve.mode is not ServeMode.HTTP:
+        return None
+    from ggufswap.runtime.serving.http import CompletionServer, HttpOptions
+    from ggufswap.runtime.serving.startup import Startup
+
+    return CompletionServer(
+        options=HttpOptions(host=serve.host, port=serve.port),
+        model_name=model,
+        capacity=serve.max_batch + serve.max_queue,
+        startup=Startup(model),
+    ).start()

@@ -12,7 +12,17 @@ from typing import Any
 
 from ggufswap.config import ConfigError, default_runtime_dir, load_config
 from ggufswap.config.endpoints import ipc_endpoint
-from ggufswap.ipc import Fields, MessageType, PeerTimeout, make_message, request
+from ggufswap.ipc import (
+    ErrorReply,
+    IpcError,
+    MessageType,
+    PeerRefused,
+    PeerTimeout,
+    StatusReply,
+    make_message,
+    parse_reply,
+    request,
+)
 
 AGENT_SOCKET = "agent.sock"
 STATUS_SUFFIX = ".status.sock"
@@ -74,6 +84,21 @@ def default_endpoints(*, directory: Path | None = None) -> list[str]:
     return [ipc_endpoint(path) for path in sockets]
 
 
+def _answer(reply: Mapping[str, Any]) -> dict[str, Any]:
+    """A status reply as shown: the process and its status map, or the error it stands for."""
+    try:
+        body = parse_reply(reply).body
+    except IpcError as exc:
+        return {"error": f"bad status reply: {exc}"}
+    match body:
+        case StatusReply():
+            return {"process": body.process.value, "status": dict(body.status)}
+        case ErrorReply():
+            return {"error": body.message}
+        case _:
+            return {"error": f"answered a status request with {type(body).__name__}"}
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         endpoints = endpoints_of(args)
@@ -87,18 +112,13 @@ def run(args: argparse.Namespace) -> int:
             reply = request(
                 endpoint, make_message(MessageType.STATUS), timeout_s=args.timeout, retries=0
             )
-        except PeerTimeout as exc:
+        except (PeerTimeout, PeerRefused) as exc:
             replies[endpoint] = {"error": str(exc)}
             code = EXIT_UNREACHABLE
             continue
-        if reply.get(Fields.TYPE) == MessageType.ERROR.value:
-            replies[endpoint] = {"error": reply.get(Fields.MESSAGE)}
+        replies[endpoint] = answer = _answer(reply)
+        if "error" in answer:
             code = EXIT_UNREACHABLE
-        else:
-            replies[endpoint] = {
-                "process": reply.get(Fields.PROCESS),
-                "status": reply.get(Fields.STATUS),
-            }
     if args.json:
         json.dump(replies, sys.stdout, indent=2, sort_keys=True, default=str)
         print()

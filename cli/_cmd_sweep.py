@@ -19,11 +19,7 @@ from typing import TYPE_CHECKING, Any, Final
 from ggufswap._cmd_runtime import add_threads_option
 
 if TYPE_CHECKING:
-    from gguf import GGMLQuantizationType
-
-    from ggufswap.runtime.serving.recipe import Recipe, Round
-    from ggufswap.runtime.serving.sweep import SweepReport
-    from ggufswap.shards import ShardSet
+    from ggufswap.sweep import Recipe, Round, SweepOptions, SweepReport, TensorSet
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -32,6 +28,7 @@ DEFAULT_CTX: Final = 512
 
 
 def register(subparsers: Any) -> None:
+    """Size: one flat list of options, long but not complex."""
     parser = subparsers.add_parser(
         "sweep",
         help="per-tensor quantization sweep of a model: PPL and KLD per tensor and quant type",
@@ -69,22 +66,43 @@ def register(subparsers: Any) -> None:
         "--source",
         action="append",
         default=[],
-        metavar="TYPE=MODEL",
-        help="take TYPE's tensors from this model (laid out like --model) instead of "
-        "requantizing (repeatable)",
+        metavar="TYPE=PATH",
+        help="take TYPE's tensors from PATH: a GGUF of the same model in that type, or a "
+        "directory of its per-tensor shards (the Tool Suite's quant_downloader.sh layout); "
+        "repeatable",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="MODEL",
+        help="measure KLD against this model's logits (e.g. the BF16 or Q8_0 model whose "
+        "tensors the swaps replace; default: the swept model itself)",
+    )
+    parser.add_argument(
+        "--imatrix", type=Path, metavar="FILE", help="importance matrix for ik's llama-quantize"
     )
     parser.add_argument(
         "--storage",
         choices=("dequantized", "native", "auto"),
-        help="how the in-process runtime holds weights: dequantized, native with --numerics "
-        "ggml (with --config: runtime.storage)",
+        help="how the in-process runtime holds weights (native by default; --numerics ggml "
+        "needs it; with --config: runtime.storage)",
     )
     parser.add_argument(
         "--numerics",
         choices=("exact", "ggml"),
-        default="exact",
-        help="exact: float products; ggml: activations rounded as llama.cpp's CPU kernels round "
-        "them, for figures comparable with llama-perplexity's (native storage; docs/sweep.md)",
+        default="ggml",
+        help="ggml (default): activations rounded as llama.cpp's CPU kernels round them, figures "
+        "comparable with llama-perplexity's (native storage); exact: float products (no "
+        "rounding noise in the figures; docs/sweep.md)",
+    )
+    parser.add_argument(
+        "--keep-scratch",
+        action="store_true",
+        help="keep OUT/scratch (the rounds' tensors) at the end (removed round by round otherwise)",
+    )
+    parser.add_argument(
+        "--ppl-percent",
+        action="store_true",
+        help="ppl_results.csv as the Tool Suite's percent deltas against the baseline (+1.23%%)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -117,9 +135,7 @@ def _problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--verify-chunks must be >= 0, found {args.verify_chunks}")
     for item in args.source:
         if "=" not in item:
-            problems.append(f"--source expects TYPE=MODEL, found {item!r}")
-    if args.config is not None and args.source:
-        problems.append("--source is for the in-process sweep (--model); --config requantizes")
+            problems.append(f"--source expects TYPE=PATH, found {item!r}")
     if args.ray is not None and args.config is not None:
         problems.append("--ray runs in-process workers (--model); it does not take --config")
     if args.ray_workers is not None and (args.ray is None or args.ray_workers < 1):
@@ -129,23 +145,39 @@ def _problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def _sources(items: list[str]) -> dict[GGMLQuantizationType, ShardSet]:
-    from ggufswap.shards import open_shard_set
-    from ggufswap.shards.writer import parse_type
+def _sources(items: list[str]) -> dict[int, TensorSet]:
+    from ggufswap.sweep import open_source, parse_qtype
 
-    out = {}
+    out: dict[int, TensorSet] = {}
     for item in items:
         type_name, _, path = item.partition("=")
-        out[parse_type(type_name)] = open_shard_set(path)
+        target = parse_qtype(type_name)
+        out[int(target)] = open_source(path, target)
     return out
+
+
+def _options(args: argparse.Namespace) -> SweepOptions:
+    from ggufswap.config import Storage
+    from ggufswap.runtime.models import Numerics
+    from ggufswap.sweep import SweepOptions
+
+    return SweepOptions(
+        n_ctx=args.ctx,
+        max_chunks=args.chunks,
+        verify_chunks=args.verify_chunks,
+        storage=Storage(args.storage or "native"),
+        numerics=Numerics(args.numerics),
+        plot=not args.no_plot,
+        keep_scratch=args.keep_scratch,
+        ppl_percent=args.ppl_percent,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from ggufswap._logsetup import configure_logging
-    from ggufswap.runtime.serving.kld import KldError
-    from ggufswap.runtime.serving.recipe import Recipe, RecipeError
-    from ggufswap.runtime.serving.sweep import SweepError
+    from ggufswap.runtime.serving.errors import EvalTextError
     from ggufswap.shards import ShardError
+    from ggufswap.sweep import Recipe, RecipeError, SweepLibraryError
 
     if args.log_level == "info":  # the default: the bar and the table say it all
         configure_logging(level="error")
@@ -162,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # with --ray the sources are opened by the workers, on their nodes
         sources = _sources(args.source) if not problems and args.ray is None else {}
-    except (ShardError, ValueError) as exc:
+    except (ShardError, SweepLibraryError, ValueError) as exc:
         problems.append(f"--source: {exc}")
     if problems:
         print("\n".join(f"ggufswap sweep: {p}" for p in problems), file=sys.stderr)
@@ -170,103 +202,87 @@ def run(args: argparse.Namespace) -> int:
     assert recipe is not None, "a recipe that failed to load is a problem above"
     try:
         if args.config is not None:
-            report = _process_sweep(args, recipe)
+            report = _process_sweep(args, recipe, sources)
         elif args.ray is not None:
             report = _ray_sweep(args, text, recipe)
         else:
             report = _sweep(args, text, recipe, sources)
-    except (KldError, ShardError, SweepError) as exc:
+    except (EvalTextError, ShardError, SweepLibraryError) as exc:
         print(f"ggufswap sweep: {exc}", file=sys.stderr)
         return EXIT_FAILED
     _print_report(report)
     return EXIT_OK
 
 
+def _announce(line: str) -> None:
+    print(f"ggufswap sweep: {line}", file=sys.stderr, flush=True)
+
+
 def _sweep(
-    args: argparse.Namespace, text: str, recipe: Recipe, models: dict[Any, ShardSet]
+    args: argparse.Namespace, text: str, recipe: Recipe, models: dict[int, TensorSet]
 ) -> SweepReport:
     # torch is imported only by the commands that run a model
-    from ggufswap.config import Storage
-    from ggufswap.runtime.models import Numerics
-    from ggufswap.runtime.serving.sweep import SweepOptions, run_sweep
     from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
+    from ggufswap.sweep import run_sweep
 
     apply_thread_policy(resolve_threads(flag=args.threads))
-    options = SweepOptions(
-        n_ctx=args.ctx,
-        max_chunks=args.chunks,
-        verify_chunks=args.verify_chunks,
-        storage=Storage(args.storage or ("native" if args.numerics == "ggml" else "dequantized")),
-        numerics=Numerics(args.numerics),
-        plot=not args.no_plot,
-    )
     return run_sweep(
         args.model,
         text=text,
         recipe=recipe,
         out_dir=args.out.resolve(),
-        options=options,
+        options=_options(args),
         models=models,
+        baseline_model=args.baseline,
+        imatrix=args.imatrix,
         progress=_no_bar if args.no_progress else _bar,
-        announce=lambda line: print(f"ggufswap sweep: {line}", file=sys.stderr, flush=True),
+        announce=_announce,
     )
 
 
 def _ray_sweep(args: argparse.Namespace, text: str, recipe: Recipe) -> SweepReport:
-    from ggufswap.config import Storage
-    from ggufswap.runtime.models import Numerics
-    from ggufswap.runtime.serving.sweep import SweepError, SweepOptions
-    from ggufswap.shards.writer import parse_type
+    from ggufswap.sweep import SweepError, parse_qtype
 
     try:
-        from ggufswap.runtime.serving.sweep_ray import RayOptions, run_ray_sweep
+        from ggufswap.sweep.ray_driver import RayOptions, run_ray_sweep
     except ImportError as exc:
         raise SweepError(f"--ray needs Ray: pip install 'ggufswap[ray]' ({exc})") from None
-    options = SweepOptions(
-        n_ctx=args.ctx,
-        max_chunks=args.chunks,
-        verify_chunks=args.verify_chunks,
-        storage=Storage(args.storage or ("native" if args.numerics == "ggml" else "dequantized")),
-        numerics=Numerics(args.numerics),
-    )
+    if args.baseline is not None:
+        raise SweepError("--baseline is not supported with --ray yet (run it on one host)")
     sources = {}
     for item in args.source:
         type_name, _, path = item.partition("=")
-        sources[parse_type(type_name)] = str(Path(path).resolve())
+        sources[int(parse_qtype(type_name))] = str(Path(path).resolve())
     try:
         return run_ray_sweep(
             str(Path(args.model).resolve()),
             text=text,
             recipe=recipe,
             out_dir=args.out.resolve(),
-            options=options,
+            options=_options(args),
             ray_options=RayOptions(
                 address=args.ray, workers=args.ray_workers, threads=args.threads
             ),
             sources=sources,
             progress=_no_bar if args.no_progress else _bar,
-            announce=lambda line: print(f"ggufswap sweep: {line}", file=sys.stderr, flush=True),
+            announce=_announce,
         )
     except ConnectionError as exc:
         raise SweepError(f"--ray {args.ray}: cannot reach the Ray cluster: {exc}") from None
 
 
-def _process_sweep(args: argparse.Namespace, recipe: Recipe) -> SweepReport:
-    from ggufswap._sweep_procs import ProcessTarget
+def _process_sweep(
+    args: argparse.Namespace, recipe: Recipe, models: dict[int, TensorSet]
+) -> SweepReport:
     from ggufswap.config import ConfigError, load_config
-    from ggufswap.runtime.serving.sweep import Sweep, SweepError, SweepOptions
+    from ggufswap.sweep import Sweep, SweepError
+    from ggufswap.sweep.procs import ProcessTarget
 
     try:
         config = load_config(args.config)
     except ConfigError as exc:
         raise SweepError(str(exc)) from None
     out_dir: Path = args.out.resolve()
-    options = SweepOptions(
-        n_ctx=args.ctx,
-        max_chunks=args.chunks,
-        verify_chunks=args.verify_chunks,
-        plot=not args.no_plot,
-    )
     target = ProcessTarget(
         config_path=args.config.resolve(),
         config=config,
@@ -276,19 +292,19 @@ def _process_sweep(args: argparse.Namespace, recipe: Recipe) -> SweepReport:
         max_chunks=args.chunks,
         threads=args.threads,
         numerics=args.numerics,
+        verify_chunks=args.verify_chunks,
+        models=models,
+        baseline_model=args.baseline,
+        imatrix=args.imatrix,
     )
-    print(
-        f"ggufswap sweep: starting the runtime and the agent (logs in {out_dir}/logs)",
-        file=sys.stderr,
-        flush=True,
-    )
+    _announce(f"starting the runtime and the agent (logs in {out_dir}/logs)")
     try:
         target.start()
         sweep = Sweep(
             target=target,
             recipe=recipe,
             out_dir=out_dir,
-            options=options,
+            options=_options(args),
             progress=_no_bar if args.no_progress else _bar,
         )
         return sweep.run()
@@ -312,12 +328,16 @@ def _no_bar(rounds: Iterator[Round], total: int) -> Iterator[Round]:
 
 
 def _print_report(report: SweepReport) -> None:
-    from ggufswap.runtime.serving.sweep_results import KLD_CSV, PPL_CSV, render_table
+    from ggufswap.sweep.results import KLD_CSV, PPL_CSV, render_table
 
-    print("\n".join(render_table(report.journal.values(), ppl_base=report.ppl_base)))
+    table = render_table(
+        report.journal.values(), ppl_base=report.ppl_base, protocol=report.protocol
+    )
+    print("\n".join(table))
     for skip in report.skipped:
         target = "" if skip.target == "*" else f" ({skip.target})"
-        print(f"skipped {skip.unit}{target}: {skip.reason}")
+        same = " (recorded as baseline-equivalent)" if skip.equivalent else ""
+        print(f"skipped {skip.unit}{target}: {skip.reason}{same}")
     for refused in report.refused:
         print(f"refused {refused['key']}: {refused['why']}")
     done = len(report.journal)
@@ -325,6 +345,7 @@ def _print_report(report: SweepReport) -> None:
         f"{done} of {report.rounds_planned} rounds recorded ({len(report.recorded)} now, "
         f"{report.resumed} from the journal); every restore reproduced the baseline logits"
     )
+    print(f"disk high-water mark: {report.disk_high_water} bytes (scratch + saved originals)")
     print(f"results: {report.out_dir / PPL_CSV}, {report.out_dir / KLD_CSV}")
     if report.plot is not None:
         print(report.plot.note)

@@ -27,7 +27,6 @@ from typing import Any, Final
 import yaml
 from gguf import GGMLQuantizationType
 
-from ggufswap._demo_procs import Child, CommitEvents, Committed, DemoError, poll_until, status_of
 from ggufswap._demo_report import (
     SWEPT_TENSOR,
     DemoOptions,
@@ -40,6 +39,7 @@ from ggufswap._demo_report import (
     progress_line,
     render_table,
 )
+from ggufswap.errors import DemoError
 from ggufswap.ipc import Fields, Job, MessageType, Plan, make_message, plan_to_wire, request
 from ggufswap.shards import (
     Layout,
@@ -55,6 +55,8 @@ from ggufswap.shards import (
     write_model,
 )
 from ggufswap.shards.atomic import temp_path_for
+from ggufswap.sweep.children import Child, CommitEvents, Committed, poll_until, status_of
+from ggufswap.sweep.errors import ChildFailed
 
 AGENT_COMMAND_MODULE: Final = "ggufswap._cmd_agent"
 EXPERT_PATTERN: Final = r"^blk\.\d+\.ffn_(gate|up|down)_exps\.weight$"
@@ -436,7 +438,7 @@ def run_demo(options: DemoOptions, *, progress: Progress) -> DemoReport:
             report.swaps.append(result)
             progress(f"[{index}/{len(steps)}] {progress_line(result)}")
         report.failures = exactness_failures(report)
-    except DemoError as exc:
+    except (DemoError, ChildFailed) as exc:
         report.failures.append(str(exc))
     finally:
         for child in reversed(sweep.children):  # the agent first: it must not plan into a void

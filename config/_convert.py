@@ -10,12 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from yaml.nodes import Node
+from yaml.nodes import Node, ScalarNode
 
 from ggufswap.config._nodes import Converter, NodeReader
 from ggufswap.config.endpoints import check_endpoint
 from ggufswap.config.errors import Invalid
-from ggufswap.config.schema import MapShards
+from ggufswap.config.llama_args import parse_gpu_layers, parse_tensor_split
+from ggufswap.config.schema import GpuLayers, MapShards, OverrideRule
 from ggufswap.config.units import AUTO_THREADS, parse_size, parse_threads
 
 T = TypeVar("T")
@@ -115,6 +116,48 @@ class Values:
             return parse_threads(value)
         except ValueError as exc:
             raise Invalid(str(exc)) from None
+
+    def gpu_layers(self, node: Node, path: str) -> GpuLayers:
+        """llama.cpp's ``-ngl``: an integer >= 0 (layers, the output one counted), ``all`` or
+        ``auto``."""
+        del path
+        value = self.reader.scalar(node)
+        try:
+            return parse_gpu_layers(value)
+        except ValueError as exc:
+            raise Invalid(str(exc)) from None
+
+    def override_rule(self, node: Node, path: str) -> OverrideRule:
+        """``REGEX=POOL``, as llama.cpp's ``-ot`` takes it."""
+        try:
+            return OverrideRule.parse(self.string(node, path))
+        except ValueError as exc:
+            raise Invalid(str(exc)) from None
+
+    def tensor_split(self, node: Node, path: str) -> tuple[float, ...]:
+        """``-ts``: a list of proportions, or llama.cpp's string form ``3,1``."""
+        value = self.reader.scalar(node) if isinstance(node, ScalarNode) else None
+        if isinstance(value, str):
+            try:
+                return parse_tensor_split(value)
+            except ValueError as exc:
+                raise Invalid(str(exc)) from None
+        shares = self.list_of(self.proportion, min_items=1)(node, path)
+        if not any(shares):
+            raise Invalid(
+                "expected at least one proportion > 0 (leave tensor_split out to split "
+                "by free memory)"
+            )
+        return shares
+
+    def proportion(self, node: Node, path: str) -> float:
+        del path
+        value = self.reader.scalar(node)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise Invalid(f"expected a number >= 0, found {self.reader.describe(node)}")
+        if not math.isfinite(value) or value < 0:
+            raise Invalid(f"expected a number >= 0, found {value}")
+        return float(value)
 
     def map_shards(self, node: Node, path: str) -> MapShards:
         """``true``, ``false`` or ``auto``."""

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ggufswap.config.schema import Config, MapShards
+from ggufswap.config.schema import Config, MapShards, OverrideRule
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:
@@ -19,6 +19,8 @@ def config_to_dict(config: Config) -> dict[str, Any]:
 
 
 def _plain(value: object) -> Any:
+    if isinstance(value, OverrideRule):  # written as YAML and -ot read it: REGEX=POOL
+        return str(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, MapShards):  # written as YAML reads it: true, false or auto

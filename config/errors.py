@@ -51,14 +51,22 @@ class MissingSectionError(ConfigError, LookupError):
     """A command needs a section (``models`` or ``runtime``) that the file does not have."""
 
 
-class Invalid(Exception):
+class Invalid(ConfigError):
     """Raised by a converter; the reader records it as a problem at ``node`` (or the value).
 
     It never leaves the loader: every ``Invalid`` becomes a :class:`ConfigProblem` of the
-    :class:`ConfigError` the loader raises, which is why it is not a ``ConfigError`` itself.
+    :class:`ConfigError` the loader raises, at the file and line the reader knows. Were one to
+    escape, it would still read as one configuration problem, at ``node``'s line if given.
     """
 
     def __init__(self, message: str, node: yaml.Node | None = None):
-        super().__init__(message)
+        mark = node.start_mark if node is not None else None
+        where = ConfigProblem(
+            file=mark.name if mark is not None else "<configuration>",
+            line=mark.line + 1 if mark is not None else None,
+            key_path="",
+            message=message,
+        )
+        super().__init__([where])
         self.message = message
         self.node = node

@@ -22,6 +22,7 @@ from ggufswap.config.endpoints import (
     transport_of,
 )
 from ggufswap.config.errors import ConfigError, ConfigProblem, Invalid
+from ggufswap.config.fstypes import pseudo_fs
 from ggufswap.config.schema import (
     DEFAULT_DECODED_CACHE,
     DEFAULT_IGNORE,
@@ -93,7 +94,16 @@ SERVE_KEYS = (
     "batch_interval_s",
 )
 POOL_KEYS = ("name", "device", "budget")
-PLACEMENT_KEYS = ("gpu_layers", "experts_pool", "split_experts")
+PLACEMENT_KEYS = (
+    "gpu_layers",
+    "override_tensor",
+    "cpu_moe",
+    "n_cpu_moe",
+    "tensor_split",
+    "fit_margin",
+    "experts_pool",
+    "split_experts",
+)
 SECURITY_KEYS = ("curve", "allow_insecure_tcp")
 CURVE_KEYS = ("server_secret_key", "server_public_key", "client_secret_key", "authorized_keys_dir")
 
@@ -101,8 +111,6 @@ DEFAULT_RUNTIME_NAME = "runtime"  # a runtime-only text without a file, or an un
 YAML_SUFFIXES = (".yaml", ".yml")
 DEFAULT_POOLS = (PoolConfig(name="host", device="cpu", budget=None),)
 LOCALHOST = "127.0.0.1"
-# Mount points of the kernel's pseudo file systems: never watch roots.
-PSEUDO_FS_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
 # A configuration file is a few KiB; a larger one is refused before it is read.
 MAX_CONFIG_BYTES = 1 << 20
 _NO_PATH = Path()
@@ -284,15 +292,16 @@ class _Builder:
 
     def _watch_root(self, node: Node, key_path: str) -> Path:
         """A watched directory: not on one of the kernel's pseudo file systems, whose files are
-        not model shards (``/proc`` holds a file per process; ``/dev/zero`` never ends)."""
+        not model shards (``/proc`` holds a file per process; ``/dev/zero`` never ends), judged
+        by the file system's type (``/dev/shm``, a tmpfs, is a directory like any other)."""
         path = self.v.path(kind=PathKind.DIRECTORY)(node, key_path)
-        real = Path(os.path.realpath(path))
-        for root in PSEUDO_FS_ROOTS:
-            if real == root or root in real.parents:
-                raise Invalid(
-                    f"{str(path)!r} is under {root}, a pseudo file system of the kernel; "
-                    "watch the directory that holds the model's GGUF files"
-                )
+        real = os.path.realpath(path)
+        kind = pseudo_fs(real)
+        if kind is not None:
+            raise Invalid(
+                f"{str(path)!r} is on {kind}, a pseudo file system of the kernel; "
+                "watch the directory that holds the model's GGUF files"
+            )
         return path
 
     def watch(self, node: Node, path: str) -> WatchConfig:
@@ -416,8 +425,16 @@ class _Builder:
     def placement(self, sec: Section | None) -> PlacementConfig:
         if sec is None:
             return PlacementConfig()
+        d = PlacementConfig()
         return PlacementConfig(
-            gpu_layers=self.r.get(sec, "gpu_layers", self.v.integer(minimum=-1), -1),
+            gpu_layers=self.r.get(sec, "gpu_layers", self.v.gpu_layers, d.gpu_layers),
+            override_tensor=self.r.get(
+                sec, "override_tensor", self.v.list_of(self.v.override_rule), ()
+            ),
+            cpu_moe=self.r.get(sec, "cpu_moe", self.v.boolean, False),
+            n_cpu_moe=self.r.get(sec, "n_cpu_moe", self.v.integer(minimum=0), 0),
+            tensor_split=self.r.get(sec, "tensor_split", self.v.tensor_split, ()),
+            fit_margin=self.r.get(sec, "fit_margin", self.v.size_or_zero, d.fit_margin),
             experts_pool=self.r.get(sec, "experts_pool", optional(self.v.name), None),
             split_experts=self.r.get(sec, "split_experts", self.v.boolean, False),
         )

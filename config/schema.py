@@ -11,6 +11,7 @@ import enum
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from ggufswap.config.errors import ConfigProblem, MissingSectionError
 
@@ -148,13 +149,85 @@ class PoolConfig:
     budget: int | None = None
 
 
+# llama.cpp's -ngl: a count of layers (the output layer counts), "all", or "auto" (--fit);
+# None: not set (every tensor prefers the first pool).
+GpuLayers = int | Literal["all", "auto"] | None
+GPU_LAYERS_WORDS = ("all", "auto")
+# common/common.h's LLM_FFN_EXPS_REGEX (--cpu-moe) and the CPU buffer's name.
+FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+CPU_BUFFER = "CPU"
+# llama.cpp's --fit-target default: bytes kept free on each device.
+DEFAULT_FIT_MARGIN = 1 << 30
+
+
+def block_regex(block: int) -> str:
+    """``llm_ffn_block_regex(block, LLM_FFN_EXPS_REGEX)``: one block's experts (--n-cpu-moe)."""
+    return rf"blk\.{block}{FFN_EXPS_REGEX}"
+
+
+@dataclass(frozen=True, slots=True)
+class OverrideRule:
+    """``REGEX=TARGET`` (llama.cpp's ``-ot``): tensors whose name the regex finds
+    (``re.search``) go to TARGET, a pool's name or a llama.cpp buffer name (``CPU``: the
+    fallback pool; ``CUDA<i>``: the pool on ``cuda:<i>``)."""
+
+    pattern: str
+    target: str
+
+    @classmethod
+    def parse(cls, text: str) -> OverrideRule:
+        """``REGEX=TARGET``; ValueError names what is wrong."""
+        pattern, sep, target = text.rpartition("=")
+        if not sep or not pattern or not target:
+            raise ValueError(f"expected REGEX=POOL (llama.cpp's -ot form), found {text!r}")
+        try:
+            re.compile(pattern)
+        except (re.error, OverflowError, RecursionError) as exc:
+            raise ValueError(f"bad regular expression {pattern!r}: {exc}") from None
+        return cls(pattern, target)
+
+    def __str__(self) -> str:
+        return f"{self.pattern}={self.target}"
+
+
 @dataclass(frozen=True, slots=True)
 class PlacementConfig:
-    """``runtime.placement``: which pool each tensor starts in."""
+    """``runtime.placement``: which pool each tensor starts in, in llama.cpp's vocabulary
+    (``runtime/placement.py`` applies it; docs/configuration.md has the table).
 
-    gpu_layers: int = -1  # first N blocks on the first pool, the rest on the next; -1: all
-    experts_pool: str | None = None  # pool for MoE expert tensors, if not the layer's pool
-    split_experts: bool = False  # a family that fits no single pool is split by expert ranges
+    ``gpu_layers`` is ``-ngl``, ``override_tensor`` its ``-ot`` rules, ``cpu_moe``/``n_cpu_moe``
+    ``--cpu-moe``/``--n-cpu-moe``, ``tensor_split`` ``-ts``, ``fit_margin`` ``--fit-target``
+    (bytes). ``experts_pool`` sends every expert family to one pool (a rule after the others);
+    ``split_experts`` splits a family that fits no single pool by expert ranges.
+    """
+
+    gpu_layers: GpuLayers = None
+    override_tensor: tuple[OverrideRule, ...] = ()
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
+    tensor_split: tuple[float, ...] = ()
+    fit_margin: int = DEFAULT_FIT_MARGIN
+    experts_pool: str | None = None
+    split_experts: bool = False
+
+    @property
+    def user_rules(self) -> bool:
+        """Whether any override rule was set (``-ot``, ``--cpu-moe``, ``--n-cpu-moe``)."""
+        return bool(self.override_tensor) or self.cpu_moe or self.n_cpu_moe > 0
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether llama.cpp's layer placement applies (any of its keys is set)."""
+        return self.gpu_layers is not None or self.user_rules or bool(self.tensor_split)
+
+    def rules(self) -> list[OverrideRule]:
+        """Every override in the order llama.cpp tries them: ``-ot`` rules first, then the ones
+        ``--cpu-moe`` and ``--n-cpu-moe`` add."""
+        rules = list(self.override_tensor)
+        if self.cpu_moe:
+            rules.append(OverrideRule(FFN_EXPS_REGEX, CPU_BUFFER))
+        rules += [OverrideRule(block_regex(i), CPU_BUFFER) for i in range(self.n_cpu_moe)]
+        return rules
 
 
 class ServeMode(str, enum.Enum):

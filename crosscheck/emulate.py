@@ -15,6 +15,11 @@ converts the activations to the weight type's ``vec_dot_type`` and takes integer
   minimum ``m_w`` meets an F16-rounded block sum.
 - K-quants: activations as Q8_K (blocks of 256, ``q = nearest_int(-127 x / max)``, float scale).
 
+With ``ROUNDING = "ik"`` it rounds as ik_llama.cpp's CPU kernels do instead: the activations of
+every quantized weight to ik's Q8_2_X4 (``_ik_q8_2``), and the keys and values of attention to
+F16, because ik keeps deepseek2's latent cache in the V cache's type, which it allows to be other
+than F16 only with flash attention (which aborts on CPUs without AVX-VNNI).
+
 It also rounds GELU as ggml's CPU kernels do (``GGML_GELU_FP16``: the input rounded to F16, the
 result read from a table of F16 values; gemma3's GeGLU).
 
@@ -26,6 +31,7 @@ whatever remains without it is that rounding, not a difference in dequantization
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,13 +40,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
-from ggufswap.runtime.models import deepseek2, gpt_oss, llama
-from ggufswap.runtime.models.deepseek2 import RoutedExperts
+from ggufswap.runtime.models import deepseek2
+from ggufswap.runtime.models.blocks import MoEFeedForward, RoutedExperts, weights
 from ggufswap.runtime.models.ggml_numerics import VEC_DOT, gelu, q8_blocks, round_activations
 from ggufswap.runtime.models.hparams import Gating
-from ggufswap.runtime.models.llama import MoEFeedForward
+from ggufswap.shards import read_header
 from ggufswap.shards.ggml_types import GGMLType
 
 Q = GGMLQuantizationType
@@ -51,14 +57,40 @@ class _Weight:
     """What ggml would do with one weight: its type and, for Q4_1, its block minima (None: the
     F16 rounding of Q8_1's block sums is not emulated)."""
 
-    def __init__(self, ggml_type: GGMLQuantizationType, mins: torch.Tensor | None) -> None:
+    def __init__(
+        self, ggml_type: GGMLQuantizationType | GGMLType, mins: torch.Tensor | None
+    ) -> None:
         self.ggml_type, self.mins = ggml_type, mins  # mins: [out, K/32]
 
 
+# Whose CPU rounding ``emulating`` reproduces: llama.cpp's ggml, or ik_llama.cpp's ("ik": its
+# AVX2 iqk kernels round the activations of every quantized type the cross-check uses to Q8_2_X4,
+# ``_ik_q8_2``). ``families.py`` sets it for the family it checks.
+ROUNDING = "llama.cpp"
+
+
+def _ik_q8_2(x: torch.Tensor) -> torch.Tensor:
+    """ik_llama.cpp's ``quantize_row_q8_2_x4`` (AVX2): blocks of 32, ``d = amax / 127`` rounded to
+    BF16, ``q = rint(x * (1 / d))`` with ties to even; each block's integer sum is kept exact, so
+    a Q4_1 weight's minimum meets no rounded sum. ``x [N, K]`` float32 -> ``q * d``."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127.0).bfloat16().float()
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).reshape(x.shape)
+
+
 def _emulated(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, info: _Weight) -> Any:
-    """The product in float64 on activations rounded by the package's ggml numerics."""
+    """The product in float64 on activations rounded by the package's ggml numerics (or by
+    ik_llama.cpp's rule, ``ROUNDING``)."""
     flat = x.reshape(-1, x.shape[-1]).float()
-    vec_dot = VEC_DOT.get(GGMLType(int(info.ggml_type)), GGMLType.F32)
+    weight_type = GGMLType(int(info.ggml_type))
+    vec_dot = VEC_DOT.get(weight_type, GGMLType.F32)
+    if ROUNDING == "ik" and weight_type not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        # ik's AVX2 vec_dot types: Q8_K for its IQ*_K and IQ*_KS types, Q8_2_X4 for the others
+        ik_q8_k = weight_type.name.startswith("IQ") and "_K" in weight_type.name
+        xq = round_activations(flat, GGMLType.Q8_K) if ik_q8_k else _ik_q8_2(flat)
+        y = F.linear(xq.double(), w.double(), None if b is None else b.double())
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     xq = round_activations(flat, vec_dot).double()
     extra = None
     if vec_dot is GGMLType.Q8_1 and info.mins is not None:
@@ -76,38 +108,59 @@ def _gelu_fp16_table(input: torch.Tensor, approximate: str = "none") -> torch.Te
     return gelu(input)
 
 
-def _q4_1_mins(reader: GGUFReader, name: str) -> torch.Tensor:
+def _q4_1_mins(record: Any) -> torch.Tensor:
     """``[rows, K/32]`` block minima of a Q4_1 tensor (rows over every expert)."""
-    t = next(t for t in reader.tensors if t.name == name)
-    raw = np.asarray(t.data, dtype=np.uint8).reshape(-1, Q4_1_BLOCK_BYTES)
+    with open(record.path, "rb") as f:
+        f.seek(record.offset)
+        raw = np.frombuffer(f.read(record.nbytes), dtype=np.uint8).reshape(-1, Q4_1_BLOCK_BYTES)
     mins = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
-    k = int(t.shape[0])
-    return torch.from_numpy(mins.reshape(-1, k // 32))
+    return torch.from_numpy(mins.reshape(-1, record.ne[0] // 32))
+
+
+def _row_groups(metadata: Any, name: str, w: torch.Tensor) -> int:
+    """How many matrices ggml multiplies ``w`` as: its experts (or heads) when 3-D; the heads of
+    ik_llama.cpp's 2-D ``attn_k_b`` / ``attn_v_b`` (``[H * rows, cols]``, reshaped per head in its
+    graph); else 1."""
+    if w.dim() == 3:
+        return int(w.shape[0])
+    if name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
+        return int(metadata["deepseek2.attention.head_count"])
+    return 1
 
 
 @contextmanager
 def emulating(runtime: Any, path: Path, *, q8_1_sums: bool = True) -> Iterator[None]:
-    """Within the block, ``llama.linear`` rounds activations as ggml's CPU matmul does for the
-    type of the weight it multiplies (found by the weight's data pointer in ``runtime.store``),
-    and GELU goes through ggml's F16 table. ``q8_1_sums=False`` leaves out the F16 rounding of
-    Q8_1's block sums (Q4_1 weights), to measure what it alone contributes."""
-    reader = GGUFReader(path)
-    types = {t.name: GGMLQuantizationType(t.tensor_type) for t in reader.tensors}
+    """Within the block, the decoders' ``linear`` rounds activations as ggml's CPU matmul does
+    for the type of the weight it multiplies (found by the weight's data pointer in
+    ``runtime.store``), and GELU goes through ggml's F16 table. ``q8_1_sums=False`` leaves out
+    the F16 rounding of Q8_1's block sums (Q4_1 weights), to measure what it alone contributes."""
+    header = read_header(path)  # the project's reader: ik_llama.cpp's types too
     table: dict[int, _Weight] = {}
     store = runtime.store
-    for name, ggml_type in types.items():
+    for name, record in header.tensor_map().items():
+        ggml_type = record.ggml_type
         with_sums = q8_1_sums and ggml_type == Q.Q4_1
-        mins = _q4_1_mins(reader, name) if with_sums else None
+        mins = _q4_1_mins(record) if with_sums else None
         w = store.experts(name)
-        if w.dim() == 3:
-            for e in range(w.shape[0]):
-                rows = w.shape[1]
+        groups = _row_groups(header.metadata, name, w)
+        if groups > 1:  # one matrix per head or expert: ggml multiplies each on its own
+            rows = w.shape[-2] if w.dim() == 3 else w.shape[0] // groups
+            flat = w.reshape(groups, rows, -1)
+            for e in range(groups):
                 part = None if mins is None else mins[e * rows : (e + 1) * rows]
-                table[w[e].data_ptr()] = _Weight(ggml_type, part)
+                table[flat[e].data_ptr()] = _Weight(ggml_type, part)
         else:
             table[w.data_ptr()] = _Weight(ggml_type, mins)
-    original = llama.linear
+    original = weights.linear
     original_gelu = F.gelu
+    # Every module of the models package that multiplies through ``linear`` (blocks and
+    # architectures alike) calls the name it imported: patch each of them.
+    users = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("ggufswap.runtime.models")
+        and getattr(module, "linear", None) is original
+    ]
 
     def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         info = table.get(w.data_ptr())
@@ -122,17 +175,28 @@ def emulating(runtime: Any, path: Path, *, q8_1_sums: bool = True) -> Iterator[N
         """deepseek2's per-head products (attn_k_b, attn_v_b): one ggml matmul per head."""
         return torch.stack([linear(x[..., h, :], w[h]) for h in range(w.shape[0])], dim=-2)
 
-    llama.linear = linear
+    original_attention = F.scaled_dot_product_attention
+
+    def f16_cache_attention(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any
+    ) -> torch.Tensor:
+        """ik_llama.cpp keeps the latent cache in the V cache's type, F16 (module docstring)."""
+        return original_attention(q, k.half().to(k.dtype), v.half().to(v.dtype), **kw)
+
+    for module in users:
+        module.linear = linear  # type: ignore[attr-defined]
     deepseek2.head_linear = head_linear
-    gpt_oss.linear = linear
     F.gelu = _gelu_fp16_table
+    if ROUNDING == "ik":
+        F.scaled_dot_product_attention = f16_cache_attention
     try:
         yield
     finally:
-        llama.linear = original
+        for module in users:
+            module.linear = original  # type: ignore[attr-defined]
         deepseek2.head_linear = original_head
-        gpt_oss.linear = original
         F.gelu = original_gelu
+        F.scaled_dot_product_attention = original_attention
 
 
 # --- routing ---------------------------------------------------------------------------------

@@ -7,19 +7,19 @@ package the step says so and is skipped). The text is ``tests/fixtures/gemma_rea
 (public-domain English: the Gettysburg Address and the opening of *A Tale of Two Cities*).
 
 1. **Tokens.** The project's tokenizer tokenizes the text as the sweep does
-   (``sweep.text_tokens``: BOS in front when the vocabulary adds it); llama.cpp tokenizes it as
+   (``perplexity.text_tokens``: BOS in front when the vocabulary adds it); llama.cpp tokenizes it as
    ``llama-perplexity`` does. They must be equal.
-2. **Chunks.** The sweep's protocol (``kld.text_chunks``, ``kld.eval_batch``): ``N_CTX``-token
-   chunks, each evaluated alone, its first token replaced by BOS. llama.cpp (``llama_logits.py``:
-   F32 KV cache, one thread) computes every position's logits of every chunk twice (``SIDES``):
-   on the file as shipped, and on a copy with every tensor dequantized to F32 by gguf-py
-   (``write_dequantized``: the values the project's decoder computes with, so llama.cpp's
+2. **Chunks.** The one protocol (``perplexity.text_chunks``, ``perplexity.eval_batch``):
+   ``N_CTX``-token chunks, each evaluated alone, its first token replaced by BOS. llama.cpp
+   (``llama_logits.py``: F32 KV cache, one thread) computes every position's logits of every chunk
+   twice (``SIDES``): on the file as shipped, and on a copy with every tensor dequantized to F32 by
+   gguf-py (``write_dequantized``: the values the project's decoder computes with, so llama.cpp's
    quantized kernels and their 8-bit activation rounding are out of the picture). The project's
    decoder computes them on the shipped file, through the tensor store as the server reads it.
 3. **Logits.** The first chunk is the fixed real-text sequence: top-1 agreement, mean and max KL
    divergence, max |delta logit| / std over its positions (``xcheck.compare``), for each side.
 4. **Perplexity.** Each side's PPL under the protocol (the second half of every chunk scored,
-   ``kld.encode_base_rows``' NLL), and llama-perplexity's KLD figures of the project's logits
+   ``basefile.encode_base_rows``' NLL), and llama-perplexity's KLD figures of the project's logits
    against each llama.cpp run as the baseline (``kld.KldStats``).
 
 It then writes the golden fixture ``tests/fixtures/gemma_real/golden.{json,npz}`` (llama.cpp's
@@ -83,7 +83,7 @@ def real_model() -> Path | None:
 def project_tokens(path: Path) -> tuple[list[int], int | None]:
     """The text's tokens as the sweep makes them, and the BOS id the chunks start with."""
     from ggufswap.runtime.serving import GgufTokenizer
-    from ggufswap.runtime.serving.sweep import text_tokens
+    from ggufswap.runtime.serving.perplexity import text_tokens
 
     return text_tokens(GgufTokenizer.from_file(path), TEXT.read_text(encoding="utf-8"))
 
@@ -91,7 +91,7 @@ def project_tokens(path: Path) -> tuple[list[int], int | None]:
 def eval_chunks(tokens: list[int], bos: int | None) -> tuple[np.ndarray, np.ndarray]:
     """``(chunks, batch)``, both ``[C, N_CTX]``: the text cut as llama-perplexity cuts it, and the
     chunks as evaluated (first token BOS)."""
-    from ggufswap.runtime.serving.kld import eval_batch, text_chunks
+    from ggufswap.runtime.serving.perplexity import eval_batch, text_chunks
 
     chunks = text_chunks(tokens, n_ctx=N_CTX)
     return chunks, eval_batch(chunks, bos).numpy()
@@ -121,10 +121,11 @@ def project_chunk_logits(path: Path, batch: np.ndarray) -> Iterator[np.ndarray]:
 
 def chunk_nll(logits: np.ndarray, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(rows, nll)`` of one chunk's scored positions: llama.cpp's 16-bit base rows and the NLL
-    of each actual next token (``kld.encode_base_rows``)."""
+    of each actual next token (``basefile.encode_base_rows``)."""
     import torch
 
-    from ggufswap.runtime.serving.kld import encode_base_rows, first_scored
+    from ggufswap.runtime.serving.perplexity import first_scored
+    from ggufswap.sweep.basefile import encode_base_rows
 
     first = first_scored(N_CTX)
     targets = torch.from_numpy(chunk[first + 1 :].astype(np.int64))
@@ -313,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import xcheck
 
-    from ggufswap.runtime.serving.kld import KldStats, first_scored
+    from ggufswap.runtime.serving.perplexity import first_scored
+    from ggufswap.sweep.kld import KldStats
 
     torch.set_num_threads(1)
     path = real_model()
@@ -385,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_figures_line(f"golden positions (top-{TOP_K} + rest)", at_golden))
         print(
             f"  PPL {side.ppl:.4f} (ln ratio {ln_ratio:+.2e}); KLD of ggufswap's logits against "
-            f"it as the base: mean {kld.kld_mean:.2e} ± {kld.kld_unc:.1e}  p99 {kld.kld_p99:.2e}"
-            f"  max {kld.kld_max:.2e}  same top {kld.same_top:.1%}  dp RMS {100 * kld.dp_rms:.3f}%"
+            f"it as the base: mean {kld.kld_mean:.2e} ± {kld.kld_unc:.1e}  "
+            f"p99 {kld.percentiles['kld_p99']:.2e}  max {kld.percentiles['kld_max']:.2e}  "
+            f"same top {kld.same_top:.1%}  dp RMS {100 * kld.dp_rms:.3f}%"
         )
         manifest["sides"][name] = {
             "ppl_llama_cpp": side.ppl,

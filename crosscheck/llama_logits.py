@@ -8,10 +8,14 @@ are evaluated in one batch, and OUT gets one
 ``[T, V]`` float32 array per case. A model llama.cpp refuses gets no array; its load log's tail
 is printed under the case name on stdout as JSON (``{"refused": {case: log}}``).
 
-Optional JOBS fields: ``"case_tokens": {case: [...]}`` gives a case its own tokens instead of
-``tokens``; ``"tokenize": {"model": path, "text": str}`` has llama.cpp tokenize the text with that
-model's vocabulary as ``llama-perplexity`` does (``common_tokenize(..., add_special=true,
-parse_special=false)``: BOS in front when the vocabulary adds it), reported as ``"tokenized"``.
+Optional JOBS fields: ``"quantize": [{"src", "dst", "ftype"}]`` has llama.cpp's quantizer
+(``llama_model_quantize``, what ``llama-quantize`` runs; ``ftype`` a ``LLAMA_FTYPE_*`` number)
+write each ``dst`` first, reported as ``"quantized"``; ``"ubatch": N`` evaluates in
+micro-batches of N tokens (long sequences); ``"case_tokens": {case: [...]}`` gives a case its own
+tokens instead of ``tokens``; ``"tokenize": {"model": path, "text": str}`` has llama.cpp
+tokenize the text with that model's vocabulary as ``llama-perplexity`` does
+(``common_tokenize(..., add_special=true, parse_special=false)``: BOS in front when the vocabulary
+adds it), reported as ``"tokenized"``.
 
 Imports only numpy and llama_cpp: this venv does not have the project installed.
 """
@@ -33,15 +37,19 @@ LOG_TAIL_CHARS = 2000
 GGML_TYPE_F32 = 0  # the KV cache's default here: see the jobs' kv_type
 
 
-def logits_of(path: str, tokens: list[int], *, kv_type: int) -> np.ndarray:
-    """``[T, V]`` logits of ``tokens`` evaluated in one batch, K and V cached as ``kv_type``."""
+def logits_of(
+    path: str, tokens: list[int], *, kv_type: int, ubatch: int | None = None
+) -> np.ndarray:
+    """``[T, V]`` logits of ``tokens`` evaluated in one batch (or in micro-batches of ``ubatch``
+    tokens through the KV cache), K and V cached as ``kv_type``."""
+    batch = len(tokens) if ubatch is None else min(ubatch, len(tokens))
     llm = Llama(
         type_k=kv_type,
         type_v=kv_type,
         model_path=path,
         n_ctx=max(64, len(tokens)),
-        n_batch=len(tokens),
-        n_ubatch=len(tokens),
+        n_batch=batch,
+        n_ubatch=batch,
         logits_all=True,
         n_threads=1,
         n_threads_batch=1,
@@ -80,8 +88,22 @@ def tokenize(path: str, text: str) -> list[int]:
         llm.close()
 
 
+def quantize(src: str, dst: str, ftype: int) -> None:
+    """``dst``: ``src`` quantized by llama.cpp (its default parameters, one thread)."""
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 1
+    status = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize({src} -> {dst}, ftype {ftype}) returned {status}")
+
+
 def main(argv: list[str]) -> int:
     jobs = json.loads(Path(argv[1]).read_text())
+    quantized = []
+    for job in jobs.get("quantize", []):
+        quantize(job["src"], job["dst"], int(job["ftype"]))
+        quantized.append(job["dst"])
     tokens = [int(t) for t in jobs.get("tokens", [])]
     case_tokens = {c: [int(t) for t in ts] for c, ts in jobs.get("case_tokens", {}).items()}
     kv_type = int(jobs.get("kv_type", GGML_TYPE_F32))
@@ -89,7 +111,10 @@ def main(argv: list[str]) -> int:
     refused: dict[str, str] = {}
     for case, path in jobs["models"].items():
         try:
-            out[case] = logits_of(path, case_tokens.get(case, tokens), kv_type=kv_type)
+            case_ubatch = jobs.get("ubatch")
+            out[case] = logits_of(
+                path, case_tokens.get(case, tokens), kv_type=kv_type, ubatch=case_ubatch
+            )
         except (ValueError, RuntimeError) as exc:
             refused[case] = f"{exc}\n{load_log(path, tokens)}"
     arrays: dict[str, Any] = {f"case{i}": out[c] for i, c in enumerate(out)}
@@ -98,6 +123,7 @@ def main(argv: list[str]) -> int:
         "version": llama_cpp.__version__,
         "cases": list(out),
         "refused": refused,
+        "quantized": quantized,
     }
     if "tokenize" in jobs:
         report["tokenized"] = tokenize(jobs["tokenize"]["model"], jobs["tokenize"]["text"])

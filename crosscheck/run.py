@@ -32,14 +32,20 @@ HERE = Path(__file__).resolve().parent
 
 
 def llama_cpp_logits(
-    python: str, paths: dict[str, Path], tmp: Path
+    python: str,
+    paths: dict[str, Path],
+    tmp: Path,
+    *,
+    quantize: list[dict[str, Any]] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Run ``llama_logits.py`` under ``python``; returns the logits by case and its report."""
+    """Run ``llama_logits.py`` under ``python``; returns the logits by case and its report.
+    ``quantize``: llama.cpp's quantizer writes these files first (``llama_logits.py``)."""
     jobs = tmp / "jobs.json"
     out = tmp / "llama.npz"
-    jobs.write_text(
-        json.dumps({"tokens": xcheck.TOKENS, "models": {c: str(p) for c, p in paths.items()}})
-    )
+    job: dict[str, Any] = {"tokens": xcheck.TOKENS, "models": {c: str(p) for c, p in paths.items()}}
+    if quantize:
+        job["quantize"] = quantize
+    jobs.write_text(json.dumps(job))
     done = subprocess.run(
         [python, str(HERE / "llama_logits.py"), str(jobs), str(out)],
         check=True,
@@ -61,7 +67,9 @@ def summary_table(figures: dict[str, xcheck.Figures], entries: dict[str, Any]) -
     a dagger where the threshold is missed because of llama.cpp's own rounding)."""
     types = [t.name for t in xcheck.CHECK_TYPES]
     lines = ["| variant | " + " | ".join(types) + " |", "|---" * (len(types) + 1) + "|"]
-    for variant in xcheck.VARIANTS:
+    for variant in xcheck.ALL_VARIANTS:
+        if not any(f"{variant}/{t}" in figures for t in types):
+            continue  # not run (--only, --family)
         cells = []
         for t in types:
             f = figures.get(f"{variant}/{t}")
@@ -103,7 +111,12 @@ def _within(routing: Routing, *, emulate: bool) -> Callable[[Any, Path], Any]:
 
 
 def check_case(
-    name: str, path: Path, reference: np.ndarray, *, emulate_only: bool
+    name: str,
+    path: Path,
+    reference: np.ndarray,
+    *,
+    emulate_only: bool,
+    limit: xcheck.Threshold | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """The manifest entry of one case (figures, and an allowance when a miss is explained) and
     its failures.
@@ -113,7 +126,7 @@ def check_case(
     (recorded as the case's allowance, with the routing decisions it flips); if not, it fails.
     """
     ggml_type = next(t for t in xcheck.CHECK_TYPES if name.endswith("/" + t.name))
-    limit = xcheck.case_threshold(name)
+    limit = limit or xcheck.case_threshold(name)
     routing: Routing = []
     ours = xcheck.project_logits(path, within=_within(routing, emulate=emulate_only))
     full = xcheck.compare(reference, ours)
@@ -201,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-python", required=True, help="Python with llama-cpp-python")
     parser.add_argument("--only", help="run the cases whose name contains this (no fixtures)")
+    parser.add_argument(
+        "--family",
+        choices=sorted(xcheck.FAMILY_VARIANTS),
+        help="run one family's cases and rewrite only its fixture files (xcheck.FAMILY_VARIANTS)",
+    )
     parser.add_argument("--details", action="store_true", help="print one row per case too")
     parser.add_argument(
         "--emulate-ggml-activations",
@@ -216,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     cases = xcheck.all_cases()
     if args.only:
         cases = {name: spec for name, spec in cases.items() if args.only in name}
+    if args.family:
+        cases = {
+            name: spec for name, spec in cases.items() if xcheck.family_of(name) == args.family
+        }
     manifest: dict[str, Any] = {"tokens": list(xcheck.TOKENS), "cases": {}}
     figures: dict[str, xcheck.Figures] = {}
     failures: list[str] = []
@@ -239,15 +261,16 @@ def main(argv: list[str] | None = None) -> int:
             failures += missed
             spec_json = xcheck.spec_to_json(spec)
             manifest["cases"][name] = {"spec": spec_json, "sha256": hashes[name], **entry}
-        if not args.only and not args.emulate_ggml_activations:
+        if not args.only and not args.family and not args.emulate_ggml_activations:
             print()
             failures += extra_checks(args.llama_python, cases, tmp)
     print("\n" + summary_table(figures, manifest["cases"]))
     if args.details:
         print("\n" + detail_table(figures))
     if not args.only and not args.emulate_ggml_activations and not report["refused"]:
-        xcheck.save_golden(manifest, reference)
-        print(f"\ngolden fixtures written to {xcheck.FIXTURES}")
+        xcheck.save_golden_by_family(manifest, reference)
+        where = xcheck.family_fixtures(args.family)
+        print(f"\ngolden fixtures written to {where}{'' if args.family else ' (and each family)'}")
     for failure in failures:
         print("FAILED " + failure, file=sys.stderr)
     return 1 if failures else 0

@@ -22,19 +22,18 @@ import numpy as np
 import torch
 
 from ggufswap.runtime.serving import GgufTokenizer
-from ggufswap.runtime.serving.kld import (
-    BaseLogProbs,
-    KldStats,
-    encode_base_rows,
-    eval_batch,
-    first_scored,
-)
-from ggufswap.runtime.serving.sweep_results import JOURNAL
+from ggufswap.runtime.serving.perplexity import eval_batch, first_scored
 from ggufswap.shards import requantize
+from ggufswap.sweep.basefile import BaseLogProbs, encode_base_rows
+from ggufswap.sweep.kld import KldStats
+from ggufswap.sweep.results import JOURNAL
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_LLAMA_PYTHON = HERE.parent / ".venv-crosscheck" / "bin" / "python"
-FIGURES = ("ppl", "ppl_base", "ln_ppl_ratio", "kld_mean", "kld_p99", "kld_max", "dp_rms")
+FIGURES = (
+    "ppl", "ppl_base", "ln_ppl_ratio", "kld_mean", "kld_median", "kld_p99", "kld_max", "dp_rms",
+    "same_top",
+)  # fmt: skip
 
 
 def llama_logits(python: Path, tokens: list[int], models: dict[str, str], tmp: Path) -> dict:
@@ -88,14 +87,15 @@ def main() -> int:
             targets = base.targets(c)
             rows, _ = encode_base_rows(torch.from_numpy(logits["base"][first : n_ctx - 1]), targets)
             stats.add(torch.from_numpy(logits["swapped"][first : n_ctx - 1]), rows, targets)
-    theirs = stats.result()
+    theirs = stats.result().as_metrics()
     ours = record["metrics"]
-    print(f"round {record['key']} ({base.n_chunk} chunks of {n_ctx}, {theirs.count} scored)")
+    print(f"round {record['key']} ({base.n_chunk} chunks of {n_ctx}, {theirs['count']} scored)")
     print(f"{'figure':<14}{'ggufswap':>14}{'llama.cpp':>14}{'rel. diff':>12}")
     for key in FIGURES:
-        a, b = float(ours[key]), float(getattr(theirs, key))
+        a, b = float(ours[key]), float(theirs[key])
         rel = abs(a - b) / abs(b) if b else float("nan")
         print(f"{key:<14}{a:>14.6f}{b:>14.6f}{100 * rel:>11.2f}%")
+    print(f"kld_mean unc  {ours['kld_unc']:>14.6f}{theirs['kld_unc']:>14.6f}")
     return 0
 
 

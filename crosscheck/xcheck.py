@@ -26,17 +26,28 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from ggufswap.shards.archs import rules_of
+from ggufswap.shards.ggml_types import GGMLType
 from ggufswap.shards.keys import Arch
 from ggufswap.shards.presets import (
     deepseek2_wide,
     demo_moe,
+    gemma4_wide,
+    hybrid_wide,
     tiny_arch,
     tiny_deepseek2,
     tiny_dense,
+    tiny_dots1,
+    tiny_gemma4,
     tiny_glm4moe,
     tiny_gpt_oss,
     tiny_llama3,
+    tiny_llama4,
+    tiny_minimax_m2,
     tiny_moe,
+    tiny_qwen3next,
+    tiny_qwen3vlmoe,
+    tiny_qwen35,
+    tiny_qwen35moe,
 )
 from ggufswap.shards.writer import (
     DEFAULT_TYPES,
@@ -73,12 +84,17 @@ class Threshold:
     exact_top1: bool
 
 
-def threshold(ggml_type: GGMLQuantizationType) -> Threshold:
-    """Top-1 100% and mean KLD < 1e-4 for F32/F16; < 1e-3 for Q8_0 (and Q6_K, the 6-bit type
-    issue 12 does not name); < 1e-2 for the 4-bit types."""
+def type_named(name: str) -> GGMLQuantizationType | GGMLType:
+    """A GGML type by name: gguf-py's, or one of ik_llama.cpp's (``GGMLType``)."""
+    return Q[name] if name in Q.__members__ else GGMLType[name]
+
+
+def threshold(ggml_type: GGMLQuantizationType | GGMLType) -> Threshold:
+    """Top-1 100% and mean KLD < 1e-4 for F32/F16; < 1e-3 for Q8_0 (and the 6-bit Q6_K and ik's
+    Q6_0, which issue 12 does not name); < 1e-2 for the 4-bit types (ik's IQ4_K among them)."""
     if ggml_type in (Q.F32, Q.F16):
         return Threshold(1e-4, exact_top1=True)
-    if ggml_type in (Q.Q8_0, Q.Q6_K):
+    if ggml_type in (Q.Q8_0, Q.Q6_K, GGMLType.Q6_0):
         return Threshold(1e-3, exact_top1=False)
     return Threshold(1e-2, exact_top1=False)
 
@@ -115,6 +131,18 @@ def _glm4moe(**fixed: Any) -> Callable[..., ModelSpec]:
         if kw.get("n_embd") == WIDE["n_embd"]:
             kw = {"head_dim": 64, "rope_dim": 32, **kw}
         return tiny_glm4moe(**{**kw, **fixed})
+
+    return build
+
+
+def _hybrid(preset: Callable[..., ModelSpec]) -> Callable[..., ModelSpec]:
+    """A Qwen3.5 / Qwen3-Next preset; widened (``hybrid_wide``: heads, delta-net state) when
+    asked for the K-quant rows of 256."""
+
+    def build(**kw: Any) -> ModelSpec:
+        if kw.get("n_embd") == WIDE["n_embd"]:
+            kw = hybrid_wide(**kw)
+        return preset(**kw)
 
     return build
 
@@ -164,6 +192,10 @@ VARIANTS: Final[Mapping[str, Callable[..., ModelSpec]]] = {
     "llama-rope-freqs": tiny_llama3,  # llama 3.1 RoPE scaling: rope_freqs.weight
     "gpt-oss": tiny_gpt_oss,  # every matrix in the case's type, experts included
     "gpt-oss-mxfp4": tiny_gpt_oss,  # experts in MXFP4 as OpenAI ships them (PINNED_TYPES)
+    # gated delta-net blocks 0-2 (conv and recurrent state), gated full attention in block 3
+    "qwen35": _hybrid(tiny_qwen35),  # interleaved multimodal RoPE sections, dense FFN
+    "qwen35moe": _hybrid(tiny_qwen35moe),  # routed experts + gated shared expert
+    "qwen3next": _hybrid(tiny_qwen3next),  # ssm_ba, interleaved value heads, NEOX RoPE
 }
 _EXPERT_ROLES: Final = (Role.FFN_GATE_EXPS, Role.FFN_UP_EXPS, Role.FFN_DOWN_EXPS)
 # Variants some of whose roles keep their type whatever the case's type is.
@@ -172,8 +204,94 @@ PINNED_TYPES: Final[Mapping[str, Mapping[Role, GGMLQuantizationType]]] = {
 }
 
 
-# deepseek2's attention and glm4moe's NextN matrix roles: only their cases set them (the other
-# specs have no such tensors, and their recorded specs predate the roles).
+def _gemma4(**fixed: Any) -> Callable[..., ModelSpec]:
+    """``tiny-gemma4`` with ``fixed`` options; widened (``gemma4_wide``: both head widths too)
+    when asked for the K-quant rows of 256."""
+
+    def build(**kw: Any) -> ModelSpec:
+        if kw.get("n_embd") == WIDE["n_embd"]:
+            kw = gemma4_wide(**kw)
+        return tiny_gemma4(**{**fixed, **kw})  # the wide widths win over a fixed width
+
+    return build
+
+
+def _dots1(**fixed: Any) -> Callable[..., ModelSpec]:
+    """``tiny-dots1`` with ``fixed`` options (the K-quant rows: ``WIDE``, heads of 64)."""
+
+    def build(**kw: Any) -> ModelSpec:
+        return tiny_dots1(**{**kw, **fixed})
+
+    return build
+
+
+# Families whose golden fixtures live in files of their own (``tests/fixtures/crosscheck/<family>``,
+# ``family_fixtures``): an architecture added beside the others records and replays its cases
+# without rewriting the shared ``cases.json`` / ``logits.npz`` (``run.py --family NAME`` records
+# one family). family -> variant name -> spec builder; every matrix role takes the case's type.
+FAMILY_VARIANTS: Final[Mapping[str, Mapping[str, Callable[..., ModelSpec]]]] = {
+    "qwen3vlmoe": {
+        # qwen3moe's blocks, interleaved multimodal RoPE over the whole head (one pair unrotated)
+        "qwen3vlmoe": tiny_qwen3vlmoe,
+        "qwen3vlmoe-tied": lambda **kw: tiny_qwen3vlmoe(tied_output=True, **kw),
+    },
+    "minimax-m2": {
+        # Q/K norms across heads, half-rotated heads, sigmoid + exp_probs_b, renormalised
+        "minimax-m2": tiny_minimax_m2,
+        "minimax-m2-softmax": lambda **kw: tiny_minimax_m2(expert_gating_func=1, **kw),
+    },
+    "llama4": {
+        # Maverick-like: MoE every 2nd block, chunked RoPE layers + a NoPE layer, rope_freqs
+        "llama4": tiny_llama4,
+        # Scout-like: MoE in every block, 2 experts used, tied output, no rope_freqs
+        "llama4-scout-tied": lambda **kw: tiny_llama4(
+            moe_layer_step=1, n_expert_used=2, tied_output=True, rope_llama3_factor=0.0, **kw
+        ),
+    },
+    "gemma4": {
+        # Gemma 4 31B-like: 5 sliding + 1 full layer of other head shapes, V = K, proportional RoPE
+        "gemma4": _gemma4(),
+        # 26B-A4B-like: routed experts beside the dense MLP in every block; attn_v everywhere, tied
+        "gemma4-moe-tied": _gemma4(
+            n_expert=4, n_expert_used=2, n_ff_expert=32, attn_k_eq_v=False, tied_output=True
+        ),
+    },
+    "dots1": {
+        # deepseek2's routed blocks (sigmoid + bias, norm, scale, a shared expert, a dense
+        # block) under qwen3's attention
+        "dots1": _dots1(),
+        # softmax, no bias, 4 groups of 2 (2 used), no norm or scale
+        "dots1-softmax-groups": _dots1(
+            expert_gating_func=1,
+            expert_probs_bias=False,
+            n_expert_groups=4,
+            n_group_used=2,
+            expert_weights_norm=False,
+            expert_weights_scale=0.0,
+        ),
+    },
+}
+# Every variant: the shared ones, then each family's.
+ALL_VARIANTS: Final[Mapping[str, Callable[..., ModelSpec]]] = {
+    **VARIANTS,
+    **{name: build for family in FAMILY_VARIANTS.values() for name, build in family.items()},
+}
+
+
+def family_of(case: str) -> str | None:
+    """The family whose fixture files hold ``case`` (``variant/TYPE``), or None (the shared
+    files)."""
+    variant = case.rpartition("/")[0]
+    return next((f for f, variants in FAMILY_VARIANTS.items() if variant in variants), None)
+
+
+def family_fixtures(family: str | None) -> Path:
+    """The folder of a family's fixture files (None: the shared ``FIXTURES``)."""
+    return FIXTURES if family is None else FIXTURES / family
+
+
+# deepseek2's attention and glm4moe's NextN matrix roles (DSA_ROLES: the indexer's): only their
+# cases set them (the other specs have no such tensors; their recorded specs predate the roles).
 OWN_ROLES: Final = frozenset(
     {
         Role.ATTN_Q_A,
@@ -183,20 +301,33 @@ OWN_ROLES: Final = frozenset(
         Role.ATTN_K_B,
         Role.ATTN_V_B,
         Role.NEXTN_EH_PROJ,
+        Role.ATTN_QKV,
+        Role.ATTN_GATE,
+        Role.SSM_BETA,
+        Role.SSM_ALPHA,
+        Role.SSM_BETA_ALPHA,
+        Role.SSM_OUT,
     }
 )
+DSA_ROLES: Final = frozenset({Role.INDEXER_PROJ, Role.INDEXER_ATTN_K, Role.INDEXER_ATTN_Q_B})
 
 
-def case_spec(variant: str, ggml_type: GGMLQuantizationType) -> ModelSpec:
-    """The spec of one case: the variant with every matrix role in ``ggml_type``, widened
-    (``WIDE``) when its rows cannot hold the type's blocks."""
-    build = VARIANTS[variant]
+def case_spec(
+    variant: str,
+    ggml_type: GGMLQuantizationType | GGMLType,
+    build: Callable[..., ModelSpec] | None = None,
+) -> ModelSpec:
+    """The spec of one case: the variant (``build``, else ``VARIANTS``' own) with every matrix
+    role in ``ggml_type``, widened (``WIDE``) when its rows cannot hold the type's blocks."""
+    build = build or ALL_VARIANTS[variant]
     rules = rules_of(build().arch)
-    own = rules.mla or rules.glm
+    own = rules.mla or rules.glm or rules.hybrid or variant not in VARIANTS
     types = {
         role.name: ggml_type
         for role in Role
-        if role not in F32_ROLES and (own or role not in OWN_ROLES)
+        if role not in F32_ROLES
+        and (own or role not in OWN_ROLES)
+        and (rules.dsa or role not in DSA_ROLES)
     }
     types |= {role.name: t for role, t in PINNED_TYPES.get(variant, {}).items()}
     name = f"xc-{variant}-{ggml_type.name.lower()}"
@@ -206,7 +337,7 @@ def case_spec(variant: str, ggml_type: GGMLQuantizationType) -> ModelSpec:
         return replace(build(**WIDE), name=name).with_types(**types)
 
 
-def case_name(variant: str, ggml_type: GGMLQuantizationType) -> str:
+def case_name(variant: str, ggml_type: GGMLQuantizationType | GGMLType) -> str:
     return f"{variant}/{ggml_type.name}"
 
 
@@ -214,7 +345,7 @@ def case_threshold(name: str) -> Threshold:
     """The threshold of case ``variant/TYPE``: its type's, or the loosest of it and the types its
     variant pins (``gpt-oss-mxfp4/F32`` holds 4-bit experts: the 4-bit threshold)."""
     variant, _, type_name = name.rpartition("/")
-    limits = [threshold(GGMLQuantizationType[type_name])]
+    limits = [threshold(type_named(type_name))]
     limits += [threshold(t) for t in PINNED_TYPES.get(variant, {}).values()]
     return Threshold(
         max(limit.max_mean_kld for limit in limits),
@@ -224,7 +355,7 @@ def case_threshold(name: str) -> Threshold:
 
 def all_cases() -> dict[str, ModelSpec]:
     """Every case, by name (``variant/TYPE``), in a stable order."""
-    return {case_name(v, t): case_spec(v, t) for v in VARIANTS for t in CHECK_TYPES}
+    return {case_name(v, t): case_spec(v, t) for v in ALL_VARIANTS for t in CHECK_TYPES}
 
 
 # Beyond the cases: the other layouts make-model writes (the same tensors over several files) and
@@ -277,9 +408,11 @@ def spec_to_json(spec: ModelSpec) -> dict[str, Any]:
 def spec_from_json(data: Mapping[str, Any]) -> ModelSpec:
     """The spec ``spec_to_json`` recorded."""
     kw = dict(data)
-    kw["types"] = {Role[r]: GGMLQuantizationType[t] for r, t in kw.get("types", {}).items()}
+    kw["types"] = {Role[r]: type_named(t) for r, t in kw.get("types", {}).items()}
     if kw.get("moe_layers") is not None:
         kw["moe_layers"] = tuple(kw["moe_layers"])
+    if "rope_sections" in kw:  # a tuple field, a list in JSON
+        kw["rope_sections"] = tuple(kw["rope_sections"])
     return ModelSpec(**kw)
 
 
@@ -373,7 +506,7 @@ class GoldenCase:
     name: str
     spec: ModelSpec
     sha256: str
-    ggml_type: GGMLQuantizationType
+    ggml_type: GGMLQuantizationType | GGMLType
     figures: Mapping[str, Any]  # what make crosscheck measured over every position
     logits: np.ndarray  # [len(GOLDEN_POSITIONS), V] llama.cpp's logits (decoded)
 
@@ -416,11 +549,34 @@ def load_golden(out_dir: Path = FIXTURES) -> tuple[dict[str, Any], dict[str, Gol
                 name=name,
                 spec=spec_from_json(case["spec"]),
                 sha256=case["sha256"],
-                ggml_type=GGMLQuantizationType[case["type"]],
+                ggml_type=type_named(case["type"]),
                 figures=case["figures"],
                 logits=logits,
             )
     return manifest, out
+
+
+def save_golden_by_family(manifest: Mapping[str, Any], logits: Mapping[str, np.ndarray]) -> None:
+    """``save_golden`` into each family's own files (``family_fixtures``): only the groups
+    ``logits`` holds cases of are written."""
+    groups: dict[str | None, list[str]] = {}
+    for name in logits:
+        groups.setdefault(family_of(name), []).append(name)
+    for family, names in groups.items():
+        head = {k: v for k, v in manifest.items() if k != "cases"}
+        part = {**head, "cases": {n: manifest["cases"][n] for n in names}}
+        save_golden(part, {n: logits[n] for n in names}, family_fixtures(family))
+
+
+def load_all_golden() -> tuple[dict[str, Any], dict[str, GoldenCase]]:
+    """The shared manifest (its ``cases`` merged with every family's) and every recorded case."""
+    manifest, cases = load_golden()
+    for family in FAMILY_VARIANTS:
+        if (family_fixtures(family) / MANIFEST.name).exists():
+            more, more_cases = load_golden(family_fixtures(family))
+            manifest["cases"] |= more["cases"]
+            cases |= more_cases
+    return manifest, cases
 
 
 # --- the project's side ---------------------------------------------------------------------
@@ -448,7 +604,7 @@ def project_logits(
     try:
         assert runtime.shards is not None, "open() keeps the shard set"
         model = build_model(
-            HParams.from_metadata(runtime.shards.metadata),
+            HParams.from_metadata(runtime.shards.metadata, source=str(path)),
             runtime.store,
             store=runtime.store,
             numerics=numerics,

@@ -16,6 +16,8 @@ socket.
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -24,9 +26,15 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ggufswap.ipc.codec import decode, encode
-from ggufswap.ipc.errors import IpcError, PeerTimeout
+from ggufswap.ipc.errors import IpcError, PeerRefused, PeerTimeout
 from ggufswap.ipc.messages import Fields, MessageType, Topic, make_message
-from ggufswap.ipc.sockets import DEFAULT_OPTIONS, SocketOptions, connect_endpoint, make_socket
+from ggufswap.ipc.sockets import (
+    DEFAULT_OPTIONS,
+    IPC_SCHEME,
+    SocketOptions,
+    connect_endpoint,
+    make_socket,
+)
 from ggufswap.logs import get_logger
 
 log = get_logger(__name__)
@@ -74,9 +82,12 @@ def request(
     """Send ``msg`` and return its reply (an ``error`` reply is returned, not raised).
 
     Tries ``1 + retries`` times, each on a fresh socket waiting ``timeout_s``; raises
-    ``PeerTimeout`` when no attempt got a reply. Sockets close with LINGER 0 whatever
+    ``PeerTimeout`` when no attempt got a reply, and ``PeerRefused`` at once for an ``ipc://``
+    socket this process may not connect to (libzmq would retry that connect silently, and the
+    request would time out as if no one were there). Sockets close with LINGER 0 whatever
     ``options`` says: a request that timed out is dropped with its socket.
     """
+    check_ipc_access(endpoint)
     data = encode(msg)
     msg_id = str(msg[Fields.ID])
     ctx = context if context is not None else zmq.Context.instance()
@@ -113,6 +124,34 @@ def request(
     )
 
 
+def check_ipc_access(endpoint: str) -> None:
+    """Raise ``PeerRefused`` when ``endpoint`` is an ``ipc://`` socket file that exists and
+    this process may not connect to (connecting needs write permission on it, and search
+    permission on its directories). A missing file is not refused: it may appear."""
+    if not endpoint.startswith(IPC_SCHEME):
+        return
+    path = endpoint[len(IPC_SCHEME) :]
+    if path.startswith("@"):
+        return  # an abstract socket has no file and no permissions
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except PermissionError:
+        raise PeerRefused(
+            f"{endpoint}: permission denied: a directory above {path} may not be searched by "
+            f"this user (uid {os.geteuid()}); run as the socket's owner, a member of its "
+            "directory's group, or root"
+        ) from None
+    if not os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise PeerRefused(
+            f"{endpoint}: permission denied: connecting needs write permission on the socket "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}, group gid "
+            f"{st.st_gid}); this user is uid {os.geteuid()}: run as its owner, a member of "
+            "its group, or root"
+        )
+
+
 def _close_monitored(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
     sock.disable_monitor()
     monitor.close(linger=0)
@@ -127,7 +166,9 @@ class DealerClient:
     of life (``pong`` is consumed here, never returned). After ``heartbeat_liveness`` intervals
     without one, ``connected`` turns False and the socket is re-created (queued messages are
     dropped; ``reconnects`` counts this so the caller can re-sync, e.g. ask ``state`` again).
-    ``connected`` is False until the first message arrives.
+    ``connected`` is False until the first message arrives. Losing a peer that was up is logged
+    once (``ipc.peer_lost``, a warning), its return once (``ipc.peer_up``); the reconnects in
+    between, while it stays away, are debug lines.
 
     A dropped connection (the peer process died or restarted) is treated the same way as soon
     as ZeroMQ reports it on the socket's monitor, once the peer had answered on that socket: a
@@ -248,7 +289,11 @@ class DealerClient:
         self._next_ping = now + self._interval_s
 
     def _reconnect(self, why: str) -> None:
-        log.warning("ipc.peer_lost", endpoint=self.endpoint, why=why, missed=self._missed)
+        # Once per outage: a peer that was up and is lost is a warning; the reconnects while it
+        # stays away (a runtime loading its model answers nothing for minutes) are debug lines.
+        (log.warning if self._connected else log.debug)(
+            "ipc.peer_lost", endpoint=self.endpoint, why=why, missed=self._missed
+        )
         self._connected = False
         self._missed = 0
         self._awaiting_pong = False

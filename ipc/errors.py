@@ -52,6 +52,10 @@ class PeerTimeout(IpcError, TimeoutError):
     """No reply from a peer within the allowed time and retries."""
 
 
+class PeerRefused(IpcError, PermissionError):
+    """This process may not connect to a peer's socket (permission denied on its file)."""
+
+
 class InsecureEndpoint(IpcError):
     """An endpoint would be reachable without protection (tcp without CURVE, open ipc dir)."""
 
@@ -62,3 +66,8 @@ class EndpointInUse(IpcError):
 
 class NotifySocketError(IpcError, ValueError):
     """``NOTIFY_SOCKET`` does not name a socket the sd_notify client can send to."""
+
+
+class InjectedFault(IpcError, RuntimeError):
+    """Raised by a failpoint (``GGUFSWAP_FAILPOINTS``, ``ipc/supervisor.py``): a test breaking a
+    supervised thread on purpose."""

@@ -13,15 +13,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ggufswap.ipc import _check as c
+from ggufswap.ipc.bodies import Reason, reasons_from_wire, reasons_to_wire
 from ggufswap.ipc.errors import MalformedMessage
-from ggufswap.ipc.messages import (
-    Fields,
-    Reason,
-    Topic,
-    make_event,
-    reasons_from_wire,
-    reasons_to_wire,
-)
+from ggufswap.ipc.messages import Fields, Topic, make_event
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +83,16 @@ class ShardInvalidEvent:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class TensorsLostEvent:
+    """Served tensors are out of service: their bytes changed outside any commit (a mapped
+    shard written or truncated under the runtime); one reason per tensor. No batch runs until
+    a commit restores them, so a subscriber (the agent) re-syncs and plans them at once."""
+
+    topic: ClassVar[Topic] = Topic.TENSORS_LOST
+    reasons: tuple[Reason, ...]
+
+
 Event = (
     PlanAcceptedEvent
     | PlanStagedEvent
@@ -97,6 +101,7 @@ Event = (
     | TensorFallbackEvent
     | TensorReattachedEvent
     | ShardInvalidEvent
+    | TensorsLostEvent
 )
 
 
@@ -123,6 +128,8 @@ def event_to_wire(event: Event) -> dict[str, Any]:
         return {Fields.TENSOR: event.tensor, Fields.POOL: event.pool}
     if isinstance(event, TensorReattachedEvent):
         return {Fields.TENSOR: event.tensor}
+    if isinstance(event, TensorsLostEvent):
+        return {Fields.REASONS: reasons_to_wire(event.reasons)}
     return {Fields.PATH: event.path, Fields.REASON: event.reason}
 
 
@@ -167,4 +174,6 @@ def event_from_wire(payload: Mapping[str, Any]) -> Event:
         return TensorFallbackEvent(text(Fields.TENSOR), text(Fields.POOL))
     if topic is Topic.TENSOR_REATTACHED:
         return TensorReattachedEvent(text(Fields.TENSOR))
+    if topic is Topic.TENSORS_LOST:
+        return TensorsLostEvent(reasons_from_wire(m, stale=False))
     return ShardInvalidEvent(text(Fields.PATH), text(Fields.REASON))

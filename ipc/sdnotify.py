@@ -36,6 +36,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 
+from ggufswap.ipc import supervisor
 from ggufswap.ipc.errors import NotifySocketError
 from ggufswap.logs import get_logger
 
@@ -248,13 +249,18 @@ def _one_line(value: str | int) -> str:
 
 
 class WatchdogPinger:
-    """Sends ``WATCHDOG=1`` only while the owning loop makes progress.
+    """Sends ``WATCHDOG=1`` only while the owning loop makes progress and no essential thread of
+    the process is down.
 
     The owner's main loop calls :meth:`progress` each time it completes an iteration and
     :meth:`maybe_ping` on every pass; a ping is sent when progress was reported since the last
     ping and the interval has elapsed. A stuck loop calls neither, systemd misses its pings and
     restarts the service. Both methods must be called from that same loop (not thread-safe, and a
     ping from elsewhere would prove nothing). ``clock`` is injectable for tests.
+
+    The loop is not the only thing that must live: while any essential supervised thread is
+    restarting or dead (``ggufswap.ipc.supervisor.down``, injectable as ``threads_down``), no
+    ping is sent either, and the first withheld ping is logged (``watchdog.withheld``).
     """
 
     def __init__(
@@ -263,8 +269,11 @@ class WatchdogPinger:
         *,
         interval_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        threads_down: Callable[[], list[str]] = supervisor.down,
     ) -> None:
         self._notifier = notifier
+        self._threads_down = threads_down
+        self.withheld: list[str] = []  # the essential threads down at the last withheld ping
         self._interval_s = notifier.watchdog_interval_s() if interval_s is None else interval_s
         self._clock = clock
         self._last_ping_at = clock()
@@ -290,6 +299,15 @@ class WatchdogPinger:
         now = self._clock()
         if now - self._last_ping_at < self._interval_s:
             return False
+        down = self._threads_down()
+        if down:
+            if down != self.withheld:  # said when it changes, not at every pass
+                log.error("watchdog.withheld", threads_down=down)
+            self.withheld = down
+            return False
+        if self.withheld:
+            log.info("watchdog.resumed", threads_were_down=self.withheld)
+            self.withheld = []
         # The attempt counts even if the send fails: the failure is logged, and retrying at once
         # on every pass would flood the log.
         self._last_ping_at = now

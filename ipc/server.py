@@ -17,11 +17,12 @@ refusal into an ``ipc.handshake_refused`` warning (rate-limited per reason, with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -41,6 +42,7 @@ from ggufswap.ipc.events import Event, event_message
 from ggufswap.ipc.messages import ErrorCode, Fields, MessageType, make_error, make_reply
 from ggufswap.ipc.schema import parse_message
 from ggufswap.ipc.sockets import DEFAULT_OPTIONS, Binding, SocketOptions, bind_endpoint, make_socket
+from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
 
 log = get_logger(__name__)
@@ -143,12 +145,22 @@ class RequestServer:
         name: str,
         options: SocketOptions = DEFAULT_OPTIONS,
         poll_interval_s: float = 0.1,
+        types: Collection[MessageType] | None = None,
+        max_request_size: int | None = None,
     ):
+        """``types``: the request types the handler serves (``ping`` is always answered
+        here); a request of another type is refused before its body is decoded.
+        ``max_request_size``: the cap on requests (default ``options.max_msg_size``, which
+        also caps replies): a status socket reads requests of a few dozen bytes."""
         self._requested_endpoint = endpoint
         self._handler = handler
         self.name = name
         self._options = options
         self._max_msg_size = options.max_msg_size
+        self._max_request_size = (
+            options.max_msg_size if max_request_size is None else max_request_size
+        )
+        self._types = None if types is None else frozenset({*types, MessageType.PING})
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._state = ServerState.CREATED
         self._stop = threading.Event()
@@ -159,7 +171,7 @@ class RequestServer:
         self._handshakes: _HandshakeLog | None = None
         self._wake_r = -1
         self._wake_w = -1
-        self._thread: threading.Thread | None = None
+        self._thread: Supervised | None = None
         self._started_at = time.monotonic()
         self.log = log.bind(server=name)
 
@@ -179,7 +191,9 @@ class RequestServer:
         if self._state is not ServerState.CREATED:
             raise IpcError(f"server {self.name}: start() in state {self._state.name}")
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        sock = make_socket(context, zmq.ROUTER, self._options)
+        # MAXMSGSIZE bounds what the socket reads: the request cap (replies are not bounded by it)
+        reading = dataclasses.replace(self._options, max_msg_size=self._max_request_size)
+        sock = make_socket(context, zmq.ROUTER, reading)
         try:
             self._binding = bind_endpoint(sock, self._requested_endpoint, self._options)
         except BaseException:
@@ -194,10 +208,13 @@ class RequestServer:
         os.set_blocking(self._wake_w, False)
         self._started_at = time.monotonic()
         self._state = ServerState.RUNNING
-        self._thread = threading.Thread(
-            target=self._run, name=f"ggufswap-ipc-{self.name}", daemon=True
-        )
-        self._thread.start()
+        self._thread = Supervised(
+            f"ggufswap-ipc-{self.name}",
+            self._run,
+            stop=self._stop,
+            on_exit=self._close_socket,
+            context={"server": self.name},
+        ).start()
         self.log.info("ipc.server_started", endpoint=self.endpoint)
         return self
 
@@ -209,8 +226,7 @@ class RequestServer:
         self._stop.set()
         self._wake()
         assert self._thread is not None, "a running server has a thread"
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        if not self._thread.join(timeout_s):
             self.log.error("ipc.server_stop_timeout", timeout_s=timeout_s)
             raise IpcError(f"server {self.name}: thread did not stop within {timeout_s}s")
         if self._binding is not None:
@@ -250,6 +266,8 @@ class RequestServer:
     # -- the server thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The server thread's body (supervised: restarted with backoff if it raises; the
+        socket stays bound across restarts and is closed once, by ``_close_socket``)."""
         sock = self._socket
         assert sock is not None, "start() creates the socket before the thread"
         poller = zmq.Poller()
@@ -258,21 +276,23 @@ class RequestServer:
         handshakes = self._handshakes
         if handshakes is not None:
             poller.register(handshakes.monitor, zmq.POLLIN)
-        try:
-            while not self._stop.is_set():
-                ready = dict(poller.poll(self._poll_ms))
-                if sock in ready:
-                    self._drain_socket(sock)
-                if self._wake_r in ready:
-                    self._drain_wakeups()
-                if handshakes is not None and handshakes.monitor in ready:
-                    handshakes.drain()
-                self._drain_outbox(sock)
-        finally:
-            if handshakes is not None:
-                sock.disable_monitor()
-                handshakes.monitor.close(linger=0)
-            sock.close(linger=self._options.linger_ms)
+        while not self._stop.is_set():
+            ready = dict(poller.poll(self._poll_ms))
+            if sock in ready:
+                self._drain_socket(sock)
+            if self._wake_r in ready:
+                self._drain_wakeups()
+            if handshakes is not None and handshakes.monitor in ready:
+                handshakes.drain()
+            self._drain_outbox(sock)
+
+    def _close_socket(self) -> None:
+        sock = self._socket
+        assert sock is not None, "start() creates the socket before the thread"
+        if self._handshakes is not None:
+            sock.disable_monitor()
+            self._handshakes.monitor.close(linger=0)
+        sock.close(linger=self._options.linger_ms)
 
     def _drain_wakeups(self) -> None:
         try:
@@ -348,7 +368,10 @@ class RequestServer:
         self, peer: bytes, payload: bytes, address: str | None = None
     ) -> Mapping[str, Any] | None:
         try:
-            msg = decode(payload, max_size=self._max_msg_size)
+            msg = decode(payload, max_size=self._max_request_size, types=self._types)
+        except UnknownMessageType as exc:  # a type this socket does not serve: body unread
+            self.log.warning("ipc.unknown_type", peer=peer.hex(), error=str(exc))
+            return make_error(exc.msg_id, ErrorCode.UNKNOWN_TYPE, str(exc))
         except MessageTooLarge as exc:
             self.log.warning("ipc.message_too_large", peer=peer.hex(), size=exc.size)
             return make_error(exc.msg_id, ErrorCode.TOO_LARGE, str(exc))

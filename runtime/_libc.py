@@ -8,7 +8,6 @@ releases the GIL for every call.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from typing import Final
 
 MADV_POPULATE_READ: Final = 22  # Linux 5.14+: fault a range in, readable, in one call
@@ -25,12 +24,11 @@ class Libc:
 
     @classmethod
     def get(cls) -> ctypes.CDLL:
-        """The C library with the prototypes below; raises ``OSError`` where there is none."""
+        """The C library with the prototypes below."""
         if cls.lib is None:
-            name = ctypes.util.find_library("c")
-            if name is None:
-                raise OSError("no C library found")
-            lib = ctypes.CDLL(name, use_errno=True)
+            # The C library this process already has (dlopen(NULL) searches its global scope):
+            # find_library("c") would run `ldconfig -p` in a subprocess.
+            lib = ctypes.CDLL(None, use_errno=True)
             size, addr, num = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int
             _prototype(lib, "mmap", addr, addr, size, num, num, num, ctypes.c_long)
             _prototype(lib, "munmap", num, addr, size)

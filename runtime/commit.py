@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from ggufswap.ipc import SlotState, TensorFallbackEvent, TensorReattachedEvent
+from ggufswap.ipc.bodies import LOST_FINGERPRINT
 from ggufswap.runtime.errors import SlotStateError
 from ggufswap.runtime.pools import Buffer, Pool
 from ggufswap.runtime.split import Part
@@ -81,7 +82,7 @@ def commit(store: TensorStore, staged: StagedPlan) -> Applied:
     for op in staged.ops:
         retired.extend(_apply_split(op) if op.parts is not None else _apply_whole(op, store))
     store.derived_values.update(staged.derived)
-    store.forget_views()  # the buffers a forward read may have changed
+    store.views.clear()  # the buffers a forward read may have changed
     staged.allocated.clear()  # now owned by the slots
     changed = tuple(op.slot.name for op in staged.ops if op.content.raw is not None)
     moved = any(
@@ -94,6 +95,19 @@ def commit(store: TensorStore, staged: StagedPlan) -> Applied:
     if changed or staged.derived or moved:
         store.weight_version += 1
     return Applied(store.weight_version, changed, tuple(retired), _events(staged, fallback))
+
+
+def distrust_original(slot: Slot) -> None:
+    """The mapped pages of ``slot``'s original buffer changed outside a commit: a later return to
+    the original content is staged from the file again, never reattached to those pages."""
+    slot.held = ("", slot.held[1])
+
+
+def take_out_of_service(store: TensorStore, slot: Slot) -> None:
+    """``slot``'s served bytes changed outside a commit (runtime/integrity.py): its fingerprint
+    reads 'lost', in the next ``state`` delta, until a commit restores it."""
+    slot.fingerprint = LOST_FINGERPRINT
+    slot.changed_at = store.weight_version + 1
 
 
 def check_move(op: StagedOp, fallback: Pool) -> None:

@@ -43,9 +43,12 @@ from ggufswap.ipc import (
     new_id,
     rejected_to_wire,
     state_to_wire,
+    supervisor,
 )
+from ggufswap.ipc.bodies import StateRequest
+from ggufswap.ipc.codec import STATUS_MAX_REQUEST_SIZE
 from ggufswap.ipc.errors import UnknownMessageType
-from ggufswap.ipc.messages import StateRequest
+from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
 from ggufswap.runtime.engine import HotSwapRuntime
 from ggufswap.runtime.plans import PlanState, PlanTicket
@@ -65,6 +68,8 @@ MAX_PLANS_IN_FLIGHT_PER_PEER = 4
 # and the clients' queues are served round-robin: a plan waits behind at most this many plans
 # plus one of each other client with plans waiting.
 RUNTIME_WINDOW: Final = 2
+# The answer to a plan that waited here when the runtime stopped: the client re-plans.
+_SHUTTING_DOWN: Final = Reason("*", "runtime shutting down before this plan's turn", stale=True)
 
 
 def peer_identity(request: Request, *, ipc: bool) -> str:
@@ -115,7 +120,11 @@ class ControlServer:
         self.instance = new_id()
         self._extra_status = extra_status
         self.control = RequestServer(
-            control_endpoint, self._handle, name="runtime", options=options
+            control_endpoint,
+            self._handle,
+            name="runtime",
+            options=options,
+            types=(MessageType.PLAN, MessageType.STATE, MessageType.STATUS),
         )
         self.status_server = (
             RequestServer(
@@ -124,6 +133,8 @@ class ControlServer:
                 name="runtime-status",
                 # `ggufswap status` by members of the socket directory's group (docs/operations.md)
                 options=dataclasses.replace(options, group_access=True),
+                types=(MessageType.STATUS,),
+                max_request_size=STATUS_MAX_REQUEST_SIZE,
             )
             if status_endpoint and status_endpoint != control_endpoint
             else None
@@ -138,7 +149,9 @@ class ControlServer:
         self._waiting: dict[str, _Waiting] = {}  # plan id -> where it waits
         self._handed: set[str] = set()  # plan ids handed to the runtime, not yet final
         self._stopping = False
-        self._dispatcher: threading.Thread | None = None
+        self._stopped = threading.Event()  # set with _stopping: ends a restart's backoff
+        self._closed = False  # the sockets are closed: events are no longer published
+        self._dispatcher: Supervised | None = None
         self.dispatched: list[tuple[str, str]] = []  # (client, plan id) of the last handed plans
         runtime.on_event(self._publish)
 
@@ -165,21 +178,37 @@ class ControlServer:
         self.control.start()
         if self.status_server is not None:
             self.status_server.start()
-        self._dispatcher = threading.Thread(
-            target=self._dispatch, name="ggufswap-control-fair", daemon=True
-        )
-        self._dispatcher.start()
+        self._dispatcher = Supervised(
+            "ggufswap-control-fair", self._dispatch, stop=self._stopped
+        ).start()
         return self
 
-    def close(self) -> None:
-        # 1. the dispatcher: plans still waiting here are dropped (their clients re-plan from
-        # the runtime's state, which they never changed).
+    def stop_intake(self) -> None:
+        """First step of a shutdown: no plan is handed to the runtime any more, and each plan
+        still waiting here is answered ``rejected`` (stale: the client re-plans from the next
+        runtime's state, which it never changed), not left undecided. The sockets still run,
+        so that closing the runtime next tells the clients of the plans it held."""
         with self._fair:
             self._stopping = True
+            waiting = list(self._waiting.values())
+            self._waiting.clear()
+            self._queues.clear()
+            self._turns.clear()
+            self._peer_plans.clear()
             self._fair.notify_all()
+        self._stopped.set()
         if self._dispatcher is not None:
             self._dispatcher.join(5.0)
             self._dispatcher = None
+        for plan in waiting:
+            for answer in plan.answers:
+                answer.refuse(plan.plan.plan_id, _SHUTTING_DOWN)
+
+    def close(self) -> None:
+        """Stop taking plans (:meth:`stop_intake`, if not done yet), then the sockets; events
+        published after this (the runtime rejecting what it held) are dropped."""
+        self.stop_intake()
+        self._closed = True
         self.control.stop()
         if self.status_server is not None:
             self.status_server.stop()
@@ -249,7 +278,11 @@ class ControlServer:
             msg_id,
             on_final=lambda: self._release(identity, plan.plan_id),
         )
-        self.runtime.submit(plan, follow=answer)
+        try:
+            self.runtime.submit(plan, follow=answer)
+        except BaseException:  # a bug (answered INTERNAL): its room is not held forever
+            self._release(identity, plan.plan_id)
+            raise
         assert answer.first is not None, "submit follows the ticket, which answers at once"
         return answer.first
 
@@ -339,7 +372,7 @@ class ControlServer:
     # -- events ----------------------------------------------------------------------------
 
     def _publish(self, event: Event) -> None:
-        if self.publisher is not None:
+        if self.publisher is not None and not self._closed:
             self.publisher.publish(event)
 
     # -- reports ---------------------------------------------------------------------------
@@ -373,6 +406,9 @@ class ControlServer:
     def status(self) -> dict[str, Any]:
         status = self.runtime.status()
         status["control_queue"] = self.fairness()
+        status["threads"] = supervisor.snapshot()
+        status["threads_down"] = supervisor.down()
+        status["threads_unsupervised"] = supervisor.unsupervised()
         if self._extra_status is not None:
             status.update(self._extra_status())
         return status
@@ -412,17 +448,23 @@ class _Answer:
         if self.first is None:
             self.first = self._reply(ticket, MessageType.ACCEPTED)
             if self._said_accepted and ticket.state.final:
-                self._send(self.first, ticket)
+                self._send(self.first, ticket.plan_id)
             return
         if ticket.state is PlanState.STAGING:
             return  # ``accepted`` said so already
-        self._send(self._reply(ticket, MessageType.STAGED), ticket)
+        self._send(self._reply(ticket, MessageType.STAGED), ticket.plan_id)
 
-    def _send(self, reply: Reply, ticket: PlanTicket) -> None:
+    def _send(self, reply: Reply, plan_id: str) -> None:
         try:
             self._server.send_to(self._peer, reply)
         except IpcError as exc:  # the server stopped: the peer re-plans from ``state``
-            log.info("control.reply_dropped", plan_id=ticket.plan_id, error=str(exc))
+            log.info("control.reply_dropped", plan_id=plan_id, error=str(exc))
+
+    def refuse(self, plan_id: str, reason: Reason) -> None:
+        """Answer the request with ``rejected`` for ``reason`` (a plan never handed over)."""
+        outcome = Rejected(plan_id=plan_id, stale=reason.stale, reasons=(reason,))
+        request = {Fields.ID: self._request_id}
+        self._send(make_reply(request, MessageType.REJECTED, **rejected_to_wire(outcome)), plan_id)
 
     def _reply(self, ticket: PlanTicket, in_flight: MessageType) -> Reply:
         """The reply for the ticket's state; ``in_flight`` for a plan not yet decided."""

@@ -13,6 +13,15 @@ Usage::
     while serving:
         runtime.at_batch_boundary()   # commits staged plans; cheap when there are none
         logits = model(batch)
+
+Size: ~620 lines in one class, because its three threads (submit, the stager, the inference
+loop) share one queue, one deque of staged plans and the locks that order them, and each step of
+a plan's life reads that shared state (the stager's crash handling rejects the plan it held; the
+checks of mapped weights at the batch boundary run under the commit lock). What does not touch
+it lives apart: opening a model (``opening.py``), placement (``placement.py``), validation
+(``validate.py``), staging (``staging.py``), the commit itself (``commit.py``), what became of
+the plans (``history.py``), the group's agreement (``coordinated.py``) and the integrity of
+mapped weights (``integrity.py``).
 """
 
 from __future__ import annotations
@@ -36,23 +45,24 @@ from ggufswap.ipc import (
     PlanRejectedEvent,
     PlanStagedEvent,
     Reason,
+    TensorsLostEvent,
 )
+from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
 from ggufswap.runtime.commit import commit
 from ggufswap.runtime.coordinated import Coordinator, Decision
-from ggufswap.runtime.errors import PlanRejected, RuntimeLibraryError, StagingFailed
+from ggufswap.runtime.errors import PlanRejected, RuntimeLibraryError, StagingFailed, WeightsLost
+from ggufswap.runtime.history import PlanHistory
+from ggufswap.runtime.integrity import check_mapped
 from ggufswap.runtime.kernels import kernels
+from ggufswap.runtime.opening import load_model
+from ggufswap.runtime.placement import Placement
 from ggufswap.runtime.plans import Follower, PlanState, PlanTicket
-from ggufswap.runtime.pools import Buffer, Pool, PoolSet
+from ggufswap.runtime.pools import Buffer, Pool
 from ggufswap.runtime.staging import StagedPlan, Stager
-from ggufswap.runtime.store import (
-    Placement,
-    Slot,
-    TensorStore,
-    choose_storage,
-)
+from ggufswap.runtime.store import Slot, TensorStore
 from ggufswap.runtime.validate import validate_plan
-from ggufswap.shards import HeaderCache, Keys, ShardSet, open_shard_set
+from ggufswap.shards import ShardSet
 
 log = get_logger(__name__)
 
@@ -63,7 +73,6 @@ _PUBLISH_WAIT_S = 5.0
 CommitCallback = Callable[[int, tuple[str, ...]], None]
 EventCallback = Callable[[Event], None]
 
-HISTORY: Final = 64
 _STOP: Final = object()
 # Plans that never ran because the runtime stopped: stale, so the agent plans them again.
 _SHUTTING_DOWN: Final = Reason("*", "runtime shutting down", stale=True)
@@ -101,16 +110,21 @@ class HotSwapRuntime:
         # thread drops these last references, so freeing 64 MiB is not part of the commit stall.
         self._retired: list[Buffer] = []
         self._in_flight = 0  # queued or staged, not yet final
-        self._tickets: collections.OrderedDict[str, PlanTicket] = collections.OrderedDict()
+        self._history = PlanHistory()
         self._on_commit: list[CommitCallback] = []
         self._on_event: list[EventCallback] = []
-        self._outcomes = collections.Counter[str]()
         self.last_stall_s: float | None = None
         self.bytes_reloaded = 0
-        self._thread = threading.Thread(
-            target=self._stage_loop, name="ggufswap-stager", daemon=True
-        )
-        self._thread.start()
+        self._staging: PlanTicket | None = None  # the ticket the stager works on
+        self._reported_at_boundary = 0  # store.maps.reported as the last batch began
+        self._stopped = threading.Event()  # set by close(): ends a restart's backoff
+        self._thread = Supervised(
+            "ggufswap-stager",
+            self._stage_loop,
+            stop=self._stopped,
+            on_crash=self._stager_crashed,
+            context={"model": model_name},
+        ).start()
 
     # -- construction ----------------------------------------------------------------------
 
@@ -131,49 +145,36 @@ class HotSwapRuntime:
         stable_pointers: bool | None = None,
         model_name: str | None = None,
         progress: bool = False,
+        on_progress: Callable[[int, int], None] | None = None,
         group: torch.distributed.ProcessGroup | bool | None = None,
     ) -> HotSwapRuntime:
         """Load the shard set containing ``model`` onto ``pools`` and start the stager.
 
-        ``storage=AUTO`` is resolved here (:func:`~ggufswap.runtime.store.choose_storage`);
-        ``decoded_cache`` bounds the decoded dense tensors native storage keeps (bytes);
-        ``map_shards`` serves native CPU tensors from their files' pages (:mod:`.mapping`).
+        The model's options are :func:`~ggufswap.runtime.opening.load_model`'s (``storage=AUTO``
+        is resolved there). ``allowed_roots``: the directories plans may name (default: the
+        model's own). ``on_progress(done, total)``: the bytes of the load read so far (a server's
+        ``/health``).
         ``group``: a ``torch.distributed`` process group (``True``: the default group) makes
         this runtime one rank of a coordinated commit (:mod:`ggufswap.runtime.coordinated`).
         """
-        shards = open_shard_set(model, cache=HeaderCache())
-        pool_set = PoolSet(pools or [], fallback=fallback_pool)
-        if storage is Storage.AUTO:
-            storage, why = choose_storage(shards.tensors.values(), pool_set, compute_dtype)
-            log.info("storage.chosen", storage=storage.value, why=why)
-        store = TensorStore(
-            pools=pool_set,
+        shards, store, name = load_model(
+            model,
+            pools=pools,
+            fallback_pool=fallback_pool,
             storage=storage,
             compute_dtype=compute_dtype,
             strict=strict,
             decoded_cache=decoded_cache,
             map_shards=map_shards,
-        )
-        n_blocks = _block_count(shards)
-        report = store.load(
-            shards, placement=placement or Placement(), n_blocks=n_blocks, progress=progress
+            placement=placement,
+            model_name=model_name,
+            progress=progress,
+            on_progress=on_progress,
         )
         roots = (
             list(allowed_roots)
             if allowed_roots is not None
             else [os.path.dirname(shards.first.path)]
-        )
-        name = model_name or str(
-            shards.metadata.get(Keys.General.NAME) or os.path.basename(shards.first.path)
-        )
-        log.info(
-            "model.loaded",
-            model=name,
-            tensors=report.tensors,
-            bytes=report.bytes_read,
-            placed=report.placed,
-            seconds=round(report.seconds, 3),
-            gb_per_s=round(report.bytes_read / report.seconds / 1e9, 3) if report.seconds else None,
         )
         coordinator = None
         if group is not None and group is not False:
@@ -237,7 +238,7 @@ class HotSwapRuntime:
     def _submit(self, plan: Plan, follow: Follower | None, *, mirror: bool = False) -> PlanTicket:
         # ``mirror``: a plan the group's leader handed to this rank; only a plan still in flight
         # here is the same one (the leader took it anew: so does this rank).
-        known = self._tickets.get(plan.plan_id)
+        known = self._history.get(plan.plan_id)
         if known is not None and mirror and known.state.final:
             known = None
         if known is not None and known.state is not PlanState.REJECTED:
@@ -245,7 +246,7 @@ class HotSwapRuntime:
                 known.follow(follow)
             return known
         ticket = PlanTicket(plan)
-        self._remember(ticket)
+        self._history.remember(ticket)
         if self._closed:
             self._finish_rejected(ticket, [Reason("*", "the runtime is closed", stale=True)])
             if follow is not None:
@@ -296,6 +297,14 @@ class HotSwapRuntime:
             raise PlanRejected(plan.plan_id, list(ticket.reasons), stale=ticket.stale)
         return ticket
 
+    @property
+    def plans_in_flight(self) -> int:
+        """Plans accepted and not yet committed or rejected (queued, staging or staged): a
+        server that starts no new request while there are any bounds a commit by its longest
+        request in flight, and the stager does not compete with new work for the CPU."""
+        with self._cond:
+            return self._in_flight
+
     def wait_staged(self, timeout: float) -> bool:
         """Block until a plan is staged or none is in flight; True if something is staged."""
         with self._cond:
@@ -308,37 +317,43 @@ class HotSwapRuntime:
             self._cond.notify_all()
 
     def ticket(self, plan_id: str) -> PlanTicket | None:
-        return self._tickets.get(plan_id)
-
-    def _remember(self, ticket: PlanTicket) -> None:
-        self._tickets[ticket.plan_id] = ticket
-        self._tickets.move_to_end(ticket.plan_id)
-        while len(self._tickets) > HISTORY:
-            self._tickets.popitem(last=False)
+        return self._history.get(plan_id)
 
     def _finish_rejected(self, ticket: PlanTicket, reasons: list[Reason]) -> None:
         ticket.reject(reasons)
-        stale = ticket.stale
-        self._outcomes["stale" if stale else "rejected"] += 1
-        log.warning(
-            "plan",
-            outcome="stale" if stale else "rejected",
-            plan_id=ticket.plan_id,
-            stale=stale,
-            reasons=[str(r) for r in reasons],
-            tensors=len(ticket.plan.jobs),
+        self._history.rejected(ticket)
+        self._emit(
+            PlanRejectedEvent(plan_id=ticket.plan_id, stale=ticket.stale, reasons=ticket.reasons)
         )
-        self._emit(PlanRejectedEvent(plan_id=ticket.plan_id, stale=stale, reasons=ticket.reasons))
 
     # -- staging (background thread) -------------------------------------------------------
 
     def _stage_loop(self) -> None:
+        """The stager thread's body (supervised: restarted with backoff when it raises)."""
         while True:
             item = self._queue.get()
             if item is _STOP:
                 return
             assert isinstance(item, PlanTicket), "only tickets are queued"
+            self._staging = item
             self._stage_one(item)
+            self._staging = None
+
+    def _stager_crashed(self, exc: BaseException) -> None:
+        """The stager raised outside staging (a bug): its plan is rejected, never left
+        undecided, so its client re-plans."""
+        ticket, self._staging = self._staging, None
+        if ticket is None or ticket.state.final:
+            return
+        with self._cond:
+            entry = next((e for e in self._staged if e[0] is ticket), None)
+            if entry is not None:
+                self._staged.remove(entry)
+        if entry is not None:
+            entry[1].discard()
+        if ticket.state is not PlanState.COMMITTED:
+            self._finish_rejected(ticket, [Reason("*", f"stager crashed: {exc!r}", stale=True)])
+            self._settled(1)
 
     def _stage_one(self, ticket: PlanTicket) -> None:
         if self._closed:  # taken off the queue just before close() drained it
@@ -392,55 +407,54 @@ class HotSwapRuntime:
     def at_batch_boundary(self) -> int:
         """Commit every staged plan; return the weight version the next batch runs on.
 
-        Call it from the inference loop between two batches. With nothing staged it costs one
-        attribute check. A rank of a coordinated group makes one collective here at every call
-        and commits only what every rank has staged, so every rank calls it at the same steps.
+        Call it from the inference loop between two batches. With nothing staged and nothing
+        mapped it costs two attribute checks. A rank of a coordinated group makes one
+        collective here at every call and commits only what every rank has staged, so every
+        rank calls it at the same steps. A commit callback that raises does not undo the
+        commit: its error is raised once the plans are recorded as committed.
+
+        Raises :class:`WeightsLost` while served tensors are out of service (their mapped
+        bytes changed outside any commit, ``runtime/integrity.py``): the next batch must not
+        run; call again (a commit of the agent's plan restores them).
         """
         agreed = self._agree() if self._coordinator is not None else None
-        if not self._staged:
-            return self.store.weight_version
+        version = self._commit_all(agreed) if self._staged else self.store.weight_version
+        if self.store.maps.open_files or self.store.lost:
+            self._refuse_lost()
+        return version
+
+    def batch_intact(self) -> bool:
+        """After a batch: whether nothing it read may have changed since ``at_batch_boundary``
+        (no mapped file shrank, faulted, or was reported, and the lease watcher's pass is
+        recent: a process stopped mid-batch may have had its lease broken). A loop drops a
+        batch for which this is False (its output may mix bytes), as it would a refused one."""
+        maps = self.store.maps
+        if not maps.open_files:
+            return True
+        return maps.reported == self._reported_at_boundary and not (maps.suspect() or maps.stale())
+
+    def _refuse_lost(self) -> None:
         with self._commit_lock:
-            started = time.perf_counter()
-            committed: list[PlanTicket] = []
-            retired: list[Buffer] = []
-            while self._staged and (agreed is None or self._staged[0][0].plan_id in agreed):
-                committed.append(self._commit_one(*self._staged.popleft(), retired))
-            if not committed:
-                return self.store.weight_version
-            version = self.store.weight_version
-            # A failing callback must not leave the commit's bookkeeping undone (the stager
-            # would wait forever on a ticket never marked committed): the first error is
-            # raised to the caller once the plans are recorded as committed.
-            errors: list[Exception] = []
-            changed = tuple(n for t in committed for n in t.changed)
-            for callback in self._on_commit:
-                try:
-                    callback(version, changed)
-                except Exception as exc:  # noqa: BLE001 (re-raised below)
-                    errors.append(exc)
-            stall = time.perf_counter() - started
-            for buffer in retired:  # old buffers go only after the commit: accounting now...
-                buffer.release()
-            with self._cond:  # ...memory later: the stager thread drops the last references
-                self._retired.extend(retired)
-            retired.clear()
-            self.last_stall_s = stall
+            before = set(self.store.lost)
+            lost = dict(check_mapped(self.store))
+            self._reported_at_boundary = self.store.maps.reported
+        if set(lost) - before:
+            reasons = tuple(Reason(name, why) for name, why in sorted(lost.items()))
+            self._emit(TensorsLostEvent(reasons=reasons))
+        if lost:
+            raise WeightsLost(lost)
+
+    def _commit_all(self, agreed: set[str] | None) -> int:
+        """Commit the staged plans (all, or those ``agreed``) and record them as committed;
+        the weight version after them. A commit callback's error is raised after that."""
+        committed, errors, stall, version = self._commit_staged(agreed)
+        if not committed:
+            return version
         for ticket in committed:
             ticket.stall_s = stall
             self.bytes_reloaded += ticket.bytes_read
-            self._outcomes["committed"] += 1
             ticket.move(PlanState.COMMITTED)
-            log.info(
-                "plan",
-                outcome="committed",
-                plan_id=ticket.plan_id,
-                tensors=len(ticket.plan.jobs),
-                changed=len(ticket.changed),
-                bytes=ticket.bytes_read,
-                weight_version=version,
-                stage_ms=round((ticket.stage_s or 0) * 1e3, 3),
-                stall_ms=round(stall * 1e3, 3),
-            )
+            self._history.committed(ticket, weight_version=version, stall_s=stall)
             self._after_staged_published(ticket)
             self._emit(
                 PlanCommittedEvent(
@@ -455,6 +469,39 @@ class HotSwapRuntime:
             log.error("commit.callback_failed", weight_version=version, errors=len(errors))
             raise errors[0]
         return version
+
+    def _commit_staged(
+        self, agreed: set[str] | None
+    ) -> tuple[list[PlanTicket], list[Exception], float, int]:
+        """Under the commit lock: commit the staged plans (those ``agreed``, for a rank of a
+        group) in order, run the commit callbacks and release the replaced buffers; the plans,
+        the callbacks' errors, the stall and the weight version they made."""
+        with self._commit_lock:
+            started = time.perf_counter()
+            committed: list[PlanTicket] = []
+            retired: list[Buffer] = []
+            while self._staged and (agreed is None or self._staged[0][0].plan_id in agreed):
+                committed.append(self._commit_one(*self._staged.popleft(), retired))
+            version = self.store.weight_version
+            if not committed:
+                return committed, [], 0.0, version
+            # A failing callback must not leave the commit's bookkeeping undone (the stager
+            # would wait forever on a ticket never marked committed): the caller raises the
+            # first error once the plans are recorded as committed.
+            errors: list[Exception] = []
+            changed = tuple(n for t in committed for n in t.changed)
+            for callback in self._on_commit:
+                try:
+                    callback(version, changed)
+                except Exception as exc:  # noqa: BLE001 (re-raised by the caller)
+                    errors.append(exc)
+            stall = time.perf_counter() - started
+            for buffer in retired:  # old buffers go only after the commit: accounting now...
+                buffer.release()
+            with self._cond:  # ...memory later: the stager thread drops the last references
+                self._retired.extend(retired)
+            self.last_stall_s = stall
+        return committed, errors, stall, version
 
     def _agree(self) -> set[str]:
         """One step of the group's agreement: take the leader's new plans, reject what any rank
@@ -491,7 +538,7 @@ class HotSwapRuntime:
         """Wait (briefly) until the stager has delivered the plan's ``plan.staged``, so that
         listeners see staged before committed. A listener that commits from inside its own
         ``plan.staged`` callback (the stager thread) does not wait for itself."""
-        if threading.current_thread() is self._thread:
+        if threading.current_thread() is self._thread.thread:
             return
         if not ticket.staged_published.wait(_PUBLISH_WAIT_S):
             log.warning("plan.staged_event_late", plan_id=ticket.plan_id)
@@ -520,24 +567,29 @@ class HotSwapRuntime:
         return dict(self.store.slots)
 
     def status(self) -> dict[str, Any]:
-        recent = list(self._tickets.values())[-10:]
-        return {
-            "model": self.model_name,
-            "weight_version": self.store.weight_version,
-            "storage": self.store.storage.value,
-            "kernels": kernels(),
-            "decoded_cache": self.store.decoded.snapshot(),
-            "mapped_shards": self.store.maps.snapshot(),
-            "plans": dict(self._outcomes),
-            "pending": self._queue.qsize() + len(self._staged),
-            "tensor_states": self.store.state_counts(),
-            "pools": self.store.pools.snapshot(),
-            "last_stall_ms": None
-            if self.last_stall_s is None
-            else round(self.last_stall_s * 1e3, 3),
-            "bytes_reloaded": self.bytes_reloaded,
-            "recent_plans": [t.summary() for t in recent],
-        } | ({"group": self._coordinator.status()} if self._coordinator is not None else {})
+        return (
+            {
+                "model": self.model_name,
+                "weight_version": self.store.weight_version,
+                "storage": self.store.storage.value,
+                "kernels": kernels(),
+                "decoded_cache": self.store.decoded.snapshot(),
+                "mapped_shards": self.store.maps.snapshot(),
+                **self._history.status(),  # plans, recent_plans
+                "pending": self._queue.qsize() + len(self._staged),
+                "tensor_states": self.store.state_counts(),
+                "weights_lost": {
+                    "count": len(self.store.lost),
+                    "tensors": dict(sorted(self.store.lost.items())[:20]),
+                },
+                "pools": self.store.pools.snapshot(),
+                "last_stall_ms": None
+                if self.last_stall_s is None
+                else round(self.last_stall_s * 1e3, 3),
+                "bytes_reloaded": self.bytes_reloaded,
+            }
+            | ({"group": self._coordinator.status()} if self._coordinator is not None else {})
+        )
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the stager; queued and staged plans are rejected (nothing half-applied)."""
@@ -554,6 +606,7 @@ class HotSwapRuntime:
                 self._finish_rejected(item, [_SHUTTING_DOWN])
                 self._settled(1)
         self._queue.put(_STOP)
+        self._stopped.set()
         for ticket, staged in staged_plans:
             staged.discard()
             self._finish_rejected(ticket, [_SHUTTING_DOWN])
@@ -567,10 +620,3 @@ class HotSwapRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _block_count(shards: ShardSet) -> int:
-    arch = shards.metadata.get(Keys.General.ARCHITECTURE)
-    key = Keys.LLM.BLOCK_COUNT.format(arch) if isinstance(arch, str) else None
-    value = shards.metadata.get(key) if key is not None else None
-    return value if isinstance(value, int) else 0

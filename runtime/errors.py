@@ -6,7 +6,7 @@ carries (re-exported here and as ``ggufswap.runtime.Reason``).
 
 from __future__ import annotations
 
-from ggufswap.ipc.messages import Reason
+from ggufswap.ipc.bodies import Reason
 
 
 class RuntimeLibraryError(Exception):
@@ -30,13 +30,35 @@ class PlanRejected(RuntimeLibraryError):
 
 
 class PoolFull(RuntimeLibraryError):
-    """A pool cannot hold an allocation (budget, or the device itself is out of memory)."""
+    """A pool cannot hold an allocation: its budget, or the device's allocator refused it
+    (``device_error``: CUDA out of memory, or any allocator error)."""
 
-    def __init__(self, pool: str, nbytes: int, free: int) -> None:
+    def __init__(self, pool: str, nbytes: int, free: int, *, device_error: str | None = None):
         self.pool = pool
         self.nbytes = nbytes
         self.free = free
-        super().__init__(f"pool {pool!r}: {nbytes} bytes requested, {free} free")
+        self.device_error = device_error
+        if device_error is None:
+            message = f"pool {pool!r}: {nbytes} bytes requested, {free} free"
+        else:
+            first_line = device_error.strip().splitlines()[0] if device_error.strip() else "?"
+            message = f"pool {pool!r}: the device could not allocate {nbytes} bytes ({first_line})"
+        super().__init__(message)
+
+
+class NoPoolFits(PoolFull):
+    """Every pool a tensor (or its family) may go to, the fallback last, refused it; ``failures``
+    holds each pool's refusal in the order they were tried."""
+
+    def __init__(self, failures: list[PoolFull]) -> None:
+        assert failures, "NoPoolFits needs the refusals of the pools that were tried"
+        last = failures[-1]
+        super().__init__(last.pool, last.nbytes, last.free, device_error=last.device_error)
+        self.failures = tuple(failures)
+        self.args = ("; then ".join(str(f) for f in failures),)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class StagingFailed(RuntimeLibraryError):
@@ -55,8 +77,34 @@ class Unplaceable(StagingFailed):
     """A tensor (or its family) fits no pool, or its new bytes cannot be decoded."""
 
 
+class MapRefused(RuntimeLibraryError, RuntimeError):
+    """``map_shards: true`` and a shard that cannot be served from a mapping (names the file)."""
+
+
+class PlacementError(RuntimeLibraryError, ValueError):
+    """A placement the runtime cannot honour (an override naming no pool), found at load."""
+
+
 class PlanStateError(RuntimeLibraryError, RuntimeError):
     """An illegal plan lifecycle transition: a bug in the runtime, never an input problem."""
+
+
+class WeightsLost(RuntimeLibraryError):
+    """Served tensors whose bytes a writer changed outside any commit (a mapped shard file
+    truncated, or written after the kernel broke its lease): no batch runs until a commit
+    restores them. ``lost`` maps each tensor to why."""
+
+    def __init__(self, lost: dict[str, str]) -> None:
+        self.lost = dict(lost)
+        names = sorted(self.lost)
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        why = sorted(set(self.lost.values()))
+        super().__init__(
+            f"{len(names)} tensor(s) out of service, their bytes changed outside any commit "
+            f"({shown}): {'; '.join(why[:3])}. Batches are refused until a commit restores "
+            "them: the runtime reports their fingerprint as 'lost', so the agent re-plans them "
+            "from the files"
+        )
 
 
 class SlotStateError(RuntimeLibraryError, RuntimeError):
@@ -65,6 +113,9 @@ class SlotStateError(RuntimeLibraryError, RuntimeError):
 
 
 __all__ = [
+    "MapRefused",
+    "NoPoolFits",
+    "PlacementError",
     "PlanRejected",
     "PlanStateError",
     "PoolFull",
@@ -75,4 +126,5 @@ __all__ = [
     "StaleJob",
     "Unplaceable",
     "UnsupportedTypeError",
+    "WeightsLost",
 ]

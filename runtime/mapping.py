@@ -24,15 +24,26 @@ Where the lease cannot be taken (a file owned by another user without ``CAP_LEAS
 system without leases such as NFS or FUSE, a writer holding the file open at load, a process
 whose ``SIGIO`` cannot be handled), ``auto`` copies that file as before and says why, and ``true``
 refuses to load.
+
+What the lease cannot stop, the watcher detects (issue 28): a lease the kernel broke before the
+move ended (the process stopped, or a move slower than ``fs.lease-break-time``), and a file
+truncated under its mapping by an ``open(O_RDONLY | O_TRUNC)``, which breaks no read lease (every
+access past the new end would raise ``SIGBUS``: the C guard ``ggufswap.runtime._sigbus`` maps
+zero pages there instead, and without it nothing is mapped). Such a file is reported
+(:meth:`ShardMaps.take_compromised`); at the next batch boundary the store re-hashes the tensors
+it serves and takes those whose bytes changed out of service (``runtime/integrity.py``).
+A pass of the watcher older than ``fs.lease-break-time`` (the process was stopped) is re-run
+by the inference thread before its next batch, and a batch that ran meanwhile is dropped
+(``HotSwapRuntime.batch_intact``). ``docs/reliability.md`` says what this guarantees.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
-import resource
 import threading
 import time
 import weakref
@@ -43,24 +54,29 @@ from typing import Final
 import torch
 
 from ggufswap.config import MapShards
+from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
-from ggufswap.runtime._libc import (
-    MADV_POPULATE_WRITE,
-    MAP_FAILED,
-    MREMAP_FIXED,
-    MREMAP_MAYMOVE,
-    Libc,
+from ggufswap.runtime._libc import MAP_FAILED, Libc
+from ggufswap.runtime._pages import (
+    NO_GUARD,
+    guard_faults,
+    guard_range,
+    guard_suspects,
+    move_to_anonymous,
+    raise_descriptor_limit,
+    reinstall_guard,
+    sigbus_guard,
+    unguard,
 )
+from ggufswap.runtime.errors import MapRefused
 from ggufswap.shards import FileIdentity, TensorRecord, leases
 
 log = get_logger(__name__)
 
-POLL_S: Final = 0.1  # how often held leases are looked at (a SIGIO looks at once)
-_COPY_CHUNK: Final = 64 << 20  # bytes per copy call while moving a mapping to anonymous memory
-
-
-class MapRefused(RuntimeError):
-    """``map_shards: true`` and a shard that cannot be served from a mapping (names the file)."""
+POLL_S: Final = 0.1  # how often held leases are looked at
+# A lease can be broken by the kernel only after a writer waited fs.lease-break-time without a
+# pass of the watcher: a pass older than that, less this margin, may have missed one.
+STALE_MARGIN_S: Final = 0.5
 
 
 @dataclass(eq=False)
@@ -75,6 +91,18 @@ class _Mapped:
     lock: threading.RLock = field(default_factory=threading.RLock)  # the finalizer may re-enter
     closed: bool = False  # the lease is given up (moved to anonymous memory, or unmapped)
     move_failed: bool = False  # a move failed (no memory); it is retried each poll
+    guard_entry: int = -1  # its range in the SIGBUS guard (-1: none)
+
+
+@dataclass(frozen=True)
+class Compromised:
+    """A mapped file whose bytes may have changed outside any commit: where it was mapped
+    (its tensors' buffers lie in ``[address, address + length)``) and why."""
+
+    path: str
+    address: int
+    length: int
+    why: str
 
 
 class ShardMaps:
@@ -89,11 +117,17 @@ class ShardMaps:
         self.policy = policy
         self.refused: dict[str, str] = {}  # path -> why it is copied instead (policy auto)
         self.moved = 0  # files moved to anonymous memory because a writer came
+        self.compromised: dict[str, str] = {}  # path -> why its bytes may have changed
+        self.reported = 0  # files reported compromised, ever (a batch compares it)
+        self._reports: list[Compromised] = []  # not yet taken by the store
+        self.last_pass = time.monotonic()  # the end of the watcher's last pass
+        self._break_time_s = leases.lease_break_time()
+        self._break_time_at = time.monotonic()
         self._files: dict[str, _Mapped] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: Supervised | None = None
         _ALL_MAPS.add(self)
 
     @property
@@ -144,6 +178,9 @@ class ShardMaps:
             "copied": len(self.refused),
             "copied_why": next(iter(self.refused.values()), None),
             "moved": self.moved,
+            "compromised": len(self.compromised),
+            "compromised_why": dict(list(self.compromised.items())[:10]),
+            "watcher": self._thread.status() if self._thread is not None else None,
         }
 
     def report(self) -> None:
@@ -174,8 +211,8 @@ class ShardMaps:
     def _map(self, record: TensorRecord) -> ctypes.Array[ctypes.c_char] | None:
         """Map ``record``'s file under a lease; None (policy ``auto``) where it cannot be."""
         if not self._files and not self.refused:
-            _raise_descriptor_limit()
-        why = leases.guard_sigio(self._wake.set)
+            raise_descriptor_limit()
+        why = NO_GUARD if sigbus_guard() is None else leases.guard_sigio()
         region = None
         if why is None:
             region, why = self._map_file(record)
@@ -208,6 +245,7 @@ class ShardMaps:
                 else:
                     region = (ctypes.c_char * length).from_address(address)
                     mapped = _Mapped(record.path, fd, weakref.ref(region), address, length)
+                    mapped.guard_entry = _guard(mapped)
                     # Not at exit: threads may still read the tensors; the kernel unmaps last.
                     weakref.finalize(region, self._unmap, mapped).atexit = False
                     with self._lock:
@@ -224,6 +262,7 @@ class ShardMaps:
     def _unmap(self, mapped: _Mapped) -> None:
         """The last tensor of a mapped file is gone: unmap it, and give its lease up."""
         with mapped.lock:
+            _unguard(mapped)
             Libc.get().munmap(mapped.address, mapped.length)
             if not mapped.closed:
                 _give_up(mapped)
@@ -242,6 +281,7 @@ class ShardMaps:
             mapped.lock = threading.RLock()
             if mapped.closed:
                 continue
+            _unguard(mapped)  # the parent's descriptor: guarded again with the child's own
             inherited, mapped.fd = mapped.fd, -1
             why: str | None = "it cannot be reopened"
             with contextlib.suppress(OSError):  # the same file, even when renamed over
@@ -250,6 +290,7 @@ class ShardMaps:
                 why = leases.take_read_lease(mapped.fd)
             os.close(inherited)  # the parent's lease stays: it is on the parent's description
             if why is None:
+                mapped.guard_entry = _guard(mapped)
                 continue
             if mapped.fd >= 0:
                 os.close(mapped.fd)
@@ -265,41 +306,119 @@ class ShardMaps:
     def _start(self) -> None:
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._watch, name="ggufswap-leases", daemon=True
-                )
-                self._thread.start()
+                self._thread = Supervised(
+                    "ggufswap-leases", self._watch, stop=self._stop, on_exit=self._wake.clear
+                ).start()
+
+    @property
+    def open_files(self) -> bool:
+        """Whether any file is served from a mapping (one attribute: read before each batch)."""
+        return bool(self._files)
 
     def _watch(self) -> None:
-        try:
-            while True:
-                with self._lock:
-                    files = [f for f in self._files.values() if not f.closed]
-                if self._stop.is_set() and not files:
-                    return
-                for mapped in files:
-                    with mapped.lock:
-                        if not mapped.closed and leases.breaking(mapped.fd):
-                            self._move(mapped)
-                self._wake.wait(POLL_S)
-                self._wake.clear()
-        finally:
-            leases.unwatch(self._wake.set)
+        """The watcher thread's body (supervised: restarted with backoff when it raises; a file
+        whose check raises is given up, the others stay watched)."""
+        while True:
+            with self._lock:
+                files = [f for f in self._files.values() if not f.closed]
+            if self._stop.is_set() and not files:
+                return
+            self.check_all(files)
+            self._wake.wait(POLL_S)
+            self._wake.clear()
 
-    def _move(self, mapped: _Mapped) -> None:
-        """A writer waits: move the file's pages to anonymous memory, then let it in."""
+    def suspect(self) -> bool:
+        """Whether a guarded file shrank under its mapping or an access faulted past its end
+        (one ``fstat`` per mapped file, in C): the caller runs a pass before its next batch."""
+        return bool(self._files) and guard_suspects()
+
+    def stale(self) -> bool:
+        """Whether the watcher's last pass is so old that the kernel may have broken a lease
+        meanwhile (older than ``fs.lease-break-time`` less a margin: the process was stopped,
+        the watcher is down, or a move is slower), while files are mapped; the caller runs a
+        pass itself (or drops the batch that ran meanwhile)."""
+        now = time.monotonic()
+        if now - self._break_time_at > 1.0:  # the sysctl, read at most once a second
+            self._break_time_at, self._break_time_s = now, leases.lease_break_time()
+        limit = max(STALE_MARGIN_S, self._break_time_s - STALE_MARGIN_S)
+        return now - self.last_pass > limit and self.mapped_files > 0
+
+    def check_all(self, files: list[_Mapped] | None = None) -> None:
+        """One pass: every leased file is checked (:meth:`_check`), each on its own."""
+        if files is None:
+            with self._lock:
+                files = [f for f in self._files.values() if not f.closed]
+        for mapped in files:
+            with mapped.lock:
+                if mapped.closed:
+                    continue
+                try:
+                    self._check(mapped)
+                except Exception as exc:  # this file is given up; the others are watched on
+                    log.exception("mapping.check_failed", file=mapped.path)
+                    self._given_up(mapped, f"its check failed: {type(exc).__name__}: {exc}")
+        self.last_pass = time.monotonic()
+
+    def _check(self, mapped: _Mapped) -> None:
+        """A writer waits, the kernel broke the lease, or the file shrank: move the file's
+        pages to anonymous memory, let the writer in, and report what may have changed."""
+        tampered = _tampered(mapped)
+        if tampered is None and not leases.breaking(mapped.fd):
+            return
+        if not self._move(mapped):
+            return  # no memory: retried at the next pass
+        self.moved += 1  # counted before the writer is let in (it may be waited on)
+        if not _give_up(mapped) and tampered is None:
+            tampered = (
+                "the kernel broke its read lease before the runtime let the writer in "
+                "(fs.lease-break-time passed: the process was stopped, or the move was slower); "
+                "the writer may have changed its bytes"
+            )
+        if tampered is not None:
+            self._report(mapped, tampered)
+
+    def _given_up(self, mapped: _Mapped, why: str) -> None:
+        """A file whose check failed: moved out if it can be, its lease released, reported."""
+        with contextlib.suppress(Exception):
+            self._move(mapped)
+        if not mapped.closed:
+            with contextlib.suppress(OSError):
+                _give_up(mapped)
+        self._report(mapped, why)
+
+    def _report(self, mapped: _Mapped, why: str) -> None:
+        log.error(
+            "mapping.compromised",
+            file=mapped.path,
+            why=why,
+            action="its tensors are re-hashed before the next batch; those whose bytes changed "
+            "are out of service until a commit restores them",
+        )
+        with self._lock:
+            self.compromised[mapped.path] = why
+            self.reported += 1
+            self._reports.append(Compromised(mapped.path, mapped.address, mapped.length, why))
+
+    def take_compromised(self) -> list[Compromised]:
+        """The files reported since the last call (the store checks their tensors)."""
+        with self._lock:
+            reports, self._reports = self._reports, []
+        return reports
+
+    def _move(self, mapped: _Mapped) -> bool:
+        """Move the file's pages to anonymous memory (a writer waits); False if it failed."""
         region = mapped.region()  # held: the pages cannot be unmapped meanwhile
         started = time.perf_counter()
         try:
             if region is not None:
+                reinstall_guard()  # first in line again: the copy may read past a new end
                 move_to_anonymous(mapped.address, mapped.length)
         except OSError as exc:  # tried again each poll; the lease-break time bounds the wait
             if not mapped.move_failed:  # said once, not every poll
                 log.error("mapping.move_failed", file=mapped.path, error=str(exc))
             mapped.move_failed = True
-            return
-        _give_up(mapped)  # the writer's open returns
-        self.moved += 1
+            return False
+        _unguard(mapped)  # anonymous memory now: no access can fault
         log.info(
             "mapping.moved",
             file=mapped.path,
@@ -308,6 +427,7 @@ class ShardMaps:
             why="a writer opened the file",
         )
         del region
+        return True
 
 
 _ALL_MAPS: Final[weakref.WeakSet[ShardMaps]] = weakref.WeakSet()
@@ -321,46 +441,41 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _raise_descriptor_limit() -> None:
-    """One descriptor per mapped file: let this process open as many as its hard limit allows
-    (a model split per tensor has thousands of files; the usual soft limit is 1024)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
-    if soft != resource.RLIM_INFINITY and soft < target:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            log.info("load.descriptor_limit", soft=soft, raised_to=target)
-
-
-def _give_up(mapped: _Mapped) -> None:
-    """Release the lease and close its descriptor."""
+def _give_up(mapped: _Mapped) -> bool:
+    """Release the lease and close its descriptor; False when there was no lease left to
+    release (the kernel broke it: the lease-break time passed)."""
     mapped.closed = True
+    _unguard(mapped)
     try:
         leases.release(mapped.fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EAGAIN, errno.ENOLCK, errno.EINVAL):
+            raise
+        return False
     finally:
         os.close(mapped.fd)
+    return True
 
 
-def move_to_anonymous(address: int, length: int) -> None:
-    """Replace the mapping at ``[address, address + length)`` by anonymous memory holding the
-    same bytes, at the same address (copy, then ``mremap`` over it in one step: a thread reading
-    meanwhile sees the same bytes before and after). ctypes releases the GIL for each call."""
-    libc = Libc.get()
-    size = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
-    prot = mmap.PROT_READ | mmap.PROT_WRITE
-    anon = libc.mmap(None, size, prot, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-    if anon in (None, MAP_FAILED):
-        raise OSError(ctypes.get_errno(), f"mmap of {size} anonymous bytes failed")
-    try:
-        for offset in range(0, length, _COPY_CHUNK):
-            n = min(_COPY_CHUNK, length - offset)
-            # Fault the new pages in with one call first (5-10x faster than a fault per page
-            # inside the copy on this project's VMs); no support: the copy faults them.
-            libc.madvise(anon + offset, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE, MADV_POPULATE_WRITE)
-            ctypes.memmove(anon + offset, address + offset, n)
-        moved = libc.mremap(anon, size, size, MREMAP_MAYMOVE | MREMAP_FIXED, address)
-        if moved != address:
-            raise OSError(ctypes.get_errno(), "mremap onto the mapping failed")
-    except BaseException:
-        libc.munmap(anon, size)
-        raise
+def _tampered(mapped: _Mapped) -> str | None:
+    """Why the file's bytes under the mapping may have changed without a lease break: it shrank
+    (``open(O_RDONLY | O_TRUNC)`` breaks no read lease), or an access faulted past its end."""
+    faults = guard_faults(mapped.guard_entry)
+    size = os.fstat(mapped.fd).st_size
+    if size >= mapped.length and not faults:
+        return None
+    return (
+        f"it was truncated under its mapping ({size} bytes now, {mapped.length} mapped; "
+        f"{faults} access(es) past its end read zeros instead of raising SIGBUS): an open with "
+        "O_TRUNC and without write access breaks no read lease"
+    )
+
+
+def _guard(mapped: _Mapped) -> int:
+    """Guard ``mapped``'s range against SIGBUS (the handler first in line); its entry."""
+    return guard_range(mapped.address, mapped.length, mapped.fd)
+
+
+def _unguard(mapped: _Mapped) -> None:
+    unguard(mapped.guard_entry)
+    mapped.guard_entry = -1

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ggufswap.ipc import Plan, Reason
-from ggufswap.ipc.messages import reasons_to_wire
+from ggufswap.ipc.bodies import reasons_to_wire
 from ggufswap.logs import get_logger
 from ggufswap.runtime.errors import PlanStateError
 

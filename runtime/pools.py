@@ -1,19 +1,28 @@
-"""Memory pools: named byte budgets on torch devices.
+"""Memory pools: named byte budgets on torch devices, and the one way buffers are placed.
 
 A pool accounts for every buffer the runtime allocates on it. The budget is enforced by the
 accounting (so CPU-only machines exercise placement, fallback and reattachment for real with
-small CPU pools), and on CUDA a ``torch.cuda.OutOfMemoryError`` also counts as "full".
+small CPU pools), and a refusal of the device's allocator (``torch.OutOfMemoryError`` on CUDA,
+any allocator error) also counts as "full": both raise :class:`PoolFull`.
+
+:func:`first_fit` is how the load and staging alike place a tensor or a family: the candidate
+pools in order, the fallback last; an attempt that any allocation of it refuses gives back
+everything it took, and the next candidate is tried.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
-from ggufswap.runtime.errors import PoolFull
+from ggufswap.runtime.errors import NoPoolFits, PoolFull
+
+C = TypeVar("C")
+R = TypeVar("R")
 
 
 @dataclass(eq=False)
@@ -53,15 +62,20 @@ class Pool:
         return self.budget is None or self.used + nbytes <= self.budget + credit
 
     def allocate(self, numel: int, dtype: torch.dtype, *, credit: int = 0) -> Buffer:
-        """Allocate a flat ``numel`` x ``dtype`` buffer, or raise :class:`PoolFull`."""
+        """Allocate a flat ``numel`` x ``dtype`` buffer, or raise :class:`PoolFull` (past the
+        budget, or refused by the device's allocator)."""
         nbytes = numel * dtype.itemsize
         self._reserve(nbytes, credit)
         try:
-            tensor = torch.empty(numel, dtype=dtype, device=self.device)
-        except torch.cuda.OutOfMemoryError:
+            tensor = self._empty(numel, dtype)
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one; any allocator error
             self._release(nbytes)
-            raise PoolFull(self.name, nbytes, 0) from None
+            raise PoolFull(self.name, nbytes, self.free or 0, device_error=str(exc)) from None
         return Buffer(tensor=tensor, pool=self, nbytes=nbytes)
+
+    def _empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The device allocation itself (the one call a refusing allocator raises from)."""
+        return torch.empty(numel, dtype=dtype, device=self.device)
 
     def adopt(self, tensor: torch.Tensor) -> Buffer:
         """Account a flat tensor held elsewhere (a view of a mapped shard file) to this pool,
@@ -127,3 +141,29 @@ class PoolSet:
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         return {name: p.snapshot() for name, p in self.pools.items()}
+
+
+def first_fit(
+    candidates: Iterable[C], attempt: Callable[[C], R], taken: list[Buffer]
+) -> tuple[C, R]:
+    """The first candidate (a pool, or a way to place a family) whose ``attempt`` allocates
+    everything it needs, and what the attempt returned.
+
+    An attempt appends every buffer it allocates to ``taken``; when one of its allocations raises
+    :class:`PoolFull` (a budget, or the device's allocator), the buffers it appended are
+    released and removed, and the next candidate is tried. Raises :class:`NoPoolFits` with every
+    refusal when no candidate fits.
+    """
+    failures: list[PoolFull] = []
+    for candidate in candidates:
+        mark = len(taken)
+        try:
+            return candidate, attempt(candidate)
+        except PoolFull as exc:
+            for buffer in taken[mark:]:
+                buffer.release()
+            del taken[mark:]
+            failures.extend(exc.failures if isinstance(exc, NoPoolFits) else [exc])
+    if not failures:
+        raise ValueError("first_fit needs at least one candidate")
+    raise NoPoolFits(failures)

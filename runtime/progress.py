@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Final
 
 from ggufswap.logs import get_logger
@@ -66,4 +68,42 @@ class ProgressLog:
         )
 
 
-__all__ = ["DEFAULT_INTERVAL_S", "INTERVAL_ENV", "ProgressLog", "progress_interval_s"]
+@contextmanager
+def progress_bar(
+    total: int, *, enabled: bool, also: Callable[[int, int], None] | None = None
+) -> Iterator[Callable[[int], None] | None]:
+    """A byte counter that shows GB/s and the time left (tqdm's rate and ETA) on a terminal, and
+    logs ``load.progress`` lines (a :class:`ProgressLog`) when not on one; ``also(done, total)``
+    is told every step too (a server's ``/health``)."""
+    if not enabled:
+        update: Callable[[int], None] = ProgressLog("load.progress", total=total, unit="B").update
+        yield update if also is None else _tee(update, also, total)
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False) as bar:
+        yield bar.update if also is None else _tee(bar.update, also, total)
+
+
+def _tee(
+    update: Callable[[int], None], also: Callable[[int, int], None], total: int
+) -> Callable[[int], None]:
+    """``update``, also telling ``also`` the running count and the total."""
+    done = 0
+
+    def both(amount: int) -> None:
+        nonlocal done
+        done += amount
+        update(amount)
+        also(done, total)
+
+    return both
+
+
+__all__ = [
+    "DEFAULT_INTERVAL_S",
+    "INTERVAL_ENV",
+    "ProgressLog",
+    "progress_bar",
+    "progress_interval_s",
+]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from ggufswap.ipc import Reason
-from ggufswap.runtime.errors import PoolFull, Unplaceable, UnsupportedTypeError
-from ggufswap.runtime.pools import Pool
+from ggufswap.runtime.errors import NoPoolFits, PoolFull, Unplaceable, UnsupportedTypeError
+from ggufswap.runtime.pools import Pool, first_fit
 from ggufswap.runtime.split import ExpertSplit, Part, copy_range, split_of
 from ggufswap.runtime.staged import (
     Content,
@@ -23,6 +23,7 @@ from ggufswap.runtime.staged import (
     Target,
     allocate,
     content_of,
+    scratch_buffer,
 )
 from ggufswap.runtime.store import Slot, TensorStore
 
@@ -114,44 +115,54 @@ class SplitPlacer:
         staged: StagedPlan,
         credit: dict[Pool, int],
     ) -> None:
-        split, targets = split_of(members[0].original_parts), home_targets
-        need, freed = self._needs(members, contents, split, targets)
-        if not self._fits(need, freed, credit):
-            resplit = self._resplit(members, contents, credit)
-            if resplit is None:
-                raise Unplaceable(
-                    Reason(
-                        members[0].name,
-                        f"its family's experts fit no split over the pools "
-                        f"(loaded as {split.describe()}; a family moves as a whole)",
-                    )
+        """Stage a split family on the first placement whose allocations all succeed
+        (:func:`first_fit`, as the load and whole families): the split it was loaded with, a new
+        split for its new sizes, then every expert in the fallback pool."""
+        loaded = split_of(members[0].original_parts)
+        fallback = self.store.pools.fallback
+        candidates = [(loaded, home_targets)]
+        resplit = self._resplit(members, contents, credit)
+        whole = ExpertSplit(((fallback, 0, members[0].ne[-1]),))
+        for split in (resplit, whole):
+            if split is not None and split not in (c for c, _ in candidates):
+                target = (
+                    Target.PRIVATE_FALLBACK if split.pools() == {fallback} else Target.PRIVATE_HOME
                 )
-            fallback = resplit.pools() == {self.store.pools.fallback}
-            target = Target.PRIVATE_FALLBACK if fallback else Target.PRIVATE_HOME
-            split, targets = resplit, {slot.name: target for slot in members}
+                candidates.append((split, {slot.name: target for slot in members}))
+
+        def attempt(
+            candidate: tuple[ExpertSplit, dict[str, Target]],
+        ) -> tuple[list[StagedOp], dict[Pool, int]]:
+            split, targets = candidate
             need, freed = self._needs(members, contents, split, targets)
-            assert self._fits(need, freed, credit), f"a new split must fit: {split.describe()}"
+            room = {p: credit.get(p, 0) + freed.get(p, 0) for p in {*credit, *freed}}
+            for pool, n in need.items():  # the budgets first: nothing is read or decoded
+                if not pool.fits(n, credit=room.get(pool, 0)):
+                    raise PoolFull(pool.name, n, (pool.free or 0) + room.get(pool, 0))
+            ops = [
+                self._prepare(
+                    slot=slot,
+                    content=content_of(slot, contents),
+                    split=split,
+                    target=targets[slot.name],
+                    staged=staged,
+                    credit=room,
+                )
+                for slot in members
+            ]
+            return [op for op in ops if op is not None], freed
+
+        try:
+            _, (ops, freed) = first_fit(candidates, attempt, staged.allocated)
+        except NoPoolFits as exc:
+            reason = (
+                f"its family's experts fit no split over the pools (loaded as "
+                f"{loaded.describe()}; a family moves as a whole): {exc}"
+            )
+            raise Unplaceable(Reason(members[0].name, reason)) from None
         for pool, n in freed.items():
             credit[pool] = credit.get(pool, 0) + n
-        for slot in members:
-            content = content_of(slot, contents)
-            op = self._prepare(
-                slot=slot,
-                content=content,
-                split=split,
-                target=targets[slot.name],
-                staged=staged,
-                credit=credit,
-            )
-            if op is not None:
-                staged.ops.append(op)
-
-    @staticmethod
-    def _fits(need: dict[Pool, int], freed: dict[Pool, int], credit: dict[Pool, int]) -> bool:
-        return all(
-            pool.fits(n, credit=credit.get(pool, 0) + freed.get(pool, 0))
-            for pool, n in need.items()
-        )
+        staged.ops.extend(ops)
 
     def _prepare(
         self,
@@ -184,17 +195,14 @@ class SplitPlacer:
                 scratches = []
                 for part in slot.original_parts:
                     n = (part.stop - part.start) * unit
-                    scratch = torch.empty(n, dtype=dtype, device=part.pool.device)
+                    scratch = scratch_buffer((n, dtype), part.pool.device)
                     self._fill_range(scratch, slot, content, part.start, part.stop)
                     scratches.append(scratch)
                 op.part_copies = tuple(scratches)
             return op
         parts = []
-        for pool, start, stop in split.ranges:
-            try:
-                buffer = allocate(pool, ((stop - start) * unit, dtype), staged, credit)
-            except PoolFull as exc:
-                raise Unplaceable(Reason(slot.name, str(exc))) from None
+        for pool, start, stop in split.ranges:  # PoolFull: the family's next placement
+            buffer = allocate(pool, ((stop - start) * unit, dtype), staged, credit)
             self._fill_range(buffer.tensor, slot, content, start, stop)
             parts.append(Part(buffer, start, stop))
         op.parts = tuple(parts)

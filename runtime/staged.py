@@ -99,3 +99,16 @@ def allocate(
     buffer = pool.allocate(numel, dtype, credit=credit.get(pool, 0))
     staged.allocated.append(buffer)
     return buffer
+
+
+def scratch_buffer(spec: tuple[int, torch.dtype], device: torch.device) -> torch.Tensor:
+    """A staging scratch buffer (contents a commit copies into an original in place) on
+    ``device``, or in host memory when the device's allocator refuses it (out of memory): the
+    commit's copy crosses devices then, and the plan still commits."""
+    numel, dtype = spec
+    try:
+        return torch.empty(numel, dtype=dtype, device=device)
+    except RuntimeError:  # torch.OutOfMemoryError is one
+        if device.type == "cpu":
+            raise
+        return torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())

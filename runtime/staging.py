@@ -15,8 +15,14 @@ from collections.abc import Callable
 import torch
 
 from ggufswap.ipc import Job, Plan, Reason
-from ggufswap.runtime.errors import PoolFull, StaleJob, Unplaceable, UnsupportedTypeError
-from ggufswap.runtime.pools import Pool
+from ggufswap.runtime.errors import (
+    NoPoolFits,
+    PoolFull,
+    StaleJob,
+    Unplaceable,
+    UnsupportedTypeError,
+)
+from ggufswap.runtime.pools import Pool, first_fit
 from ggufswap.runtime.split_staging import SplitPlacer
 from ggufswap.runtime.staged import (
     STATE_TARGET,
@@ -26,6 +32,7 @@ from ggufswap.runtime.staged import (
     Target,
     allocate,
     content_of,
+    scratch_buffer,
 )
 from ggufswap.runtime.store import Slot, TensorStore
 from ggufswap.shards import FileChangedError, ShardError, TensorRecord, fingerprint_bytes
@@ -158,46 +165,45 @@ class Stager:
         for members, home_targets in plans:
             if members[0].is_split:
                 self._split.place(members, contents, home_targets, staged, credit)
-                continue
-            targets = self._fit(members, contents, home_targets, credit)
-            _, freed = self._needs(members, contents, targets)
-            for pool, n in freed.items():
-                credit[pool] = credit.get(pool, 0) + n
-            for slot in members:
-                op = self._prepare(
-                    slot, content_of(slot, contents), targets[slot.name], staged, credit
-                )
-                if op is not None:
-                    staged.ops.append(op)
+            else:
+                self._place_unit(members, contents, home_targets, staged, credit)
         staged.ops.sort(key=lambda op: not op.reattach)
 
-    def _fit(
+    def _place_unit(
         self,
         members: list[Slot],
         contents: dict[str, Content],
-        targets: dict[str, Target],
+        home_targets: dict[str, Target],
+        staged: StagedPlan,
         credit: dict[Pool, int],
-    ) -> dict[str, Target]:
-        """``targets`` if they fit their pools; else the whole unit's fallback targets."""
-        for fallback in (False, True):
-            if fallback:
-                targets = self._targets(members, contents, fallback=True)
+    ) -> None:
+        """Stage a family (or lone tensor) where it lives, or, when its home refuses an
+        allocation (the budget, or the device's allocator: CUDA out of memory), all of it in the
+        fallback pool: :func:`first_fit`, the mechanism the load places units with."""
+        candidates = [home_targets]
+        if any(slot.home is not self.store.pools.fallback for slot in members):
+            candidates.append(self._targets(members, contents, fallback=True))
+
+        def attempt(targets: dict[str, Target]) -> tuple[list[StagedOp], dict[Pool, int]]:
             need, freed = self._needs(members, contents, targets)
-            short = [
-                (pool, n)
-                for pool, n in need.items()
-                if not pool.fits(n, credit=credit.get(pool, 0) + freed.get(pool, 0))
+            room = {p: credit.get(p, 0) + freed.get(p, 0) for p in {*credit, *freed}}
+            for pool, n in need.items():  # the budgets first: nothing is read or decoded
+                if not pool.fits(n, credit=room.get(pool, 0)):
+                    raise PoolFull(pool.name, n, (pool.free or 0) + room.get(pool, 0))
+            ops = [
+                self._prepare(slot, content_of(slot, contents), targets[slot.name], staged, room)
+                for slot in members
             ]
-            if not short:
-                return targets
-        pool, n = short[0]
-        raise Unplaceable(
-            Reason(
-                members[0].name,
-                f"needs {n} bytes in pool {pool.name!r}, which has {pool.free} free "
-                "(a family falls back as a whole)",
-            )
-        )
+            return [op for op in ops if op is not None], freed
+
+        try:
+            _, (ops, freed) = first_fit(candidates, attempt, staged.allocated)
+        except NoPoolFits as exc:
+            reason = f"{exc} (a family falls back as a whole)"
+            raise Unplaceable(Reason(members[0].name, reason)) from None
+        for pool, n in freed.items():
+            credit[pool] = credit.get(pool, 0) + n
+        staged.ops.extend(ops)
 
     def _prepare(
         self,
@@ -243,11 +249,8 @@ class Stager:
                     # to it re-reads the file (``held`` no longer matches).
                     op.decode_into_original = self._decoder(slot, content, spec)
             return op
-        pool = self._pool_for(slot, target)
-        try:
-            op.new_buffer = allocate(pool, spec, staged, credit)
-        except PoolFull as exc:
-            raise Unplaceable(Reason(slot.name, str(exc))) from None
+        # PoolFull from here: the unit's next candidate (``_place_unit``)
+        op.new_buffer = allocate(self._pool_for(slot, target), spec, staged, credit)
         self._fill(op.new_buffer.tensor, slot, content)
         return op
 
@@ -278,8 +281,9 @@ class Stager:
         return decode
 
     def _scratch(self, slot: Slot, content: Content, spec: tuple[int, torch.dtype]) -> torch.Tensor:
-        """Staged contents on the home device, copied into the original buffer at commit."""
-        scratch = torch.empty(spec[0], dtype=spec[1], device=slot.home.device)
+        """Staged contents on the home device, copied into the original buffer at commit (in
+        host memory when the device has no room for them: the commit copies across)."""
+        scratch = scratch_buffer(spec, slot.home.device)
         self._fill(scratch, slot, content)
         return scratch
 

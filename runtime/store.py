@@ -14,24 +14,23 @@ Storage modes:
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from ggufswap.config import DEFAULT_DECODED_CACHE, MapShards, Storage
 from ggufswap.ipc import SlotState
 from ggufswap.logs import get_logger
-from ggufswap.runtime.errors import PoolFull
-from ggufswap.runtime.families import DerivedTensor, block_of, expert_of, family_of
-from ggufswap.runtime.kernels import QuantizedMatrix, dequantize, ggml_library
+from ggufswap.runtime.families import DerivedTensor, family_of
+from ggufswap.runtime.kernels import QuantizedMatrix, dequantize
 from ggufswap.runtime.loading import Loader, LoadJob, Segment, trim_heap
 from ggufswap.runtime.mapping import ShardMaps
-from ggufswap.runtime.pools import Buffer, Pool, PoolSet
-from ggufswap.runtime.resident import DecodedCache
+from ggufswap.runtime.placement import Placement, placement_units, plan_placement
+from ggufswap.runtime.pools import Buffer, Pool, PoolSet, first_fit
+from ggufswap.runtime.progress import progress_bar
+from ggufswap.runtime.resident import DecodedCache, ForwardViews
 from ggufswap.runtime.split import (
     ExpertSplit,
     Part,
@@ -49,17 +48,6 @@ _PLAIN_DTYPES = {
     GGMLType.F16: torch.float16,
     GGMLType.BF16: torch.bfloat16,
 }
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where tensors go at load: like llama.cpp's ``n_gpu_layers``, plus a pool for experts."""
-
-    gpu_layers: int = -1  # blocks [0, gpu_layers) on the first pool; -1 = all
-    experts_pool: str | None = None
-    # An MoE family that fits no single non-fallback pool is split into expert ranges over the
-    # pools in preference order (the fallback last), instead of going whole to the fallback.
-    split_experts: bool = False
 
 
 @dataclass(eq=False)
@@ -118,48 +106,6 @@ class Slot:
         )
 
 
-def choose_storage(
-    records: Iterable[TensorRecord], pools: PoolSet, compute_dtype: torch.dtype
-) -> tuple[Storage, str]:
-    """``storage: auto``: native where the dequantized tensors would not fit the pools, or where
-    every pool is on the CPU and ggml's kernels multiply the model's quantized matrices (GGUF-size
-    memory and llama.cpp's speed: bench/engine.py measures native over dequantized decode), else
-    dequantized. Returns the choice and why, in numbers."""
-    records = list(records)
-    need = sum(r.n_elements for r in records) * compute_dtype.itemsize
-    room = sum(_room(pool) for pool in pools)
-    if need > room:
-        return Storage.NATIVE, f"{need} dequantized bytes exceed the pools' {room}"
-    quantized = [r for r in records if len(r.ne) >= 2 and r.ggml_type not in _PLAIN_DTYPES]
-    library = ggml_library()
-    on_cpu = all(pool.device.type == "cpu" for pool in pools)
-    if library is not None and on_cpu and quantized:
-        by_ggml = sum(r.nbytes for r in quantized if r.ggml_type in library.types)
-        share = by_ggml / sum(r.nbytes for r in quantized)
-        if share >= _AUTO_GGML_SHARE:
-            return Storage.NATIVE, f"{share:.0%} of the quantized bytes multiply in {library.name}"
-    return Storage.DEQUANTIZED, f"{need} dequantized bytes fit the pools' {room}"
-
-
-# storage: auto goes native on the CPU when ggml's kernels multiply at least this share of the
-# quantized matrices' bytes (the rest multiply from their blocks with the float kernels).
-_AUTO_GGML_SHARE = 0.9
-# Of the memory a device reports free, the share ``storage: auto`` counts on (the rest is for
-# activations, the KV cache and the process itself).
-_AUTO_HEADROOM = 0.8
-
-
-def _room(pool: Pool) -> int:
-    """Bytes a pool can take: its budget, or what its device has free."""
-    if pool.budget is not None:
-        return pool.budget - pool.used
-    if pool.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(pool.device)
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(free * _AUTO_HEADROOM)
-
-
 @dataclass
 class LoadReport:
     tensors: int = 0
@@ -197,14 +143,11 @@ class TensorStore:
         self._dense_cached = True  # set by load(): every dense quantized matrix fits the cache
         # Native storage: CPU tensors served from their files' pages, under read leases.
         self.maps = ShardMaps(map_shards if storage is Storage.NATIVE else MapShards.OFF)
-        # Native storage: what a forward reads of a slot (its blocks, an expert stack, a float
-        # tensor's view), made once per slot until a commit changes the slots (forget_views).
-        self._views: dict[tuple[str, str], torch.Tensor | QuantizedMatrix | SplitTensor] = {}
-
-    def forget_views(self) -> None:
-        """Drop the views made for forwards: commit calls it, as it may change any slot's
-        buffers (a retired buffer is then referenced by nothing here)."""
-        self._views.clear()
+        # Tensors out of service (their mapped bytes changed outside a commit) -> why; see
+        # runtime/integrity.py. No batch runs while it is not empty.
+        self.lost: dict[str, str] = {}
+        # Native storage: slots' blocks, stacks and float views, made once per commit.
+        self.views = ForwardViews()
 
     # -- the model's view ------------------------------------------------------------------
 
@@ -220,11 +163,8 @@ class TensorStore:
         if self.storage is Storage.DEQUANTIZED:
             return slot.active.tensor.view(slot.record.shape)
         if self._is_view(slot.record):  # already compute-dtype values: nothing to keep
-            view = self._views.get(("weight", name))
-            if not isinstance(view, torch.Tensor):
-                view = self.materialize_flat(slot.active.tensor, slot.record)
-                self._views[("weight", name)] = view
-            return view
+            view = partial(self.materialize_flat, slot.active.tensor, slot.record)
+            return self.views.get("weight", name, torch.Tensor, view)
         key = (name, slot.fingerprint, int(slot.record.ggml_type))
         return self.decoded.get(key, lambda: self.materialize_flat(slot.active.tensor, slot.record))
 
@@ -238,14 +178,11 @@ class TensorStore:
         if slot is not None and slot.is_split:
             return self.split_view(slot)
         if slot is not None and self.storage is Storage.NATIVE and len(slot.ne) == 3:
-            stack = self._views.get(("experts", name))
-            if not isinstance(stack, SplitTensor):
-                whole = (Part(slot.active, 0, slot.ne[-1]),)
-                stack = SplitTensor(
-                    whole, slot.record, native=True, compute_dtype=self.compute_dtype
-                )
-                self._views[("experts", name)] = stack
-            return stack
+            whole = (Part(slot.active, 0, slot.ne[-1]),)
+            stack = partial(
+                SplitTensor, whole, slot.record, native=True, compute_dtype=self.compute_dtype
+            )
+            return self.views.get("experts", name, SplitTensor, stack)
         return self.weight(name)
 
     def matrix(self, name: str) -> torch.Tensor | QuantizedMatrix:
@@ -253,13 +190,9 @@ class TensorStore:
         matrix's blocks (:class:`QuantizedMatrix`): a few activation rows multiply from them,
         many rows use the decoded cache's copy when every dense matrix fits the cache (decoded
         once), else a scratch decode per use. Elsewhere, the decoded tensor."""
-        slot = self.slots.get(name)
-        if slot is None or self.storage is Storage.DEQUANTIZED or slot.is_split:
+        matrix = self.blocks(name)  # None but for a native 2-D slot
+        if matrix is None or self._is_view(self.slots[name].record):
             return self.weight(name)
-        if len(slot.record.ne) != 2 or self._is_view(slot.record):
-            return self.weight(name)
-        matrix = self.blocks(name)
-        assert matrix is not None, f"{name}: a native 2-D slot has blocks"
         return matrix if matrix.multiplies_blocks else self.weight(name)
 
     def blocks(self, name: str) -> QuantizedMatrix | None:
@@ -272,14 +205,11 @@ class TensorStore:
         record = slot.record
         if len(record.ne) != 2:
             return None
-        matrix = self._views.get(("blocks", name))
-        if not isinstance(matrix, QuantizedMatrix):
-            raw = slot.active.tensor[: record.nbytes]
-            cached = (lambda: self.weight(name)) if self._dense_cached else None
-            shape = (record.ne[1], record.ne[0])
-            matrix = QuantizedMatrix(raw, record.ggml_type, shape, name, cached)
-            self._views[("blocks", name)] = matrix
-        return matrix
+        raw = slot.active.tensor[: record.nbytes]
+        cached = (lambda: self.weight(name)) if self._dense_cached else None
+        shape = (record.ne[1], record.ne[0])
+        blocks = partial(QuantizedMatrix, raw, record.ggml_type, shape, name, cached)
+        return self.views.get("blocks", name, QuantizedMatrix, blocks)
 
     def _is_view(self, record: TensorRecord) -> bool:
         """Whether native bytes of ``record`` already are compute-dtype values (read as a view)."""
@@ -390,86 +320,37 @@ class TensorStore:
     def plan_placement(
         self, records: Iterable[TensorRecord], placement: Placement, n_blocks: int
     ) -> dict[str, Pool | ExpertSplit]:
-        """Choose a home pool for every tensor; a family lands in one pool as a unit, or, with
-        ``split_experts``, in the same expert ranges on several pools when no pool holds it."""
-        ordered = self.pools.ordered()
-        primary, fallback = ordered[0], self.pools.fallback
-        units: dict[str, list[TensorRecord]] = {}
-        for record in records:
-            units.setdefault(family_of(record.name) or record.name, []).append(record)
-        tally: dict[str, int] = {p.name: 0 for p in ordered}
-        homes: dict[str, Pool | ExpertSplit] = {}
-        for members in units.values():
-            first = members[0].name
-            block = block_of(first)
-            on_primary = (
-                placement.gpu_layers < 0
-                or (block is not None and block < placement.gpu_layers)
-                or (block is None and placement.gpu_layers > n_blocks)
-            )
-            preferred = primary if on_primary else fallback
-            if placement.experts_pool is not None and family_of(first) is not None:
-                preferred = self.pools[placement.experts_pool]
-            need = sum(self.buffer_nbytes(r) for r in members)
-            candidates = [preferred, *(p for p in ordered if p is not preferred)]
-            chosen: Pool | ExpertSplit = next(
-                (p for p in candidates if p.budget is None or tally[p.name] + need <= p.budget),
-                fallback,
-            )
-            if chosen is fallback and preferred is not fallback and placement.split_experts:
-                chosen = self._split_at_load(members, candidates, tally) or chosen
-            if isinstance(chosen, ExpertSplit):
-                per_expert = need // chosen.n_expert
-                for pool, start, stop in chosen.ranges:
-                    tally[pool.name] += per_expert * (stop - start)
-            else:
-                tally[chosen.name] += need
-            for record in members:
-                homes[record.name] = chosen
-        return homes
-
-    def _split_at_load(
-        self, members: list[TensorRecord], candidates: list[Pool], tally: dict[str, int]
-    ) -> ExpertSplit | None:
-        """Expert ranges over ``candidates`` (the fallback last) for a family, or None when it
-        is not a stack of experts or would not be split."""
-        if family_of(members[0].name) is None:
-            return None
-        if any(expert_of(r.name) is not None for r in members):
-            return None  # one tensor per expert (old Mixtral): not a stack to split by expert
-        n_expert = members[0].ne[-1]
-        if n_expert < 2 or any(r.ne[-1] != n_expert for r in members):
-            return None
-        per_expert = sum(self.buffer_nbytes(r) for r in members) // n_expert
-        order = [p for p in candidates if p is not self.pools.fallback] + [self.pools.fallback]
-        split = ExpertSplit.greedy(
-            n_expert,
-            per_expert,
-            order,
-            lambda p: None if p.budget is None else p.budget - tally[p.name],
+        """Choose a home pool for every tensor (:func:`~ggufswap.runtime.placement.plan_placement`
+        with this store's pools and buffer sizes)."""
+        return plan_placement(
+            records, placement, n_blocks, pools=self.pools, nbytes=self.buffer_nbytes
         )
-        return split if split is not None and len(split.ranges) > 1 else None
 
     def load(
-        self, shards: ShardSet, *, placement: Placement, n_blocks: int, progress: bool = False
+        self,
+        shards: ShardSet,
+        *,
+        placement: Placement,
+        n_blocks: int,
+        progress: bool = False,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> LoadReport:
         """Read every tensor of ``shards`` into its home pool (or its expert split).
 
         Each tensor is read once, in file order, straight into its buffer when that holds the
         file's bytes on the CPU, and fingerprinted in the same pass (:mod:`.loading`).
+        ``on_progress(done, total)`` is told the bytes read so far (a server's ``/health``).
         """
         records = list(shards.tensors.values())
         homes = self.plan_placement(records, placement, n_blocks)
-        report = LoadReport()
         held: dict[str, tuple[Buffer, tuple[Part, ...]]] = {}
+        taken: list[Buffer] = []
         try:
-            jobs = []
-            for record in records:
-                buffer, parts = self._allocate_home(record, homes[record.name])
-                held[record.name] = (buffer, parts)
-                jobs.append(LoadJob(record, self._segments(record, buffer, parts)))
+            for members in placement_units(records).values():
+                held.update(self._allocate_unit(members, homes[members[0].name], taken))
+            jobs = [LoadJob(r, self._segments(r, *held[r.name])) for r in records]
             total = sum(r.nbytes for r in records)
-            with _progress_bar(total, enabled=progress) as bar:
+            with progress_bar(total, enabled=progress, also=on_progress) as bar:
                 loader = Loader(
                     decode=self._decode_rows,
                     row_slice=self._row_slice,
@@ -478,13 +359,32 @@ class TensorStore:
                 )
                 digests = {r.name: d for r, d in loader.run(jobs)}
         except BaseException:  # a failed load gives its pools back everything it took
-            for buffer, parts in held.values():
-                for kept in [p.buffer for p in parts] or [buffer]:
-                    kept.release()
+            for buffer in taken:
+                buffer.release()
             self.maps.close()
             raise
         trim_heap()
         self.maps.report()
+        report = self._fill_slots(records, held, digests)
+        report.seconds = loader.seconds
+        dense = [r for r in records if len(r.ne) == 2 and not self._is_view(r)]
+        decoded_bytes = sum(r.n_elements for r in dense) * self.compute_dtype.itemsize
+        self._dense_cached = decoded_bytes <= self.decoded.budget
+        self.families = {}
+        for slot in self.slots.values():
+            if slot.family is not None:
+                self.families[slot.family] = (*self.families.get(slot.family, ()), slot.name)
+        return report
+
+    def _fill_slots(
+        self,
+        records: list[TensorRecord],
+        held: Mapping[str, tuple[Buffer, tuple[Part, ...]]],
+        digests: Mapping[str, str],
+    ) -> LoadReport:
+        """A slot for every loaded tensor, in its buffer (or parts) with its fingerprint; what
+        was loaded where, counted."""
+        report = LoadReport()
         for record in records:
             buffer, parts = held[record.name]
             digest = digests[record.name]
@@ -508,38 +408,39 @@ class TensorStore:
             for kept in [p.buffer for p in parts] or [buffer]:
                 name = kept.pool.name
                 report.placed[name] = report.placed.get(name, 0) + kept.nbytes
-        report.seconds = loader.seconds
-        dense = [r for r in records if len(r.ne) == 2 and not self._is_view(r)]
-        decoded_bytes = sum(r.n_elements for r in dense) * self.compute_dtype.itemsize
-        self._dense_cached = decoded_bytes <= self.decoded.budget
-        self.families = {}
-        for slot in self.slots.values():
-            if slot.family is not None:
-                self.families.setdefault(slot.family, ())
-                self.families[slot.family] = (*self.families[slot.family], slot.name)
         return report
 
-    def _allocate_home(
-        self, record: TensorRecord, home: Pool | ExpertSplit
+    def _allocate_unit(
+        self, members: list[TensorRecord], home: Pool | ExpertSplit, taken: list[Buffer]
+    ) -> dict[str, tuple[Buffer, tuple[Part, ...]]]:
+        """The buffers (or expert-range parts) a family or lone tensor is loaded into: in its
+        home, or, when an allocation there is refused (the budget, or the device's allocator),
+        all of it in the fallback pool (:func:`first_fit`, as staging places a plan's units)."""
+        fallback = self.pools.fallback
+        candidates: list[Pool | ExpertSplit] = [home] if home is fallback else [home, fallback]
+
+        def attempt(where: Pool | ExpertSplit) -> dict[str, tuple[Buffer, tuple[Part, ...]]]:
+            return {r.name: self._allocate_at(r, where, taken) for r in members}
+
+        _, placed = first_fit(candidates, attempt, taken)
+        return placed
+
+    def _allocate_at(
+        self, record: TensorRecord, where: Pool | ExpertSplit, taken: list[Buffer]
     ) -> tuple[Buffer, tuple[Part, ...]]:
-        """The buffer (or expert-range parts) ``record`` is loaded into."""
+        """``record``'s buffer in ``where`` (appended to ``taken``), or PoolFull."""
         numel, dtype = self.buffer_spec(record)
-        if isinstance(home, Pool) and home.device.type == "cpu":
-            view = self.maps.view(record)  # native storage: the file's own bytes, if mapped
-            with contextlib.suppress(PoolFull):  # a full home: the fallback, as below
-                if view is not None:
-                    return home.adopt(view), ()
-        if isinstance(home, ExpertSplit):
+        if isinstance(where, ExpertSplit):
             unit = self.expert_unit(record)
-            parts = tuple(
-                Part(pool.allocate((stop - start) * unit, dtype), start, stop)
-                for pool, start, stop in home.ranges
-            )
-            return parts[0].buffer, parts
-        try:
-            return home.allocate(numel, dtype), ()
-        except PoolFull:
-            return self.pools.fallback.allocate(numel, dtype), ()
+            parts = []
+            for pool, start, stop in where.ranges:
+                taken.append(pool.allocate((stop - start) * unit, dtype))
+                parts.append(Part(taken[-1], start, stop))
+            return parts[0].buffer, tuple(parts)
+        view = self.maps.view(record) if where.device.type == "cpu" else None
+        # native storage: the file's own bytes where it is mapped, else memory of our own
+        taken.append(where.adopt(view) if view is not None else where.allocate(numel, dtype))
+        return taken[-1], ()
 
     def _segments(
         self, record: TensorRecord, buffer: Buffer, parts: tuple[Part, ...]
@@ -597,18 +498,3 @@ class TensorStore:
 
     def loaded_table(self) -> Mapping[str, Slot]:
         return self.slots
-
-
-@contextmanager
-def _progress_bar(total: int, *, enabled: bool) -> Iterator[Callable[[int], None] | None]:
-    """A byte counter that shows GB/s and the time left (tqdm's rate and ETA) on a terminal, and
-    logs ``load.progress`` lines (runtime/progress.py) when not on one."""
-    if not enabled:
-        from ggufswap.runtime.progress import ProgressLog
-
-        yield ProgressLog("load.progress", total=total, unit="B").update
-        return
-    from tqdm import tqdm
-
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False) as bar:
-        yield bar.update

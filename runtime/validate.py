@@ -84,34 +84,7 @@ def validate_plan(plan: Plan, store: TensorStore, *, allowed_roots: Sequence[str
         if slot is None:
             reasons.append(Reason(name, "the loaded model has no tensor of this name"))
             continue
-        if rec.shape != slot.shape:
-            reasons.append(
-                Reason(
-                    name,
-                    f"on-disk shape {list(rec.shape)} differs from loaded {list(slot.shape)}; "
-                    "a logical shape change needs a restart",
-                )
-            )
-        block_size, _ = type_sizes(rec.ggml_type)
-        if rec.ne[0] % block_size or rec.nbytes != tensor_nbytes(rec.ggml_type, rec.ne):
-            reasons.append(
-                Reason(
-                    name,
-                    f"{rec.nbytes} bytes is not a {rec.ggml_type.name} tensor of ne={list(rec.ne)}",
-                )
-            )
-        if not can_dequantize(rec.ggml_type):
-            reasons.append(
-                Reason(
-                    name,
-                    f"type {rec.ggml_type.name} cannot be dequantized (no torch kernel, and "
-                    "gguf has no dequantizer for it)",
-                )
-            )
-        elif store.strict and not has_kernel(rec.ggml_type):
-            reasons.append(
-                Reason(name, f"type {rec.ggml_type.name} has no torch kernel (strict_types is on)")
-            )
+        reasons.extend(_content_reasons(rec, slot.shape, strict=store.strict))
         if not inside_roots(rec.path, allowed_roots):
             reasons.append(
                 Reason(
@@ -134,6 +107,42 @@ def validate_plan(plan: Plan, store: TensorStore, *, allowed_roots: Sequence[str
                 )
                 for src in changed
             )
+    return reasons
+
+
+def _content_reasons(rec: TensorRecord, loaded: tuple[int, ...], *, strict: bool) -> list[Reason]:
+    """What is wrong with the new content itself: a shape other than the loaded one, a size that
+    is not its type's, or a type nothing here decodes."""
+    name = rec.name
+    reasons: list[Reason] = []
+    if rec.shape != loaded:
+        reasons.append(
+            Reason(
+                name,
+                f"on-disk shape {list(rec.shape)} differs from loaded {list(loaded)}; "
+                "a logical shape change needs a restart",
+            )
+        )
+    block_size, _ = type_sizes(rec.ggml_type)
+    if rec.ne[0] % block_size or rec.nbytes != tensor_nbytes(rec.ggml_type, rec.ne):
+        reasons.append(
+            Reason(
+                name,
+                f"{rec.nbytes} bytes is not a {rec.ggml_type.name} tensor of ne={list(rec.ne)}",
+            )
+        )
+    if not can_dequantize(rec.ggml_type):
+        reasons.append(
+            Reason(
+                name,
+                f"type {rec.ggml_type.name} cannot be dequantized (no torch kernel, and "
+                "gguf has no dequantizer for it)",
+            )
+        )
+    elif strict and not has_kernel(rec.ggml_type):
+        reasons.append(
+            Reason(name, f"type {rec.ggml_type.name} has no torch kernel (strict_types is on)")
+        )
     return reasons
 
 

@@ -28,7 +28,13 @@ from ggufswap.shards.keys import Arch, Keys
 from ggufswap.shards.presets import demo_moe, tiny_arch, tiny_dense, tiny_moe
 from ggufswap.shards.reader import ShardHeader, read_array, read_header
 from ggufswap.shards.records import ArrayRef, FileIdentity, TensorRecord, tensor_nbytes, type_sizes
-from ggufswap.shards.requant import SUPPORTED_TARGETS, requantize, restore
+from ggufswap.shards.requant import (
+    SUPPORTED_TARGETS,
+    requantize,
+    requantize_bytes,
+    restore,
+    rewrite_tensor,
+)
 from ggufswap.shards.shardset import HeaderCache, ShardSet, open_shard_set
 from ggufswap.shards.writer import (
     WRITABLE_TYPES,
@@ -84,7 +90,9 @@ __all__ = [
     "read_range",
     "read_tensor_bytes",
     "requantize",
+    "requantize_bytes",
     "restore",
+    "rewrite_tensor",
     "tensor_nbytes",
     "tiny_arch",
     "tiny_dense",

@@ -48,6 +48,13 @@ class Role(Enum):
     FFN_GATE_INP_SHEXP = MODEL_TENSOR.FFN_GATE_INP_SHEXP
     ATTN_POST_NORM = MODEL_TENSOR.ATTN_POST_NORM  # gemma3
     FFN_POST_NORM = MODEL_TENSOR.FFN_POST_NORM  # gemma3
+    # gemma4: the MoE blocks' second pre/post norms, router and per-expert scales, layer scale
+    FFN_PRE_NORM_2 = MODEL_TENSOR.FFN_PRE_NORM_2
+    FFN_POST_NORM_1 = MODEL_TENSOR.FFN_POST_NORM_1
+    FFN_POST_NORM_2 = MODEL_TENSOR.FFN_POST_NORM_2
+    FFN_GATE_INP_SCALE = (MODEL_TENSOR.FFN_GATE_INP, "scale")
+    FFN_DOWN_EXPS_SCALE = (MODEL_TENSOR.FFN_DOWN_EXP, "scale")
+    LAYER_OUT_SCALE = MODEL_TENSOR.LAYER_OUT_SCALE
     # deepseek2: latent attention and the routers' selection bias
     ATTN_Q_A = MODEL_TENSOR.ATTN_Q_A
     ATTN_Q_B = MODEL_TENSOR.ATTN_Q_B
@@ -75,9 +82,29 @@ class Role(Enum):
     FFN_GATE_EXPS_BIAS = (MODEL_TENSOR.FFN_GATE_EXP, "bias")
     FFN_UP_EXPS_BIAS = (MODEL_TENSOR.FFN_UP_EXP, "bias")
     FFN_DOWN_EXPS_BIAS = (MODEL_TENSOR.FFN_DOWN_EXP, "bias")
+    # qwen35 / qwen35moe / qwen3next: gated delta-net layers (ssm_a has no suffix)
+    ATTN_QKV = MODEL_TENSOR.ATTN_QKV
+    ATTN_GATE = MODEL_TENSOR.ATTN_GATE
+    SSM_CONV1D = MODEL_TENSOR.SSM_CONV1D
+    SSM_DT_BIAS = (MODEL_TENSOR.SSM_DT, "bias")
+    SSM_A = (MODEL_TENSOR.SSM_A, "")
+    SSM_BETA = MODEL_TENSOR.SSM_BETA
+    SSM_ALPHA = MODEL_TENSOR.SSM_ALPHA
+    SSM_BETA_ALPHA = MODEL_TENSOR.SSM_BETA_ALPHA
+    SSM_NORM = MODEL_TENSOR.SSM_NORM
+    SSM_OUT = MODEL_TENSOR.SSM_OUT
+    # deepseek32 / glm-dsa: the DSA lightning indexer (literal names: gguf-py before 0.19 lacks
+    # these tensors)
+    INDEXER_K_NORM = "blk.{}.indexer.k_norm.weight"
+    INDEXER_K_NORM_BIAS = "blk.{}.indexer.k_norm.bias"
+    INDEXER_PROJ = "blk.{}.indexer.proj.weight"
+    INDEXER_ATTN_K = "blk.{}.indexer.attn_k.weight"
+    INDEXER_ATTN_Q_B = "blk.{}.indexer.attn_q_b.weight"
 
     def tensor_name(self, block: int | None = None) -> str:
         """The llama.cpp tensor name, e.g. ``blk.3.ffn_up_exps.weight``."""
+        if isinstance(self.value, str):  # a literal template
+            return self.value.format(block)
         if isinstance(self.value, tuple):
             tensor, suffix = self.value
         else:
@@ -94,11 +121,19 @@ NORM_ROLES: Final = frozenset(
         Role.ATTN_K_NORM,
         Role.ATTN_POST_NORM,
         Role.FFN_POST_NORM,
+        Role.FFN_PRE_NORM_2,
+        Role.FFN_POST_NORM_1,
+        Role.FFN_POST_NORM_2,
+        Role.FFN_GATE_INP_SCALE,  # scales near 1, read as floats: like norms
+        Role.FFN_DOWN_EXPS_SCALE,
+        Role.LAYER_OUT_SCALE,
         Role.ATTN_Q_A_NORM,
         Role.ATTN_KV_A_NORM,
         Role.NEXTN_ENORM,
         Role.NEXTN_HNORM,
         Role.NEXTN_SHARED_HEAD_NORM,
+        Role.SSM_NORM,
+        Role.INDEXER_K_NORM,
     }
 )
 # 1-D or routing tensors stay F32, as llama.cpp's quantizer leaves them.
@@ -116,6 +151,11 @@ F32_ONLY_ROLES: Final = frozenset(
         Role.FFN_GATE_EXPS_BIAS,
         Role.FFN_UP_EXPS_BIAS,
         Role.FFN_DOWN_EXPS_BIAS,
+        # ggml_ssm_conv's kernel and the delta net's per-head vectors: floats
+        Role.SSM_CONV1D,
+        Role.SSM_A,
+        Role.SSM_DT_BIAS,
+        Role.INDEXER_K_NORM_BIAS,  # ggml_add's float operand, F32 in the converter's files
     }
 )
 F32_ROLES: Final = (

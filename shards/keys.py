@@ -20,6 +20,16 @@ class Arch(str, enum.Enum):
     DEEPSEEK2 = "deepseek2"
     GLM4MOE = "glm4moe"
     GPT_OSS = "gpt-oss"
+    QWEN3VLMOE = "qwen3vlmoe"
+    MINIMAX_M2 = "minimax-m2"
+    LLAMA4 = "llama4"
+    GEMMA4 = "gemma4"
+    DOTS1 = "dots1"
+    QWEN35 = "qwen35"
+    QWEN35MOE = "qwen35moe"
+    QWEN3NEXT = "qwen3next"
+    DEEPSEEK32 = "deepseek32"
+    GLM_DSA = "glm-dsa"
 
 
 class Keys:
@@ -80,6 +90,36 @@ class Keys:
         ROPE_SCALING_YARN_LOG_MUL: Final = "{}.rope.scaling.yarn_log_multiplier"
         NEXTN_PREDICT_LAYERS: Final = "{}.nextn_predict_layers"
         ROPE_DIMENSION_SECTIONS: Final = "{}.rope.dimension_sections"  # glm4moe: refused
+        # qwen3vlmoe: vision features added to the first blocks' outputs (zero for text)
+        NUM_DEEPSTACK_LAYERS: Final = "{}.n_deepstack_layers"
+        # llama4: every n-th block is MoE (chunked attention and NoPE layers are llama.cpp's own)
+        INTERLEAVE_MOE_LAYER_STEP: Final = "{}.interleave_moe_layer_step"
+        # gemma4: trailing blocks reusing earlier blocks' keys and values, per-layer embeddings
+        SHARED_KV_LAYERS: Final = "{}.attention.shared_kv_layers"
+        EMBEDDING_LENGTH_PER_LAYER: Final = "{}.embedding_length_per_layer_input"
+        # Read by llama.cpp for every architecture (llama_model_base::load_hparams); each
+        # changes what a model computes where its value is not the default.
+        ATTENTION_CAUSAL: Final = "{}.attention.causal"
+        KEY_LENGTH_SWA: Final = "{}.attention.key_length_swa"
+        VALUE_LENGTH_SWA: Final = "{}.attention.value_length_swa"
+        ROPE_DIMENSION_COUNT_SWA: Final = "{}.rope.dimension_count_swa"
+        ROPE_SCALING_ALPHA: Final = "{}.rope.scaling.alpha"
+        # deepseek2 (read by its loader, not implemented: refused)
+        ATTENTION_TEMPERATURE_SCALE: Final = "{}.attention.temperature_scale"
+        ATTENTION_TEMPERATURE_LENGTH: Final = "{}.attention.temperature_length"
+        # qwen35 / qwen35moe / qwen3next: gated delta-net layers and the layer pattern
+        SSM_CONV_KERNEL: Final = "{}.ssm.conv_kernel"
+        SSM_INNER_SIZE: Final = "{}.ssm.inner_size"
+        SSM_STATE_SIZE: Final = "{}.ssm.state_size"
+        SSM_TIME_STEP_RANK: Final = "{}.ssm.time_step_rank"
+        SSM_GROUP_COUNT: Final = "{}.ssm.group_count"
+        FULL_ATTENTION_INTERVAL: Final = "{}.full_attention_interval"
+        ATTENTION_RECURRENT_LAYERS: Final = "{}.attention.recurrent_layers"
+        # deepseek32 / glm-dsa: the DSA lightning indexer (glm-dsa: which layers run their own)
+        INDEXER_HEAD_COUNT: Final = "{}.attention.indexer.head_count"
+        INDEXER_KEY_LENGTH: Final = "{}.attention.indexer.key_length"
+        INDEXER_TOP_K: Final = "{}.attention.indexer.top_k"
+        INDEXER_TYPES: Final = "{}.attention.indexer.types"
 
     class Tokenizer:
         MODEL: Final = "tokenizer.ggml.model"
@@ -99,8 +139,10 @@ class Keys:
 def tensor_template(tensor: MODEL_TENSOR, suffix: str = "weight") -> str:
     """llama.cpp's name of ``tensor`` (gguf-py's ``TENSOR_NAMES``) as a positional template:
     ``blk.{}.ffn_up_exps.weight``, formatted with the block index (and a ``{}`` suffix when
-    ``suffix="{}"``, for tensors that come as ``weight`` and ``bias``)."""
-    return TENSOR_NAMES[tensor].replace("{bid}", "{}") + "." + suffix
+    ``suffix="{}"``, for tensors that come as ``weight`` and ``bias``; ``suffix=""``: none, as
+    ``blk.{}.ssm_a``)."""
+    name = TENSOR_NAMES[tensor].replace("{bid}", "{}")
+    return name + "." + suffix if suffix else name
 
 
 class TensorNames:
@@ -120,6 +162,15 @@ class TensorNames:
     ATTN_POST_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_POST_NORM)  # gemma3
     FFN_NORM: Final = tensor_template(MODEL_TENSOR.FFN_NORM)
     FFN_POST_NORM: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM)  # gemma3
+    # gemma4's MoE blocks: second pre/post norms, router and per-expert scales; layer scale
+    FFN_PRE_NORM_2: Final = tensor_template(MODEL_TENSOR.FFN_PRE_NORM_2)
+    FFN_POST_NORM_1: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM_1)
+    FFN_POST_NORM_2: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM_2)
+    FFN_GATE_INP_SCALE: Final = tensor_template(MODEL_TENSOR.FFN_GATE_INP, "scale")
+    FFN_DOWN_EXPS_SCALE: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_EXP, "scale")
+    FFN_GATE_UP_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_GATE_UP_EXP)
+    LAYER_OUT_SCALE: Final = tensor_template(MODEL_TENSOR.LAYER_OUT_SCALE)
+    PER_LAYER_TOKEN_EMBD: Final = tensor_template(MODEL_TENSOR.PER_LAYER_TOKEN_EMBD)
     ATTN_SINKS: Final = tensor_template(MODEL_TENSOR.ATTN_SINKS)  # gpt-oss: [n_head] logits
     FFN_GATE: Final = tensor_template(MODEL_TENSOR.FFN_GATE)
     FFN_UP: Final = tensor_template(MODEL_TENSOR.FFN_UP)
@@ -147,6 +198,24 @@ class TensorNames:
     ATTN_KV_B: Final = tensor_template(MODEL_TENSOR.ATTN_KV_B)
     ATTN_K_B: Final = tensor_template(MODEL_TENSOR.ATTN_K_B)
     ATTN_V_B: Final = tensor_template(MODEL_TENSOR.ATTN_V_B)
+    # qwen35 / qwen35moe / qwen3next: gated delta-net layers (ssm_a has no suffix)
+    ATTN_QKV: Final = tensor_template(MODEL_TENSOR.ATTN_QKV)
+    ATTN_GATE: Final = tensor_template(MODEL_TENSOR.ATTN_GATE)
+    SSM_CONV1D: Final = tensor_template(MODEL_TENSOR.SSM_CONV1D)
+    SSM_DT_BIAS: Final = tensor_template(MODEL_TENSOR.SSM_DT, "bias")
+    SSM_A: Final = tensor_template(MODEL_TENSOR.SSM_A, "")
+    SSM_BETA: Final = tensor_template(MODEL_TENSOR.SSM_BETA)
+    SSM_ALPHA: Final = tensor_template(MODEL_TENSOR.SSM_ALPHA)
+    SSM_BETA_ALPHA: Final = tensor_template(MODEL_TENSOR.SSM_BETA_ALPHA)
+    SSM_NORM: Final = tensor_template(MODEL_TENSOR.SSM_NORM)
+    SSM_OUT: Final = tensor_template(MODEL_TENSOR.SSM_OUT)
+    SSM_IN: Final = tensor_template(MODEL_TENSOR.SSM_IN)
+    # deepseek32 / glm-dsa: the DSA lightning indexer (k_norm comes as weight and bias).
+    # Literal: gguf-py releases before the DSA architectures lack these tensors.
+    INDEXER_K_NORM: Final = "blk.{}.indexer.k_norm.{}"
+    INDEXER_PROJ: Final = "blk.{}.indexer.proj.weight"
+    INDEXER_ATTN_K: Final = "blk.{}.indexer.attn_k.weight"
+    INDEXER_ATTN_Q_B: Final = "blk.{}.indexer.attn_q_b.weight"
     # NextN/MTP blocks (glm4moe, deepseek2): loaded, never computed
     NEXTN_EH_PROJ: Final = tensor_template(MODEL_TENSOR.NEXTN_EH_PROJ)
     NEXTN_ENORM: Final = tensor_template(MODEL_TENSOR.NEXTN_ENORM)

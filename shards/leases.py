@@ -13,6 +13,12 @@ terminates the process: a writer opening a file in the moment a lease is held wo
 holder. :func:`guard_sigio` installs a handler first, once per process, from the main thread
 (Python's rule for signal handlers); a host that installed its own handler keeps it, and a
 process that cannot install one gets a reason instead of a lease.
+
+The handler does nothing, and does it in C: it is a builtin (``dict.get`` of an empty dict,
+which takes the handler's two arguments and returns). Any Python code in it could be interrupted
+by the next ``SIGIO`` and re-entered, and a storm of them (any process of the same user may send
+a million in seconds) then ends in ``RecursionError`` in the main thread (issue 28). Lease
+holders find a break by polling (:func:`breaking`) instead of being woken by the signal.
 """
 
 from __future__ import annotations
@@ -30,25 +36,19 @@ from typing import Final
 UNAVAILABLE: Final = frozenset({errno.EACCES, errno.EPERM, errno.EINVAL, errno.ENOLCK})
 
 _lock = threading.Lock()
-_wakers: list[Callable[[], None]] = []
+# The handler: a C builtin taking (signum, frame) and doing nothing; no Python frame runs, so a
+# signal arriving meanwhile cannot re-enter it (unlike any ``def`` handler).
+_NOTHING: Final[dict[int, object]] = {}
+_IGNORE_IN_C: Final[Callable[[int, object], object]] = _NOTHING.get
 
 
-def _on_sigio(signum: int, frame: object) -> None:
-    for wake in list(_wakers):
-        wake()
-
-
-def guard_sigio(on_break: Callable[[], None] | None = None) -> str | None:
+def guard_sigio() -> str | None:
     """Make sure a lease break cannot terminate this process; None when it cannot, else why.
 
-    ``on_break`` (optional) is called, in the main thread, whenever ``SIGIO`` arrives. A host's
-    own ``SIGIO`` handler (or ``SIG_IGN``), from Python or from C code (which Python reports as
-    ``None``), is left in place: the break does no harm then, and ``on_break`` is not called
-    (lease holders poll as well).
+    A host's own ``SIGIO`` handler (or ``SIG_IGN``), from Python or from C code (which Python
+    reports as ``None``), is left in place: the break does no harm then.
     """
     with _lock:
-        if on_break is not None and on_break not in _wakers:
-            _wakers.append(on_break)
         current = signal.getsignal(signal.SIGIO)
         if current is not signal.SIG_DFL:  # ours, the host's (None: installed in C), SIG_IGN
             return None
@@ -57,15 +57,8 @@ def guard_sigio(on_break: Callable[[], None] | None = None) -> str | None:
                 "SIGIO has its default action (terminate) and a handler can only be installed "
                 "from the main thread"
             )
-        signal.signal(signal.SIGIO, _on_sigio)
+        signal.signal(signal.SIGIO, _IGNORE_IN_C)
         return None
-
-
-def unwatch(on_break: Callable[[], None]) -> None:
-    """Stop calling ``on_break`` on ``SIGIO`` (the handler itself stays)."""
-    with _lock:
-        if on_break in _wakers:
-            _wakers.remove(on_break)
 
 
 def try_read_lease(fd: int) -> int:
@@ -89,6 +82,20 @@ def take_read_lease(fd: int) -> str | None:
     if code == errno.EAGAIN:
         return "it is open for writing by a process (a read lease is refused)"
     return f"no read lease can be taken on it ({errno.errorcode.get(code, '?')})"
+
+
+LEASE_BREAK_TIME: Final = "/proc/sys/fs/lease-break-time"
+DEFAULT_LEASE_BREAK_S: Final = 45.0
+
+
+def lease_break_time() -> float:
+    """Seconds the kernel lets a writer wait for a lease holder before it breaks the lease
+    itself (``fs.lease-break-time``; 45 where it cannot be read)."""
+    try:
+        with open(LEASE_BREAK_TIME, encoding="ascii") as f:
+            return max(1.0, float(int(f.read().strip())))
+    except (OSError, ValueError):
+        return DEFAULT_LEASE_BREAK_S
 
 
 def breaking(fd: int) -> bool:

@@ -285,8 +285,9 @@ def _check_layout(path: str, tensors: list[TensorRecord], size: int) -> None:
             )
 
 
-def _parse(fd: int, path: str, identity: FileIdentity) -> ShardHeader:
-    cur = Cursor(fd, path, identity.size)
+def _preamble(cur: Cursor, path: str, identity: FileIdentity) -> tuple[int, int, int]:
+    """The magic, version and counts at the start of the header, checked: ``(version,
+    n_tensors, n_kv)``."""
     if identity.size < _PREAMBLE.size:
         if identity.size >= 4 and cur.u32("magic") != GGUF_MAGIC:
             raise NotGGUFError(path, "missing GGUF magic", pos=0)
@@ -321,16 +322,18 @@ def _parse(fd: int, path: str, identity: FileIdentity) -> ShardHeader:
             f"tensor count {n_tensors} cannot fit in the {cur.remaining()} bytes that remain",
             pos=8,
         )
-    metadata, types = _read_kv(cur, n_kv)
-    alignment = _alignment(path, metadata, types)
-    if n_tensors > cur.remaining() // _MIN_TENSOR_INFO_BYTES:
-        raise CorruptHeaderError(
-            path,
-            f"tensor count {n_tensors} cannot fit in the {cur.remaining()} bytes that remain",
-            pos=cur.pos,
-        )
-    infos = [_read_tensor_info(cur, i) for i in range(n_tensors)]
-    data_offset = -(-cur.pos // alignment) * alignment
+    return version, n_tensors, n_kv
+
+
+def _records(
+    path: str,
+    identity: FileIdentity,
+    infos: list[tuple[str, tuple[int, ...], GGMLType, int, int]],
+    *,
+    data_offset: int,
+    alignment: int,
+) -> list[TensorRecord]:
+    """The tensor records of the tensor infos: names unique, offsets aligned and absolute."""
     tensors: list[TensorRecord] = []
     seen: set[str] = set()
     for name, ne, ggml_type, rel_offset, nbytes in infos:
@@ -352,6 +355,23 @@ def _parse(fd: int, path: str, identity: FileIdentity) -> ShardHeader:
                 identity=identity,
             )
         )
+    return tensors
+
+
+def _parse(fd: int, path: str, identity: FileIdentity) -> ShardHeader:
+    cur = Cursor(fd, path, identity.size)
+    version, n_tensors, n_kv = _preamble(cur, path, identity)
+    metadata, types = _read_kv(cur, n_kv)
+    alignment = _alignment(path, metadata, types)
+    if n_tensors > cur.remaining() // _MIN_TENSOR_INFO_BYTES:
+        raise CorruptHeaderError(
+            path,
+            f"tensor count {n_tensors} cannot fit in the {cur.remaining()} bytes that remain",
+            pos=cur.pos,
+        )
+    infos = [_read_tensor_info(cur, i) for i in range(n_tensors)]
+    data_offset = -(-cur.pos // alignment) * alignment
+    tensors = _records(path, identity, infos, data_offset=data_offset, alignment=alignment)
     _check_layout(path, tensors, identity.size)
     return ShardHeader(
         path=path,

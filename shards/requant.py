@@ -18,17 +18,20 @@ import os
 import re
 import shlex
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ggufswap.shards import _synth
 from ggufswap.shards.atomic import atomic_copy
 from ggufswap.shards.errors import FileChangedError, RequantError
-from ggufswap.shards.ggml_types import LAYOUTS, Origin
+from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, Origin
+from ggufswap.shards.ggml_types import ggml_type as ggml_type_of
 from ggufswap.shards.reader import read_header
-from ggufswap.shards.records import FileIdentity
+from ggufswap.shards.records import FileIdentity, TensorRecord
 from ggufswap.shards.writer import Hole, RawTensor, parse_type, write_gguf
 
 SUPPORTED_TARGETS: Final = _synth.QUANTIZABLE_TYPES
@@ -130,6 +133,90 @@ def _unsupported(tensor: str, type_name: str) -> str:
     )
 
 
+TensorData = bytes | memoryview | np.ndarray  # a tensor's encoded bytes, as RawTensor takes them
+
+
+def requantize_bytes(
+    data: bytes | memoryview,
+    ggml_type: int,
+    ne: tuple[int, ...],
+    target: GGMLQuantizationType | str,
+    *,
+    where: str = "<tensor>",
+    tensor: str = "<tensor>",
+) -> tuple[GGMLQuantizationType, np.ndarray]:
+    """``(type, bytes)`` of a tensor's ``data`` (type ``ggml_type``, shape ``ne``) re-encoded as
+    ``target``; RequantError (naming ``where`` and ``tensor``) for a target or source type the
+    project cannot quantize, or a row that does not fill the target's blocks."""
+    try:
+        parsed = parse_type(target)
+    except ValueError:
+        parsed = None
+    if parsed not in SUPPORTED_TARGETS:
+        requested = parsed.name if parsed is not None else str(getattr(target, "name", target))
+        raise RequantError(where, _unsupported(tensor, requested))
+    assert parsed is not None, "checked against SUPPORTED_TARGETS"
+    block_size = GGML_QUANT_SIZES[parsed][0]
+    if ne[0] % block_size:
+        raise RequantError(
+            where,
+            f"{tensor}: row length ne[0]={ne[0]} is not a multiple of the "
+            f"{parsed.name} block size {block_size}",
+        )
+    try:
+        values = _synth.decode_floats(data, GGMLType(int(ggml_type)), ne[0])
+    except (NotImplementedError, ValueError):
+        raise RequantError(
+            where, f"{tensor}: gguf-py cannot dequantize its type {_type_name(ggml_type)}"
+        ) from None
+    return parsed, _synth.encode_floats(values, parsed)
+
+
+def _type_name(ggml_type: int) -> str:
+    member = ggml_type_of(ggml_type)
+    return member.name if member is not None else str(ggml_type)
+
+
+def rewrite_tensor(
+    shard: str | os.PathLike[str],
+    tensor: str,
+    make: Callable[[TensorRecord, bytes], tuple[int, TensorData]],
+    *,
+    out: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Write ``shard`` with ``tensor``'s type and bytes replaced by ``make(record, bytes)``; the
+    metadata section is copied verbatim and every other tensor's bytes are identical. In place
+    (atomic rename) without ``out``. RequantError for an unknown tensor (with the nearest
+    names); FileChangedError when the shard changes while it is read."""
+    header = read_header(shard)
+    path = header.path
+    records = header.tensor_map()
+    if tensor not in records:
+        near = difflib.get_close_matches(tensor, list(records), n=5, cutoff=0.6)
+        hint = f"; nearest: {', '.join(near)}" if near else f"; it has {len(records)} tensors"
+        raise RequantError(path, f"no tensor named {tensor!r}{hint}")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if FileIdentity.of_fd(fd) != header.identity:
+            raise FileChangedError(path, "changed since its header was read")
+        n_kv, kv_bytes = _kv_section(_pread_exact(fd, header.data_offset, 0, path))
+        raws = [
+            RawTensor(t.name, t.ggml_type, t.ne, _pread_exact(fd, t.nbytes, t.offset, path))
+            for t in header.tensors
+        ]
+        if FileIdentity.of_fd(fd) != header.identity:
+            raise FileChangedError(path, "changed while its tensors were being read")
+    finally:
+        os.close(fd)
+    index = next(i for i, r in enumerate(raws) if r.name == tensor)
+    data = raws[index].data
+    assert not isinstance(data, Hole), "tensors read from a file are bytes"
+    new_type, new_data = make(records[tensor], bytes(data))
+    raws[index] = RawTensor(tensor, GGMLType(int(new_type)), records[tensor].ne, new_data)
+    dest = Path(path) if out is None else Path(out)
+    return write_gguf(dest, n_kv=n_kv, kv_bytes=kv_bytes, tensors=raws, alignment=header.alignment)
+
+
 def requantize(
     shard: str | os.PathLike[str],
     tensor: str,
@@ -144,56 +231,23 @@ def requantize(
     unsupported target type (with the supported ones and the ``llama-quantize`` command that
     writes it, see :func:`reference_tool_command`).
     """
-    header = read_header(shard)
-    path = header.path
-    records = header.tensor_map()
-    if tensor not in records:
-        near = difflib.get_close_matches(tensor, list(records), n=5, cutoff=0.6)
-        hint = f"; nearest: {', '.join(near)}" if near else f"; it has {len(records)} tensors"
-        raise RequantError(path, f"no tensor named {tensor!r}{hint}")
-    try:
-        target = parse_type(new_type)
-    except ValueError:
-        target = None
-    if target not in SUPPORTED_TARGETS:
-        requested = target.name if target is not None else str(getattr(new_type, "name", new_type))
-        raise RequantError(path, _unsupported(tensor, requested))
-    assert target is not None, "checked against SUPPORTED_TARGETS"
-    record = records[tensor]
-    block_size = GGML_QUANT_SIZES[target][0]
-    if record.ne[0] % block_size:
-        raise RequantError(
-            path,
-            f"{tensor}: row length ne[0]={record.ne[0]} is not a multiple of the "
-            f"{target.name} block size {block_size}",
+    path = str(shard)
+    # the target is checked before any byte is read (a refusal costs nothing)
+    if tensor in read_header(shard).tensor_map():
+        try:
+            target = parse_type(new_type)
+        except ValueError:
+            target = None
+        if target not in SUPPORTED_TARGETS:
+            name = target.name if target is not None else str(getattr(new_type, "name", new_type))
+            raise RequantError(path, _unsupported(tensor, name))
+
+    def make(record: TensorRecord, data: bytes) -> tuple[int, TensorData]:
+        return requantize_bytes(
+            data, record.ggml_type, record.ne, new_type, where=path, tensor=tensor
         )
 
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if FileIdentity.of_fd(fd) != header.identity:
-            raise FileChangedError(path, "changed since its header was read")
-        n_kv, kv_bytes = _kv_section(_pread_exact(fd, header.data_offset, 0, path))
-        raws = [
-            RawTensor(t.name, t.ggml_type, t.ne, _pread_exact(fd, t.nbytes, t.offset, path))
-            for t in header.tensors
-        ]
-        if FileIdentity.of_fd(fd) != header.identity:
-            raise FileChangedError(path, "changed while its tensors were being read")
-    finally:
-        os.close(fd)
-
-    index = next(i for i, r in enumerate(raws) if r.name == tensor)
-    data = raws[index].data
-    assert not isinstance(data, Hole), "tensors read from a file are bytes"
-    try:
-        values = _synth.decode_floats(data, record.ggml_type, record.ne[0])
-    except NotImplementedError:
-        raise RequantError(
-            path, f"{tensor}: gguf-py cannot dequantize its type {record.ggml_type.name}"
-        ) from None
-    raws[index] = RawTensor(tensor, target, record.ne, _synth.encode_floats(values, target))
-    dest = Path(path) if out is None else Path(out)
-    return write_gguf(dest, n_kv=n_kv, kv_bytes=kv_bytes, tensors=raws, alignment=header.alignment)
+    return rewrite_tensor(shard, tensor, make, out=out)
 
 
 def restore(saved: str | os.PathLike[str], shard: str | os.PathLike[str]) -> Path:

@@ -31,7 +31,7 @@ _U64: Final = struct.Struct("<Q")
 _SPLIT_PREFIX: Final = "split."
 
 
-def _kv_entries(path: str, data_offset: int) -> list[tuple[str, bytes]]:
+def kv_entries(path: str, data_offset: int) -> list[tuple[str, bytes]]:
     """``(key, raw entry bytes)`` of every metadata key of a validated file, in file order."""
     with open(path, "rb") as f:
         blob = f.read(data_offset)
@@ -78,7 +78,7 @@ def split_per_tensor(model: str | os.PathLike[str], out_dir: str | os.PathLike[s
     shard_set = open_shard_set(model)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    kv = [(k, raw) for k, raw in _kv_entries(shard_set.first.path, shard_set.first.data_offset)]
+    kv = [(k, raw) for k, raw in kv_entries(shard_set.first.path, shard_set.first.data_offset)]
     kv = [(k, raw) for k, raw in kv if not k.startswith(_SPLIT_PREFIX)]
     tensors = _tensors(shard_set)
     n = len(tensors)
@@ -107,7 +107,7 @@ def split_per_tensor(model: str | os.PathLike[str], out_dir: str | os.PathLike[s
 def merge_to_one(model: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
     """Write ``model`` (any layout) as one file ``out``."""
     shard_set = open_shard_set(model)
-    kv = _kv_entries(shard_set.first.path, shard_set.first.data_offset)
+    kv = kv_entries(shard_set.first.path, shard_set.first.data_offset)
     kv = [(k, raw) for k, raw in kv if not k.startswith(_SPLIT_PREFIX)]
     path = write_gguf(
         Path(out),

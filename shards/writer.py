@@ -1,7 +1,7 @@
 """Deterministic writers of small llama.cpp-compatible GGUF models, for tests and the demo.
 
-A ``ModelSpec`` describes a tiny ``llama`` (dense, or Mixtral-style MoE), ``qwen2`` / ``qwen3``
-(dense), ``qwen2moe`` / ``qwen3moe`` or ``gemma3`` model (six gemma3 blocks: 5 local + 1 global);
+A ``ModelSpec`` describes a tiny model of any architecture of ``shards.archs`` (the tensors its
+loader creates: the shared plan of ``_arch_spec``, or the architecture's own ``WriterHooks``);
 ``write_model`` writes it as one file, as a gguf-split style shard set, or as one shard per tensor.
 Tensor names and metadata keys are llama.cpp's (taken from gguf-py's constants), weights are
 seeded per tensor name, and the encoder embeds no timestamps: the same spec always gives
@@ -17,12 +17,11 @@ the per-expert width and there is no ``expert_feed_forward_length``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from enum import Enum
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
 from gguf import (
@@ -34,15 +33,10 @@ from gguf import (
 )
 
 from ggufswap.logs import get_logger
-from ggufswap.shards import _synth, ggml_types
+from ggufswap.shards import _synth
 from ggufswap.shards._arch_spec import (
-    PlannedTensor,
-    glm_metadata,
     head_lengths,
-    llama_cpp_errors,
-    mla_metadata,
     plan,
-    rope_freqs_errors,
 )
 from ggufswap.shards._gguf_encode import (
     Hole,
@@ -51,8 +45,9 @@ from ggufswap.shards._gguf_encode import (
     encode_metadata,
     write_gguf,
 )
+from ggufswap.shards._model_spec import ModelSpec, raise_if_invalid
+from ggufswap.shards._planned import PlannedTensor
 from ggufswap.shards._roles import (
-    ACCEPTED_TYPES,
     DEFAULT_TYPES,
     F32_ONLY_ROLES,
     F32_ROLES,
@@ -104,211 +99,19 @@ class Layout(Enum):
     PER_TENSOR = "per-tensor"  # a split with one tensor per shard
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """A small model to write; 0/None fields resolve through properties (``n_embd_head``...)."""
-
-    arch: Arch | str = Arch.LLAMA
-    name: str = "tiny"
-    n_layers: int = 2
-    n_embd: int = 64
-    n_head: int = 4
-    n_head_kv: int = 2
-    head_dim: int | None = None  # None = n_embd // n_head (see n_embd_head)
-    n_ff: int = 128  # dense FFN width (dense layers only; llama MoE writes n_ff_expert instead)
-    n_vocab: int = 256
-    n_expert: int = 0  # 0 = dense model
-    n_expert_used: int = 0
-    n_ff_expert: int = 64
-    moe_layers: tuple[int, ...] | None = None  # None = every block when n_expert > 0
-    shared_expert: bool = False
-    n_ff_shexp: int = 64
-    # Old Mixtral layout (llama MoE only): one blk.N.ffn_{gate,up,down}.M.weight per expert instead
-    # of the stacked _exps tensors, holding exactly the stacked tensors' bytes (expert M's slice).
-    # llama.cpp 0.3.36 no longer loads it (its llama loader requires ffn_{up,down}_exps); the
-    # project does.
-    per_expert_tensors: bool = False
-    tied_output: bool = False
-    rope_freq_base: float = 10000.0
-    # Llama 3.1 RoPE scaling (rope_scaling.rope_type "llama3"): a factor > 0 writes
-    # rope_freqs.weight, the frequency factors llama.cpp's converter computes from the factor,
-    # low/high_freq_factor and original_max_position_embeddings (no metadata key: llama.cpp reads
-    # only the tensor). See llama3_rope_factors.
-    rope_llama3_factor: float = 0.0
-    rope_llama3_low_freq_factor: float = 1.0
-    rope_llama3_high_freq_factor: float = 4.0
-    rope_llama3_original_context: int = 8192
-    # YaRN RoPE scaling (gpt-oss): a factor > 0 writes rope.scaling.type "yarn", the factor and
-    # rope.scaling.original_context_length (0: context_length).
-    rope_yarn_factor: float = 0.0
-    rope_yarn_original_context: int = 0
-    rms_eps: float = 1e-6
-    sliding_window: int = 4  # gemma3's and gpt-oss's local attention window (tokens)
-    context_length: int = 256
-    seed: int = 0
-    types: Mapping[Role, GGMLQuantizationType | GGMLType] = field(default_factory=dict, hash=False)
-    # Extra vocabulary entries (the header-parse benchmark): llama.cpp sizes token_embd and output
-    # by the tokenizer's token list, so each is a real token with its rows (see vocab_size).
-    extra_vocab_strings: int = 0
-    # deepseek2 (shards.archs: mla). head_dim is a query/key head (nope + rope dims).
-    n_dense_lead: int = 0  # leading_dense_block_count: blocks [0, n) dense, the rest MoE
-    n_expert_shared: int = 1  # shared experts, fused: width n_ff_expert * n_expert_shared
-    q_lora_rank: int = 0  # 0: attn_q; else attn_q_a -> attn_q_a_norm -> attn_q_b
-    kv_lora_rank: int = 32
-    rope_dim: int | None = None  # rope.dimension_count: the decoupled rope dims per head
-    v_head_dim: int | None = None  # None = head_dim - rope_dim
-    mla_split: bool = True  # attn_k_b / attn_v_b (llama.cpp's converter today), else attn_kv_b
-    expert_gating_func: int = 0  # 0: key not written (deepseek2: softmax); 1 softmax, 2 sigmoid
-    expert_probs_bias: bool = False  # blk.N.exp_probs_b.bias (selection bias)
-    n_expert_groups: int = 0  # expert_group_count (0: not written)
-    n_group_used: int = 0
-    expert_weights_norm: bool = False
-    expert_weights_scale: float = 0.0  # 0: not written
-    rope_scaling: str | None = None  # rope.scaling.type ("linear", "yarn"); None: not written
-    rope_scaling_factor: float = 0.0
-    rope_orig_ctx: int = 0  # rope.scaling.original_context_length (0: not written)
-    yarn_log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier as written (0.1 x mscale_all_dim)
-    # glm4moe (shards.archs: glm); also n_dense_lead, n_expert_shared, rope_dim, the routing.
-    n_nextn: int = 0  # NextN/MTP blocks after the n_layers trunk blocks (nextn_predict_layers)
-    attn_bias: bool = False  # attn_q/k/v biases
-    attn_qk_norm: bool = False  # per-head attn_q_norm / attn_k_norm
-
-    def __post_init__(self) -> None:
-        def put(name: str, value: Any) -> None:
-            object.__setattr__(self, name, value)
-
-        put("arch", Arch(self.arch))
-        if self.moe_layers is not None:
-            put("moe_layers", tuple(sorted(set(self.moe_layers))))
-        resolved: dict[Role, GGMLQuantizationType | GGMLType] = dict(DEFAULT_TYPES)
-        resolved.update({parse_role(r): parse_any_type(t) for r, t in self.types.items()})
-        put("types", MappingProxyType(resolved))
-        _raise_if_invalid(self)
-
-    @property
-    def arch_name(self) -> str:
-        return Arch(self.arch).value
-
-    @property
-    def n_embd_head(self) -> int:
-        """Per-head width: ``head_dim``, or ``n_embd // n_head`` when unset."""
-        if self.head_dim is not None:
-            return self.head_dim
-        return self.n_embd // self.n_head if self.n_head > 0 else 0
-
-    @property
-    def vocab_size(self) -> int:
-        """Tokens in the vocabulary, extras included: the rows of token_embd and output."""
-        return self.n_vocab + self.extra_vocab_strings
-
-    @property
-    def moe_blocks(self) -> tuple[int, ...]:
-        """The blocks with experts: ``moe_layers``, or every block of an MoE model when unset."""
-        if self.moe_layers is not None:
-            return self.moe_layers
-        return tuple(range(self.n_dense_lead, self.n_blocks)) if self.n_expert > 0 else ()
-
-    @property
-    def n_blocks(self) -> int:
-        """Blocks in the file: the trunk, then glm4moe's NextN blocks (``block_count``)."""
-        return self.n_layers + self.n_nextn
-
-    @property
-    def n_rot(self) -> int:
-        """Rotated dims per head: ``rope_dim``, or the whole head when unset."""
-        return self.rope_dim if self.rope_dim is not None else self.n_embd_head
-
-    @property
-    def head_v(self) -> int:
-        """deepseek2's value head width: ``v_head_dim``, or the key head's non-rope dims."""
-        return self.v_head_dim if self.v_head_dim is not None else self.n_embd_head - self.n_rot
-
-    def type_of(self, role: Role) -> GGMLQuantizationType | GGMLType:
-        return self.types[role]
-
-    def with_types(self, **types: str | GGMLQuantizationType | GGMLType) -> ModelSpec:
-        """A copy with some role types changed: ``spec.with_types(ffn_up_exps="q4_0")``."""
-        merged = {**self.types, **{parse_role(r): parse_any_type(t) for r, t in types.items()}}
-        return replace(self, types=merged)
-
-
-def _raise_if_invalid(spec: ModelSpec) -> None:
-    errors = _spec_errors(spec)
-    if errors:
-        raise ValueError(f"invalid ModelSpec {spec.name!r}:\n  " + "\n  ".join(errors))
-
-
-def _spec_errors(spec: ModelSpec) -> list[str]:
-    """Every inconsistency of a spec, including type block sizes (checked on the tensor plan)."""
-    errors = []
-    for name in ("n_layers", "n_embd", "n_head", "n_head_kv", "n_embd_head", "n_vocab", "n_ff"):
-        if getattr(spec, name) <= 0:
-            errors.append(f"{name} must be > 0, found {getattr(spec, name)}")
-    if spec.n_head > 0 and spec.n_head_kv > 0 and spec.n_head % spec.n_head_kv:
-        errors.append(f"n_head ({spec.n_head}) must be a multiple of n_head_kv ({spec.n_head_kv})")
-    if spec.n_expert > 0 and not 0 < spec.n_expert_used <= spec.n_expert:
-        errors.append(
-            f"n_expert_used must be in 1..n_expert ({spec.n_expert}), found {spec.n_expert_used}"
-        )
-    if spec.n_expert == 0 and (spec.moe_layers or spec.shared_expert):
-        errors.append("moe_layers / shared_expert need n_expert > 0")
-    if spec.n_expert > 0 and min(spec.n_ff_expert, spec.n_ff_shexp) <= 0:
-        errors.append("n_ff_expert / n_ff_shexp must be > 0 in an MoE model")
-    bad = [b for b in spec.moe_blocks if not 0 <= b < spec.n_blocks]
-    if bad:
-        errors.append(f"moe_layers {bad} outside 0..{spec.n_blocks - 1}")
-    errors += llama_cpp_errors(spec)
-    errors += rope_freqs_errors(spec)
-    if spec.rope_yarn_factor > 0 and not rules_of(spec.arch).gpt_oss:
-        errors.append(
-            f"rope_yarn_factor: the writer writes YaRN scaling for gpt-oss only, not "
-            f"{spec.arch_name}"
-        )
-    if spec.per_expert_tensors and (spec.arch is not Arch.LLAMA or spec.n_expert <= 0):
-        errors.append(
-            f"per_expert_tensors is the old Mixtral layout: it needs arch llama with experts, "
-            f"found {spec.arch_name} with n_expert {spec.n_expert}"
-        )
-    if spec.sliding_window <= 0:
-        errors.append(f"sliding_window must be > 0, found {spec.sliding_window}")
-    if spec.extra_vocab_strings < 0:
-        errors.append(f"extra_vocab_strings must be >= 0, found {spec.extra_vocab_strings}")
-    unwritable = sorted({t.name for t in spec.types.values() if t not in ACCEPTED_TYPES})
-    if unwritable:
-        names = ", ".join(t.name for t in ACCEPTED_TYPES)
-        errors.append(f"types {unwritable} cannot be written; writable types are: {names}")
-    if errors:
-        return errors
-    misfits: dict[Role, list[PlannedTensor]] = {}
-    planned = plan(spec)
-    for role in sorted({t.role for t in planned} & F32_ONLY_ROLES, key=lambda r: r.name):
-        if spec.type_of(role) != Q.F32:
-            found = spec.type_of(role).name
-            errors.append(f"{role.name} must be F32 (ggml reads it as floats), found {found}")
-    for t in planned:
-        if t.ne[0] % ggml_types.LAYOUTS[GGMLType(t.ggml_type)].block_size:
-            misfits.setdefault(t.role, []).append(t)
-    for role, bad_tensors in misfits.items():
-        t, more = bad_tensors[0], len(bad_tensors) - 1
-        block_size = ggml_types.LAYOUTS[GGMLType(t.ggml_type)].block_size
-        also = f" (and {more} more {role.name} tensors)" if more else ""
-        errors.append(
-            f"{t.name}{also}: row length ne[0]={t.ne[0]} is not a multiple of the "
-            f"{t.ggml_type.name} block size {block_size}; choose another type for role "
-            f"{role.name} or a dimension divisible by {block_size}"
-        )
-    return errors
-
-
 def llama3_rope_factors(spec: ModelSpec) -> np.ndarray:
     """``rope_freqs.weight`` of ``spec``: ``[head_dim / 2]`` float32 factors, by the rule of
     llama.cpp's converter (``LlamaModel.generate_extra_tensors``, rope_type "llama3"): 1 for
     wavelengths below ``original_context / high_freq_factor``, ``factor`` above
     ``original_context / low_freq_factor``, a smooth interpolation between; in float32 as it
-    computes them."""
+    computes them. The powers come from Python's ``math.pow`` rounded to float32, not numpy's
+    ``power``, whose AVX-512 path (SVML) rounds differently from its others: the written bytes
+    must not depend on the CPU that writes them (the golden fixtures record them)."""
     f32 = np.float32
     dim = spec.n_embd_head
-    freqs = f32(1.0) / (f32(spec.rope_freq_base) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim)))
+    base = float(f32(spec.rope_freq_base))
+    powers = [f32(math.pow(base, float(f32(i) / f32(dim)))) for i in range(0, dim, 2)]
+    freqs = f32(1.0) / np.asarray(powers, dtype=f32)
     factor, context = spec.rope_llama3_factor, spec.rope_llama3_original_context
     low, high = spec.rope_llama3_low_freq_factor, spec.rope_llama3_high_freq_factor
     out = []
@@ -327,7 +130,7 @@ def llama3_rope_factors(spec: ModelSpec) -> np.ndarray:
 def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTensor, ...]:
     """The tensors of ``spec`` in file order, with llama.cpp's names and ``ne`` shapes."""
     if validate:
-        _raise_if_invalid(spec)
+        raise_if_invalid(spec)
     return plan(spec)
 
 
@@ -340,12 +143,45 @@ def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
         raw = tensor_bytes(spec, replace(t, name=name, ne=ne, expert=None))
         size = raw.size // spec.n_expert
         return raw[t.expert * size : (t.expert + 1) * size]
+    split_types = (t.ggml_type, spec.type_of(Role.ATTN_KV_B))
+    if (
+        spec.mla_ik
+        and t.role in (Role.ATTN_K_B, Role.ATTN_V_B)
+        and all(x in _synth.QUANTIZABLE_TYPES for x in split_types)
+    ):  # ik's own types are synthesized blocks, which gguf-py can neither decode nor encode
+        return _synth.encode_floats(ik_mla_split(spec, t), Q(t.ggml_type))
     rng = _synth.tensor_rng(spec.seed, t.name)
+    if t.role is Role.SSM_A:  # -exp(A_log) as the converter stores it: every head decays
+        a_log = rng.normal(0.0, 0.5, size=t.ne[0]).astype(np.float32)
+        # math.exp, not numpy's: numpy's float32 exp takes the CPU's SIMD path (AVX2, AVX-512),
+        # whose rounding differs from one path to another (tests/test_crosscheck.py).
+        a = np.array([-math.exp(float(x)) for x in a_log], np.float32)
+        return _synth.encode_floats(a[None, :], Q(t.ggml_type))
     if t.role is Role.ROPE_FREQS:
-        return _synth.encode_floats(llama3_rope_factors(spec)[None, :], Q(t.ggml_type))
+        own = rules_of(spec.arch).writer.rope_factors
+        factors = llama3_rope_factors(spec) if own is None else np.asarray(own(spec), np.float32)
+        return _synth.encode_floats(np.asarray(factors)[None, :], Q(t.ggml_type))
     if t.role in NORM_ROLES:
         return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=1.0, std=0.05)
     return _synth.synth_tensor(rng, t.ggml_type, t.ne, mean=0.0, std=1.0 / math.sqrt(t.ne[0]))
+
+
+def ik_mla_split(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
+    """ik_llama.cpp's 2-D ``attn_k_b`` / ``attn_v_b`` of ``t``'s block as its converter derives
+    them from ``attn_kv_b`` (``[H, nope + v, rank]`` split per head, ``k_b`` transposed):
+    ``[H * rank, nope]`` / ``[H * v, rank]`` floats, the block's ``attn_kv_b`` as written (its
+    dequantized values). In ik's own types (random valid blocks, which gguf-py cannot decode)
+    the three are synthesized each on its own instead."""
+    h, rank, nope, v = spec.n_head, spec.kv_lora_rank, spec.n_embd_head - spec.n_rot, spec.head_v
+    role = Role.ATTN_KV_B
+    kv_b = PlannedTensor(
+        role.tensor_name(t.block), role, spec.type_of(role), (rank, h * (nope + v)), t.block
+    )
+    values = _synth.decode_floats(tensor_bytes(spec, kv_b), kv_b.ggml_type, rank)
+    heads = values.reshape(h, nope + v, rank)
+    if t.role is Role.ATTN_K_B:
+        return np.ascontiguousarray(heads[:, :nope].transpose(0, 2, 1).reshape(h * rank, nope))
+    return np.ascontiguousarray(heads[:, nope:].reshape(h * v, rank))
 
 
 # --- metadata ---------------------------------------------------------------------------------
@@ -426,10 +262,8 @@ def model_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
         if spec.shared_expert and rules.shared_expert is not SharedExpert.COUNTED:
             key = LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a)
             kv.append((key, _u32(spec.n_ff_shexp)))
-    if rules.mla:
-        kv += mla_metadata(spec)
-    if rules.glm:
-        kv += glm_metadata(spec)
+    kv += rules.writer.metadata(spec)
+    kv = list(dict(kv).items())  # an architecture's own value of a key replaces the shared one
     tokens, scores, token_types = _synth.vocabulary(spec.n_vocab, extra=spec.extra_vocab_strings)
     A = GGUFValueType.ARRAY  # noqa: N806
     kv += [

@@ -17,8 +17,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+import cpu_times
+import leak_rules
 import pluggy
 import pytest
+import tiers
 import zmq
 from watchdog.observers.inotify_c import InotifyFD
 
@@ -55,15 +58,17 @@ def _leaks_ok(request: pytest.FixtureRequest) -> bool:
 
 @pytest.fixture(autouse=True)
 def no_leaked_threads(request: pytest.FixtureRequest, no_leaked_fds: None) -> Iterator[None]:
-    """Fail a test that leaves a thread running it started (or a function fixture started)."""
+    """Fail a test that leaves a thread running it started (or a function fixture started); a
+    device driver's threads do not count (tests/leak_rules.py)."""
     before = set(threading.enumerate())
     yield
     if _leaks_ok(request):
         return
     deadline = time.monotonic() + LEAK_GRACE_S
-    if any(t not in before for t in threading.enumerate()):
+    driver = leak_rules.driver_initialized(request.node.stash[_FDS_BEFORE], _open_fds())
+    if leak_rules.leaked_threads(before, threading.enumerate(), driver=driver):
         _collect_cycles()  # a closed runtime's lease watcher runs while tensors view its files
-    leaked = [t for t in threading.enumerate() if t not in before]
+    leaked = leak_rules.leaked_threads(before, threading.enumerate(), driver=driver)
     for thread in leaked:
         thread.join(max(0.0, deadline - time.monotonic()))
     alive = [f"{t.name} (daemon={t.daemon})" for t in leaked if t.is_alive()]
@@ -88,17 +93,22 @@ def _open_fds() -> dict[int, str]:
     return fds
 
 
+# The descriptors open before a test (no_leaked_fds), which the thread check reads too.
+_FDS_BEFORE = pytest.StashKey[dict[int, str]]()
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_fds(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Fail a test that leaves a file descriptor open it opened (or a function fixture opened)."""
-    before = set(_open_fds().items())
+    """Fail a test that leaves a file descriptor open it opened (or a function fixture opened); a
+    device driver's do not count (tests/leak_rules.py)."""
+    before = request.node.stash[_FDS_BEFORE] = _open_fds()
     yield
     if _leaks_ok(request):
         return
     deadline = time.monotonic() + LEAK_GRACE_S
-    if set(_open_fds().items()) - before:
+    if leak_rules.leaked_descriptors(before, _open_fds()):
         _collect_cycles()  # a mapped shard's descriptor lives as long as the tensors viewing it
-    while leaked := sorted(set(_open_fds().items()) - before):
+    while leaked := sorted(leak_rules.leaked_descriptors(before, _open_fds()).items()):
         if time.monotonic() > deadline:
             described = ", ".join(f"{fd} -> {target}" for fd, target in leaked)
             pytest.fail(f"the test left {len(leaked)} descriptor(s) open: {described}")
@@ -176,11 +186,20 @@ RELIABILITY_ROWS = "ggufswap_reliability_rows"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """On the xdist controller, before the workers start: make the directory where they write
-    their groups (pytest_collection_modifyitems), and assemble the real Gemma model into its
-    cache if the package is installed and the file is not there yet: the package's
-    ``assemble()`` writes the file in place, so two workers assembling it at once would each read
-    the other's half-written file (a wrong sha256). Once it exists ``assemble()`` only reads it."""
+    """One torch thread; enforce the tiers' markers (tests/tiers.py). On the xdist controller,
+    before the workers start: make the directory where they write their groups
+    (pytest_collection_modifyitems), and assemble the real Gemma model into its cache if the
+    package is installed and the file is not there yet: the package's ``assemble()`` writes the
+    file in place, so two workers assembling it at once would each read the other's half-written
+    file (a wrong sha256). Once it exists ``assemble()`` only reads it."""
+    # Torch (OpenMP) on one thread unless the caller chose otherwise, set before any test module
+    # imports torch and inherited by the processes tests start: the tiny models gain nothing
+    # from a second thread, and OpenMP's idle workers spin (test_model, test_kld and
+    # test_runtime_exactness took 34 s of CPU on two threads, 7.7 s on one, on 2 cores).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config.pluginmanager.register(tiers.TierGuard(), "ggufswap-tiers")
+    if top := int(os.environ.get(cpu_times.ENV, "0")):
+        config.pluginmanager.register(cpu_times.CpuTimes(top), "ggufswap-cpu-times")
     if _is_xdist_worker(config) or not config.getoption("numprocesses", None):
         return
     if config.getoption("dist", "no") == "loadgroup":

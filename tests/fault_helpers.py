@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tiers
 from processes import GGUFSWAP, Proc, close_piped, status_of, wait_for
 from runtime_helpers import ModelDir, fresh_digest, loaded_bytes
 
@@ -45,6 +46,7 @@ for line in sys.stdin:
         code = 1
         try:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.environ.update(req.get("env", {}))
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
             log = os.open(req["log"], flags, 0o644)
             out = os.open(req["out"], flags, 0o644) if "out" in req else os.dup(log)
@@ -89,15 +91,26 @@ class Zygote:
         first = self.popen.stdout.readline().strip()
         assert first == "ready", f"zygote did not start: {first!r}"
 
-    def spawn(self, args: list[str], *, log: Path, out: Path | None = None) -> Child:
+    def spawn(
+        self,
+        args: list[str],
+        *,
+        log: Path,
+        out: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Child:
         """Fork ``ggufswap ARGS``: its stderr goes to ``log``, and its stdout too unless ``out``
-        names a file of its own (a command whose printed output is checked)."""
+        names a file of its own (a command whose printed output is checked); ``env`` is added
+        to the child's environment."""
+        tiers.starting(f"asked the zygote to fork `ggufswap {' '.join(args[:1])}`")
         assert self.popen.stdin is not None
         assert self.popen.stdout is not None
         exit_file = log.with_suffix(".exit")
-        request = {"args": args, "log": str(log), "exit": str(exit_file)}
+        request: dict[str, Any] = {"args": args, "log": str(log), "exit": str(exit_file)}
         if out is not None:
             request["out"] = str(out)
+        if env:
+            request["env"] = env
         request_line = json.dumps(request)
         self.popen.stdin.write(request_line + "\n")
         self.popen.stdin.flush()
@@ -174,6 +187,7 @@ class Rig:
         settle_ms: int = 30,
         batch_interval_s: float = 0.01,
         allowed_roots: list[Path] | None = None,
+        map_shards: bool = False,
     ) -> Rig:
         model = ModelDir.write(model_dir or tmp / "model", tiny_moe())
         run = tmp / "run"
@@ -205,6 +219,7 @@ runtime:
   events_endpoint: ipc://{run}/events.sock
   allowed_roots: [{", ".join(str(r) for r in roots)}]
   storage: {storage.value}
+  map_shards: {"true" if map_shards else "false"}
   pools:
     - {{name: dev, device: cpu{budget}}}
     - {{name: host, device: cpu}}
@@ -228,7 +243,7 @@ runtime:
 
     # -- processes -------------------------------------------------------------------------
 
-    def start_runtime(self) -> Child:
+    def start_runtime(self, *, env: dict[str, str] | None = None) -> Child:
         interval = str(self.batch_interval_s)
         args = [
             "runtime",
@@ -239,7 +254,7 @@ runtime:
             "--batch-interval",
             interval,
         ]
-        self.runtime = self.zygote.spawn(args, log=self._log("runtime"))
+        self.runtime = self.zygote.spawn(args, log=self._log("runtime"), env=env)
         wait_for(
             lambda: self.runtime_status_or_none() is not None or not self.runtime_alive(),
             timeout=WAIT_S,
@@ -252,12 +267,16 @@ runtime:
     def runtime_alive(self) -> bool:
         return self.runtime is not None and self.runtime.alive()
 
-    def start_agent(self, *, synced: bool = True, forked: bool = True) -> Proc | Child:
+    def start_agent(
+        self, *, synced: bool = True, forked: bool = True, env: dict[str, str] | None = None
+    ) -> Proc | Child:
         """Start ``ggufswap agent``: forked by the zygote (~50 ms, for kill loops), or as a
         fresh interpreter (``forked=False``: what measures the agent's own resources)."""
         args = ["agent", "--config", str(self.config)]
         log = self._log("agent")
-        self.agent = self.zygote.spawn(args, log=log) if forked else Proc(args, log=log)
+        self.agent = (
+            self.zygote.spawn(args, log=log, env=env) if forked else Proc(args, log=log, env=env)
+        )
         if synced:
             wait_for(self.agent_synced, timeout=WAIT_S, what="the agent to sync", interval=0.01)
         return self.agent

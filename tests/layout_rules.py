@@ -25,7 +25,8 @@ CORE = "ggufswap.runtime"
 KERNELS = "ggufswap.runtime.kernels"
 MODELS = "ggufswap.runtime.models"
 SERVING = "ggufswap.runtime.serving"
-RAY_SWEEP = "ggufswap.runtime.serving.sweep_ray"  # the one module that imports ray (an extra)
+SWEEP = "ggufswap.sweep"
+RAY_SWEEP = "ggufswap.sweep.ray_driver"  # the one module that imports ray (an extra)
 # The modules that may import structlog: the loggers every module uses, and the command line's
 # configuration of them. Anything else logs through ggufswap.logs.get_logger.
 STRUCTLOG_USERS = frozenset({"ggufswap.logs", "ggufswap._logsetup"})
@@ -96,6 +97,7 @@ def rules(graph: grimp.ImportGraph) -> list[Rule]:
     foundations = set().union(*(_tree(graph, p) for p in FOUNDATIONS))
     core = core_modules(graph)
     kernels, models, serving = _tree(graph, KERNELS), _tree(graph, MODELS), _tree(graph, SERVING)
+    sweep = _tree(graph, SWEEP)
     library = _tree(graph, PACKAGE) - cli_modules(graph)
     return [
         Rule(
@@ -126,6 +128,11 @@ def rules(graph: grimp.ImportGraph) -> list[Rule]:
         ),
         Rule("the models never import serving", frozenset(models), frozenset(serving)),
         Rule(
+            "nothing but the command line imports the sweep",
+            frozenset(library - sweep - {PACKAGE}),
+            frozenset(sweep),
+        ),
+        Rule(
             "the kernels never import the models or serving",
             frozenset(kernels),
             frozenset(models | serving),
@@ -143,8 +150,8 @@ def rules(graph: grimp.ImportGraph) -> list[Rule]:
             direct_only=True,
         ),
         Rule(
-            "serving (the single-host sweep) never reaches ray but through the Ray sweep",
-            frozenset(serving - {RAY_SWEEP}),
+            "the single-host sweep never reaches ray but through the Ray sweep",
+            frozenset((sweep | serving) - {RAY_SWEEP}),
             frozenset({"ray"}),
         ),
         Rule(

@@ -83,13 +83,17 @@ class Proc:
         """``wrapper``: a command that runs ``ggufswap ARGS`` (``unshare ...``, ``setpriv ...``)."""
         self.log_path = log
         self._log = log.open("wb")
-        self.popen = subprocess.Popen(
-            [*wrapper, GGUFSWAP, *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-        )
+        try:
+            self.popen = subprocess.Popen(
+                [*wrapper, GGUFSWAP, *args],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+            )
+        except BaseException:
+            self._log.close()  # the start was refused (tests/tiers.py) or failed
+            raise
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from agent_fakes import FakeRuntime, write_per_tensor_model, write_shard
 from processes import GGUFSWAP, run_ggufswap, wait_for
 
 from ggufswap.ipc import Fields, MessageType, make_message, request
+
+pytestmark = pytest.mark.process
 
 TIMEOUT_S = 60
 

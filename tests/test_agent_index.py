@@ -7,6 +7,7 @@ import re
 import time
 from pathlib import Path
 
+import pytest
 from agent_fakes import replace_shard, shard_name, write_per_tensor_model, write_shard
 
 from ggufswap.agent import Health, ModelIndex, plan_id_for, reconcile
@@ -210,3 +211,31 @@ def test_symlinked_shards_report_the_real_directory_to_watch(tmp_path: Path) -> 
     assert roots[str(blobs)].is_link_target
     assert index.concerns(str(paths[1]))
     assert not index.concerns(str(blobs / ".hidden"))
+
+
+@pytest.mark.reliability(
+    "bad input",
+    "a current.gguf symlink (and a hard link) to a sibling shard in the same watched directory",
+    tries=2,
+    outcome="one shard set, read from the file itself: every tensor plannable, no 'two shard "
+    "sets' problem; two copies of a file (other inodes) still conflict",
+)
+def test_a_link_to_a_sibling_shard_is_the_same_shard_not_a_second_set(tmp_path: Path) -> None:
+    """``current.gguf`` pointing at a shard of the same directory (a symlink, or a hard link: the
+    same device and inode) is that shard: its tensors are desired from the file (by a name that
+    is no symlink), not held as being in two shard sets; a copy (another inode) conflicts."""
+    directory = tmp_path / "m"
+    directory.mkdir()
+    model = Path(write_model(tiny_dense(), directory)[0])
+    (directory / "current.gguf").symlink_to(model.name)
+    os.link(model, directory / "hard.gguf")
+    snap = ModelIndex(model_config(directory)).scan()
+    assert snap.problems == (), snap.problems
+    assert snap.held == frozenset()
+    assert snap.desired
+    [path] = {r.path for r in snap.desired.values()}  # one file, by one of its own names
+    assert os.path.samefile(path, model)
+    assert not os.path.islink(path)
+    (directory / "copy.gguf").write_bytes(model.read_bytes())
+    again = ModelIndex(model_config(directory)).scan()
+    assert any("two shard sets" in p for p in again.problems), again.problems

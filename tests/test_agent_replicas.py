@@ -18,6 +18,8 @@ from processes import Proc, status_of, wait_for
 from ggufswap.ipc import MessageType, make_message, request
 from ggufswap.shards import Layout, open_shard_set, requantize, tiny_moe, write_model
 
+pytestmark = pytest.mark.process
+
 MODEL = "tiny-moe"
 TENSORS = ("blk.1.ffn_down_exps.weight", "blk.0.attn_q.weight")
 

@@ -80,6 +80,7 @@ models:
     return config
 
 
+@pytest.mark.process
 def test_agent_process_ready_after_first_scan_then_watchdog(
     tmp_path: Path, notify: NotifySocket
 ) -> None:

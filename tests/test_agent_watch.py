@@ -9,11 +9,16 @@ import pytest
 from processes import wait_for
 
 from ggufswap.agent import ChangeQueue, RescanReason, backend_available, choose_backend
-from ggufswap.agent._fstype import fs_info, mountinfo_fstype
 from ggufswap.agent.watch import make_watcher
 from ggufswap.config import WatchBackend
+from ggufswap.config.fstypes import fs_info, mountinfo_fstype
 
-BACKENDS = [WatchBackend.WATCHDOG, WatchBackend.PYINOTIFY, WatchBackend.POLLING]
+# pyinotify finds its C library with ctypes.util.find_library, which runs `ldconfig -p`.
+BACKENDS = [
+    WatchBackend.WATCHDOG,
+    pytest.param(WatchBackend.PYINOTIFY, marks=pytest.mark.process),
+    WatchBackend.POLLING,
+]
 
 
 @pytest.mark.parametrize("kind", BACKENDS, ids=lambda k: k.value)

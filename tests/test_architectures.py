@@ -10,10 +10,10 @@ import torch
 
 from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime import HotSwapRuntime
-from ggufswap.runtime.models.errors import HParamsError
+from ggufswap.runtime.models.blocks import DictWeightProvider
+from ggufswap.runtime.models.errors import HParamsError, MissingWeightError
 from ggufswap.runtime.models.gemma3 import Gemma3Transformer, sliding_window_mask
 from ggufswap.runtime.models.hparams import Arch, HParams
-from ggufswap.runtime.models.llama import DictWeightProvider
 from ggufswap.runtime.models.registry import DECODERS, build_model
 from ggufswap.shards import read_header, requantize
 from ggufswap.shards.presets import tiny_arch
@@ -39,18 +39,37 @@ CASES = {
     "glm4moe-qk-norm": ("glm4moe", {"attn_qk_norm": True, "attn_bias": False}),
     "llama-rope-freqs": ("llama", {"rope_llama3_factor": 8.0, "rope_llama3_original_context": 32}),
     "gpt-oss": ("gpt-oss", {}),
+    "qwen3vlmoe": ("qwen3vlmoe", {}),  # interleaved multimodal RoPE sections
+    "minimax-m2": ("minimax-m2", {}),  # Q/K norms across heads, sigmoid + exp_probs_b
+    "llama4": ("llama4", {}),  # chunked and NoPE layers, MoE every 2nd block, rope_freqs
+    "gemma4": ("gemma4", {}),  # sliding and full layers of other head shapes, V = K
+    "gemma4-moe": ("gemma4", {"n_expert": 4, "n_expert_used": 2, "n_ff_expert": 32}),
+    "dots1": ("dots1", {}),  # qwen3's attention over deepseek2's routed blocks
+    "qwen35": ("qwen35", {}),  # the swap is a delta-net block's attn_qkv
+    "qwen35moe": ("qwen35moe", {}),
+    "qwen3next": ("qwen3next", {}),
     "llama-moe-per-expert": (
         "llama",
         {"n_expert": 4, "n_expert_used": 2, "per_expert_tensors": True},
     ),
+    "deepseek2-ik": ("deepseek2", {"mla_split": False, "mla_ik": True}),  # ik_llama.cpp's form
+    "deepseek32": ("deepseek32", {}),  # the DSA indexer in every block
+    "glm-dsa": ("glm-dsa", {}),  # full and shared indexer blocks
 }
 # The tensor each case re-quantizes: attn_q, or attn_q_b where the queries come through q_lora.
-SWAPPED = {"deepseek2": "blk.0.attn_q_b.weight", "deepseek2-kv-b": "blk.0.attn_q_b.weight"}
+SWAPPED = {
+    "deepseek2": "blk.0.attn_q_b.weight",
+    "deepseek2-kv-b": "blk.0.attn_q_b.weight",
+    **dict.fromkeys(("deepseek2-ik", "deepseek32", "glm-dsa"), "blk.0.attn_q_b.weight"),
+    **dict.fromkeys(("qwen35", "qwen35moe", "qwen3next"), "blk.0.attn_qkv.weight"),
+}
 
 
 def spec_for(case: str) -> ModelSpec:
     arch, overrides = CASES[case]
-    return tiny_arch(arch, **overrides).with_types(attn_q="q5_0", attn_q_b="q5_0", ffn_down="q4_0")
+    return tiny_arch(arch, **overrides).with_types(
+        attn_q="q5_0", attn_q_b="q5_0", attn_qkv="q5_0", ffn_down="q4_0"
+    )
 
 
 def open_model(path: Path) -> tuple[HotSwapRuntime, torch.nn.Module]:
@@ -245,3 +264,22 @@ def _gemma_md(n_layer: int = 1, **extra: object) -> dict[str, object]:
     }
     md.update(extra)
     return md
+
+
+@pytest.mark.parametrize("arch", ["qwen3vlmoe", "minimax-m2", "llama4", "gemma4", "dots1"])
+def test_a_weight_scale_llama_cpp_would_apply_is_refused_by_name(arch: str, tmp_path: Path) -> None:
+    """llama.cpp multiplies a matrix's product by its optional ``.scale`` tensor, for every
+    architecture; the decoders of these refuse a file holding one they do not apply, naming it
+    (the paired file without it loads)."""
+    path = write_model(tiny_arch(arch), tmp_path)[0]
+    runtime = HotSwapRuntime.open(path)
+    try:
+        assert runtime.shards is not None, "open() keeps the shard set"
+        config = HParams.from_metadata(runtime.shards.metadata)
+        weights = {name: runtime.store.weight(name) for name in runtime.store.slots}
+    finally:
+        runtime.close()
+    build_model(config, DictWeightProvider(weights))
+    weights["blk.0.attn_q.scale"] = torch.ones(1)
+    with pytest.raises(MissingWeightError, match=r"blk\.0\.attn_q\.scale: llama\.cpp multiplies"):
+        build_model(config, DictWeightProvider(weights))

@@ -34,6 +34,8 @@ from runtime_helpers import fresh_digest
 from ggufswap.ipc import Fields
 from ggufswap.shards import TensorRecord, fingerprint, open_shard_set
 
+pytestmark = pytest.mark.process
+
 WAIT_S = 60.0
 STOP_S = 60.0  # a loaded host takes seconds to stop a process (bounded all the same)
 OTHER_UID = 65534

@@ -36,6 +36,7 @@ def agent_config(tmp_path: Path, sockets: Path) -> Path:
     return path
 
 
+@pytest.mark.process
 def test_log_level_is_accepted_after_the_command(tmp_path: Path, short_dir: Path) -> None:
     """``--log-level`` works after the subcommand as well as before it."""
     cfg = agent_config(tmp_path, short_dir)
@@ -45,6 +46,7 @@ def test_log_level_is_accepted_after_the_command(tmp_path: Path, short_dir: Path
     assert before.returncode == 0, before.stderr
 
 
+@pytest.mark.process
 def test_plan_prints_without_dry_run(tmp_path: Path, short_dir: Path) -> None:
     """``plan`` only ever prints, so it needs no ``--dry-run`` (still accepted)."""
     cfg = agent_config(tmp_path, short_dir)
@@ -54,6 +56,7 @@ def test_plan_prints_without_dry_run(tmp_path: Path, short_dir: Path) -> None:
         assert "2 job(s)" in result.stdout
 
 
+@pytest.mark.process
 def test_plan_prints_shapes_in_the_order_inspect_does(tmp_path: Path, short_dir: Path) -> None:
     """A planned tensor's shape reads as ``ggufswap inspect`` prints it (torch order)."""
     first = write_model(tiny_dense(), tmp_path / "dense")[0]
@@ -71,6 +74,7 @@ def test_plan_prints_shapes_in_the_order_inspect_does(tmp_path: Path, short_dir:
     assert job[job.index("shape") + 1] == row[2], (job, row)
 
 
+@pytest.mark.process
 def test_status_without_arguments_asks_the_default_socket_directory(short_dir: Path) -> None:
     """With no ENDPOINT and no --config, status asks every status socket of the default socket
     directory, and says where it looked when there is none."""
@@ -103,6 +107,7 @@ def test_status_text_shows_times_and_flags_as_words() -> None:
     assert "True" not in text
 
 
+@pytest.mark.process
 def test_perplexity_says_when_it_shortens_ctx(tmp_path: Path) -> None:
     """A --ctx longer than the model's context is shortened with a note, not silently."""
     first = write_model(tiny_dense(), tmp_path / "model")[0]

@@ -140,7 +140,7 @@ def test_minimal_runtime_config_gets_defaults(tmp_path: Path) -> None:
     assert runtime.allowed_roots == (Path("/m"),)
     assert [(p.name, p.device, p.budget) for p in runtime.pools] == [("host", "cpu", None)]
     assert (runtime.storage, runtime.compute_dtype) == (Storage.AUTO, ComputeDtype.FLOAT32)
-    assert (runtime.placement.gpu_layers, runtime.placement.experts_pool) == (-1, None)
+    assert (runtime.placement.gpu_layers, runtime.placement.experts_pool) == (None, None)
     assert runtime.placement.split_experts is False
     assert runtime.strict_types is False
     assert runtime.threads is None  # auto: one thread per CPU of the affinity mask
@@ -707,6 +707,7 @@ def test_load_config_text_without_source() -> None:
 # --- the command ----------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_check_config_summarizes_a_valid_file(tmp_path: Path) -> None:
     """check-config exits 0 and lists the models, watch paths with backends and pools."""
     (tmp_path / "models").mkdir()
@@ -731,6 +732,7 @@ def test_check_config_summarizes_a_valid_file(tmp_path: Path) -> None:
     assert data["config"]["runtime"]["threads"] is None
 
 
+@pytest.mark.process
 def test_check_config_lists_problems_and_exits_1(tmp_path: Path) -> None:
     """check-config exits 1 and prints every problem as FILE:LINE: key: message, paths too."""
     path = tmp_path / "c.yaml"

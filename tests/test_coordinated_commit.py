@@ -94,6 +94,7 @@ def write_manifest(
     return model_dir, manifest, current
 
 
+@pytest.mark.process
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 @pytest.mark.parametrize(
     ("ranks", "tight_rank"),

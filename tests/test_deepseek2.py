@@ -14,9 +14,9 @@ from runtime_helpers import ModelDir, Q, one_thread
 
 from ggufswap.runtime import HotSwapRuntime, PlanState, Storage
 from ggufswap.runtime.models import HParams, HParamsError, MissingWeightError, build_model
-from ggufswap.runtime.models.deepseek2 import Deepseek2Transformer, RoutedExperts
+from ggufswap.runtime.models.blocks import DictWeightProvider, RoutedExperts, TensorSpec
+from ggufswap.runtime.models.deepseek2 import Deepseek2Transformer
 from ggufswap.runtime.models.hparams import Arch, Gating, MLAShape
-from ggufswap.runtime.models.llama import DictWeightProvider, _Spec
 from ggufswap.shards import read_header
 from ggufswap.shards.presets import tiny_deepseek2
 from ggufswap.shards.writer import write_model
@@ -160,10 +160,10 @@ def _router(**config: Any) -> tuple[RoutedExperts, torch.Tensor, torch.Tensor]:
         **config,
     )
     g = torch.Generator().manual_seed(3)
-    spec = _Spec()
+    spec = TensorSpec()
     shapes = RoutedExperts(hp, _All(), 0, spec)
     weights = {n: torch.randn(*s, generator=g) for n, s in spec.required.items()}
-    block = RoutedExperts(hp, DictWeightProvider(weights), 0, _Spec())
+    block = RoutedExperts(hp, DictWeightProvider(weights), 0, TensorSpec())
     return block, weights[shapes.router], weights["blk.0.exp_probs_b.bias"]
 
 

@@ -64,6 +64,7 @@ def test_exactness_check_flags_a_restore_off_the_baseline() -> None:
     assert "restore" in failures[0]
 
 
+@pytest.mark.process
 def test_demo_quick_runs_end_to_end(tmp_path: Path) -> None:
     """The reduced demo exits 0, prints the table, and every restore/sanity equals the baseline."""
     workdir = tmp_path / "work"
@@ -114,6 +115,7 @@ def test_demo_quick_runs_end_to_end(tmp_path: Path) -> None:
     assert not list((workdir / "model").glob(".*")), "temp files left in the model directory"
 
 
+@pytest.mark.process
 def test_demo_refuses_a_non_empty_workdir(tmp_path: Path) -> None:
     """A --workdir that already holds files is refused before anything starts."""
     (tmp_path / "something").write_text("x")
@@ -128,6 +130,7 @@ def test_demo_refuses_a_non_empty_workdir(tmp_path: Path) -> None:
     assert "is not empty" in proc.stderr
 
 
+@pytest.mark.process
 def test_a_failed_demo_keeps_the_logs_it_names(tmp_path: Path) -> None:
     """When the runtime cannot start, the demo fails and keeps the temporary workdir whose log
     its message names."""
@@ -156,6 +159,7 @@ def test_a_failed_demo_keeps_the_logs_it_names(tmp_path: Path) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+@pytest.mark.process
 def test_a_socket_path_too_long_is_one_clear_message(tmp_path: Path) -> None:
     """A temporary directory too deep for Unix socket paths ends the demo with a message that
     names the endpoint, not a thread's traceback."""

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from ggufswap import _cmd_demo, demo_sweep
-from ggufswap._sweep_procs import SWEEP_SETTLE_MS
 from ggufswap.config import load_config
-from ggufswap.runtime.serving.recipe import Recipe, plan_rounds
 from ggufswap.shards import GGMLType, open_shard_set, read_header, requantize
+from ggufswap.sweep.procs import SWEEP_SETTLE_MS
+from ggufswap.sweep.recipe import Recipe, plan_rounds
 
 
 def _args(**overrides: object) -> argparse.Namespace:

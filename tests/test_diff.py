@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import ggufbytes as gb
+import pytest
 from gguf import GGMLQuantizationType
 from ggufbytes import TI
 from hypothesis import given, settings
@@ -324,6 +325,7 @@ def _models(tmp_path: Path) -> tuple[Path, Path, Path]:
     return base, requant, split[2]
 
 
+@pytest.mark.process
 def test_cli_diff_types(tmp_path: Path) -> None:
     """`ggufswap diff A B --json` reports exactly the requantized tensors as type changes."""
     base, requant, _ = _models(tmp_path)
@@ -340,6 +342,7 @@ def test_cli_diff_types(tmp_path: Path) -> None:
     assert doc["content_compared"] is False
 
 
+@pytest.mark.process
 def test_cli_diff_text(tmp_path: Path) -> None:
     """The text form lists each change with its description and a summary line."""
     base, requant, _ = _models(tmp_path)
@@ -349,6 +352,7 @@ def test_cli_diff_text(tmp_path: Path) -> None:
     assert "4 change(s): 0 added, 0 removed, 4 modified, 0 shape changed" in proc.stdout
 
 
+@pytest.mark.process
 def test_cli_diff_checksum_single_vs_split(tmp_path: Path) -> None:
     """With --checksum, the same model as one file and as a split set has no changes at all."""
     base, _, split_member = _models(tmp_path)
@@ -362,6 +366,7 @@ def test_cli_diff_checksum_single_vs_split(tmp_path: Path) -> None:
     assert len(doc["new"]) > 1
 
 
+@pytest.mark.process
 def test_cli_diff_checksum_detects_content(tmp_path: Path) -> None:
     """With --checksum, a tensor with other bytes of the same type is MODIFIED with content."""
     spec = tiny_moe()
@@ -372,6 +377,7 @@ def test_cli_diff_checksum_detects_content(tmp_path: Path) -> None:
     assert all("content" in c["fields"] for c in doc["changes"])
 
 
+@pytest.mark.process
 def test_cli_diff_missing_file(tmp_path: Path) -> None:
     """A missing model exits 1 naming the path."""
     base, _, _ = _models(tmp_path)

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
 
 

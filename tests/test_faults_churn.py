@@ -30,7 +30,9 @@ from ggufswap.runtime.serving.serve import logits_digest
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
-SWAPS = 200
+# make test runs the churn over CHURN_SWAPS plans, make soak (the slow tier) over SOAK_SWAPS.
+CHURN_SWAPS = 60
+SOAK_SWAPS = 200
 HEADROOM = 12288  # dev bytes free after the load: an F16 expert tensor (32 KiB) falls back
 DOWN1 = "blk.1.ffn_down_exps.weight"  # Q8_0
 GATE2 = "blk.2.ffn_gate_exps.weight"  # Q4_0
@@ -85,10 +87,14 @@ class Server:
         assert not self.thread.is_alive(), "the serving thread did not stop"
 
 
-def test_serving_never_fails_and_matches_fresh_loads_through_200_swaps(tmp_path: Path) -> None:
-    """A loop serves batches without pause while 200 plans apply type changes, restores, MoE
-    family fallbacks and reattachments: no batch fails, every batch equals a fresh load of the
-    files of the version it reports, and the final restore returns memory to its baseline."""
+@pytest.mark.parametrize("swaps", [CHURN_SWAPS, pytest.param(SOAK_SWAPS, marks=pytest.mark.slow)])
+def test_serving_never_fails_and_matches_fresh_loads_through_swaps(
+    tmp_path: Path, swaps: int
+) -> None:
+    """A loop serves batches without pause while plans (60, or 200 in the slow tier) apply type
+    changes, restores, MoE family fallbacks and reattachments: no batch fails, every batch equals
+    a fresh load of the files of the version it reports, and the final restore returns memory to
+    its baseline."""
     model_dir = ModelDir.write(tmp_path / "model")
     storage = Storage.NATIVE
     pools = cpu_pools(loaded_bytes(model_dir.first, storage) + HEADROOM)
@@ -114,8 +120,8 @@ def test_serving_never_fails_and_matches_fresh_loads_through_200_swaps(tmp_path:
     fresh[state_of[0]] = fresh_digest()
     try:
         with Server(runtime, model) as server:
-            for step in range(SWAPS + 1):
-                if step < SWAPS:
+            for step in range(swaps + 1):
+                if step < swaps:
                     names = rng.sample(sorted(CHOICES), rng.choice((1, 1, 2, 3)))
                     changes = {
                         n: rng.choice([s for s in (SAVED, *CHOICES[n]) if s != current[n]])
@@ -137,10 +143,10 @@ def test_serving_never_fails_and_matches_fresh_loads_through_200_swaps(tmp_path:
     finally:
         runtime.close()
     assert server.errors == [], server.errors[:3]
-    assert runtime.weight_version == SWAPS + 1
+    assert runtime.weight_version == swaps + 1
     wrong = {v: sorted(d) for v, d in server.digests.items() if set(d) != {fresh[state_of[v]]}}
     assert wrong == {}, f"batches that differ from a fresh load of their version: {wrong}"
-    assert len(server.digests) > SWAPS // 2, "batches ran on most versions"
+    assert len(server.digests) > swaps // 2, "batches ran on most versions"
     assert events["tensor.fallback"] > 0, events
     assert events["tensor.reattached"] > 0, events
     assert runtime.store.pools.usage() == baseline_usage
@@ -150,7 +156,7 @@ def test_serving_never_fails_and_matches_fresh_loads_through_200_swaps(tmp_path:
     record(
         "faults",
         "serving under churn: type changes, restores, MoE family fallbacks, reattachments",
-        tries=SWAPS + 1,
+        tries=swaps + 1,
         outcome=f"{server.batches} batches, 0 failed; each equals a fresh load of its version; "
         "memory back at baseline",
         test="test_faults_churn::test_serving_never_fails_and_matches_fresh_loads",
@@ -266,8 +272,10 @@ def test_memory_exhausted_midway_through_staging_fits_via_fallback_or_rejects_wh
         finally:
             runtime.close()
         trip_at += 1
-    assert outcomes["rejected whole"] > 0, outcomes
-    if victim == "dev":  # squeezed while staging allocated on the host: later units fall back
+    if victim == "allocating":  # the host squeezed too: nothing left to fall back to
+        assert outcomes["rejected whole"] > 0, outcomes
+    else:  # the device squeezed: every unit still fits the host (first_fit), so each plan commits
+        assert outcomes["rejected whole"] == 0, outcomes
         assert outcomes["committed, squeezed"] > 0, outcomes
     record(
         "faults",

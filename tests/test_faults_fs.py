@@ -19,7 +19,7 @@ from runtime_helpers import Q, one_thread
 
 from ggufswap.shards import atomic_copy
 
-pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures(one_thread.__name__)]
 
 QUEUE_LIMIT = Path("/proc/sys/fs/inotify/max_queued_events")
 DOWN1 = "blk.1.ffn_down_exps.weight"

@@ -128,6 +128,7 @@ def wait_runtime_plan(rig: Rig, version: int) -> str:
     return str(wait_for(seen, timeout=WAIT_S, what="a staged plan", interval=0.003))
 
 
+@pytest.mark.process
 def test_agent_sigkill_at_every_point_loses_nothing_and_applies_nothing_twice(rig: Rig) -> None:
     """50 times: an update, the agent SIGKILLed at one of six points, a new agent: the runtime
     converges to the disk, each update is committed exactly once (weight_version = updates),
@@ -196,6 +197,7 @@ class RuntimeKill(enum.Enum):
     AFTER_COMMIT = "right after the commit (weight_version advanced)"
 
 
+@pytest.mark.process
 def test_runtime_sigkill_at_every_point_converges_and_applies_each_update_once(rig: Rig) -> None:
     """50 times: an update that the running runtime must commit exactly once, then another with
     the runtime SIGKILLed at one of five points and restarted: the new runtime converges to the

@@ -30,6 +30,8 @@ from ggufswap.ipc import (
 )
 from ggufswap.shards import fingerprint, open_shard_set, read_header, requantize
 
+pytestmark = pytest.mark.process
+
 REPLY_S = 60.0
 # Well below the agent's periodic refresh (300 s): only the event can explain a restore in time.
 RESTORE_S = 30.0

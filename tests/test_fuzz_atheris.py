@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 EXAMPLES = int(os.environ.get("GGUFSWAP_FUZZ_EXAMPLES", "300"))
 RUNS = 10 * EXAMPLES
 TARGETS = ("read_header", "decode")

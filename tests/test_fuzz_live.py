@@ -31,6 +31,8 @@ from ggufswap.ipc import (
 )
 from ggufswap.shards import open_shard_set
 
+pytestmark = pytest.mark.process
+
 log = structlog.get_logger(__name__)
 EXAMPLES = int(os.environ.get("GGUFSWAP_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(

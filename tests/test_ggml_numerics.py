@@ -53,9 +53,10 @@ GGML_MAX_KLD = 5e-9
 EXACT_MARGIN = 50
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def one_torch_thread() -> Iterator[None]:
-    """One torch thread, as make crosscheck ran (restored afterwards)."""
+    """One torch thread, as make crosscheck ran (restored afterwards). Per test, not per module:
+    a module-scoped fixture would make the module one unit of work for xdist (conftest.py)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -194,7 +195,7 @@ def test_ggml_rms_norm_is_ggml_kernel_inside_a_ggml_forward_only() -> None:
     """Inside ggml_norms (a ggml decoder's forward) the decoders' rms_norm is ggml's kernel bit
     for bit; outside it is the exact path's float32 norm, unchanged; the switch is reset when
     the forward raises."""
-    from ggufswap.runtime.models import llama
+    from ggufswap.runtime.models.blocks import norms
     from ggufswap.runtime.models.ggml_numerics import ggml_norms, ggml_norms_active
 
     g = torch.Generator().manual_seed(5)
@@ -203,10 +204,10 @@ def test_ggml_rms_norm_is_ggml_kernel_inside_a_ggml_forward_only() -> None:
     eps = 1e-6
     expected = _ggml_rms_norm_reference(x.numpy(), w.numpy(), eps)
     with ggml_norms():
-        inside = llama.rms_norm(x, w, eps)
+        inside = norms.rms_norm(x, w, eps)
     assert np.array_equal(inside.numpy(), expected)
     exact = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w
-    outside = llama.rms_norm(x, w, eps)
+    outside = norms.rms_norm(x, w, eps)
     assert torch.equal(outside, exact)
     assert not np.array_equal(outside.numpy(), expected), "the two norms differ somewhere"
 

@@ -19,8 +19,8 @@ from ggufswap.runtime.models import (
     build_model,
     unused_tensors,
 )
+from ggufswap.runtime.models.blocks import DictWeightProvider
 from ggufswap.runtime.models.hparams import Gating
-from ggufswap.runtime.models.llama import DictWeightProvider
 from ggufswap.runtime.serving.daemon import report_unused
 from ggufswap.shards import read_header
 from ggufswap.shards.presets import tiny_glm4moe, tiny_moe

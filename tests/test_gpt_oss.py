@@ -25,14 +25,9 @@ from test_http import assert_swap_round_trip_while_serving
 
 from ggufswap.runtime import HotSwapRuntime, PlanState, SlotState, Storage
 from ggufswap.runtime.models import HParams, HParamsError
-from ggufswap.runtime.models.gpt_oss import (
-    SWIGLU_ALPHA,
-    GptOssTransformer,
-    rotary,
-    swiglu_oai,
-    yarn_corr_dims,
-)
-from ggufswap.runtime.models.llama import DictWeightProvider
+from ggufswap.runtime.models.blocks import DictWeightProvider
+from ggufswap.runtime.models.blocks.rope import rotary, yarn_corr_dims
+from ggufswap.runtime.models.gpt_oss import SWIGLU_ALPHA, GptOssTransformer, swiglu_oai
 from ggufswap.shards import read_header
 from ggufswap.shards.presets import tiny_gpt_oss
 

@@ -47,11 +47,20 @@ def as_group_member(*args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.reliability(
+    "security",
+    "ggufswap status by a group member on the 0600 control socket (permission denied)",
+    tries=1,
+    outcome="refused at once as 'permission denied' naming the socket's mode and owner, not "
+    "reported as 'no reply' after the timeout",
+)
+@pytest.mark.process
 def test_status_sockets_admit_the_group_and_control_does_not(
     tmp_path: Path, shared_dir: Path
 ) -> None:
     """A runtime in a 0750 directory makes its status socket 0660 and its control and events
-    sockets 0600; another user in the directory's group gets the status, not the control."""
+    sockets 0600; another user in the directory's group gets the status, and is told
+    "permission denied" by the control socket."""
     first = write_model(tiny_dense(), tmp_path / "model")[0]
     config = tmp_path / "m.yaml"
     config.write_text(f"runtime: {{model: {first}, serve: {{mode: probe}}}}\n")
@@ -74,6 +83,9 @@ def test_status_sockets_admit_the_group_and_control_does_not(
         assert '"weight_version": 0' in member.stdout
         control = as_group_member("status", f"ipc://{shared_dir}/m.sock", "--timeout", "1")
         assert control.returncode != 0
+        # Said as it is (libzmq would retry the refused connect silently: "no reply").
+        assert "permission denied" in control.stdout + control.stderr, control
+        assert "no reply" not in control.stdout + control.stderr, control
     finally:
         assert proc.stop() == 0, proc.log()
 

@@ -42,7 +42,7 @@ from ggufswap.ipc import (
 from ggufswap.ipc import plan_to_wire as _plan_to_wire
 from ggufswap.ipc._check import MAX_PATH_COMPONENTS
 from ggufswap.ipc.errors import InsecureEndpoint
-from ggufswap.ipc.messages import MAX_PLAN_ID_LENGTH, MAX_PLAN_JOBS
+from ggufswap.ipc.plan import MAX_PLAN_ID_LENGTH, MAX_PLAN_JOBS
 from ggufswap.runtime import HotSwapRuntime
 from ggufswap.runtime.control import (
     MAX_PLANS_IN_FLIGHT_PER_PEER,
@@ -136,6 +136,7 @@ def test_plans_over_the_bounds_are_malformed(served: Served) -> None:
         assert outcome(peer, served.runtime, msg_id)[Fields.TYPE] == "committed"
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     "security",
     "one client floods 50 plans, then another sends its update",
@@ -189,6 +190,7 @@ def drain(served: Served, committed: list[str], count: int) -> None:
     assert len(committed) == count, committed
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     "security",
     "3 flooding processes, 4 connections each, 4 no-op plans per connection; then the agent's "
@@ -313,6 +315,7 @@ def test_a_private_socket_directory_is_accepted(
 # -- names that are not UTF-8 (findings 6 and 9) ----------------------------------------------
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     "bad input",
     "model directory reached through a non-UTF-8 path, and a file junk\\xff.gguf beside it",
@@ -366,6 +369,7 @@ def test_non_utf8_names_are_carried_byte_for_byte(tmp_path: Path) -> None:
 # -- watch roots and configuration files (finding 9) ------------------------------------------
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     "bad input",
     "pseudo file systems (/proc, /sys, /dev, and a symlink to /proc) as watch roots",
@@ -396,14 +400,18 @@ def test_pseudo_file_systems_are_refused_as_watch_roots(tmp_path: Path) -> None:
     assert "pseudo file system" in done.stdout + done.stderr
 
 
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
 def test_an_ordinary_watch_root_is_accepted(tmp_path: Path) -> None:
-    """Paired: a directory of model files is accepted as a watch root."""
-    config = tmp_path / "c.yaml"
-    config.write_text(
-        f"models:\n  - name: m\n    runtime: ipc://{tmp_path}/rt.sock\n    watch:\n"
-        f"      - path: {tmp_path}\n"
-    )
-    assert load_config(config).models[0].watch[0].path == tmp_path
+    """Paired: a directory of model files is accepted as a watch root, and so is one in
+    ``/dev/shm`` (a tmpfs under ``/dev``: refused by type, not by prefix)."""
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        for root in (tmp_path, Path(shm)):
+            config = tmp_path / "c.yaml"
+            config.write_text(
+                f"models:\n  - name: m\n    runtime: ipc://{tmp_path}/rt.sock\n    watch:\n"
+                f"      - path: {root}\n"
+            )
+            assert load_config(config).models[0].watch[0].path == root
 
 
 @pytest.mark.reliability(
@@ -429,3 +437,64 @@ def test_config_files_must_be_regular_and_bounded(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=why) as caught:
             load_config(path)
         assert path in str(caught.value), caught.value
+
+
+@pytest.mark.reliability(
+    "faults",
+    "runtime shut down with a raw client's plans handed to it (staged, queued) and another "
+    "client's plan waiting in the fair queue",
+    tries=3,
+    outcome="every plan answered rejected (stale: re-plan), none left undecided; no event "
+    "published after the sockets closed (no 'publish() after close()' traceback)",
+)
+def test_a_shutdown_decides_every_plan_and_publishes_nothing_after_close(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Shut down in the daemon's order (stop the intake, close the runtime, close the sockets)
+    while plans are staged, queued and waiting: each client gets ``rejected`` for each of its
+    plans, and the runtime's rejections after the sockets closed log no traceback."""
+    sockdir = tmp_path_factory.mktemp("s")
+    model_dir = ModelDir.write(tmp_path / "m")
+    runtime, _ = open_runtime(model_dir.first)
+    control = ControlServer(
+        runtime,
+        control_endpoint=f"ipc://{sockdir}/control.sock",
+        events_endpoint=f"ipc://{sockdir}/events.sock",
+    ).start()
+    endpoint = control.control.endpoint
+    closed = False
+    try:
+        with RawPeer(endpoint) as first, RawPeer(endpoint) as second:
+            handed = [plan_frame(model_dir.plan(f"handed-{i}", [OUTPUT])) for i in range(2)]
+            for _, frame in handed:
+                first.send([frame])
+            accepted = [r for r in first.replies(want=3, timeout=2.0) if r[Fields.TYPE] != "staged"]
+            assert [r[Fields.TYPE] for r in accepted] == ["accepted"] * 2, accepted
+            runtime.wait_staged(WAIT_S)  # nothing commits: no inference loop runs
+            waiting_id, frame = plan_frame(model_dir.plan("waiting", [OUTPUT]))
+            second.send([frame])
+            assert [r[Fields.TYPE] for r in second.replies()] == ["accepted"]
+            control.stop_intake()
+            runtime.close()
+            replies = _finals(first, 2) + _finals(second, 1)
+            control.close()
+            closed = True
+        outcomes = {r[Fields.IN_REPLY_TO]: (r[Fields.TYPE], r[Fields.STALE]) for r in replies}
+        expected = [msg_id for msg_id, _ in handed] + [waiting_id]
+        assert outcomes == dict.fromkeys(expected, ("rejected", True)), replies
+    finally:
+        if not closed:
+            control.close()
+            runtime.close()
+    assert "publish() after close()" not in capfd.readouterr().err
+
+
+def _finals(peer: RawPeer, count: int) -> list[dict[str, Any]]:
+    """The next ``count`` outcomes (committed, rejected or error) ``peer`` receives, skipping
+    ``staged``."""
+    finals: list[dict[str, Any]] = []
+    while len(finals) < count:
+        got = peer.replies()
+        assert got, f"no outcome within the reply timeout; have {finals}"
+        finals += [r for r in got if r[Fields.TYPE] != "staged"]
+    return finals

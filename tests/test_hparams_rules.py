@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ggufswap.runtime.models import HParams, HParamsError, MissingWeightError, Transformer
-from ggufswap.runtime.models.llama import DictWeightProvider
+from ggufswap.runtime.models.blocks import DictWeightProvider
 
 E, H, FF, V = 32, 4, 48, 8
 

@@ -75,7 +75,7 @@ def stream(port: int, **body: Any) -> list[dict[str, Any] | str]:
         conn.request("POST", "/v1/completions", body=payload)
         response = conn.getresponse()
         assert response.status == 200, response.read()
-        assert response.getheader("Content-Type") == "text/event-stream"
+        assert response.getheader("Content-Type", "").startswith("text/event-stream")
         events: list[dict[str, Any] | str] = []
         for block in response.read().decode().split("\n\n"):
             if not block:
@@ -125,6 +125,7 @@ def start_server(
     *,
     run_loop: bool = True,
     chat_template: ChatTemplate | None = None,
+    chat_error: str | None = None,
     http: HttpOptions | None = None,
     **options: Any,
 ) -> Iterator[Served]:
@@ -136,8 +137,12 @@ def start_server(
     batcher = Batcher(
         runtime, model, GgufTokenizer.from_file(first), options=BatcherOptions(**options)
     )
-    server = CompletionServer(
-        batcher, runtime, options=http or HttpOptions(port=0), chat_template=chat_template
+    server = CompletionServer.serving(
+        batcher,
+        runtime,
+        options=http or HttpOptions(port=0),
+        chat_template=chat_template,
+        chat_error=chat_error,
     ).start()
     stop = threading.Event()
     loop = threading.Thread(target=batcher.run, args=(stop,), name="test-inference")
@@ -276,7 +281,7 @@ def test_health_and_models_name_the_model_and_version(served: Served) -> None:
         ("POST", "/v1/completions", b'{"max_tokens": 4}', 400, None),
         ("POST", "/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, None),
         ("POST", "/v1/completions", b'{"prompt": "x", "temperature": -1}', 400, None),
-        ("POST", "/v1/completions", b'{"prompt": "x", "n": 2}', 400, None),
+        ("POST", "/v1/completions", b'{"prompt": "x", "n": 0}', 400, None),
         ("POST", "/v1/completions", b'["prompt"]', 400, None),
         ("POST", "/v1/completions", b'{"prompt": "x", "max_tokens": 100000}', 400, None),
         ("POST", "/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', 404, "model_not_found"),
@@ -284,7 +289,8 @@ def test_health_and_models_name_the_model_and_version(served: Served) -> None:
         ("GET", "/v1/completions", None, 405, "method_not_allowed"),
         ("POST", "/v1/completions", b'{"prompt": "x", "max_token": 4}', 400, "unknown_parameter"),
         ("POST", "/v1/completions", b'{"prompt": "x", "temprature": 0}', 400, "unknown_parameter"),
-        ("POST", "/v1/completions", b'{"prompt": "x", "top_p": 0.5}', 400, "unknown_parameter"),
+        ("POST", "/v1/completions", b'{"prompt": "x", "top_p": 1.5}', 400, None),
+        ("POST", "/v1/completions", b'{"prompt": "x", "top_q": 0.5}', 400, "unknown_parameter"),
         (
             "POST",
             "/v1/chat/completions",
@@ -298,7 +304,7 @@ def test_health_and_models_name_the_model_and_version(served: Served) -> None:
         "no-prompt",
         "zero-tokens",
         "negative-temperature",
-        "n",
+        "n-zero",
         "not-an-object",
         "past-context",
         "unknown-model",
@@ -306,7 +312,8 @@ def test_health_and_models_name_the_model_and_version(served: Served) -> None:
         "wrong-method",
         "misspelt-max-tokens",
         "misspelt-temperature",
-        "unsupported-top-p",
+        "top-p-past-1",
+        "unknown-top-q",
         "chat-without-template",
     ],
 )
@@ -427,6 +434,7 @@ def client_loop(port: int, index: int, done: threading.Event, out: list[Answer |
         out.append(Answer(prompt, streamed, version, text, now - started, now))
 
 
+@pytest.mark.process
 def test_concurrent_clients_get_answers_through_a_20_swap_sweep(tmp_path: Path) -> None:
     """While 20 plans (re-quantized shards renamed into place, sent over the control socket) are
     committed under a runtime serving HTTP, 4 concurrent clients get every answer; each names a
@@ -495,6 +503,7 @@ def test_concurrent_clients_get_answers_through_a_20_swap_sweep(tmp_path: Path) 
     )
 
 
+@pytest.mark.process
 @pytest.mark.real_model
 def test_real_model_serves_english_and_a_swap_under_it(tmp_path: Path, real_gemma: Path) -> None:
     """Gemma 3 270M served over HTTP continues a sequence greedily, streamed and not, and after a

@@ -12,7 +12,12 @@ from runtime_helpers import WAIT_S, ModelDir, fresh_logits, logits, one_thread, 
 from ggufswap.runtime import PlanState, SlotState, Storage
 from ggufswap.runtime.kernels.dequant import dequantize
 from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix
-from ggufswap.runtime.serving.perplexity import evaluate_batches, make_eval_tokens, token_windows
+from ggufswap.runtime.serving.perplexity import (
+    evaluate_batches,
+    make_eval_tokens,
+    scored_per_chunk,
+    token_windows,
+)
 from ggufswap.shards import (
     ChangeKind,
     GGMLType,
@@ -105,7 +110,8 @@ def test_expert_family_to_iq1_kt_and_back(tmp_path: Path, storage: Storage) -> N
         assert back.state is PlanState.COMMITTED, back.summary()
 
         assert list(per_version) == [0, 1, 2]
-        assert all(s.n_tokens == 2 * 2 * 15 for s in per_version.values())
+        # two windows per batch, the second half of each scored (the one protocol)
+        assert all(s.n_tokens == 2 * 2 * scored_per_chunk(16) for s in per_version.values())
         ppl = {v: s.perplexity for v, s in per_version.items()}
         assert ppl[2] == ppl[0], ppl
         assert ppl[1] != ppl[0], ppl

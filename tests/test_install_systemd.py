@@ -16,9 +16,12 @@ from processes import GGUFSWAP, run_ggufswap
 from ggufswap.config import load_config
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
-pytestmark = pytest.mark.skipif(
-    SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (package systemd)"
-)
+pytestmark = [
+    pytest.mark.process,
+    pytest.mark.skipif(
+        SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (package systemd)"
+    ),
+]
 TIMEOUT_S = 60
 
 
@@ -100,3 +103,41 @@ def test_a_missing_executable_is_one_clear_line(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "--executable" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("where", "directive"),
+    [
+        ("/home/someone/venv/bin/ggufswap", "ProtectHome"),
+        ("/tmp/venv/bin/ggufswap", "PrivateTmp"),
+        ("/root/.venv/bin/ggufswap", "ProtectHome"),
+        ("/opt/ggufswap/bin/ggufswap", None),
+    ],
+)
+def test_an_executable_the_units_hide_is_named(where: str, directive: str | None) -> None:
+    """An ExecStart= under /home, /root or /tmp (hidden by ProtectHome=/PrivateTmp=) is named
+    with the directive; /opt is fine."""
+    from ggufswap._cmd_install import hidden_by_units
+
+    reason = hidden_by_units(Path(where))
+    if directive is None:
+        assert reason is None
+    else:
+        assert reason is not None
+        assert directive in reason, reason
+
+
+@pytest.mark.process
+def test_a_venv_in_tmp_is_refused_on_the_host_and_warned_in_a_scratch_root(tmp_path: Path) -> None:
+    """A ggufswap whose venv lives under /tmp: one line naming PrivateTmp and the /opt/ggufswap
+    fix; a scratch --prefix still gets its files (for review), the host (--prefix /) nothing."""
+    script = tmp_path / "bin" / "ggufswap"
+    script.parent.mkdir()
+    script.write_text(f"#!{tmp_path}/bin/python\n")
+    script.chmod(0o755)
+    scratch = run_ggufswap("install-systemd", "--prefix", tmp_path / "root", "--executable", script)
+    assert scratch.returncode == 0, scratch.stderr
+    (line,) = scratch.stderr.strip().splitlines()
+    assert "PrivateTmp=yes" in line, line
+    assert "/opt/ggufswap" in line, line
+    assert (tmp_path / "root/etc/systemd/system/ggufswap-agent.service").exists()

@@ -29,7 +29,7 @@ from ggufswap.shards import (
 
 # The zygote's runtimes run torch on one thread; the fresh loads they are compared with here too
 # (logits are bit-exact only between equal thread counts).
-pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures(one_thread.__name__)]
 
 MODEL = "tiny-moe"
 TENSOR = "blk.1.ffn_down_exps.weight"

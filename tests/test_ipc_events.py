@@ -16,6 +16,7 @@ from ggufswap.ipc import (
     ShardInvalidEvent,
     TensorFallbackEvent,
     TensorReattachedEvent,
+    TensorsLostEvent,
     Topic,
     decode,
     encode,
@@ -41,6 +42,10 @@ EVENTS: dict[Topic, tuple[Event, dict[str, object]]] = {
     ),
     Topic.TENSOR_FALLBACK: (TensorFallbackEvent("a", "host"), {"tensor": "a", "pool": "host"}),
     Topic.TENSOR_REATTACHED: (TensorReattachedEvent("a"), {"tensor": "a"}),
+    Topic.TENSORS_LOST: (
+        TensorsLostEvent((Reason("a", "/m/x.gguf: truncated under its mapping"),)),
+        {"reasons": [{"tensor": "a", "reason": "/m/x.gguf: truncated under its mapping"}]},
+    ),
     Topic.SHARD_INVALID: (
         ShardInvalidEvent("/m/x.gguf", "truncated"),
         {"path": "/m/x.gguf", "reason": "truncated"},

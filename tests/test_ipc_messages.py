@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
+import re
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,23 +19,30 @@ from hypothesis import strategies as st
 
 from ggufswap.ipc import (
     PROTOCOL_VERSION,
+    Accepted,
     Committed,
     ErrorCode,
+    ErrorReply,
     Fields,
+    Incoming,
     IpcError,
     Job,
     MalformedMessage,
     MessageTooLarge,
     MessageType,
     Plan,
+    Pong,
     Process,
     Reason,
     Rejected,
     RuntimeState,
     SlotState,
+    Staged,
+    StatusReply,
     TensorEntry,
     UnknownMessageType,
     UnsupportedVersion,
+    codec,
     committed_from_wire,
     committed_to_wire,
     decode,
@@ -40,6 +50,9 @@ from ggufswap.ipc import (
     error_from_wire,
     make_error,
     make_message,
+    make_reply,
+    message_from,
+    parse_reply,
     plan_from_wire,
     plan_to_wire,
     record_from_wire,
@@ -50,12 +63,10 @@ from ggufswap.ipc import (
     state_to_wire,
     validate_message,
 )
-from ggufswap.ipc.messages import (
-    MAX_ID_LENGTH,
-    StateRequest,
-    state_request_from_wire,
-    state_request_to_wire,
-)
+from ggufswap.ipc.bodies import StateRequest, state_request_from_wire, state_request_to_wire
+from ggufswap.ipc.messages import MAX_ID_LENGTH
+from ggufswap.ipc.plan import MAX_PLAN_JOBS
+from ggufswap.ipc.schema import REPLY_TYPES
 from ggufswap.shards import FileIdentity, TensorRecord
 
 FUZZ_EXAMPLES = int(os.environ.get("GGUFSWAP_FUZZ_EXAMPLES", "300"))
@@ -169,6 +180,98 @@ def test_validate_unknown_type_and_missing_field() -> None:
         validate_message(make_message(MessageType.PONG, process="agent"))
 
 
+_REQUEST = {Fields.ID: "req-1"}
+
+
+def _replies(record: TensorRecord) -> list[tuple[dict[str, Any], object]]:
+    """One reply of each type a client reads, as the runtime builds it, and its record."""
+    state = RuntimeState("m", 4, (TensorEntry(record, "ab" * 16, SlotState.DETACHED),))
+    reasons = (Reason("blk.0.attn_q.weight", "changed", stale=True),)
+    return [
+        (
+            make_reply(_REQUEST, MessageType.PONG, process="runtime", uptime_s=2.5),
+            Pong("runtime", 2.5),
+        ),
+        (
+            make_reply(_REQUEST, MessageType.STATUS_REPLY, process="agent", status={"a": 1}),
+            StatusReply(Process.AGENT, {"a": 1}),
+        ),
+        (make_reply(_REQUEST, MessageType.STATE_REPLY, **state_to_wire(state)), state),
+        (make_reply(_REQUEST, MessageType.ACCEPTED, plan_id="p1"), Accepted("p1")),
+        (make_reply(_REQUEST, MessageType.STAGED, plan_id="p1"), Staged("p1")),
+        (
+            make_reply(
+                _REQUEST, MessageType.COMMITTED, **committed_to_wire(Committed("p1", 5, 1.25))
+            ),
+            Committed("p1", 5, 1.25),
+        ),
+        (
+            make_reply(
+                _REQUEST, MessageType.REJECTED, **rejected_to_wire(Rejected("p1", True, reasons))
+            ),
+            Rejected("p1", True, reasons),
+        ),
+        (
+            make_error("req-1", ErrorCode.MALFORMED, "bad"),
+            ErrorReply("req-1", ErrorCode.MALFORMED, "bad"),
+        ),
+    ]
+
+
+def test_each_reply_type_reads_into_its_record(record: TensorRecord) -> None:
+    """A client reads every reply type (through the codec) into its frozen record, with the id
+    of the request it answers: one row per reply type of the schema."""
+    replies = _replies(record)
+    assert {MessageType(msg[Fields.TYPE]) for msg, _ in replies} == REPLY_TYPES
+    for msg, expected in replies:
+        incoming = parse_reply(decode(encode(msg)))
+        assert incoming == Incoming(in_reply_to="req-1", body=expected), msg[Fields.TYPE]
+
+
+@pytest.mark.parametrize(
+    ("msg_type", "fields", "named"),
+    [
+        (MessageType.ACCEPTED, {"in_reply_to": "r"}, "plan_id"),
+        (MessageType.STAGED, {"in_reply_to": "r", "plan_id": ""}, "plan_id"),
+        (MessageType.ACCEPTED, {"in_reply_to": 7, "plan_id": "p"}, "in_reply_to"),
+        (
+            MessageType.COMMITTED,
+            {"in_reply_to": "r", "plan_id": "p", "weight_version": -1, "stall_ms": 0},
+            "weight_version",
+        ),
+        (
+            MessageType.REJECTED,
+            {
+                "in_reply_to": "r",
+                "plan_id": "p",
+                "stale": False,
+                "reasons": [{"tensor": 3, "reason": "x"}],
+            },
+            "reasons[0].tensor",
+        ),
+        (MessageType.STATE_REPLY, {"model": "m", "weight_version": 0, "tensors": []}, "tensors"),
+        (MessageType.PONG, {"process": "runtime", "uptime_s": "long"}, "uptime_s"),
+        (MessageType.STATUS_REPLY, {"process": "sidecar", "status": {}}, "process"),
+        (MessageType.ERROR, {"in_reply_to": "r", "code": "E1", "message": "m"}, "code"),
+    ],
+    ids=lambda v: v.value if isinstance(v, MessageType) else None,
+)
+def test_a_malformed_reply_is_refused_naming_its_field(
+    msg_type: MessageType, fields: dict[str, Any], named: str
+) -> None:
+    """A reply whose body does not match its schema is MalformedMessage naming the field, as a
+    malformed request is on the runtime side."""
+    with pytest.raises(MalformedMessage, match=f"field '{re.escape(named)}'"):
+        parse_reply(_through_codec(fields, msg_type))
+
+
+def test_a_request_type_is_not_a_reply() -> None:
+    """A client refuses a request type (a peer that sends it a ``plan``) with
+    UnknownMessageType naming the reply types it reads."""
+    with pytest.raises(UnknownMessageType, match=r"plan.*accepted"):
+        parse_reply(_through_codec(plan_to_wire(Plan("p", "m", ())), MessageType.PLAN))
+
+
 def test_error_reply_fields() -> None:
     """make_error builds a valid error message that error_from_wire reads back."""
     msg = decode(encode(make_error("abc", ErrorCode.TOO_LARGE, "too big")))
@@ -222,6 +325,64 @@ def test_decode_size_cap() -> None:
         decode(frame, max_size=len(frame) - 1)
 
 
+EMPTY_MAPS = 20_000  # 20 KB on the wire, ~1.4 MB decoded: past the (lowered) decode budget
+
+
+@pytest.mark.reliability(
+    "security",
+    "decode bomb: a frame of empty maps (one byte each) worth twice the decode budget",
+    tries=1,
+    outcome="MalformedMessage naming the decode budget; under 64 KiB allocated while refusing it",
+)
+def test_a_frame_of_empty_maps_is_refused_before_anything_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A frame far under the size cap that would decode to more objects than the budget is
+    refused by the walk before any of them is built (Python allocates almost nothing). The
+    budget is lowered here to keep the test small; the live test sends the real-sized bomb."""
+    monkeypatch.setattr(codec, "MAX_DECODED_OBJECTS", EMPTY_MAPS * codec.CONTAINER_COST // 2)
+    monkeypatch.setattr(codec, "SCAN_ABOVE_BYTES", 0)
+    head = encode(make_message(MessageType.STATUS, pad=[]))[:-1]
+    frame = head + b"\xdd" + EMPTY_MAPS.to_bytes(4, "big") + b"\x80" * EMPTY_MAPS
+    tracemalloc.start()
+    try:
+        with pytest.raises(MalformedMessage, match="decode budget"):
+            decode(frame)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10, f"{peak} bytes allocated while refusing the frame"
+
+
+def test_a_plan_of_the_most_jobs_allowed_fits_the_decode_budget(record: TensorRecord) -> None:
+    """Paired with the bomb: a plan's cost grows by a fixed amount per job (each with a
+    fingerprint and a long path), and MAX_PLAN_JOBS of them fit the budget."""
+
+    def cost(n: int) -> int:
+        jobs = tuple(
+            Job(dataclasses.replace(record, name=f"blk.{i}.ffn_up_exps.weight"), "f" * 32)
+            for i in range(n)
+        )
+        frame = encode(message_from(MessageType.PLAN, plan_to_wire(Plan("p", "m", jobs))))
+        return codec._count_objects(frame, codec.MAX_DECODED_OBJECTS)
+
+    per_job = cost(2) - cost(1)
+    assert cost(1) + (MAX_PLAN_JOBS - 1) * per_job <= codec.MAX_DECODED_OBJECTS
+    assert len(decode(encode(make_message(MessageType.STATUS, pad=["x"] * 250_000)))) == 4
+
+
+def test_the_envelope_is_checked_before_the_body() -> None:
+    """A type the caller does not serve is refused (keeping the id) before the body is read:
+    a body that could not be decoded (an ext value) raises nothing of its own."""
+    msg = make_message(MessageType.PLAN, jobs=[])
+    frame = encode(msg).replace(b"\x90", b"\x91\xd4\x01\x00")  # jobs: [ext 1]
+    with pytest.raises(MalformedMessage, match="ext"):
+        decode(frame)
+    with pytest.raises(UnknownMessageType, match="serves ping, status") as refused:
+        decode(frame, types=(MessageType.STATUS, MessageType.PING))
+    assert refused.value.msg_id == msg[Fields.ID]
+
+
 def test_encode_refuses_non_plain_values() -> None:
     """encode refuses a message without envelope and values msgpack cannot carry plainly."""
     with pytest.raises(MalformedMessage):
@@ -242,12 +403,25 @@ _ALLOWED = (MalformedMessage, UnsupportedVersion, MessageTooLarge)
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=512))
 def test_fuzz_decode_arbitrary_bytes(frame: bytes) -> None:
-    """decode of arbitrary bytes returns a message or raises only the three protocol errors."""
-    try:
-        msg = decode(frame, max_size=256)
-    except _ALLOWED:
-        return
+    """decode of arbitrary bytes returns a message or raises only the three protocol errors
+    (with the budget's walk run on every frame, not only on large ones)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codec, "SCAN_ABOVE_BYTES", 0)
+        try:
+            msg = decode(frame, max_size=256)
+        except _ALLOWED:
+            return
     assert isinstance(msg, dict), "decode returns a map"
+
+
+def _objects(value: object) -> int:
+    """The decode budget's cost of ``value``: a container CONTAINER_COST, a scalar 1."""
+    if isinstance(value, dict):
+        inner = sum(_objects(k) + _objects(v) for k, v in value.items())
+        return codec.CONTAINER_COST + inner
+    if isinstance(value, list):
+        return codec.CONTAINER_COST + sum(_objects(v) for v in value)
+    return 1
 
 
 _plain = st.recursive(
@@ -262,6 +436,19 @@ _plain = st.recursive(
     ),
     max_leaves=20,
 )
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_plain)
+def test_fuzz_the_budget_walk_counts_what_msgpack_builds(value: object) -> None:
+    """The walk's cost of a packed value equals the cost of the value msgpack decodes from it;
+    a cut-off frame is MalformedMessage."""
+    frame = msgpack.packb(value, use_bin_type=True)
+    assert codec._count_objects(frame, 1 << 30) == _objects(value)
+    if len(frame) > 1:
+        with pytest.raises(MalformedMessage):
+            codec._count_objects(frame[:-1], 1 << 30)
+
 
 # Fields each type must carry besides the envelope (docs/protocol.md): without one, a message is
 # refused with MalformedMessage.

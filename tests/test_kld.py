@@ -10,17 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from ggufswap.runtime.serving.kld import (
+from ggufswap.runtime.serving.errors import EvalTextError
+from ggufswap.runtime.serving.perplexity import first_scored, scored_per_chunk, text_chunks
+from ggufswap.sweep.basefile import (
     BaseLogProbs,
     BaseLogProbsWriter,
-    KldError,
-    KldStats,
     encode_base_rows,
-    first_scored,
     row_width,
-    scored_per_chunk,
-    text_chunks,
 )
+from ggufswap.sweep.errors import KldError
+from ggufswap.sweep.kld import KldStats, median, percentile
 
 N_VOCAB = 301  # odd: the rows carry one pad slot, as llama.cpp's do
 N_POS = 400
@@ -44,6 +43,8 @@ def direct(base: torch.Tensor, current: torch.Tensor, targets: torch.Tensor) -> 
     nll_base = -lp.gather(1, targets[:, None])[:, 0]
     p_diff = (-nll).exp() - (-nll_base).exp()
     return {
+        "kld": kld,
+        "p_diff": p_diff,
         "kld_mean": float(kld.mean()),
         "kld_max": float(kld.max()),
         "ppl": math.exp(float(nll.mean())),
@@ -64,19 +65,29 @@ def test_kld_matches_a_direct_float64_computation(noise: float) -> None:
     stats = KldStats()
     stats.add(current, rows, targets)
     got = stats.result()
+    m = got.as_metrics()
     want = direct(base, current, targets)
     assert got.count == N_POS
     assert got.kld_mean == pytest.approx(want["kld_mean"], rel=2e-3, abs=2e-6)
-    assert got.kld_max == pytest.approx(want["kld_max"], rel=2e-3, abs=2e-6)
+    assert m["kld_max"] == pytest.approx(want["kld_max"], rel=2e-3, abs=2e-6)
     assert got.ppl == pytest.approx(want["ppl"], rel=1e-6)
     assert got.ppl_base == pytest.approx(want["ppl_base"], rel=1e-4)
     assert math.exp(base_nll.mean()) == pytest.approx(want["ppl_base"], rel=1e-6)
     assert got.dp_rms == pytest.approx(want["dp_rms"], rel=1e-3, abs=1e-6)
     assert got.same_top == pytest.approx(want["same_top"], abs=1.5 / N_POS)
     assert got.ln_ppl_ratio == pytest.approx(math.log(want["ppl"] / want["ppl_base"]), abs=1e-4)
-    assert got.kld_p99 <= got.kld_p999 <= got.kld_max
+    assert m["kld_min"] <= m["kld_p01"] <= m["kld_median"] <= m["kld_p90"] <= m["kld_p95"]
+    assert m["kld_p95"] <= m["kld_p99"] <= m["kld_p999"] <= m["kld_max"]
+    kld = np.sort(want["kld"].numpy())
+    assert m["kld_median"] == pytest.approx(float(np.median(kld)), rel=5e-3, abs=2e-6)
+    assert m["kld_p90"] == pytest.approx(float(np.quantile(kld, 0.9)), rel=5e-3, abs=2e-6)
+    p_diff = want["p_diff"].numpy()
+    assert m["dp_median"] == pytest.approx(float(np.median(p_diff)), abs=1e-5)
+    assert m["dp_p25"] == pytest.approx(float(np.quantile(p_diff, 0.25)), abs=1e-5)
+    assert got.dp_mean == pytest.approx(float(p_diff.mean()), abs=1e-6)
     assert got.kld_unc > 0
     assert got.ppl_unc > 0
+    assert got.dp_mean_unc > 0
 
 
 def test_identical_logits_score_zero() -> None:
@@ -145,5 +156,17 @@ def test_truncated_base_file_is_refused(tmp_path: Path) -> None:
 
 def test_too_short_text_is_refused() -> None:
     """Fewer than two contexts' worth of tokens is refused, naming both numbers."""
-    with pytest.raises(KldError, match=r"30 tokens.*at least 32"):
+    with pytest.raises(EvalTextError, match=r"30 tokens.*at least 32"):
         text_chunks(list(range(30)), n_ctx=16)
+
+
+def test_percentiles_and_median_as_llama_cpp_takes_them() -> None:
+    """Percentiles interpolate linearly between the two nearest ranks in float32, the median of
+    an even count is the mean of the two middle values (llama-perplexity's definitions)."""
+    values = np.array([0.0, 1.0, 2.0, 10.0], dtype=np.float32)
+    assert median(values) == 1.5
+    assert median(values[:3]) == 1.0
+    assert percentile(values, 0.5) == pytest.approx(1.5)
+    assert percentile(values, 0.9) == pytest.approx(2.0 + 0.7 * 8.0, rel=1e-6)
+    assert percentile(values, 0.0) == 0.0
+    assert percentile(values, 1.0) == 10.0

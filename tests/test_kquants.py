@@ -187,6 +187,7 @@ def test_compiled_quantizer_checks_its_buffers() -> None:
         _kquants.quantize(8, np.zeros(32, dtype=np.float32), bytearray(34))
 
 
+@pytest.mark.process
 def test_numpy_fallback_when_the_extension_is_missing() -> None:
     """Without the compiled extension (an install with no C compiler), kquants still imports,
     says so, and quantizes with numpy to ggml's golden bytes."""

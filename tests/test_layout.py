@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 TORCH_FREE = ["ggufswap", "ggufswap.shards", "ggufswap.config", "ggufswap.ipc", "ggufswap.agent"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("module", TORCH_FREE)
 def test_agent_side_packages_do_not_import_torch(module: str) -> None:
     """Importing an agent-side package never imports torch (the agent must start fast)."""
@@ -25,6 +26,7 @@ def test_agent_side_packages_do_not_import_torch(module: str) -> None:
     assert out.stdout.strip() == "False", f"{module} imports torch"
 
 
+@pytest.mark.process
 def test_agent_package_tree_does_not_import_torch() -> None:
     """Importing every agent-side module, submodules included, leaves torch unimported."""
     code = (
@@ -39,6 +41,19 @@ def test_agent_package_tree_does_not_import_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.process
+def test_the_sweeps_light_half_does_not_import_torch() -> None:
+    """The sweep package, its recipes, sources and child processes import no torch (the demo's
+    parent process only starts a runtime and an agent); its drivers load it on first use."""
+    code = (
+        "import sys, ggufswap.sweep, ggufswap.sweep.children, ggufswap.sweep.sources\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.process
 def test_command_line_parser_does_not_import_torch() -> None:
     """Building the ``ggufswap`` parser (every subcommand registered) leaves torch unimported."""
     code = "import sys, ggufswap.main as m; m.build_parser(); print('torch' in sys.modules)"
@@ -46,6 +61,7 @@ def test_command_line_parser_does_not_import_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.process
 def test_installed_import_names_are_namespaced(tmp_path: Path) -> None:
     """The distribution installs only ``ggufswap.*`` packages, never bare ``config``/``runtime``."""
     top = importlib.metadata.distribution("ggufswap").read_text("top_level.txt")
@@ -132,7 +148,25 @@ PLANTED = [
         "from ggufswap.runtime.store import TensorStore",
         "the models use only the core's public names",
     ),
-    ("runtime/serving/sweep.py", "import ray", "only the Ray sweep imports ray"),
+    ("sweep/sweep.py", "import ray", "only the Ray sweep imports ray"),
+    # the sweep: only the command line imports it, it never imports the command line
+    (
+        "runtime/serving/perplexity.py",
+        "import ggufswap.sweep.kld",
+        "nothing but the command line imports the sweep",
+    ),
+    (
+        "runtime/staging.py",
+        "import ggufswap.sweep",
+        "nothing but the command line imports the sweep",
+    ),
+    (
+        "runtime/models/gemma3.py",
+        "from ggufswap.sweep import recipe",
+        "nothing but the command line imports the sweep",
+    ),
+    ("sweep/recipe.py", "import ggufswap.main", "nothing but the command line imports the command"),
+    ("sweep/procs.py", "import ray", "the single-host sweep never reaches ray"),
     (
         "shards/reader.py",
         "import ggufswap.main",
@@ -165,6 +199,7 @@ def _run_in_copy(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("path", "statement", "rule"), PLANTED, ids=[p[0] for p in PLANTED])
 def test_a_planted_violation_is_caught(
     tmp_path: Path, path: str, statement: str, rule: str
@@ -182,6 +217,7 @@ def test_a_planted_violation_is_caught(
     assert any(line.startswith(rule) for line in out.stdout.splitlines()), out.stdout
 
 
+@pytest.mark.process
 def test_the_untouched_copy_passes(tmp_path: Path) -> None:
     """Paired with the planted violations: the copy itself breaks no rule (the checks read it)."""
     root = tmp_path / "site"
@@ -192,6 +228,7 @@ def test_the_untouched_copy_passes(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.process
 def test_one_console_script() -> None:
     """One console script, ``ggufswap``, with subcommands."""
     scripts = [

@@ -10,6 +10,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process
+
 WRITE_MODEL = """
 from ggufswap.shards.presets import tiny_dense
 from ggufswap.shards.writer import write_model

@@ -28,8 +28,7 @@ from runtime_helpers import (
 )
 
 from ggufswap.config import MapShards, load_config_text
-from ggufswap.runtime import HotSwapRuntime, SlotState, Storage
-from ggufswap.runtime.mapping import MapRefused
+from ggufswap.runtime import HotSwapRuntime, MapRefused, SlotState, Storage, _pages
 from ggufswap.runtime.models import Transformer
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -128,6 +127,7 @@ def _write_in_place(path: Path, offset: int, nbytes: int, *, truncate: bool) -> 
     subprocess.run([sys.executable, "-c", code], check=True, timeout=WAIT_S)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("truncate", [False, True], ids=["overwrite", "truncate"])
 def test_a_writer_in_place_waits_while_the_file_moves_out_and_served_weights_stay(
     own_model: ModelDir, truncate: bool
@@ -146,13 +146,15 @@ def _check_writer_in_place(runtime: HotSwapRuntime, model: Transformer, *, trunc
     path = Path(slot.record.path)
     _write_in_place(path, slot.record.offset, slot.record.nbytes, truncate=truncate)
     assert runtime.store.maps.moved == 1
-    assert runtime.status()["mapped_shards"] == {
+    mapped = runtime.status()["mapped_shards"]
+    assert {k: mapped[k] for k in ("policy", "mapped", "copied", "copied_why", "moved")} == {
         "policy": "true",
         "mapped": len({s.record.path for s in runtime.store.slots.values()}) - 1,
         "copied": 0,
         "copied_why": None,
         "moved": 1,
     }
+    assert mapped["compromised"] == 0, mapped  # the writer waited: nothing changed unseen
     assert str(path) not in _mapped_files()
     if truncate:
         assert path.stat().st_size == 0
@@ -185,6 +187,28 @@ def test_a_file_open_for_writing_at_load_is_refused_by_true_and_copied_by_auto(
             assert torch.equal(logits(model), logits(fresh_model))
         finally:
             fresh.close()
+    finally:
+        runtime.close()
+
+
+def test_without_the_sigbus_guard_true_refuses_and_auto_copies(
+    model_dir: ModelDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the SIGBUS guard is not built (no C compiler at install), nothing is mapped: a
+    truncation could not be defended against. ``true`` refuses the load saying so in one line,
+    ``auto`` copies every file with that reason."""
+    monkeypatch.setattr(_pages, "_SIGBUS", [None])  # as if the extension were not built
+    with pytest.raises(MapRefused, match="SIGBUS guard") as refused:
+        HotSwapRuntime.open(model_dir.first, storage=Storage.NATIVE, map_shards=MapShards.ON)
+    assert "\n" not in str(refused.value)
+    runtime = HotSwapRuntime.open(
+        model_dir.first, storage=Storage.NATIVE, map_shards=MapShards.AUTO
+    )
+    try:
+        snapshot = runtime.store.maps.snapshot()
+        assert snapshot["mapped"] == 0
+        assert snapshot["copied"] == len({s.record.path for s in runtime.store.slots.values()})
+        assert "SIGBUS guard" in str(snapshot["copied_why"])
     finally:
         runtime.close()
 

@@ -40,7 +40,7 @@ from ggufswap.runtime.loading import Loader, LoadJob
 from ggufswap.runtime.models import Transformer
 from ggufswap.shards import FileChangedError, Layout, TensorRecord
 
-pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures(one_thread.__name__)]
 
 TESTS = Path(__file__).parent
 WRITER_S = 20.0  # a writer that waits this long was not let in by a move (the kernel's is 45 s)
@@ -303,7 +303,7 @@ _LOAD = textwrap.dedent(
     import sys, threading
     from ggufswap.config import MapShards
     from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, mapping
-    from ggufswap.runtime.mapping import MapRefused
+    from ggufswap.runtime import MapRefused
 
     def load(policy):
         try:

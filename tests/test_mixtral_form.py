@@ -27,7 +27,7 @@ from test_http import assert_swap_round_trip_while_serving
 
 from ggufswap.runtime import PlanState, SlotState, Storage
 from ggufswap.runtime.models import HParams, MissingWeightError, Transformer
-from ggufswap.runtime.models.llama import DictWeightProvider
+from ggufswap.runtime.models.blocks import DictWeightProvider
 from ggufswap.shards import ModelSpec, read_header, tiny_moe
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)

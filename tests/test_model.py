@@ -12,19 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
+from ggufswap.runtime.models.blocks import DictWeightProvider, MoEFeedForward, RotaryEmbedding
 from ggufswap.runtime.models.errors import HParamsError, MissingWeightError
 from ggufswap.runtime.models.hparams import Arch, HParams, RopeType
-from ggufswap.runtime.models.llama import (
-    DictWeightProvider,
-    MoEFeedForward,
-    RotaryEmbedding,
-    Transformer,
-)
+from ggufswap.runtime.models.llama import Transformer
 from ggufswap.runtime.serving.perplexity import (
     NllStats,
     evaluate_batches,
     make_eval_tokens,
     perplexity,
+    scored_per_chunk,
     token_windows,
 )
 from ggufswap.shards.presets import tiny_dense, tiny_moe
@@ -475,7 +472,7 @@ def test_evaluate_batches_attributes_nll_to_the_weight_version_of_each_batch() -
     assert calls == list(range(6))
     assert list(result) == [0, 1]
     assert (result[0].n_batches, result[1].n_batches) == (2, 4)
-    assert result[0].n_tokens == 2 * 15
+    assert result[0].n_tokens == 2 * scored_per_chunk(16)  # the second half of each window
     provider.set(name, original)
     v0 = evaluate_batches(model, batches[:2], between_batches=lambda: 7)[7]
     assert v0 == result[0]

@@ -24,6 +24,8 @@ from processes import run_ggufswap, status_of, wait_for
 
 from ggufswap.shards import requantize
 
+pytestmark = pytest.mark.process
+
 INSTANCE = "gemma"
 TENSOR = "blk.3.attn_q.weight"
 PROMPT = "Monday, Tuesday, Wednesday,"

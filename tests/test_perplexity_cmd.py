@@ -11,21 +11,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from processes import GGUFSWAP, Proc, status_of, wait_for
 from runtime_helpers import ModelDir, Q, one_thread
 
-from ggufswap._cmd_perplexity import text_windows
 from ggufswap.config import Storage
 from ggufswap.ipc import DealerClient, Fields, MessageType, make_message, plan_to_wire
 from ggufswap.ipc.plan import Plan
 from ggufswap.runtime import HotSwapRuntime
 from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.serving import GgufTokenizer
-from ggufswap.runtime.serving.perplexity import NllStats, batch_nll
+from ggufswap.runtime.serving.perplexity import (
+    NllStats,
+    batch_nll,
+    eval_batch,
+    scored_per_chunk,
+    text_chunks,
+    text_tokens,
+)
 from ggufswap.shards import tiny_dense
 
-pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures(one_thread.__name__)]
 
 WAIT_S = 60.0
 CTX = 64
@@ -51,9 +56,10 @@ def text_file(tmp_path: Path) -> Path:
 
 
 def reference(
-    first: Path, text: Path, *, ctx: int = CTX, batch: int = BATCH, numerics: str = "exact"
+    first: Path, text: Path, *, ctx: int = CTX, batch: int = BATCH, numerics: str = "ggml"
 ) -> float:
-    """The perplexity of a fresh in-process load of the files as they are now."""
+    """The perplexity of a fresh in-process load of the files as they are now (llama-perplexity's
+    chunks, BOS first, the second half of each scored)."""
     storage = Storage.NATIVE if numerics == "ggml" else Storage.DEQUANTIZED
     runtime = HotSwapRuntime.open(first, storage=storage)
     try:
@@ -64,10 +70,10 @@ def reference(
             store=runtime.store,
             numerics=numerics,
         )
-        windows = text_windows(GgufTokenizer.from_file(first), text.read_text(), ctx=ctx)
+        tokens, bos = text_tokens(GgufTokenizer.from_file(first), text.read_text())
         total = NllStats()
-        for tokens in torch.tensor(windows).split(batch):
-            total = total + batch_nll(model, tokens)
+        for batch_tokens in eval_batch(text_chunks(tokens, n_ctx=ctx), bos).split(batch):
+            total = total + batch_nll(model, batch_tokens)
         return total.perplexity
     finally:
         runtime.close()
@@ -86,7 +92,7 @@ def ggufswap(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_perplexity_of_a_model_on_english_text(tmp_path: Path, text_file: Path) -> None:
     """The command prints the perplexity of the model on the text, equal to an in-process
-    evaluation of the same windows; every window scores ctx - 1 predictions."""
+    evaluation of the same chunks; every chunk scores its second half (llama-perplexity's)."""
     models = ModelDir.write(tmp_path / "model", tiny_dense())
     run = ggufswap(
         "perplexity", "--model", str(models.first), "--text", str(text_file),
@@ -97,28 +103,29 @@ def test_perplexity_of_a_model_on_english_text(tmp_path: Path, text_file: Path) 
     result = json.loads(line)
     assert result["weight_version"] == 0
     assert result["ctx"] == CTX
-    assert result["windows"] > 10
-    assert result["tokens"] == result["windows"] * (CTX - 1)
+    assert result["chunks"] > 10
+    assert result["numerics"] == "ggml", "llama.cpp's rounding by default"
+    assert result["tokens"] == result["chunks"] * scored_per_chunk(CTX)
     assert result["perplexity"] == pytest.approx(reference(models.first, text_file), rel=1e-9)
     plain = ggufswap("perplexity", "--model", str(models.first), "--text", str(text_file))
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.startswith("weight_version 0: perplexity ")
 
 
-def test_perplexity_with_ggml_numerics(tmp_path: Path, text_file: Path) -> None:
-    """--numerics ggml evaluates with llama.cpp's activation rounding: the in-process figure of
-    a decoder with those numerics, close to the exact one but not equal to it."""
+def test_perplexity_with_exact_numerics(tmp_path: Path, text_file: Path) -> None:
+    """--numerics exact evaluates with float products: the in-process figure of a decoder with
+    those numerics, close to the default (llama.cpp's rounding) but not equal to it."""
     models = ModelDir.write(tmp_path / "model", tiny_dense())
     run = ggufswap(
         "perplexity", "--model", str(models.first), "--text", str(text_file),
-        "--ctx", str(CTX), "--batch", str(BATCH), "--json", "--numerics", "ggml",
+        "--ctx", str(CTX), "--batch", str(BATCH), "--json", "--numerics", "exact",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     ppl = json.loads(run.stdout)["perplexity"]
-    assert ppl == pytest.approx(reference(models.first, text_file, numerics="ggml"), rel=1e-9)
-    exact = reference(models.first, text_file)
-    assert ppl != exact
-    assert ppl == pytest.approx(exact, rel=1e-2)
+    assert ppl == pytest.approx(reference(models.first, text_file, numerics="exact"), rel=1e-9)
+    ggml = reference(models.first, text_file)
+    assert ppl != ggml
+    assert ppl == pytest.approx(ggml, rel=1e-2)
 
 
 @pytest.mark.parametrize(
@@ -134,7 +141,7 @@ def test_perplexity_with_ggml_numerics(tmp_path: Path, text_file: Path) -> None:
 def test_usage_errors_exit_2_and_say_why(
     tmp_path: Path, text_file: Path, args: list[str], message: str
 ) -> None:
-    """A missing model, a hot-swap without a config, an unreadable text or a ctx below 2 exits 2
+    """A missing model, a hot-swap without a config, an unreadable text or a ctx below 4 exits 2
     with a message naming the problem."""
     model = tmp_path / "model.gguf"
     values = {"model": str(model), "text": str(text_file), "missing": str(tmp_path / "missing.txt")}
@@ -176,14 +183,14 @@ def test_hot_swap_mode_evaluates_again_after_every_committed_plan(
     )
     proc = Proc(
         ["perplexity", "--config", str(config), "--text", str(text_file), "--ctx", str(CTX),
-         "--batch", str(BATCH), "--json", "--hot-swap"],
+         "--batch", str(BATCH), "--json", "--hot-swap", "--numerics", "exact"],
         log=tmp_path / "perplexity.log",
         env=ENV,
     )  # fmt: skip
     try:
         wait_for(lambda: "0" in results(control), timeout=WAIT_S, what="the first evaluation")
         models.put(SWAPPED, models.variant(SWAPPED, Q.Q4_0, tmp_path / "variants"))
-        expected_swapped = reference(models.first, text_file)
+        expected_swapped = reference(models.first, text_file, numerics="exact")
         reply = send_plan(control, models.plan("to-q4_0", [SWAPPED]))
         assert reply[Fields.TYPE] == MessageType.COMMITTED.value, reply
         wait_for(lambda: "1" in results(control), timeout=WAIT_S, what="the second evaluation")
@@ -204,17 +211,22 @@ def test_hot_swap_mode_evaluates_again_after_every_committed_plan(
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_real_model_perplexity_on_english_text(tmp_path: Path, real_gemma: Path) -> None:
-    """Gemma 3 270M scores Python's LICENSE history in the range of a small model (3 to 30)."""
-    model = real_gemma
-    text = tmp_path / "history.txt"
-    text.write_text(license_text().split("    Release")[0], encoding="utf-8")
-    run = ggufswap("perplexity", "--model", str(model), "--text", str(text), "--ctx", "256",
-                   "--json")  # fmt: skip
+    """Gemma 3 270M scores Python's LICENSE in the range of a small model (3 to 30), one chunk of
+    128 tokens, its second half scored, llama.cpp's rounding."""
+    text = tmp_path / "license.txt"
+    text.write_text(license_text(), encoding="utf-8")
+    run = subprocess.run(
+        [GGUFSWAP, "perplexity", "--model", str(real_gemma), "--text", str(text), "--ctx", "128",
+         "--chunks", "1", "--json"],
+        capture_output=True, text=True, timeout=800, env={**os.environ, **ENV}, check=False,
+    )  # fmt: skip
     assert run.returncode == 0, run.stderr
     (line,) = run.stdout.splitlines()
     result = json.loads(line)
-    assert result["windows"] >= 1
+    assert (result["chunks"], result["tokens"]) == (1, scored_per_chunk(128))
     assert 3.0 < result["perplexity"] < 30.0, result
 
 
@@ -230,9 +242,36 @@ def test_progress_lines_when_not_on_a_terminal(tmp_path: Path, text_file: Path) 
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     lines = [json.loads(line) for line in run.stderr.splitlines() if line.startswith("{")]
-    for event, unit in (("load.progress", "B"), ("perplexity.progress", "windows")):
+    for event, unit in (("load.progress", "B"), ("perplexity.progress", "chunks")):
         seen = [line for line in lines if line.get("event") == event]
         assert seen, f"no {event} line in:\n{run.stderr}"
         assert {"done", "total", "percent", "rate", "eta_s"} <= set(seen[-1])
         assert seen[-1]["unit"] == unit
         assert 0 < seen[-1]["done"] <= seen[-1]["total"]
+
+
+def test_perplexity_equals_the_sweep_baseline(
+    tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ggufswap perplexity`` and a sweep's baseline give the same PPL, bit for bit, for the same
+    model, text, context and chunks (one protocol, one NLL, one default numerics)."""
+    from ggufswap.main import build_parser
+    from ggufswap.sweep import Recipe, SweepOptions, run_sweep
+
+    models = ModelDir.write(tmp_path / "model", tiny_dense())
+    args = build_parser().parse_args(
+        ["perplexity", "--model", str(models.first), "--text", str(text_file),
+         "--ctx", str(CTX), "--chunks", "3", "--json"]
+    )  # fmt: skip
+    assert args.func(args) == 0  # the command, in this process (its logging left as it is)
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    report = run_sweep(
+        models.first,
+        text=text_file.read_text(encoding="utf-8"),
+        recipe=Recipe.from_document({"quants": ["q4_0"], "tensors": [{"match": "^x$"}]}),
+        out_dir=tmp_path / "sweep",
+        options=SweepOptions(n_ctx=CTX, max_chunks=3),
+    )
+    assert printed["numerics"] == report.protocol["numerics"] == "ggml"
+    assert printed["chunks"] == report.protocol["n_chunk"] == 3
+    assert printed["perplexity"] == report.ppl_base

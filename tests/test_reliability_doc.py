@@ -75,6 +75,7 @@ def test_fails():
 """
 
 
+@pytest.mark.process
 def test_rows_recorded_in_xdist_workers_reach_the_controller(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,9 +21,9 @@ from ggufswap.shards.writer import Layout, write_model
 UP = "blk.1.ffn_up_exps.weight"
 
 
-def _fields(path: Path) -> dict[str, tuple[list[int], object]]:
+def _fields(path: Path | gguf.GGUFReader) -> dict[str, tuple[list[int], object]]:
     """Every metadata key with its value types and decoded value."""
-    reader = gguf.GGUFReader(path)
+    reader = path if isinstance(path, gguf.GGUFReader) else gguf.GGUFReader(path)
     return {
         k: ([int(t) for t in f.types], f.contents())
         for k, f in reader.fields.items()
@@ -31,8 +31,9 @@ def _fields(path: Path) -> dict[str, tuple[list[int], object]]:
     }
 
 
-def _tensors(path: Path) -> dict[str, gguf.ReaderTensor]:
-    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+def _tensors(path: Path | gguf.GGUFReader) -> dict[str, gguf.ReaderTensor]:
+    reader = path if isinstance(path, gguf.GGUFReader) else gguf.GGUFReader(path)
+    return {t.name: t for t in reader.tensors}
 
 
 def _floats(t: gguf.ReaderTensor) -> np.ndarray:
@@ -41,8 +42,10 @@ def _floats(t: gguf.ReaderTensor) -> np.ndarray:
 
 def _assert_only_changed(before: Path, after: Path, name: str, new_type: Q) -> None:
     """All metadata and every other tensor's bytes, type and shape are identical."""
-    assert _fields(before) == _fields(after)
-    old, new = _tensors(before), _tensors(after)
+    # One reader per file: gguf-py takes seconds to parse a long vocabulary.
+    old_reader, new_reader = gguf.GGUFReader(before), gguf.GGUFReader(after)
+    assert _fields(old_reader) == _fields(new_reader)
+    old, new = _tensors(old_reader), _tensors(new_reader)
     assert list(old) == list(new)
     for n in old:
         assert tuple(old[n].shape) == tuple(new[n].shape), n
@@ -166,12 +169,20 @@ def test_k_quant_target_needs_whole_super_blocks(tmp_path: Path) -> None:
         requantize(src, UP, "q4_k")
 
 
+@pytest.mark.process
 def test_requant_command(tmp_path: Path) -> None:
-    """`ggufswap requant` prints the written shard; an unknown tensor or type exits 1 with why."""
+    """`ggufswap requant` prints what it changed (types and bytes) and the written shard; an
+    unknown tensor or type exits 1 with why."""
     (src,) = write_model(tiny_moe(), tmp_path)
     done = run_ggufswap("requant", str(src), UP, "q8_0", "--out", str(tmp_path / "o.gguf"))
     assert done.returncode == 0, done.stderr
-    assert Path(done.stdout.strip()) == tmp_path / "o.gguf"
+    changed, written = done.stdout.strip().splitlines()
+    old = read_header(src).tensor_map()[UP]
+    new = read_header(tmp_path / "o.gguf").tensor_map()[UP]
+    assert changed == (
+        f"{UP}: {old.ggml_type.name} → Q8_0, {old.nbytes:,} → {new.nbytes:,} bytes"
+    ), changed
+    assert Path(written) == tmp_path / "o.gguf"
     _assert_only_changed(src, tmp_path / "o.gguf", UP, Q.Q8_0)
     bad = run_ggufswap("requant", str(src), "blk.1.ffn_upexps.weight", "q8_0")
     assert bad.returncode == 1

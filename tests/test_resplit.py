@@ -10,6 +10,8 @@ from processes import run_ggufswap
 
 from ggufswap.shards import Fingerprinter, Layout, ShardSet, open_shard_set, tiny_moe, write_model
 
+pytestmark = pytest.mark.process
+
 SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 
 

@@ -29,7 +29,7 @@ from ggufswap.runtime import (
     Storage,
     loading,
 )
-from ggufswap.runtime import store as store_module
+from ggufswap.runtime import placement as placement_module
 from ggufswap.runtime.kernels import _compiled, ggml_library
 from ggufswap.runtime.kernels import experts as experts_module
 from ggufswap.runtime.kernels.scratch import role_scratch
@@ -296,7 +296,7 @@ def test_storage_auto_goes_native_where_it_does_not_fit_or_ggml_multiplies(
     if ggml and library is None:
         pytest.skip("no libggml here")
     if not ggml:
-        monkeypatch.setattr(store_module, "ggml_library", lambda: None)
+        monkeypatch.setattr(placement_module, "ggml_library", lambda: None)
     model_dir = ModelDir.write(tmp_path / "model")
     shards = open_shard_set(model_dir.first)
     float_bytes = sum(r.n_elements * 4 for r in shards.tensors.values())

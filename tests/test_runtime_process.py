@@ -30,6 +30,8 @@ from ggufswap.ipc import (
 )
 from ggufswap.shards import Layout, open_shard_set, requantize, tiny_moe, write_model
 
+pytestmark = pytest.mark.process
+
 TENSOR = "blk.1.ffn_down_exps.weight"
 STOP_S = 60.0  # a runtime that logged runtime.stopped took over 15 s to exit on 2 busy cores
 

@@ -78,17 +78,20 @@ def test_load_places_families_as_units(tmp_path: Path) -> None:
 
 
 def test_placement_gpu_layers_and_experts_pool(tmp_path: Path) -> None:
-    """gpu_layers keeps blocks below it on the first pool (the rest on the fallback), and
-    experts_pool sends every expert family to the named pool."""
+    """gpu_layers counts as llama.cpp's -ngl (the output layer, then the last blocks, on the
+    first pool; the rest and the input embedding on the fallback), and experts_pool sends every
+    expert family to the named pool (tests/test_placement_llama.py has the whole table)."""
     model_dir = ModelDir.write(tmp_path / "model")
     runtime, _ = open_runtime(
         model_dir.first, pools=cpu_pools(None), placement=Placement(gpu_layers=2)
     )
     try:
         slots = runtime.store.slots
-        assert slots["blk.1.attn_q.weight"].home.name == "dev"
+        assert slots["output.weight"].home.name == "dev"
+        assert slots["blk.3.attn_q.weight"].home.name == "dev"
+        assert slots["blk.3.ffn_up_exps.weight"].home.name == "dev"
         assert slots["blk.2.attn_q.weight"].home.name == "host"
-        assert slots["blk.0.ffn_up_exps.weight"].home.name == "dev"
+        assert slots["blk.0.ffn_up_exps.weight"].home.name == "host"
         assert slots["token_embd.weight"].home.name == "host"
     finally:
         runtime.close()

@@ -12,8 +12,8 @@ from runtime_helpers import WAIT_S, ModelDir, Q, one_thread, open_runtime
 
 from ggufswap.ipc.plan import Plan
 from ggufswap.runtime import HotSwapRuntime, PlanState, Storage
-from ggufswap.runtime.serving import evaluate_batches, make_eval_tokens, perplexity
-from ggufswap.runtime.serving.perplexity import token_windows
+from ggufswap.runtime.serving import evaluate_batches, make_eval_tokens
+from ggufswap.runtime.serving.perplexity import perplexity, token_windows
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 

@@ -158,6 +158,7 @@ def test_disabled_notifier_sends_nothing(path_receiver: Receiver) -> None:
     assert path_receiver.receive() == {"STOPPING": "1"}
 
 
+@pytest.mark.process
 def test_from_env_reads_os_environ_in_a_real_process(path_receiver: Receiver) -> None:
     """A child given NOTIFY_SOCKET sends READY=1 from its own PID (what NotifyAccess=main needs)."""
     path_receiver.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
@@ -290,6 +291,26 @@ def test_pinger_pings_only_after_progress_and_interval(path_receiver: Receiver) 
     clock.now += 1.0
     assert not pinger.maybe_ping(), "interval counts from the previous ping"
     path_receiver.assert_empty()
+
+
+def test_pinger_withholds_pings_while_an_essential_thread_is_down(path_receiver: Receiver) -> None:
+    """With progress and the interval elapsed, no WATCHDOG=1 goes out while a supervised
+    essential thread is down; pings resume once none is."""
+    notifier = Notifier.from_env(
+        {"NOTIFY_SOCKET": path_receiver.notify_socket, "WATCHDOG_USEC": "10000000"}
+    )
+    clock = FakeClock()
+    down = ["ggufswap-link-m"]
+    pinger = WatchdogPinger(notifier, clock=clock, threads_down=lambda: list(down))
+    pinger.progress()
+    clock.now += 5.0
+    assert not pinger.maybe_ping(), "an essential thread is down"
+    assert pinger.withheld == ["ggufswap-link-m"]
+    path_receiver.assert_empty()
+    down.clear()
+    assert pinger.maybe_ping()
+    assert path_receiver.receive() == {"WATCHDOG": "1"}
+    assert pinger.withheld == []
 
 
 def test_pinger_without_watchdog_never_pings(path_receiver: Receiver) -> None:

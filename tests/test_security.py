@@ -55,6 +55,7 @@ from ggufswap.ipc import (
     message_from,
 )
 from ggufswap.ipc import request as ipc_request
+from ggufswap.ipc.codec import STATUS_MAX_REQUEST_SIZE
 from ggufswap.runtime import HotSwapRuntime, PlanState, Storage
 from ggufswap.shards import open_shard_set, read_header, requantize
 
@@ -84,6 +85,7 @@ class MakesDirectory:
         return (os.mkdir, (str(self.path),))
 
 
+@pytest.mark.process
 def test_pickled_payload_is_refused_and_never_unpickled(
     live: Live, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -116,6 +118,7 @@ def test_pickled_payload_is_refused_and_never_unpickled(
     )
 
 
+@pytest.mark.process
 def test_plain_status_still_answered_everywhere(live: Live) -> None:
     """Paired with the pickle test: a well-formed status request gets status_reply everywhere."""
     for where, endpoint in endpoints(live).items():
@@ -128,26 +131,118 @@ def test_plain_status_still_answered_everywhere(live: Live) -> None:
 # --- size cap -------------------------------------------------------------------------------
 
 
+def caps(live: Live) -> dict[str, int]:
+    """Each socket's request cap: 64 MiB on the control socket, 64 KiB on the status sockets."""
+    return {
+        live.control: DEFAULT_MAX_MSG_SIZE,
+        live.runtime_status: STATUS_MAX_REQUEST_SIZE,
+        live.agent_status: STATUS_MAX_REQUEST_SIZE,
+    }
+
+
+@pytest.mark.process
 def test_frame_just_over_the_cap_gets_too_large(live: Live, request: pytest.FixtureRequest) -> None:
-    """A frame one byte over the 64 MiB cap is answered TOO_LARGE by both processes."""
-    frame = b"\x00" * (DEFAULT_MAX_MSG_SIZE + 1)
+    """A frame one byte over a socket's cap (64 MiB on the control socket, 64 KiB on the status
+    sockets) is answered TOO_LARGE naming that cap, by both processes."""
     for where, endpoint in endpoints(live).items():
+        cap = caps(live)[endpoint]
         with RawPeer(endpoint) as peer:
-            peer.send([frame])
+            peer.send([b"\x00" * (cap + 1)])
             (reply,) = peer.replies(timeout=20)
         assert reply[Fields.CODE] == ErrorCode.TOO_LARGE, (where, reply)
-        assert str(DEFAULT_MAX_MSG_SIZE) in reply[Fields.MESSAGE]
+        assert str(cap) in reply[Fields.MESSAGE]
     live.alive()
     assert "ipc.message_too_large" in live.runtime.log()
+    assert "ipc.message_too_large" in live.agent.log()
     note(
         request,
         "security",
-        "frame 1 byte over the 64 MiB message cap, to every socket",
+        "frame 1 byte over each socket's cap (64 MiB control, 64 KiB status), to every socket",
         tries=3,
         outcome="error TOO_LARGE naming the cap, logged; process keeps serving",
     )
 
 
+def _reset_peak_rss(pid: int) -> None:
+    """Reset the process's peak resident size (VmHWM) to its current size (Linux, root)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
+def _map_bomb(count: int, msg_type: MessageType) -> bytes:
+    """A ``msg_type`` message whose unknown field ``pad`` is an array of ``count`` empty maps:
+    one byte each on the wire, ~70 bytes each decoded (issue 28's 3.2 GiB frame)."""
+    envelope = encode(make_message(msg_type, pad=[]))  # ... "pad": [] (an empty fixarray)
+    assert envelope.endswith(b"\xa3pad\x90"), envelope
+    return envelope[:-1] + b"\xdd" + count.to_bytes(4, "big") + b"\x80" * count
+
+
+BOMB_MAPS = 8 << 20  # an 8 MiB frame: ~600 MB decoded before the budget
+
+
+@pytest.mark.process
+@pytest.mark.skipif(os.geteuid() != 0, reason="resetting a process's peak RSS needs root")
+def test_a_decode_bomb_under_the_cap_costs_no_memory(
+    live: Live, request: pytest.FixtureRequest
+) -> None:
+    """An 8 MiB frame of 8 million empty maps (under the 64 MiB cap) to the control socket is
+    refused MALFORMED by the decode budget before anything is built, and cut off by the status
+    sockets' 64 KiB cap; neither process's peak memory grows by more than 64 MiB, and a bomb
+    under the status cap (60,000 maps) is answered."""
+    pids = {"runtime": live.runtime.popen.pid, "agent": live.agent.popen.pid}
+    for pid in pids.values():
+        _reset_peak_rss(pid)
+    before = {name: _peak_rss(pid) for name, pid in pids.items()}
+    bomb = _map_bomb(BOMB_MAPS, MessageType.STATE)
+    with RawPeer(live.control) as peer:
+        peer.send([bomb])
+        (reply,) = peer.replies(timeout=30)
+    assert reply[Fields.CODE] == ErrorCode.MALFORMED, reply
+    assert "budget" in reply[Fields.MESSAGE], reply
+    status_bomb = _map_bomb(BOMB_MAPS, MessageType.STATUS)
+    for endpoint in (live.runtime_status, live.agent_status):
+        with RawPeer(endpoint) as peer:
+            peer.send([status_bomb])
+            assert peer.replies(timeout=1.0) == []  # past the transport limit: cut off
+        with RawPeer(endpoint) as peer:
+            peer.send([_map_bomb(60_000, MessageType.STATUS)])
+            (reply,) = peer.replies()
+        assert reply[Fields.TYPE] == MessageType.STATUS_REPLY.value, reply
+    growth = {name: _peak_rss(pid) - before[name] for name, pid in pids.items()}
+    for name, grown in growth.items():
+        assert grown < 64 << 20, f"the {name}'s peak memory grew by {grown >> 20} MiB"
+    live.alive()
+    note(
+        request,
+        "security",
+        "decode bomb: 8 MiB frame of 8 million empty maps (under the 64 MiB cap) to every socket",
+        tries=3,
+        outcome="control: MALFORMED by the decode budget before any map is built; status "
+        f"sockets: cut off at their 64 KiB cap; peak memory +{growth['runtime'] >> 20} MiB "
+        f"runtime, +{growth['agent'] >> 20} MiB agent (was ~600 MB)",
+    )
+
+
+@pytest.mark.process
+def test_a_plan_to_a_status_socket_is_refused_before_its_body_is_read(live: Live) -> None:
+    """A ``plan`` to a status socket gets UNKNOWN_TYPE naming what the socket serves, even when
+    its body could not be decoded (an ext value): the envelope was checked first."""
+    frame = encode(make_message(MessageType.PLAN, pad=[])).replace(b"\x90", b"\x91\xd4\x01\x00")
+    for endpoint in (live.runtime_status, live.agent_status):
+        with RawPeer(endpoint) as peer:
+            peer.send([frame])
+            (reply,) = peer.replies()
+        assert reply[Fields.CODE] == ErrorCode.UNKNOWN_TYPE, reply
+        assert "status" in reply[Fields.MESSAGE], reply
+
+
+@pytest.mark.process
 def test_frame_far_over_the_cap_is_cut_off_and_process_keeps_serving(
     live: Live, request: pytest.FixtureRequest
 ) -> None:
@@ -168,6 +263,7 @@ def test_frame_far_over_the_cap_is_cut_off_and_process_keeps_serving(
     )
 
 
+@pytest.mark.process
 def test_large_frame_under_the_cap_is_served(live: Live) -> None:
     """Paired with the cap tests: a 16 MiB status request (unknown padding field) is answered."""
     msg = message_from(MessageType.STATUS, {"padding": b"\x00" * (16 << 20)})
@@ -204,6 +300,7 @@ def flood(endpoint: str, stop: threading.Event, sent: list[int]) -> None:
         ctx.term()
 
 
+@pytest.mark.process
 def test_flood_past_hwm_keeps_the_control_path_working(
     live: Live, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -331,6 +428,7 @@ def curve_status(
         return None
 
 
+@pytest.mark.process
 def test_curve_refuses_unauthenticated_and_wrong_key_clients(
     curve_runtime: CurveRuntime, request: pytest.FixtureRequest
 ) -> None:
@@ -529,6 +627,7 @@ def test_yaml_python_tags_are_refused_with_their_line_and_never_run(
     )
 
 
+@pytest.mark.process
 def test_config_check_cli_refuses_python_tag(tmp_path: Path) -> None:
     """``ggufswap check-config`` on a file with an os.system tag exits 1, names the line, runs
     nothing."""

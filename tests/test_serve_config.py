@@ -7,6 +7,7 @@ import json
 import textwrap
 from pathlib import Path
 
+import pytest
 from processes import Proc, run_ggufswap, status_of, wait_for
 
 from ggufswap._cmd_runtime import serve_settings
@@ -66,6 +67,7 @@ def test_serve_keys_are_read_and_checked(tmp_path: Path) -> None:
     assert "runtime.serve.port: port 9100 is also used by runtime.metrics_port" in text
 
 
+@pytest.mark.process
 def test_flags_override_the_yaml_and_help_shows_defaults(tmp_path: Path) -> None:
     """A given flag replaces its key of ``runtime.serve``; absent flags leave the file's value."""
     from_file = ServeConfig(mode=ServeMode.HTTP, port=9000, max_batch=3)
@@ -78,6 +80,7 @@ def test_flags_override_the_yaml_and_help_shows_defaults(tmp_path: Path) -> None
         assert shown in " ".join(helptext.split()), shown
 
 
+@pytest.mark.process
 def test_runtime_with_only_a_model_serves_http(tmp_path: Path) -> None:
     """``ggufswap runtime --config m.yaml`` with no flag (the unit's command line) serves HTTP on
     the port its file names."""
@@ -101,5 +104,57 @@ def test_runtime_with_only_a_model_serves_http(tmp_path: Path) -> None:
         conn.request("GET", "/health")
         assert json.loads(conn.getresponse().read())["model"] == "m"
         conn.close()
+    finally:
+        assert proc.stop() == 0, proc.log()
+
+
+def health(port: int) -> tuple[int, dict[str, object]] | None:
+    """``GET /health``: the status and body, or None while nothing listens."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    except ConnectionRefusedError:
+        return None
+    finally:
+        conn.close()
+
+
+@pytest.mark.process
+def test_health_answers_503_loading_before_the_model_is_loaded(tmp_path: Path) -> None:
+    """The port opens before torch and the model load: the first answer of /health is 503
+    with status "loading" and the start's phase, and the runtime then turns to 200."""
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    first = write_model(tiny_dense(), tmp_path / "model")[0]
+    config = tmp_path / "m.yaml"
+    config.write_text(f"runtime:\n  model: {first}\n  serve: {{port: {port}}}\n")
+    started = time.monotonic()
+    proc = Proc(
+        ["runtime", "--config", str(config)],
+        log=tmp_path / "runtime.log",
+        env={"RUNTIME_DIRECTORY": str(tmp_path / "run"), "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        answer = wait_for(lambda: health(port), timeout=60, what="the port to open")
+        opened = time.monotonic() - started
+        status, body = answer
+        assert (status, body["status"]) == (503, "loading"), body
+        assert body["phase"] in ("starting", "load", "model", "tokenizer", "warmup"), body
+        ready = wait_for(
+            lambda: (h := health(port)) is not None and h[0] == 200 and h,
+            timeout=60,
+            what="the runtime to be ready",
+        )
+        assert ready[1]["weight_version"] == 0
+        print(
+            f"\n/health answered 503 loading {opened:.2f} s after the process started "
+            f"(phase {body['phase']}); 200 after {time.monotonic() - started:.2f} s"
+        )
     finally:
         assert proc.stop() == 0, proc.log()

@@ -41,9 +41,10 @@ from ggufswap.shards.presets import (
     tiny_gpt_oss,
     tiny_llama3,
     tiny_moe,
+    tiny_qwen35moe,
 )
 
-pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures(one_thread.__name__)]
 
 START_S = 90.0  # a runtime process loads the model on a busy machine
 STOP_S = 60.0  # a runtime that logged runtime.stopped took over 15 s to exit on 2 busy cores
@@ -66,6 +67,8 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "deepseek2-kv-b": lambda: tiny_deepseek2(mla_split=False),
     "glm4moe": tiny_glm4moe,
     "gpt-oss": tiny_gpt_oss,
+    "qwen35moe": tiny_qwen35moe,  # delta-net state through the server's per-request caches
+    "glm-dsa": lambda: tiny_arch("glm-dsa"),  # the indexer's keys in the per-request caches
 }
 
 

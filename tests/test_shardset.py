@@ -257,6 +257,7 @@ def test_cache_forgets_removed_file(tmp_path: Path) -> None:
 # --- ggufswap inspect (a real subprocess) ------------------------------------------------------
 
 
+@pytest.mark.process
 def test_cli_inspect_json_split_set(layouts: dict[Layout, list[Path]]) -> None:
     """`ggufswap inspect SHARD --json` lists every shard, every tensor and per-type totals."""
     paths = layouts[Layout.SPLIT]
@@ -283,6 +284,7 @@ def test_cli_inspect_json_split_set(layouts: dict[Layout, list[Path]]) -> None:
     assert doc["metadata"]["tokenizer.ggml.tokens"] == {"array_of": "STRING", "count": 256}
 
 
+@pytest.mark.process
 def test_cli_inspect_text(layouts: dict[Layout, list[Path]]) -> None:
     """The text form shows the shard list, metadata, the tensor table and totals by type."""
     proc = run_ggufswap("inspect", layouts[Layout.SINGLE][0])
@@ -293,6 +295,7 @@ def test_cli_inspect_text(layouts: dict[Layout, list[Path]]) -> None:
     assert "blk.3.ffn_down_exps.weight  Q8_0  4x64x64" in out
 
 
+@pytest.mark.process
 def test_cli_inspect_bad_file(tmp_path: Path) -> None:
     """A file that is not GGUF exits 1 with the reader's message on stderr."""
     path = tmp_path / "notes.gguf"

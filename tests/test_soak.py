@@ -8,14 +8,13 @@ leak per swap would be hundreds); resident memory within ``RSS_TOLERANCE`` (a le
 swap would exceed it many times over: the oscillating tensors are 1.2-32 KiB each).
 
 ``make test`` runs the in-process runtime soak in full (1,000 swaps) and the agent + runtime
-process soak over ``AGENT_SWAPS`` swaps; ``GGUFSWAP_SOAK=1`` (the ``slow`` tests) runs the
-process soak over 1,000 swaps.
+process soak over ``AGENT_SWAPS`` swaps; ``make soak`` (the ``slow`` tier) runs the process soak
+over 1,000 swaps.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 import threading
 from pathlib import Path
 
@@ -40,7 +39,6 @@ ATTN_K0 = "blk.0.attn_k.weight"  # Q4_1 -> F16: DETACHED in its pool
 ATTN_Q3 = "blk.3.attn_q.weight"  # F16 -> Q4_0: stays in its original buffer
 OUTPUT = "output.weight"  # F16 -> Q8_0
 OSCILLATE = {DOWN1: Q.F16, ATTN_K0: Q.F16, ATTN_Q3: Q.Q4_0, OUTPUT: Q.Q8_0}
-SOAK = os.environ.get("GGUFSWAP_SOAK") == "1"
 
 
 def test_thousand_in_process_swaps_return_memory_fds_and_threads_to_baseline(
@@ -154,7 +152,7 @@ def process_soak(tmp_path: Path, zygote: Zygote, swaps: int) -> None:
     )
     record(
         "soak",
-        f"{swaps} swaps through the agent and runtime processes (fallback, detach, reattach)",
+        "swaps through the agent and runtime processes (fallback, detach, reattach)",
         tries=swaps,
         outcome="each committed once; threads, inotify watches equal; fds "
         + ", ".join(f"{p} {after[p]['fds'] - before[p]['fds']:+d}" for p in after)
@@ -164,6 +162,7 @@ def process_soak(tmp_path: Path, zygote: Zygote, swaps: int) -> None:
     )
 
 
+@pytest.mark.process
 def test_process_soak_returns_fds_threads_and_watches_to_baseline(
     tmp_path: Path, zygote: Zygote
 ) -> None:
@@ -172,8 +171,8 @@ def test_process_soak_returns_fds_threads_and_watches_to_baseline(
     process_soak(tmp_path, zygote, AGENT_SWAPS)
 
 
+@pytest.mark.process
 @pytest.mark.slow
-@pytest.mark.skipif(not SOAK, reason="1,000 process swaps take minutes: set GGUFSWAP_SOAK=1")
 def test_thousand_process_swaps_return_to_baseline(tmp_path: Path, zygote: Zygote) -> None:
     """1,000 swaps through the real agent and runtime: every resource back at its baseline."""
     process_soak(tmp_path, zygote, SWAPS)

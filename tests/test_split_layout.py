@@ -63,6 +63,7 @@ def test_split_files_resolve_to_one_socket_per_instance(tmp_path: Path, run_dir:
     assert len(bound) == 6, bound
 
 
+@pytest.mark.process
 def test_split_layout_connects_and_swaps_with_real_processes(tmp_path: Path, run_dir: Path) -> None:
     """An agent and a runtime started from the split files, sharing only $RUNTIME_DIRECTORY as
     under systemd, connect, and a re-quantized shard is committed by the runtime."""

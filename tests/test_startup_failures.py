@@ -14,6 +14,8 @@ from processes import run_ggufswap
 
 from ggufswap.shards import tiny_dense, write_model
 
+pytestmark = pytest.mark.process
+
 EXIT_CONFIG = 2
 LOADED = ("model.loaded", "runtime.ready")  # log events of a load that should not happen
 

@@ -37,7 +37,8 @@ from ggufswap.ipc import (
     state_from_wire,
     state_to_wire,
 )
-from ggufswap.ipc.messages import StateRequest, _record_fast, record_from_wire
+from ggufswap.ipc.bodies import StateRequest
+from ggufswap.ipc.plan import record_fast, record_from_wire
 from ggufswap.runtime import HotSwapRuntime, Placement, Storage
 from ggufswap.runtime.control import ControlServer
 from ggufswap.shards import FileIdentity, TensorRecord
@@ -417,7 +418,7 @@ def test_fast_record_reader_accepts_only_what_the_strict_one_does(
         raw.pop(key, None)
     else:
         raw[key] = value
-    fast = _record_fast(raw, raw.get("name") if name is None else name)
+    fast = record_fast(raw, raw.get("name") if name is None else name)
     try:
         strict: TensorRecord | str = record_from_wire(raw, where="r", name=name)
     except MalformedMessage as exc:

@@ -24,22 +24,22 @@ from ggufswap.config import Storage
 from ggufswap.runtime import HotSwapRuntime
 from ggufswap.runtime.models import HParams, Numerics, build_model
 from ggufswap.runtime.serving import GgufTokenizer
-from ggufswap.runtime.serving.kld import eval_batch, first_scored, text_chunks
-from ggufswap.runtime.serving.recipe import Recipe
-from ggufswap.runtime.serving.sweep import (
+from ggufswap.runtime.serving.perplexity import eval_batch, first_scored, text_chunks, text_tokens
+from ggufswap.shards import Layout, open_shard_set, requantize, tiny_dense, write_model
+from ggufswap.shards.resplit import kv_entries
+from ggufswap.shards.writer import RawTensor, write_gguf
+from ggufswap.sweep import (
+    GgufSet,
     InProcessTarget,
+    Recipe,
     Sweep,
     SweepError,
     SweepOptions,
     run_sweep,
-    text_tokens,
 )
-from ggufswap.runtime.serving.sweep_eval import ChunkEvaluator
-from ggufswap.runtime.serving.sweep_results import JOURNAL, KLD_CSV, PPL_CSV
-from ggufswap.runtime.serving.sweep_sources import TensorSources
-from ggufswap.shards import Layout, open_shard_set, requantize, tiny_dense, write_model
-from ggufswap.shards.resplit import _kv_entries
-from ggufswap.shards.writer import RawTensor, write_gguf
+from ggufswap.sweep.evaluate import ChunkEvaluator
+from ggufswap.sweep.results import JOURNAL, KLD_CSV, PPL_CSV
+from ggufswap.sweep.sources import TensorSources
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -68,10 +68,16 @@ def options(**overrides: Any) -> SweepOptions:
     return SweepOptions(n_ctx=CTX, max_chunks=CHUNKS, **overrides)
 
 
+def exact(**overrides: Any) -> SweepOptions:
+    """Float products (figures comparable with a direct float64 computation)."""
+    return options(numerics=Numerics.EXACT, storage=Storage.DEQUANTIZED, **overrides)
+
+
 def test_sweep_records_verified_rounds_as_tool_suite_csvs(tmp_path: Path) -> None:
     """Each round swaps exactly its tensors (a group's together), is restored to the baseline,
     and lands in the journal and in ppl/kld_results.csv (one row per quant type, one column per
-    tensor or group); a locked tensor and a target equal to the tensor's type are skipped."""
+    tensor; the groups in group0/); a locked tensor is left out, a target equal to the tensor's
+    type is recorded as baseline-equivalent, a cell without a round is 404."""
     model = ModelDir.write(tmp_path / "model", tiny_dense())
     before = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
     out = tmp_path / "out"
@@ -107,17 +113,21 @@ def test_sweep_records_verified_rounds_as_tool_suite_csvs(tmp_path: Path) -> Non
         assert q5 < q4, unit
     with (out / PPL_CSV).open() as f:
         ppl = list(csv.reader(f))
-    assert ppl[0] == ["QTYPE", "all_ffn_up", "blk.0.attn_q.weight", "blk.0.ffn_down.weight"]
-    assert [row[0] for row in ppl[1:]] == ["q4_0", "q5_1"]
-    assert ppl[2][3] == "", "no q5_1 round for ffn_down"
-    assert float(ppl[1][2]) == pytest.approx(
-        report.journal["blk.0.attn_q.weight@q4_0"]["metrics"]["ppl"], abs=1e-6
+    assert ppl[0] == ["QTYPE", "blk.0.attn_q.weight", "blk.0.ffn_down.weight"]
+    assert [row[0] for row in ppl[1:]] == ["q4_0", "q5_1", "q8_0"]
+    assert ppl[2][2] == "404", "no q5_1 round for ffn_down"
+    assert ppl[3][1] == "404", "no q8_0 round for attn_q"
+    assert float(ppl[3][2]) == pytest.approx(report.ppl_base, rel=1e-6), "already q8_0"
+    assert float(ppl[1][1]) == pytest.approx(
+        report.journal["blk.0.attn_q.weight@q4_0"]["metrics"]["ppl"], rel=1e-6
     )
-    with (out / KLD_CSV).open() as f:
+    with (out / "group0" / KLD_CSV).open() as f:
         kld = list(csv.reader(f))
+    assert kld[0] == ["QTYPE", "group0"]
     assert float(kld[1][1]) == pytest.approx(
-        report.journal["all_ffn_up@q4_0"]["metrics"]["kld_mean"], abs=1e-6
+        report.journal["all_ffn_up@q4_0"]["metrics"]["kld_mean"], rel=1e-6
     )
+    assert not (out / "scratch").exists(), "scratch removed at the end"
     after = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
     assert after == before, "the sweep never writes the user's model"
 
@@ -129,7 +139,7 @@ def test_round_figures_match_a_fresh_load_of_the_swapped_model(tmp_path: Path) -
     name = "blk.0.attn_q.weight"
     recipe = Recipe.from_document({"quants": ["q4_0"], "tensors": [{"match": f"^{name}$"}]})
     report = run_sweep(
-        model.first, text=english(), recipe=recipe, out_dir=tmp_path / "out", options=options()
+        model.first, text=english(), recipe=recipe, out_dir=tmp_path / "out", options=exact()
     )
     got = report.journal[f"{name}@q4_0"]["metrics"]
     swapped = model.clone(tmp_path / "swapped")
@@ -161,7 +171,7 @@ def test_tensor_the_model_never_reads_is_skipped(tmp_path: Path) -> None:
     and gets no round."""
     (first,) = write_model(tiny_dense(), tmp_path / "plain", layout=Layout.SINGLE)
     header = open_shard_set(first).first
-    kv = _kv_entries(header.path, header.data_offset)
+    kv = kv_entries(header.path, header.data_offset)
     raws = [
         RawTensor(t.name, t.ggml_type, t.ne, Path(first).read_bytes()[t.offset : t.end])
         for t in header.tensors
@@ -221,7 +231,7 @@ def test_refused_round_is_reported_and_never_recorded(tmp_path: Path) -> None:
     assert refused["key"] == "blk.0.attn_k.weight@q4_0"
     assert "outside the allowed roots" in refused["why"]
     assert json.loads((out / "report.json").read_text())["refused"][0]["key"] == refused["key"]
-    assert (out / PPL_CSV).read_text() == "QTYPE\n"
+    assert (out / PPL_CSV).read_text() == "QTYPE,blk.0.attn_k.weight\nq4_0,404\n"
 
 
 def sweep_command(model: Path, text: Path, recipe: Path, out: Path) -> list[str]:
@@ -231,6 +241,7 @@ def sweep_command(model: Path, text: Path, recipe: Path, out: Path) -> list[str]
     ]  # fmt: skip
 
 
+@pytest.mark.process
 def test_kill_and_restart_loses_no_verified_round_and_repeats_none(tmp_path: Path) -> None:
     """SIGKILL mid-sweep, a torn journal line, then the same command again: every round the first
     run verified is kept as it was, none is measured twice, and the sweep completes."""
@@ -278,6 +289,7 @@ def test_kill_and_restart_loses_no_verified_round_and_repeats_none(tmp_path: Pat
     )
 
 
+@pytest.mark.process
 def test_sweep_command_usage_errors_name_the_problem(tmp_path: Path) -> None:
     """A bad recipe or a text too short for two contexts is refused with the reason."""
     model = ModelDir.write(tmp_path / "model", tiny_dense())
@@ -310,7 +322,7 @@ def test_tensors_from_a_model_in_the_target_type(tmp_path: Path) -> None:
     recipe = Recipe.from_document(
         {"quants": ["q4_0", "q5_1"], "tensors": [{"match": r"^blk\.0\.attn_q\.weight$"}]}
     )
-    sources = {Q.Q4_0: open_shard_set(q4.first), Q.Q5_1: open_shard_set(q4.first)}
+    sources = {int(Q.Q4_0): GgufSet(q4.first), int(Q.Q5_1): GgufSet(q4.first)}
     out = tmp_path / "out"
     report = run_sweep(
         model.first, text=english(), recipe=recipe, out_dir=out, options=options(), models=sources
@@ -321,7 +333,7 @@ def test_tensors_from_a_model_in_the_target_type(tmp_path: Path) -> None:
     assert not list((out / "scratch").glob("*.q4_0.gguf")), "nothing requantized"
     (refused,) = report.refused
     assert refused["key"] == "blk.0.attn_q.weight@q5_1"
-    assert "holds it as Q4_0, not Q5_1" in refused["why"]
+    assert "holds it as q4_0, not q5_1" in refused["why"]
 
 
 def test_ggml_numerics_are_recorded_and_a_resume_must_match(tmp_path: Path) -> None:
@@ -334,10 +346,14 @@ def test_ggml_numerics_are_recorded_and_a_resume_must_match(tmp_path: Path) -> N
     report = run_sweep(model.first, text=english(), recipe=recipe, out_dir=out, options=ggml)
     assert len(report.journal) == 1
     assert json.loads((out / "baseline.json").read_text())["numerics"] == "ggml"
-    exact = SweepOptions(n_ctx=CTX, max_chunks=2, storage=Storage.NATIVE)
+    float_products = SweepOptions(
+        n_ctx=CTX, max_chunks=2, storage=Storage.NATIVE, numerics=Numerics.EXACT
+    )
     with pytest.raises(SweepError, match="computed with numerics 'ggml'"):
-        run_sweep(model.first, text=english(), recipe=recipe, out_dir=out, options=exact)
-    dequantized = SweepOptions(n_ctx=CTX, max_chunks=2, numerics=Numerics.GGML)
+        run_sweep(model.first, text=english(), recipe=recipe, out_dir=out, options=float_products)
+    dequantized = SweepOptions(
+        n_ctx=CTX, max_chunks=2, numerics=Numerics.GGML, storage=Storage.DEQUANTIZED
+    )
     with pytest.raises(SweepError, match="storage is dequantized, it needs native"):
         run_sweep(
             model.first, text=english(), recipe=recipe, out_dir=tmp_path / "o2", options=dequantized

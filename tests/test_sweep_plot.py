@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from ggufswap.runtime.serving.recipe import Recipe
-from ggufswap.runtime.serving.sweep import SweepOptions, run_sweep
-from ggufswap.runtime.serving.sweep_plot import NO_MATPLOTLIB, PLOT_PNG, write_plot
+from ggufswap.sweep import SweepOptions, run_sweep
+from ggufswap.sweep.plot import NO_MATPLOTLIB, PLOT_PNG, write_plot
+from ggufswap.sweep.recipe import Recipe
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # matplotlib's font cache keeps the font files it read open for the process's life

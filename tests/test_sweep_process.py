@@ -19,12 +19,13 @@ import yaml
 from processes import GGUFSWAP, wait_for
 from runtime_helpers import ModelDir, one_thread
 
-from ggufswap._sweep_procs import AGENT_CONFIG, SWEEP_SETTLE_MS, ProcessTarget
 from ggufswap.config import load_config
-from ggufswap.runtime.serving.recipe import Recipe
-from ggufswap.runtime.serving.sweep import SweepOptions, run_sweep
-from ggufswap.runtime.serving.sweep_results import Journal
-from ggufswap.shards import Layout, open_shard_set, tiny_dense
+from ggufswap.shards import GGMLType, Layout, Role, open_shard_set, tiny_dense, write_model
+from ggufswap.shards.writer import F32_ROLES
+from ggufswap.sweep import GgufSet, SweepOptions, run_sweep
+from ggufswap.sweep.procs import AGENT_CONFIG, SWEEP_SETTLE_MS, ProcessTarget
+from ggufswap.sweep.recipe import Recipe
+from ggufswap.sweep.results import Journal
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -68,16 +69,23 @@ def write_config(path: Path, model: ModelDir, run: Path) -> None:
             "events_endpoint": f"ipc://{run}/rt.events.sock",
             "allowed_roots": [str(model.root)],
             "pools": [{"name": "host", "device": "cpu"}],
+            # the sweep's default numerics (llama.cpp's rounding) read the weights' blocks
+            "storage": "native",
         },
     }
     path.write_text(yaml.safe_dump(doc))
 
 
+@pytest.mark.process
 def test_process_sweep_equals_the_in_process_sweep(tmp_path: Path, run_dir: Path) -> None:
     """Every round through the agent and the runtime process records the figures the in-process
-    sweep records for it (==), each swap and restore a commit of exactly its tensors, and the
+    sweep records for it (==), q5_1 taken from a --source model on both paths; each swap and
+    restore a commit of exactly its tensors, the restore checked on one chunk; the saved
+    originals are gone at the end, the disk high-water mark is one round's shards, and the
     model's shards end as they began."""
     model = ModelDir.write(tmp_path / "model", tiny_dense())
+    every = {r.name: "q5_1" for r in Role if r not in F32_ROLES}
+    (q5_1,) = write_model(tiny_dense().with_types(**every), tmp_path / "q5_1", layout=Layout.SINGLE)
     before = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
     text = Path(sysconfig.get_path("stdlib")) / "LICENSE.txt"
     if not text.exists():
@@ -92,13 +100,20 @@ def test_process_sweep_equals_the_in_process_sweep(tmp_path: Path, run_dir: Path
         [
             GGUFSWAP, "sweep", "--config", str(config), "--text", str(short), "--recipe",
             str(recipe), "--out", str(out), "--ctx", str(CTX), "--chunks", str(CHUNKS),
-            "--no-progress",
+            "--no-progress", "--source", f"Q5_1={q5_1}",
         ],
         capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr + run.stdout
     assert "4 of 4 rounds recorded" in run.stdout
+    assert not (out / "originals").exists(), "every saved shard was put back and dropped"
+    shard_bytes = max(
+        sum(Path(model.shard_of(n)).stat().st_size for n in r["tensors"])
+        for r in Journal(out / "rounds.jsonl").records.values()
+    )
+    high = json.loads((out / "report.json").read_text())["disk"]["high_water_bytes"]
+    assert 0 < high <= 2 * shard_bytes, "one round's saved shards and scratch tensors at most"
     # The agent ran with the sweep's short settle window (the group's renames still one round).
     assert load_config(out / AGENT_CONFIG).models[0].settle_ms == SWEEP_SETTLE_MS
     process = Journal(out / "rounds.jsonl").records
@@ -108,16 +123,19 @@ def test_process_sweep_equals_the_in_process_sweep(tmp_path: Path, run_dir: Path
         recipe=Recipe.from_document(RECIPE),
         out_dir=tmp_path / "in-process",
         options=SweepOptions(n_ctx=CTX, max_chunks=CHUNKS),
+        models={int(GGMLType.Q5_1): GgufSet(q5_1)},
     ).journal
     assert set(process) == set(in_process)
     for key, record in process.items():
         assert record["metrics"] == in_process[key]["metrics"], key
         assert record["tensors"] == in_process[key]["tensors"]
         assert record["restored_version"] > record["weight_version"] > 0
+        assert record["verified_chunks"] == 1, "the restore check evaluates one chunk"
     after = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
     assert after == before
 
 
+@pytest.mark.process
 def test_process_sweep_needs_one_tensor_per_shard(tmp_path: Path, run_dir: Path) -> None:
     """A model whose shards hold several tensors is refused before any process starts, naming
     the command that splits it."""
@@ -139,6 +157,7 @@ def test_process_sweep_needs_one_tensor_per_shard(tmp_path: Path, run_dir: Path)
     assert not (tmp_path / "out" / "logs" / "runtime.log").exists()
 
 
+@pytest.mark.process
 def test_process_sweep_resumes_after_a_kill(tmp_path: Path, run_dir: Path) -> None:
     """SIGKILL of the sweep mid-way leaves its runtime and agent running and maybe a swapped
     shard; the same command again stops them, puts the originals back, keeps every verified round
@@ -181,7 +200,7 @@ def test_process_sweep_resumes_after_a_kill(tmp_path: Path, run_dir: Path) -> No
     assert rerun.returncode == 0, rerun.stderr + rerun.stdout
     lines = journal.read_bytes().splitlines(keepends=True)
     assert lines[: len(kept)] == kept
-    assert len({json.loads(line)["key"] for line in lines}) == len(lines) == 12
+    assert len({json.loads(line)["key"] for line in lines}) == len(lines) == 12, rerun.stdout
     after = {p: Path(p).read_bytes() for p in open_shard_set(model.first).paths}
     assert after == before
 

@@ -77,6 +77,7 @@ def analyze(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("unit", [AGENT_UNIT, RUNTIME_TEMPLATE, RUNTIME_INSTANCE])
 def test_verify_is_clean(tmp_path: Path, unit: str) -> None:
     """``systemd-analyze verify`` accepts each unit and prints no warning at all."""
@@ -87,6 +88,7 @@ def test_verify_is_clean(tmp_path: Path, unit: str) -> None:
     assert result.returncode == 0, f"{unit}: exit {result.returncode}"
 
 
+@pytest.mark.process
 def test_verify_catches_a_bad_setting(tmp_path: Path) -> None:
     """The verify check can fail: an invalid value in the runtime template is reported."""
     install_units(tmp_path, extra_service_line="ProtectSystem=bogus")
@@ -95,6 +97,7 @@ def test_verify_catches_a_bad_setting(tmp_path: Path) -> None:
     assert "bogus" in result.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("unit", sorted(EXPOSURE_THRESHOLD))
 def test_security_exposure_below_threshold(tmp_path: Path, unit: str) -> None:
     """``systemd-analyze security --offline`` rates each unit below its documented threshold."""
@@ -114,6 +117,7 @@ def test_security_exposure_below_threshold(tmp_path: Path, unit: str) -> None:
     assert result.returncode == 0, f"{unit}: --threshold exit {result.returncode}"
 
 
+@pytest.mark.process
 def test_security_check_can_fail(tmp_path: Path) -> None:
     """An unhardened unit scores far above the thresholds, so the exposure check is meaningful."""
     unit = tmp_path / "plain.service"
@@ -159,6 +163,7 @@ def test_notify_contract_settings() -> None:
     assert agent["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
 
 
+@pytest.mark.process
 @pytest.mark.skipif(shutil.which("systemd-sysusers") is None, reason="systemd-sysusers missing")
 def test_sysusers_creates_the_units_user_and_group(tmp_path: Path) -> None:
     """Applying the sysusers file to a scratch root creates the User=/Group= both units name."""
@@ -221,6 +226,7 @@ context.term()
 """
 
 
+@pytest.mark.process
 def test_agent_stack_runs_with_memory_deny_write_execute(tmp_path: Path) -> None:
     """The agent's libraries (inotify observer, ZeroMQ, codecs) work with W^X memory enforced.
 

@@ -61,6 +61,7 @@ def test_auto_counts_the_cpus_of_the_affinity_mask() -> None:
     assert "affinity" in policy.reason
 
 
+@pytest.mark.process
 def test_auto_follows_a_narrowed_affinity_mask() -> None:
     """A process confined to one CPU (taskset, CPUAffinity=) gets one thread, not the machine's."""
     cpu = min(os.sched_getaffinity(0))
@@ -131,6 +132,7 @@ def test_every_invalid_count_is_reported_at_once() -> None:
 # --- applying it ------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_apply_sets_intra_and_inter_op_threads_in_a_fresh_process() -> None:
     """Applied before any torch work, the policy sets both of torch's thread counts."""
     out = python(
@@ -144,6 +146,7 @@ def test_apply_sets_intra_and_inter_op_threads_in_a_fresh_process() -> None:
     assert out.split() == ["1", "1", "True"]
 
 
+@pytest.mark.process
 def test_apply_after_the_inter_op_pool_started_keeps_it_and_says_so() -> None:
     """Once torch's inter-op pool runs it cannot be resized: the intra-op count is still set."""
     out = python(
@@ -158,6 +161,7 @@ def test_apply_after_the_inter_op_pool_started_keeps_it_and_says_so() -> None:
     assert out.split() == ["1", "3", "False"]
 
 
+@pytest.mark.process
 def test_perplexity_command_applies_and_logs_the_flag(tmp_path: Path) -> None:
     """`ggufswap perplexity --threads 1` runs on one thread and logs the count and its source."""
     models = ModelDir.write(tmp_path / "model", tiny_dense())
@@ -173,6 +177,7 @@ def test_perplexity_command_applies_and_logs_the_flag(tmp_path: Path) -> None:
     assert event["cpus"] == len(os.sched_getaffinity(0))
 
 
+@pytest.mark.process
 def test_runtime_applies_the_config_key_before_loading(tmp_path: Path) -> None:
     """`ggufswap runtime` with runtime.threads: 1 logs the policy before it is ready."""
     models = ModelDir.write(tmp_path / "model", tiny_dense())
@@ -198,6 +203,7 @@ def test_runtime_applies_the_config_key_before_loading(tmp_path: Path) -> None:
     assert log.index('"runtime.threads"') < log.index('"runtime.ready"')
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("value", ["0", "auto", "x"])
 def test_the_flag_refuses_what_is_not_a_count(tmp_path: Path, value: str) -> None:
     """`--threads` takes a positive integer; anything else exits 2 naming the flag."""

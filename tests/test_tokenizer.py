@@ -224,3 +224,63 @@ def test_streamed_text_is_always_a_prefix_of_the_final_text() -> None:
         sent = sendable_end(tok, completion[:n], text, (), sent=sent)
         assert final.startswith(text[:sent]), (n, text[:sent], final)
     assert "y" not in final
+
+
+def long_token_md(length: int) -> dict[str, Any]:
+    """The small vocabulary plus one normal token of ``length`` characters."""
+    md = spm_md()
+    md["tokenizer.ggml.tokens"] = [*md["tokenizer.ggml.tokens"], "x" * length]
+    md["tokenizer.ggml.token_type"] = [*md["tokenizer.ggml.token_type"], int(N)]
+    md["tokenizer.ggml.scores"] = [*md["tokenizer.ggml.scores"], -30.0]
+    return md
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.reliability(
+    "bad input",
+    "a vocabulary token of 1,000,000 characters (O(L²) merge extraction took ~23 min)",
+    tries=1,
+    outcome="the tokenizer builds in linear time (under the 60 s limit) and encodes as before",
+)
+def test_a_megabyte_token_builds_in_linear_time() -> None:
+    """One 1 MB token costs the merge extraction time linear in its length (cuts are tried only
+    where both halves have a length some token has), so the tokenizer builds and encodes."""
+    tok = GgufTokenizer(Vocabulary.from_metadata(long_token_md(1_000_000)))
+    assert tok.decode(tok.encode("the cat")) == "the cat"
+
+
+@pytest.mark.reliability(
+    "bad input",
+    "a vocabulary of 3,000 tokens of every length up to 3,000 ('a' * k: quadratic merges)",
+    tries=1,
+    outcome="TokenizerError naming the work bound and the longest token, at once",
+)
+def test_a_vocabulary_built_for_quadratic_merges_is_refused() -> None:
+    """Tokens of every length 1..3000 would need ~9e9 characters examined: the build refuses
+    with a message naming the bound and the longest token, instead of stalling."""
+    md = spm_md()
+    extra = ["a" * k for k in range(2, 3001)]
+    md["tokenizer.ggml.tokens"] = [*md["tokenizer.ggml.tokens"], *extra]
+    md["tokenizer.ggml.token_type"] = [*md["tokenizer.ggml.token_type"], *[int(N)] * len(extra)]
+    md["tokenizer.ggml.scores"] = [*md["tokenizer.ggml.scores"], *[-40.0] * len(extra)]
+    with pytest.raises(TokenizerError, match="would examine more than") as raised:
+        GgufTokenizer(Vocabulary.from_metadata(md))
+    assert "3,000 characters" in str(raised.value)
+
+
+def test_merges_are_cached_by_vocabulary_digest(tmp_path: Path) -> None:
+    """A second build reads the merges the first wrote (same encodings); a corrupt cache file is
+    recomputed, not trusted; another vocabulary gets a file of its own."""
+    from ggufswap.runtime.serving.tokenizer import cached_merges, spm_merges, vocabulary_digest
+
+    vocab = Vocabulary.from_metadata(spm_md())
+    first = GgufTokenizer(vocab, merges_cache=tmp_path)
+    (cached,) = tmp_path.glob("*.merges")
+    assert cached.name == f"{vocabulary_digest(vocab)}.merges"
+    assert cached_merges(vocab, tmp_path) == spm_merges(vocab)
+    again = GgufTokenizer(vocab, merges_cache=tmp_path)
+    assert again.encode("the cat") == first.encode("the cat")
+    cached.write_bytes(cached.read_bytes()[:-4] + b"\xff\xff\xff\x7f")
+    assert cached_merges(vocab, tmp_path) == spm_merges(vocab)
+    GgufTokenizer(Vocabulary.from_metadata(long_token_md(10)), merges_cache=tmp_path)
+    assert len(list(tmp_path.glob("*.merges"))) == 2

@@ -377,6 +377,7 @@ def test_atomic_copy_and_replace(tmp_path: Path) -> None:
 # --- command line ------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_make_model_command_prints_deterministic_files(tmp_path: Path) -> None:
     """make-model prints the written files, first the one to load; reruns are byte-identical."""
     args = ["--arch", "qwen3moe", "--layers", "2", "--experts", "4", "--layout", "split"]
@@ -395,6 +396,7 @@ def test_make_model_command_prints_deterministic_files(tmp_path: Path) -> None:
     assert again.returncode == 0
 
 
+@pytest.mark.process
 def test_make_model_command_reports_bad_options(tmp_path: Path) -> None:
     """make-model exits 2 and names the problem for a bad --type, writing nothing."""
     bad_role = run_ggufswap("make-model", str(tmp_path), "--type", "ffn_upp=q8_0")
@@ -407,6 +409,7 @@ def test_make_model_command_reports_bad_options(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.process
 def test_make_model_refuses_what_llama_cpp_would_refuse(tmp_path: Path) -> None:
     """make-model exits 2 with llama.cpp's reason for qwen3moe + --shared-expert and qwen2moe +
     --tied-output, writing nothing; qwen2moe alone gets its required shared expert."""

@@ -67,6 +67,7 @@ def test_the_lease_probe_sees_descriptors_and_shared_mappings(tmp_path: Path) ->
     assert writer_of(str(path)) is None
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     "faults",
     "in-place writer: preallocates the shard, writes half, pauses with the descriptor open",
@@ -148,6 +149,7 @@ def rewrite_in_place(path: str) -> None:
         f.write(data)
 
 
+@pytest.mark.process
 @pytest.mark.reliability(
     "faults",
     "writes through a MAP_SHARED mapping made after the descriptor closed (no inotify event)",
@@ -239,6 +241,37 @@ def test_the_scrub_finds_bytes_changed_under_an_equal_identity(tmp_path: Path) -
     assert plan.names() == (TENSOR,)
 
 
+def test_a_file_changed_under_the_scrub_is_routine_and_logged_at_info(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A shard rewritten since the scan (its identity no longer the record's) makes the scrub
+    ask for a re-scan and log ``scrub.file_changed`` at info level, saying why, without an
+    ``error`` field: an in-place change is routine, not a failure."""
+    first = Path(write_model(tiny_moe(), tmp_path, layout=Layout.PER_TENSOR)[0])
+    record = open_shard_set(first).tensors[TENSOR]
+    entry = TensorEntry(record=record, fingerprint=fingerprint(record), slot=SlotState.ON_ORIGINAL)
+    stale: list[bool] = []
+    scrubber = Scrubber(
+        model=MODEL,
+        rate=1 << 30,
+        view=lambda: ({TENSOR: record}, [{TENSOR: entry}]),
+        on_changed=lambda i, r, d: None,
+        on_stale=lambda: stale.append(True),
+    )
+    with open(record.path, "r+b") as f:
+        f.truncate(record.offset)  # a writer rewriting it in place
+    scrubber.step()
+    assert stale == [True]
+    out = capfd.readouterr()
+    lines = (out.out + out.err).splitlines()
+    [line] = [ln for ln in lines if "scrub.file_changed" in ln]
+    # structlog's console line ("[info ] ... why=...") or a configured JSON line.
+    assert "[info" in line or '"level": "info"' in line, line
+    assert "why" in line, line
+    assert "error=" not in line, line
+    assert '"error"' not in line, line
+
+
 @pytest.mark.reliability(
     "faults",
     "bytes changed under an equal identity, on a model served by 3 runtimes (replicas)",
@@ -298,6 +331,7 @@ writers.racing_writer.wait(timeout=30)
 """
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("process", ["agent", "library"])
 def test_a_writer_racing_the_lease_probe_does_not_kill_the_prober(
     tmp_path: Path, process: str

@@ -18,6 +18,8 @@ integer recurrence; the values of every index are computed once per device into 
 
 Speed: plain torch ops on int32 fields, one pass per field; fast enough to load a model, with no
 attempt at the SWAR tricks of :mod:`._mainline` (``bench/dequant.py`` reports GB/s).
+
+Size: being reworked by issue 26; split there.
 """
 
 from __future__ import annotations

@@ -91,6 +91,8 @@ def dequantize(
     ``out`` (contiguous, that shape, dtype and device) when one is given: dequantizing into an
     existing buffer skips the allocation, whose first-touch page faults are a large share of
     the CPU cost.
+
+    Size: being reworked by issue 26; split there.
     """
     known = _known(ggml_type)
     block_size, type_size = _check(raw, known, ne)

@@ -9,15 +9,17 @@ its logical shape). ``linear`` multiplies activations by it, by the first of the
   multiplies: the activations are quantized as ggml's CPU backend does (q8_0 / q8_K per weight
   type) and multiplied by integer dot products, what llama.cpp computes, bit for bit, at
   llama.cpp's speed. Not inside :func:`~._ggml.float_products` (a decoder with exact numerics);
-- for a few activation rows (decode), for the types ``runtime/kernels/csrc/qkernels.c`` handles,
-  the **compiled float kernel**: each block is decoded into L1 and multiplied there, so the
-  product reads the quantized bytes once and never writes the float32 weights (float32
+- for a few activation rows (decode) on CUDA, for the types :mod:`.gpu` lists, with the Triton
+  kernel (:mod:`.triton_qmatmul`): the blocks are decoded in registers, tile by tile;
+- for a few activation rows (decode), on the CPU, for the types ``runtime/kernels/csrc/qkernels.c``
+  handles, the **compiled float kernel**: each block is decoded into L1 and multiplied there, so
+  the product reads the quantized bytes once and never writes the float32 weights (float32
   arithmetic, rows split over torch's thread count);
 - otherwise (many rows: prefill and perplexity batches; no compiler at install; another device
   or type) by **decoding** the matrix (the decoded cache's copy where the store keeps one, else a
   scratch buffer, :func:`~ggufswap.runtime.kernels.dequant.dequantize`) and calling ``F.linear``.
 
-The last two multiply the same decoded values (``gguf.quants``' float32 values, bit for bit) by
+The float paths multiply the same decoded values (``gguf.quants``' float32 values, bit for bit) by
 the float activations, summed in different orders: they agree to float32 rounding, not bit for
 bit; ggml's rounds the activations first (llama.cpp's numerics). Which path runs depends only on
 the machine, the build, the libggml found and the tensor's type: a given process always computes
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
-from ggufswap.runtime.kernels import _compiled, _ggml
+from ggufswap.runtime.kernels import _compiled, _ggml, gpu
 from ggufswap.runtime.kernels.dequant import dequantize
 from ggufswap.runtime.kernels.scratch import role_scratch
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, row_nbytes
@@ -106,7 +108,10 @@ class QuantizedMatrix:
 
     @property
     def compiled(self) -> bool:
-        """Whether :meth:`linear` runs the compiled float kernel for a few activation rows."""
+        """Whether :meth:`linear` runs a compiled float kernel for a few activation rows: the C
+        kernel on the CPU, the Triton kernel on CUDA (:mod:`.gpu`)."""
+        if self.raw.device.type != "cpu":
+            return gpu.handles(self.ggml_type, self.raw.device)
         return _compiled.handles(self.ggml_type, self.shape[1], self.raw.device)
 
     @property
@@ -139,6 +144,8 @@ class QuantizedMatrix:
             return F.linear(x.to(device=w.device, dtype=w.dtype), w)
         if not self.compiled or n >= FUSED_MAX_ROWS:
             return self._decoded_linear(x, dtype)
+        if self.raw.device.type != "cpu":  # the GPU's kernel (Triton), from the blocks
+            return gpu.linear(self.raw, self.ggml_type, self.shape, x)
         flat = x.to(device="cpu", dtype=torch.float32).reshape(-1, cols).contiguous()
         out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
         raw = self.raw if self.raw.is_contiguous() else self.raw.contiguous()

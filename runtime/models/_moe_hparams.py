@@ -1,24 +1,23 @@
-"""deepseek2's and glm4moe's hyper-parameters, read as their ``load_arch_hparams`` read them.
+"""The MoE and latent-attention hyper-parameters several architectures share.
 
-``hparams.HParams.from_metadata`` calls these for the architectures whose ``shards.archs`` row
-has ``mla`` (deepseek2: latent attention, YaRN) or ``experts = AFTER_DENSE_LEAD`` (both: leading
-dense blocks, shared experts, routing); ``HParams.__post_init__`` checks what their loaders and
-graphs refuse.
+The routing keys (``routing_kwargs``: deepseek2, glm4moe), the qwen MoE expert widths
+(``qwen_moe_kwargs``: qwen2moe, qwen3moe), multi-head latent attention's shape (``MLAShape``),
+and what llama.cpp's loaders refuse of them (``lead_problems``, ``deepseek2_problems``, called by
+``HParams.__post_init__``). Each architecture's module calls the readers it needs.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from ggufswap.shards.archs import SharedExpert, rules_of
+from ggufswap.shards.archs import ExpertWidth, SharedExpert, rules_of
 from ggufswap.shards.keys import Keys
 
 if TYPE_CHECKING:
-    from ggufswap.runtime.models.hparams import HParams, _KeyReader
+    from ggufswap.runtime.models.hparams import HParams, KeyReader
 
 
 class Gating(enum.IntEnum):
@@ -43,60 +42,70 @@ class MLAShape:
     head_v: int  # value head width (n_embd_head_v_mla)
     n_rot: int  # the decoupled rope dims at the end of each query head
     split: bool
+    # ik_llama.cpp's attention scale and RoPE magnitude factor for this file (its deepseek2
+    # graph's mscale = attn_factor * (1 + log_mul * ln(1 / freq_scale)), the converter's log_mul
+    # as stored, and 1 / (1 + 0.1 ln(1 / freq_scale))): what its three-tensor form runs with.
+    ik_scales: tuple[float, float] = (0.0, 1.0)
 
     @property
     def nope(self) -> int:
         return self.head_k - self.n_rot
 
 
-# deepseek2's "lite" files (DeepSeek-V2-Lite, GigaChat3, Kanana-2) may omit q_lora_rank: these
-# block counts (and 48 with a 128256-token vocabulary), as load_arch_hparams decides.
-DEEPSEEK2_LITE_LAYERS: Final = (26, 27)
-# No expert_gating_func: softmax (DeepSeek V2/V2.5), but sigmoid for GLM 4.7 Lite (47 or 48
-# blocks, 154880 tokens).
-DEEPSEEK2_SIGMOID_LAYERS: Final = (47, 48)
-DEEPSEEK2_SIGMOID_VOCAB: Final = 154880
+@dataclass(frozen=True)
+class DSAShape:
+    """The DSA lightning indexer of deepseek32 / glm-dsa (``attention.indexer.*``;
+    ``blocks.indexer``).
+
+    ``full_layers[i]``: block ``i`` runs its own indexer; glm-dsa's "shared" blocks (False) reuse
+    the top-k of the last block that did. ``rope_neox``: the indexer's RoPE pairs (deepseek32
+    NEOX, glm-dsa NORM). ``norm_eps``: the indexer key norm's epsilon (llama.cpp's
+    ``f_norm_eps``: 1e-6 for deepseek32, never set, so 0, for glm-dsa).
+    """
+
+    n_head: int
+    head_dim: int
+    top_k: int
+    full_layers: tuple[bool, ...]
+    rope_neox: bool
+    norm_eps: float
+
+    def problems(self, *, n_rot: int) -> list[str]:
+        """What llama.cpp's DSA graphs assert of the indexer."""
+        out = []
+        if min(self.n_head, self.head_dim, self.top_k) <= 0:
+            out.append(
+                f"attention.indexer.head_count / key_length / top_k must be > 0, found "
+                f"{self.n_head} / {self.head_dim} / {self.top_k}"
+            )
+        if n_rot > self.head_dim:
+            out.append(
+                f"rope.dimension_count {n_rot} exceeds attention.indexer.key_length "
+                f"{self.head_dim} (llama.cpp: GGML_ASSERT(n_rot <= n_embd_indexer_head))"
+            )
+        if self.full_layers and not self.full_layers[0]:
+            out.append(
+                "attention.indexer.types: block 0 must run its own indexer (a shared block "
+                "reuses the top-k of an earlier full one)"
+            )
+        return out
 
 
-def deepseek2_kwargs(
-    reader: _KeyReader,
-    common: Mapping[str, Any],
-    *,
-    key_length: int,
-    value_length: int,
-    n_rot: int,
-    yarn: bool,
-) -> dict[str, Any]:
-    """llama_model_deepseek2::load_arch_hparams, the YaRN parameters llama_context derives from
-    them, and the graph's attention scale (src/models/deepseek2.cpp)."""
-    k = Keys.LLM
-    n_layer = common["n_layer"] - reader.get_int(k.NEXTN_PREDICT_LAYERS, 0)
-    n_vocab = common["n_vocab"]
-    lite = n_layer in DEEPSEEK2_LITE_LAYERS or (n_layer == 48 and n_vocab == 128256)
-    k_mla = reader.get_int(k.KEY_LENGTH_MLA, 0)
-    v_mla = reader.get_int(k.VALUE_LENGTH_MLA, 0)
-    if (k_mla == 0) != (v_mla == 0):
-        reader.problems.append(
-            f"{k.KEY_LENGTH_MLA.format(reader.arch)} ({k_mla}) and "
-            f"{k.VALUE_LENGTH_MLA.format(reader.arch)} ({v_mla}) must be both set or both absent"
-        )
-    split = k_mla != 0 and v_mla != 0
-    mla = MLAShape(
-        q_lora_rank=reader.get_int(k.Q_LORA_RANK, 0) if lite else reader.get_int(k.Q_LORA_RANK),
-        kv_lora_rank=reader.get_int(k.KV_LORA_RANK),
-        head_k=k_mla if split else key_length,
-        head_v=v_mla if split else value_length,
-        n_rot=n_rot,
-        split=split,
-    )
-    sigmoid = n_layer in DEEPSEEK2_SIGMOID_LAYERS and n_vocab == DEEPSEEK2_SIGMOID_VOCAB
-    out = _routing_kwargs(reader, default_gating=Gating.SIGMOID if sigmoid else Gating.SOFTMAX)
-    out["mla"] = mla
-    out.update(_yarn(reader, common, head_k=mla.head_k, yarn=yarn))
-    return out
+# The keys routing_kwargs reads.
+ROUTING_KEYS: Final = (
+    Keys.LLM.NEXTN_PREDICT_LAYERS,
+    Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
+    Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
+    Keys.LLM.EXPERT_SHARED_COUNT,
+    Keys.LLM.EXPERT_WEIGHTS_NORM,
+    Keys.LLM.EXPERT_WEIGHTS_SCALE,
+    Keys.LLM.EXPERT_GATING_FUNC,
+    Keys.LLM.EXPERT_GROUP_COUNT,
+    Keys.LLM.EXPERT_GROUP_USED_COUNT,
+)
 
 
-def _routing_kwargs(reader: _KeyReader, *, default_gating: Gating) -> dict[str, Any]:
+def routing_kwargs(reader: KeyReader, *, default_gating: Gating) -> dict[str, Any]:
     """The keys deepseek2's and glm4moe's load_arch_hparams read for their blocks and routing
     (expert_feed_forward_length and expert_shared_count required; expert_gating_func absent or 0:
     ``default_gating``)."""
@@ -122,48 +131,23 @@ def _routing_kwargs(reader: _KeyReader, *, default_gating: Gating) -> dict[str, 
     }
 
 
-def glm4moe_kwargs(reader: _KeyReader) -> dict[str, Any]:
-    """llama_model_glm4_moe::load_arch_hparams: sigmoid gating unless the file says otherwise;
-    multimodal RoPE sections (GLM-4.5V) are not implemented."""
-    sections = reader.md.get(Keys.LLM.ROPE_DIMENSION_SECTIONS.format(reader.arch))
-    if sections is not None and any(sections):
-        reader.problems.append(
-            f"{Keys.LLM.ROPE_DIMENSION_SECTIONS.format(reader.arch)} = {list(sections)}: "
-            "multimodal RoPE is not implemented by the reference decoder"
-        )
-    return _routing_kwargs(reader, default_gating=Gating.SIGMOID)
+# The keys qwen_moe_kwargs reads.
+QWEN_MOE_KEYS: Final = (
+    Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
+    Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH,
+)
 
 
-def _yarn(
-    reader: _KeyReader, common: Mapping[str, Any], *, head_k: int, yarn: bool
-) -> dict[str, Any]:
-    """llama_context's YaRN parameters (ext_factor 1 for ``yarn`` scaling, attn_factor with its
-    mscale adjustments) and deepseek2's kq scale ``mscale^2 / sqrt(head_k)``, which undoes the
-    adjustment and applies ``rope.scaling.yarn_log_multiplier`` (stored x0.1 by the converter)."""
-    k = Keys.LLM
-    freq_scale = common["rope_freq_scale"]  # 1 for scaling type none (hparams._rope_freq_scale)
-    log_mul = reader.get_float(k.ROPE_SCALING_YARN_LOG_MUL, 0.0) / 0.1
-    ext_factor = 1.0 if yarn else 0.0
-    attn_factor = 1.0
-    factor = 1.0 / freq_scale
-    if ext_factor != 0.0:
-
-        def get_mscale(scale: float, mscale: float) -> float:
-            return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
-
-        # With a log multiplier, deepseek2 takes mscale = mscale_all_dims, so the ratio
-        # get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dims) is 1.
-        attn_factor = 1.0 if log_mul != 0.0 else get_mscale(factor, 1.0)
-        attn_factor *= 1.0 / (1.0 + 0.1 * math.log(factor))
-    attn_factor *= reader.get_float(k.ROPE_SCALING_ATTN_FACTOR, 1.0)
-    attn_factor_org = attn_factor * (1.0 + 0.1 * math.log(factor))
-    mscale = attn_factor_org * (1.0 + 0.1 * log_mul * math.log(factor))
-    return {
-        "rope_ext_factor": ext_factor,
-        "rope_attn_factor": attn_factor,
-        "rope_ctx_orig": reader.get_int(k.ROPE_SCALING_ORIG_CTX_LEN, common["context_length"]),
-        "attention_scale": mscale * mscale / math.sqrt(head_k),
-    }
+def qwen_moe_kwargs(reader: KeyReader, common: Mapping[str, Any]) -> dict[str, Any]:
+    """The qwen MoE loaders' expert widths: ``expert_feed_forward_length`` (0 when absent: then
+    ``feed_forward_length / expert_used_count``), and where the architecture has a gated shared
+    expert, ``expert_shared_feed_forward_length`` (0: ``feed_forward_length``)."""
+    rules, out = rules_of(reader.arch), {}
+    if common["n_expert"] > 0 and rules.expert_width is ExpertWidth.EXPERT_KEY_OR_SPLIT:
+        out["n_ff_exp"] = reader.get_int(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, 0)
+    if common["n_expert"] > 0 and rules.shared_expert is SharedExpert.REQUIRED:
+        out["n_ff_shexp"] = reader.get_int(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)
+    return out
 
 
 def lead_problems(config: HParams, *, is_moe: bool) -> list[str]:
@@ -227,3 +211,26 @@ def deepseek2_problems(config: HParams, *, head_dim: int) -> list[str]:
             f"attn_kv_b (decompressed multi-head attention), found {config.n_head_kv}"
         )
     return problems
+
+
+def dsa_problems(config: HParams) -> list[str]:
+    """What llama.cpp's deepseek32 / glm-dsa loaders and graphs refuse beyond deepseek2's: the
+    absorbed form only (``DEEPSEEK32 architecture requires MLA``), q_lora (``attn_q_a`` is
+    created unconditionally) and the indexer's shape."""
+    a, mla, dsa = config.arch.value, config.mla, config.dsa
+    if mla is None or dsa is None:
+        return [f"{a}: the latent attention's and the indexer's shapes are missing"]
+    problems = []
+    if not mla.split:
+        problems.append(
+            f"{a}: attention.key_length_mla / value_length_mla are required (llama.cpp: "
+            f"the architecture requires MLA, the attn_k_b/attn_v_b form)"
+        )
+    if mla.q_lora_rank <= 0:
+        problems.append(f"{a}: attention.q_lora_rank must be > 0, found {mla.q_lora_rank}")
+    n_trunk = config.n_layer - config.n_layer_nextn
+    if len(dsa.full_layers) != n_trunk:
+        problems.append(
+            f"{a}: the indexer pattern has {len(dsa.full_layers)} entries for {n_trunk} blocks"
+        )
+    return problems + [f"{a}: {p}" for p in dsa.problems(n_rot=mla.n_rot)]

@@ -8,6 +8,14 @@ Follows llama.cpp's ``llama_model_deepseek2::graph`` (``src/models/deepseek2.cpp
   ``attn_kv_a_norm``) and one shared rope key. Files with ``attn_k_b`` / ``attn_v_b`` run the
   absorbed form (queries multiplied into the latent space, one shared key/value head: the cache
   holds the latent); files with the older ``attn_kv_b`` decompress per-head keys and values;
+  ik_llama.cpp's files (DeepSeek-R1-0528, V3-0324 as the GGUF Tool Suite ships them) hold
+  ``attn_kv_b`` *and* 2-D ``attn_k_b`` ``{nope, H * rank}`` / ``attn_v_b`` ``{rank, H * v}``
+  (the same matrices split per head, without the ``*_mla`` keys): mainline refuses them, ik
+  computes every batch of fewer than 128 tokens (every batch without flash attention) with the
+  absorbed form from ``attn_k_b`` / ``attn_v_b``, and so does this decoder for every batch;
+  ``attn_kv_b`` is loaded and never read (``unused``: ik reads it only for prompt batches of
+  128 tokens or more with flash attention). Such a file routes as ik routes deepseek2: without
+  the group limit (``is_ik_form``);
 - RoPE NORM (adjacent pairs) on the last ``rope.dimension_count`` dims of each query head and on
   the shared rope key, with linear or YaRN scaling, and the softmax scale
   ``mscale^2 / sqrt(head_k)`` llama.cpp applies (``hparams._yarn``);
@@ -24,74 +32,138 @@ at load, so a swap of ``attn_kv_b``, ``attn_k_b`` or ``attn_v_b`` is what the ne
 from __future__ import annotations
 
 import math
-from typing import Final
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any, Final
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
-from ggufswap.runtime.models import llama as base
-from ggufswap.runtime.models.ggml_numerics import GgmlWeights
-from ggufswap.runtime.models.hparams import Arch, Gating, HParams, MLAShape
-from ggufswap.runtime.models.kv_cache import KVCache
-from ggufswap.runtime.models.llama import (
-    DecoderStack,
+from ggufswap.runtime.models._moe_hparams import ROUTING_KEYS, routing_kwargs
+from ggufswap.runtime.models.architecture import Architecture
+from ggufswap.runtime.models.blocks.decoder import DecoderStack, TransformerBlock
+from ggufswap.runtime.models.blocks.moe import lead_dense_ffn
+from ggufswap.runtime.models.blocks.norms import rms_norm
+from ggufswap.runtime.models.blocks.rope import RopeTables, rotary
+from ggufswap.runtime.models.blocks.weights import (
     ExpertStack,
-    FeedForward,
-    RopeTables,
-    RotaryEmbedding,
-    TransformerBlock,
+    TensorSpec,
     WeightProvider,
-    _Spec,
-    rms_norm,
+    linear,
 )
-from ggufswap.shards.keys import TensorNames
+from ggufswap.runtime.models.ggml_numerics import GgmlWeights
+from ggufswap.runtime.models.hparams import (
+    ROPE_SCALING_YARN,
+    Arch,
+    Gating,
+    HParams,
+    KeyReader,
+    MLAShape,
+)
+from ggufswap.runtime.models.kv_cache import KVCache
+from ggufswap.shards.keys import Keys, TensorNames
 
 TN: Final = TensorNames
-# build_moe_ffn clamps the sum of the selected weights to the smallest normal F16 before dividing.
-WEIGHTS_SUM_MIN = 6.103515625e-5
+# deepseek2's "lite" files (DeepSeek-V2-Lite, GigaChat3, Kanana-2) may omit q_lora_rank: these
+# block counts (and 48 with a 128256-token vocabulary), as load_arch_hparams decides.
+DEEPSEEK2_LITE_LAYERS: Final = (26, 27)
+# No expert_gating_func: softmax (DeepSeek V2/V2.5), but sigmoid for GLM 4.7 Lite (47 or 48
+# blocks, 154880 tokens).
+DEEPSEEK2_SIGMOID_LAYERS: Final = (47, 48)
+DEEPSEEK2_SIGMOID_VOCAB: Final = 154880
 
 
-class YarnRotaryEmbedding(RotaryEmbedding):
-    """ggml's ``rope_yarn`` tables over ``n_rot`` dims: theta mixes the interpolated
-    (``freq_scale``) and extrapolated angles along the correction ramp when ``ext_factor`` != 0,
-    and cos/sin carry the magnitude ``attn_factor`` (times ``1 + 0.1 ln(1/freq_scale)`` under
-    YaRN)."""
-
-    def __init__(self, config: HParams, n_rot: int) -> None:
-        self.config = config
-        super().__init__(config, n_rot=n_rot, freq_scale=config.rope_freq_scale)
-
-    def _extend(self, n_pos: int) -> None:
-        c, n = self.config, self.n_rot
-        pair = torch.arange(0, n // 2, dtype=torch.float64)  # i0 / 2
-        theta_extrap = torch.outer(
-            torch.arange(n_pos, dtype=torch.float64), c.rope_base ** (-2.0 * pair / n)
-        )  # [P, n/2]
-        theta = theta_extrap * c.rope_freq_scale
-        mscale = c.rope_attn_factor
-        if c.rope_ext_factor != 0.0:
-            low, high = _yarn_corr_dims(c, n)
-            y = (pair - low) / max(0.001, high - low)
-            ramp = (1.0 - y.clamp(0.0, 1.0)) * c.rope_ext_factor
-            theta = theta * (1.0 - ramp) + theta_extrap * ramp
-            mscale *= 1.0 + 0.1 * math.log(1.0 / c.rope_freq_scale)
-        cos, sin = (theta.cos() * mscale).float(), (theta.sin() * mscale).float()
-        self._tables = {torch.device("cpu"): (cos, sin)}
-        self._n_pos = n_pos
+KEYS: Final = (
+    *ROUTING_KEYS,
+    Keys.LLM.Q_LORA_RANK,
+    Keys.LLM.KV_LORA_RANK,
+    Keys.LLM.KEY_LENGTH_MLA,
+    Keys.LLM.VALUE_LENGTH_MLA,
+    Keys.LLM.ROPE_SCALING_YARN_LOG_MUL,
+    Keys.LLM.ROPE_SCALING_ATTN_FACTOR,
+    Keys.LLM.ROPE_SCALING_ORIG_CTX_LEN,
+)
 
 
-def _yarn_corr_dims(c: HParams, n_dims: int) -> tuple[float, float]:
-    """ggml_rope_yarn_corr_dims: the dims where the ramp between extrapolation and interpolation
-    starts and ends."""
-    n_ctx_orig = c.rope_ctx_orig or c.context_length
+def read_keys(reader: KeyReader, common: Mapping[str, Any]) -> dict[str, Any]:
+    """llama_model_deepseek2::load_arch_hparams, the YaRN parameters llama_context derives from
+    them, and the graph's attention scale (src/models/deepseek2.cpp)."""
+    k = Keys.LLM
+    n_head = common["n_head"]
+    default_head = common["n_embd"] // n_head if n_head > 0 else 0
+    key_length = common["key_length"] or default_head
+    value_length = reader.get_int(k.VALUE_LENGTH, default_head)
+    n_rot = common["rope_dim"] or key_length
+    yarn = reader.md.get(k.ROPE_SCALING_TYPE.format(reader.arch)) == ROPE_SCALING_YARN
+    n_layer = common["n_layer"] - reader.get_int(k.NEXTN_PREDICT_LAYERS, 0)
+    n_vocab = common["n_vocab"]
+    lite = n_layer in DEEPSEEK2_LITE_LAYERS or (n_layer == 48 and n_vocab == 128256)
+    k_mla = reader.get_int(k.KEY_LENGTH_MLA, 0)
+    v_mla = reader.get_int(k.VALUE_LENGTH_MLA, 0)
+    if (k_mla == 0) != (v_mla == 0):
+        reader.problems.append(
+            f"{k.KEY_LENGTH_MLA.format(reader.arch)} ({k_mla}) and "
+            f"{k.VALUE_LENGTH_MLA.format(reader.arch)} ({v_mla}) must be both set or both absent"
+        )
+    split = k_mla != 0 and v_mla != 0
+    mla = MLAShape(
+        q_lora_rank=reader.get_int(k.Q_LORA_RANK, 0) if lite else reader.get_int(k.Q_LORA_RANK),
+        kv_lora_rank=reader.get_int(k.KV_LORA_RANK),
+        head_k=k_mla if split else key_length,
+        head_v=v_mla if split else value_length,
+        n_rot=n_rot,
+        split=split,
+    )
+    sigmoid = n_layer in DEEPSEEK2_SIGMOID_LAYERS and n_vocab == DEEPSEEK2_SIGMOID_VOCAB
+    out = routing_kwargs(reader, default_gating=Gating.SIGMOID if sigmoid else Gating.SOFTMAX)
+    out["mla"] = replace(mla, ik_scales=_ik_scales(reader, common, head_k=mla.head_k))
+    out.update(_yarn(reader, common, head_k=mla.head_k, yarn=yarn))
+    return out
 
-    def corr_dim(n_rot: float) -> float:
-        return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(c.rope_base))
 
-    start = math.floor(corr_dim(c.yarn_beta_fast))
-    end = math.ceil(corr_dim(c.yarn_beta_slow))
-    return max(0.0, start), min(n_dims - 1.0, end)
+def _ik_scales(reader: KeyReader, common: Mapping[str, Any], *, head_k: int) -> tuple[float, float]:
+    """ik_llama.cpp's kq scale and RoPE attn_factor (``src/graphs/build_deepseek2.cpp``): the log
+    multiplier as the converter stored it (0.1 x mscale_all_dim), ``rope.scaling.attn_factor``
+    on the kq scale; equal to llama.cpp's whenever YaRN comes with a log multiplier."""
+    k, freq_scale = Keys.LLM, common["rope_freq_scale"]
+    log_mul = reader.get_float(k.ROPE_SCALING_YARN_LOG_MUL, 0.0)
+    mscale = reader.get_float(k.ROPE_SCALING_ATTN_FACTOR, 1.0) * (
+        1.0 + log_mul * math.log(1.0 / freq_scale)
+    )
+    return mscale * mscale / math.sqrt(head_k), 1.0 / (1.0 + 0.1 * math.log(1.0 / freq_scale))
+
+
+def _yarn(
+    reader: KeyReader, common: Mapping[str, Any], *, head_k: int, yarn: bool
+) -> dict[str, Any]:
+    """llama_context's YaRN parameters (ext_factor 1 for ``yarn`` scaling, attn_factor with its
+    mscale adjustments) and deepseek2's kq scale ``mscale^2 / sqrt(head_k)``, which undoes the
+    adjustment and applies ``rope.scaling.yarn_log_multiplier`` (stored x0.1 by the converter)."""
+    k = Keys.LLM
+    freq_scale = common["rope_freq_scale"]  # 1 for scaling type none (hparams._rope_freq_scale)
+    log_mul = reader.get_float(k.ROPE_SCALING_YARN_LOG_MUL, 0.0) / 0.1
+    ext_factor = 1.0 if yarn else 0.0
+    attn_factor = 1.0
+    factor = 1.0 / freq_scale
+    if ext_factor != 0.0:
+
+        def get_mscale(scale: float, mscale: float) -> float:
+            return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
+
+        # With a log multiplier, deepseek2 takes mscale = mscale_all_dims, so the ratio
+        # get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dims) is 1.
+        attn_factor = 1.0 if log_mul != 0.0 else get_mscale(factor, 1.0)
+        attn_factor *= 1.0 / (1.0 + 0.1 * math.log(factor))
+    attn_factor *= reader.get_float(k.ROPE_SCALING_ATTN_FACTOR, 1.0)
+    attn_factor_org = attn_factor * (1.0 + 0.1 * math.log(factor))
+    mscale = attn_factor_org * (1.0 + 0.1 * log_mul * math.log(factor))
+    return {
+        "rope_ext_factor": ext_factor,
+        "rope_attn_factor": attn_factor,
+        "rope_ctx_orig": reader.get_int(k.ROPE_SCALING_ORIG_CTX_LEN, common["context_length"]),
+        "attention_scale": mscale * mscale / math.sqrt(head_k),
+    }
 
 
 def head_linear(x: Tensor, w: Tensor | ExpertStack) -> Tensor:
@@ -99,22 +171,26 @@ def head_linear(x: Tensor, w: Tensor | ExpertStack) -> Tensor:
     in ``w``'s device and dtype, back in ``x``'s. With ggml's numerics ``w`` is the per-head
     matrices (ggml's batched product: each head's rows rounded for its type)."""
     if not isinstance(w, Tensor):
-        return torch.stack([base.linear(x[..., h, :], w[h]) for h in range(w.shape[0])], dim=-2)
+        return torch.stack([linear(x[..., h, :], w[h]) for h in range(w.shape[0])], dim=-2)
     xw = x.to(device=w.device, dtype=w.dtype)
     y = torch.einsum("...hk,hnk->...hn", xw, w)
     return y.to(device=x.device, dtype=x.dtype)
 
 
-def _heads(weights: WeightProvider, name: str) -> Tensor | ExpertStack:
-    """``attn_k_b`` / ``attn_v_b``: the stacked tensor, or with ggml's numerics its per-head
-    matrices."""
-    return weights.experts(name) if isinstance(weights, GgmlWeights) else weights.weight(name)
+def _heads(weights: WeightProvider, name: str, heads: int) -> Tensor | ExpertStack:
+    """``attn_k_b`` / ``attn_v_b`` as ``[H, N, K]``: the stacked tensor (ik_llama.cpp's 2-D
+    ``[H * N, K]`` form viewed per head), or with ggml's numerics its per-head matrices (the
+    2-D form then multiplies in float)."""
+    if isinstance(weights, GgmlWeights) and len(weights.shape(name)) == 3:
+        return weights.experts(name)
+    w = weights.weight(name)
+    return w if w.dim() == 3 else w.view(heads, -1, w.shape[-1])
 
 
 class LatentAttention(nn.Module):
     """Multi-head latent attention in either file form (see the module docstring)."""
 
-    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: TensorSpec):
         super().__init__()
         assert config.mla is not None, "deepseek2 configs carry their MLAShape"
         self.config, self.weights, self.layer = config, weights, layer
@@ -134,37 +210,53 @@ class LatentAttention(nn.Module):
         self.wkv_a = need(TN.ATTN_KV_A_MQA.format(layer), (m.kv_lora_rank + m.n_rot, d))
         self.kv_a_norm = need(TN.ATTN_KV_A_NORM.format(layer), (m.kv_lora_rank,))
         split = (TN.ATTN_K_B.format(layer), TN.ATTN_V_B.format(layer))
+        kv_b = TN.ATTN_KV_B.format(layer)
+        # ik_llama.cpp's form: attn_kv_b beside 2-D attn_k_b / attn_v_b (module docstring).
+        self.ik = not m.split and weights.has(split[0]) and weights.has(split[1])
+        self.absorbed = m.split or self.ik
         if m.split:
             self.wk_b = need(split[0], (h, m.kv_lora_rank, m.nope))
             self.wv_b = need(split[1], (h, m.head_v, m.kv_lora_rank))
-            spec.refuse(weights, [TN.ATTN_KV_B.format(layer)], "attention.key_length_mla is set")
+            spec.refuse(weights, [kv_b], "attention.key_length_mla is set")
+        elif self.ik:
+            self.wk_b = need(split[0], (h * m.kv_lora_rank, m.nope))
+            self.wv_b = need(split[1], (h * m.head_v, m.kv_lora_rank))
+            self.unread_kv_b = kv_b  # loaded, never computed with (``unused``)
         else:
-            self.wkv_b = need(TN.ATTN_KV_B.format(layer), (h * (m.nope + m.head_v), m.kv_lora_rank))
+            self.wkv_b = need(kv_b, (h * (m.nope + m.head_v), m.kv_lora_rank))
             spec.refuse(weights, split, "attention.key_length_mla is not set")
         self.wo = need(TN.ATTN_OUT.format(layer, "weight"), (d, h * m.head_v))
 
-    def _query(self, x: Tensor) -> Tensor:
-        # x: [B, T, D] -> [B, T, H, head_k]
+    def q_lora(self, x: Tensor) -> Tensor:
+        """``attn_q_a_norm(attn_q_a x)`` (``qr``, which the DSA indexer reads too), or ``x``
+        itself without q_lora."""
+        # x: [B, T, D] -> [B, T, q_lora_rank or D]
         w, c = self.weights, self.config
-        if self.wq_a is not None:
-            x = rms_norm(base.linear(x, w.matrix(self.wq_a)), w.weight(self.q_a_norm), c.norm_eps)
-        return base.linear(x, w.matrix(self.wq)).unflatten(-1, (c.n_head, self.m.head_k))
+        if self.wq_a is None:
+            return x
+        return rms_norm(linear(x, w.matrix(self.wq_a)), w.weight(self.q_a_norm), c.norm_eps)
 
     def forward(
         self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
     ) -> Tensor:
-        # x: [B, T, D]
+        return self.attend(self.q_lora(x), x, rope, mask, cache)
+
+    def attend(
+        self, qr: Tensor, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
+    ) -> Tensor:
+        """The attention of ``x`` (``[B, T, D]``) with the queries from ``qr`` (``q_lora``'s
+        output), under ``mask`` (``[T, S]`` or ``[B, 1, T, S]`` bool; None: causal)."""
         m, c, w = self.m, self.config, self.weights
-        q = self._query(x)
+        q = linear(qr, w.matrix(self.wq)).unflatten(-1, (c.n_head, m.head_k))  # [B, T, H, hk]
         q_nope, q_pe = q[..., : m.nope], rope.rotate(q[..., m.nope :])  # [B, T, H, nope / rot]
-        kv = base.linear(x, w.matrix(self.wkv_a))  # [B, T, rank + rot]
+        kv = linear(x, w.matrix(self.wkv_a))  # [B, T, rank + rot]
         latent = rms_norm(kv[..., : m.kv_lora_rank], w.weight(self.kv_a_norm), c.norm_eps)
         k_pe = rope.rotate(kv[..., None, m.kv_lora_rank :])  # [B, T, 1, rot]
-        if m.split:
+        if self.absorbed:
             y = self._absorbed(q_nope, q_pe, latent, k_pe, mask=mask, cache=cache)  # [B, T, H, v]
         else:
             y = self._decompressed(q_nope, q_pe, latent, k_pe, mask=mask, cache=cache)
-        return base.linear(y.flatten(-2), w.matrix(self.wo))  # [B, T, D]
+        return linear(y.flatten(-2), w.matrix(self.wo))  # [B, T, D]
 
     def _absorbed(
         self,
@@ -179,7 +271,7 @@ class LatentAttention(nn.Module):
         """attn_k_b turns the queries into latent queries; one key/value head (the latent and
         the rope key) serves every query head; attn_v_b decompresses each head's output."""
         rank, w = self.m.kv_lora_rank, self.weights
-        q_lat = head_linear(q_nope, _heads(w, self.wk_b))  # [B, T, H, rank]
+        q_lat = head_linear(q_nope, _heads(w, self.wk_b, self.config.n_head))  # [B, T, H, rank]
         q = torch.cat((q_lat, q_pe), dim=-1).transpose(1, 2)  # [B, H, T, rank + rot]
         k = torch.cat((latent[:, :, None], k_pe), dim=-1).transpose(1, 2)  # [B, 1, T, rank+rot]
         if cache is not None:  # the values are the keys' latent part: cache nothing twice
@@ -194,7 +286,9 @@ class LatentAttention(nn.Module):
             is_causal=mask is None,
             scale=self.config.attn_scale,
         )  # [B, H, T, rank]
-        return head_linear(y.transpose(1, 2), _heads(w, self.wv_b))  # [B, T, H, v]
+        return head_linear(
+            y.transpose(1, 2), _heads(w, self.wv_b, self.config.n_head)
+        )  # [B, T, H, v]
 
     def _decompressed(
         self,
@@ -209,7 +303,7 @@ class LatentAttention(nn.Module):
         """attn_kv_b decompresses the latent into per-head keys and values (multi-head
         attention, as llama.cpp runs files without attn_k_b / attn_v_b)."""
         m, heads = self.m, q_nope.shape[2]
-        kv = base.linear(latent, self.weights.matrix(self.wkv_b))  # [B, T, H * (nope + v)]
+        kv = linear(latent, self.weights.matrix(self.wkv_b))  # [B, T, H * (nope + v)]
         kv = kv.unflatten(-1, (heads, m.nope + m.head_v))
         k = torch.cat((kv[..., : m.nope], k_pe.expand(-1, -1, heads, -1)), dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1).transpose(1, 2)  # [B, H, T, head_k]
@@ -220,84 +314,6 @@ class LatentAttention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.config.attn_scale
         )  # [B, H, T, v]
         return y.transpose(1, 2)
-
-
-class RoutedExperts(nn.Module):
-    """build_moe_ffn as deepseek2 and glm4moe call it, plus the shared experts (see the module
-    docstring; glm4moe's shared experts are optional, its exp_probs_b required)."""
-
-    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
-        super().__init__()
-        self.config, self.weights = config, weights
-        d, n_exp, ff = config.n_embd, config.n_expert, config.n_ff_exp
-        self.router = spec.need(TN.FFN_GATE_INP.format(layer), (n_exp, d))
-        bias = TN.FFN_EXP_PROBS_B.format(layer)
-        required = config.rules.glm  # glm4moe creates exp_probs_b without TENSOR_NOT_REQUIRED
-        self.bias = spec.need(bias, (n_exp,)) if required else spec.maybe(weights, bias, (n_exp,))
-        self.gate_exps = spec.need_experts(TN.FFN_GATE_EXPS.format(layer), (n_exp, ff, d))
-        self.up_exps = spec.need_experts(TN.FFN_UP_EXPS.format(layer), (n_exp, ff, d))
-        self.down_exps = spec.need_experts(TN.FFN_DOWN_EXPS.format(layer), (n_exp, d, ff))
-        sh, a = config.n_ff_shexp, config.arch.value
-        names = [t.format(layer) for t in (TN.FFN_GATE_SHEXP, TN.FFN_UP_SHEXP, TN.FFN_DOWN_SHEXP)]
-        self.shared: tuple[str, ...] | None = None
-        if config.has_shared_expert:
-            shapes = ((sh, d), (sh, d), (d, sh))
-            self.shared = tuple(spec.need(n, s) for n, s in zip(names, shapes, strict=True))
-        else:
-            spec.refuse(weights, names, f"{a}: expert_shared_count is 0")
-        spec.refuse(weights, [TN.FFN_GATE_INP_SHEXP.format(layer)], f"{a}'s shared experts")
-
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Top-k expert weights and ids per token: ``([N, k] float32, [N, k] int64)``."""
-        # x: [N, D]
-        c = self.config
-        logits = base.linear(x, self.weights.weight(self.router)).float()  # [N, E]
-        probs = logits.softmax(-1) if c.gating is Gating.SOFTMAX else logits.sigmoid()
-        chosen = probs
-        if self.bias is not None:  # selection only: the weights stay unbiased
-            chosen = probs + self.weights.weight(self.bias).to(probs.device, torch.float32)
-        if c.n_expert_groups > 1:
-            chosen = _best_groups(chosen, c.n_expert_groups, c.n_group_used)
-        top_i = chosen.topk(c.n_expert_used, dim=-1).indices  # [N, k]
-        top_w = probs.gather(-1, top_i)
-        if c.norm_topk:
-            top_w = top_w / top_w.sum(-1, keepdim=True).clamp(min=WEIGHTS_SUM_MIN)
-        if c.expert_weights_scale != 1.0:
-            top_w = top_w * c.expert_weights_scale
-        return top_w, top_i
-
-    def forward(self, x: Tensor) -> Tensor:
-        # x: [B, T, D]
-        flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        top_w, top_i = self.route(flat)  # [N, k]
-        out = torch.zeros_like(flat)
-        w = self.weights.experts
-        for e in top_i.unique().tolist():  # ascending expert order: deterministic sums
-            rows, slot = (top_i == e).nonzero(as_tuple=True)
-            gate, up, down = w(self.gate_exps)[e], w(self.up_exps)[e], w(self.down_exps)[e]
-            y = base.swiglu(flat[rows], gate, up, down) * top_w[rows, slot, None].to(flat.dtype)
-            out.index_add_(0, rows, y)
-        if self.shared is not None:
-            gate, up, down = (self.weights.matrix(name) for name in self.shared)
-            out = out + base.swiglu(flat, gate, up, down)
-        return out.view_as(x)
-
-
-def _best_groups(scores: Tensor, n_groups: int, n_used: int) -> Tensor:
-    """Keep the experts of the ``n_used`` groups whose two best scores sum highest; the others
-    become -inf (build_moe_ffn's group-limited routing)."""
-    # scores: [N, E]
-    groups = scores.unflatten(-1, (n_groups, -1))  # [N, G, E/G]
-    group_scores = groups.topk(2, dim=-1).values.sum(-1)  # [N, G]
-    keep = torch.zeros_like(group_scores, dtype=torch.bool)
-    keep.scatter_(-1, group_scores.topk(n_used, dim=-1).indices, True)
-    return groups.masked_fill(~keep[..., None], -math.inf).flatten(-2)
-
-
-def lead_dense_ffn(config: HParams, layer: int) -> type[nn.Module]:
-    """The FFN of ``layer`` in deepseek2 and glm4moe: dense SwiGLU in the
-    ``leading_dense_block_count`` first blocks, routed experts after."""
-    return FeedForward if layer < config.n_layer_dense_lead else RoutedExperts
 
 
 class Deepseek2Block(TransformerBlock):
@@ -318,6 +334,35 @@ class Deepseek2Transformer(DecoderStack):
     def __init__(
         self, config: HParams, weights: WeightProvider, *, check_shapes: bool = True
     ) -> None:
+        mla = config.mla
+        assert mla is not None, "deepseek2 configs carry their MLAShape"
+        ik_form = is_ik_form(config, weights)
+        if ik_form:  # ik routes deepseek2 ungrouped, scales its attention its own way
+            scale, rope_attn = mla.ik_scales
+            config = replace(
+                config,
+                n_expert_groups=0,
+                n_group_used=0,
+                attention_scale=scale,
+                rope_attn_factor=rope_attn,
+            )
         super().__init__(config, weights, check_shapes=check_shapes)
-        assert config.mla is not None, "deepseek2 configs carry their MLAShape"
-        self.rope = YarnRotaryEmbedding(config, config.mla.n_rot)
+        self.ik_form = ik_form
+        self.rope = rotary(config, config.rope_base, n_rot=mla.n_rot)
+
+
+def is_ik_form(config: HParams, weights: WeightProvider) -> bool:
+    """Whether the file is in ik_llama.cpp's three-tensor form (``attn_kv_b`` beside
+    ``attn_k_b`` / ``attn_v_b``, no ``*_mla`` keys): a file only ik_llama.cpp reads, so the
+    decoder computes what ik computes. Its routing then ignores ``expert_group_count`` (ik's
+    ``build_moe_ffn`` limits groups for BailingMoE only; mainline and the other forms here
+    apply them), and its attention scale and RoPE magnitude are ik's (``MLAShape.ik_scales``:
+    llama.cpp's too, but for YaRN without a log multiplier or linear scaling)."""
+    assert config.mla is not None, "deepseek2 configs carry their MLAShape"
+    k_b, kv_b = TN.ATTN_K_B.format(0), TN.ATTN_KV_B.format(0)
+    return not config.mla.split and weights.has(k_b) and weights.has(kv_b)
+
+
+ARCHITECTURE = Architecture(
+    arch=Arch.DEEPSEEK2, decoder=Deepseek2Transformer, read_keys=read_keys, keys=KEYS
+)

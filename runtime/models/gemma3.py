@@ -1,4 +1,5 @@
-"""Gemma 3 decoder (``general.architecture = gemma3``), built from ``model``'s blocks.
+"""Gemma 3 decoder (``general.architecture = gemma3``): llama.cpp's ``llama_model_gemma3``
+(``src/models/gemma3.cpp``), its keys and its graph.
 
 Follows llama.cpp's ``gemma3-iswa`` graph:
 
@@ -17,36 +18,68 @@ the plain ``x * w`` RMS norm.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, Final
+
 import torch
 from torch import Tensor, nn
 
-from ggufswap.runtime.models.hparams import Arch, HParams
+from ggufswap.runtime.models.architecture import Architecture
+from ggufswap.runtime.models.blocks.attention import Attention, sliding_window_mask
+from ggufswap.runtime.models.blocks.decoder import DecoderStack, LayerInputs
+from ggufswap.runtime.models.blocks.ffn import FeedForward
+from ggufswap.runtime.models.blocks.norms import rms_norm
+from ggufswap.runtime.models.blocks.rope import RopeTables, RotaryEmbedding
+from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider
+from ggufswap.runtime.models.hparams import Arch, HParams, KeyReader
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
-from ggufswap.runtime.models.llama import (
-    Attention,
-    DecoderStack,
-    FeedForward,
-    LayerInputs,
-    RopeTables,
-    RotaryEmbedding,
-    WeightProvider,
-    _Spec,
-    rms_norm,
+from ggufswap.shards.keys import Keys, TensorNames
+
+__all__ = ["ARCHITECTURE", "Gemma3Block", "Gemma3Transformer", "sliding_window_mask"]
+
+# gemma3 (llama_model_gemma3::load_arch_hparams): load_swa_pattern(ml, 6), so by default every 6th
+# layer is global and the others slide; local layers use rope.freq_base_swa (default 10000,
+# llama_hparams::rope_freq_base_train_swa) without scaling.
+GEMMA3_SWA_PERIOD: Final = 6
+GEMMA3_ROPE_BASE_LOCAL: Final = 10000.0
+# gemma3's attention scale is 1/sqrt(n_embd / n_head) for its 27B size (62 blocks), else
+# 1/sqrt(key_length) (llama_model_gemma3::load_arch_hparams).
+GEMMA3_27B_LAYERS: Final = 62
+KEYS: Final = (
+    Keys.LLM.SLIDING_WINDOW,
+    Keys.LLM.SLIDING_WINDOW_PATTERN,
+    Keys.LLM.ROPE_FREQ_BASE_SWA,
+    Keys.LLM.FINAL_LOGIT_SOFTCAPPING,
 )
-from ggufswap.shards.keys import TensorNames
 
 
-def sliding_window_mask(length: int, window: int, device: torch.device) -> Tensor:
-    """``[T, T]`` bool, True where query ``i`` may attend key ``j``: ``0 <= i - j < window``."""
-    pos = torch.arange(length, device=device)
-    dist = pos[:, None] - pos[None, :]  # [T, T]: i - j
-    return (dist >= 0) & (dist < window)
+def read_keys(reader: KeyReader, common: Mapping[str, Any]) -> dict[str, Any]:
+    """llama_model_gemma3::load_arch_hparams: sliding window (absent or 0 = every layer global),
+    its pattern, the local RoPE base, soft-capping and the attention scale."""
+    n_layer, n_embd, n_head = common["n_layer"], common["n_embd"], common["n_head"]
+    out: dict[str, Any] = {
+        "sliding_window": reader.get_int(Keys.LLM.SLIDING_WINDOW, 0),
+        "final_logit_softcap": reader.get_float(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0),
+    }
+    if out["sliding_window"] > 0:
+        key = Keys.LLM.SLIDING_WINDOW_PATTERN.format(reader.arch)
+        pattern = reader.md.get(key, GEMMA3_SWA_PERIOD)
+        if isinstance(pattern, (list, tuple)):
+            out["swa_layers"] = tuple(bool(v) for v in pattern)[:n_layer]
+        else:
+            out["swa_period"] = reader.get_int(Keys.LLM.SLIDING_WINDOW_PATTERN, GEMMA3_SWA_PERIOD)
+        out["rope_base_local"] = reader.get_float(
+            Keys.LLM.ROPE_FREQ_BASE_SWA, GEMMA3_ROPE_BASE_LOCAL
+        )
+    if n_layer == GEMMA3_27B_LAYERS and n_head > 0:
+        out["attention_scale"] = float(n_embd // n_head) ** -0.5  # uint32 division in llama.cpp
+    return out
 
 
 class Gemma3Block(nn.Module):
     """Pre- and post-normed attention and GeGLU FFN, each with a residual."""
 
-    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: TensorSpec):
         super().__init__()
         self.config, self.weights = config, weights
         d = (config.n_embd,)
@@ -106,3 +139,8 @@ class Gemma3Transformer(DecoderStack):
         # The keys are the cached positions then this forward's: queries sit at start_pos ...
         local = attention_mask(start_pos, seq, window=window, device=device)
         return local, attention_mask(start_pos, seq, device=device)
+
+
+ARCHITECTURE = Architecture(
+    arch=Arch.GEMMA3, decoder=Gemma3Transformer, read_keys=read_keys, keys=KEYS
+)

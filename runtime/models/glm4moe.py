@@ -9,26 +9,40 @@ Follows llama.cpp's ``llama_model_glm4_moe::graph`` (``src/models/glm4-moe.cpp``
   ``attn_post_norm`` is the FFN's pre-norm (there is no ``ffn_norm``);
 - blocks ``[0, leading_dense_block_count)`` dense SwiGLU, the others routed experts (sigmoid by
   default, ``exp_probs_b`` selection bias required, weights norm/scale) plus the optional shared
-  experts (``deepseek2.RoutedExperts``);
+  experts (``blocks.moe.RoutedExperts``);
 - the ``nextn_predict_layers`` trailing NextN/MTP blocks are loaded and never computed: their
   tensors are what ``unused`` lists.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, Final
 
 from torch import nn
 
-from ggufswap.runtime.models.deepseek2 import lead_dense_ffn
-from ggufswap.runtime.models.hparams import Arch, HParams
-from ggufswap.runtime.models.llama import (
-    DecoderStack,
-    RotaryEmbedding,
-    TransformerBlock,
-    WeightProvider,
-)
-from ggufswap.shards.keys import TensorNames
+from ggufswap.runtime.models._moe_hparams import ROUTING_KEYS, routing_kwargs
+from ggufswap.runtime.models.architecture import Architecture
+from ggufswap.runtime.models.blocks.decoder import DecoderStack, TransformerBlock
+from ggufswap.runtime.models.blocks.moe import lead_dense_ffn
+from ggufswap.runtime.models.blocks.rope import RotaryEmbedding
+from ggufswap.runtime.models.blocks.weights import WeightProvider
+from ggufswap.runtime.models.hparams import Arch, Gating, HParams, KeyReader
+from ggufswap.shards.keys import Keys, TensorNames
+
+KEYS: Final = (*ROUTING_KEYS, Keys.LLM.ROPE_DIMENSION_SECTIONS)
+
+
+def read_keys(reader: KeyReader, common: Mapping[str, Any]) -> dict[str, Any]:
+    """llama_model_glm4_moe::load_arch_hparams: sigmoid gating unless the file says otherwise;
+    multimodal RoPE sections (GLM-4.5V) are not implemented."""
+    sections = reader.md.get(Keys.LLM.ROPE_DIMENSION_SECTIONS.format(reader.arch))
+    if sections is not None and any(sections):
+        reader.problems.append(
+            f"{Keys.LLM.ROPE_DIMENSION_SECTIONS.format(reader.arch)} = {list(sections)}: "
+            "multimodal RoPE is not implemented by the reference decoder"
+        )
+    return routing_kwargs(reader, default_gating=Gating.SIGMOID)
 
 
 class Glm4MoeBlock(TransformerBlock):
@@ -51,3 +65,8 @@ class Glm4MoeTransformer(DecoderStack):
     ) -> None:
         super().__init__(config, weights, check_shapes=check_shapes)
         self.rope = RotaryEmbedding(config, freq_scale=config.rope_freq_scale)
+
+
+ARCHITECTURE = Architecture(
+    arch=Arch.GLM4MOE, decoder=Glm4MoeTransformer, read_keys=read_keys, keys=KEYS
+)

@@ -17,35 +17,80 @@ Follows llama.cpp's ``llama_model_openai_moe`` graph (``src/models/openai-moe.cp
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Final
+from collections.abc import Mapping
+from typing import Any, ClassVar, Final
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ggufswap.runtime.models.attention import group_queries
-from ggufswap.runtime.models.gemma3 import sliding_window_mask
-from ggufswap.runtime.models.hparams import Arch, HParams
-from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
-from ggufswap.runtime.models.llama import (
-    DecoderStack,
-    LayerInputs,
-    Matrix,
-    RopeTables,
-    RotaryEmbedding,
-    TransformerBlock,
-    WeightProvider,
-    _Spec,
-    linear,
+from ggufswap.runtime.models.architecture import Architecture
+from ggufswap.runtime.models.blocks.attention import group_queries, sliding_window_mask
+from ggufswap.runtime.models.blocks.decoder import DecoderStack, LayerInputs, TransformerBlock
+from ggufswap.runtime.models.blocks.moe import combine_experts
+from ggufswap.runtime.models.blocks.rope import RopeTables, rotary
+from ggufswap.runtime.models.blocks.weights import Matrix, TensorSpec, WeightProvider, linear
+from ggufswap.runtime.models.hparams import (
+    ROPE_SCALING_LINEAR,
+    ROPE_SCALING_YARN,
+    Arch,
+    HParams,
+    KeyReader,
 )
-from ggufswap.shards.keys import TensorNames
+from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
+from ggufswap.shards.keys import Keys, TensorNames
 
 # build_moe_ffn's LLM_FFN_SWIGLU_OAI_MOE constants.
 SWIGLU_ALPHA: Final = 1.702
 SWIGLU_LIMIT: Final = 7.0
-# llama_hparams' YaRN defaults (gpt-oss's loader reads no yarn_beta_* keys).
-YARN_BETA_FAST: Final = 32.0
-YARN_BETA_SLOW: Final = 1.0
+# gpt-oss (llama_model_openai_moe::load_arch_hparams): load_swa_pattern(ml, 2), so by default
+# even layers slide and odd ones are global; both use rope.freq_base (rope.freq_base_swa when
+# present) and the same scaling.
+GPT_OSS_SWA_PERIOD: Final = 2
+KEYS: Final = (
+    Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
+    Keys.LLM.SLIDING_WINDOW,
+    Keys.LLM.SLIDING_WINDOW_PATTERN,
+    Keys.LLM.ROPE_FREQ_BASE_SWA,
+    Keys.LLM.ROPE_SCALING_ATTN_FACTOR,
+    Keys.LLM.ROPE_SCALING_ORIG_CTX_LEN,
+)
+
+
+def read_keys(reader: KeyReader, common: Mapping[str, Any]) -> dict[str, Any]:
+    """llama_model_openai_moe::load_arch_hparams: the required expert width and sliding window,
+    the window pattern (period 2 by default: even layers slide), the local RoPE base (default:
+    rope.freq_base) and YaRN's context and magnitude (llama_model_base::load_hparams)."""
+    n_layer, freq_scale = common["n_layer"], common["rope_freq_scale"]
+    out: dict[str, Any] = {
+        "n_ff_exp": reader.get_int(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+        "sliding_window": reader.get_int(Keys.LLM.SLIDING_WINDOW),
+    }
+    key = Keys.LLM.SLIDING_WINDOW_PATTERN.format(reader.arch)
+    pattern = reader.md.get(key, GPT_OSS_SWA_PERIOD)
+    if isinstance(pattern, (list, tuple)):
+        out["swa_layers"] = tuple(bool(v) for v in pattern)[:n_layer]
+    else:
+        out["swa_period"] = reader.get_int(Keys.LLM.SLIDING_WINDOW_PATTERN, GPT_OSS_SWA_PERIOD)
+    base = reader.get_float(Keys.LLM.ROPE_FREQ_BASE, 10000.0)
+    out["rope_base_local"] = reader.get_float(Keys.LLM.ROPE_FREQ_BASE_SWA, base)
+    kind = reader.md.get(Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch), ROPE_SCALING_LINEAR)
+    return out | _yarn_cparams(reader, yarn=str(kind) == ROPE_SCALING_YARN, freq_scale=freq_scale)
+
+
+def _yarn_cparams(reader: KeyReader, *, yarn: bool, freq_scale: float) -> dict[str, Any]:
+    """llama_context's YaRN parameters: ext_factor 1 for yarn scaling; attn_factor
+    ``get_mscale(factor) / (1 + 0.1 ln factor)`` under YaRN (ggml's rope_yarn multiplies the
+    second factor back), times ``rope.scaling.attn_factor``; the original context."""
+    factor = 1.0 / freq_scale
+    attn_factor = 1.0
+    if yarn:
+        get_mscale = 0.1 * math.log(factor) + 1.0 if factor > 1.0 else 1.0
+        attn_factor = get_mscale / (1.0 + 0.1 * math.log(factor))
+    return {
+        "rope_ext_factor": 1.0 if yarn else 0.0,
+        "rope_attn_factor": attn_factor * reader.get_float(Keys.LLM.ROPE_SCALING_ATTN_FACTOR, 1.0),
+        "rope_ctx_orig": reader.get_int(Keys.LLM.ROPE_SCALING_ORIG_CTX_LEN, 0),
+    }
 
 
 def swiglu_oai(gate: Tensor, up: Tensor) -> Tensor:
@@ -56,63 +101,10 @@ def swiglu_oai(gate: Tensor, up: Tensor) -> Tensor:
     return g * torch.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
 
 
-class YarnRotaryEmbedding(RotaryEmbedding):
-    """RoPE tables as ggml_rope's ``rope_yarn`` computes them. With YaRN (``rope_ext_factor`` 1)
-    pair ``i`` mixes the interpolated angle ``freq_scale * theta`` and the original ``theta`` by a
-    ramp over the correction dims of the original context, and cos/sin are scaled by
-    ``rope_attn_factor * (1 + 0.1 ln(1/freq_scale))``; without, the angle is the interpolated one
-    and the scale ``rope_attn_factor``. ``base``: the layer's RoPE base (it sets the dims too)."""
-
-    def __init__(self, config: HParams, *, base: float) -> None:
-        self.ext_factor = config.rope_ext_factor
-        self.mscale = config.rope_attn_factor
-        if self.ext_factor != 0.0:
-            self.mscale *= 1.0 + 0.1 * math.log(1.0 / config.rope_freq_scale)
-        orig_ctx = config.rope_ctx_orig or config.context_length
-        self.corr_dims = yarn_corr_dims(config.n_rot, orig_ctx, base)
-        super().__init__(config, base=base, freq_scale=config.rope_freq_scale)
-
-    def _extend(self, n_pos: int) -> None:
-        half = self.n_rot // 2
-        i = torch.arange(half, dtype=torch.float64)
-        theta_extrap = torch.outer(
-            torch.arange(n_pos, dtype=torch.float64), self.base ** (-2.0 * i / self.n_rot)
-        )  # [P, n_rot/2]
-        low, high = self.corr_dims
-        ramp = 1.0 - ((i - low) / max(0.001, high - low)).clamp(0.0, 1.0)  # [n_rot/2]
-        ramp = ramp * self.ext_factor
-        theta = self.freq_scale * theta_extrap * (1.0 - ramp) + theta_extrap * ramp
-        cos, sin = theta.cos() * self.mscale, theta.sin() * self.mscale
-        self._tables = {torch.device("cpu"): (cos.float(), sin.float())}
-        self._n_pos = n_pos
-
-
-def yarn_corr_dims(n_dims: int, orig_ctx: int, base: float) -> tuple[float, float]:
-    """ggml_rope_yarn_corr_dims in float32: the pairs below ``low`` keep their angle, those above
-    ``high`` are interpolated."""
-    f32 = np.float32
-
-    def corr_dim(n_rot: float) -> np.float32:
-        num = f32(n_dims) * np.log(f32(orig_ctx) / (f32(n_rot) * f32(2) * f32(math.pi)))
-        return f32(num / (f32(2) * np.log(f32(base))))
-
-    low = max(0.0, float(np.floor(corr_dim(YARN_BETA_FAST))))
-    high = min(float(n_dims - 1), float(np.ceil(corr_dim(YARN_BETA_SLOW))))
-    return low, high
-
-
-def rotary(config: HParams, base: float) -> RotaryEmbedding:
-    """The RoPE tables of one kind of layer: YaRN when the file says so, else linear (with
-    ``rope.scaling.attn_factor`` as ggml's ``attn_factor`` when it is not 1)."""
-    if config.rope_ext_factor != 0.0 or config.rope_attn_factor != 1.0:
-        return YarnRotaryEmbedding(config, base=base)
-    return RotaryEmbedding(config, base=base, freq_scale=config.rope_freq_scale)
-
-
 class SinkAttention(nn.Module):
     """Grouped-query attention with Q/K/V/output biases and one sink logit per head."""
 
-    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: TensorSpec):
         super().__init__()
         self.config, self.weights, self.layer = config, weights, layer
         d, hd, tn = config.n_embd, config.head_dim, TensorNames
@@ -155,7 +147,7 @@ class SinkAttention(nn.Module):
 class BiasedMoE(nn.Module):
     """Biased router -> top-k logits -> softmax over them -> biased experts with swiglu_oai."""
 
-    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: _Spec):
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: TensorSpec):
         super().__init__()
         self.config, self.weights = config, weights
         tn, d, n_exp, ff = TensorNames, config.n_embd, config.n_expert, config.n_ff_exp
@@ -187,12 +179,7 @@ class BiasedMoE(nn.Module):
         # x: [B, T, D]
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
         top_w, top_i = self.route(flat)  # [N, k]
-        out = torch.zeros_like(flat)
-        for e in top_i.unique().tolist():  # ascending expert order: deterministic sums
-            rows, slot = (top_i == e).nonzero(as_tuple=True)
-            y = self.expert(flat[rows], e) * top_w[rows, slot, None].to(flat.dtype)
-            out.index_add_(0, rows, y)
-        return out.view_as(x)
+        return combine_experts(flat, top_w, top_i, self.expert).view_as(x)
 
 
 def _biased(x: Tensor, w: Matrix, b: Tensor | Matrix) -> Tensor:
@@ -248,3 +235,8 @@ def _mask(start: int, seq: int, window: int, device: torch.device, *, cached: bo
     if window > 0:
         return sliding_window_mask(seq, window, device)
     return torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+
+
+ARCHITECTURE = Architecture(
+    arch=Arch.GPT_OSS, decoder=GptOssTransformer, read_keys=read_keys, keys=KEYS
+)

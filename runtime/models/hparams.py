@@ -27,32 +27,62 @@ Supported architectures (``general.architecture``):
   layers of llama.cpp's pattern (five of every six by default; local RoPE base
   ``rope.freq_base_swa``, 10000 by default), the others global with ``rope.freq_base`` and linear
   ``rope.scaling.factor``. RoPE NEOX.
+- ``deepseek32`` / ``glm-dsa``: deepseek2's blocks (the attn_k_b/attn_v_b form) behind the DSA
+  lightning indexer's top-k selection (``DSAShape``; glm-dsa's shared indexer blocks).
 - ``gpt-oss``: attention sinks and biases, sliding-window attention on even layers (llama.cpp's
   pattern of 2), a biased router with softmax over the top-k logits, biased experts of the
   required ``expert_feed_forward_length`` with clamped SwiGLU, YaRN RoPE scaling. RoPE NEOX.
 
 ``docs/models.md`` lists every key and tensor each architecture reads.
+
+Size: being reworked by issue 25; split there.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from ggufswap.runtime.models._hybrid_hparams import SSMShape, hybrid_problems
 from ggufswap.runtime.models._moe_hparams import (
+    DSAShape,
     Gating,
     MLAShape,
-    deepseek2_kwargs,
     deepseek2_problems,
-    glm4moe_kwargs,
+    dsa_problems,
     lead_problems,
 )
 from ggufswap.runtime.models.errors import HParamsError
-from ggufswap.shards.archs import ArchRules, Experts, ExpertWidth, SharedExpert, rules_of
+from ggufswap.shards.archs import (
+    NEUTRAL_VALUES,
+    SHARED_LLAMA_CPP_KEYS,
+    ArchRules,
+    Experts,
+    ExpertWidth,
+    SharedExpert,
+    rules_of,
+)
 from ggufswap.shards.keys import Arch, Keys
+
+__all__ = [
+    "ROPE_SCALING_LINEAR",
+    "ROPE_SCALING_NONE",
+    "ROPE_SCALING_YARN",
+    "Activation",
+    "Arch",
+    "DSAShape",
+    "Gating",
+    "HParams",
+    "KeyReader",
+    "MLAShape",
+    "RopeType",
+    "SSMShape",
+    "expert_width",
+    "unimplemented_keys",
+]
 
 
 class RopeType(enum.IntEnum):
@@ -69,29 +99,26 @@ class Activation(str, enum.Enum):
     GELU_TANH = "gelu_tanh"
 
 
-# llama_model_rope_type (src/llama-model.cpp): NORM for llama and deepseek2, NEOX for the qwen and
-# gemma families.
-_NORM_ROPE: Final = (Arch.LLAMA, Arch.DEEPSEEK2)
-_ROPE_TYPE: Final = {arch: RopeType.NORM if arch in _NORM_ROPE else RopeType.NEOX for arch in Arch}
-# build_moe_ffn's norm_w argument in each graph: whether the top-k routing weights are
-# renormalised to sum to one (llama and qwen3moe pass true, qwen2moe false).
-# deepseek2 and glm4moe read expert_weights_norm (default false); gpt-oss takes the softmax over
-# the selected experts' logits (nothing to renormalise).
-_NORM_TOPK: Final = {
-    arch: arch not in (Arch.QWEN2MOE, Arch.DEEPSEEK2, Arch.GLM4MOE, Arch.GPT_OSS) for arch in Arch
-}
-# gpt-oss (llama_model_openai_moe::load_arch_hparams): load_swa_pattern(ml, 2), so by default
-# even layers slide and odd ones are global; both use rope.freq_base (rope.freq_base_swa when
-# present) and the same scaling.
-GPT_OSS_SWA_PERIOD: Final = 2
-# gemma3 (llama_model_gemma3::load_arch_hparams): load_swa_pattern(ml, 6), so by default every 6th
-# layer is global and the others slide; local layers use rope.freq_base_swa (default 10000,
-# llama_hparams::rope_freq_base_train_swa) without scaling.
-GEMMA3_SWA_PERIOD: Final = 6
-GEMMA3_ROPE_BASE_LOCAL: Final = 10000.0
-# gemma3's attention scale is 1/sqrt(n_embd / n_head) for its 27B size (62 blocks), else
-# 1/sqrt(key_length) (llama_model_gemma3::load_arch_hparams).
-GEMMA3_27B_LAYERS: Final = 62
+# The keys every architecture shares that from_metadata reads (llama_model_base::load_hparams).
+SHARED_KEYS: Final = (
+    Keys.LLM.EMBEDDING_LENGTH,
+    Keys.LLM.BLOCK_COUNT,
+    Keys.LLM.FEED_FORWARD_LENGTH,
+    Keys.LLM.HEAD_COUNT,
+    Keys.LLM.HEAD_COUNT_KV,
+    Keys.LLM.KEY_LENGTH,
+    Keys.LLM.VALUE_LENGTH,
+    Keys.LLM.RMS_EPS,
+    Keys.LLM.EXPERT_COUNT,
+    Keys.LLM.EXPERT_USED_COUNT,
+    Keys.LLM.ROPE_FREQ_BASE,
+    Keys.LLM.ROPE_DIMENSION_COUNT,
+    Keys.LLM.ROPE_SCALING_TYPE,
+    Keys.LLM.ROPE_SCALING_FACTOR,
+    Keys.LLM.ROPE_SCALE_LINEAR,
+    Keys.LLM.CONTEXT_LENGTH,
+    Keys.LLM.VOCAB_SIZE,
+)
 ROPE_SCALING_LINEAR: Final = "linear"
 ROPE_SCALING_NONE: Final = "none"
 ROPE_SCALING_YARN: Final = "yarn"
@@ -138,13 +165,25 @@ class HParams:
     gating: Gating = Gating.SOFTMAX
     n_expert_groups: int = 0  # 0 or 1: no group-limited routing
     n_group_used: int = 0
+    moe_layer_step: int = 1  # llama4: blocks (i + 1) % step == 0 route, the others are dense
+    # gemma4: the sliding-window layers' head width and rotated dims (the fields above describe
+    # the full-attention layers), and each layer's key/value heads
+    head_dim_swa: int | None = None
+    rope_dim_swa: int | None = None
+    n_head_kv_layers: tuple[int, ...] | None = None
     mla: MLAShape | None = None
+    dsa: DSAShape | None = None  # deepseek32 / glm-dsa: the lightning indexer
     rope_ext_factor: float = 0.0
     rope_attn_factor: float = 1.0
     rope_ctx_orig: int = 0  # YaRN's original context (0 = context_length)
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     n_layer_nextn: int = 0  # trailing NextN/MTP blocks (nextn_predict_layers): loaded, not run
+    # Qwen3.5 / Qwen3-Next (shards.archs: hybrid): the delta net, which blocks are recurrent,
+    # and the interleaved multimodal RoPE sections.
+    ssm: SSMShape | None = None
+    recurrent_layers: tuple[bool, ...] | None = None
+    rope_sections: tuple[int, ...] | None = None
 
     # Derived.
     rules: ArchRules = field(init=False)
@@ -160,6 +199,7 @@ class HParams:
     activation: Activation = field(init=False)
 
     def __post_init__(self) -> None:
+        """Size: being reworked by issue 25; split there."""
         problems: list[str] = []
         for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_vocab"):
             if getattr(self, name) <= 0:
@@ -199,16 +239,22 @@ class HParams:
         if rules.shared_expert in (SharedExpert.COUNTED, SharedExpert.COUNTED_OPTIONAL):
             shared = is_moe and self.n_expert_shared > 0
             n_ff_shexp = n_ff_exp * self.n_expert_shared
+        if rules.shared_expert is SharedExpert.EXPERT_WIDTH:
+            shared, n_ff_shexp = is_moe, n_ff_exp
         if rules.experts is Experts.AFTER_DENSE_LEAD:
             problems += lead_problems(self, is_moe=is_moe)
         if rules.mla:
             problems += deepseek2_problems(self, head_dim=head_dim)
+        if rules.dsa:
+            problems += dsa_problems(self)
         if is_moe and n_ff_exp <= 0:
             problems.append(
                 f"the expert width must be > 0 ({rules.expert_width}), found {n_ff_exp}"
             )
         if shared and n_ff_shexp <= 0:
             problems.append(f"the shared expert width must be > 0, found {n_ff_shexp}")
+        if rules.hybrid:
+            problems += hybrid_problems(self, head_dim=head_dim)
         if self.swa_layers is not None and len(self.swa_layers) != self.n_layer:
             problems.append(
                 f"swa_layers has {len(self.swa_layers)} entries for {self.n_layer} layers"
@@ -222,16 +268,15 @@ class HParams:
         put(self, "n_ff_shexp", n_ff_shexp)
         put(self, "head_dim", head_dim)
         put(self, "n_rot", n_rot)
-        put(self, "rope_type", _ROPE_TYPE[self.arch])
-        put(self, "norm_topk", _NORM_TOPK[self.arch] if norm is None else norm)
+        put(self, "rope_type", RopeType.NEOX if rules.rope_neox else RopeType.NORM)
+        put(self, "norm_topk", rules.norm_topk if norm is None else norm)
         put(self, "q_per_kv", self.n_head // self.n_head_kv)
         put(self, "is_moe", is_moe)
         put(self, "has_shared_expert", shared)
         scale = self.attention_scale
         put(self, "attn_scale", head_dim**-0.5 if scale is None else scale)
-        gemma = self.arch is Arch.GEMMA3
-        put(self, "embed_scale", math.sqrt(self.n_embd) if gemma else 1.0)
-        put(self, "activation", Activation.GELU_TANH if gemma else Activation.SILU)
+        put(self, "embed_scale", math.sqrt(self.n_embd) if rules.embd_scaled else 1.0)
+        put(self, "activation", Activation.GELU_TANH if rules.ffn_gelu else Activation.SILU)
 
     def is_local_layer(self, layer: int) -> bool:
         """Whether ``layer`` uses sliding-window attention (and the local RoPE base):
@@ -245,10 +290,15 @@ class HParams:
         return n == 0 or layer % n < n - 1
 
     @classmethod
-    def from_metadata(cls, md: Mapping[str, Any], *, n_vocab: int | None = None) -> HParams:
+    def from_metadata(
+        cls, md: Mapping[str, Any], *, n_vocab: int | None = None, source: str | None = None
+    ) -> HParams:
         """Read ``general.architecture`` and its ``{arch}.*`` keys as llama.cpp does; ``n_vocab``
         is the fallback (e.g. ``token_embd.weight``'s row count) when neither the tokenizer's
-        token list nor ``{arch}.vocab_size`` is present."""
+        token list nor ``{arch}.vocab_size`` is present. A key llama.cpp reads for the
+        architecture and that changes what it computes, which neither the shared keys here nor
+        the architecture's module read, refuses the file by name (``unimplemented_keys``);
+        ``source`` names the file in the message."""
         arch_name = md.get(Keys.General.ARCHITECTURE)
         if arch_name is None:
             raise HParamsError(f"metadata has no {Keys.General.ARCHITECTURE!r} key")
@@ -261,7 +311,7 @@ class HParams:
                 f"the reference decoder implements: {supported}"
             ) from None
         rules = rules_of(arch)
-        reader = _KeyReader(md, arch.value)
+        reader = KeyReader(md, arch.value, per_layer=rules.per_layer_keys)
         # llama_model_base::load_hparams: the keys every architecture shares. feed_forward_length,
         # head_count(_kv) and expert_used_count may be per-layer arrays (get_key_or_arr).
         n_embd = reader.get_int(Keys.LLM.EMBEDDING_LENGTH)
@@ -291,41 +341,41 @@ class HParams:
             "n_expert_used": n_used,
             "key_length": key_length if key_length != default_head else None,
             "rope_dim": reader.get_optional_int(Keys.LLM.ROPE_DIMENSION_COUNT),
-            "rope_freq_scale": _rope_freq_scale(reader, yarn=rules.mla or rules.gpt_oss),
+            "rope_freq_scale": _rope_freq_scale(reader, yarn=rules.rope_yarn),
         }
-        # Expert widths: each architecture's load_arch_hparams / load_arch_tensors. The
-        # expert_weights_* and expert_gating_func keys are read by none of these architectures'
-        # loaders (their graphs pass softmax gating, a fixed norm_w and no scale), so not here.
-        if n_expert > 0 and rules.expert_width is ExpertWidth.EXPERT_KEY_OR_SPLIT:
-            kwargs["n_ff_exp"] = reader.get_int(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, 0)
-        if n_expert > 0 and rules.shared_expert is SharedExpert.REQUIRED:
-            kwargs["n_ff_shexp"] = reader.get_int(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)
-        if arch is Arch.GEMMA3:
-            kwargs.update(_gemma3_kwargs(reader, n_layer=kwargs["n_layer"], n_embd=n_embd))
-        if rules.glm:
-            kwargs.update(glm4moe_kwargs(reader))
-        if rules.mla:
-            scaling = reader.md.get(Keys.LLM.ROPE_SCALING_TYPE.format(arch.value))
-            kwargs.update(
-                deepseek2_kwargs(
-                    reader,
-                    kwargs,
-                    key_length=key_length,
-                    value_length=value_length,
-                    n_rot=kwargs["rope_dim"] or key_length,
-                    yarn=scaling == ROPE_SCALING_YARN,
-                )
-            )
-        if rules.gpt_oss:
-            kwargs.update(
-                _gpt_oss_kwargs(
-                    reader, n_layer=kwargs["n_layer"], freq_scale=kwargs["rope_freq_scale"]
-                )
-            )
+        # The architecture's own keys: its module's read_keys (its load_arch_hparams).
+        from ggufswap.runtime.models.registry import architecture
+
+        module = architecture(arch)
+        kwargs.update(module.read_keys(reader, kwargs))
+        reader.problems += unimplemented_keys(md, arch, module.keys)
         if reader.problems:
             lines = "\n  ".join(reader.problems)
-            raise HParamsError(f"cannot build a {arch.value} model config:\n  {lines}")
+            where = f" from {source}" if source else ""
+            raise HParamsError(f"cannot build a {arch.value} model config{where}:\n  {lines}")
         return cls(arch=arch, **kwargs)
+
+
+def unimplemented_keys(md: Mapping[str, Any], arch: Arch, own_keys: Iterable[str]) -> list[str]:
+    """One line for each key of ``md`` that llama.cpp reads for ``arch`` and that changes what
+    it computes (``shards.archs``: the shared keys and the architecture's ``llama_cpp_keys``),
+    which neither ``HParams.from_metadata`` nor the architecture's module (``own_keys``) reads,
+    unless it holds llama.cpp's no-op default."""
+    implemented = {*SHARED_KEYS, *own_keys}
+    lines = []
+    for template in (*SHARED_LLAMA_CPP_KEYS, *rules_of(arch).llama_cpp_keys):
+        key = template.format(arch.value)
+        if key not in md or template in implemented:
+            continue
+        value = md[key]
+        scalar = isinstance(value, (bool, int, float, str))
+        if scalar and value in NEUTRAL_VALUES.get(template, ()):
+            continue
+        lines.append(
+            f"{key} = {value!r}: llama.cpp's {arch.value} uses this key and it changes what the "
+            "model computes; the reference decoder does not implement it, so the file is refused"
+        )
+    return lines
 
 
 def expert_width(rules: ArchRules, n_ff: int, n_expert_used: int) -> int:
@@ -339,69 +389,10 @@ def expert_width(rules: ArchRules, n_ff: int, n_expert_used: int) -> int:
     return n_ff // n_expert_used if n_expert_used > 0 else 0
 
 
-def _gemma3_kwargs(reader: _KeyReader, *, n_layer: int, n_embd: int) -> dict[str, Any]:
-    """llama_model_gemma3::load_arch_hparams: sliding window (absent or 0 = every layer global),
-    its pattern, the local RoPE base, soft-capping and the attention scale."""
-    n_head = reader.get_int(Keys.LLM.HEAD_COUNT, 0)
-    out: dict[str, Any] = {
-        "sliding_window": reader.get_int(Keys.LLM.SLIDING_WINDOW, 0),
-        "final_logit_softcap": reader.get_float(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0),
-    }
-    if out["sliding_window"] > 0:
-        key = Keys.LLM.SLIDING_WINDOW_PATTERN.format(reader.arch)
-        pattern = reader.md.get(key, GEMMA3_SWA_PERIOD)
-        if isinstance(pattern, (list, tuple)):
-            out["swa_layers"] = tuple(bool(v) for v in pattern)[:n_layer]
-        else:
-            out["swa_period"] = reader.get_int(Keys.LLM.SLIDING_WINDOW_PATTERN, GEMMA3_SWA_PERIOD)
-        out["rope_base_local"] = reader.get_float(
-            Keys.LLM.ROPE_FREQ_BASE_SWA, GEMMA3_ROPE_BASE_LOCAL
-        )
-    if n_layer == GEMMA3_27B_LAYERS and n_head > 0:
-        out["attention_scale"] = float(n_embd // n_head) ** -0.5  # uint32 division in llama.cpp
-    return out
-
-
-def _gpt_oss_kwargs(reader: _KeyReader, *, n_layer: int, freq_scale: float) -> dict[str, Any]:
-    """llama_model_openai_moe::load_arch_hparams: the required expert width and sliding window,
-    the window pattern (period 2 by default: even layers slide), the local RoPE base (default:
-    rope.freq_base) and YaRN's context and magnitude (llama_model_base::load_hparams)."""
-    out: dict[str, Any] = {
-        "n_ff_exp": reader.get_int(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
-        "sliding_window": reader.get_int(Keys.LLM.SLIDING_WINDOW),
-    }
-    key = Keys.LLM.SLIDING_WINDOW_PATTERN.format(reader.arch)
-    pattern = reader.md.get(key, GPT_OSS_SWA_PERIOD)
-    if isinstance(pattern, (list, tuple)):
-        out["swa_layers"] = tuple(bool(v) for v in pattern)[:n_layer]
-    else:
-        out["swa_period"] = reader.get_int(Keys.LLM.SLIDING_WINDOW_PATTERN, GPT_OSS_SWA_PERIOD)
-    base = reader.get_float(Keys.LLM.ROPE_FREQ_BASE, 10000.0)
-    out["rope_base_local"] = reader.get_float(Keys.LLM.ROPE_FREQ_BASE_SWA, base)
-    kind = reader.md.get(Keys.LLM.ROPE_SCALING_TYPE.format(reader.arch), ROPE_SCALING_LINEAR)
-    return out | _yarn_cparams(reader, yarn=str(kind) == ROPE_SCALING_YARN, freq_scale=freq_scale)
-
-
-def _yarn_cparams(reader: _KeyReader, *, yarn: bool, freq_scale: float) -> dict[str, Any]:
-    """llama_context's YaRN parameters: ext_factor 1 for yarn scaling; attn_factor
-    ``get_mscale(factor) / (1 + 0.1 ln factor)`` under YaRN (ggml's rope_yarn multiplies the
-    second factor back), times ``rope.scaling.attn_factor``; the original context."""
-    factor = 1.0 / freq_scale
-    attn_factor = 1.0
-    if yarn:
-        get_mscale = 0.1 * math.log(factor) + 1.0 if factor > 1.0 else 1.0
-        attn_factor = get_mscale / (1.0 + 0.1 * math.log(factor))
-    return {
-        "rope_ext_factor": 1.0 if yarn else 0.0,
-        "rope_attn_factor": attn_factor * reader.get_float(Keys.LLM.ROPE_SCALING_ATTN_FACTOR, 1.0),
-        "rope_ctx_orig": reader.get_int(Keys.LLM.ROPE_SCALING_ORIG_CTX_LEN, 0),
-    }
-
-
 _MISSING: Final = object()
 
 
-def _rope_freq_scale(reader: _KeyReader, *, yarn: bool = False) -> float:
+def _rope_freq_scale(reader: KeyReader, *, yarn: bool = False) -> float:
     """llama_model_base::load_hparams: ``rope.scaling.type`` defaults to ``linear``; the factor is
     ``rope.scaling.factor`` (or the old ``rope.scale_linear``), 0 meaning none, and the frequency
     scale its inverse; type ``none`` never scales (llama_context). Other types are refused, but
@@ -426,13 +417,15 @@ def _rope_freq_scale(reader: _KeyReader, *, yarn: bool = False) -> float:
     return 1.0 / factor
 
 
-class _KeyReader:
+class KeyReader:
     """Reads ``{arch}.*`` keys, collecting every problem instead of stopping at the first."""
 
-    def __init__(self, md: Mapping[str, Any], arch: str) -> None:
+    def __init__(self, md: Mapping[str, Any], arch: str, *, per_layer: Iterable[str] = ()) -> None:
         self.md = md
         self.arch = arch
         self.problems: list[str] = []
+        # Templates whose per-layer arrays the architecture's module reads (the first value here)
+        self.per_layer = frozenset(per_layer)
 
     def _get(self, template: str, default: object) -> object:
         key = template.format(self.arch)
@@ -447,7 +440,7 @@ class _KeyReader:
         if value is _MISSING:
             return 0
         if isinstance(value, (list, tuple)):  # a per-layer array (llama.cpp's get_key_or_arr)
-            if len(set(value)) > 1:
+            if len(set(value)) > 1 and template not in self.per_layer:
                 self.problems.append(
                     f"{template.format(self.arch)}: per-layer values {list(value)} differ; the "
                     "reference decoder implements one value for every layer"

@@ -74,6 +74,33 @@ class KVCache:
         return sum(t.nbytes for t in (*self._k, *self._v) if t is not None)
 
 
+class HybridCache(KVCache):
+    """A :class:`KVCache` that also holds, for each recurrent (delta-net) layer, its conv state
+    ``[B, kernel - 1, channels]`` and recurrent state ``[B, heads, state, state]`` (Qwen3.5,
+    Qwen3-Next). The states summarise every position the sequence ran through, so like the keys
+    and values they belong to the weight version that computed them: a commit that changes any
+    weight invalidates the whole cache (the server drops caches across versions)."""
+
+    def __init__(self, *, n_layer: int, max_len: int = 256) -> None:
+        super().__init__(n_layer=n_layer, max_len=max_len)
+        self._conv: list[Tensor | None] = [None] * n_layer
+        self._state: list[Tensor | None] = [None] * n_layer
+
+    def recurrent(self, layer: int) -> tuple[Tensor | None, Tensor | None]:
+        """The conv and recurrent states of ``layer`` after ``length`` positions (None, None
+        before the first forward)."""
+        return self._conv[layer], self._state[layer]
+
+    def set_recurrent(self, layer: int, conv: Tensor, state: Tensor) -> None:
+        """Store ``layer``'s states after this forward's positions."""
+        self._conv[layer], self._state[layer] = conv, state
+
+    @property
+    def nbytes(self) -> int:
+        states = (t for t in (*self._conv, *self._state) if t is not None)
+        return super().nbytes + sum(t.nbytes for t in states)
+
+
 def _grown(t: Tensor, capacity: int) -> Tensor:
     out = t.new_zeros(*t.shape[:2], capacity, t.shape[3])
     out[:, :, : t.shape[2]] = t

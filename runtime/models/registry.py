@@ -1,22 +1,16 @@
-"""Which decoder runs which ``general.architecture``: ``build_model(config, weights, store=...)``.
+"""Which module runs which ``general.architecture``: one line per architecture.
 
-- ``llama``, ``qwen2``, ``qwen3``, ``qwen2moe``, ``qwen3moe``: ``llama.Transformer`` (pre-norm
-  blocks, SwiGLU, dense or MoE FFNs per block);
-- ``gemma3``: ``gemma3.Gemma3Transformer``;
-- ``deepseek2``: ``deepseek2.Deepseek2Transformer`` (its latent-attention matrices are read from
-  their own slots at every forward, never derived at load);
-- ``glm4moe``: ``glm4moe.Glm4MoeTransformer`` (its NextN/MTP blocks are loaded, never run).
-- ``gpt-oss``: ``gpt_oss.GptOssTransformer``.
+Each architecture's module (``runtime/models/<arch>.py``) gives its :class:`Architecture`: the
+decoder, the keys of its own it reads, its state. ``build_model(config, weights, store=...)``
+builds the decoder of ``config.arch``, which computes with the store's fastest kernels (the
+default: in native storage, ggml's own products where a libggml is loaded), in float
+(``numerics="exact"``), or as ggml's CPU kernels round everywhere (``numerics="ggml"``,
+:mod:`.ggml_numerics`: figures comparable with llama.cpp's).
 
-Each computes with the store's fastest kernels (the default: in native storage, ggml's own
-products where a libggml is loaded), in float (``numerics="exact"``), or as ggml's CPU kernels
-round everywhere (``numerics="ggml"``, :mod:`.ggml_numerics`: figures comparable with
-llama.cpp's).
-
-Both read every weight through the provider at forward time. A tied output head is read from
-``token_embd.weight``'s own slot rather than copied, so a swap of the embedding is the head's swap
-too; no supported architecture builds a fused or pre-scaled copy of a weight at load. When a
-store is given, every tensor the model reads is checked against it, and any tensor a future
+Every decoder reads every weight through the provider at forward time. A tied output head is read
+from ``token_embd.weight``'s own slot rather than copied, so a swap of the embedding is the head's
+swap too; no supported architecture builds a fused or pre-scaled copy of a weight at load. When a
+store is given, every tensor the model reads is checked against it, and any tensor an
 architecture derives must be registered with ``TensorStore.register_derived`` here.
 """
 
@@ -24,34 +18,80 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
 
 from ggufswap.runtime import float_products
-from ggufswap.runtime.models.deepseek2 import Deepseek2Transformer
-from ggufswap.runtime.models.errors import MissingWeightError, ModelError
-from ggufswap.runtime.models.gemma3 import Gemma3Transformer
+from ggufswap.runtime.models import (
+    deepseek2,
+    deepseek32,
+    dots1,
+    gemma3,
+    gemma4,
+    glm4moe,
+    glm_dsa,
+    gpt_oss,
+    llama,
+    llama4,
+    minimax_m2,
+    qwen2,
+    qwen2moe,
+    qwen3,
+    qwen3moe,
+    qwen3next,
+    qwen3vlmoe,
+    qwen35,
+    qwen35moe,
+)
+from ggufswap.runtime.models.architecture import Architecture
+from ggufswap.runtime.models.blocks.decoder import DecoderStack
+from ggufswap.runtime.models.blocks.weights import WeightProvider
+from ggufswap.runtime.models.errors import HParamsError, MissingWeightError, ModelError
 from ggufswap.runtime.models.ggml_numerics import GgmlWeights, Numerics, with_ggml_norms
-from ggufswap.runtime.models.glm4moe import Glm4MoeTransformer
-from ggufswap.runtime.models.gpt_oss import GptOssTransformer
 from ggufswap.runtime.models.hparams import Arch, HParams
-from ggufswap.runtime.models.llama import DecoderStack, Transformer, WeightProvider
 
 if TYPE_CHECKING:
     from ggufswap.runtime import TensorStore
 
 Decoder = DecoderStack  # what build_model returns
 
-DECODERS: Final[Mapping[Arch, type[DecoderStack]]] = {
-    Arch.LLAMA: Transformer,
-    Arch.QWEN2: Transformer,
-    Arch.QWEN3: Transformer,
-    Arch.QWEN2MOE: Transformer,
-    Arch.QWEN3MOE: Transformer,
-    Arch.GEMMA3: Gemma3Transformer,
-    Arch.DEEPSEEK2: Deepseek2Transformer,
-    Arch.GLM4MOE: Glm4MoeTransformer,
-    Arch.GPT_OSS: GptOssTransformer,
-}
+ARCHITECTURES: Final[Mapping[Arch, Architecture]] = MappingProxyType(
+    {
+        Arch.LLAMA: llama.ARCHITECTURE,
+        Arch.QWEN2: qwen2.ARCHITECTURE,
+        Arch.QWEN3: qwen3.ARCHITECTURE,
+        Arch.QWEN2MOE: qwen2moe.ARCHITECTURE,
+        Arch.QWEN3MOE: qwen3moe.ARCHITECTURE,
+        Arch.GEMMA3: gemma3.ARCHITECTURE,
+        Arch.DEEPSEEK2: deepseek2.ARCHITECTURE,
+        Arch.GLM4MOE: glm4moe.ARCHITECTURE,
+        Arch.GPT_OSS: gpt_oss.ARCHITECTURE,
+        Arch.QWEN3VLMOE: qwen3vlmoe.ARCHITECTURE,
+        Arch.MINIMAX_M2: minimax_m2.ARCHITECTURE,
+        Arch.LLAMA4: llama4.ARCHITECTURE,
+        Arch.GEMMA4: gemma4.ARCHITECTURE,
+        Arch.DOTS1: dots1.ARCHITECTURE,
+        Arch.QWEN35: qwen35.ARCHITECTURE,
+        Arch.QWEN35MOE: qwen35moe.ARCHITECTURE,
+        Arch.QWEN3NEXT: qwen3next.ARCHITECTURE,
+        Arch.DEEPSEEK32: deepseek32.ARCHITECTURE,
+        Arch.GLM_DSA: glm_dsa.ARCHITECTURE,
+    }
+)
+DECODERS: Final[Mapping[Arch, type[DecoderStack]]] = MappingProxyType(
+    {arch: a.decoder for arch, a in ARCHITECTURES.items()}
+)
+
+
+def architecture(arch: Arch | str) -> Architecture:
+    """The registered module of ``arch`` (a ``general.architecture`` value)."""
+    try:
+        return ARCHITECTURES[Arch(arch)]
+    except (KeyError, ValueError):
+        supported = ", ".join(a.value for a in ARCHITECTURES)
+        raise HParamsError(
+            f"unsupported architecture {arch!r}; the reference decoder implements: {supported}"
+        ) from None
 
 
 def unused_tensors(model: Decoder, names: Iterable[str]) -> list[str]:
@@ -80,7 +120,7 @@ def build_model(
         if store is None or weights is not store:
             raise ModelError("numerics 'ggml' reads the weights' blocks: pass the tensor store")
         weights = GgmlWeights(store)
-    model = DECODERS[config.arch](config, weights)
+    model = architecture(config.arch).decoder(config, weights)
     if isinstance(weights, GgmlWeights):  # ggml's RMS norms inside its forward
         model.forward = with_ggml_norms(model.forward)  # type: ignore[method-assign]
     if chosen is Numerics.EXACT:  # float products, even where ggml's kernels could run

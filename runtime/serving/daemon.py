@@ -1,7 +1,9 @@
 """``ggufswap runtime``: the reference inference process.
 
-Loads the configured model onto its pools, serves batches (probe or perplexity mode) or
-completions over HTTP (http mode), answers
+In http mode the port is bound first, so ``/health`` answers ``503 loading`` with the phase and
+progress of the start (startup.py) from its first second. Then it loads the configured model onto
+its pools, serves batches (probe or perplexity mode) or completions over HTTP (http mode),
+answers
 ``plan``/``state``/``status`` on its control endpoint and publishes events. Tells systemd it is
 ready after the model is loaded and the sockets are bound, and pings the watchdog from the
 inference loop, so a stuck loop gets the process restarted.
@@ -13,12 +15,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ggufswap.config import Config
-from ggufswap.ipc import PlanCommittedEvent
+from ggufswap.ipc import PlanCommittedEvent, supervisor
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
 from ggufswap.logs import get_logger
 from ggufswap.runtime.control import ControlServer
@@ -27,16 +29,22 @@ from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.models.registry import Decoder, build_model, unused_tensors
 from ggufswap.runtime.pools import Pool
 from ggufswap.runtime.serving.serve import Mode, ServeLoop, ServeOptions
-from ggufswap.runtime.store import Placement
+from ggufswap.runtime.serving.startup import Phase, Startup
 from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
+
+if TYPE_CHECKING:
+    from ggufswap.runtime.serving.http import CompletionServer
 
 log = get_logger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
-def open_runtime(config: Config) -> HotSwapRuntime:
-    """Load the configured model onto the configured pools."""
+def open_runtime(
+    config: Config, *, on_progress: Callable[[int, int], None] | None = None
+) -> HotSwapRuntime:
+    """Load the configured model onto the configured pools (``on_progress(done, total)``:
+    the bytes read so far)."""
     rc = config.require_runtime()
     pools = [Pool(name=p.name, device=torch.device(p.device), budget=p.budget) for p in rc.pools]
     return HotSwapRuntime.open(
@@ -47,14 +55,11 @@ def open_runtime(config: Config) -> HotSwapRuntime:
         decoded_cache=rc.decoded_cache,
         map_shards=rc.map_shards,
         strict=rc.strict_types,
-        placement=Placement(
-            gpu_layers=rc.placement.gpu_layers,
-            experts_pool=rc.placement.experts_pool,
-            split_experts=rc.placement.split_experts,
-        ),
+        placement=rc.placement,
         allowed_roots=[str(r) for r in rc.allowed_roots],
         model_name=rc.name,
         progress=sys.stderr.isatty(),
+        on_progress=on_progress,
     )
 
 
@@ -98,17 +103,39 @@ class Service(Protocol):
     def close(self) -> None: ...
 
 
-def build_service(runtime: HotSwapRuntime, model: Decoder, options: ServeOptions) -> Service:
-    """The serving loop of ``options.mode``; an HTTP service is already listening."""
+def open_http(options: ServeOptions, startup: Startup) -> CompletionServer:
+    """The HTTP server, listening now (``/health``: 503 ``loading`` until the service attaches)."""
+    from ggufswap.runtime.serving.http import CompletionServer, HttpOptions
+
+    return CompletionServer(
+        options=HttpOptions(host=options.http_host, port=options.http_port),
+        model_name=startup.model,
+        capacity=options.max_batch + options.max_queue,
+        startup=startup,
+    ).start()
+
+
+def build_service(
+    runtime: HotSwapRuntime,
+    model: Decoder,
+    options: ServeOptions,
+    *,
+    server: CompletionServer | None,
+    startup: Startup,
+) -> Service:
+    """The serving loop of ``options.mode``; an HTTP service is attached to ``server`` (after
+    the tokenizer and warm-up phases)."""
     if options.mode is not Mode.HTTP:
         return ServeLoop(runtime, model, options=options)
     from ggufswap.runtime.serving.generate import BatcherOptions
-    from ggufswap.runtime.serving.http import HttpOptions, HttpService
-    from ggufswap.runtime.serving.tokenizer import GgufTokenizer
+    from ggufswap.runtime.serving.http import HttpService
+    from ggufswap.runtime.serving.tokenizer import GgufTokenizer, cache_dir
 
     assert runtime.shards is not None, "open() always records the shard set"
-    tokenizer = GgufTokenizer.from_file(runtime.shards.first.path)
-    return HttpService(
+    assert server is not None, "http mode listens before the load"
+    startup.enter(Phase.TOKENIZER)
+    tokenizer = GgufTokenizer.from_file(runtime.shards.first.path, merges_cache=cache_dir())
+    service = HttpService(
         runtime,
         model,
         tokenizer,
@@ -117,36 +144,67 @@ def build_service(runtime: HotSwapRuntime, model: Decoder, options: ServeOptions
             max_queue=options.max_queue,
             request_timeout_s=options.request_timeout_s,
         ),
-        http=HttpOptions(host=options.http_host, port=options.http_port),
-    ).start()
+        server=server,
+    )
+    startup.enter(Phase.WARMUP)
+    service.batcher.warm_up()
+    return service.start()
+
+
+def _start(
+    config: Config, options: ServeOptions, server: CompletionServer | None
+) -> tuple[HotSwapRuntime, Service, ControlServer]:
+    """The start's phases (startup.py): load, model, the service (tokenizer and warm-up in http
+    mode), then the control endpoint; a failure is shown on ``/health`` and closes what opened."""
+    startup = server.startup if server is not None else Startup(config.require_runtime().name)
+    loop: Service | None = None
+    runtime: HotSwapRuntime | None = None
+    try:
+        startup.enter(Phase.LOAD)
+        runtime = open_runtime(config, on_progress=startup.progress)
+        assert runtime.shards is not None, "open() always records the shard set"
+        startup.enter(Phase.MODEL)
+        hparams = HParams.from_metadata(runtime.shards.metadata, source=runtime.shards.first.path)
+        model = build_model(hparams, runtime.store, store=runtime.store)
+        report_unused(runtime, model)
+        loop = build_service(runtime, model, options, server=server, startup=startup)
+        if not startup.ready:
+            startup.enter(Phase.READY)
+        control = ControlServer.from_config(runtime, config, extra_status=loop.status).start()
+    except BaseException as exc:
+        startup.fail(f"{type(exc).__name__}: {exc}")
+        if loop is not None:
+            loop.close()
+        elif server is not None:
+            server.close()
+        if runtime is not None:
+            runtime.close()
+        raise
+    return runtime, loop, control
 
 
 def run(
-    config: Config, *, options: ServeOptions, stop: threading.Event, threads: int | None = None
+    config: Config,
+    *,
+    options: ServeOptions,
+    stop: threading.Event,
+    threads: int | None = None,
+    server: CompletionServer | None = None,
 ) -> int:
     """Serve until ``stop`` is set; return the process exit code.
 
     ``threads`` (``--threads``) overrides ``runtime.threads``; ``None`` leaves it to the config.
+    ``server``: the HTTP server the command line opened before importing torch (http mode);
+    None opens one here.
     """
     rc = config.require_runtime()
     notifier = Notifier.from_env()
     started = time.monotonic()
     # Once, before any torch work: the thread policy (runtime/threads.py), logged with its reason.
     apply_thread_policy(resolve_threads(flag=threads, config=rc.threads))
-    runtime = open_runtime(config)
-    loop: Service | None = None
-    try:
-        assert runtime.shards is not None, "open() always records the shard set"
-        hparams = HParams.from_metadata(runtime.shards.metadata)
-        model = build_model(hparams, runtime.store, store=runtime.store)
-        report_unused(runtime, model)
-        loop = build_service(runtime, model, options)
-        control = ControlServer.from_config(runtime, config, extra_status=loop.status).start()
-    except BaseException:
-        if loop is not None:
-            loop.close()
-        runtime.close()
-        raise
+    if server is None and options.mode is Mode.HTTP:
+        server = open_http(options, Startup(rc.name))
+    runtime, loop, control = _start(config, options, server)
     if rc.metrics_port is not None:
         from ggufswap.runtime.serving.metrics import RuntimeMetrics
 
@@ -156,11 +214,20 @@ def run(
         model=runtime.model_name,
         control=rc.control_endpoint,
         mode=options.mode.value,
+        http_port=None if server is None else server.port,
         load_s=round(time.monotonic() - started, 3),
     )
     notifier.ready(status=f"serving {runtime.model_name} (weight_version 0)")
-    pinger = WatchdogPinger(notifier)
+    pinger = WatchdogPinger(notifier)  # withholds pings while an essential thread is down
     last_version = -1
+    given_up: list[str] = []
+
+    def on_thread_dead(name: str) -> None:  # an essential thread failed repeatedly: exit 1
+        given_up.append(name)
+        log.error("runtime.thread_given_up", thread=name, exit="non-zero, for a restart")
+        stop.set()
+
+    forget_dead_hook = supervisor.on_dead(on_thread_dead)
 
     def on_iteration() -> None:
         nonlocal last_version
@@ -173,13 +240,22 @@ def run(
     try:
         loop.run(stop, on_iteration=on_iteration)
     finally:
-        # Shutdown, bounded: stop answering, discard staged plans, let the stager go.
         notifier.stopping()
-        loop.close()
-        control.close()
-        runtime.close(timeout=SHUTDOWN_TIMEOUT_S)
+        _shut_down(loop, control, runtime)
+        forget_dead_hook()
         log.info("runtime.stopped", model=runtime.model_name, batches=loop.batches)
-    return 0
+    return 1 if given_up else 0
+
+
+def _shut_down(loop: Service, control: ControlServer, runtime: HotSwapRuntime) -> None:
+    """Shutdown, bounded, in this order: the service admits nothing more; the control server
+    takes no more plans (those waiting there are answered rejected); the runtime rejects its
+    queued and staged plans (their clients told while the sockets still run); then the sockets
+    close, and nothing is published after."""
+    loop.close()
+    control.stop_intake()
+    runtime.close(timeout=SHUTDOWN_TIMEOUT_S)
+    control.close()
 
 
 __all__ = ["open_runtime", "report_unused", "run"]

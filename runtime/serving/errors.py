@@ -16,12 +16,21 @@ class TokenizerError(ServingError, ValueError):
     """The GGUF's tokenizer metadata is missing, inconsistent or of an unsupported kind."""
 
 
+class EvalTextError(ServingError, ValueError):
+    """An evaluation text or context that llama-perplexity's protocol cannot use (too short)."""
+
+
 class GenerateError(ServingError):
     """A generation request could not be queued."""
 
 
 class InvalidRequest(GenerateError, ValueError):
-    """The request cannot be served as asked (too long for the context, empty prompt...)."""
+    """The request cannot be served as asked (too long for the context, empty prompt...);
+    ``code`` is the API's error code for it."""
+
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class QueueFull(GenerateError):
@@ -30,6 +39,14 @@ class QueueFull(GenerateError):
 
 class Closed(GenerateError):
     """The batcher is shutting down and takes no new requests."""
+
+
+class ChatTemplateError(ServingError, ValueError):
+    """The chat template cannot be compiled, or rendering it failed for these messages."""
+
+
+class TemplateBudgetExceeded(ChatTemplateError):
+    """Compiling or rendering a chat template passed its time or size budget."""
 
 
 class ListenError(ServingError, OSError):
@@ -64,3 +81,15 @@ class ApiError(ServingError):
                 "code": self.code,
             }
         }
+
+
+def bad_request(message: str, code: str | None = None, *, param: str | None = None) -> ApiError:
+    """A 400 ``invalid_request_error``."""
+    return ApiError(
+        HTTPStatus.BAD_REQUEST, message, kind="invalid_request_error", code=code, param=param
+    )
+
+
+def unavailable(message: str, code: str) -> ApiError:
+    """A 503 ``server_error``: retry later (queue full, loading, timed out, shutting down)."""
+    return ApiError(HTTPStatus.SERVICE_UNAVAILABLE, message, kind="server_error", code=code)

@@ -9,11 +9,12 @@ sequence in flight.
 
 **One weight version per request.** Plans are committed only at request boundaries: the thread
 calls :meth:`HotSwapRuntime.at_batch_boundary` when no sequence is in flight, and while a plan is
-staged it admits nothing new, so the requests in flight drain (each is bounded by its
-``max_tokens`` and its deadline) and the plan is committed right after them. Every token of a
-request therefore comes from the version named in its :class:`Started` event, and a streamed
-token is never taken back. (Restarting interrupted requests instead would have to un-send
-streamed text.)
+in flight (accepted, staging or staged) it admits nothing new, so the requests in flight drain
+(each is bounded by its ``max_tokens`` and its deadline) and the plan is committed right after
+them: a commit waits at most for the longest request in flight, however busy the server.
+Every token of a request therefore comes from the version named in its :class:`Started` event,
+and a streamed token is never taken back. (Restarting interrupted requests instead would have to
+un-send streamed text.)
 
 **KV cache.** Each sequence has its own :class:`KVCache`: its first forward runs the whole prompt
 (prefill), every later one only the token picked last. The cache holds activations of one weight
@@ -24,16 +25,14 @@ is in flight, so a cache is created and dropped within one version (``_decode_on
 never stacked with other requests): CPU matmul results can depend on the batch shape, so a
 sequence's logits must not depend on which other requests share its round. The shapes of a
 sequence's forwards depend only on its own prompt. Greedy decoding (temperature 0) takes the first
-maximal logit; sampling uses a ``torch.Generator`` seeded from the request's ``seed``. Same
-prompt, same version, same options: same text.
+maximal logit; sampling (sampling.py) uses a ``torch.Generator`` seeded from the request's
+``seed``. Same prompt, same version, same options: same text.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,48 +44,48 @@ import torch
 from ggufswap import ipc
 from ggufswap.logs import get_logger
 from ggufswap.runtime.engine import HotSwapRuntime
+from ggufswap.runtime.errors import WeightsLost
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.runtime.models.registry import Decoder
 from ggufswap.runtime.serving.errors import Closed, InvalidRequest, QueueFull
+from ggufswap.runtime.serving.events import (
+    Ended,
+    Event,
+    EventQueue,
+    Failed,
+    FailureKind,
+    Finished,
+    FinishReason,
+    Generation,
+    GenerationState,
+    Started,
+    TextDelta,
+)
+from ggufswap.runtime.serving.sampling import Sampling, TokenLogprob, new_generator, pick
 from ggufswap.runtime.serving.streaming import first_stop, sendable_end
 from ggufswap.runtime.serving.tokenizer import GgufTokenizer
+
+__all__ = [  # the events are defined in events.py; callers may take them from here
+    "Batcher",
+    "BatcherOptions",
+    "Ended",
+    "Event",
+    "EventQueue",
+    "Failed",
+    "FailureKind",
+    "FinishReason",
+    "Finished",
+    "Generation",
+    "GenerationState",
+    "Sampling",
+    "Started",
+    "TextDelta",
+    "greedy_continuation",
+]
 
 log = get_logger(__name__)
 
 IDLE_WAIT_S: Final = 0.1  # an idle loop wakes on a request or a staged plan, or this often
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # end-of-sequence token or a stop string
-    LENGTH = "length"  # max_tokens reached
-
-
-class GenerationState(enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Sampling:
-    """How to decode: ``temperature == 0`` is greedy; ``seed`` fixes the sampler."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.max_tokens < 1:
-            problems.append(f"max_tokens must be >= 1, found {self.max_tokens}")
-        if not self.temperature >= 0.0:
-            problems.append(f"temperature must be >= 0, found {self.temperature}")
-        if any(not s for s in self.stop):
-            problems.append("stop strings must not be empty")
-        if problems:
-            raise InvalidRequest("; ".join(problems))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,74 +94,13 @@ class BatcherOptions:
     max_queue: int = 64  # prompts waiting to start; more get QueueFull
     request_timeout_s: float = 60.0  # from submit to the last token
     shutdown_grace_s: float = 5.0  # how long requests in flight may finish after stop
+    # A prompt longer than this many characters is refused before it is tokenized (None:
+    # PROMPT_CHARS_PER_TOKEN per token of the model's context): tokenizing a megabyte costs
+    # seconds and hundreds of megabytes, only to find it cannot fit.
+    max_prompt_chars: int | None = None
 
 
-# -- events, read by the submitting thread -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Started:
-    weight_version: int
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    index: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Finished:
-    index: int
-    reason: FinishReason
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class Ended:
-    weight_version: int
-    prompt_tokens: int
-    completion_tokens: int
-
-
-class FailureKind(str, enum.Enum):
-    TIMEOUT = "timeout"  # the request's deadline passed
-    SHUTDOWN = "shutdown"  # the server stopped before the request finished
-    ERROR = "error"  # the model or tokenizer raised
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-    kind: FailureKind = FailureKind.ERROR
-
-
-Event = Started | TextDelta | Finished | Ended | Failed
-
-
-@dataclass(eq=False)
-class Generation:
-    """One request: its prompts' token ids, options and the queue its events arrive on."""
-
-    prompts: tuple[tuple[int, ...], ...]
-    sampling: Sampling
-    deadline: float  # time.monotonic() after which the request fails
-    events: queue.Queue[Event] = field(default_factory=queue.Queue)
-    state: GenerationState = GenerationState.QUEUED
-    weight_version: int | None = None
-    _cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        """Stop generating (the client went away or gave up); safe from any thread."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
+PROMPT_CHARS_PER_TOKEN: Final = 8
 
 
 @dataclass(eq=False)
@@ -177,6 +115,7 @@ class _Sequence:
     cache: KVCache  # keys and values of ids[: cache.length], all from the request's version
     sent: int = 0  # characters of the completion already sent
     finished: bool = False
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def completion(self) -> list[int]:
@@ -221,13 +160,16 @@ class Batcher:
 
     # -- any thread ------------------------------------------------------------------------
 
-    def _encode(self, prompt: str, *, special: bool) -> list[int]:
+    def encode(self, text: str, *, special: bool, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text`` (thread-safe). ``special``: control-token texts are tokens
+        and a BOS the text starts with is not added twice; ``add_bos``: None as the file says."""
         with self._encode_lock:
             if not special:
-                return self.tokenizer.encode(prompt)
-            ids = self.tokenizer.encode(prompt, add_bos=False, parse_special=True)
+                return self.tokenizer.encode(text, add_bos=add_bos)
+            ids = self.tokenizer.encode(text, add_bos=False, parse_special=True)
         bos = self.tokenizer.bos_id
-        if self.tokenizer.vocab.add_bos and bos is not None and ids[:1] != [bos]:
+        wanted = self.tokenizer.vocab.add_bos if add_bos is None else add_bos
+        if wanted and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
         return ids
 
@@ -242,37 +184,68 @@ class Batcher:
             raise Closed("the server is shutting down")
         if not prompts:
             raise InvalidRequest("prompt must hold at least one string")
-        encoded = tuple(tuple(self._encode(p, special=special)) for p in prompts)
+        self._check_lengths(prompts)
+        sequences = len(prompts) * sampling.n
+        if sequences > self.options.max_batch:
+            raise InvalidRequest(
+                f"{len(prompts)} prompts x n={sampling.n} is {sequences} sequences in one "
+                f"request; this server decodes at most max_batch={self.options.max_batch} "
+                "sequences at once",
+                "too_many_prompts",
+            )
+        n_vocab = self.tokenizer.n_vocab
+        if any(not 0 <= token < n_vocab for token, _ in sampling.logit_bias):
+            raise InvalidRequest(
+                f"logit_bias names a token id outside the vocabulary (0..{n_vocab - 1})",
+                "invalid_logit_bias",
+            )
+        encoded = tuple(tuple(self.encode(p, special=special)) for p in prompts)
         problems = []
         for i, ids in enumerate(encoded):
             if not ids:
                 problems.append(f"prompt {i} is empty and the tokenizer adds no BOS token")
-            elif len(ids) + sampling.max_tokens > self.context_length:
+            elif len(ids) + (sampling.max_tokens or 1) > self.context_length:
                 problems.append(
                     f"prompt {i} has {len(ids)} tokens; with max_tokens={sampling.max_tokens} "
                     f"that exceeds the model's context of {self.context_length} tokens"
                 )
-        if len(prompts) > self.options.max_batch:
-            problems.append(
-                f"{len(prompts)} prompts in one request; this server decodes at most "
-                f"max_batch={self.options.max_batch} sequences at once"
-            )
         if problems:
-            raise InvalidRequest("; ".join(problems))
+            raise InvalidRequest("; ".join(problems), "context_length_exceeded")
         generation = Generation(
             encoded, sampling, deadline=time.monotonic() + self.options.request_timeout_s
         )
-        with self._lock:  # every prompt counts against the queue, not every request
-            if self._queued_prompts + len(prompts) > self.options.max_queue:
+        with self._lock:  # every sequence counts against the queue, not every request
+            if self._queued_prompts + sequences > self.options.max_queue:
                 self._counts["rejected_queue_full"] += 1
                 raise QueueFull(
                     f"{self._queued_prompts} prompts are already waiting (max_queue="
                     f"{self.options.max_queue}); retry later"
                 )
-            self._queued_prompts += len(prompts)
+            self._queued_prompts += sequences
             self._queue.put_nowait(generation)  # never full: each request holds a prompt
         self._arrived.set()
         return generation
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt, in characters, that is tokenized at all."""
+        chars = self.options.max_prompt_chars
+        return chars if chars is not None else self.context_length * PROMPT_CHARS_PER_TOKEN
+
+    def _check_lengths(self, prompts: Sequence[str]) -> None:
+        """Refuse, before tokenizing, a prompt longer than :attr:`max_prompt_chars`."""
+        cap = self.max_prompt_chars
+        long = [(i, len(p)) for i, p in enumerate(prompts) if len(p) > cap]
+        if long:
+            raise InvalidRequest(
+                "; ".join(
+                    f"prompt {i} has {n:,} characters; at most {cap:,} are taken "
+                    f"({PROMPT_CHARS_PER_TOKEN} per token of the model's context of "
+                    f"{self.context_length}), and it could not fit"
+                    for i, n in long
+                ),
+                "prompt_too_long",
+            )
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -312,9 +285,14 @@ class Batcher:
         if not self._active:  # a request boundary: the only place plans are committed
             try:
                 self.runtime.at_batch_boundary()
+            except WeightsLost:  # served tensors out of service: admit nothing until restored
+                return False
             except Exception:  # a commit callback failed; the commit itself stands
                 log.exception("serve.commit_callback_failed")
-        if not self._closed.is_set() and not self.runtime.wait_staged(0.0):
+        # While a plan is in flight (queued, staging or staged) no request starts: the ones
+        # running finish, the plan commits right after them, and staging does not compete with
+        # new work for the CPU. A commit waits at most for the longest request in flight.
+        if not self._closed.is_set() and self.runtime.plans_in_flight == 0:
             self._admit()
         if not self._active:
             return False
@@ -334,11 +312,11 @@ class Batcher:
                     return
             generation = self._held
             room = self.options.max_batch - len(self._active)
-            if len(generation.prompts) > room and not generation.cancelled:
+            if generation.sequences > room and not generation.cancelled:
                 return  # the request waits, whole, for room in the batch
             self._held = None
             with self._lock:
-                self._queued_prompts -= len(generation.prompts)
+                self._queued_prompts -= generation.sequences
             if generation.cancelled:
                 self._count("cancelled")
                 continue
@@ -348,20 +326,24 @@ class Batcher:
             generation.state = GenerationState.RUNNING
             generation.weight_version = version
             generation.events.put(Started(version))
-            self._remaining[generation] = len(generation.prompts)
-            for index, ids in enumerate(generation.prompts):
+            self._remaining[generation] = generation.sequences
+            n = generation.sampling.n
+            for index in range(generation.sequences):  # prompt i's choices: i * n ... i * n + n-1
+                ids = generation.prompts[index // n]
                 self._active.append(
                     _Sequence(
                         owner=generation,
                         index=index,
                         ids=list(ids),
                         n_prompt=len(ids),
-                        generator=_generator(generation.sampling, index),
-                        cache=self.model.new_cache(
-                            max_len=len(ids) + generation.sampling.max_tokens
-                        ),
+                        generator=new_generator(generation.sampling, index),
+                        cache=self.model.new_cache(max_len=self._limit(generation, ids) + len(ids)),
                     )
                 )
+
+    def _limit(self, generation: Generation, prompt: Sequence[int]) -> int:
+        """The most tokens a sequence of ``generation`` generates after ``prompt``."""
+        return generation.sampling.max_tokens or self.context_length - len(prompt)
 
     def _round(self) -> None:
         now = time.monotonic()
@@ -392,7 +374,15 @@ class Batcher:
         new = torch.tensor([seq.ids[cache.length :]], dtype=torch.long)  # [1, T]: prompt, then 1
         with torch.inference_mode():
             logits = self.model(new, start_pos=cache.length, cache=cache)[0, -1]  # [V]
-        next_id = _pick(logits, sampling.temperature, seq.generator)
+        next_id, logprob = pick(
+            logits,
+            sampling,
+            seq.generator,
+            prompt=seq.ids[: seq.n_prompt],
+            completion=seq.completion,
+        )
+        if logprob is not None:
+            seq.unsent_logprobs.append(logprob)
         eos = next_id == self.tokenizer.eos_id
         if not eos:
             seq.ids.append(next_id)
@@ -402,7 +392,7 @@ class Batcher:
             self._finish(seq, text[:cut], FinishReason.STOP)
         elif eos:
             self._finish(seq, text, FinishReason.STOP)
-        elif len(seq.completion) >= sampling.max_tokens:
+        elif len(seq.completion) >= self._limit(seq.owner, seq.ids[: seq.n_prompt]):
             self._finish(seq, text, FinishReason.LENGTH)
         else:
             end = sendable_end(self.tokenizer, seq.completion, text, sampling.stop, sent=seq.sent)
@@ -410,7 +400,9 @@ class Batcher:
 
     def _send(self, seq: _Sequence, text: str) -> None:
         if len(text) > seq.sent:
-            seq.owner.events.put(TextDelta(seq.index, text[seq.sent :]))
+            logprobs = tuple(seq.unsent_logprobs)
+            seq.unsent_logprobs.clear()
+            seq.owner.events.put(TextDelta(seq.index, text[seq.sent :], logprobs))
             seq.sent = len(text)
 
     def _finish(self, seq: _Sequence, text: str, reason: FinishReason) -> None:
@@ -419,7 +411,8 @@ class Batcher:
         owner = seq.owner
         n = len(seq.completion)
         self._completion_tokens[owner] += n
-        owner.events.put(Finished(seq.index, reason, n))
+        owner.events.put(Finished(seq.index, reason, n, tuple(seq.unsent_logprobs)))
+        seq.unsent_logprobs.clear()
         self._remaining[owner] -= 1
         if self._remaining[owner] == 0:
             assert owner.weight_version is not None, "a running request has a version"
@@ -469,18 +462,20 @@ class Batcher:
             self._fail(generation, "the server is shutting down", FailureKind.SHUTDOWN)
         self._active = []
 
+    def warm_up(self) -> None:
+        """One short prefill and decode step on the inference thread, nothing sent: the first
+        client does not pay for first-call allocations and kernel set-up."""
+        ids = self.encode("Hello", special=False) or [0]
+        cache = self.model.new_cache(max_len=len(ids) + 1)
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([ids]), cache=cache)[0, -1]  # [V]
+            self.model(
+                torch.tensor([[int(torch.argmax(logits))]]), start_pos=cache.length, cache=cache
+            )
+
     def close(self) -> None:
         """Refuse new requests from now on (the loop finishes the rest when stopped)."""
         self._closed.set()
-
-
-def _generator(sampling: Sampling, index: int) -> torch.Generator | None:
-    if sampling.temperature == 0.0:
-        return None
-    generator = torch.Generator()
-    seed = sampling.seed if sampling.seed is not None else random.SystemRandom().getrandbits(63)
-    generator.manual_seed((seed + index) % (1 << 63))
-    return generator
 
 
 def greedy_continuation(
@@ -499,12 +494,3 @@ def greedy_continuation(
                 logits = model(new, start_pos=cache.length, cache=cache)[0, -1]
             ids.append(int(torch.argmax(logits)))
     return ids[len(prompt) :]
-
-
-def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    """The next token: the first maximal logit when greedy, else a seeded sample."""
-    # logits: [V] float32
-    if temperature == 0.0 or generator is None:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))

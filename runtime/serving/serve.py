@@ -6,9 +6,11 @@ record what each ``weight_version`` produced:
 - ``probe``: every batch is the same fixed token batch; the loop records an xxh3 digest of its
   logits per version. A client compares it with a fresh load of the same files (bit-exactness
   across processes, without shipping logits).
-- ``perplexity``: batches walk a deterministic evaluation stream; a pass completed entirely on
-  one version gives that version's perplexity (a pass interrupted by a commit starts over). This
-  is the per-expert sweep's measurement.
+- ``perplexity``: batches walk a deterministic evaluation stream cut in windows of ``eval_ctx``
+  tokens, each scored as the one protocol scores a chunk (its second half,
+  :func:`~.perplexity.batch_nll`: the figure ``ggufswap perplexity`` and the sweep give for the
+  same tokens); a pass completed entirely on one version gives that version's perplexity (a pass
+  interrupted by a commit starts over). This is the per-expert sweep's measurement.
 
 A third mode, ``http``, serves completions over HTTP instead of this loop (``runtime.generate``
 and ``runtime.http``); its options live here too so that the daemon takes one options record.
@@ -27,6 +29,7 @@ from typing import Any, Final
 import torch
 
 from ggufswap.runtime.engine import HotSwapRuntime
+from ggufswap.runtime.errors import WeightsLost
 from ggufswap.runtime.models.registry import Decoder
 from ggufswap.runtime.serving.perplexity import NllStats, batch_nll, make_eval_tokens, token_windows
 from ggufswap.shards import fingerprint_bytes
@@ -86,6 +89,7 @@ class ServeLoop:
         self._digests: dict[int, set[str]] = {}
         self.batches = 0
         self.failed_batches = 0
+        self.refused_batches = 0  # not run: served tensors were out of service (WeightsLost)
         self.last_batch_s: float | None = None
         self._pass_version: int | None = None
         self._pass_index = 0
@@ -99,13 +103,22 @@ class ServeLoop:
             stop.wait(self.options.batch_interval_s)
 
     def step(self) -> int:
-        """Commit what is staged, then run one batch; return the version it ran on."""
-        version = self.runtime.at_batch_boundary()
+        """Commit what is staged, then run one batch; return the version it ran on (a batch
+        is refused, not run, while served tensors are out of service: ``WeightsLost``)."""
+        try:
+            version = self.runtime.at_batch_boundary()
+        except WeightsLost:  # logged by the runtime; a commit of the agent's plan ends it
+            self.refused_batches += 1
+            return self.runtime.weight_version
         started = time.perf_counter()
         try:
             with torch.inference_mode():
                 if self.options.mode is Mode.PROBE:
-                    self._record(version, digest=logits_digest(self.model(self._probe)))
+                    digest = logits_digest(self.model(self._probe))
+                    if not self.runtime.batch_intact():  # served bytes changed meanwhile
+                        self.refused_batches += 1
+                        return version
+                    self._record(version, digest=digest)
                 else:
                     self._perplexity_step(version)
         except Exception:
@@ -118,7 +131,12 @@ class ServeLoop:
     def _perplexity_step(self, version: int) -> None:
         if version != self._pass_version:  # a commit interrupted the pass: start over
             self._pass_version, self._pass_index, self._pass_stats = version, 0, NllStats()
-        self._pass_stats = self._pass_stats + batch_nll(self.model, self._windows[self._pass_index])
+        stats = batch_nll(self.model, self._windows[self._pass_index])
+        if not self.runtime.batch_intact():  # served bytes changed meanwhile: start over
+            self._pass_version = -1
+            self.refused_batches += 1
+            return
+        self._pass_stats = self._pass_stats + stats
         self._pass_index += 1
         if self._pass_index == len(self._windows):
             stats = self._pass_stats
@@ -153,6 +171,7 @@ class ServeLoop:
                 "mode": self.options.mode.value,
                 "batches": self.batches,
                 "failed_batches": self.failed_batches,
+                "refused_batches": self.refused_batches,
                 "last_batch_ms": None
                 if self.last_batch_s is None
                 else round(self.last_batch_s * 1e3, 3),

@@ -18,16 +18,30 @@ are always matched whole, as llama.cpp does. ``tokenizer.ggml.add_bos_token`` /
 
 from __future__ import annotations
 
+import array
 import enum
 import os
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
+import xxhash
+
+from ggufswap.logs import get_logger
 from ggufswap.runtime.serving.errors import TokenizerError
 from ggufswap.shards import read_header
 from ggufswap.shards.keys import Keys
 from ggufswap.shards.reader import read_array
+
+log = get_logger(__name__)
+
+# The SPM merges of a vocabulary, kept by its digest: ``$GGUFSWAP_TOKENIZER_CACHE`` (a directory;
+# ``off`` disables it), else ``$XDG_CACHE_HOME/ggufswap/tokenizers`` (the runtime unit points
+# XDG_CACHE_HOME at its CacheDirectory=), else ``~/.cache/ggufswap/tokenizers``.
+CACHE_ENV: Final = "GGUFSWAP_TOKENIZER_CACHE"
+_CACHE_MAGIC: Final = b"ggufswap-spm-merges-1\n"
 
 
 class TokenizerKind(str, enum.Enum):
@@ -90,7 +104,10 @@ class Vocabulary:
     def from_metadata(
         cls, md: Mapping[str, Any], array: Callable[[str], list[Any]] | None = None
     ) -> Vocabulary:
-        """Read ``tokenizer.ggml.*``; ``array(key)`` decodes arrays left on disk (read_array)."""
+        """Read ``tokenizer.ggml.*``; ``array(key)`` decodes arrays left on disk (read_array).
+
+        Size: being reworked by issue 29; split there.
+        """
         k = Keys.Tokenizer
 
         def arr(key: str) -> list[Any] | None:
@@ -156,27 +173,145 @@ class Vocabulary:
         )
 
 
+# The merge extraction examines, for each normal token, only the cuts whose two halves have
+# lengths that vocabulary tokens have, at a cost of the token's length each; this many such
+# characters per character of the vocabulary (plus a constant) is the most it will do, known
+# before it starts. Real vocabularies stay under it (Gemma 3's 262k tokens: about 8 per
+# character); a vocabulary built to make the extraction quadratic is refused at once rather
+# than stalling every start.
+MERGE_WORK_PER_CHAR: Final = 24
+MERGE_WORK_FLOOR: Final = 1 << 22
+
+
 def spm_merges(vocab: Vocabulary) -> list[tuple[str, str]]:
     """Every split of a normal token into two vocabulary tokens, best merged score first."""
+    tokens = vocab.tokens
+    return [(tokens[a], tokens[b]) for a, b in spm_merge_ids(vocab)]
+
+
+def vocabulary_digest(vocab: Vocabulary) -> str:
+    """xxh3-128 of the tokens, their types and scores: what the merges depend on."""
+    h = xxhash.xxh3_128()
+    h.update("\0".join(vocab.tokens).encode("utf-8", "surrogatepass"))
+    h.update(array.array("q", vocab.token_types).tobytes())
+    h.update(array.array("d", vocab.scores or ()).tobytes())
+    return h.hexdigest()
+
+
+def cache_dir() -> Path | None:
+    """Where merges are cached, or None when ``$GGUFSWAP_TOKENIZER_CACHE`` is ``off``."""
+    chosen = os.environ.get(CACHE_ENV)
+    if chosen:
+        return None if chosen == "off" else Path(chosen)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ggufswap" / "tokenizers"
+
+
+def cached_merges(vocab: Vocabulary, directory: Path | None) -> list[tuple[str, str]]:
+    """:func:`spm_merges`, read from ``directory`` when a run before wrote them there (a file
+    named by :func:`vocabulary_digest`, its content checked by its own xxh3), else computed and
+    written. A cache that cannot be read or written is only logged."""
+    flat = _read_cache(vocab, directory)
+    if flat is None:
+        flat = array.array("i", [i for pair in spm_merge_ids(vocab) for i in pair])
+        if directory is not None:
+            _write_cache(vocab, directory, flat)
+    get = vocab.tokens.__getitem__
+    return list(zip(map(get, flat[::2]), map(get, flat[1::2]), strict=True))
+
+
+def _cache_path(vocab: Vocabulary, directory: Path) -> Path:
+    return directory / f"{vocabulary_digest(vocab)}.merges"
+
+
+def _read_cache(vocab: Vocabulary, directory: Path | None) -> array.array[int] | None:
+    if directory is None:
+        return None
+    path = _cache_path(vocab, directory)
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    head = len(_CACHE_MAGIC) + 16
+    digest = data[len(_CACHE_MAGIC) : head]
+    if data[: len(_CACHE_MAGIC)] == _CACHE_MAGIC and xxhash.xxh3_128_digest(data[head:]) == digest:
+        flat = array.array("i")
+        flat.frombytes(data[head:])
+        if len(flat) % 2 == 0 and (not flat or 0 <= min(flat) <= max(flat) < len(vocab.tokens)):
+            return flat
+    log.warning("tokenizer.cache_unreadable", path=str(path), action="computing the merges")
+    return None
+
+
+def _write_cache(vocab: Vocabulary, directory: Path, flat: array.array[int]) -> None:
+    path = _cache_path(vocab, directory)
+    body = flat.tobytes()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, delete=False, suffix=".tmp") as tmp:
+            tmp.write(_CACHE_MAGIC + xxhash.xxh3_128_digest(body) + body)
+        os.replace(tmp.name, path)
+    except OSError as exc:
+        log.info("tokenizer.cache_not_written", path=str(path), error=str(exc))
+
+
+def spm_merge_ids(vocab: Vocabulary) -> list[tuple[int, int]]:
+    """:func:`spm_merges` as token id pairs.
+
+    Linear in the vocabulary's characters: tokens are taken by length, and a cut is tried only
+    where both halves have a length some token has, for every token of that length at once (the
+    slicing and look-ups run in C, ``map`` over a list). The work is bounded
+    (:data:`MERGE_WORK_PER_CHAR`); a vocabulary past the bound raises :class:`TokenizerError`.
+    """
     assert vocab.scores is not None, "SPM vocabularies carry scores (checked when read)"
-    index = {tok: i for i, tok in enumerate(vocab.tokens)}
-    ranked: list[tuple[float, int, int, str, str]] = []
-    for i, piece in enumerate(vocab.tokens):
-        if vocab.token_types[i] != TokenType.NORMAL or len(piece) < 2:
-            continue
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            a, b = index.get(left), index.get(right)
-            if a is not None and b is not None:
-                ranked.append((-vocab.scores[i], a, b, left, right))
-    ranked.sort(key=lambda r: r[:3])
-    return [(left, right) for *_, left, right in ranked]
+    tokens, types, scores = vocab.tokens, vocab.token_types, vocab.scores
+    index = {tok: i for i, tok in enumerate(tokens)}
+    present = {len(t) for t in tokens}
+    by_length: dict[int, list[int]] = {}
+    for i, piece in enumerate(tokens):
+        if types[i] == TokenType.NORMAL and len(piece) >= 2:
+            by_length.setdefault(len(piece), []).append(i)
+    budget = MERGE_WORK_PER_CHAR * sum(len(t) for t in tokens) + MERGE_WORK_FLOOR
+    cuts: dict[int, list[int]] = {}
+    work = 0
+    for n, ids in sorted(by_length.items()):  # the work is known before any is done
+        cuts[n] = [c for c in sorted(present) if c < n and n - c in present]
+        work += n * len(ids) * len(cuts[n])
+        if work > budget:
+            raise _too_much_work(tokens, present, budget)
+    ranked: list[tuple[float, int, int]] = []
+    for n, ids in sorted(by_length.items()):
+        pieces = [tokens[i] for i in ids]
+        for cut in cuts[n]:
+            lefts = list(map(index.get, [p[:cut] for p in pieces]))
+            found = [k for k, a in enumerate(lefts) if a is not None]
+            rights = list(map(index.get, [pieces[k][cut:] for k in found]))
+            ranked.extend(
+                (-scores[ids[k]], lefts[k], b)  # type: ignore[misc]
+                for k, b in zip(found, rights, strict=True)
+                if b is not None
+            )
+    ranked.sort()
+    return [(a, b) for _, a, b in ranked]
+
+
+def _too_much_work(tokens: Sequence[str], present: set[int], budget: int) -> TokenizerError:
+    longest = max(range(len(tokens)), key=lambda i: len(tokens[i]))
+    return TokenizerError(
+        f"{Keys.Tokenizer.TOKENS}: extracting the merges would examine more than {budget:,} "
+        f"characters ({MERGE_WORK_PER_CHAR} per character of the vocabulary); the vocabulary "
+        f"has {len(present):,} distinct token lengths up to {len(tokens[longest]):,} characters "
+        f"(token {longest}): it is not a real SentencePiece vocabulary; fix the file's "
+        f"{Keys.Tokenizer.TOKENS}"
+    )
 
 
 class GgufTokenizer:
     """Text <-> token ids for one GGUF vocabulary."""
 
-    def __init__(self, vocab: Vocabulary) -> None:
+    def __init__(self, vocab: Vocabulary, *, merges_cache: Path | None = None) -> None:
+        """``merges_cache``: a directory that keeps an SPM vocabulary's merges (:func:`cache_dir`
+        in the daemon; None computes them)."""
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
         from tokenizers import pre_tokenizers as pre
 
@@ -184,9 +319,8 @@ class GgufTokenizer:
         ids = {tok: i for i, tok in enumerate(vocab.tokens)}
         unk = None if vocab.unk_id is None else vocab.tokens[vocab.unk_id]
         if vocab.kind is TokenizerKind.SPM:
-            model = models.BPE(
-                ids, spm_merges(vocab), unk_token=unk, byte_fallback=True, fuse_unk=True
-            )
+            merges = cached_merges(vocab, merges_cache)
+            model = models.BPE(ids, merges, unk_token=unk, byte_fallback=True, fuse_unk=True)
             tok = Tokenizer(model)
             steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", SPACE)]
             if vocab.add_space_prefix:
@@ -217,10 +351,13 @@ class GgufTokenizer:
         self._tok = tok
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> GgufTokenizer:
+    def from_file(
+        cls, path: str | os.PathLike[str], *, merges_cache: Path | None = None
+    ) -> GgufTokenizer:
         """The tokenizer of a GGUF file (the first shard of a split model holds it)."""
         header = read_header(path)
-        return cls(Vocabulary.from_metadata(header.metadata, lambda key: read_array(header, key)))
+        vocab = Vocabulary.from_metadata(header.metadata, lambda key: read_array(header, key))
+        return cls(vocab, merges_cache=merges_cache)
 
     @property
     def n_vocab(self) -> int:
@@ -271,6 +408,19 @@ class GgufTokenizer:
             run += 1
         return run
 
+    def piece_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for in text (a response's logprobs show them): a byte
+        token's byte, an SPM piece with ``▁`` as a space, a byte-level BPE piece decoded;
+        control tokens as written."""
+        token = self.vocab.tokens[token_id]
+        kind = self.vocab.token_types[token_id]
+        if kind == TokenType.BYTE and len(token) == 6 and token.startswith("<0x"):
+            return bytes([int(token[3:5], 16)])
+        if kind in (TokenType.CONTROL, TokenType.UNKNOWN) or self.vocab.kind is TokenizerKind.SPM:
+            return token.replace(SPACE, " ").encode()
+        table = _byte_decoder()
+        return bytes(table.get(ch, ord(" ")) for ch in token)
+
     def token(self, token_id: int) -> str:
         """The vocabulary entry of ``token_id`` (``▁``-spaced for SPM, byte-level for BPE)."""
         return self.vocab.tokens[token_id]
@@ -279,3 +429,20 @@ class GgufTokenizer:
         """The id of a vocabulary entry, or None."""
         found: int | None = self._tok.token_to_id(token)
         return found
+
+
+_BYTE_DECODER: dict[str, int] = {}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (the inverse of its ``bytes_to_unicode``)."""
+    if not _BYTE_DECODER:
+        kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+        shifted = 0
+        for byte in range(256):
+            if byte in kept:
+                _BYTE_DECODER[chr(byte)] = byte
+            else:
+                _BYTE_DECODER[chr(256 + shifted)] = byte
+                shifted += 1
+    return _BYTE_DECODER

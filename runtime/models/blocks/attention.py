@@ -1,0 +1,170 @@
+"""Grouped-query causal self-attention (llama.cpp's ``build_attn`` over ``build_qkv``) and the
+sliding-window mask of the local layers.
+
+Call signature of every attention module: ``attn(x [B, T, D], rope, mask, cache) -> [B, T, D]``,
+``mask`` a ``[T, S]`` bool (True = may attend) or None for plain causal attention within the
+forward; the cache (``KVCache``) holds the keys and values of earlier positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
+from torch import Tensor, nn
+
+from ggufswap.runtime.models.blocks.norms import rms_norm
+from ggufswap.runtime.models.blocks.rope import RopeTables
+from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider, linear, linears
+from ggufswap.runtime.models.hparams import HParams
+from ggufswap.runtime.models.kv_cache import KVCache
+from ggufswap.shards.keys import TensorNames
+
+
+def sliding_window_mask(length: int, window: int, device: torch.device) -> Tensor:
+    """``[T, T]`` bool, True where query ``i`` may attend key ``j``: ``0 <= i - j < window``."""
+    pos = torch.arange(length, device=device)
+    dist = pos[:, None] - pos[None, :]  # [T, T]: i - j
+    return (dist >= 0) & (dist < window)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with optional Q/K biases and per-head Q/K norms."""
+
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: TensorSpec):
+        super().__init__()
+        self.config, self.weights, self.layer = config, weights, layer
+        d, hd = config.n_embd, config.head_dim
+        q_dim, kv_dim = config.n_head * hd, config.n_head_kv * hd
+        tn = TensorNames
+        self.wq = spec.need(tn.ATTN_Q.format(layer, "weight"), (q_dim, d))
+        self.wk = spec.need(tn.ATTN_K.format(layer, "weight"), (kv_dim, d))
+        self.wv = spec.need(tn.ATTN_V.format(layer, "weight"), (kv_dim, d))
+        self.wo = spec.need(tn.ATTN_OUT.format(layer, "weight"), (d, q_dim))
+        self.bq = spec.maybe(weights, tn.ATTN_Q.format(layer, "bias"), (q_dim,))
+        self.bk = spec.maybe(weights, tn.ATTN_K.format(layer, "bias"), (kv_dim,))
+        self.bv = spec.maybe(weights, tn.ATTN_V.format(layer, "bias"), (kv_dim,))
+        self.bo = spec.maybe(weights, tn.ATTN_OUT.format(layer, "bias"), (d,))
+        self.q_norm = spec.maybe(weights, tn.ATTN_Q_NORM.format(layer), (hd,))
+        self.k_norm = spec.maybe(weights, tn.ATTN_K_NORM.format(layer), (hd,))
+
+    def _proj(self, x: Tensor, w: str, b: str | None) -> Tensor:
+        return linear(x, self.weights.matrix(w), None if b is None else self.weights.weight(b))
+
+    def _norm(self, x: Tensor, name: str | None) -> Tensor:
+        return x if name is None else rms_norm(x, self.weights.weight(name), self.config.norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        rope: RopeTables,
+        mask: Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        """Causal attention, or attention under ``mask`` ([T, S] bool, True = may attend). With
+        ``cache`` the keys are the cached ones then this forward's (S = cache.length + T)."""
+        # x: [B, T, D]
+        c, (bsz, seq, _) = self.config, x.shape
+        w, b = self.weights, self.weights.weight
+        q, k, v = linears(  # one ggml call where ggml multiplies all three (x quantized once)
+            x,
+            [w.matrix(self.wq), w.matrix(self.wk), w.matrix(self.wv)],
+            [None if name is None else b(name) for name in (self.bq, self.bk, self.bv)],
+        )
+        q = q.view(bsz, seq, c.n_head, c.head_dim)  # [B, T, H, hd]
+        k = k.view(bsz, seq, c.n_head_kv, c.head_dim)  # [B, T, Hkv, hd]
+        v = v.view(bsz, seq, c.n_head_kv, c.head_dim)
+        q = rope.rotate(self._norm(q, self.q_norm))
+        k = rope.rotate(self._norm(k, self.k_norm))
+        y = attend(q, k, v, layer=self.layer, scale=c.attn_scale, mask=mask, cache=cache)
+        return self._proj(y, self.wo, self.bo)  # [B, T, D]
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    layer: int,
+    scale: float,
+    mask: Tensor | None,
+    cache: KVCache | None,
+) -> Tensor:
+    """Grouped-query attention of ``q [B, T, H, hd]`` over ``k, v [B, T, Hkv, hd]`` (with the
+    cached keys and values first when ``cache``): query head ``h`` reads kv head ``h // (H /
+    Hkv)``, without copies of K/V (:func:`grouped_attention`); ``[B, T, H * hd]``."""
+    bsz, seq, heads, _ = q.shape
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H(kv), T, hd]
+    if cache is not None:  # the rope tables already carry start_pos = cache.length
+        k, v = cache.update(layer, k, v)  # [B, Hkv, S, hd]
+    y = grouped_attention(q, k, v, mask, scale=scale)  # [B, H, T, hd]
+    return y.transpose(1, 2).reshape(bsz, seq, heads * v.shape[-1])  # [B, T, H*hd]
+
+
+def group_queries(q: Tensor, n_head_kv: int) -> Tensor:
+    """``q [B, H, T, hd]`` as ``[B, Hkv, g*T, hd]``: the ``g = H / Hkv`` query heads that read
+    one kv head (query head ``h`` reads kv head ``h // g``) as rows of one query block."""
+    bsz, n_head, seq, hd = q.shape
+    return q.reshape(bsz, n_head_kv, n_head // n_head_kv * seq, hd)
+
+
+def grouped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: float
+) -> Tensor:
+    """Grouped-query attention without copies of K/V: ``q [B, H, T, hd]``, ``k, v [B, Hkv, S,
+    hd]``, ``mask [T, S]`` (True = may attend; None = causal); ``[B, H, T, hd]``.
+
+    llama.cpp's attention reads each kv head's keys and values once for the ``H / Hkv`` query
+    heads that share it; ``repeat_interleave`` of K/V to ``H`` heads would copy the whole cache
+    every step (a decode step's cost then grows with the context faster than llama.cpp's). A
+    decode step (one query) puts the query heads of each kv head in one block of rows, so each
+    K/V is read once per step; more queries use torch's grouped-query attention (``enable_gqa``,
+    causal without a mask)."""
+    bsz, n_head, seq, _ = q.shape
+    group = n_head // k.shape[1]
+    if group == 1 or seq > 1:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
+        )
+    rows = None  # one query attending every key (a decode step within its window): no mask
+    if mask is not None and not bool(mask.all()):
+        rows = mask.repeat(group, 1)  # [g, S]: the one query position, for each head of a group
+    y = F.scaled_dot_product_attention(
+        group_queries(q, k.shape[1]), k, v, attn_mask=rows, scale=scale
+    )
+    return y.reshape(bsz, n_head, seq, v.shape[-1])
+
+
+class GatedAttention(nn.Module):
+    """Qwen3-Next / Qwen3.5 full attention: ``attn_q`` gives each head its query and an output
+    gate (``[q, gate]`` per head), per-head Q/K RMS norms (required), RoPE, grouped-query
+    attention, then the output times ``sigmoid(gate)`` before ``attn_output``."""
+
+    def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: TensorSpec):
+        super().__init__()
+        self.config, self.weights, self.layer = config, weights, layer
+        d, hd = config.n_embd, config.head_dim
+        q_dim, kv_dim = config.n_head * hd, config.n_head_kv * hd
+        tn = TensorNames
+        self.wq = spec.need(tn.ATTN_Q.format(layer, "weight"), (2 * q_dim, d))
+        self.wk = spec.need(tn.ATTN_K.format(layer, "weight"), (kv_dim, d))
+        self.wv = spec.need(tn.ATTN_V.format(layer, "weight"), (kv_dim, d))
+        self.wo = spec.need(tn.ATTN_OUT.format(layer, "weight"), (d, q_dim))
+        self.q_norm = spec.need(tn.ATTN_Q_NORM.format(layer), (hd,))
+        self.k_norm = spec.need(tn.ATTN_K_NORM.format(layer), (hd,))
+
+    def forward(
+        self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
+    ) -> Tensor:
+        # x: [B, T, D]
+        c, w = self.config, self.weights
+        bsz, seq, _ = x.shape
+        qg, k, v = linears(x, [w.matrix(self.wq), w.matrix(self.wk), w.matrix(self.wv)])
+        qg = qg.view(bsz, seq, c.n_head, 2 * c.head_dim)
+        q, gate = qg[..., : c.head_dim], qg[..., c.head_dim :]  # [B, T, H, hd] each
+        k = k.view(bsz, seq, c.n_head_kv, c.head_dim)
+        v = v.view(bsz, seq, c.n_head_kv, c.head_dim)
+        q = rope.rotate(rms_norm(q, w.weight(self.q_norm), c.norm_eps))
+        k = rope.rotate(rms_norm(k, w.weight(self.k_norm), c.norm_eps))
+        y = attend(q, k, v, layer=self.layer, scale=c.attn_scale, mask=mask, cache=cache)
+        y = y * torch.sigmoid(gate.reshape(bsz, seq, -1))
+        return linear(y, w.matrix(self.wo))  # [B, T, D]

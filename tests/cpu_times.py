@@ -1,0 +1,70 @@
+"""The CPU time of each test, for measuring the suite on a busy machine, where wall-clock
+durations (``--durations``) say more about the neighbours than about the test.
+
+``GGUFSWAP_TEST_CPU_TOP=N`` lists the N tests that used the most CPU: the test's own process
+(setup, call and teardown) plus the child processes it waited for (``subprocess.run``, a
+``Popen`` it waited on). A process nobody waits for (the zygote's children, which the kernel
+reaps) is not counted. Under pytest-xdist the workers send their figures to the controller.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator
+
+import pytest
+
+ENV = "GGUFSWAP_TEST_CPU_TOP"
+_PROPERTY = "ggufswap_cpu_s"
+
+
+def _cpu_s() -> tuple[float, float]:
+    """CPU seconds of this process and of its waited-for children, so far."""
+    t = os.times()
+    return t.user + t.system, t.children_user + t.children_system
+
+
+class CpuTimes:
+    """The plugin (registered by tests/conftest.py when ``GGUFSWAP_TEST_CPU_TOP`` is set)."""
+
+    def __init__(self, top: int) -> None:
+        self.top = top
+        self.started: dict[str, tuple[float, float]] = {}
+        self.seconds: dict[str, tuple[float, float]] = {}
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        self.started[item.nodeid] = _cpu_s()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        """The teardown's report carries the test's figures (to the controller, under xdist)."""
+        report = yield
+        if report.when == "teardown" and item.nodeid in self.started:
+            own, children = self.started.pop(item.nodeid)
+            own_now, children_now = _cpu_s()
+            report.user_properties.append((_PROPERTY, (own_now - own, children_now - children)))
+        return report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        for name, value in report.user_properties:
+            if name == _PROPERTY:
+                self.seconds[report.nodeid] = (float(value[0]), float(value[1]))
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if hasattr(terminalreporter.config, "workerinput"):
+            return
+        total = sum(own + children for own, children in self.seconds.values())
+        terminalreporter.section(f"CPU time of {len(self.seconds)} tests: {total:.1f} s", sep="=")
+        ranked = sorted(self.seconds.items(), key=lambda kv: -sum(kv[1]))[: self.top]
+        for nodeid, (own, children) in ranked:
+            terminalreporter.line(f"{own + children:7.2f}s  ({children:6.2f}s children)  {nodeid}")
+        modules: dict[str, float] = {}
+        for nodeid, (own, children) in self.seconds.items():
+            module = nodeid.split("::", 1)[0]
+            modules[module] = modules.get(module, 0.0) + own + children
+        terminalreporter.section("CPU time by module", sep="-")
+        for module, seconds in sorted(modules.items(), key=lambda kv: -kv[1])[: self.top]:
+            terminalreporter.line(f"{seconds:7.2f}s  {module}")
