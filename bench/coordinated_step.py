@@ -1,12 +1,19 @@
-"""What coordination costs a step: ``at_batch_boundary()`` with nothing staged on a runtime that
-is one rank of a gloo group (one all-gather per call) against the same call on a runtime without
-a group (one attribute check), same ranks, same run; and the tiny model's forward pass beside it.
+"""What coordination costs a step with nothing staged anywhere: ``at_batch_boundary()`` on a
+runtime that is one rank of a gloo group, against the same call without a group (one attribute
+check) and against what a step cost before issue 30 (one ``all_gather_object`` of a rank's empty
+view at every step, run here as the old code ran it), same ranks, same run.
 
-    python bench/coordinated_step.py [--ranks 2] [--steps 2000]
+    python bench/coordinated_step.py [--ranks 2] [--steps 200]
 
-The ranks are processes started with ``torch.multiprocessing.spawn`` on this host (gloo over
-loopback TCP), one torch thread each. Each rank times its own calls; the script prints rank 0's
-medians of 5 rounds. Only the CPU and gloo are measured here.
+Two serving loops, a forward pass of the tiny model between two calls (the call alone timed):
+*lockstep* (the forward is followed by one all-reduce, as a sharded model's forward is a
+collective: the ranks are already in step, and what the agreement adds is its own cost) and
+*independent* (replicated ranks with no collective of their own: any agreement makes the faster
+rank wait for the slower one, so there the figure is mostly the ranks' difference in pace).
+The ranks are processes started with
+``torch.multiprocessing.spawn`` on this host (gloo over loopback TCP), one torch thread each.
+Each rank times its own calls; the script prints rank 0's medians of 5 rounds. Only the CPU and
+gloo are measured here.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime.coordinated import RankView
 from ggufswap.runtime.models import Transformer
 from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.serving.serve import probe_tokens
@@ -35,12 +44,27 @@ from ggufswap.shards import Layout, tiny_dense, write_model
 ROUNDS = 5
 
 
-def _per_call_us(call: object, steps: int) -> float:
-    assert callable(call), "a callable"
-    started = time.perf_counter()
+def _per_call_us(call: Callable[[], object], steps: int, between: Callable[[], object]) -> float:
+    """Mean µs of ``call`` over ``steps`` calls, ``between`` run (untimed) after each."""
+    spent = 0.0
     for _ in range(steps):
+        started = time.perf_counter()
         call()
-    return (time.perf_counter() - started) / steps * 1e6
+        spent += time.perf_counter() - started
+        between()
+    return spent / steps * 1e6
+
+
+def _gather_every_step(rank: int, ranks: int) -> Callable[[], object]:
+    """The step before issue 30: one all-gather of this rank's (empty) view at every call."""
+    view = RankView(rank=rank, ballots=())
+
+    def step() -> object:
+        views: list[object] = [None] * ranks
+        dist.all_gather_object(views, view)
+        return views
+
+    return step
 
 
 def _rank(rank: int, ranks: int, first: str, init: str, steps: int, out: str) -> None:
@@ -59,14 +83,28 @@ def _rank(rank: int, ranks: int, first: str, init: str, steps: int, out: str) ->
         with torch.inference_mode():
             model(tokens)
 
-    rows: dict[str, list[float]] = {"alone": [], "grouped": [], "forward": []}
+    flag = torch.zeros(1)
+
+    def lockstep() -> None:
+        forward()
+        dist.all_reduce(flag)  # a sharded model's forward ends in a collective
+
+    calls = {
+        "alone": alone.at_batch_boundary,
+        "before": _gather_every_step(rank, ranks),
+        "grouped": grouped.at_batch_boundary,
+    }
+    loops = {"lockstep": lockstep, "independent": forward}
+    rows: dict[str, list[float]] = {f"{k}_{loop}": [] for k in calls for loop in loops}
+    rows["forward"] = []
     for _ in range(ROUNDS):
+        for name, call in calls.items():
+            for loop, between in loops.items():
+                dist.barrier()
+                rows[f"{name}_{loop}"].append(_per_call_us(call, steps, between))
         dist.barrier()
-        rows["alone"].append(_per_call_us(alone.at_batch_boundary, steps))
-        dist.barrier()
-        rows["grouped"].append(_per_call_us(grouped.at_batch_boundary, steps))
-        dist.barrier()
-        rows["forward"].append(_per_call_us(forward, max(1, steps // 20)))
+        rows["forward"].append(_per_call_us(forward, steps, lambda: None))
+    assert grouped.status()["group"]["gathers"] == 0, "nothing was staged: no gather"
     alone.close()
     grouped.close()
     if rank == 0:
@@ -87,21 +125,21 @@ def measure(ranks: int, steps: int) -> dict[str, float]:
 
 
 def run(quick: bool) -> list[dict[str, object]]:
-    """The row for ``bench/run_all.py``: coordination is a cost, so there is no target. The
-    ranks are spawned from this file run as a script (``run_all`` loads it under a name the
-    spawned processes could not import)."""
+    """The row for ``bench/run_all.py``: the idle step in a serving loop, before (a gather every
+    step) against now (the probe); no target. The ranks are spawned from this file run as a
+    script (``run_all`` loads it under a name the spawned processes could not import)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "medians")
-        steps = "200" if quick else "2000"
+        steps = "50" if quick else "200"
         command = [sys.executable, __file__, "--steps", steps, "--medians", str(out)]
         subprocess.run(command, check=True, capture_output=True, timeout=600)
         medians = ast.literal_eval(out.read_text())
     return [
         {
-            "name": "at_batch_boundary: no group vs a 2-rank gloo group",
-            "baseline_s": medians["alone"] / 1e6,
-            "ours_s": medians["grouped"] / 1e6,
-            "ratio": medians["alone"] / medians["grouped"],
+            "name": "idle at_batch_boundary, lockstep 2-rank gloo loop: gather vs probe",
+            "baseline_s": medians["before_lockstep"] / 1e6,
+            "ours_s": medians["grouped_lockstep"] / 1e6,
+            "ratio": medians["before_lockstep"] / medians["grouped_lockstep"],
             "target": None,
         }
     ]
@@ -110,18 +148,24 @@ def run(quick: bool) -> list[dict[str, object]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--medians", type=Path, help="also write the medians here (for run())")
     args = parser.parse_args()
     medians = measure(args.ranks, args.steps)
     if args.medians is not None:
         args.medians.write_text(repr(medians))
-    alone, grouped, forward = medians["alone"], medians["grouped"], medians["forward"]
     print(f"ranks={args.ranks} steps={args.steps} (median of {ROUNDS} rounds, rank 0, 1 thread)")
-    print(f"at_batch_boundary, no group:    {alone:10.2f} us/step (baseline)")
-    print(f"at_batch_boundary, gloo group:  {grouped:10.2f} us/step ({grouped / alone:.0f}x)")
-    print(f"tiny model forward [2x16]:      {forward:10.2f} us/step")
-    print(f"coordination / forward:         {grouped / forward:10.3f}")
+    print(f"{'us per idle at_batch_boundary':34} {'lockstep loop':>14} {'independent':>12}")
+    for name, label in (
+        ("alone", "no group (baseline)"),
+        ("before", "group, before: a gather per step"),
+        ("grouped", "group, now: the probe"),
+    ):
+        lockstep, independent = medians[f"{name}_lockstep"], medians[f"{name}_independent"]
+        print(f"{label:34} {lockstep:14.2f} {independent:12.2f}")
+    before, now = medians["before_lockstep"], medians["grouped_lockstep"]
+    print(f"tiny model forward [2x16]:         {medians['forward']:14.2f}")
+    print(f"lockstep loop, before / now:       {before / now:14.1f}x")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from ggufswap.ipc import (
 from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
 from ggufswap.runtime.commit import commit
-from ggufswap.runtime.coordinated import Coordinator, Decision
+from ggufswap.runtime.coordinated import Coordinator, Decision, GroupOptions
 from ggufswap.runtime.errors import PlanRejected, RuntimeLibraryError, StagingFailed, WeightsLost
 from ggufswap.runtime.history import PlanHistory
 from ggufswap.runtime.integrity import check_mapped
@@ -146,7 +146,7 @@ class HotSwapRuntime:
         model_name: str | None = None,
         progress: bool = False,
         on_progress: Callable[[int, int], None] | None = None,
-        group: torch.distributed.ProcessGroup | bool | None = None,
+        group: torch.distributed.ProcessGroup | GroupOptions | bool | None = None,
     ) -> HotSwapRuntime:
         """Load the shard set containing ``model`` onto ``pools`` and start the stager.
 
@@ -154,7 +154,8 @@ class HotSwapRuntime:
         is resolved there). ``allowed_roots``: the directories plans may name (default: the
         model's own). ``on_progress(done, total)``: the bytes of the load read so far (a server's
         ``/health``).
-        ``group``: a ``torch.distributed`` process group (``True``: the default group) makes
+        ``group``: a ``torch.distributed`` process group (``True``: the default group), or a
+        :class:`~ggufswap.runtime.coordinated.GroupOptions` naming one and its deadlines, makes
         this runtime one rank of a coordinated commit (:mod:`ggufswap.runtime.coordinated`).
         """
         shards, store, name = load_model(
@@ -178,7 +179,7 @@ class HotSwapRuntime:
         )
         coordinator = None
         if group is not None and group is not False:
-            coordinator = Coordinator(None if group is True else group)
+            coordinator = Coordinator.of(group)
         runtime = cls(
             store,
             model_name=name,
@@ -230,8 +231,14 @@ class HotSwapRuntime:
         Re-submitting a plan id that is already known returns the existing ticket: a plan is
         applied at most once. ``follow`` follows the ticket (:meth:`PlanTicket.follow`) from
         the state validation leaves it in (RECEIVED, or REJECTED) before the stager can move
-        it, or from the current state of a known ticket.
+        it, or from the current state of a known ticket. Refused on a rank of a coordinated
+        group other than its leader (plans enter there and the leader hands them on).
         """
+        if self._coordinator is not None and not self._coordinator.leader:
+            raise RuntimeLibraryError(
+                f"submit() on rank {self._coordinator.rank} of a coordinated group: plans enter "
+                "at rank 0 only (it hands each plan to every rank); submit it there"
+            )
         with self._submit_lock:
             return self._submit(plan, follow)
 
@@ -593,6 +600,8 @@ class HotSwapRuntime:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the stager; queued and staged plans are rejected (nothing half-applied)."""
+        if self._coordinator is not None:
+            self._coordinator.close()
         with self._commit_lock, self._cond:
             self._closed = True
             staged_plans = list(self._staged)

@@ -77,6 +77,16 @@ class Unplaceable(StagingFailed):
     """A tensor (or its family) fits no pool, or its new bytes cannot be decoded."""
 
 
+class RankLost(RuntimeLibraryError, RuntimeError):
+    """A collective of a coordinated group failed: a rank is gone (``lost``: one line per rank
+    that did not answer the roll call, ``runtime/rank_loss.py``). The group cannot agree on any
+    plan again; every rank must stop, as a sharded model's ranks do when one dies."""
+
+    def __init__(self, message: str, lost: tuple[str, ...]) -> None:
+        self.lost = lost
+        super().__init__(message)
+
+
 class MapRefused(RuntimeLibraryError, RuntimeError):
     """``map_shards: true`` and a shard that cannot be served from a mapping (names the file)."""
 
@@ -119,6 +129,7 @@ __all__ = [
     "PlanRejected",
     "PlanStateError",
     "PoolFull",
+    "RankLost",
     "Reason",
     "RuntimeLibraryError",
     "SlotStateError",

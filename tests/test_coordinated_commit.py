@@ -1,5 +1,6 @@
 """Coordinated commit across torch.distributed ranks: real gloo ranks under torchrun, each a
-runtime over the same tiny model, commit every plan at the same step or reject it on all."""
+runtime over the same tiny model, commit every plan at the same step or reject it on all; a rank
+that never stages is rejected by the vote's deadline, a killed rank is named by the others."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from ggufswap.shards import ModelSpec, tiny_dense
 Q = GGMLQuantizationType
 RANK_SCRIPT = Path(__file__).with_name("coordinated_rank.py")
 RUN_TIMEOUT_S = 300  # the whole torchrun; each collective also times out after 60 s
+VOTE_TIMEOUT_S = 5.0  # the deadline tests' vote deadline
 SWAPS = {  # tensors swapped back and forth between two encodings of the same byte size
     "blk.0.attn_q.weight": Q.BF16,
     "blk.1.attn_q.weight": Q.BF16,
@@ -67,6 +69,27 @@ def rank_logs(logs: Path) -> str:
     )
 
 
+def torchrun(
+    tmp_path: Path, ranks: int, model: Path, manifest: Path, *args: str
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Run ``ranks`` ranks of coordinated_rank.py under torchrun (its agent checks on them every
+    30 s, so a rank that dies does not get the others stopped by the agent first); the finished
+    run and the directory of the ranks' ``rank-N.json``."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={ranks}", "--redirects=3", f"--log-dir={tmp_path / 'logs'}",
+        "--monitor-interval=30", str(RANK_SCRIPT),
+        "--model", str(model), "--plans", str(manifest), "--out", str(out), *args,
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, check=False, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
+    return done, out
+
+
 def write_manifest(
     tmp_path: Path, n_plans: int, failing_at: int
 ) -> tuple[ModelDir, Path, dict[str, Path]]:
@@ -98,8 +121,10 @@ def write_manifest(
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 @pytest.mark.parametrize(
     ("ranks", "tight_rank"),
-    [(4, 2), (2, 0)],
-    ids=["4-ranks-follower-fails", "2-ranks-leader-fails"],
+    [
+        pytest.param(4, 2, id="4-ranks-follower-fails", marks=pytest.mark.slow),
+        pytest.param(2, 0, id="2-ranks-leader-fails"),  # make test keeps one torchrun group
+    ],
 )
 def test_every_rank_commits_each_plan_at_the_same_step(
     tmp_path: Path, ranks: int, tight_rank: int
@@ -109,19 +134,10 @@ def test_every_rank_commits_each_plan_at_the_same_step(
     rank's reason, every rank's outputs unchanged."""
     n_plans, failing_at = 50, 25
     model_dir, manifest, final = write_manifest(tmp_path, n_plans, failing_at)
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={ranks}", "--redirects=3", f"--log-dir={tmp_path / 'logs'}",
-        str(RANK_SCRIPT),
-        "--model", str(model_dir.first), "--plans", str(manifest), "--out", str(out),
+    done, out = torchrun(
+        tmp_path, ranks, model_dir.first, manifest,
         "--tight-rank", str(tight_rank), "--headroom", str(HEADROOM),
-    ]  # fmt: skip
-    done = subprocess.run(
-        command, check=False, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
-    )
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:] + rank_logs(tmp_path / "logs")
     results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(ranks)]
 
@@ -153,3 +169,61 @@ def test_every_rank_commits_each_plan_at_the_same_step(
     # And what every rank serves is what a fresh load of the final files computes.
     reference = model_dir.clone(tmp_path / "final", dict(final))
     assert digest_of[n_plans - 1] == fresh_digest(reference.first, storage=Storage.NATIVE)
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_a_rank_that_never_stages_is_rejected_on_every_rank_by_the_deadline(
+    tmp_path: Path,
+) -> None:
+    """Of 3 ranks, rank 2's stager never finishes the first plan: the vote's deadline (5 s here)
+    rejects it on every rank at the same step, naming the rank it waited on; the group then
+    commits the next plans; submit() on a follower is refused."""
+    model_dir, manifest, _ = write_manifest(tmp_path, n_plans=3, failing_at=-1)
+    done, out = torchrun(
+        tmp_path, 3, model_dir.first, manifest,
+        "--stall-rank", "2", "--vote-timeout", str(VOTE_TIMEOUT_S),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:] + rank_logs(tmp_path / "logs")
+    results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(3)]
+    records = [r["records"] for r in results]
+    assert all(rec == records[0] for rec in records), "ranks disagree on a step"
+    for rank, result in enumerate(results):
+        states = {p: o["state"] for p, o in result["outcomes"].items()}
+        assert states == {"plan-00": "REJECTED", "plan-01": "COMMITTED", "plan-02": "COMMITTED"}
+        reasons = " ".join(result["outcomes"]["plan-00"]["reasons"])
+        assert f"rank 0: not staged on every rank within {VOTE_TIMEOUT_S:g} s" in reasons, rank
+        assert "waiting on rank 2" in reasons, reasons
+    # decided by the deadline: not before it, and long before the stalled stager's watchdog
+    assert VOTE_TIMEOUT_S <= results[0]["first_plan_s"] < VOTE_TIMEOUT_S + 30
+    assert results[0]["follower_submit"] is None, "the leader takes plans"
+    for rank in (1, 2):
+        assert f"submit() on rank {rank} of a coordinated group" in results[rank]["follower_submit"]
+    assert [v for _, v, _ in records[0]][-1] == 2, "the two plans after it committed"
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_a_killed_rank_ends_the_others_naming_it(tmp_path: Path) -> None:
+    """Of 4 idle ranks, rank 2 is killed (SIGKILL): every other rank's at_batch_boundary raises
+    RankLost naming rank 2 as dead, within the vote's deadline of its death."""
+    model_dir, manifest, _ = write_manifest(tmp_path, n_plans=0, failing_at=-1)
+    done, out = torchrun(
+        tmp_path, 4, model_dir.first, manifest,
+        "--kill-rank", "2", "--kill-step", "20", "--vote-timeout", str(VOTE_TIMEOUT_S),
+    )  # fmt: skip
+    assert done.returncode != 0, "a rank died"
+    logs = done.stderr[-2000:] + rank_logs(tmp_path / "logs")
+    killed_at = float((out / "killed-at").read_text())
+    for rank in (0, 1, 3):
+        path = out / f"rank-{rank}.json"
+        assert path.exists(), f"rank {rank} did not end with an error\n{logs}"
+        error = json.loads(path.read_text())["error"]
+        assert error is not None, rank
+        assert len(error["lost"]) == 1, error
+        assert error["lost"][0].startswith("rank 2 (pid "), error
+        assert error["lost"][0].endswith(" is dead"), error
+        assert f"rank {rank} of a coordinated group of 4" in error["message"]
+        assert error["at"] - killed_at < VOTE_TIMEOUT_S, (rank, error["at"] - killed_at)

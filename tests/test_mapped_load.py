@@ -10,6 +10,8 @@ writer truncates the file); a file that cannot be leased is copied (``auto``) or
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,6 +32,10 @@ from runtime_helpers import (
 from ggufswap.config import MapShards, load_config_text
 from ggufswap.runtime import HotSwapRuntime, MapRefused, SlotState, Storage, _pages
 from ggufswap.runtime.models import Transformer
+from ggufswap.runtime.serving.events import Event, Failed, Generation
+from ggufswap.runtime.serving.generate import WEIGHTS_CHANGED, Batcher, BatcherOptions
+from ggufswap.runtime.serving.sampling import Sampling
+from ggufswap.runtime.serving.tokenizer import GgufTokenizer
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -232,3 +238,35 @@ def test_a_bad_map_shards_value_names_the_key(tmp_path: Path) -> None:
             f"runtime:\n  model: {tmp_path / 'm.gguf'}\n  map_shards: sometimes\n",
             source=tmp_path / "m.yaml",
         )
+
+
+def test_a_request_whose_weights_change_under_it_sends_nothing_computed_from_them(
+    own_model: ModelDir,
+) -> None:
+    """A served shard truncated while a request decodes (no lease break): the token computed
+    across it is not sent, the request fails naming the change, and no request is admitted
+    while the tensor is out of service."""
+    with mapped(own_model) as (runtime, model):
+        tokenizer = GgufTokenizer.from_file(own_model.first)
+        batcher = Batcher(runtime, model, tokenizer, options=BatcherOptions())
+        generation = batcher.submit(["a b"], Sampling(max_tokens=40, temperature=0.0))
+        assert batcher.step()  # the prompt and the first token, from whole files
+        sent = _drain(generation)
+        assert not any(isinstance(e, Failed) for e in sent), sent
+        path = own_model.shard_of(ATTN_Q0)
+        os.close(os.open(path, os.O_RDONLY | os.O_TRUNC))  # read by every token
+        batcher.step()
+        after = _drain(generation)
+        assert after == [Failed(WEIGHTS_CHANGED)], after
+        later = batcher.submit(["a b"], Sampling(max_tokens=2, temperature=0.0))
+        assert not batcher.step()  # WeightsLost at the boundary: nothing admitted
+        assert _drain(later) == []
+        assert ATTN_Q0 in runtime.store.lost
+
+
+def _drain(generation: Generation) -> list[Event]:
+    events: list[Event] = []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            events.append(generation.events.get_nowait())
+    return events

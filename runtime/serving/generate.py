@@ -85,6 +85,12 @@ __all__ = [  # the events are defined in events.py; callers may take them from h
 
 log = get_logger(__name__)
 
+# A request whose token read weights that changed outside a commit fails with this (the batch
+# is dropped, as the serve loop drops one): its text so far stands, nothing after it is sent.
+WEIGHTS_CHANGED: Final = (
+    "the weights changed under the request (a mapped shard was written or truncated outside a "
+    "commit; the runtime serves nothing from it until the agent's plan restores it): retry"
+)
 IDLE_WAIT_S: Final = 0.1  # an idle loop wakes on a request or a staged plan, or this often
 
 
@@ -359,13 +365,20 @@ class Batcher:
                 self._fail(owner, "timed out while generating", FailureKind.TIMEOUT)
                 continue
             try:
-                self._decode_one(seq)
+                intact = self._decode_one(seq)
             except Exception as exc:  # a model or tokenizer failure ends this request only
                 log.exception("serve.generation_failed", weight_version=owner.weight_version)
                 self._fail(owner, f"generation failed: {exc!r}")
+                continue
+            if not intact:  # nothing computed from bytes that changed outside a commit is sent
+                log.error("serve.weights_changed", weight_version=owner.weight_version)
+                self._fail(owner, WEIGHTS_CHANGED)
         self._active = [s for s in self._active if not s.finished]
 
-    def _decode_one(self, seq: _Sequence) -> None:
+    def _decode_one(self, seq: _Sequence) -> bool:
+        """Decode and send one token of ``seq``; False, with nothing sent, when the weights it
+        read may have changed under it (``HotSwapRuntime.batch_intact``: a mapped shard written
+        or truncated outside a commit)."""
         sampling, cache = seq.owner.sampling, seq.cache
         assert seq.owner.weight_version == self.runtime.weight_version, (
             f"a plan was committed while a request was in flight (version "
@@ -374,6 +387,8 @@ class Batcher:
         new = torch.tensor([seq.ids[cache.length :]], dtype=torch.long)  # [1, T]: prompt, then 1
         with torch.inference_mode():
             logits = self.model(new, start_pos=cache.length, cache=cache)[0, -1]  # [V]
+        if not self.runtime.batch_intact():
+            return False
         next_id, logprob = pick(
             logits,
             sampling,
@@ -397,6 +412,7 @@ class Batcher:
         else:
             end = sendable_end(self.tokenizer, seq.completion, text, sampling.stop, sent=seq.sent)
             self._send(seq, text[:end])
+        return True
 
     def _send(self, seq: _Sequence, text: str) -> None:
         if len(text) > seq.sent:
