@@ -192,3 +192,23 @@ def test_matrices_sharing_activations_multiply_in_one_ggml_call_with_the_same_bi
             _ggml._FLOAT_ONLY.reset(token)
         assert [t.shape for t in together] == [(3, 32), (3, 24)]
         assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True)), ggml
+
+
+@pytest.mark.parametrize("ggml_type", [Q.Q4_1, Q.Q5_1], ids=lambda t: t.name)
+def test_batched_products_of_short_q4_1_and_q5_1_rows_are_right(ggml_type: Q) -> None:
+    """A batch of 32 activation rows by 64 weight rows of 64 values (Q4_1/Q5_1: ik's libggml
+    computes zeros there) gives the float product to 8-bit activation rounding: such matrices
+    multiply elsewhere under ik's library, through ggml under mainline's."""
+    rows, cols = 64, 64
+    raw = blocks(ggml_type, rows=rows, cols=cols)
+    matrix = QuantizedMatrix(raw, ggml_type, (rows, cols), "blk.0.ffn_up.weight")
+    x = torch.randn(32, cols, generator=torch.Generator().manual_seed(7))
+    expected = x @ reference(raw, ggml_type, rows).T
+    token = _ggml._FLOAT_ONLY.set(False)  # whatever runs by default here
+    try:
+        library = _ggml.library()
+        assert matrix.ggml == (library is not None and not library.ik)
+        got = matrix.linear(x, dtype=torch.float32)
+    finally:
+        _ggml._FLOAT_ONLY.reset(token)
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)

@@ -98,6 +98,11 @@ IK_TYPES: Final = frozenset(
         T.IQ4_KT,
     }
 )
+# ik_llama.cpp's batched products of these types (32 activation rows or more, 64 weight rows or
+# more) go wrong where a row is not a multiple of 128 values (measured on ik-llama-cpp-python
+# 0.1.5: outputs of zeros at 64 values, off by 30-60 % at 160-288; mainline's are right): such
+# matrices multiply with the float kernels there.
+IK_ROW_MULTIPLE: Final = {T.Q4_1: 128, T.Q5_1: 128}
 del T
 
 # Off within a block of code (this thread / context): a decoder with exact numerics multiplies
@@ -138,10 +143,12 @@ class Library:
     def multiplies(self, ggml_type: int, cols: int, device: torch.device) -> bool:
         """Whether ggml multiplies ``ggml_type`` rows of ``cols`` values on ``device`` (the
         static part of :meth:`handles`: a matrix asks once)."""
+        multiple = IK_ROW_MULTIPLE.get(GGMLType(ggml_type), 1) if self.ik else 1
         return (
             device.type == "cpu"
             and ggml_type in self.types
             and cols % LAYOUTS[GGMLType(ggml_type)].block_size == 0
+            and cols % multiple == 0
         )
 
     def handles(self, ggml_type: int, cols: int, device: torch.device) -> bool:
