@@ -117,21 +117,35 @@ def grouped_attention(
     heads that share it; ``repeat_interleave`` of K/V to ``H`` heads would copy the whole cache
     every step (a decode step's cost then grows with the context faster than llama.cpp's). A
     decode step (one query) puts the query heads of each kv head in one block of rows, so each
-    K/V is read once per step; more queries use torch's grouped-query attention (``enable_gqa``,
-    causal without a mask)."""
+    K/V is read once per step, and a local layer's step reads its window only (:func:`_window`);
+    more queries use torch's grouped-query attention (``enable_gqa``, causal without a mask)."""
     bsz, n_head, seq, _ = q.shape
     group = n_head // k.shape[1]
-    if group == 1 or seq > 1:
+    if seq > 1 or (mask is not None and mask.dim() != 2):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
         )
     rows = None  # one query attending every key (a decode step within its window): no mask
     if mask is not None and not bool(mask.all()):
-        rows = mask.repeat(group, 1)  # [g, S]: the one query position, for each head of a group
+        k, v, rows = _window(k, v, mask)
+        rows = None if rows is None else rows.repeat(group, 1)  # [g, S]: each head of a group
     y = F.scaled_dot_product_attention(
         group_queries(q, k.shape[1]), k, v, attn_mask=rows, scale=scale
     )
     return y.reshape(bsz, n_head, seq, v.shape[-1])
+
+
+def _window(k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One query's keys under ``mask [1, S]``: where the keys it may attend are one run (a
+    sliding window), that run alone and no mask, so a decode step of a local layer reads its
+    window, not the whole cache (llama.cpp's SWA cache holds the window only); else all, masked."""
+    keep = mask[0].nonzero().flatten()
+    if keep.numel() == 0:
+        return k, v, mask
+    lo, hi = int(keep[0]), int(keep[-1]) + 1
+    if hi - lo != keep.numel():
+        return k, v, mask
+    return k[:, :, lo:hi], v[:, :, lo:hi], None
 
 
 class GatedAttention(nn.Module):
