@@ -63,7 +63,7 @@ test: lint typecheck
 	$(PYTEST) -m "not slow" --durations=20
 
 # The slow tier: long scenarios (the 1,000-swap soak through real agent and runtime processes,
-# the real model's sweep). CI runs it after make test (.ci/run).
+# the real model's sweep), run by hand: CI runs make test only (.ci/run).
 soak: $(STAMP)
 	$(PYTEST) -m slow --durations=10
 

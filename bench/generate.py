@@ -28,9 +28,9 @@ from _real import REAL_PACKAGE, real_model
 
 from ggufswap.runtime import HotSwapRuntime
 from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.models.kv_cache import greedy_continuation
 from ggufswap.runtime.models.registry import Decoder
 from ggufswap.runtime.serving import GgufTokenizer
-from ggufswap.runtime.serving.generate import greedy_continuation
 from ggufswap.shards.presets import tiny_arch
 from ggufswap.shards.writer import write_model
 

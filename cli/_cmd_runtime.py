@@ -6,10 +6,9 @@ import argparse
 import contextlib
 import dataclasses
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ggufswap._preflight import runtime_problems
-from ggufswap._signals import ProcessSignals
 from ggufswap.config import (
     AUTO_THREADS,
     MAX_THREADS,
@@ -23,6 +22,10 @@ from ggufswap.config import (
 )
 from ggufswap.config.llama_args import LlamaArgs
 from ggufswap.config.llama_args import translate as translate_llama_args
+
+if TYPE_CHECKING:
+    from ggufswap.runtime.serving.early import EarlyHealth
+    from ggufswap.runtime.serving.serve import ServeOptions
 
 EXIT_CONFIG = 2
 
@@ -177,16 +180,27 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_CONFIG
-    # Before any model load: every socket and the HTTP port must be free, the model readable.
-    problems = runtime_problems(config, http_port=(serve.host, serve.port))
-    if problems:
-        print("\n".join(f"ggufswap runtime: {p}" for p in problems), file=sys.stderr)
-        return EXIT_CONFIG
     from ggufswap.runtime.serving.errors import ListenError
 
+    try:  # the port first, before anything heavy is imported: /health answers 503 at once
+        early = _answer_early(config.require_runtime().name, serve)
+    except ListenError as exc:
+        print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    # Before any model load: every socket (and the HTTP port, unless held) free, the model readable.
+    problems = runtime_problems(
+        config, http_port=None if early is not None else (serve.host, serve.port)
+    )
+    if problems:
+        if early is not None:
+            early.handover().close()
+        print("\n".join(f"ggufswap runtime: {p}" for p in problems), file=sys.stderr)
+        return EXIT_CONFIG
+    from ggufswap._signals import ProcessSignals  # imports the shards package (gguf, numpy)
+
     signals = ProcessSignals().install()
-    try:  # the port first, before torch is imported: /health answers 503 loading at once
-        server = _listen_early(config.require_runtime().name, serve)
+    try:
+        server = _listen_early(serve, early)
     except ListenError as exc:
         print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -194,8 +208,21 @@ def run(args: argparse.Namespace) -> int:
     from ggufswap.runtime import MapRefused
     from ggufswap.runtime.errors import PlacementError
     from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
-    from ggufswap.runtime.serving.serve import Mode, ServeOptions
     from ggufswap.shards import ShardError
+
+    options = _serve_options(serve, llama)
+    try:
+        return daemon.run(
+            config, options=options, stop=signals.stop, threads=args.threads, server=server
+        )
+    except (ListenError, IpcError, ShardError, MapRefused, PlacementError) as exc:
+        print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+def _serve_options(serve: ServeConfig, llama: LlamaArgs | None) -> ServeOptions:
+    """The serve loop's options: the configuration's, with llama-perplexity's -c and -b."""
+    from ggufswap.runtime.serving.serve import Mode, ServeOptions
 
     options = ServeOptions(
         mode=Mode(serve.mode.value),
@@ -206,33 +233,40 @@ def run(args: argparse.Namespace) -> int:
         max_queue=serve.max_queue,
         request_timeout_s=serve.request_timeout_s,
     )
-    if llama is not None:  # llama-perplexity's -c and -b
-        eval_ctx, eval_batch = llama.windows(options.eval_ctx)
-        options = dataclasses.replace(
-            options,
-            eval_ctx=eval_ctx or options.eval_ctx,
-            eval_batch=eval_batch or options.eval_batch,
-        )
-    try:
-        return daemon.run(
-            config, options=options, stop=signals.stop, threads=args.threads, server=server
-        )
-    except (ListenError, IpcError, ShardError, MapRefused, PlacementError) as exc:
-        print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+    if llama is None:
+        return options
+    eval_ctx, eval_batch = llama.windows(options.eval_ctx)
+    return dataclasses.replace(
+        options,
+        eval_ctx=eval_ctx or options.eval_ctx,
+        eval_batch=eval_batch or options.eval_batch,
+    )
 
 
-def _listen_early(model: str, serve: ServeConfig) -> Any:
-    """http mode: the HTTP server, listening (``/health``: 503 ``loading`` with the start's
-    phase) before the model and torch load; None in the other modes."""
+def _answer_early(model: str, serve: ServeConfig) -> EarlyHealth | None:
+    """http mode: the port bound and answering 503 ``loading`` from a thread (before the HTTP
+    server's libraries, torch and the model load); None in the other modes."""
     if serve.mode is not ServeMode.HTTP:
         return None
-    from ggufswap.runtime.serving.http import CompletionServer, HttpOptions
+    from ggufswap.runtime.serving.early import EarlyHealth, listen
     from ggufswap.runtime.serving.startup import Startup
 
+    sock = listen(serve.host, serve.port, backlog=128)
+    return EarlyHealth(sock, Startup(model)).start()
+
+
+def _listen_early(serve: ServeConfig, early: EarlyHealth | None) -> Any:
+    """http mode: the HTTP server, taking the early socket over (``/health``: 503 ``loading``
+    with the start's phase) before the model and torch load; None in the other modes."""
+    if early is None:
+        return None
+    from ggufswap.runtime.serving.http import CompletionServer, HttpOptions
+
+    startup = early.startup
     return CompletionServer(
         options=HttpOptions(host=serve.host, port=serve.port),
-        model_name=model,
+        model_name=startup.model,
         capacity=serve.max_batch + serve.max_queue,
-        startup=Startup(model),
+        startup=startup,
+        sock=early.handover(),
     ).start()

@@ -12,6 +12,7 @@ Exit status 1 when ik_llama.cpp refuses a file. docs/models.md records what it p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -31,19 +32,34 @@ TYPES = (GGMLQuantizationType.F32, GGMLType.IQ4_KS, GGMLType.Q6_0)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ik-python", required=True, help="Python with ik-llama-cpp-python")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        help="xcheck variants to check (default: every family variant; ik_llama.cpp also loads "
+        "qwen35, qwen35moe and qwen3next, not deepseek32 or glm-dsa)",
+    )
+    parser.add_argument(
+        "--wide",
+        action="store_true",
+        help="every case at the widened shapes of the K-quant rows (heads of 128, a delta-net "
+        "state of 64: ik's hybrids disagree with mainline at the narrow ones)",
+    )
     args = parser.parse_args(argv)
 
     import torch
 
     torch.set_num_threads(1)
-    variants = [v for family in xcheck.FAMILY_VARIANTS.values() for v in family]
+    variants = args.variants or [v for family in xcheck.FAMILY_VARIANTS.values() for v in family]
     with tempfile.TemporaryDirectory(prefix="ggufswap-ik-") as tmp_name:
         tmp = Path(tmp_name)
         paths = {}
         for variant in variants:
             for t in TYPES:
                 name = f"{variant}/{t.name}"
-                spec = xcheck.case_spec(variant, t)  # type: ignore[arg-type]
+                spec = xcheck.case_spec(variant, GGMLType.IQ4_KS if args.wide else t)
+                if args.wide:  # the widened spec, every matrix role in t
+                    matrices = {r: t for r, q in spec.types.items() if q == GGMLType.IQ4_KS}
+                    spec = dataclasses.replace(spec, name=f"{spec.name}-{t.name}", types=matrices)
                 paths[name] = xcheck.write_case(spec, tmp / name.replace("/", "-"))[0]
         jobs = tmp / "jobs.json"
         models = {n: str(p) for n, p in paths.items()}

@@ -15,6 +15,7 @@ numpy code otherwise; both write the same bytes (``tests/test_kquants.py`` runs 
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from typing import Any, Final
@@ -40,10 +41,9 @@ _CHUNK_ELEMENTS: Final = 1 << 16  # values per pass: bounds the temporaries, fit
 
 def _load_compiled() -> Any:
     try:
-        from ggufswap.shards import _kquants  # type: ignore[attr-defined]
+        return importlib.import_module("ggufswap.shards._kquants")
     except ImportError:  # not built (no C compiler): the numpy code below runs
         return None
-    return _kquants
 
 
 _COMPILED: Final = _load_compiled()

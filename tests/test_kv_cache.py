@@ -15,7 +15,7 @@ from ggufswap.runtime import HotSwapRuntime
 from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.models.errors import KVCacheError
 from ggufswap.runtime.models.gemma3 import sliding_window_mask
-from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
+from ggufswap.runtime.models.kv_cache import KVCache, attention_mask, greedy_continuation
 from ggufswap.runtime.models.registry import Decoder
 from ggufswap.runtime.serving import GgufTokenizer
 from ggufswap.runtime.serving.generate import (
@@ -25,7 +25,6 @@ from ggufswap.runtime.serving.generate import (
     Event,
     Sampling,
     TextDelta,
-    greedy_continuation,
 )
 from ggufswap.shards.presets import tiny_arch, tiny_dense, tiny_gpt_oss, tiny_llama3, tiny_moe
 from ggufswap.shards.writer import ModelSpec, write_model

@@ -19,7 +19,7 @@ from ggufswap.runtime.models.blocks.delta_net import (
     delta_rule_chunked,
     delta_rule_recurrent,
 )
-from ggufswap.runtime.models.kv_cache import HybridCache
+from ggufswap.runtime.models.kv_cache import HybridCache, greedy_continuation
 from ggufswap.runtime.serving import GgufTokenizer
 from ggufswap.runtime.serving.generate import (
     Batcher,
@@ -27,7 +27,6 @@ from ggufswap.runtime.serving.generate import (
     Ended,
     Sampling,
     TextDelta,
-    greedy_continuation,
 )
 from ggufswap.shards import read_header, requantize
 from ggufswap.shards.presets import tiny_qwen3next, tiny_qwen35, tiny_qwen35moe

@@ -19,10 +19,15 @@ position too (the mask limits what they see), so one position index serves every
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from ggufswap.runtime.models.errors import KVCacheError
+
+if TYPE_CHECKING:
+    from ggufswap.runtime.models.registry import Decoder
 
 
 class KVCache:
@@ -121,3 +126,21 @@ def attention_mask(
     dist = query[:, None] - key[None, :]  # [T, S]: i - j
     allowed = dist >= 0
     return allowed & (dist < window) if window > 0 else allowed
+
+
+def greedy_continuation(
+    model: Decoder, prompt: list[int], n_new: int, *, cached: bool
+) -> list[int]:
+    """The greedy continuation of ``prompt``: a full forward per token, or (``cached``) one
+    prefill and then one-token steps through a KV cache. The reference both ways agree on."""
+    ids = list(prompt)
+    cache = model.new_cache(max_len=len(prompt) + n_new) if cached else None
+    with torch.inference_mode():
+        for _ in range(n_new):
+            if cache is None:
+                logits = model(torch.tensor([ids]))[0, -1]  # [V]
+            else:
+                new = torch.tensor([ids[cache.length :]])  # [1, T]
+                logits = model(new, start_pos=cache.length, cache=cache)[0, -1]
+            ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt) :]

@@ -80,7 +80,6 @@ __all__ = [  # the events are defined in events.py; callers may take them from h
     "Sampling",
     "Started",
     "TextDelta",
-    "greedy_continuation",
 ]
 
 log = get_logger(__name__)
@@ -492,21 +491,3 @@ class Batcher:
     def close(self) -> None:
         """Refuse new requests from now on (the loop finishes the rest when stopped)."""
         self._closed.set()
-
-
-def greedy_continuation(
-    model: Decoder, prompt: list[int], n_new: int, *, cached: bool
-) -> list[int]:
-    """The greedy continuation of ``prompt``: a full forward per token, or (``cached``) one
-    prefill and then one-token steps through a KV cache. The reference both ways agree on."""
-    ids = list(prompt)
-    cache = model.new_cache(max_len=len(prompt) + n_new) if cached else None
-    with torch.inference_mode():
-        for _ in range(n_new):
-            if cache is None:
-                logits = model(torch.tensor([ids]))[0, -1]  # [V]
-            else:
-                new = torch.tensor([ids[cache.length :]])  # [1, T]
-                logits = model(new, start_pos=cache.length, cache=cache)[0, -1]
-            ids.append(int(torch.argmax(logits)))
-    return ids[len(prompt) :]

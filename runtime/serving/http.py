@@ -31,6 +31,7 @@ import uvicorn
 from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
 from ggufswap.runtime.serving.chat import ChatTemplate, RenderBudget
+from ggufswap.runtime.serving.early import listen
 from ggufswap.runtime.serving.errors import ChatTemplateError, ListenError
 from ggufswap.runtime.serving.http_guard import ConnectionLimits, Limits, guarded_protocol
 from ggufswap.runtime.serving.metrics import ServingMetrics
@@ -78,7 +79,9 @@ class CompletionServer:
         model_name: str,
         capacity: int = DEFAULT_CAPACITY,
         startup: Startup | None = None,
+        sock: socket.socket | None = None,
     ) -> None:
+        """``sock``: the port already listening (:mod:`.early`), else it is bound here."""
         self.options = options
         self.model_name = model_name
         self.startup = startup or Startup(model_name)
@@ -101,7 +104,11 @@ class CompletionServer:
         self.metrics = ServingMetrics()
         self.routes = Routes(model_name=model_name, startup=self.startup, metrics=self.metrics)
         self._backlog = max(MIN_BACKLOG, self.max_connections)
-        self._sock = _listen(options.host, options.port, self._backlog)
+        if sock is None:
+            sock = listen(options.host, options.port, self._backlog)
+        else:  # listening already: listen() again sets this server's backlog (Linux)
+            sock.listen(self._backlog)
+        self._sock = sock
         # Where it listens (a restart after a crash that closed the socket listens there again).
         bound = self._sock.getsockname()
         self._host, self._port = str(bound[0]), int(bound[1])
@@ -159,7 +166,7 @@ class CompletionServer:
         run after a crash serves a new ``uvicorn.Server`` (the dead loop's connections are gone)
         on the listening socket, opened again on the same port if the crash closed it."""
         if self._sock.fileno() == -1:
-            self._sock = _listen(self._host, self.port, self._backlog)
+            self._sock = listen(self._host, self.port, self._backlog)
         if self._served:
             self._server = uvicorn.Server(self._config)
         self._served = True
@@ -233,24 +240,6 @@ class CompletionServer:
                 "startup": self.startup.snapshot() if not self.startup.ready else "ready",
             }
         }
-
-
-def _listen(host: str, port: int, backlog: int) -> socket.socket:
-    """A listening socket, bound now so that the port is known (and open) before the load."""
-    try:
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(info[0], socket.SOCK_STREAM)
-    except OSError as exc:
-        raise ListenError(f"cannot listen on {host}:{port}: {exc}") from exc
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(info[4])
-        sock.listen(backlog)
-    except OSError as exc:
-        sock.close()
-        raise ListenError(f"cannot listen on {host}:{port}: {exc}") from exc
-    sock.set_inheritable(False)
-    return sock
 
 
 def model_meta(runtime: HotSwapRuntime, batcher: Batcher) -> dict[str, Any]:

@@ -1,0 +1,136 @@
+"""A runtime's start against llama.cpp's on the real Gemma 3 270M Q4_K_M.
+
+    python bench/startup.py [--rounds 3] [--llama-python .venv-crosscheck/bin/python]
+
+Ours: ``ggufswap runtime`` in http mode, from the process's start to the first answer of
+``/health`` (503 ``loading``) and to its 200 (the model loaded, the tokenizer built, the warm-up
+done), with the tokenizer's merges cached (a second start, as a restarted unit finds them).
+Baseline: a process that imports llama-cpp-python and constructs ``Llama(model, n_threads=2,
+n_ctx=2048)`` (the cross-check venv's build), from the process's start. Rounds alternate between
+the two and report medians; both run with two threads. Issue 29's target: start → ready within
+2x llama.cpp's (ratio >= 0.5), and the port answering within 1 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _real import real_model
+
+BENCH_DIR = Path(__file__).resolve().parent
+DEFAULT_LLAMA_PYTHON = BENCH_DIR.parent / ".venv-crosscheck" / "bin" / "python"
+LLAMA_CHILD = (
+    "import sys, time; t = time.monotonic(); from llama_cpp import Llama; "
+    "Llama(model_path=sys.argv[1], n_threads=2, n_ctx=2048, verbose=False); "
+    "print(time.monotonic() - t)"
+)
+TIMEOUT_S = 600.0
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _health(port: int) -> int | None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    except OSError:
+        return None
+    finally:
+        conn.close()
+
+
+def ours(model: Path, work: Path) -> tuple[float, float]:
+    """Seconds from the process's start to /health's first answer and to its 200."""
+    port = _free_port()
+    config = work / "runtime.yaml"
+    config.write_text(f"runtime:\n  model: {model}\n  serve: {{port: {port}}}\n")
+    env = {**os.environ, "RUNTIME_DIRECTORY": str(work / "run"), "GGUFSWAP_LOG_LEVEL": "warning"}
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ggufswap", "runtime", "--config", str(config), "--threads", "2"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        first = ready = None
+        while time.monotonic() - started < TIMEOUT_S and ready is None:
+            status = _health(port)
+            now = time.monotonic() - started
+            if status is not None and first is None:
+                first = now
+            if status == 200:
+                ready = now
+            if proc.poll() is not None:
+                raise RuntimeError(f"the runtime exited {proc.returncode}")
+            time.sleep(0.01)
+        if first is None or ready is None:
+            raise RuntimeError("the runtime was not ready in time")
+        return first, ready
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def llama(python: Path, model: Path) -> float:
+    """Seconds from the process's start to a constructed ``Llama``."""
+    started = time.monotonic()
+    subprocess.run([str(python), "-c", LLAMA_CHILD, str(model)], check=True, capture_output=True)
+    return time.monotonic() - started
+
+
+def run(
+    quick: bool = False, llama_python: Path = DEFAULT_LLAMA_PYTHON, rounds: int = 3
+) -> list[dict[str, Any]]:
+    model = real_model()
+    if model is None or not llama_python.exists():
+        return []
+    rounds = 1 if quick else rounds
+    firsts, readies, baselines = [], [], []
+    with tempfile.TemporaryDirectory(prefix="ggufswap-bench-start-") as tmp:
+        ours(model, Path(tmp))  # the tokenizer's merges cached, as a restarted unit finds them
+        for _ in range(rounds):
+            baselines.append(llama(llama_python, model))
+            first, ready = ours(model, Path(tmp))
+            firsts.append(first)
+            readies.append(ready)
+    base, ready, first = (statistics.median(x) for x in (baselines, readies, firsts))
+    return [
+        {"name": "start -> ready vs Llama()", "baseline_s": base, "ours_s": ready,
+         "ratio": base / ready, "target": 0.5},
+        {"name": "start -> /health answers (1 s)", "baseline_s": 1.0, "ours_s": first,
+         "ratio": 1.0 / first, "target": 1.0},
+    ]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--llama-python", type=Path, default=DEFAULT_LLAMA_PYTHON)
+    args = parser.parse_args()
+    print(f"load average: {os.getloadavg()[0]:.1f}")
+    for row in run(llama_python=args.llama_python, rounds=args.rounds):
+        print(
+            f"{row['name']}: ours {row['ours_s']:.2f} s, baseline {row['baseline_s']:.2f} s, "
+            f"ratio {row['ratio']:.2f} (target {row['target']})"
+        )
+    print(f"load average: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
