@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 # GPU users: make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" ...
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= runtime,pyinotify,metrics,plot,ray,dev
+EXTRAS ?= runtime,ggml,pyinotify,metrics,plot,ray,dev
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ggufswap-installed
 # The editable install is strict: setuptools links every module into a real ggufswap/ tree

@@ -2,9 +2,10 @@
 
 The map (import name -> folder) is read from pyproject.toml's ``[tool.ggufswap.packages]``, its one
 place. The compiled pieces: quantized products straight from GGUF blocks
-(runtime/kernels/csrc), ggml's reference K-quant/IQ4 quantizers (shards/csrc, used by requant,
-the agent-side tools and the sweep), and the SIGBUS guard of mapped shards (runtime/csrc).
-Everything else is declared in pyproject.toml.
+(runtime/kernels/csrc/qkernels.c), the glue that calls ggml's own kernels from a libggml found
+at run time (runtime/kernels/csrc/ggmlcall.c), ggml's reference K-quant/IQ4 quantizers
+(shards/csrc, used by requant, the agent-side tools and the sweep), and the SIGBUS guard of
+mapped shards (runtime/csrc). Everything else is declared in pyproject.toml.
 
 The extensions are optional: where they cannot be built (no C compiler), the runtime decodes
 blocks with its torch kernels instead (runtime/kernels/qmatmul.py says which path runs), and
@@ -36,6 +37,15 @@ setup(
             # No FMA contraction: decoded weights must equal gguf.quants' bit for bit.
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c11"],
             extra_link_args=["-pthread"],
+            optional=True,
+        ),
+        Extension(
+            "ggufswap.runtime.kernels._ggmlcall",
+            sources=["runtime/kernels/csrc/ggmlcall.c"],
+            # Glue only: the libggml it calls is found and loaded at run time (dlopen), so the
+            # build needs no ggml (runtime/kernels/_ggml.py).
+            extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE"],
+            extra_link_args=["-ldl", "-pthread"],
             optional=True,
         ),
         Extension(

@@ -30,11 +30,13 @@ BENCH_DIR = Path(__file__).resolve().parent
 KNOWN = (
     "parse",
     "dequant",
+    "kernels",
     "commit_stall",
     "latency",
     "scan",
     "state_sync",
     "engine",
+    "llama_ratio",
     "quantize",
     "sweep_ray",
 )

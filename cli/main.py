@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,7 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Idle OpenMP workers sleep instead of spinning: the runtime holds two OpenMP runtimes (torch's,
+# and the one ik's libggml brings for its kernels), and workers of one spinning on a few cores
+# starve the other's (a 2-thread decode step of Gemma 3 270M: 3.3 s spinning, 0.16 s passive, on
+# the 2-core host; docs/operations.md, "ggml's kernels"). Read by each runtime as it loads, before
+# any command imports torch; an explicit OMP_WAIT_POLICY in the environment wins.
+OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    for key, value in OPENMP_ENV.items():
+        os.environ.setdefault(key, value)
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(level=args.log_level)

@@ -364,7 +364,7 @@ class _Builder:
             events_endpoint=events,
             allowed_roots=self.r.get(sec, "allowed_roots", roots, (model.parent,)),
             pools=self.r.get(sec, "pools", pools, DEFAULT_POOLS),
-            storage=self.r.get(sec, "storage", self.v.choice(Storage), Storage.DEQUANTIZED),
+            storage=self.r.get(sec, "storage", self.v.choice(Storage), Storage.AUTO),
             compute_dtype=self.r.get(
                 sec, "compute_dtype", self.v.choice(ComputeDtype), ComputeDtype.FLOAT32
             ),
@@ -376,7 +376,7 @@ class _Builder:
             decoded_cache=self.r.get(
                 sec, "decoded_cache", self.v.size_or_zero, DEFAULT_DECODED_CACHE
             ),
-            map_shards=self.r.get(sec, "map_shards", self.v.map_shards, MapShards.OFF),
+            map_shards=self.r.get(sec, "map_shards", self.v.map_shards, MapShards.AUTO),
             serve=self.serve(serve),
         )
 

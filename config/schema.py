@@ -262,7 +262,7 @@ class RuntimeConfig:
     events_endpoint: str
     allowed_roots: tuple[Path, ...]
     pools: tuple[PoolConfig, ...]
-    storage: Storage = Storage.DEQUANTIZED
+    storage: Storage = Storage.AUTO
     compute_dtype: ComputeDtype = ComputeDtype.FLOAT32
     strict_types: bool = False
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -270,7 +270,7 @@ class RuntimeConfig:
     log_level: LogLevel = LogLevel.INFO
     threads: int | None = None  # torch's CPU threads; None: auto, from the process's CPU affinity
     decoded_cache: int = DEFAULT_DECODED_CACHE  # native storage: decoded dense tensors kept (bytes)
-    map_shards: MapShards = MapShards.OFF  # native storage: serve CPU tensors from their files
+    map_shards: MapShards = MapShards.AUTO  # native storage: serve CPU tensors from their files
     serve: ServeConfig = field(default_factory=ServeConfig)
 
     def pool(self, name: str) -> PoolConfig:

@@ -27,7 +27,16 @@ if TYPE_CHECKING:
         WeightsLost,
     )
     from ggufswap.runtime.families import DerivedTensor, family_of, group_families
-    from ggufswap.runtime.kernels import KERNEL_TYPES, QuantizedMatrix, dequantize, has_kernel
+    from ggufswap.runtime.kernels import (
+        KERNEL_TYPES,
+        QuantizedExperts,
+        QuantizedMatrix,
+        dequantize,
+        float_products,
+        grouped,
+        has_kernel,
+        linear_all,
+    )
     from ggufswap.runtime.placement import Placement
     from ggufswap.runtime.plans import PlanState, PlanTicket
     from ggufswap.runtime.pools import Buffer, Pool, PoolSet
@@ -48,9 +57,13 @@ _HOMES: dict[str, str] = {  # name -> the module that defines it
     "family_of": "ggufswap.runtime.families",
     "group_families": "ggufswap.runtime.families",
     "KERNEL_TYPES": "ggufswap.runtime.kernels",
+    "QuantizedExperts": "ggufswap.runtime.kernels",
     "QuantizedMatrix": "ggufswap.runtime.kernels",
     "dequantize": "ggufswap.runtime.kernels",
+    "float_products": "ggufswap.runtime.kernels",
+    "grouped": "ggufswap.runtime.kernels",
     "has_kernel": "ggufswap.runtime.kernels",
+    "linear_all": "ggufswap.runtime.kernels",
     "PlanState": "ggufswap.runtime.plans",
     "PlanTicket": "ggufswap.runtime.plans",
     "Buffer": "ggufswap.runtime.pools",
@@ -84,6 +97,7 @@ __all__ = [
     "Pool",
     "PoolFull",
     "PoolSet",
+    "QuantizedExperts",
     "QuantizedMatrix",
     "Reason",
     "RuntimeLibraryError",
@@ -95,6 +109,9 @@ __all__ = [
     "WeightsLost",
     "dequantize",
     "family_of",
+    "float_products",
     "group_families",
+    "grouped",
     "has_kernel",
+    "linear_all",
 ]

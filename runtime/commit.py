@@ -82,6 +82,7 @@ def commit(store: TensorStore, staged: StagedPlan) -> Applied:
     for op in staged.ops:
         retired.extend(_apply_split(op) if op.parts is not None else _apply_whole(op, store))
     store.derived_values.update(staged.derived)
+    store.views.clear()  # the buffers a forward read may have changed
     staged.allocated.clear()  # now owned by the slots
     changed = tuple(op.slot.name for op in staged.ops if op.content.raw is not None)
     moved = any(

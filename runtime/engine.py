@@ -54,7 +54,7 @@ from ggufswap.runtime.coordinated import Coordinator, Decision, GroupOptions
 from ggufswap.runtime.errors import PlanRejected, RuntimeLibraryError, StagingFailed, WeightsLost
 from ggufswap.runtime.history import PlanHistory
 from ggufswap.runtime.integrity import check_mapped
-from ggufswap.runtime.kernels import KERNELS
+from ggufswap.runtime.kernels import kernels
 from ggufswap.runtime.opening import load_model
 from ggufswap.runtime.placement import Placement
 from ggufswap.runtime.plans import Follower, PlanState, PlanTicket
@@ -579,7 +579,7 @@ class HotSwapRuntime:
                 "model": self.model_name,
                 "weight_version": self.store.weight_version,
                 "storage": self.store.storage.value,
-                "kernels": KERNELS,
+                "kernels": kernels(),
                 "decoded_cache": self.store.decoded.snapshot(),
                 "mapped_shards": self.store.maps.snapshot(),
                 **self._history.status(),  # plans, recent_plans

@@ -84,6 +84,7 @@ def _take_out_of_service(store: TensorStore, report: Compromised) -> None:
         log.warning("weights.intact", file=report.path, why=report.why)
         return
     store.decoded.clear()  # nothing decoded from changed bytes is served either
+    store.views.clear()
     log.error(
         "weights.lost",
         file=report.path,

@@ -47,9 +47,10 @@ from ggufswap.config.schema import CPU_BUFFER, OverrideRule, PlacementConfig, bl
 from ggufswap.logs import get_logger
 from ggufswap.runtime.errors import PlacementError
 from ggufswap.runtime.families import block_of, expert_of, family_of
+from ggufswap.runtime.kernels import ggml_library
 from ggufswap.runtime.pools import Pool, PoolSet
 from ggufswap.runtime.split import ExpertSplit
-from ggufswap.shards import TensorRecord
+from ggufswap.shards import GGMLType, TensorRecord
 
 log = get_logger(__name__)
 
@@ -318,19 +319,33 @@ class Fit:
 # Of the memory a pool can take (its budget's rest, or its device's free memory), the share
 # ``storage: auto`` counts on (the rest is for activations, the KV cache and the process itself).
 _AUTO_HEADROOM = 0.8
+# storage: auto goes native on the CPU when ggml's kernels multiply at least this share of the
+# quantized matrices' bytes (the rest multiply from their blocks with the float kernels).
+_AUTO_GGML_SHARE = 0.9
+_FLOAT_TYPES: Final = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 
 
 def choose_storage(
     records: Iterable[TensorRecord], pools: PoolSet, compute_dtype: torch.dtype
 ) -> tuple[Storage, str]:
-    """``storage: auto``: dequantized when every tensor fits the pools in ``compute_dtype``,
-    else native (quantized tensors keep their GGUF bytes; float tensors are read as views).
-    Returns the choice and why, in numbers."""
+    """``storage: auto``: native where the dequantized tensors would not fit the pools, or where
+    every pool is on the CPU and ggml's kernels multiply the model's quantized matrices (GGUF-size
+    memory and llama.cpp's speed: bench/engine.py measures native over dequantized decode), else
+    dequantized. Returns the choice and why, in numbers."""
+    records = list(records)
     need = sum(r.n_elements for r in records) * compute_dtype.itemsize
     room = sum(_room(pool) for pool in pools)
-    if need <= room:
-        return Storage.DEQUANTIZED, f"{need} dequantized bytes fit the pools' {room}"
-    return Storage.NATIVE, f"{need} dequantized bytes exceed the pools' {room}"
+    if need > room:
+        return Storage.NATIVE, f"{need} dequantized bytes exceed the pools' {room}"
+    quantized = [r for r in records if len(r.ne) >= 2 and r.ggml_type not in _FLOAT_TYPES]
+    library = ggml_library()
+    on_cpu = all(pool.device.type == "cpu" for pool in pools)
+    if library is not None and on_cpu and quantized:
+        by_ggml = sum(r.nbytes for r in quantized if r.ggml_type in library.types)
+        share = by_ggml / sum(r.nbytes for r in quantized)
+        if share >= _AUTO_GGML_SHARE:
+            return Storage.NATIVE, f"{share:.0%} of the quantized bytes multiply in {library.name}"
+    return Storage.DEQUANTIZED, f"{need} dequantized bytes fit the pools' {room}"
 
 
 def _room(pool: Pool) -> int:

@@ -8,6 +8,9 @@ kernel), they are decoded into one of two places:
   (``ffn_up_exps.weight``, ``attn_q.weight``...) and thread, shared by every block: a decoded
   expert, or a band of rows of a dense matrix, lives there until the next decode of that role.
   No allocation per token.
+- :class:`ForwardViews`: what a forward reads of a slot without decoding (its blocks as a
+  ``QuantizedMatrix``, an expert stack, a float tensor's view), made once per slot and kept
+  until a commit (or a tensor taken out of service) may have changed the slots' buffers.
 - :class:`DecodedCache`: dense tensors decoded once and kept, an LRU bounded in bytes
   (``runtime.decoded_cache``), keyed by the tensor's content (fingerprint and type): a committed
   swap changes the key, so a stale entry is never returned, and the entry it replaces is dropped
@@ -22,10 +25,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
-__all__ = ["DecodedCache"]
+__all__ = ["DecodedCache", "ForwardViews"]
+
+V = TypeVar("V")
 
 CacheKey = tuple[str, str, int]  # (name, content fingerprint, ggml type)
 
@@ -93,3 +99,22 @@ class DecodedCache:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+class ForwardViews:
+    """Views of slots made once for the forwards (see the module docstring); ``clear`` drops them
+    all (commit calls it, as it may change any slot's buffers)."""
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[str, str], object] = {}
+
+    def get(self, kind: str, name: str, cls: type[V], make: Callable[[], V]) -> V:
+        """The ``kind`` view of slot ``name``, made by ``make`` the first time."""
+        view = self._views.get((kind, name))
+        if not isinstance(view, cls):
+            view = make()
+            self._views[(kind, name)] = view
+        return view
+
+    def clear(self) -> None:
+        self._views.clear()

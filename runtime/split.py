@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
-from ggufswap.runtime.kernels import QuantizedMatrix, dequantize
+from ggufswap.runtime.kernels import QuantizedExperts, QuantizedMatrix, dequantize, grouped
 from ggufswap.runtime.pools import Buffer, Pool
 from ggufswap.shards import TensorRecord
 
@@ -165,6 +166,37 @@ class SplitTensor:
             return flat.view(self.shape[1:])
         rows, cols = self.shape[1], self.shape[2]
         return QuantizedMatrix(flat, self.record.ggml_type, (rows, cols), self.record.name)
+
+    def blocks(self) -> QuantizedExperts | None:
+        """The whole stack in its GGUF blocks, when it is one part in native storage (what one
+        grouped product multiplies from); None for a split or decoded stack."""
+        if not self.native or len(self.parts) != 1:
+            return None
+        _, rows, cols = self.shape
+        raw = self.parts[0].buffer.tensor[: self._unit * len(self)]
+        return QuantizedExperts(
+            raw, self.record.ggml_type, (len(self), rows, cols), self.record.name
+        )
+
+    def routed(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``[N, k, rows]`` products of the experts ``ids`` ``[N, k]`` routes each token to
+        (``x``: ``[N, cols]``, or ``[N, k, cols]`` one input per slot), in ``x``'s dtype and on
+        its device: one grouped call for a whole native stack (ggml's ``mul_mat_id`` where it
+        runs), else one product per expert present."""
+        stack = self.blocks()
+        if stack is not None:
+            dtype = x.dtype if x.is_floating_point() else torch.float32
+            y = stack.routed(x, ids, dtype=dtype)
+        else:
+            y = grouped(self._product, x, ids, self.shape[1])
+        return y.to(device=x.device, dtype=x.dtype)
+
+    def _product(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W[e].T`` on expert ``e``'s device, in its dtype (the compute dtype)."""
+        w = self[e]
+        if isinstance(w, QuantizedMatrix):
+            return w.linear(x, dtype=self.dtype)
+        return F.linear(x.to(device=w.device, dtype=w.dtype), w)
 
     def _flat(self, e: int) -> torch.Tensor:
         if not 0 <= e < len(self):

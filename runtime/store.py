@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -29,7 +30,7 @@ from ggufswap.runtime.mapping import ShardMaps
 from ggufswap.runtime.placement import Placement, placement_units, plan_placement
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet, first_fit
 from ggufswap.runtime.progress import progress_bar
-from ggufswap.runtime.resident import DecodedCache
+from ggufswap.runtime.resident import DecodedCache, ForwardViews
 from ggufswap.runtime.split import (
     ExpertSplit,
     Part,
@@ -145,6 +146,8 @@ class TensorStore:
         # Tensors out of service (their mapped bytes changed outside a commit) -> why; see
         # runtime/integrity.py. No batch runs while it is not empty.
         self.lost: dict[str, str] = {}
+        # Native storage: slots' blocks, stacks and float views, made once per commit.
+        self.views = ForwardViews()
 
     # -- the model's view ------------------------------------------------------------------
 
@@ -160,7 +163,8 @@ class TensorStore:
         if self.storage is Storage.DEQUANTIZED:
             return slot.active.tensor.view(slot.record.shape)
         if self._is_view(slot.record):  # already compute-dtype values: nothing to keep
-            return self.materialize_flat(slot.active.tensor, slot.record)
+            view = partial(self.materialize_flat, slot.active.tensor, slot.record)
+            return self.views.get("weight", name, torch.Tensor, view)
         key = (name, slot.fingerprint, int(slot.record.ggml_type))
         return self.decoded.get(key, lambda: self.materialize_flat(slot.active.tensor, slot.record))
 
@@ -175,7 +179,10 @@ class TensorStore:
             return self.split_view(slot)
         if slot is not None and self.storage is Storage.NATIVE and len(slot.ne) == 3:
             whole = (Part(slot.active, 0, slot.ne[-1]),)
-            return SplitTensor(whole, slot.record, native=True, compute_dtype=self.compute_dtype)
+            stack = partial(
+                SplitTensor, whole, slot.record, native=True, compute_dtype=self.compute_dtype
+            )
+            return self.views.get("experts", name, SplitTensor, stack)
         return self.weight(name)
 
     def matrix(self, name: str) -> torch.Tensor | QuantizedMatrix:
@@ -183,17 +190,10 @@ class TensorStore:
         matrix's blocks (:class:`QuantizedMatrix`): a few activation rows multiply from them,
         many rows use the decoded cache's copy when every dense matrix fits the cache (decoded
         once), else a scratch decode per use. Elsewhere, the decoded tensor."""
-        slot = self.slots.get(name)
-        if slot is None or self.storage is Storage.DEQUANTIZED or slot.is_split:
+        matrix = self.blocks(name)  # None but for a native 2-D slot
+        if matrix is None or self._is_view(self.slots[name].record):
             return self.weight(name)
-        record = slot.record
-        if len(record.ne) != 2 or self._is_view(record):
-            return self.weight(name)
-        raw = slot.active.tensor[: record.nbytes]
-        shape = (record.ne[1], record.ne[0])
-        cached = (lambda: self.weight(name)) if self._dense_cached else None
-        matrix = QuantizedMatrix(raw, record.ggml_type, shape, name, decoded=cached)
-        return matrix if matrix.compiled else self.weight(name)
+        return matrix if matrix.multiplies_blocks else self.weight(name)
 
     def blocks(self, name: str) -> QuantizedMatrix | None:
         """A 2-D tensor's GGUF blocks in native storage, whatever its type and the kernels (what
@@ -207,7 +207,9 @@ class TensorStore:
             return None
         raw = slot.active.tensor[: record.nbytes]
         cached = (lambda: self.weight(name)) if self._dense_cached else None
-        return QuantizedMatrix(raw, record.ggml_type, (record.ne[1], record.ne[0]), name, cached)
+        shape = (record.ne[1], record.ne[0])
+        blocks = partial(QuantizedMatrix, raw, record.ggml_type, shape, name, cached)
+        return self.views.get("blocks", name, QuantizedMatrix, blocks)
 
     def _is_view(self, record: TensorRecord) -> bool:
         """Whether native bytes of ``record`` already are compute-dtype values (read as a view)."""

@@ -14,7 +14,14 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ggufswap.ipc.plan import Job, Plan
-from ggufswap.runtime import HotSwapRuntime, PlanState, Pool, SlotState, Storage
+from ggufswap.runtime import (
+    HotSwapRuntime,
+    PlanState,
+    Pool,
+    SlotState,
+    Storage,
+    float_products,
+)
 from ggufswap.runtime.models import Decoder, Transformer, build_model
 from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.serving.serve import logits_digest, probe_tokens
@@ -46,6 +53,14 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture
+def float_kernels() -> Iterator[None]:
+    """Native storage's float kernels, even where a libggml is installed (ggml's products have
+    tests of their own: test_ggml_golden.py)."""
+    with float_products():
+        yield
 
 
 def mixed_moe(**overrides: object) -> ModelSpec:
@@ -212,9 +227,9 @@ def assert_swap_equals_fresh_load(
         assert torch.equal(logits(model), before)
 
 
-def fresh_digest(first: Path, *, storage: Storage = Storage.DEQUANTIZED) -> str:
+def fresh_digest(first: Path, *, storage: Storage = Storage.AUTO) -> str:
     """The digest of the probe batch's logits (what a runtime in probe mode records) on a fresh
-    load of the files as they are now."""
+    load of the files as they are now (``storage``: the configuration's default, auto)."""
     with HotSwapRuntime.open(first, storage=storage) as runtime:
         assert runtime.shards is not None, "open() keeps the shard set"
         model = Transformer(HParams.from_metadata(runtime.shards.metadata), runtime.store)

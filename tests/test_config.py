@@ -19,6 +19,7 @@ from ggufswap.config import (
     ConfigError,
     ConfigProblem,
     LogLevel,
+    MapShards,
     MissingSectionError,
     Storage,
     VerifyMode,
@@ -138,7 +139,7 @@ def test_minimal_runtime_config_gets_defaults(tmp_path: Path) -> None:
     assert runtime.events_endpoint == f"ipc://{run}/ggufswap.events.sock"
     assert runtime.allowed_roots == (Path("/m"),)
     assert [(p.name, p.device, p.budget) for p in runtime.pools] == [("host", "cpu", None)]
-    assert (runtime.storage, runtime.compute_dtype) == (Storage.DEQUANTIZED, ComputeDtype.FLOAT32)
+    assert (runtime.storage, runtime.compute_dtype) == (Storage.AUTO, ComputeDtype.FLOAT32)
     assert (runtime.placement.gpu_layers, runtime.placement.experts_pool) == (None, None)
     assert runtime.placement.split_experts is False
     assert runtime.strict_types is False
@@ -186,10 +187,15 @@ def test_runtime_threads_takes_a_count_or_auto(
     assert config.require_runtime().threads == threads
 
 
-def test_storage_auto_is_accepted_and_dequantized_stays_the_default(tmp_path: Path) -> None:
-    """storage: auto loads as Storage.AUTO; a runtime without the key keeps dequantized."""
-    assert load(RUNTIME + "  storage: auto\n", tmp_path).require_runtime().storage is Storage.AUTO
-    assert load(RUNTIME, tmp_path).require_runtime().storage is Storage.DEQUANTIZED
+def test_storage_and_map_shards_default_to_auto(tmp_path: Path) -> None:
+    """A runtime without storage or map_shards gets auto for both (GGUF-size memory and mapped
+    loading where they fit); each still takes an explicit value."""
+    runtime = load(RUNTIME, tmp_path).require_runtime()
+    assert runtime.storage is Storage.AUTO
+    assert runtime.map_shards is MapShards.AUTO
+    explicit = load(RUNTIME + "  storage: dequantized\n  map_shards: false\n", tmp_path)
+    assert explicit.require_runtime().storage is Storage.DEQUANTIZED
+    assert explicit.require_runtime().map_shards is MapShards.OFF
 
 
 @pytest.mark.parametrize(("written", "size"), [(None, 1 << 30), ("0", 0), ("512MiB", 512 << 20)])
@@ -717,7 +723,7 @@ def test_check_config_summarizes_a_valid_file(tmp_path: Path) -> None:
     assert "model mymodel" in result.stdout
     assert f"watch {tmp_path / 'models'} *.gguf (backend polling" in result.stdout
     assert "pool gpu0 on cuda:1, budget 2.0 GiB" in result.stdout
-    assert "(storage dequantized, float32, threads auto)" in result.stdout
+    assert "(storage auto, float32, threads auto)" in result.stdout
     as_json = run_ggufswap("check-config", "--json", str(path))
     data = json.loads(as_json.stdout)
     assert as_json.returncode == 0

@@ -23,7 +23,7 @@ from runtime_helpers import ModelDir, Q, one_thread
 
 from ggufswap.ipc import DealerClient, Fields, MessageType, make_message, plan_to_wire
 from ggufswap.ipc.plan import Job, Plan
-from ggufswap.runtime import HotSwapRuntime, PlanState
+from ggufswap.runtime import HotSwapRuntime, PlanState, Storage
 from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.serving import GgufTokenizer
 from ggufswap.runtime.serving.chat import ChatTemplate
@@ -129,7 +129,7 @@ def start_server(
     http: HttpOptions | None = None,
     **options: Any,
 ) -> Iterator[Served]:
-    runtime = HotSwapRuntime.open(first)
+    runtime = HotSwapRuntime.open(first, storage=Storage.AUTO)  # as a default config loads
     assert runtime.shards is not None, "open() keeps the shard set"
     model = build_model(
         HParams.from_metadata(runtime.shards.metadata), runtime.store, store=runtime.store

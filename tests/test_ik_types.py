@@ -14,6 +14,7 @@ import pytest
 import torch
 from ggufbytes import TI, build, kv_str
 
+from ggufswap.runtime import float_products
 from ggufswap.runtime.errors import UnsupportedTypeError
 from ggufswap.runtime.kernels import _compiled, dequant, qmatmul
 from ggufswap.runtime.kernels._ik import IK_KERNELS
@@ -309,9 +310,9 @@ def test_docs_list_every_type_with_its_layout() -> None:
 def test_native_product_of_ik_matrix(
     monkeypatch: pytest.MonkeyPatch, name: str, cpu_kernels: str
 ) -> None:
-    """Native storage multiplies an ik-typed matrix (IQ4_KS: the compiled fused product where
-    built) as its decoded values do; a row-interleaved one is decoded in bands of whole groups
-    (here 16 rows per band of a 32-row matrix)."""
+    """Native storage's float kernels multiply an ik-typed matrix (IQ4_KS: the compiled fused
+    product where built) as its decoded values do; a row-interleaved one is decoded in bands of
+    whole groups (here 16 rows per band of a 32-row matrix)."""
     g = _golden(name)
     t = ggml_type(g["code"])
     assert t is not None
@@ -328,4 +329,6 @@ def test_native_product_of_ik_matrix(
     assert torch.equal(matrix.decode(torch.float32, ilv, 2 * ilv), w[ilv : 2 * ilv])
     for n in (1, 16):
         x = torch.randn(n, cols)
-        assert torch.allclose(matrix.linear(x, dtype=torch.float32), x @ w.T, rtol=1e-5, atol=1e-4)
+        with float_products():  # the float kernels (ggml's: tests/test_ggml_golden.py)
+            y = matrix.linear(x, dtype=torch.float32)
+        assert torch.allclose(y, x @ w.T, rtol=1e-5, atol=1e-4)

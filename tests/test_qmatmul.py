@@ -1,10 +1,13 @@
 """Products from GGUF blocks: the compiled kernels decode every block exactly as gguf.quants does,
 multiply to float32 rounding of a float64 reference, give the same bits on any thread count, and
-the torch path stands in for them wherever they do not run."""
+the torch path stands in for them wherever they do not run. ggml's kernels (a libggml, when one
+is installed) run before both, except under ``float_products`` (these float kernels' tests run
+there; tests/test_ggml_golden.py checks ggml's against its recorded products)."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -14,10 +17,18 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
 from runtime_helpers import one_thread
 
-from ggufswap.runtime import QuantizedMatrix
-from ggufswap.runtime.kernels import _compiled, qmatmul
+from ggufswap.runtime import QuantizedMatrix, float_products
+from ggufswap.runtime.kernels import _compiled, _ggml, qmatmul
 from ggufswap.shards import _synth
 from ggufswap.shards.ggml_types import GGMLType
+
+
+@pytest.fixture(autouse=True)
+def float_kernels() -> Iterator[None]:
+    """The float kernels, whatever libggml is installed (ggml's products are tested apart)."""
+    with float_products():
+        yield
+
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -136,3 +147,68 @@ def test_many_rows_decode_in_bands_of_bounded_scratch(
         got = matrix.linear(x, dtype=torch.float32)
     assert got.shape == (3, 16, 40)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_ggml_multiplies_first_where_a_libggml_is_loaded() -> None:
+    """With a libggml, a matrix of a type it multiplies goes through it for any number of rows
+    (ggml's rounding: not the float product); float_products turns it off for the block."""
+    library = _ggml.library()
+    if library is None:
+        pytest.skip(f"no libggml here: {_ggml.describe()}")
+    raw = blocks(Q.Q4_K)
+    matrix = QuantizedMatrix(raw, Q.Q4_K, (ROWS, COLS), "blk.0.ffn_up.weight")
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(5))
+    floats = matrix.linear(x, dtype=torch.float32)
+    token = _ggml._FLOAT_ONLY.set(False)  # leave this module's float_products for a moment
+    try:
+        assert matrix.ggml
+        assert matrix.multiplies_blocks
+        assert qmatmul.kernels().startswith(library.name)
+        got = matrix.linear(x, dtype=torch.float32)
+        assert torch.equal(got, library.mul_mat(raw, Q.Q4_K, (ROWS, COLS), x))
+    finally:
+        _ggml._FLOAT_ONLY.reset(token)
+    assert not torch.equal(got, floats)
+    torch.testing.assert_close(got, floats, rtol=0.05, atol=0.05)  # 8-bit activations
+
+
+def test_matrices_sharing_activations_multiply_in_one_ggml_call_with_the_same_bits() -> None:
+    """linear_all gives each matrix's own product bit for bit: one ggml call where a libggml
+    multiplies them all, each matrix's linear otherwise."""
+    raws = [blocks(Q.Q4_K, rows=32, seed=1), blocks(Q.Q8_0, rows=24, seed=2)]
+    matrices = [
+        QuantizedMatrix(raws[0], Q.Q4_K, (32, COLS), "blk.0.attn_q.weight"),
+        QuantizedMatrix(raws[1], Q.Q8_0, (24, COLS), "blk.0.attn_k.weight"),
+    ]
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(6))
+    for ggml in (False, True):
+        if ggml and _ggml.library() is None:
+            continue
+        token = _ggml._FLOAT_ONLY.set(not ggml)
+        try:
+            together = qmatmul.linear_all(x, matrices, dtype=torch.float32)
+            alone = [m.linear(x, dtype=torch.float32) for m in matrices]
+        finally:
+            _ggml._FLOAT_ONLY.reset(token)
+        assert [t.shape for t in together] == [(3, 32), (3, 24)]
+        assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True)), ggml
+
+
+@pytest.mark.parametrize("ggml_type", [Q.Q4_1, Q.Q5_1], ids=lambda t: t.name)
+def test_batched_products_of_short_q4_1_and_q5_1_rows_are_right(ggml_type: Q) -> None:
+    """A batch of 32 activation rows by 64 weight rows of 64 values (Q4_1/Q5_1: ik's libggml
+    computes zeros there) gives the float product to 8-bit activation rounding: such matrices
+    multiply elsewhere under ik's library, through ggml under mainline's."""
+    rows, cols = 64, 64
+    raw = blocks(ggml_type, rows=rows, cols=cols)
+    matrix = QuantizedMatrix(raw, ggml_type, (rows, cols), "blk.0.ffn_up.weight")
+    x = torch.randn(32, cols, generator=torch.Generator().manual_seed(7))
+    expected = x @ reference(raw, ggml_type, rows).T
+    token = _ggml._FLOAT_ONLY.set(False)  # whatever runs by default here
+    try:
+        library = _ggml.library()
+        assert matrix.ggml == (library is not None and not library.ik)
+        got = matrix.linear(x, dtype=torch.float32)
+    finally:
+        _ggml._FLOAT_ONLY.reset(token)
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import ModelDir, Q, cpu_pools, logits, one_thread, open_runtime
+from runtime_helpers import (
+    ModelDir,
+    Q,
+    cpu_pools,
+    float_kernels,
+    logits,
+    one_thread,
+    open_runtime,
+)
 from test_runtime_split import dev_budget
 
 from ggufswap.runtime import (
@@ -21,11 +29,12 @@ from ggufswap.runtime import (
     Storage,
     loading,
 )
-from ggufswap.runtime import split as split_module
-from ggufswap.runtime.kernels import _compiled
+from ggufswap.runtime import placement as placement_module
+from ggufswap.runtime.kernels import _compiled, ggml_library
+from ggufswap.runtime.kernels import experts as experts_module
 from ggufswap.runtime.kernels.scratch import role_scratch
 from ggufswap.runtime.loading import Loader, LoadJob, Segment
-from ggufswap.runtime.models import HParams, Transformer
+from ggufswap.runtime.models import HParams, Transformer, build_model
 from ggufswap.runtime.resident import DecodedCache
 from ggufswap.runtime.store import TensorStore
 from ggufswap.shards import FileChangedError, TensorRecord, open_shard_set
@@ -128,11 +137,12 @@ def test_a_failed_load_gives_its_pools_back_everything(
     assert pools[0].used == 0
 
 
+@pytest.mark.usefixtures(float_kernels.__name__)
 def test_native_moe_reads_only_the_routed_experts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """In native storage a one-token forward reads exactly n_expert_used experts of each of
-    gate, up and down per block, each as that expert's blocks alone, and computes what
+    """In native storage (float kernels) a one-token forward reads exactly n_expert_used experts
+    of each of gate, up and down per block, each as that expert's blocks alone, and computes what
     dequantized storage computes (to float32 rounding: the sums run in another order) and
     exactly what a fresh native load computes."""
     spec = tiny_moe(n_expert=16, n_expert_used=2)
@@ -150,13 +160,13 @@ def test_native_moe_reads_only_the_routed_experts(
         fresh_rt.close()
     runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE)
     read: list[tuple[str, tuple[int, int]]] = []
-    real = split_module.QuantizedMatrix
+    real = experts_module.QuantizedMatrix
 
     def counting(raw: torch.Tensor, ggml_type: Q, shape: tuple[int, int], name: str) -> object:
         read.append((name, shape))
         return real(raw, ggml_type, shape, name)
 
-    monkeypatch.setattr(split_module, "QuantizedMatrix", counting)
+    monkeypatch.setattr(experts_module, "QuantizedMatrix", counting)
     try:
         got = logits(model, token)
         assert torch.equal(got, fresh)
@@ -168,6 +178,50 @@ def test_native_moe_reads_only_the_routed_experts(
         runtime.close()
 
 
+def test_native_moe_with_ggml_is_one_routed_product_per_projection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a libggml, a native one-token forward multiplies each of gate, up and down of a
+    block by one mul_mat_id over the routed experts' ids, computes what a fresh native load
+    computes bit for bit, and what dequantized storage computes up to ggml's 8-bit activation
+    rounding."""
+    library = ggml_library()
+    if library is None:
+        pytest.skip("no libggml here")
+    spec = tiny_moe(n_expert=16, n_expert_used=2)
+    model_dir = ModelDir.write(tmp_path / "model", spec)
+    token = torch.tensor([[3]])
+    expected_rt, expected_model = open_runtime(model_dir.first, storage=Storage.DEQUANTIZED)
+    try:
+        expected = logits(expected_model, token)
+    finally:
+        expected_rt.close()
+    fresh_rt, fresh_model = open_runtime(model_dir.first, storage=Storage.NATIVE)
+    try:
+        fresh = logits(fresh_model, token)
+    finally:
+        fresh_rt.close()
+    runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE)
+    calls: list[tuple[int, ...]] = []
+    real = type(library).mul_mat_id
+
+    def counting(self: object, raw: torch.Tensor, t: int, shape: tuple[int, int, int],
+                 x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        calls.append(tuple(ids.shape))
+        return real(self, raw, t, shape, x, ids)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(type(library), "mul_mat_id", counting)
+    try:
+        got = logits(model, token)
+        assert torch.equal(got, fresh)
+        assert calls == [(1, spec.n_expert_used)] * (spec.n_layers * 3)
+        error = (got - expected).norm() / expected.norm()
+        assert 0 < error < 0.02, error
+    finally:
+        runtime.close()
+
+
+@pytest.mark.usefixtures(float_kernels.__name__)
 def test_native_dense_tensors_are_decoded_once_and_again_after_a_swap(tmp_path: Path) -> None:
     """The second forward decodes no dense tensor; a committed swap of one tensor decodes that
     one again, and the model computes what a fresh load of the new files computes."""
@@ -231,15 +285,25 @@ def test_role_scratch_is_one_buffer_per_role_and_thread() -> None:
     assert big.shape == (8, 8)
 
 
-def test_storage_auto_goes_native_only_when_dequantized_bytes_do_not_fit(tmp_path: Path) -> None:
-    """``auto`` loads dequantized where the pools hold the float tensors, native where they do
-    not, and says which in the status; a store is never built with ``auto`` unresolved."""
+@pytest.mark.parametrize("ggml", [False, True], ids=["no-libggml", "libggml"])
+def test_storage_auto_goes_native_where_it_does_not_fit_or_ggml_multiplies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ggml: bool
+) -> None:
+    """``auto`` loads native where the pools cannot hold the float tensors; where they can, native
+    when ggml's kernels multiply the model's quantized matrices on the CPU (faster and at GGUF
+    size), else dequantized; the status says which; a store is never built with ``auto``."""
+    library = ggml_library()
+    if ggml and library is None:
+        pytest.skip("no libggml here")
+    if not ggml:
+        monkeypatch.setattr(placement_module, "ggml_library", lambda: None)
     model_dir = ModelDir.write(tmp_path / "model")
     shards = open_shard_set(model_dir.first)
     float_bytes = sum(r.n_elements * 4 for r in shards.tensors.values())
     file_bytes = sum(r.nbytes for r in shards.tensors.values())
     assert file_bytes < float_bytes // 2
-    for budget, expected in ((float_bytes, Storage.DEQUANTIZED), (file_bytes, Storage.NATIVE)):
+    fits = Storage.NATIVE if ggml else Storage.DEQUANTIZED
+    for budget, expected in ((float_bytes, fits), (file_bytes, Storage.NATIVE)):
         pools = [Pool("host", torch.device("cpu"), budget=budget)]
         runtime, model = open_runtime(model_dir.first, storage=Storage.AUTO, pools=pools)
         try:
@@ -253,6 +317,7 @@ def test_storage_auto_goes_native_only_when_dequantized_bytes_do_not_fit(tmp_pat
         )
 
 
+@pytest.mark.usefixtures(float_kernels.__name__)
 def test_native_dense_matrices_multiply_from_blocks_when_the_cache_cannot_hold_them(
     tmp_path: Path,
 ) -> None:
@@ -343,3 +408,25 @@ def test_populate_faults_a_fresh_buffer_in_and_keeps_contents() -> None:
     assert loading.populate(held)
     assert torch.equal(held, torch.arange(1 << 20, dtype=torch.int32))
     assert not loading.populate(torch.empty(16, dtype=torch.uint8))  # too small to bother
+
+
+def test_exact_numerics_multiply_in_float_over_native_storage(tmp_path: Path) -> None:
+    """build_model(numerics="exact") over a native store multiplies in float even where a
+    libggml could (what the float kernels compute, to float32 rounding of dequantized storage);
+    the default (None) takes the store's fastest kernels."""
+    model_dir = ModelDir.write(tmp_path / "model")
+    hparams = HParams.from_metadata(open_shard_set(model_dir.first).metadata)
+    runtime, _ = open_runtime(model_dir.first, storage=Storage.DEQUANTIZED)
+    try:
+        expected = logits(build_model(hparams, runtime.store))
+    finally:
+        runtime.close()
+    runtime, _ = open_runtime(model_dir.first, storage=Storage.NATIVE)
+    try:
+        exact = logits(build_model(hparams, runtime.store, store=runtime.store, numerics="exact"))
+        fastest = logits(build_model(hparams, runtime.store, store=runtime.store))
+    finally:
+        runtime.close()
+    torch.testing.assert_close(exact, expected, rtol=1e-4, atol=1e-4)
+    if ggml_library() is not None:
+        assert not torch.equal(fastest, exact)  # ggml's 8-bit activations

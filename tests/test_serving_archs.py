@@ -28,7 +28,7 @@ from runtime_helpers import ModelDir, one_thread
 from test_http import WAIT_S, complete, start_server
 from test_perplexity_cmd import license_text, reference
 
-from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime import HotSwapRuntime, Storage
 from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.serving.perplexity import make_eval_tokens, perplexity
 from ggufswap.runtime.serving.serve import ServeOptions
@@ -92,7 +92,7 @@ def stream_perplexity(first: Path) -> float:
     """What ``runtime --mode perplexity`` reports for a fresh load: its evaluation stream
     (``ServeOptions``' defaults) evaluated in this process."""
     options = ServeOptions()
-    runtime = HotSwapRuntime.open(first)
+    runtime = HotSwapRuntime.open(first, storage=Storage.AUTO)  # the configuration's default
     try:
         assert runtime.shards is not None, "open() keeps the shard set"
         config = HParams.from_metadata(runtime.shards.metadata)

@@ -5,7 +5,11 @@
   :mod:`._mainline` and :mod:`._iq` (over their shared :mod:`._base`), :mod:`._ik` and
   :mod:`._ik_interleaved` for ik_llama.cpp's types;
 - :mod:`.qmatmul` multiplies activations by weights still in their blocks
-  (:class:`QuantizedMatrix`), decoding into per-role scratch (:mod:`.scratch`) where it must.
+  (:class:`QuantizedMatrix`): through ggml's own kernels where a libggml is found at run time
+  (:mod:`._ggml`, ``csrc/ggmlcall.c``), else the compiled float kernels, else decoding into
+  per-role scratch (:mod:`.scratch`);
+- :mod:`.experts` multiplies a MoE layer's routed experts in one call per projection
+  (:class:`QuantizedExperts`: ggml's ``mul_mat_id``; :func:`grouped` for any stack).
 
 This package imports torch, the GGML type tables of :mod:`ggufswap.shards` and the runtime's
 error classes, never the rest of the core: the core calls it.
@@ -13,8 +17,23 @@ error classes, never the rest of the core: the core calls it.
 
 from __future__ import annotations
 
+from ggufswap.runtime.kernels._ggml import float_products
+from ggufswap.runtime.kernels._ggml import library as ggml_library
 from ggufswap.runtime.kernels.dequant import KERNEL_TYPES, dequantize, has_kernel
-from ggufswap.runtime.kernels.qmatmul import KERNELS, QuantizedMatrix
+from ggufswap.runtime.kernels.experts import QuantizedExperts, grouped
+from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix, kernels, linear_all
 from ggufswap.runtime.kernels.scratch import role_scratch
 
-__all__ = ["KERNELS", "KERNEL_TYPES", "QuantizedMatrix", "dequantize", "has_kernel", "role_scratch"]
+__all__ = [
+    "KERNEL_TYPES",
+    "QuantizedExperts",
+    "QuantizedMatrix",
+    "dequantize",
+    "float_products",
+    "ggml_library",
+    "grouped",
+    "has_kernel",
+    "kernels",
+    "linear_all",
+    "role_scratch",
+]

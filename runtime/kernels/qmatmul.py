@@ -1,41 +1,55 @@
-"""Products with weights still in their GGUF blocks: the compiled kernels, or decode + matmul.
+"""Products with weights still in their GGUF blocks: ggml's kernels, the compiled ones, or
+decode + matmul.
 
 A :class:`QuantizedMatrix` is a weight matrix as native storage holds it (its blocks, its type and
-its logical shape). ``linear`` multiplies activations by it:
+its logical shape). ``linear`` multiplies activations by it, by the first of these that runs:
 
+- **ggml's own kernels** (:mod:`._ggml`: a libggml found at run time, ik_llama.cpp's or
+  mainline's), for any number of activation rows, on the CPU, for the types that library
+  multiplies: the activations are quantized as ggml's CPU backend does (q8_0 / q8_K per weight
+  type) and multiplied by integer dot products, what llama.cpp computes, bit for bit, at
+  llama.cpp's speed. Not inside :func:`~._ggml.float_products` (a decoder with exact numerics);
 - for a few activation rows (decode) on CUDA, for the types :mod:`.gpu` lists, with the Triton
   kernel (:mod:`.triton_qmatmul`): the blocks are decoded in registers, tile by tile;
 - for a few activation rows (decode), on the CPU, for the types ``runtime/kernels/csrc/qkernels.c``
-  handles, with the compiled kernel: each block is decoded into L1 and multiplied there, so the
-  product reads the quantized bytes once and never writes the float32 weights (float32
+  handles, the **compiled float kernel**: each block is decoded into L1 and multiplied there, so
+  the product reads the quantized bytes once and never writes the float32 weights (float32
   arithmetic, rows split over torch's thread count);
 - otherwise (many rows: prefill and perplexity batches; no compiler at install; another device
-  or type) by decoding the matrix (the decoded cache's copy where the store keeps one, else a
+  or type) by **decoding** the matrix (the decoded cache's copy where the store keeps one, else a
   scratch buffer, :func:`~ggufswap.runtime.kernels.dequant.dequantize`) and calling ``F.linear``.
 
-The decoded values are the same in both (``gguf.quants``' float32 values, bit for bit); the sums
-are taken in a different order, so the two paths agree to float32 rounding, not bit for bit.
-Which path runs depends only on the machine, the build and the tensor's type: a given process
-always computes the same bits for the same weights, which is what the exactness guarantee (a
-swapped model computes what a fresh load computes) needs. ``KERNELS`` names the path in status.
+The float paths multiply the same decoded values (``gguf.quants``' float32 values, bit for bit) by
+the float activations, summed in different orders: they agree to float32 rounding, not bit for
+bit; ggml's rounds the activations first (llama.cpp's numerics). Which path runs depends only on
+the machine, the build, the libggml found and the tensor's type: a given process always computes
+the same bits for the same weights, which is what the exactness guarantee (a swapped model
+computes what a fresh load computes) needs. :func:`kernels` names the path in status.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
-from ggufswap.runtime.kernels import _compiled, gpu
+from ggufswap.runtime.kernels import _compiled, _ggml, gpu
 from ggufswap.runtime.kernels.dequant import dequantize
 from ggufswap.runtime.kernels.scratch import role_scratch
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, row_nbytes
 
-__all__ = ["KERNELS", "QuantizedMatrix"]
+__all__ = ["QuantizedMatrix", "kernels", "linear_all"]
 
-KERNELS = "compiled" if _compiled.available() else "torch"
+
+def kernels() -> str:
+    """The kernels native storage's products run on here: ``ggml (ik_llama.cpp)`` / ``ggml``
+    (with the float kernels behind them for the other types), ``compiled`` or ``torch``."""
+    floats = "compiled" if _compiled.available() else "torch"
+    library = _ggml.library()
+    return floats if library is None else f"{library.name} + {floats}"
 
 
 # Activation rows up to which the compiled kernel multiplies from the blocks; from here on,
@@ -77,13 +91,34 @@ class QuantizedMatrix:
     def device(self) -> torch.device:
         return self.raw.device
 
+    @functools.cached_property
+    def _library(self) -> _ggml.Library | None:
+        """The libggml that multiplies this matrix (its type, row length and device), if any."""
+        library = _ggml.library()
+        if library is None or not library.multiplies(
+            self.ggml_type, self.shape[1], self.raw.device
+        ):
+            return None
+        return library
+
+    @property
+    def ggml(self) -> bool:
+        """Whether :meth:`linear` runs ggml's kernels for this matrix (here, now)."""
+        return self._library is not None and not _ggml.float_only()
+
     @property
     def compiled(self) -> bool:
-        """Whether :meth:`linear` runs a compiled kernel for this matrix: the C kernel on the
-        CPU, the Triton kernel on CUDA (:mod:`.gpu`)."""
+        """Whether :meth:`linear` runs a compiled float kernel for a few activation rows: the C
+        kernel on the CPU, the Triton kernel on CUDA (:mod:`.gpu`)."""
         if self.raw.device.type != "cpu":
             return gpu.handles(self.ggml_type, self.raw.device)
         return _compiled.handles(self.ggml_type, self.shape[1], self.raw.device)
+
+    @property
+    def multiplies_blocks(self) -> bool:
+        """Whether :meth:`linear` multiplies from the blocks for a decode step (ggml's kernels
+        or the compiled ones), rather than from a decoded copy."""
+        return self.ggml or self.compiled
 
     def decode(self, dtype: torch.dtype, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows ``[start, stop)`` of the matrix decoded into this thread's scratch for its role
@@ -96,10 +131,13 @@ class QuantizedMatrix:
         return dequantize(raw, self.ggml_type, (cols, stop - start), dtype=dtype, out=out)
 
     def linear(self, x: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
-        """``x @ W.T`` on the matrix's device: float32 from the compiled kernel for a few
-        activation rows (< ``FUSED_MAX_ROWS``), else in ``dtype`` (the compute dtype) from the
-        decoded matrix (``decoded``, or this thread's scratch)."""
+        """``x @ W.T`` on the matrix's device: float32 from ggml's kernels (any number of rows)
+        or the compiled kernel (a few activation rows: < ``FUSED_MAX_ROWS``), else in ``dtype``
+        (the compute dtype) from the decoded matrix (``decoded``, or this thread's scratch)."""
         rows, cols = self.shape
+        library = self._library
+        if library is not None and not _ggml.float_only():
+            return library.mul_mat(self.raw, self.ggml_type, self.shape, x)
         n = x.numel() // cols
         if self.decoded is not None and (not self.compiled or n >= FUSED_MAX_ROWS):
             w = self.decoded()
@@ -138,3 +176,20 @@ class QuantizedMatrix:
             stop = min(start + band, rows)
             out[..., start:stop] = F.linear(xd, self.decode(dtype, start, stop))
         return out
+
+
+# The most matrices one ggml call multiplies by the same activations (csrc/ggmlcall.c).
+MAX_SHARED = 4
+
+
+def linear_all(
+    x: torch.Tensor, matrices: list[QuantizedMatrix], *, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """``[m.linear(x) for m in matrices]``: one ggml call where ggml multiplies every one of them
+    (a layer's q, k and v, or gate and up: the activations quantized once), the same values as
+    one call each; else each matrix's own :meth:`~QuantizedMatrix.linear`."""
+    library = matrices[0]._library if matrices else None
+    same = all(m._library is library and m.shape[1] == x.shape[-1] for m in matrices)
+    if library is None or not same or len(matrices) > MAX_SHARED or _ggml.float_only():
+        return [m.linear(x, dtype=dtype) for m in matrices]
+    return library.mul_mats(x, [(m.raw, m.ggml_type, m.shape[0]) for m in matrices])

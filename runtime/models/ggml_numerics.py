@@ -31,9 +31,14 @@ store (native storage: the weight's type and blocks are at hand); its ``matrix``
 ``experts(...)[e]`` return :class:`GgmlMatrix`, which ``llama.linear`` multiplies with the
 rounding above, and ``geglu`` uses :func:`gelu` when its gate is one; the decoder's forward runs
 under :func:`ggml_norms` (``build_model`` wraps it), so ``llama.rms_norm`` is :func:`rms_norm`.
-The products multiply
-the rounded activations by the decoded weights (gguf-py's values, bit for bit), in float32, or
-float64 where ggml's F16 dot products need the wider sums.
+Where a libggml is loaded (``ggufswap.runtime.kernels._ggml``: ik_llama.cpp's from the
+``ik-llama-cpp-python`` wheel, or mainline's from ``llama-cpp-python``), the products of the types
+it multiplies are ggml's own, bit for bit (its ``mul_mat``; the routed experts' one
+``mul_mat_id``), and ik_llama.cpp's own types have ggml numerics too. Elsewhere the products are
+emulated: the rounded activations times the decoded weights (gguf-py's values, bit for bit), in
+float32, or float64 where ggml's F16 dot products need the wider sums (mainline's rounding: ik's
+fork rounds some activation types its own way, so the emulation is closest to mainline's
+llama.cpp).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor
 
 from ggufswap.config import Storage
-from ggufswap.runtime import QuantizedMatrix
+from ggufswap.runtime import QuantizedExperts, QuantizedMatrix, grouped
 from ggufswap.runtime.models.errors import ModelError
 from ggufswap.shards.ggml_types import GGMLType
 
@@ -242,22 +247,30 @@ class GgmlMatrix:
         return self.blocks.decode(torch.float32)
 
     def linear(self, x: Tensor, b: Tensor | None = None) -> Tensor:
-        """``x @ W.T (+ b)`` with ``x`` rounded to the weight's ``vec_dot`` type; the result in
-        ``x``'s device and dtype."""
+        """``x @ W.T (+ b)`` with ``x`` rounded to the weight's ``vec_dot`` type: ggml's own
+        product where a libggml multiplies this type (bit for bit), else its emulation here; the
+        result in ``x``'s device and dtype."""
         rows, cols = self.blocks.shape
-        vec_dot = self.vec_dot
         device = self.blocks.device
-        flat = x.reshape(-1, cols).to(device=device, dtype=torch.float32)  # [N, K]
+        if self.blocks.ggml:
+            y = self.blocks.linear(x, dtype=torch.float32).reshape(-1, rows)  # [N, rows]
+        else:
+            y = self._emulated(x.reshape(-1, cols).to(device=device, dtype=torch.float32))
+        if b is not None:
+            y = y + b.to(device=device, dtype=torch.float32)
+        return y.reshape(*x.shape[:-1], rows).to(device=x.device, dtype=x.dtype)
+
+    def _emulated(self, flat: Tensor) -> Tensor:
+        """``[N, rows]``: ggml's product of ``flat`` ``[N, K]`` (float32), emulated."""
+        vec_dot = self.vec_dot
         xq = round_activations(flat, vec_dot)
         if vec_dot in _WIDE_SUMS:
-            y = F.linear(xq.double(), self.values().double()).float()  # [N, rows]
+            y = F.linear(xq.double(), self.values().double()).float()
         else:
             y = F.linear(xq, self.values())
         if vec_dot is T.Q8_1:
             y = y + self._q8_1_correction(flat)
-        if b is not None:
-            y = y + b.to(device=device, dtype=torch.float32)
-        return y.reshape(*x.shape[:-1], rows).to(device=x.device, dtype=x.dtype)
+        return y
 
     def _q8_1_correction(self, x: Tensor) -> Tensor:
         """``[N, rows]``: ``sum_blocks m_w (F16(d sum q) - F16(d) sum q)``, what Q8_1's rounded
@@ -275,6 +288,12 @@ class GgmlMatrix:
         return mins.float().reshape(rows, cols // Q8_BLOCK)
 
 
+def _linear(w: Tensor | GgmlMatrix, x: Tensor) -> Tensor:
+    if isinstance(w, GgmlMatrix):
+        return w.linear(x)
+    return F.linear(x.to(device=w.device, dtype=w.dtype), w).to(device=x.device, dtype=x.dtype)
+
+
 class _GgmlExperts:
     """A stacked expert tensor whose ``[e]`` is a :class:`GgmlMatrix` (a stack of bias rows,
     2-D, gives its rows as they are)."""
@@ -290,6 +309,16 @@ class _GgmlExperts:
     def __getitem__(self, e: int, /) -> Tensor | GgmlMatrix:
         item = self.stack[e]  # type: ignore[index]
         return GgmlMatrix(item) if isinstance(item, QuantizedMatrix) else item
+
+    def routed(self, x: Tensor, ids: Tensor) -> Tensor:
+        """``[N, k, rows]`` routed experts' products as ggml computes them: one ``mul_mat_id``
+        through a libggml where it multiplies this stack, else each expert emulated."""
+        blocks = getattr(self.stack, "blocks", None)
+        stack: QuantizedExperts | None = blocks() if blocks is not None else None
+        if stack is not None and stack.ggml:
+            return stack.routed(x, ids, dtype=torch.float32).to(x.dtype)
+        rows = self.shape[1]
+        return grouped(lambda e, inputs: _linear(self[e], inputs), x, ids, rows)
 
 
 class GgmlWeights:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ggufswap.runtime.models.architecture import Architecture
-from ggufswap.runtime.models.blocks.attention import sliding_window_mask
+from ggufswap.runtime.models.blocks.attention import group_queries, sliding_window_mask
 from ggufswap.runtime.models.blocks.decoder import DecoderStack, LayerInputs, TransformerBlock
 from ggufswap.runtime.models.blocks.moe import combine_experts
 from ggufswap.runtime.models.blocks.rope import RopeTables, rotary
@@ -132,14 +132,15 @@ class SinkAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (rope.rotate(q), rope.rotate(k), v))  # [B,H,T,hd]
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # [B, Hkv, S, hd]
-        k = k.repeat_interleave(c.q_per_kv, dim=1).float()
-        v = v.repeat_interleave(c.q_per_kv, dim=1).float()
-        scores = (q.float() @ k.transpose(-1, -2)) * c.attn_scale  # [B, H, T, S]
-        scores = scores.masked_fill(~mask, float("-inf"))
+        grouped = group_queries(q.float(), c.n_head_kv)  # [B, Hkv, g*T, hd]: no K/V copies
+        scores = (grouped @ k.float().transpose(-1, -2)) * c.attn_scale  # [B, Hkv, g*T, S]
+        scores = scores.view(bsz, c.n_head, seq, -1).masked_fill(~mask, float("-inf"))
         sink = self.weights.weight(self.sinks).to(scores.device, torch.float32)
         sink = sink.view(1, -1, 1, 1).expand(bsz, -1, seq, 1)  # [B, H, T, 1]
         probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]  # the sink drops out
-        y = (probs @ v).to(x.dtype).transpose(1, 2).reshape(bsz, seq, c.n_head * c.head_dim)
+        y = group_queries(probs, c.n_head_kv) @ v.float()  # [B, Hkv, g*T, hd]
+        y = y.view(bsz, c.n_head, seq, -1).to(x.dtype).transpose(1, 2)
+        y = y.reshape(bsz, seq, c.n_head * c.head_dim)
         return self._proj(y, self.wo, self.bo)  # [B, T, D]
 
 

@@ -2,9 +2,10 @@
 
 Each architecture's module (``runtime/models/<arch>.py``) gives its :class:`Architecture`: the
 decoder, the keys of its own it reads, its state. ``build_model(config, weights, store=...)``
-builds the decoder of ``config.arch``, which computes in float (``numerics="exact"``) or as
-ggml's CPU kernels round (``numerics="ggml"``, :mod:`.ggml_numerics`: figures comparable with
-llama.cpp's).
+builds the decoder of ``config.arch``, which computes with the store's fastest kernels (the
+default: in native storage, ggml's own products where a libggml is loaded), in float
+(``numerics="exact"``), or as ggml's CPU kernels round everywhere (``numerics="ggml"``,
+:mod:`.ggml_numerics`: figures comparable with llama.cpp's).
 
 Every decoder reads every weight through the provider at forward time. A tied output head is read
 from ``token_embd.weight``'s own slot rather than copied, so a swap of the embedding is the head's
@@ -15,10 +16,12 @@ architecture derives must be registered with ``TensorStore.register_derived`` he
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
+from ggufswap.runtime import float_products
 from ggufswap.runtime.models import (
     deepseek2,
     deepseek32,
@@ -103,22 +106,39 @@ def build_model(
     weights: WeightProvider,
     *,
     store: TensorStore | None = None,
-    numerics: Numerics | str = Numerics.EXACT,
+    numerics: Numerics | str | None = None,
 ) -> Decoder:
     """The decoder for ``config.arch`` over ``weights`` (the store itself when serving).
 
-    ``numerics="ggml"`` multiplies as ggml's CPU kernels do (:mod:`.ggml_numerics`): it reads
-    the ``store`` (native storage) through :class:`~.ggml_numerics.GgmlWeights`."""
-    if Numerics(numerics) is Numerics.GGML:
+    ``numerics``: None (serving) multiplies with the store's fastest kernels (in native storage
+    ggml's own where a libggml is loaded: llama.cpp's rounding); ``"exact"`` multiplies in float,
+    decoded weights by float activations (:func:`~ggufswap.runtime.float_products` around the
+    forward); ``"ggml"`` multiplies as ggml's CPU kernels do everywhere (:mod:`.ggml_numerics`):
+    it reads the ``store`` (native storage) through :class:`~.ggml_numerics.GgmlWeights`."""
+    chosen = None if numerics is None else Numerics(numerics)
+    if chosen is Numerics.GGML:
         if store is None or weights is not store:
             raise ModelError("numerics 'ggml' reads the weights' blocks: pass the tensor store")
         weights = GgmlWeights(store)
     model = architecture(config.arch).decoder(config, weights)
     if isinstance(weights, GgmlWeights):  # ggml's RMS norms inside its forward
         model.forward = with_ggml_norms(model.forward)  # type: ignore[method-assign]
+    if chosen is Numerics.EXACT:  # float products, even where ggml's kernels could run
+        model.forward = with_float_products(model.forward)  # type: ignore[method-assign]
     if store is not None:
         required: Mapping[str, tuple[int, ...]] = model.required
         unknown = sorted(name for name in required if not store.has(name))
         if unknown:
             raise MissingWeightError(f"the tensor store lacks tensors the model reads: {unknown}")
     return model
+
+
+def with_float_products(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` run under :func:`~ggufswap.runtime.float_products`."""
+
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with float_products():
+            return forward(*args, **kwargs)
+
+    return wrapped

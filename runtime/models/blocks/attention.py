@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables
-from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider, linear
+from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider, linear, linears
 from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.shards.keys import TensorNames
@@ -64,9 +64,15 @@ class Attention(nn.Module):
         ``cache`` the keys are the cached ones then this forward's (S = cache.length + T)."""
         # x: [B, T, D]
         c, (bsz, seq, _) = self.config, x.shape
-        q = self._proj(x, self.wq, self.bq).view(bsz, seq, c.n_head, c.head_dim)  # [B, T, H, hd]
-        k = self._proj(x, self.wk, self.bk).view(bsz, seq, c.n_head_kv, c.head_dim)  # [B,T,Hkv,hd]
-        v = self._proj(x, self.wv, self.bv).view(bsz, seq, c.n_head_kv, c.head_dim)
+        w, b = self.weights, self.weights.weight
+        q, k, v = linears(  # one ggml call where ggml multiplies all three (x quantized once)
+            x,
+            [w.matrix(self.wq), w.matrix(self.wk), w.matrix(self.wv)],
+            [None if name is None else b(name) for name in (self.bq, self.bk, self.bv)],
+        )
+        q = q.view(bsz, seq, c.n_head, c.head_dim)  # [B, T, H, hd]
+        k = k.view(bsz, seq, c.n_head_kv, c.head_dim)  # [B, T, Hkv, hd]
+        v = v.view(bsz, seq, c.n_head_kv, c.head_dim)
         q = rope.rotate(self._norm(q, self.q_norm))
         k = rope.rotate(self._norm(k, self.k_norm))
         y = attend(q, k, v, layer=self.layer, scale=c.attn_scale, mask=mask, cache=cache)
@@ -85,16 +91,61 @@ def attend(
 ) -> Tensor:
     """Grouped-query attention of ``q [B, T, H, hd]`` over ``k, v [B, T, Hkv, hd]`` (with the
     cached keys and values first when ``cache``): query head ``h`` reads kv head ``h // (H /
-    Hkv)``; ``[B, T, H * hd]``."""
+    Hkv)``, without copies of K/V (:func:`grouped_attention`); ``[B, T, H * hd]``."""
     bsz, seq, heads, _ = q.shape
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H(kv), T, hd]
     if cache is not None:  # the rope tables already carry start_pos = cache.length
         k, v = cache.update(layer, k, v)  # [B, Hkv, S, hd]
-    q_per_kv = heads // k.shape[1]
-    k = k.repeat_interleave(q_per_kv, dim=1)  # query head h reads kv head h // q_per_kv
-    v = v.repeat_interleave(q_per_kv, dim=1)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    y = grouped_attention(q, k, v, mask, scale=scale)  # [B, H, T, hd]
     return y.transpose(1, 2).reshape(bsz, seq, heads * v.shape[-1])  # [B, T, H*hd]
+
+
+def group_queries(q: Tensor, n_head_kv: int) -> Tensor:
+    """``q [B, H, T, hd]`` as ``[B, Hkv, g*T, hd]``: the ``g = H / Hkv`` query heads that read
+    one kv head (query head ``h`` reads kv head ``h // g``) as rows of one query block."""
+    bsz, n_head, seq, hd = q.shape
+    return q.reshape(bsz, n_head_kv, n_head // n_head_kv * seq, hd)
+
+
+def grouped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: float
+) -> Tensor:
+    """Grouped-query attention without copies of K/V: ``q [B, H, T, hd]``, ``k, v [B, Hkv, S,
+    hd]``, ``mask [T, S]`` (True = may attend; None = causal); ``[B, H, T, hd]``.
+
+    llama.cpp's attention reads each kv head's keys and values once for the ``H / Hkv`` query
+    heads that share it; ``repeat_interleave`` of K/V to ``H`` heads would copy the whole cache
+    every step (a decode step's cost then grows with the context faster than llama.cpp's). A
+    decode step (one query) puts the query heads of each kv head in one block of rows, so each
+    K/V is read once per step, and a local layer's step reads its window only (:func:`_window`);
+    more queries use torch's grouped-query attention (``enable_gqa``, causal without a mask)."""
+    bsz, n_head, seq, _ = q.shape
+    group = n_head // k.shape[1]
+    if seq > 1 or (mask is not None and mask.dim() != 2):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
+        )
+    rows = None  # one query attending every key (a decode step within its window): no mask
+    if mask is not None and not bool(mask.all()):
+        k, v, rows = _window(k, v, mask)
+        rows = None if rows is None else rows.repeat(group, 1)  # [g, S]: each head of a group
+    y = F.scaled_dot_product_attention(
+        group_queries(q, k.shape[1]), k, v, attn_mask=rows, scale=scale
+    )
+    return y.reshape(bsz, n_head, seq, v.shape[-1])
+
+
+def _window(k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One query's keys under ``mask [1, S]``: where the keys it may attend are one run (a
+    sliding window), that run alone and no mask, so a decode step of a local layer reads its
+    window, not the whole cache (llama.cpp's SWA cache holds the window only); else all, masked."""
+    keep = mask[0].nonzero().flatten()
+    if keep.numel() == 0:
+        return k, v, mask
+    lo, hi = int(keep[0]), int(keep[-1]) + 1
+    if hi - lo != keep.numel():
+        return k, v, mask
+    return k[:, :, lo:hi], v[:, :, lo:hi], None
 
 
 class GatedAttention(nn.Module):
@@ -121,10 +172,11 @@ class GatedAttention(nn.Module):
         # x: [B, T, D]
         c, w = self.config, self.weights
         bsz, seq, _ = x.shape
-        qg = linear(x, w.matrix(self.wq)).view(bsz, seq, c.n_head, 2 * c.head_dim)
+        qg, k, v = linears(x, [w.matrix(self.wq), w.matrix(self.wk), w.matrix(self.wv)])
+        qg = qg.view(bsz, seq, c.n_head, 2 * c.head_dim)
         q, gate = qg[..., : c.head_dim], qg[..., c.head_dim :]  # [B, T, H, hd] each
-        k = linear(x, w.matrix(self.wk)).view(bsz, seq, c.n_head_kv, c.head_dim)
-        v = linear(x, w.matrix(self.wv)).view(bsz, seq, c.n_head_kv, c.head_dim)
+        k = k.view(bsz, seq, c.n_head_kv, c.head_dim)
+        v = v.view(bsz, seq, c.n_head_kv, c.head_dim)
         q = rope.rotate(rms_norm(q, w.weight(self.q_norm), c.norm_eps))
         k = rope.rotate(rms_norm(k, w.weight(self.k_norm), c.norm_eps))
         y = attend(q, k, v, layer=self.layer, scale=c.attn_scale, mask=mask, cache=cache)

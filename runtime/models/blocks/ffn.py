@@ -7,7 +7,13 @@ from typing import Final
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
-from ggufswap.runtime.models.blocks.weights import Matrix, TensorSpec, WeightProvider, linear
+from ggufswap.runtime.models.blocks.weights import (
+    Matrix,
+    TensorSpec,
+    WeightProvider,
+    linear,
+    linears,
+)
 from ggufswap.runtime.models.ggml_numerics import GgmlMatrix, gelu
 from ggufswap.runtime.models.hparams import Activation, HParams
 from ggufswap.shards.keys import TensorNames
@@ -15,15 +21,16 @@ from ggufswap.shards.keys import TensorNames
 
 def swiglu(x: Tensor, gate: Matrix, up: Matrix, down: Matrix) -> Tensor:
     """``down(silu(gate(x)) * up(x))``: llama.cpp's LLM_FFN_SILU + LLM_FFN_PAR."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+    g, u = linears(x, [gate, up])  # one ggml call where it multiplies both
+    return linear(F.silu(g) * u, down)
 
 
 def geglu(x: Tensor, gate: Matrix, up: Matrix, down: Matrix) -> Tensor:
     """``down(gelu_tanh(gate(x)) * up(x))``: llama.cpp's LLM_FFN_GELU + LLM_FFN_PAR (gemma); with
     ggml's numerics (a :class:`GgmlMatrix` gate), GELU through ggml's F16 table."""
-    g = linear(x, gate)
+    g, u = linears(x, [gate, up])
     act = gelu(g) if isinstance(gate, GgmlMatrix) else F.gelu(g, approximate="tanh")
-    return linear(act * linear(x, up), down)
+    return linear(act * u, down)
 
 
 GATED_FFN: Final = {Activation.SILU: swiglu, Activation.GELU_TANH: geglu}

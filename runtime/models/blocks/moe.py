@@ -7,8 +7,10 @@
   experts (deepseek2, glm4moe).
 
 Every module here is ``moe(config, weights, layer, spec)`` and ``moe(x [B, T, D]) -> [B, T, D]``;
-the experts a router chose run through :func:`combine_experts`, the one place that loops over
-experts (a grouped product replaces it without touching the routers).
+the experts a router chose run through :func:`routed_swiglu` where they are stacked SwiGLU
+experts (one grouped product per projection: ggml's ``mul_mat_id`` in native storage where a
+libggml multiplies them, llama.cpp's one call), else through :func:`combine_experts`, the one
+place that loops over experts (biased, pre-weighted or per-file experts).
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ from collections.abc import Callable
 from typing import Final
 
 import torch
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
 from ggufswap.runtime.models.blocks.ffn import FeedForward, swiglu
-from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider, linear
+from ggufswap.runtime.models.blocks.weights import (
+    TensorSpec,
+    WeightProvider,
+    linear,
+    routed_linear,
+)
 from ggufswap.runtime.models.hparams import Arch, Gating, HParams
 from ggufswap.shards.keys import TensorNames
 
@@ -56,6 +64,20 @@ def combine_experts(
         y = expert(flat[rows] * w, e) if weight_before else expert(flat[rows], e) * w
         out.index_add_(0, rows, y)
     return out
+
+
+def routed_swiglu(
+    weights: WeightProvider, names: tuple[str, str, str], flat: Tensor, top_w: Tensor, top_i: Tensor
+) -> Tensor:
+    """``sum_k top_w[n, k] * down(silu(gate(x)) * up(x))`` with the stacked experts ``names``
+    (gate, up, down) ``top_i [N, k]`` chooses for each token of ``flat [N, D]``: one grouped
+    product per projection (:func:`~.weights.routed_linear`), the slots summed in order as
+    llama.cpp's ``build_moe_ffn`` adds its views; ``[N, D]``."""
+    gate_exps, up_exps, down_exps = (weights.experts(name) for name in names)
+    gate = routed_linear(gate_exps, flat, top_i)  # [N, k, ff]
+    up = routed_linear(up_exps, flat, top_i)
+    y = routed_linear(down_exps, F.silu(gate) * up, top_i)  # [N, k, D]
+    return (y * top_w.unsqueeze(-1).to(y.dtype)).sum(dim=1)
 
 
 class MoEFeedForward(nn.Module):
@@ -119,7 +141,11 @@ class MoEFeedForward(nn.Module):
         # x: [B, T, D]
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
         top_w, top_i = self.route(flat)  # [N, k]
-        out = combine_experts(flat, top_w, top_i, self.expert)
+        if self.per_expert is None:  # stacked experts: one grouped product per projection
+            stacks = (self.gate_exps, self.up_exps, self.down_exps)
+            out = routed_swiglu(self.weights, stacks, flat, top_w, top_i)
+        else:
+            out = combine_experts(flat, top_w, top_i, self.expert)
         return (out + self._shared(flat)).view_as(x)
 
     def _shared(self, x: Tensor) -> Tensor | float:
@@ -186,7 +212,8 @@ class RoutedExperts(nn.Module):
         # x: [B, T, D]
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
         top_w, top_i = self.route(flat)  # [N, k]
-        out = combine_experts(flat, top_w, top_i, self.expert)
+        stacks = (self.gate_exps, self.up_exps, self.down_exps)
+        out = routed_swiglu(self.weights, stacks, flat, top_w, top_i)
         if self.shared is not None:
             gate, up, down = (self.weights.matrix(name) for name in self.shared)
             out = out + swiglu(flat, gate, up, down)

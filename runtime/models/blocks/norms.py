@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor
 
 from ggufswap.runtime.models.ggml_numerics import ggml_norms_active
@@ -14,6 +15,10 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     decoder with ggml's numerics: ggml's own rounding, :func:`.ggml_numerics.rms_norm`)."""
     if ggml_norms_active():
         return ggml_rms_norm(x, w, eps)
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * w.to(device=x.device, dtype=torch.float32)).to(x.dtype)
+    # F.rms_norm: x * rsqrt(mean(x^2) + eps) * w, the same float32 operations in one call; a
+    # weight that broadcasts (one row per head) multiplies after
+    wf = w.to(device=x.device, dtype=torch.float32)
+    dim = (x.shape[-1],)
+    if wf.shape == dim:
+        return F.rms_norm(x.float(), dim, wf, eps).to(x.dtype)
+    return (F.rms_norm(x.float(), dim, None, eps) * wf).to(x.dtype)

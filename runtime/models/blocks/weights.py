@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor
 
-from ggufswap.runtime import QuantizedMatrix
+from ggufswap.runtime import QuantizedMatrix, grouped, linear_all
 from ggufswap.runtime.models.errors import MissingWeightError
 from ggufswap.runtime.models.ggml_numerics import GgmlMatrix
 
@@ -35,6 +35,11 @@ class ExpertStack(Protocol):
 
     def __getitem__(self, e: int, /) -> Tensor | QuantizedMatrix | GgmlMatrix: ...
 
+    def routed(self, x: Tensor, ids: Tensor) -> Tensor:
+        """``[N, k, rows]``: the products of the experts ``ids [N, k]`` routes each token to,
+        ``x`` ``[N, cols]`` (or ``[N, k, cols]``, one input per slot), in one grouped call."""
+        ...
+
 
 class WeightProvider(Protocol):
     """Where the model reads its weights from at forward time (the runtime's tensor store)."""
@@ -43,7 +48,7 @@ class WeightProvider(Protocol):
         """The tensor in logical torch shape (reversed ggml ``ne``), compute dtype, own device."""
         ...
 
-    def experts(self, name: str) -> ExpertStack:
+    def experts(self, name: str) -> Tensor | ExpertStack:
         """A stacked expert tensor; ``[e]`` is expert ``e`` on the device that holds it."""
         ...
 
@@ -123,6 +128,28 @@ def linear(x: Tensor, w: Tensor | QuantizedMatrix | GgmlMatrix, b: Tensor | None
 
 
 Matrix: TypeAlias = "Tensor | QuantizedMatrix | GgmlMatrix"
+
+
+def linears(x: Tensor, ws: list[Matrix], biases: list[Tensor | None] | None = None) -> list[Tensor]:
+    """``[linear(x, w, b)]`` for several weights read by the same ``x`` (a layer's q, k and v;
+    gate and up): one call where ggml multiplies them all (``x`` quantized once, as llama.cpp's
+    graph does), the same values as one call each."""
+    bs = biases if biases is not None else [None] * len(ws)
+    blocks = [w.blocks if isinstance(w, GgmlMatrix) else w for w in ws]
+    if not all(isinstance(m, QuantizedMatrix) and m.ggml for m in blocks):
+        return [linear(x, w, b) for w, b in zip(ws, bs, strict=True)]
+    ys = linear_all(x, [m for m in blocks if isinstance(m, QuantizedMatrix)], dtype=torch.float32)
+    biased = [y if b is None else y + b.to(y.device, y.dtype) for y, b in zip(ys, bs, strict=True)]
+    return [y.to(device=x.device, dtype=x.dtype) for y in biased]
+
+
+def routed_linear(stack: Tensor | ExpertStack, x: Tensor, ids: Tensor) -> Tensor:
+    """``[N, k, rows]``: ``x @ W[ids[t, j]].T`` for every token ``t`` and slot ``j``, one grouped
+    product (``x``: ``[N, cols]``, or ``[N, k, cols]`` one input per slot); a plain tensor stack
+    multiplies each expert present once, over the rows routed to it."""
+    if isinstance(stack, Tensor):
+        return grouped(lambda e, rows: linear(rows, stack[e]), x, ids, stack.shape[1])
+    return stack.routed(x, ids)
 
 
 class TensorSpec:

@@ -1,0 +1,370 @@
+"""ggml's own CPU products, through a libggml found at run time (``csrc/ggmlcall.c``).
+
+ggml is a kernel library: its CPU backend quantizes the activations to each weight type's
+``vec_dot_type`` (q8_0, q8_K...) and takes integer dot products (AVX2, AVX-512/VNNI as its build
+and the CPU allow). :class:`Library` multiplies our weights, where native storage holds them, by
+float32 activations through it, one tiny graph per product (``ggml_mul_mat``, or
+``ggml_mul_mat_id`` for the experts a token is routed to): the results are ggml's own, what
+llama.cpp computes on that libggml. Which libggml:
+
+- ``GGUFSWAP_GGML=/path/to/libggml.so`` (mainline's ``libggml-cpu.so`` or ik_llama.cpp's
+  ``libggml.so``), or ``GGUFSWAP_GGML=off`` for none;
+- else ik_llama.cpp's, from the ``ik-llama-cpp-python`` wheel (``ik_llama_cpp/lib/libggml.so``:
+  every mainline type and ik's own, with its iqk kernels);
+- else mainline's, from ``llama-cpp-python`` (``llama_cpp/lib/libggml-cpu.so``).
+
+The packages are found, never imported (they would load their own llama library too). Without
+one, or without the compiled glue (no compiler at install), :func:`library` is None and the
+products fall back to the compiled float kernels or the torch ones (:mod:`.qmatmul`).
+
+A type goes through ggml only where the golden data of ``tests/fixtures/ggml_golden`` was
+recorded for that library's family (:data:`MAINLINE_TYPES`, :data:`IK_TYPES`) and ggml's row
+size agrees with the file's. ggml's products do not depend on the thread count (each output is
+computed whole by one thread), so a process computes the same bits whatever its threads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Final
+
+import torch
+
+from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, row_nbytes
+
+__all__ = [
+    "ENV",
+    "IK_TYPES",
+    "MAINLINE_TYPES",
+    "Library",
+    "float_products",
+    "library",
+]
+
+ENV: Final = "GGUFSWAP_GGML"
+OFF: Final = "off"
+
+T = GGMLType
+# Mainline types with a CPU vec_dot in both libraries (ik's fork keeps them).
+MAINLINE_TYPES: Final = frozenset(
+    {
+        T.Q4_0,
+        T.Q4_1,
+        T.Q5_0,
+        T.Q5_1,
+        T.Q8_0,
+        T.Q2_K,
+        T.Q3_K,
+        T.Q4_K,
+        T.Q5_K,
+        T.Q6_K,
+        T.IQ2_XXS,
+        T.IQ2_XS,
+        T.IQ2_S,
+        T.IQ3_XXS,
+        T.IQ3_S,
+        T.IQ1_S,
+        T.IQ1_M,
+        T.IQ4_NL,
+        T.IQ4_XS,
+        T.MXFP4,
+    }
+)
+# ik_llama.cpp's own types (its libggml only).
+IK_TYPES: Final = frozenset(
+    {
+        T.Q6_0,
+        T.IQ2_K,
+        T.IQ3_K,
+        T.IQ4_K,
+        T.IQ5_K,
+        T.IQ6_K,
+        T.IQ2_KS,
+        T.IQ3_KS,
+        T.IQ4_KS,
+        T.IQ5_KS,
+        T.IQ4_KSS,
+        T.IQ2_KL,
+        T.IQ1_KT,
+        T.IQ2_KT,
+        T.IQ3_KT,
+        T.IQ4_KT,
+    }
+)
+# ik_llama.cpp's batched products of these types (32 activation rows or more, 64 weight rows or
+# more) go wrong where a row is not a multiple of 128 values (measured on ik-llama-cpp-python
+# 0.1.5: outputs of zeros at 64 values, off by 30-60 % at 160-288; mainline's are right): such
+# matrices multiply with the float kernels there.
+IK_ROW_MULTIPLE: Final = {T.Q4_1: 128, T.Q5_1: 128}
+del T
+
+# Off within a block of code (this thread / context): a decoder with exact numerics multiplies
+# in float even where ggml could.
+_FLOAT_ONLY: ContextVar[bool] = ContextVar("ggufswap_float_products", default=False)
+
+
+def float_only() -> bool:
+    """True inside :func:`float_products`."""
+    return _FLOAT_ONLY.get()
+
+
+@contextmanager
+def float_products() -> Iterator[None]:
+    """Within the block (this thread / context), products never go through ggml."""
+    token = _FLOAT_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _FLOAT_ONLY.reset(token)
+
+
+@dataclass(frozen=True, eq=False)
+class Library:
+    """A loaded libggml: ``path``, whether it is ik_llama.cpp's fork (``ik``), the types it
+    multiplies here (``types``)."""
+
+    path: Path
+    ik: bool
+    types: frozenset[GGMLType]
+    module: Any
+    package: str | None = None  # "ik-llama-cpp-python 0.1.5": the wheel it came from, if known
+
+    @property
+    def name(self) -> str:
+        return "ggml (ik_llama.cpp)" if self.ik else "ggml"
+
+    def multiplies(self, ggml_type: int, cols: int, device: torch.device) -> bool:
+        """Whether ggml multiplies ``ggml_type`` rows of ``cols`` values on ``device`` (the
+        static part of :meth:`handles`: a matrix asks once)."""
+        multiple = IK_ROW_MULTIPLE.get(GGMLType(ggml_type), 1) if self.ik else 1
+        return (
+            device.type == "cpu"
+            and ggml_type in self.types
+            and cols % LAYOUTS[GGMLType(ggml_type)].block_size == 0
+            and cols % multiple == 0
+        )
+
+    def handles(self, ggml_type: int, cols: int, device: torch.device) -> bool:
+        """Whether ``ggml_type`` rows of ``cols`` values on ``device`` multiply through ggml
+        here and now (not inside :func:`float_products`)."""
+        return not float_only() and self.multiplies(ggml_type, cols, device)
+
+    def mul_mat(
+        self, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int], x: torch.Tensor
+    ) -> torch.Tensor:
+        """``x [..., cols] @ W.T`` for ``W`` ``[rows, cols]`` in its blocks ``raw`` (uint8, CPU,
+        contiguous): float32 ``[..., rows]``."""
+        rows, cols = shape
+        flat = _activations(x, cols)  # [N, cols]
+        out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
+        self.module.mul_mat(
+            _ptr(raw),
+            int(ggml_type),
+            rows,
+            cols,
+            flat.data_ptr(),
+            flat.shape[0],
+            out.data_ptr(),
+            threads(),
+        )
+        return out.view(*x.shape[:-1], rows)
+
+    def mul_mats(
+        self, x: torch.Tensor, matrices: list[tuple[torch.Tensor, int, int]]
+    ) -> list[torch.Tensor]:
+        """``[x [..., cols] @ W.T]`` for several matrices ``(raw, ggml_type, rows)`` of the same
+        row length, in one graph (ggml quantizes ``x`` once where it can): float32 each."""
+        cols = x.shape[-1]
+        flat = _activations(x, cols)  # [N, cols]
+        outs = [torch.empty(flat.shape[0], rows, dtype=torch.float32) for _, _, rows in matrices]
+        self.module.mul_mats(
+            flat.data_ptr(),
+            flat.shape[0],
+            cols,
+            threads(),
+            [
+                (_ptr(raw), int(t), rows, out.data_ptr())
+                for (raw, t, rows), out in zip(matrices, outs, strict=True)
+            ],
+        )
+        return [out.view(*x.shape[:-1], out.shape[1]) for out in outs]
+
+    def mul_mat_id(
+        self,
+        raw: torch.Tensor,
+        ggml_type: int,
+        shape: tuple[int, int, int],
+        x: torch.Tensor,
+        ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The routed experts' products, one call: ``y[t, j] = W[ids[t, j]] @ x[t, j]`` for a
+        stack ``W`` ``[E, rows, cols]`` in its blocks ``raw``; ``x`` is ``[N, cols]`` (the same
+        input for every slot) or ``[N, k, cols]``, ``ids`` ``[N, k]``. float32 ``[N, k, rows]``."""
+        n_expert, rows, cols = shape
+        n_tokens, n_used = ids.shape
+        per_token = 1 if x.dim() == 2 else x.shape[1]
+        flat = _activations(x, cols)  # [N * per_token, cols]
+        picked = ids.to(torch.int32).contiguous()
+        if picked.numel() and (int(picked.min()) < 0 or int(picked.max()) >= n_expert):
+            raise ValueError(f"expert ids outside [0, {n_expert}): {ids.tolist()}")
+        out = torch.empty(n_tokens, n_used, rows, dtype=torch.float32)
+        self.module.mul_mat_id(
+            _ptr(raw),
+            int(ggml_type),
+            n_expert,
+            rows,
+            cols,
+            flat.data_ptr(),
+            per_token,
+            n_tokens,
+            picked.data_ptr(),
+            n_used,
+            out.data_ptr(),
+            threads(),
+        )
+        return out
+
+
+def threads() -> int:
+    """Threads ggml's products run on: torch's count (the runtime's thread policy sets it)."""
+    return torch.get_num_threads()
+
+
+def _activations(x: torch.Tensor, cols: int) -> torch.Tensor:
+    """``x`` as the contiguous float32 CPU rows ggml reads."""
+    return x.to(device="cpu", dtype=torch.float32).reshape(-1, cols).contiguous()
+
+
+def _ptr(raw: torch.Tensor) -> int:
+    assert raw.dtype == torch.uint8, "weights are bytes"
+    assert raw.is_contiguous(), "weights are contiguous"
+    assert raw.device.type == "cpu", "ggml multiplies CPU weights"
+    return int(raw.data_ptr())
+
+
+# The packages that ship a libggml: their import folder and distribution name.
+_PACKAGES: Final = (("ik_llama_cpp", "ik_llama_cpp_python"), ("llama_cpp", "llama_cpp_python"))
+
+
+def package_of(path: Path) -> str | None:
+    """``"<distribution> <version>"`` of the wheel a library file came from (``<site>/<package>/
+    lib/<file>`` beside ``<site>/<dist>-<version>.dist-info``), or None."""
+    lib_dir = path.resolve().parent
+    site, folder = lib_dir.parent.parent, lib_dir.parent.name
+    for package, dist in _PACKAGES:
+        if folder != package:
+            continue
+        for info in sorted(site.glob(f"{dist}-*.dist-info")):
+            version = info.name[len(dist) + 1 : -len(".dist-info")]
+            return f"{dist.replace('_', '-')} {version}"
+    return None
+
+
+def _package_lib(package: str, names: tuple[str, ...]) -> Path | None:
+    """``package``'s shared library, found without importing the package."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        for name in names:
+            path = Path(location) / "lib" / name
+            if path.is_file():
+                return path
+    return None
+
+
+def find() -> Path | None:
+    """The libggml to load: ``$GGUFSWAP_GGML``, else ik's wheel's, else llama-cpp-python's."""
+    chosen = os.environ.get(ENV, "").strip()
+    if chosen == OFF:
+        return None
+    if chosen:
+        return Path(chosen)
+    return _package_lib("ik_llama_cpp", ("libggml.so",)) or _package_lib(
+        "llama_cpp", ("libggml-cpu.so", "libggml.so")
+    )
+
+
+def _glue() -> ModuleType | None:
+    try:
+        from ggufswap.runtime.kernels import _ggmlcall  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    module: ModuleType = _ggmlcall
+    return module
+
+
+# ik's wheel brings its own OpenMP runtime, beside torch's: idle workers spinning on a few cores
+# take them from the thread doing the work. The library's runtime reads its wait policy when it
+# is loaded (torch's, when torch is imported: the ggufswap command sets it for both, cli/main.py).
+_OPENMP_ENV: Final = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@contextmanager
+def _passive_openmp() -> Iterator[None]:
+    """``OMP_WAIT_POLICY=PASSIVE`` while the library (and an OpenMP runtime of its own) loads,
+    unless the environment says otherwise; the environment as it was afterwards."""
+    before = {key: os.environ.get(key) for key in _OPENMP_ENV}
+    for key, value in _OPENMP_ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, was in before.items():
+            if was is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = was
+
+
+def _load() -> tuple[Library | None, str]:
+    """The library and a line saying which (or why none)."""
+    path = find()
+    if path is None:
+        return None, f"no libggml ({ENV}=off, or neither ik-llama-cpp-python nor llama-cpp-python)"
+    module = _glue()
+    if module is None:
+        return None, "the ggml glue (runtime/kernels/csrc/ggmlcall.c) was not built"
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort must not start gdb
+    try:
+        with _passive_openmp():
+            ik = bool(module.load(str(path)))
+    except OSError as exc:
+        return None, f"{path}: {exc}"
+    candidates = MAINLINE_TYPES | (IK_TYPES if ik else frozenset())
+    # ggml's row size must be the file's (a library whose type table differs is not used for it)
+    types = frozenset(
+        t
+        for t in candidates
+        if module.row_size(int(t), 4096) == row_nbytes(t, 4096)
+        and module.block_size(int(t)) == LAYOUTS[t].block_size
+    )
+    package = package_of(path)
+    where = f"{path} ({package or 'no package'}, {len(types)} types)"
+    return Library(path, ik, types, module, package), where
+
+
+_STATE: dict[str, tuple[Library | None, str]] = {}
+
+
+def library() -> Library | None:
+    """The process's libggml, loaded on first use (None: products fall back)."""
+    if "loaded" not in _STATE:
+        _STATE["loaded"] = _load()
+    return _STATE["loaded"][0]
+
+
+def describe() -> str:
+    """Which libggml the products use, or why none (for status and logs)."""
+    library()
+    return _STATE["loaded"][1]

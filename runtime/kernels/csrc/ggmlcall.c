@@ -1,0 +1,349 @@
+/* ggml's own CPU matrix products, through a libggml loaded at run time (dlopen).
+ *
+ * ggml is a kernel library: its CPU backend quantizes the activations to each weight type's
+ * vec_dot_type (q8_0, q8_K, ...) and takes integer dot products, AVX2/AVX-512/VNNI as its build
+ * and the CPU allow. This module uses it as a library and copies none of it: for each product it
+ * builds a one-node graph (ggml_mul_mat, or ggml_mul_mat_id for routed experts) whose tensors
+ * point at the caller's memory (the weights stay where native storage keeps them, the float32
+ * activations and the output are torch tensors), and runs it on a CPU backend. The results are
+ * ggml's own, bit for bit: what llama.cpp built on the same libggml computes for the same
+ * weights and activations.
+ *
+ * Only ggml's public, stable C API is used (the ggml.h / ggml-backend.h functions below, the same
+ * in mainline ggml and in ik_llama.cpp's fork); no struct layout is read or written except
+ * ggml_init_params, three fields that both declare alike. ggml aborts the process on a failed
+ * assertion, so the caller (runtime/kernels/_ggml.py) checks every shape, type and size first.
+ *
+ * One backend serves the process; a mutex serialises the products (its work buffer is shared).
+ * The GIL is released while ggml computes.
+ *
+ * Python interface (pointers are the integer data_ptr() of contiguous CPU tensors):
+ *   load(path) -> bool                 (dlopen + symbols + a CPU backend; True for ik_llama.cpp's
+ *                                       fork, which exports iqk_mul_mat; raises OSError)
+ *   row_size(type, cols) -> int        (ggml_row_size: bytes of a row of `cols` values)
+ *   block_size(type) -> int            (ggml_blck_size)
+ *   mul_mat(w, type, rows, cols, x, n, y, threads)
+ *        y[n, rows] = x[n, cols] @ W.T, W `rows` rows of ggml_row_size(type, cols) bytes
+ *   mul_mats(x, n, cols, threads, ((w, type, rows, y), ...))
+ *        several matrices by the same activations, one graph (up to MAX_MATS): ggml quantizes
+ *        the activations once where it can (ik's fork fuses products that share them)
+ *   mul_mat_id(w, type, n_expert, rows, cols, x, x_per_token, n_tokens, ids, n_used, y, threads)
+ *        y[t, j] = W[ids[t, j]] @ x[t, j % x_per_token] for each token t and slot j: W a stack
+ *        of n_expert matrices [rows, cols], x [n_tokens, x_per_token, cols] (x_per_token is 1,
+ *        the same input for every slot, or n_used), ids int32 [n_tokens, n_used],
+ *        y [n_tokens, n_used, rows]
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { GGML_F32 = 0, GGML_I32 = 26 };
+/* ggml asserts that a CPU buffer made from a pointer starts at a multiple of this. */
+#define TENSOR_ALIGNMENT 32
+
+struct ggml_init_params { /* ggml.h: the same three fields in mainline and ik */
+    size_t mem_size;
+    void *mem_buffer;
+    bool no_alloc;
+};
+typedef struct ggml_context ggml_context; /* opaque from here on */
+typedef struct ggml_tensor ggml_tensor;
+typedef struct ggml_cgraph ggml_cgraph;
+typedef void *ggml_backend_t;
+typedef void *ggml_backend_buffer_t;
+
+static struct {
+    void *handle;
+    bool ik;
+    ggml_context *(*init)(struct ggml_init_params);
+    void (*free)(ggml_context *);
+    size_t (*tensor_overhead)(void);
+    size_t (*graph_overhead_custom)(size_t, bool);
+    ggml_tensor *(*new_tensor_2d)(ggml_context *, int, int64_t, int64_t);
+    ggml_tensor *(*new_tensor_3d)(ggml_context *, int, int64_t, int64_t, int64_t);
+    ggml_tensor *(*mul_mat)(ggml_context *, ggml_tensor *, ggml_tensor *);
+    ggml_tensor *(*mul_mat_id)(ggml_context *, ggml_tensor *, ggml_tensor *, ggml_tensor *);
+    ggml_cgraph *(*new_graph_custom)(ggml_context *, size_t, bool);
+    void (*build_forward_expand)(ggml_cgraph *, ggml_tensor *);
+    ggml_backend_t (*cpu_init)(void);
+    void (*cpu_set_n_threads)(ggml_backend_t, int);
+    int (*graph_compute)(ggml_backend_t, ggml_cgraph *);
+    ggml_backend_buffer_t (*buffer_from_ptr)(void *, size_t);
+    void (*buffer_free)(ggml_backend_buffer_t);
+    void (*tensor_alloc)(ggml_backend_buffer_t, ggml_tensor *, void *);
+    size_t (*row_size)(int, int64_t);
+    int64_t (*blck_size)(int);
+    ggml_backend_t backend;
+    int threads; /* the backend's thread count as last set */
+} G;
+
+static pthread_mutex_t LOCK = PTHREAD_MUTEX_INITIALIZER;
+
+/* Graph memory: a handful of tensor headers and a small graph, reused by every product. */
+#define GRAPH_NODES 8
+#define MAX_MATS 4
+#define CTX_BYTES (64 * 1024)
+static _Alignas(64) unsigned char CTX_MEM[CTX_BYTES];
+
+#define SYM(field, name)                                                                       \
+    do {                                                                                       \
+        *(void **)(&G.field) = dlsym(handle, name);                                            \
+        if (G.field == NULL) missing = name;                                                   \
+    } while (0)
+
+static PyObject *py_load(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
+    if (G.handle != NULL) return PyBool_FromLong(G.ik);
+    /* RTLD_LOCAL: ggml's symbols stay out of the process namespace (torch, a llama_cpp module
+     * loaded later with another libggml, each keep their own). */
+    void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (handle == NULL) return PyErr_Format(PyExc_OSError, "dlopen %s: %s", path, dlerror());
+    const char *missing = NULL;
+    SYM(init, "ggml_init");
+    SYM(free, "ggml_free");
+    SYM(tensor_overhead, "ggml_tensor_overhead");
+    SYM(graph_overhead_custom, "ggml_graph_overhead_custom");
+    SYM(new_tensor_2d, "ggml_new_tensor_2d");
+    SYM(new_tensor_3d, "ggml_new_tensor_3d");
+    SYM(mul_mat, "ggml_mul_mat");
+    SYM(mul_mat_id, "ggml_mul_mat_id");
+    SYM(new_graph_custom, "ggml_new_graph_custom");
+    SYM(build_forward_expand, "ggml_build_forward_expand");
+    SYM(cpu_init, "ggml_backend_cpu_init");
+    SYM(cpu_set_n_threads, "ggml_backend_cpu_set_n_threads");
+    SYM(graph_compute, "ggml_backend_graph_compute");
+    SYM(buffer_from_ptr, "ggml_backend_cpu_buffer_from_ptr");
+    SYM(buffer_free, "ggml_backend_buffer_free");
+    SYM(tensor_alloc, "ggml_backend_tensor_alloc");
+    SYM(row_size, "ggml_row_size");
+    SYM(blck_size, "ggml_blck_size");
+    if (missing != NULL) {
+        dlclose(handle);
+        memset(&G, 0, sizeof G);
+        return PyErr_Format(PyExc_OSError, "%s: no symbol %s (not a libggml with a CPU backend)",
+                            path, missing);
+    }
+    G.ik = dlsym(handle, "iqk_mul_mat") != NULL;
+    G.backend = G.cpu_init();
+    if (G.backend == NULL) {
+        dlclose(handle);
+        memset(&G, 0, sizeof G);
+        return PyErr_Format(PyExc_OSError, "%s: ggml_backend_cpu_init failed", path);
+    }
+    G.handle = handle;
+    G.threads = 0;
+    return PyBool_FromLong(G.ik);
+}
+
+static bool loaded(void) {
+    if (G.handle != NULL) return true;
+    PyErr_SetString(PyExc_RuntimeError, "no libggml loaded (call load first)");
+    return false;
+}
+
+static PyObject *py_row_size(PyObject *self, PyObject *args) {
+    (void)self;
+    int type;
+    long long cols;
+    if (!PyArg_ParseTuple(args, "iL", &type, &cols) || !loaded()) return NULL;
+    return PyLong_FromSize_t(G.row_size(type, cols));
+}
+
+static PyObject *py_block_size(PyObject *self, PyObject *args) {
+    (void)self;
+    int type;
+    if (!PyArg_ParseTuple(args, "i", &type) || !loaded()) return NULL;
+    return PyLong_FromLongLong(G.blck_size(type));
+}
+
+/* Point `t` at `nbytes` of caller memory at `addr`, through a CPU buffer over that range (its
+ * start aligned down as ggml wants; the buffer never frees the memory). */
+static ggml_backend_buffer_t place(ggml_tensor *t, uintptr_t addr, size_t nbytes) {
+    uintptr_t base = addr & ~(uintptr_t)(TENSOR_ALIGNMENT - 1);
+    ggml_backend_buffer_t buf = G.buffer_from_ptr((void *)base, addr + nbytes - base);
+    if (buf != NULL) G.tensor_alloc(buf, t, (void *)addr);
+    return buf;
+}
+
+typedef struct {
+    ggml_tensor *t;
+    uintptr_t addr;
+    size_t nbytes;
+} placed;
+
+#define MAX_PLACED (2 * MAX_MATS + 1)
+
+/* Place the tensors, compute the graph of `outs` on `threads` threads, free the buffers. Called
+ * with LOCK held and without the GIL. Returns 0, or -1 when ggml could not allocate. */
+static int compute(ggml_context *ctx, ggml_tensor *const *outs, int n_outs, const placed *ts,
+                   int count, int threads) {
+    ggml_backend_buffer_t bufs[MAX_PLACED] = {0};
+    int status = 0;
+    for (int i = 0; i < count && status == 0; i++) {
+        bufs[i] = place(ts[i].t, ts[i].addr, ts[i].nbytes);
+        if (bufs[i] == NULL) status = -1;
+    }
+    if (status == 0) {
+        ggml_cgraph *graph = G.new_graph_custom(ctx, GRAPH_NODES, false);
+        for (int i = 0; i < n_outs; i++) G.build_forward_expand(graph, outs[i]);
+        if (G.threads != threads) {
+            G.cpu_set_n_threads(G.backend, threads);
+            G.threads = threads;
+        }
+        status = G.graph_compute(G.backend, graph) == 0 ? 0 : -1;
+    }
+    for (int i = 0; i < count; i++)
+        if (bufs[i] != NULL) G.buffer_free(bufs[i]);
+    return status;
+}
+
+static ggml_context *new_context(void) {
+    struct ggml_init_params params = {CTX_BYTES, CTX_MEM, true};
+    return G.init(params);
+}
+
+static PyObject *py_mul_mat(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long w, x, y;
+    int type, threads;
+    long long rows, cols, n;
+    if (!PyArg_ParseTuple(args, "KiLLKLKi", &w, &type, &rows, &cols, &x, &n, &y, &threads))
+        return NULL;
+    if (!loaded()) return NULL;
+    if (rows < 1 || cols < 1 || n < 1 || threads < 1)
+        return PyErr_Format(PyExc_ValueError, "bad product rows=%lld cols=%lld n=%lld", rows,
+                            cols, n);
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&LOCK);
+    ggml_context *ctx = new_context();
+    ggml_tensor *tw = G.new_tensor_2d(ctx, type, cols, rows);
+    ggml_tensor *tx = G.new_tensor_2d(ctx, GGML_F32, cols, n);
+    ggml_tensor *ty = G.mul_mat(ctx, tw, tx);
+    placed ts[3] = {
+        {tw, (uintptr_t)w, (size_t)rows * G.row_size(type, cols)},
+        {tx, (uintptr_t)x, (size_t)(n * cols) * sizeof(float)},
+        {ty, (uintptr_t)y, (size_t)(n * rows) * sizeof(float)},
+    };
+    status = compute(ctx, &ty, 1, ts, 3, threads);
+    G.free(ctx);
+    pthread_mutex_unlock(&LOCK);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+typedef struct {
+    unsigned long long w, y;
+    int type;
+    long long rows;
+} mat_arg;
+
+static PyObject *py_mul_mats(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x;
+    long long n, cols;
+    int threads;
+    PyObject *mats;
+    if (!PyArg_ParseTuple(args, "KLLiO", &x, &n, &cols, &threads, &mats)) return NULL;
+    if (!loaded()) return NULL;
+    PyObject *seq = PySequence_Fast(mats, "mul_mats: the matrices must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    mat_arg m[MAX_MATS];
+    if (count < 1 || count > MAX_MATS || n < 1 || cols < 1 || threads < 1) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "mul_mats: 1 to %d matrices, n=%lld cols=%lld",
+                            MAX_MATS, n, cols);
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyArg_ParseTuple(item, "KiLK", &m[i].w, &m[i].type, &m[i].rows, &m[i].y) ||
+            m[i].rows < 1) {
+            Py_DECREF(seq);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "mul_mats: rows < 1");
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&LOCK);
+    ggml_context *ctx = new_context();
+    ggml_tensor *tx = G.new_tensor_2d(ctx, GGML_F32, cols, n);
+    ggml_tensor *outs[MAX_MATS];
+    placed ts[MAX_PLACED];
+    ts[0] = (placed){tx, (uintptr_t)x, (size_t)(n * cols) * sizeof(float)};
+    for (Py_ssize_t i = 0; i < count; i++) {
+        ggml_tensor *tw = G.new_tensor_2d(ctx, m[i].type, cols, m[i].rows);
+        outs[i] = G.mul_mat(ctx, tw, tx);
+        ts[1 + 2 * i] = (placed){tw, (uintptr_t)m[i].w, (size_t)m[i].rows * G.row_size(m[i].type, cols)};
+        ts[2 + 2 * i] = (placed){outs[i], (uintptr_t)m[i].y, (size_t)(n * m[i].rows) * sizeof(float)};
+    }
+    status = compute(ctx, outs, (int)count, ts, 1 + 2 * (int)count, threads);
+    G.free(ctx);
+    pthread_mutex_unlock(&LOCK);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_mul_mat_id(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long w, x, ids, y;
+    int type, threads;
+    long long n_expert, rows, cols, x_per_token, n_tokens, n_used;
+    if (!PyArg_ParseTuple(args, "KiLLLKLLKLKi", &w, &type, &n_expert, &rows, &cols, &x,
+                          &x_per_token, &n_tokens, &ids, &n_used, &y, &threads))
+        return NULL;
+    if (!loaded()) return NULL;
+    if (n_expert < 1 || rows < 1 || cols < 1 || n_tokens < 1 || n_used < 1 || threads < 1 ||
+        (x_per_token != 1 && x_per_token != n_used))
+        return PyErr_Format(PyExc_ValueError,
+                            "bad expert product n_expert=%lld rows=%lld cols=%lld tokens=%lld "
+                            "used=%lld x_per_token=%lld",
+                            n_expert, rows, cols, n_tokens, n_used, x_per_token);
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&LOCK);
+    ggml_context *ctx = new_context();
+    ggml_tensor *tw = G.new_tensor_3d(ctx, type, cols, rows, n_expert);
+    ggml_tensor *tx = G.new_tensor_3d(ctx, GGML_F32, cols, x_per_token, n_tokens);
+    ggml_tensor *ti = G.new_tensor_2d(ctx, GGML_I32, n_used, n_tokens);
+    ggml_tensor *ty = G.mul_mat_id(ctx, tw, tx, ti);
+    placed ts[4] = {
+        {tw, (uintptr_t)w, (size_t)(n_expert * rows) * G.row_size(type, cols)},
+        {tx, (uintptr_t)x, (size_t)(n_tokens * x_per_token * cols) * sizeof(float)},
+        {ti, (uintptr_t)ids, (size_t)(n_tokens * n_used) * sizeof(int32_t)},
+        {ty, (uintptr_t)y, (size_t)(n_tokens * n_used * rows) * sizeof(float)},
+    };
+    status = compute(ctx, &ty, 1, ts, 4, threads);
+    G.free(ctx);
+    pthread_mutex_unlock(&LOCK);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef METHODS[] = {
+    {"load", py_load, METH_VARARGS, "dlopen a libggml; True for ik_llama.cpp's fork."},
+    {"row_size", py_row_size, METH_VARARGS, "ggml_row_size(type, cols)."},
+    {"block_size", py_block_size, METH_VARARGS, "ggml_blck_size(type)."},
+    {"mul_mat", py_mul_mat, METH_VARARGS, "y[n, rows] = x[n, cols] @ W.T through ggml."},
+    {"mul_mats", py_mul_mats, METH_VARARGS, "Several matrices by the same x, one graph."},
+    {"mul_mat_id", py_mul_mat_id, METH_VARARGS, "Routed experts' products through ggml."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef MODULE = {
+    PyModuleDef_HEAD_INIT, "_ggmlcall", "ggml's CPU matrix products from a libggml loaded at run time.",
+    -1, METHODS, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__ggmlcall(void) { return PyModule_Create(&MODULE); }
