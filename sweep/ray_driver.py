@@ -410,6 +410,18 @@ def _record(
         log.info("sweep.round", round=r.key, kld=payload["metrics"]["kld_mean"])
 
 
+def _finish(report: RaySweepReport, fleet: _Fleet, journal: Journal, layout: SuiteLayout) -> None:
+    """The last outputs: the CSVs, ``report.json`` and ``ray.json`` (workers, restarts...)."""
+    report.journal = dict(journal.records)
+    write_outputs(report.out_dir, layout, journal.records.values(), report.refused)
+    write_report(report)
+    report.workers = [w.info for w in fleet.workers]
+    report.retried, report.restarts, report.dead = fleet.retried, fleet.restarts, fleet.dead
+    summary = {"workers": [asdict(w) for w in report.workers], "retried": report.retried,
+               "restarts": report.restarts, "dead": report.dead}  # fmt: skip
+    write_text(report.out_dir / RAY_JSON, json.dumps(summary, indent=1) + "\n")
+
+
 def run_ray_sweep(
     model_path: str | os.PathLike[str],
     *,
@@ -432,6 +444,9 @@ def run_ray_sweep(
     ``imatrix``) must exist on every worker's node. ``on_dispatch`` is called in the driver each
     time a round is handed to a worker; ``worker_class`` (a :class:`SweepWorker` subclass,
     importable or pickled by value on the workers) instruments the workers.
+
+    Size: the driver's one sequence (place, start, plan, baseline, dispatch, record), read top
+    to bottom; its steps are the functions above.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     tell = announce or (lambda line: None)
@@ -474,14 +489,7 @@ def run_ray_sweep(
             on_dispatch=on_dispatch,
         )  # fmt: skip
         _record(report, results, journal=journal, layout=layout, total=len(todo), progress=progress)
-        report.journal = dict(journal.records)
-        write_outputs(out_dir, layout, journal.records.values(), report.refused)
-        write_report(report)
-        report.workers = [w.info for w in workers]
-        report.retried, report.restarts, report.dead = fleet.retried, fleet.restarts, fleet.dead
-        summary = {"workers": [asdict(w) for w in report.workers], "retried": report.retried,
-                   "restarts": report.restarts, "dead": report.dead}  # fmt: skip
-        write_text(out_dir / RAY_JSON, json.dumps(summary, indent=1) + "\n")
+        _finish(report, fleet, journal, layout)
         return report
     finally:
         for w in workers:

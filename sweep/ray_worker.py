@@ -108,13 +108,9 @@ class SweepWorker:
     ) -> None:
         # torch is imported by the worker only (the driver holds no model)
         from ggufswap.runtime import HotSwapRuntime
-        from ggufswap.runtime.models import HParams
-        from ggufswap.runtime.serving.perplexity import text_chunks, text_tokens
-        from ggufswap.runtime.serving.tokenizer import GgufTokenizer
         from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
         from ggufswap.shards import open_shard_set
-        from ggufswap.sweep.evaluate import ChunkEvaluator
-        from ggufswap.sweep.inprocess import InProcessTarget, decoder_of, open_sources
+        from ggufswap.sweep.inprocess import InProcessTarget, open_sources
         from ggufswap.sweep.suite_dir import open_source
         from ggufswap.sweep.sweep import Sweep
 
@@ -133,18 +129,7 @@ class SweepWorker:
         )  # fmt: skip
         roots = sorted({os.path.dirname(p) for p in shards.paths} | set(self.sources.roots))
         self.runtime = HotSwapRuntime.open(model_path, storage=options.storage, allowed_roots=roots)
-        assert self.runtime.shards is not None, "open() keeps the shard set"
-        hparams = HParams.from_metadata(
-            self.runtime.shards.metadata, source=self.runtime.shards.first.path
-        )
-        model = decoder_of(self.runtime, options.numerics.value)
-        tokens, bos = text_tokens(GgufTokenizer.from_file(self.runtime.shards.first.path), text)
-        n_ctx = min(options.n_ctx, hparams.context_length)
-        chunks = text_chunks(tokens, n_ctx=n_ctx, max_chunks=options.max_chunks)
-        self.evaluator = ChunkEvaluator(
-            model, chunks, bos, numerics=options.numerics, storage=options.storage,
-            source=model_path, text=text,
-        )  # fmt: skip
+        self.evaluator = self._evaluator(model_path, text, options)
         self.target = InProcessTarget(
             runtime=self.runtime,
             evaluator=self.evaluator,
@@ -156,6 +141,26 @@ class SweepWorker:
         self.sweep = Sweep(
             target=self.target, recipe=recipe, out_dir=self.work_dir, options=options
         )
+
+    def _evaluator(self, model_path: str, text: str, options: SweepOptions) -> Any:
+        """The text's chunks over the runtime's model, as ``run_sweep`` makes them."""
+        from ggufswap.runtime.models import HParams
+        from ggufswap.runtime.serving.perplexity import text_chunks, text_tokens
+        from ggufswap.runtime.serving.tokenizer import GgufTokenizer
+        from ggufswap.sweep.evaluate import ChunkEvaluator
+        from ggufswap.sweep.inprocess import decoder_of
+
+        shards = self.runtime.shards
+        assert shards is not None, "open() keeps the shard set"
+        hparams = HParams.from_metadata(shards.metadata, source=shards.first.path)
+        model = decoder_of(self.runtime, options.numerics.value)
+        tokens, bos = text_tokens(GgufTokenizer.from_file(shards.first.path), text)
+        n_ctx = min(options.n_ctx, hparams.context_length)
+        chunks = text_chunks(tokens, n_ctx=n_ctx, max_chunks=options.max_chunks)
+        return ChunkEvaluator(
+            model, chunks, bos, numerics=options.numerics, storage=options.storage,
+            source=model_path, text=text,
+        )  # fmt: skip
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(

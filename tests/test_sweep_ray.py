@@ -290,9 +290,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @ray_driver
-@pytest.mark.parametrize(
-    "death", ["sigkill", pytest.param("timeout", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("death", ["sigkill", pytest.param("timeout", marks=pytest.mark.slow)])
 def test_a_killed_worker_is_replaced_and_its_round_retried_once(
     files: Files, cluster: str, tmp_path: Path, death: str
 ) -> None:
