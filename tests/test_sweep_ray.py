@@ -102,8 +102,10 @@ def cluster() -> Iterator[str]:
         c.shutdown()
 
 
-def sweep_cli(files: Files, out: Path, *args: str, ray_address: str | None = None) -> str:
-    """Run ``ggufswap sweep`` (over the cluster with ``ray_address``); its stderr."""
+def sweep_cli(
+    files: Files, out: Path, *args: str, ray_address: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``ggufswap sweep`` (over the cluster with ``ray_address``), which must succeed."""
     cmd = [
         GGUFSWAP, "sweep", "--model", str(files.model), "--text", str(files.text),
         "--recipe", str(files.recipe), "--out", str(out), *COMMON, *args,
@@ -112,7 +114,7 @@ def sweep_cli(files: Files, out: Path, *args: str, ray_address: str | None = Non
         cmd += ["--ray", ray_address]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT_S * 2, check=False)
     assert done.returncode == 0, done.stderr
-    return done.stderr
+    return done
 
 
 def journal_lines(out: Path) -> list[dict[str, Any]]:
@@ -146,6 +148,7 @@ class Case:
     options: dict[str, Any]
     baseline: bool  # --baseline REF and --source q4_0=Q4
     expect: dict[str, Any]
+    resume: bool = False  # then run the same command again
 
 
 CASES = {
@@ -155,11 +158,12 @@ CASES = {
         baseline=True,
         expect={"numerics": "ggml"},
     ),
-    "exact numerics": Case(
+    "exact numerics, resumed": Case(
         flags=("--numerics", "exact"),
         options={"numerics": Numerics.EXACT},
         baseline=False,
         expect={"numerics": "exact"},
+        resume=True,
     ),
 }
 
@@ -190,8 +194,8 @@ def test_ray_sweep_honours_the_single_host_options(
         )  # fmt: skip
     finally:
         torch.set_num_threads(before)
-    stderr = sweep_cli(files, tmp_path / "ray", *flags, ray_address=cluster)
-    assert "2 Ray workers on" in stderr
+    done = sweep_cli(files, tmp_path / "ray", *flags, ray_address=cluster)
+    assert "2 Ray workers on" in done.stderr
     assert_same_sweep(tmp_path / "ray", tmp_path / "single")
     baseline = json.loads((tmp_path / "ray" / "baseline.json").read_text())
     assert {k: baseline[k] for k in c.expect} == c.expect
@@ -203,6 +207,12 @@ def test_ray_sweep_honours_the_single_host_options(
     nodes = {w["node_id"] for w in summary["workers"]}
     assert len(nodes) == 2, "one worker on each node with CPUs, none on the 0-CPU head"
     assert summary["retried"] == summary["restarts"] == []
+    if c.resume:  # the same command again: every round from the journal, the files unchanged
+        again = sweep_cli(files, tmp_path / "ray", *flags, ray_address=cluster)
+        assert "2 of 2 rounds recorded (0 now, 2 from the journal)" in again.stdout
+        ray_out, single = tmp_path / "ray", tmp_path / "single"
+        for name in SAME_FILES:
+            assert (ray_out / name).read_bytes() == (single / name).read_bytes(), name
 
 
 def peak_rss_kib(cmd: list[str]) -> int:
@@ -220,29 +230,32 @@ def peak_rss_kib(cmd: list[str]) -> int:
 
 
 @ray_driver
+@pytest.mark.slow  # two sweeps of a 100k-vocabulary model: about a minute here
 def test_the_driver_memory_does_not_grow_with_the_baseline(
     cluster: str, tmp_path: Path, files: Files
 ) -> None:
     """The workers compute the baseline on their nodes and the driver copies it piece by piece:
     its peak RSS grows by well under a byte per baseline byte (the old driver: ~2.7)."""
     model = ModelDir.write(tmp_path / "big", tiny_dense(extra_vocab_strings=100_000)).first
+    recipe = tmp_path / "one-round.yaml"
+    recipe.write_text(json.dumps({"quants": ["q4_0"], "tensors": [{"match": "blk.0.attn_q"}]}))
     peaks, sizes = {}, {}
-    for chunks in (2, 16):
+    for chunks in (2, 8):
         out = tmp_path / f"out{chunks}"
         cmd = [
             GGUFSWAP, "sweep", "--model", str(model), "--text", str(files.text), "--recipe",
-            str(files.recipe), "--out", str(out), "--ctx", "64", "--chunks", str(chunks),
+            str(recipe), "--out", str(out), "--ctx", "64", "--chunks", str(chunks),
             "--numerics", "exact", "--no-progress", "--no-plot", "--threads", "1",
             "--ray", cluster,
         ]  # fmt: skip
         peaks[chunks] = peak_rss_kib(cmd) * 1024
         sizes[chunks] = (out / "baseline.logits").stat().st_size
-    grown = (peaks[16] - peaks[2]) / (sizes[16] - sizes[2])
+    grown = (peaks[8] - peaks[2]) / (sizes[8] - sizes[2])
     print(
         f"driver peak RSS {peaks[2] / 1e6:.0f} MB with a {sizes[2] / 1e6:.1f} MB baseline, "
-        f"{peaks[16] / 1e6:.0f} MB with {sizes[16] / 1e6:.1f} MB: {grown:.3f} bytes per byte"
+        f"{peaks[8] / 1e6:.0f} MB with {sizes[8] / 1e6:.1f} MB: {grown:.3f} bytes per byte"
     )
-    assert sizes[16] > 6 * sizes[2]
+    assert sizes[8] > 3 * sizes[2]
     assert grown < 0.25, f"the driver's peak grew {grown:.2f} bytes per baseline byte"
 
 
