@@ -268,8 +268,9 @@ class _Fleet:
         log.warning(event, **fields)
         self.announce(f"{fields['what']}; {self.line()}")
 
-    def saw(self, w: _Worker, about: dict[str, Any], r: Round) -> None:
-        """A round came back: note a replacement Ray started and a round it retried."""
+    def saw(self, w: _Worker, about: dict[str, Any], r: Round | None) -> None:
+        """A round came back (or ``w`` answered): note a replacement Ray started and a round it
+        retried."""
         info = WorkerInfo(**about["worker"])
         if info.pid != w.info.pid:
             self.restarts.append({"worker": w.info.name, "host": info.host,
@@ -279,7 +280,7 @@ class _Fleet:
                 f"worker {info.name} was restarted by Ray on {info.host} "
                 f"(pid {before.pid} -> {info.pid})"
             ))  # fmt: skip
-        if about["attempt"] > 1:
+        if r is not None and about["attempt"] > 1:
             self.retried.append({"key": r.key, "worker": w.info.name, "attempt": about["attempt"]})
             self.tell("sweep.ray.round_retried", worker=w.info.name, round=r.key, what=(
                 f"round {r.key} retried by Ray on worker {w.info.name}, attempt {about['attempt']}"
@@ -288,7 +289,8 @@ class _Fleet:
     def still_alive(self, w: _Worker) -> bool:
         """Whether Ray restarted ``w`` (True) or it is out of restarts (False: it is dead)."""
         try:
-            _get(w.actor.info.remote(), self.call_timeout_s, f"worker {w.info.name}")
+            info = _get(w.actor.info.remote(), self.call_timeout_s, f"worker {w.info.name}")
+            self.saw(w, {"worker": asdict(info), "attempt": 1}, None)
             return True
         except RayActorError:
             self.dead.append(w.info.name)

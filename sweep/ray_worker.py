@@ -36,10 +36,11 @@ from ggufswap.sweep.sweep import SweepOptions
 
 CURRENT_ROUND: Final = "current_round"  # in a worker's work dir: "key attempt" of the round held
 PIECE_BYTES: Final = 8 << 20  # the base file is copied to the driver in pieces of this size
-# What two workers' baselines must agree on (eval_s, the time it took, may differ)
+# What two baselines must agree on: what they measured (the tensor table, the tokens, ctx and
+# chunks, the numerics) and what they computed. Not eval_s (the time it took) nor the protocol's
+# paths, spelled as each run was given them (a single-host sweep resumed with --ray).
 SAME_BASELINE: Final = (
-    "identity", "numerics", "protocol", "n_vocab", "ppl", "ppl_unc", "count", "digests",
-    "model_vs_baseline",
+    "identity", "numerics", "n_vocab", "ppl", "ppl_unc", "count", "digests", "model_vs_baseline",
 )  # fmt: skip
 
 

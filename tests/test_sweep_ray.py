@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,7 +149,7 @@ class Case:
     options: dict[str, Any]
     baseline: bool  # --baseline REF and --source q4_0=Q4
     expect: dict[str, Any]
-    resume: bool = False  # then run the same command again
+    resume: bool = False  # then resume the single-host sweep's output with --ray
 
 
 CASES = {
@@ -207,12 +208,15 @@ def test_ray_sweep_honours_the_single_host_options(
     nodes = {w["node_id"] for w in summary["workers"]}
     assert len(nodes) == 2, "one worker on each node with CPUs, none on the 0-CPU head"
     assert summary["retried"] == summary["restarts"] == []
-    if c.resume:  # the same command again: every round from the journal, the files unchanged
-        again = sweep_cli(files, tmp_path / "ray", *flags, ray_address=cluster)
-        assert "2 of 2 rounds recorded (0 now, 2 from the journal)" in again.stdout
-        ray_out, single = tmp_path / "ray", tmp_path / "single"
+    if c.resume:  # the single-host sweep, its last round lost, resumed with --ray
+        resumed = tmp_path / "resumed"
+        shutil.copytree(tmp_path / "single", resumed)
+        first, _ = (resumed / JOURNAL).read_text().splitlines(keepends=True)
+        (resumed / JOURNAL).write_text(first)
+        again = sweep_cli(files, resumed, *flags, ray_address=cluster)
+        assert "2 of 2 rounds recorded (1 now, 1 from the journal)" in again.stdout
         for name in SAME_FILES:
-            assert (ray_out / name).read_bytes() == (single / name).read_bytes(), name
+            assert (resumed / name).read_bytes() == (tmp_path / "single" / name).read_bytes()
 
 
 def peak_rss_kib(cmd: list[str]) -> int:
