@@ -359,6 +359,41 @@ def test_a_killed_worker_is_replaced_and_its_round_retried_once(
     assert summary["retried"] == report.retried
 
 
+class DyingWorker(SweepWorker):
+    """Worker w0's process exits in the middle of every attempt at round blk.0's q4_0."""
+
+    def run_round(self, r: Round, expect: Any) -> tuple[str, Any, dict[str, Any]]:
+        if self.name == "w0" and r.key == "blk.0.attn_q.weight@q4_0":
+            os._exit(1)
+        return super().run_round(r, expect)
+
+
+@ray_driver
+@pytest.mark.slow  # two restarts of w0: about 20 s here
+def test_a_round_that_takes_its_worker_down_every_time_is_refused(
+    files: Files, cluster: str, tmp_path: Path
+) -> None:
+    """A round whose process dies on every attempt Ray makes (``max_round_failures``: 2) is
+    reported as refused with the reason; the worker, restarted, goes on; the other round is
+    recorded."""
+    report = run_ray_sweep(
+        files.model, text=english(), recipe=Recipe.from_document(RECIPE),
+        out_dir=tmp_path / "out", options=SweepOptions(n_ctx=64, max_chunks=3),
+        ray_options=RayOptions(address=None, threads=1, max_round_failures=2),
+        worker_class=DyingWorker,
+    )  # fmt: skip
+    assert report.refused == [
+        {
+            "key": "blk.0.attn_q.weight@q4_0",
+            "tensors": ["blk.0.attn_q.weight"],
+            "why": "blk.0.attn_q.weight@q4_0: its worker died in each of 2 attempts",
+        }
+    ]
+    assert list(report.journal) == ["blk.1.attn_q.weight@q4_0"]
+    assert report.dead == []
+    assert [r["worker"] for r in report.restarts] == ["w0"]
+
+
 def test_the_single_host_sweep_never_imports_ray() -> None:
     code = (
         "import sys\n"
