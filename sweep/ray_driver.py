@@ -44,6 +44,7 @@ from ggufswap.logs import get_logger
 from ggufswap.shards import TensorRecord
 from ggufswap.sweep.errors import SweepError
 from ggufswap.sweep.evaluate import BASELINE_JSON, BASELINE_LOGITS
+from ggufswap.sweep.ray_fleet import Fleet, Worker
 from ggufswap.sweep.ray_placement import in_group, place_workers
 from ggufswap.sweep.ray_worker import SweepWorker, WorkerInfo, baseline_mismatch, file_sha256
 from ggufswap.sweep.recipe import Recipe, Round
@@ -91,12 +92,6 @@ class RaySweepReport(SweepReport):
     retried: list[dict[str, Any]] = field(default_factory=list)  # rounds run more than once
     restarts: list[dict[str, Any]] = field(default_factory=list)  # workers Ray replaced
     dead: list[str] = field(default_factory=list)  # workers out of restarts
-
-
-@dataclass
-class _Worker:
-    actor: Any  # the actor handle
-    info: WorkerInfo  # as it last reported itself
 
 
 def _connect(address: str | None) -> bool:
@@ -148,7 +143,7 @@ def _start_workers(
     ray_options: RayOptions,
     worker_class: type[SweepWorker],
     **worker_args: Any,
-) -> tuple[list[_Worker], dict[str, Any]]:
+) -> tuple[list[Worker], dict[str, Any]]:
     """``count`` workers, one in each bundle of ``group``, started and checked: the same tensor
     table and tokens on every one (SweepError naming the first that differs); and what the
     first one loaded (its ``describe``)."""
@@ -184,7 +179,7 @@ def _start_workers(
                 f"{d['identity']}, worker w0 on {answers[0]['info'].host} as "
                 f"{answers[0]['identity']}: every node needs the same model copy and text"
             )
-    workers = [_Worker(actor=h, info=d["info"]) for h, d in zip(handles, answers, strict=True)]
+    workers = [Worker(actor=h, info=d["info"]) for h, d in zip(handles, answers, strict=True)]
     return workers, answers[0]
 
 
@@ -197,7 +192,7 @@ def _stored_baseline(out_dir: Path) -> dict[str, Any] | None:
     return {"record": record, "sha256": file_sha256(logits), "bytes": logits.stat().st_size}
 
 
-def _copy_baseline(w: _Worker, expect: dict[str, Any], out_dir: Path, timeout_s: float) -> None:
+def _copy_baseline(w: Worker, expect: dict[str, Any], out_dir: Path, timeout_s: float) -> None:
     """``w``'s base file into ``out_dir``, one piece at a time (the driver never holds it)."""
     tmp = out_dir / f".{BASELINE_LOGITS}.ray.tmp"
     digest = hashlib.sha256()
@@ -218,7 +213,7 @@ def _copy_baseline(w: _Worker, expect: dict[str, Any], out_dir: Path, timeout_s:
     write_text(out_dir / BASELINE_JSON, json.dumps(expect["record"], indent=1) + "\n")
 
 
-def _baseline(workers: list[_Worker], out_dir: Path, timeout_s: float) -> dict[str, Any]:
+def _baseline(workers: list[Worker], out_dir: Path, timeout_s: float) -> dict[str, Any]:
     """Every worker's baseline, computed on its node and compared; ``--out``'s when it is the
     same, else the first worker's, copied there. A worker that differs stops the sweep."""
     refs = [(w, w.actor.baseline.remote()) for w in workers]
@@ -247,60 +242,6 @@ def _baseline(workers: list[_Worker], out_dir: Path, timeout_s: float) -> dict[s
 
 
 @dataclass
-class _Fleet:
-    """The workers and what became of them: restarts, deaths, rounds retried (progress lines)."""
-
-    workers: list[_Worker]
-    announce: Callable[[str], None]
-    call_timeout_s: float
-    restarts: list[dict[str, Any]] = field(default_factory=list)
-    dead: list[str] = field(default_factory=list)
-    retried: list[dict[str, Any]] = field(default_factory=list)
-
-    def line(self) -> str:
-        alive = len(self.workers) - len(self.dead)
-        return (
-            f"workers: {alive} alive, {len(self.restarts)} restarted, {len(self.dead)} dead; "
-            f"rounds retried: {len(self.retried)}"
-        )
-
-    def tell(self, event: str, **fields: Any) -> None:
-        log.warning(event, **fields)
-        self.announce(f"{fields['what']}; {self.line()}")
-
-    def saw(self, w: _Worker, about: dict[str, Any], r: Round | None) -> None:
-        """A round came back (or ``w`` answered): note a replacement Ray started and a round it
-        retried."""
-        info = WorkerInfo(**about["worker"])
-        if info.pid != w.info.pid:
-            self.restarts.append({"worker": w.info.name, "host": info.host,
-                                  "pid_before": w.info.pid, "pid": info.pid})  # fmt: skip
-            before, w.info = w.info, info
-            self.tell("sweep.ray.worker_restarted", worker=info.name, what=(
-                f"worker {info.name} was restarted by Ray on {info.host} "
-                f"(pid {before.pid} -> {info.pid})"
-            ))  # fmt: skip
-        if r is not None and about["attempt"] > 1:
-            self.retried.append({"key": r.key, "worker": w.info.name, "attempt": about["attempt"]})
-            self.tell("sweep.ray.round_retried", worker=w.info.name, round=r.key, what=(
-                f"round {r.key} retried by Ray on worker {w.info.name}, attempt {about['attempt']}"
-            ))  # fmt: skip
-
-    def still_alive(self, w: _Worker) -> bool:
-        """Whether Ray restarted ``w`` (True) or it is out of restarts (False: it is dead)."""
-        try:
-            info = _get(w.actor.info.remote(), self.call_timeout_s, f"worker {w.info.name}")
-            self.saw(w, {"worker": asdict(info), "attempt": 1}, None)
-            return True
-        except RayActorError:
-            self.dead.append(w.info.name)
-            self.tell("sweep.ray.worker_dead", worker=w.info.name, what=(
-                f"worker {w.info.name} on {w.info.host} is dead (out of Ray restarts)"
-            ))  # fmt: skip
-            return False
-
-
-@dataclass
 class _Dispatch:
     """The rounds to run, what came back and in what order it is recorded."""
 
@@ -315,7 +256,7 @@ class _Dispatch:
 
 
 def _dispatch(
-    fleet: _Fleet,
+    fleet: Fleet,
     state: _Dispatch,
     *,
     expect: Any,
@@ -326,7 +267,7 @@ def _dispatch(
     Ray restarts a dead worker and retries its round; this loop only hands rounds out, kills a
     worker that holds one too long and sets a round aside when its worker is gone."""
     idle = list(fleet.workers)
-    inflight: dict[Any, tuple[_Worker, Round, float]] = {}
+    inflight: dict[Any, tuple[Worker, Round, float]] = {}
     attempts = max(ray_options.max_round_failures, 1)
     while state.flushed < len(state.todo):
         while idle and state.queue:
@@ -412,7 +353,7 @@ def _record(
         log.info("sweep.round", round=r.key, kld=payload["metrics"]["kld_mean"])
 
 
-def _finish(report: RaySweepReport, fleet: _Fleet, journal: Journal, layout: SuiteLayout) -> None:
+def _finish(report: RaySweepReport, fleet: Fleet, journal: Journal, layout: SuiteLayout) -> None:
     """The last outputs: the CSVs, ``report.json`` and ``ray.json`` (workers, restarts...)."""
     report.journal = dict(journal.records)
     write_outputs(report.out_dir, layout, journal.records.values(), report.refused)
@@ -454,7 +395,7 @@ def run_ray_sweep(
     tell = announce or (lambda line: None)
     started_ray = _connect(ray_options.address)
     group: PlacementGroup | None = None
-    workers: list[_Worker] = []
+    workers: list[Worker] = []
     try:
         group, count = place_workers(
             ray_options.workers, ray_options.threads or 1, ray_options.placement_timeout_s
@@ -485,7 +426,7 @@ def run_ray_sweep(
         layout = SuiteLayout.of(recipe, rounds, skipped, originals, base_record, options)
         todo = [r for r in rounds if r.key not in journal]
         report.resumed = len(rounds) - len(todo)
-        fleet = _Fleet(workers, tell, ray_options.call_timeout_s)
+        fleet = Fleet(workers, tell, ray_options.call_timeout_s)
         results = _dispatch(
             fleet, _Dispatch(todo=todo), expect=ray.put(expect), ray_options=ray_options,
             on_dispatch=on_dispatch,

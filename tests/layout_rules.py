@@ -26,10 +26,8 @@ KERNELS = "ggufswap.runtime.kernels"
 MODELS = "ggufswap.runtime.models"
 SERVING = "ggufswap.runtime.serving"
 SWEEP = "ggufswap.sweep"
-# the modules that import ray (an extra): the Ray sweep's driver, worker and placement
-RAY_SWEEP = frozenset(
-    {"ggufswap.sweep.ray_driver", "ggufswap.sweep.ray_worker", "ggufswap.sweep.ray_placement"}
-)
+# the modules that import ray (an extra): the Ray sweep's driver, worker, placement and fleet
+RAY_SWEEP = frozenset(f"ggufswap.sweep.ray_{m}" for m in ("driver", "worker", "placement", "fleet"))
 # The modules that may import structlog: the loggers every module uses, and the command line's
 # configuration of them. Anything else logs through ggufswap.logs.get_logger.
 STRUCTLOG_USERS = frozenset({"ggufswap.logs", "ggufswap._logsetup"})
