@@ -47,7 +47,7 @@ def unplaced(count: int, bundle: dict[str, float], strategy: str, why: str) -> s
     return (
         f"cannot place {count} sweep worker(s) of {_resources(bundle)} each ({spread}): {why}; "
         f"the cluster has free {_resources(ray.available_resources())} on {len(nodes)} alive "
-        f"node(s) (in all per node: {per_node}); give fewer --ray-workers, fewer --threads, "
+        f"node(s) (each node's total: {per_node}); give fewer --ray-workers, fewer --threads, "
         "or more nodes"
     )
 
