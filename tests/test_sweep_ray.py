@@ -338,6 +338,7 @@ def test_a_killed_worker_is_replaced_and_its_round_retried_once(
         ),
         on_dispatch=kill_w1_mid_round, worker_class=HoldingWorker, announce=lines.append,
     )  # fmt: skip
+    print("\n".join(lines))
     assert len(held) == 1
     dead, key = held[0]
     assert key == "blk.1.attn_q.weight@q4_0", "w1's first round: the second"
