@@ -228,6 +228,13 @@ def _announce(line: str) -> None:
     print(f"ggufswap sweep: {line}", file=sys.stderr, flush=True)
 
 
+def _announce_over_bar(line: str) -> None:
+    """A line above the progress bar (the Ray sweep's restarts and retries mid-sweep)."""
+    from tqdm import tqdm
+
+    tqdm.write(f"ggufswap sweep: {line}", file=sys.stderr)
+
+
 def _sweep(
     args: argparse.Namespace, text: str, recipe: Recipe, models: dict[int, TensorSet]
 ) -> SweepReport:
@@ -278,7 +285,7 @@ def _ray_sweep(args: argparse.Namespace, text: str, recipe: Recipe) -> SweepRepo
             baseline_model=_resolved(args.baseline),
             imatrix=_resolved(args.imatrix),
             progress=_no_bar if args.no_progress else _bar,
-            announce=_announce,
+            announce=_announce if args.no_progress else _announce_over_bar,
         )
     except ConnectionError as exc:
         raise SweepError(f"--ray {args.ray}: cannot reach the Ray cluster: {exc}") from None
