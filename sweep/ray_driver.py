@@ -406,9 +406,9 @@ def run_ray_sweep(
             sources={int(t): p for t, p in (sources or {}).items()},
             baseline_model=baseline_model, imatrix=imatrix,
         )  # fmt: skip
-        hosts = sorted({w.info.host for w in workers})
+        hosts, nodes = sorted({w.info.host for w in workers}), {w.info.node_id for w in workers}
         tell(
-            f"{first['model_name']}: {len(workers)} Ray workers on {len(hosts)} node(s) "
+            f"{first['model_name']}: {len(workers)} Ray workers on {len(nodes)} node(s) "
             f"({', '.join(hosts)}), results in {out_dir}"
         )
         rounds, skipped = _call(workers[0].actor.plan.remote(), ray_options.call_timeout_s, "plan")

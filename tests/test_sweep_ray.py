@@ -196,7 +196,7 @@ def test_ray_sweep_honours_the_single_host_options(
     finally:
         torch.set_num_threads(before)
     done = sweep_cli(files, tmp_path / "ray", *flags, ray_address=cluster)
-    assert "2 Ray workers on" in done.stderr
+    assert "2 Ray workers on 2 node(s)" in done.stderr
     assert_same_sweep(tmp_path / "ray", tmp_path / "single")
     baseline = json.loads((tmp_path / "ray" / "baseline.json").read_text())
     assert {k: baseline[k] for k in c.expect} == c.expect
