@@ -6,17 +6,17 @@ A tiny dense llama (the project's writer), the Python LICENSE as text, a recipe 
 with --quick), on a private local Ray cluster of this machine. The same sweep runs once over 1
 worker (the baseline) and once over N workers (default 3), each worker one torch thread pinned to
 its own CPU of the affinity mask (modulo the CPU count). Timed: from the first round handed out
-to the last one recorded (the worker start-up and the baseline are excluded: the second run
-reuses the first one's baseline). ``ratio`` is 1-worker seconds / N-worker seconds. On a machine
-with fewer CPUs than workers the ratio is bounded by the CPU count (and by other jobs): the CPU
-count is printed with it. ``run(quick)`` returns the row for ``bench/run_all.py``.
+to the last one recorded (the worker start-up and the baseline, which each worker computes on
+its node before the first round, are excluded). ``ratio`` is 1-worker seconds / N-worker
+seconds. On a machine with fewer CPUs than workers the ratio is bounded by the CPU count (and by
+other jobs): the CPU count is printed with it. ``run(quick)`` returns the row for
+``bench/run_all.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sysconfig
 import tempfile
 import time
@@ -27,7 +27,6 @@ from typing import Any
 import ray
 
 from ggufswap.shards import tiny_dense, write_model
-from ggufswap.sweep.evaluate import BASELINE_JSON, BASELINE_LOGITS
 from ggufswap.sweep.ray_driver import RayOptions, WorkerInfo, run_ray_sweep
 from ggufswap.sweep.recipe import Recipe, Round
 from ggufswap.sweep.sweep import SweepOptions
@@ -96,9 +95,6 @@ def run(
         )
         try:
             one_s, rounds = _timed_sweep(model, root / "one", recipe, options, 1)
-            (root / "many").mkdir()
-            for name in (BASELINE_JSON, BASELINE_LOGITS):  # the same baseline, not re-evaluated
-                shutil.copy2(root / "one" / name, root / "many" / name)
             many_s, _ = _timed_sweep(model, root / "many", recipe, options, workers)
         finally:
             ray.shutdown()

@@ -121,6 +121,14 @@ def register(subparsers: Any) -> None:
         metavar="N",
         help="with --ray: N workers (default one per alive node); --threads is per worker",
     )
+    parser.add_argument(
+        "--ray-placement-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="with --ray: end the sweep when the workers cannot be placed within S seconds "
+        "(one line names what was asked and what the cluster has free; default 60)",
+    )
     add_threads_option(parser)
     parser.set_defaults(func=run)
 
@@ -140,6 +148,8 @@ def _problems(args: argparse.Namespace) -> list[str]:
         problems.append("--ray runs in-process workers (--model); it does not take --config")
     if args.ray_workers is not None and (args.ray is None or args.ray_workers < 1):
         problems.append(f"--ray-workers must be >= 1 and needs --ray, found {args.ray_workers}")
+    if args.ray_placement_timeout <= 0:
+        problems.append(f"--ray-placement-timeout must be > 0, found {args.ray_placement_timeout}")
     if args.numerics == "ggml" and args.storage not in (None, "native"):
         problems.append(f"--numerics ggml needs --storage native, found {args.storage}")
     return problems
@@ -218,6 +228,13 @@ def _announce(line: str) -> None:
     print(f"ggufswap sweep: {line}", file=sys.stderr, flush=True)
 
 
+def _announce_over_bar(line: str) -> None:
+    """A line above the progress bar (the Ray sweep's restarts and retries mid-sweep)."""
+    from tqdm import tqdm
+
+    tqdm.write(f"ggufswap sweep: {line}", file=sys.stderr)
+
+
 def _sweep(
     args: argparse.Namespace, text: str, recipe: Recipe, models: dict[int, TensorSet]
 ) -> SweepReport:
@@ -247,8 +264,6 @@ def _ray_sweep(args: argparse.Namespace, text: str, recipe: Recipe) -> SweepRepo
         from ggufswap.sweep.ray_driver import RayOptions, run_ray_sweep
     except ImportError as exc:
         raise SweepError(f"--ray needs Ray: pip install 'ggufswap[ray]' ({exc})") from None
-    if args.baseline is not None:
-        raise SweepError("--baseline is not supported with --ray yet (run it on one host)")
     sources = {}
     for item in args.source:
         type_name, _, path = item.partition("=")
@@ -261,14 +276,23 @@ def _ray_sweep(args: argparse.Namespace, text: str, recipe: Recipe) -> SweepRepo
             out_dir=args.out.resolve(),
             options=_options(args),
             ray_options=RayOptions(
-                address=args.ray, workers=args.ray_workers, threads=args.threads
+                address=args.ray,
+                workers=args.ray_workers,
+                threads=args.threads,
+                placement_timeout_s=args.ray_placement_timeout,
             ),
             sources=sources,
+            baseline_model=_resolved(args.baseline),
+            imatrix=_resolved(args.imatrix),
             progress=_no_bar if args.no_progress else _bar,
-            announce=_announce,
+            announce=_announce if args.no_progress else _announce_over_bar,
         )
     except ConnectionError as exc:
         raise SweepError(f"--ray {args.ray}: cannot reach the Ray cluster: {exc}") from None
+
+
+def _resolved(path: str | Path | None) -> str | None:
+    return None if path is None else str(Path(path).resolve())
 
 
 def _process_sweep(

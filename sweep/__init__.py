@@ -12,10 +12,10 @@ bit for bit, record. Modules:
 - :mod:`.evaluate`, :mod:`.kld`, :mod:`.basefile` (the baseline and the figures against it);
 - :mod:`.sweep` (the one sweep loop and what it drives), :mod:`.inprocess` (this process),
   :mod:`.procs` with :mod:`.children` and :mod:`.runtime_proc` (a runtime process and an agent),
-  :mod:`.ray_driver` (Ray workers);
+  :mod:`.ray_driver` (Ray workers: :mod:`.ray_worker`, :mod:`.ray_placement`, :mod:`.ray_fleet`);
 - :mod:`.results`, :mod:`.suite`, :mod:`.plot` (journal, table, the Tool Suite's files, PNG).
 
-Nothing but the command line imports this package; only :mod:`.ray_driver` imports ray.
+Nothing but the command line imports this package; only the ``ray_*`` modules import ray.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ KERNELS = "ggufswap.runtime.kernels"
 MODELS = "ggufswap.runtime.models"
 SERVING = "ggufswap.runtime.serving"
 SWEEP = "ggufswap.sweep"
-RAY_SWEEP = "ggufswap.sweep.ray_driver"  # the one module that imports ray (an extra)
+# the modules that import ray (an extra): the Ray sweep's driver, worker, placement and fleet
+RAY_SWEEP = frozenset(f"ggufswap.sweep.ray_{m}" for m in ("driver", "worker", "placement", "fleet"))
 # The modules that may import structlog: the loggers every module uses, and the command line's
 # configuration of them. Anything else logs through ggufswap.logs.get_logger.
 STRUCTLOG_USERS = frozenset({"ggufswap.logs", "ggufswap._logsetup"})
@@ -139,7 +140,7 @@ def rules(graph: grimp.ImportGraph) -> list[Rule]:
         ),
         Rule(
             "only the Ray sweep imports ray",
-            frozenset(_tree(graph, PACKAGE) - {RAY_SWEEP}),
+            frozenset(_tree(graph, PACKAGE) - RAY_SWEEP),
             frozenset({"ray"}),
             direct_only=True,
         ),
@@ -151,7 +152,7 @@ def rules(graph: grimp.ImportGraph) -> list[Rule]:
         ),
         Rule(
             "the single-host sweep never reaches ray but through the Ray sweep",
-            frozenset((sweep | serving) - {RAY_SWEEP}),
+            frozenset((sweep | serving) - RAY_SWEEP),
             frozenset({"ray"}),
         ),
         Rule(
