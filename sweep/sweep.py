@@ -36,6 +36,7 @@ from typing import Any, Final, Protocol
 
 from ggufswap.config import Storage
 from ggufswap.logs import get_logger
+from ggufswap.runtime.kernels import ggml_describe, ggml_library
 from ggufswap.runtime.models import Numerics
 from ggufswap.runtime.models.ggml_numerics import VEC_DOT
 from ggufswap.shards import TensorRecord
@@ -269,20 +270,27 @@ class Sweep:
         return rounds, skipped
 
     def _check_ggml_numerics(self, rounds: list[Round]) -> None:
-        """SweepError naming every weight type, in the model or among the targets, whose
-        activation rounding ggml numerics do not know (ggml-cpu's ``vec_dot_type``)."""
+        """SweepError naming every weight type, in the model or among the targets, that ggml
+        numerics can neither multiply with the loaded libggml (ik_llama.cpp's multiplies its own
+        types) nor emulate (ggml-cpu's ``vec_dot_type``)."""
         computed = self.target.computed
         in_model = {int(r.ggml_type) for n, r in self.target.originals.items()
                     if n in computed and len(r.ne) >= 2}  # fmt: skip
+        library = ggml_library()
+        multiplied = library.types if library is not None else frozenset()
         unknown = sorted(
-            {t for t in in_model | {int(r.target) for r in rounds} if GGMLType(t) not in VEC_DOT}
+            t
+            for t in in_model | {int(r.target) for r in rounds}
+            if GGMLType(t) not in VEC_DOT and t not in multiplied
         )
         if unknown:
             names = ", ".join(qtype_name(t) for t in unknown)
             raise SweepError(
                 f"numerics 'ggml' (llama.cpp's CPU rounding, the default) knows no activation "
-                f"rounding for {names} (ggml-cpu's vec_dot_type; ik_llama.cpp's types are not "
-                "covered yet): give --numerics exact (float products, no rounding noise)"
+                f"rounding for {names} (ggml-cpu's vec_dot_type) and no libggml here multiplies "
+                f"them ({ggml_describe()}; ik_llama.cpp's, the ggml extra, does: pip install "
+                "'ggufswap[ggml]'): install it, or give --numerics exact (float products, no "
+                "rounding noise)"
             )
 
     def run(self) -> SweepReport:

@@ -24,6 +24,7 @@ from runtime_helpers import ModelDir, one_thread
 from test_sweep import english
 
 from ggufswap.config import Storage
+from ggufswap.runtime.kernels import ggml_describe, ggml_library
 from ggufswap.runtime.models import Numerics
 from ggufswap.shards import (
     GGMLType,
@@ -48,6 +49,7 @@ from ggufswap.sweep import (
     qtype_name,
     run_sweep,
 )
+from ggufswap.sweep import sweep as sweep_module
 from ggufswap.sweep.results import natural_key
 from ggufswap.sweep.suite import map_lines
 
@@ -105,19 +107,42 @@ def test_type_without_a_source_is_refused_before_the_first_round(
     assert not (out / "baseline.json").exists(), "nothing ran"
 
 
-def test_ggml_numerics_refuse_ik_types_before_the_first_round(tmp_path: Path) -> None:
-    """The default numerics (llama.cpp's CPU rounding) know no ik type's activation rounding:
-    a recipe naming one is refused up front, naming --numerics exact."""
+def test_ggml_numerics_refuse_ik_types_no_libggml_multiplies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a libggml that multiplies them (no ik_llama.cpp's: the ggml extra not installed),
+    the default numerics know no ik type's activation rounding: a recipe naming one is refused up
+    front, naming the extra and --numerics exact."""
+    monkeypatch.setattr(sweep_module, "ggml_library", lambda: None)
     model = ModelDir.write(tmp_path / "model", tiny_dense())
     recipe = Recipe.from_document({"quants": [IK], "tensors": [{"match": "attn_q"}]})
     source = {int(GGMLType.IQ4_KS): ShardDir(tmp_path, GGMLType.IQ4_KS)}
     with pytest.raises(
-        SweepError, match=r"knows no activation rounding for iq4_ks.*--numerics exact"
+        SweepError, match=r"knows no activation rounding for iq4_ks.*ggml\].*--numerics exact"
     ):
         run_sweep(
             model.first, text=english(), recipe=recipe, out_dir=tmp_path / "out", models=source,
             options=SweepOptions(n_ctx=CTX, max_chunks=CHUNKS),
         )  # fmt: skip
+
+
+@pytest.mark.process  # ik's llama-quantize
+def test_ggml_numerics_sweep_ik_types_through_ik_llama_cpps_libggml(tmp_path: Path) -> None:
+    """With ik_llama.cpp's libggml loaded, an ik type's round runs under the default numerics:
+    its tensor made by ik's llama-quantize, its products ik's own (recorded, restored)."""
+    library = ggml_library()
+    if library is None or int(GGMLType.Q6_0) not in library.types:
+        pytest.skip(f"no libggml multiplies q6_0 here ({ggml_describe()})")
+    if ik_quantize.find_binary() is None:
+        pytest.skip("ik_llama.cpp's llama-quantize is not installed (the ik extra)")
+    model = ModelDir.write(tmp_path / "model", tiny_dense())
+    recipe = Recipe.from_document({"quants": ["q6_0"], "tensors": [{"match": r"^blk\.0\.attn_q"}]})
+    report = run_sweep(
+        model.first, text=english(), recipe=recipe, out_dir=tmp_path / "out",
+        options=SweepOptions(n_ctx=CTX, max_chunks=1),
+    )  # fmt: skip
+    assert report.refused == [], report.refused
+    assert list(report.journal) == ["blk.0.attn_q.weight@q6_0"]
 
 
 def moe_spec(**types: str) -> ModelSpec:

@@ -17,6 +17,7 @@ error classes, never the rest of the core: the core calls it.
 
 from __future__ import annotations
 
+from ggufswap.runtime.kernels._ggml import describe as ggml_describe
 from ggufswap.runtime.kernels._ggml import float_products
 from ggufswap.runtime.kernels._ggml import library as ggml_library
 from ggufswap.runtime.kernels.dequant import KERNEL_TYPES, dequantize, has_kernel
@@ -30,6 +31,7 @@ __all__ = [
     "QuantizedMatrix",
     "dequantize",
     "float_products",
+    "ggml_describe",
     "ggml_library",
     "grouped",
     "has_kernel",
