@@ -184,8 +184,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:  # the port first, before anything heavy is imported: /health answers 503 at once
         early = _answer_early(config.require_runtime().name, serve)
-    except ListenError as exc:
-        print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
+    except ListenError as exc:  # as the preflight words a taken port
+        print(
+            f"ggufswap runtime: {config.source}: runtime.serve.port: {exc}; stop the other "
+            "server or choose another port (runtime.serve.port, or --http-port)",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     # Before any model load: every socket (and the HTTP port, unless held) free, the model readable.
     problems = runtime_problems(
