@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ggufswap.config import Storage
 from ggufswap.logs import get_logger
+from ggufswap.runtime.kernels import ggml_library
 from ggufswap.runtime.models import Decoder, Numerics
 from ggufswap.runtime.serving.perplexity import eval_batch, first_scored, scored_per_chunk
 from ggufswap.shards import TensorRecord
@@ -102,6 +103,7 @@ class ChunkEvaluator:
         """How every figure of the sweep was measured (recorded in every output)."""
         return {
             "numerics": self.numerics.value,
+            "products": products(self.numerics),
             "n_ctx": self.n_ctx,
             "n_chunk": len(self.chunks),
             "scored_per_chunk": scored_per_chunk(self.n_ctx),
@@ -213,3 +215,15 @@ class ChunkEvaluator:
         """The digests of the first ``n`` chunks' logits (0: every chunk)."""
         count = min(n or len(self.chunks), len(self.chunks))
         return [logits_digest(self.scored_logits(c)) for c in range(count)]
+
+
+def products(numerics: Numerics) -> str:
+    """Whose arithmetic the products are, recorded beside the numerics: ggml numerics on
+    ik_llama.cpp's libggml compare with ik_llama.cpp's llama-perplexity, on mainline's with
+    llama.cpp's, emulated (no libggml) with mainline's to its noise (docs/sweep.md)."""
+    if numerics is not Numerics.GGML:
+        return "float"
+    library = ggml_library()
+    if library is None:
+        return "emulated (mainline's rounding)"
+    return "ik_llama.cpp's libggml" if library.ik else "llama.cpp's libggml"
