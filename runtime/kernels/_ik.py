@@ -13,40 +13,42 @@ Several types carry a per-row header (``row_meta`` bytes before the row's blocks
 reads it, repeats it per block and hands it to the kernel. ``IQ1_BN``/``IQ2_BN`` apply it as ik's
 CUDA decoder does (its CPU ``to_float`` leaves it to the caller).
 
-The ``_KT`` (trellis) types expand a 13- to 16-bit index into a group of 4 or 8 values with an
-integer recurrence; the values of every index are computed once per device into a table.
+The ``_KT`` (trellis) types are in :mod:`._ik_trellis`; what the kernels share (the field
+readers, the kernel record, IQ4_K's grid) in :mod:`._ik_base`.
 
 Speed: plain torch ops on int32 fields, one pass per field; fast enough to load a model, with no
 attempt at the SWAR tricks of :mod:`._mainline` (``bench/dequant.py`` reports GB/s).
-
-Size: being reworked by issue 26; split there.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable
-from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
 import torch
 
+from ggufswap.runtime.kernels._ik_base import (
+    IQ4K,
+    IkKernel,
+    bits,
+    f16,
+    lookup,
+    nibbles,
+    scaled,
+    table,
+    u8,
+    u16,
+)
+from ggufswap.runtime.kernels._ik_trellis import TRELLIS_KERNELS
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType
 
 __all__ = ["IK_KERNELS", "dequantize_ik"]
 
-# Row scale per block, float32 [n, 1] (ones-free: None for types without a row header).
-Decode = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
-
 # ik's non-linear grids (ggml-common.h); each type's second half is the grid shifted by ``extra``.
 IQ2NL = (-31, -13, 1, 17, -26, -8, 6, 22)
 IQ3NL = (-63, -40, -23, -10, 1, 13, 28, 47, -59, -36, -19, -6, 5, 17, 32, 51)
-IQ4K = (
-    *(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
-    *(-123, -100, -79, -61, -45, -31, -18, -6, 5, 17, 29, 42, 57, 73, 93, 117),
-)
 IQ5NL = (
     *(-126, -114, -103, -92, -83, -74, -65, -57, -50, -43, -36, -30, -24, -18, -12, -6),
     *(-1, 5, 11, 17, 23, 29, 36, 43, 51, 59, 68, 77, 87, 97, 109, 121),
@@ -64,30 +66,11 @@ IQ2KL = (
 IQ1BN_MULT = (81, 27, 9, 3, 1)
 # IQ6_K's value curve: A + q*(B + q*(-C + q*D)) (+1 for the shifted grid).
 IQ6K_ABCD = (-127.0, 6.2568, 0.11218, 0.0011972)
-# Trellis: index + offset is the seed of x <- KA*x (mod 2^32); a value is the sum of the four
-# bytes of x & 0x3f3f3f3f, minus 126. Seeds of every _KT type lie in [KT_BASE, KT_BASE + 2^16).
-KT_MULT = 0xCBAC1FED
-KT_BASE = 4096
-KT_GROUP = 8
-
 _CPU_CHUNK_ELEMENTS = 1 << 20
 _DEVICE_CHUNK_ELEMENTS = 1 << 23
 
 
-@dataclass(frozen=True, slots=True)
-class IkKernel:
-    """A block decoder and the kind of per-row scale its type carries ("f16", "f32" or None)."""
-
-    decode: Decode
-    row_scale: str | None = None
-
-
 # --- tables (per device, built once) -----------------------------------------------------------
-
-
-@lru_cache(maxsize=64)
-def _table(device: torch.device, values: tuple[float, ...]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 @lru_cache(maxsize=8)
@@ -135,67 +118,6 @@ def _iq6k_table(device: torch.device) -> torch.Tensor:
     return torch.stack((values + 0.0, values + 1.0)).to(device)
 
 
-@lru_cache(maxsize=8)
-def _kt_table(device: torch.device) -> torch.Tensor:
-    """``[65536, 8]`` float32: the trellis values of seeds ``KT_BASE + i``."""
-    x = torch.arange(KT_BASE, KT_BASE + (1 << 16), dtype=torch.int64)
-    out = torch.empty(1 << 16, KT_GROUP, dtype=torch.int64)
-    for k in range(KT_GROUP):
-        x = (x * KT_MULT) & 0xFFFFFFFF  # int64 products of 32-bit factors wrap harmlessly
-        s = x & 0x3F3F3F3F
-        out[:, k] = (s & 0xFF) + ((s >> 8) & 0xFF) + ((s >> 16) & 0xFF) + (s >> 24) - 126
-    return out.to(device=device, dtype=torch.float32)
-
-
-# --- field helpers -----------------------------------------------------------------------------
-
-
-def _u8(b: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    """Bytes ``start..start+count`` of every block as int32 ``[n, count]``."""
-    return b[:, start : start + count].to(torch.int32)
-
-
-def _u16(b: torch.Tensor, start: int, count: int = 1) -> torch.Tensor:
-    """``count`` little-endian uint16 at byte ``start`` of every block, int32 ``[n, count]``."""
-    raw = b[:, start : start + 2 * count].contiguous().view(torch.int16)
-    return raw.to(torch.int32) & 0xFFFF
-
-
-def _u32(b: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    """``count`` little-endian uint32 at byte ``start``, as int64 ``[n, count]``."""
-    raw = b[:, start : start + 4 * count].contiguous().view(torch.int32)
-    return raw.to(torch.int64) & 0xFFFFFFFF
-
-
-def _f16(b: torch.Tensor, start: int) -> torch.Tensor:
-    """The fp16 at byte ``start`` of every block, float32 ``[n, 1]``."""
-    return b[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
-
-
-def _bits(x: torch.Tensor, count: int) -> torch.Tensor:
-    """Bits ``0..count-1`` of ``x [n, 1]`` (int32), as ``[n, count]``."""
-    shifts = torch.arange(count, dtype=torch.int32, device=x.device)
-    return (x >> shifts) & 1
-
-
-def _nibbles(x: torch.Tensor) -> torch.Tensor:
-    """``[..., k]`` bytes -> ``[..., 2, k]``: low nibbles, then high nibbles."""
-    return torch.stack((x & 0x0F, x >> 4), dim=-2)
-
-
-def _scaled(dl: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``dl [n, S]`` times ``values [n, S * L]`` sub-block by sub-block, as ``[n, S * L]``."""
-    n, subs = dl.shape
-    return (dl.view(n, subs, 1) * values.reshape(n, subs, -1)).view(n, -1)
-
-
-def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``table[index]`` (rows of ``table`` for a 2-D one): ``index_select`` on the flat index is
-    several times faster than advanced indexing."""
-    flat = table.index_select(0, index.reshape(-1).to(torch.int32))
-    return flat.view(*index.shape, *table.shape[1:])
-
-
 # --- kernels -----------------------------------------------------------------------------------
 
 
@@ -203,9 +125,9 @@ def _q6_0(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # d fp16 | qh[8] | qs[16]; element j (<16): low nibble of qs[j], bits 4-5 from qh[j % 8]
     # shifted by 4 * (j // 8); element j + 16: high nibble, the next two bits.
     n = b.shape[0]
-    d = _f16(b, 0)
-    qh = _u8(b, 2, 8)
-    qs = _u8(b, 10, 16)
+    d = f16(b, 0)
+    qh = u8(b, 2, 8)
+    qs = u8(b, 10, 16)
     h = torch.cat((qh, qh >> 4), dim=1)  # [n, 16]: the byte for element j
     lo = (qs & 0x0F) | ((h << 4) & 0x30)
     hi = (qs >> 4) | ((h << 2) & 0x30)
@@ -216,18 +138,18 @@ def _q6_0(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
 def _q1_0(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # d fp16 | 16 bytes of sign bits, least significant first: +d for 1, -d for 0
     n = b.shape[0]
-    d = _f16(b, 0)
-    bits = (_u8(b, 2, 16).view(n, 16, 1) >> torch.arange(8, device=b.device, dtype=torch.int32)) & 1
-    return torch.where(bits.view(n, 128).bool(), d, -d)
+    d = f16(b, 0)
+    signs = (u8(b, 2, 16).view(n, 16, 1) >> torch.arange(8, device=b.device, dtype=torch.int32)) & 1
+    return torch.where(signs.view(n, 128).bool(), d, -d)
 
 
 def _iq1_bn(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # ql[12] | extra: per 16 values, 3 bytes of 5 digits, then one digit of ``extra``
     assert row_d is not None, "IQ1_BN needs its row scale"
     n = b.shape[0]
-    table = _iq1bn_table(b.device)
-    ql = _lookup(table, _u8(b, 0, 12)).view(n, 4, 15)
-    extra = _lookup(table, _u8(b, 12, 1)).view(n, 5)[:, :4].reshape(n, 4, 1)
+    digits = _iq1bn_table(b.device)
+    ql = lookup(digits, u8(b, 0, 12)).view(n, 4, 15)
+    extra = lookup(digits, u8(b, 12, 1)).view(n, 5)[:, :4].reshape(n, 4, 1)
     return (row_d.view(n, 1, 1) * torch.cat((ql, extra), dim=2)).view(n, 64)
 
 
@@ -235,7 +157,7 @@ def _iq2_bn(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # qs[16]: element 16 * s + j is bits 2s..2s+1 of qs[j], minus one
     assert row_d is not None, "IQ2_BN needs its row scale"
     n = b.shape[0]
-    qs = _u8(b, 0, 16).view(n, 1, 16)
+    qs = u8(b, 0, 16).view(n, 1, 16)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=b.device).view(1, 4, 1)
     q = (((qs >> shifts) & 3) - 1).to(torch.float32).view(n, 64)
     return row_d * q
@@ -252,12 +174,12 @@ def _crumb_quarters(qs: torch.Tensor) -> torch.Tensor:
 def _iq2_k(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # d fp16 | extra u16 | scales[8] (4-bit, minus 8) | qs[64]; 16 sub-blocks of 16
     n = b.shape[0]
-    d = _f16(b, 0)
-    extra = _bits(_u16(b, 2), 16)  # [n, 16]: shifted grid per sub-block
-    sc = _nibbles(_u8(b, 4, 8)).transpose(1, 2).reshape(n, 16)
+    d = f16(b, 0)
+    extra = bits(u16(b, 2), 16)  # [n, 16]: shifted grid per sub-block
+    sc = nibbles(u8(b, 4, 8)).transpose(1, 2).reshape(n, 16)
     dl = d * (sc - 8).to(torch.float32)
-    q = _crumb_quarters(_u8(b, 12, 64)).view(n, 16, 16) + 4 * extra.view(n, 16, 1)
-    return _scaled(dl, _lookup(_table(b.device, IQ2NL), q))
+    q = _crumb_quarters(u8(b, 12, 64)).view(n, 16, 16) + 4 * extra.view(n, 16, 1)
+    return scaled(dl, lookup(table(b.device, IQ2NL), q))
 
 
 def _iq2_ks(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
@@ -265,13 +187,13 @@ def _iq2_ks(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # 8 + s of extra as its 5th bit, minus 16; bit s of extra picks the shifted grid
     assert row_d is not None, "IQ2_KS needs its row scale"
     n = b.shape[0]
-    extra = _bits(_u16(b, 0), 16)
-    sc = _nibbles(_u8(b, 2, 4)).transpose(1, 2).reshape(n, 8) | (extra[:, 8:] << 4)
+    extra = bits(u16(b, 0), 16)
+    sc = nibbles(u8(b, 2, 4)).transpose(1, 2).reshape(n, 8) | (extra[:, 8:] << 4)
     dl = row_d * (sc - 16).to(torch.float32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=b.device).view(1, 1, 4, 1)
-    q = ((_u8(b, 6, 64).view(n, 2, 1, 32) >> shifts) & 3).view(n, 8, 32)
+    q = ((u8(b, 6, 64).view(n, 2, 1, 32) >> shifts) & 3).view(n, 8, 32)
     q = q + 4 * extra[:, :8].reshape(n, 8, 1)
-    return _scaled(dl, _lookup(_table(b.device, IQ2NL), q))
+    return scaled(dl, lookup(table(b.device, IQ2NL), q))
 
 
 def _iq2_kl(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
@@ -279,15 +201,15 @@ def _iq2_kl(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # sub-block s: nibble s % 2 of qs[16 * (s // 2) + j], 5th bit: bit s of qh[j]
     assert row_d is not None, "IQ2_KL needs its row scale"
     n = b.shape[0]
-    sh = _u16(b, 0)
-    sl = _u8(b, 2, 4)
+    sh = u16(b, 0)
+    sl = u8(b, 2, 4)
     s = torch.arange(8, dtype=torch.int32, device=b.device)
     low = (sl[:, s % 4] >> (4 * (s // 4))) & 0x0F
     dl = row_d * ((low | (((sh >> (2 * s)) & 3) << 4)) - 32).to(torch.float32)
-    qs = _nibbles(_u8(b, 6, 64).view(n, 4, 16)).view(n, 8, 16)
-    qh = (_u8(b, 70, 16).view(n, 1, 16) >> s.view(1, 8, 1)) & 1
-    pairs = _lookup(_iq2kl_table(b.device), qs | (qh << 4))  # [n, 8, 16, 2]
-    return _scaled(dl, pairs.view(n, 256))
+    qs = nibbles(u8(b, 6, 64).view(n, 4, 16)).view(n, 8, 16)
+    qh = (u8(b, 70, 16).view(n, 1, 16) >> s.view(1, 8, 1)) & 1
+    pairs = lookup(_iq2kl_table(b.device), qs | (qh << 4))  # [n, 8, 16, 2]
+    return scaled(dl, pairs.view(n, 256))
 
 
 def _iq3_k(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
@@ -295,16 +217,16 @@ def _iq3_k(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # of 16; scale (2 * nibble + 1) * sign; 3rd bit of sub-block s = 2 * ib + h: bit ib of
     # qh[16 * h + j]
     n = b.shape[0]
-    d = _f16(b, 0)
-    extra = _bits(_u16(b, 2), 16)
-    sign = 1 - 2 * _bits(_u16(b, 4), 16)
-    sc = _nibbles(_u8(b, 6, 8)).transpose(1, 2).reshape(n, 16)
+    d = f16(b, 0)
+    extra = bits(u16(b, 2), 16)
+    sign = 1 - 2 * bits(u16(b, 4), 16)
+    sc = nibbles(u8(b, 6, 8)).transpose(1, 2).reshape(n, 16)
     dl = d * ((2 * sc + 1) * sign).to(torch.float32)
-    low = _crumb_quarters(_u8(b, 14, 64)).view(n, 8, 32)
+    low = _crumb_quarters(u8(b, 14, 64)).view(n, 8, 32)
     ib = torch.arange(8, dtype=torch.int32, device=b.device).view(1, 8, 1)
-    high = (_u8(b, 78, 32).view(n, 1, 32) >> ib) & 1
+    high = (u8(b, 78, 32).view(n, 1, 32) >> ib) & 1
     q = (low | (high << 2)).view(n, 16, 16) + 8 * extra.view(n, 16, 1)
-    return _scaled(dl, _lookup(_table(b.device, IQ3NL), q))
+    return scaled(dl, lookup(table(b.device, IQ3NL), q))
 
 
 def _iq3_ks(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
@@ -313,22 +235,22 @@ def _iq3_ks(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # of qs[32 * (s // 4) + j], 3rd bit: bit s of qh[j]
     assert row_d is not None, "IQ3_KS needs its row scale"
     n = b.shape[0]
-    extra = _bits(_u16(b, 0), 16)
-    sc = _nibbles(_u8(b, 2, 4)).view(n, 8) | (extra[:, :8] << 4)
+    extra = bits(u16(b, 0), 16)
+    sc = nibbles(u8(b, 2, 4)).view(n, 8) | (extra[:, :8] << 4)
     dl = row_d * (sc - 16).to(torch.float32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=b.device).view(1, 1, 4, 1)
-    low = ((_u8(b, 6, 64).view(n, 2, 1, 32) >> shifts) & 3).view(n, 8, 32)
+    low = ((u8(b, 6, 64).view(n, 2, 1, 32) >> shifts) & 3).view(n, 8, 32)
     s = torch.arange(8, dtype=torch.int32, device=b.device).view(1, 8, 1)
-    high = (_u8(b, 70, 32).view(n, 1, 32) >> s) & 1
+    high = (u8(b, 70, 32).view(n, 1, 32) >> s) & 1
     q = (low | (high << 2)) + 8 * extra[:, 8:].reshape(n, 8, 1)
-    return _scaled(dl, _lookup(_table(b.device, IQ3NL), q))
+    return scaled(dl, lookup(table(b.device, IQ3NL), q))
 
 
 def _k_scales6(sl: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
     """IQ4_K/IQ5_K 6-bit scales of 16 sub-blocks: nibble s % 2 of ``sl[s // 2]`` and bits
     2 * (s % 4).. of ``sh[s // 4]`` above it, minus 32."""
     n = sl.shape[0]
-    low = _nibbles(sl).transpose(1, 2).reshape(n, 16)
+    low = nibbles(sl).transpose(1, 2).reshape(n, 16)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=sl.device)
     high = ((sh.view(n, 4, 1) >> shifts) & 3).view(n, 16)
     return (low | (high << 4)) - 32
@@ -338,11 +260,11 @@ def _iq4_k(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # d fp16 | extra u16 | scales_h[4] | scales_l[8] | qs[128]; sub-block s = 2 * ib + h:
     # nibble h of qs[16 * ib + j]
     n = b.shape[0]
-    d = _f16(b, 0)
-    extra = _bits(_u16(b, 2), 16)
-    dl = d * _k_scales6(_u8(b, 8, 8), _u8(b, 4, 4)).to(torch.float32)
-    q = _nibbles(_u8(b, 16, 128).view(n, 8, 16)).view(n, 16, 16) + 16 * extra.view(n, 16, 1)
-    return _scaled(dl, _lookup(_table(b.device, IQ4K), q))
+    d = f16(b, 0)
+    extra = bits(u16(b, 2), 16)
+    dl = d * _k_scales6(u8(b, 8, 8), u8(b, 4, 4)).to(torch.float32)
+    q = nibbles(u8(b, 16, 128).view(n, 8, 16)).view(n, 16, 16) + 16 * extra.view(n, 16, 1)
+    return scaled(dl, lookup(table(b.device, IQ4K), q))
 
 
 def _iq5_k(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
@@ -350,14 +272,14 @@ def _iq5_k(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # t = 4 * ib64 + 2 * nib + half: nibble nib of qs[32 * ib64 + 16 * half + j], 5th bit:
     # bit 2 * ib64 + nib of qh[16 * half + j]
     n = b.shape[0]
-    d = _f16(b, 0)
-    extra = _bits(_u16(b, 2), 16)
-    dl = d * _k_scales6(_u8(b, 8, 8), _u8(b, 4, 4)).to(torch.float32)
-    low = _nibbles(_u8(b, 16, 128).view(n, 4, 32))  # [n, ib64, nib, 32]
+    d = f16(b, 0)
+    extra = bits(u16(b, 2), 16)
+    dl = d * _k_scales6(u8(b, 8, 8), u8(b, 4, 4)).to(torch.float32)
+    low = nibbles(u8(b, 16, 128).view(n, 4, 32))  # [n, ib64, nib, 32]
     bit = torch.arange(8, dtype=torch.int32, device=b.device).view(1, 4, 2, 1)
-    high = (_u8(b, 144, 32).view(n, 1, 1, 32) >> bit) & 1
+    high = (u8(b, 144, 32).view(n, 1, 1, 32) >> bit) & 1
     q = (low | (high << 4)).view(n, 16, 16) + 32 * extra.view(n, 16, 1)
-    return _scaled(dl, _lookup(_table(b.device, IQ5NL), q))
+    return scaled(dl, lookup(table(b.device, IQ5NL), q))
 
 
 def _iq6_k(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
@@ -365,16 +287,16 @@ def _iq6_k(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # + half: nibble nib of qs[32 * ib64 + 16 * half + j], bits 4-5: field
     # 2 * (2 * (ib64 % 2) + nib) of qh[32 * (ib64 // 2) + 16 * half + j]
     n = b.shape[0]
-    d = _f16(b, 0)
-    extra = _bits(_u16(b, 2), 16)
-    scales = ((_u8(b, 4, 16) ^ 0x80) - 0x80).to(torch.float32)
+    d = f16(b, 0)
+    extra = bits(u16(b, 2), 16)
+    scales = ((u8(b, 4, 16) ^ 0x80) - 0x80).to(torch.float32)
     dl = d * scales
-    low = _nibbles(_u8(b, 20, 128).view(n, 4, 32))  # [n, ib64, nib, 32]
-    qh = _u8(b, 148, 64).view(n, 2, 1, 1, 32)
+    low = nibbles(u8(b, 20, 128).view(n, 4, 32))  # [n, ib64, nib, 32]
+    qh = u8(b, 148, 64).view(n, 2, 1, 1, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=b.device).view(1, 1, 2, 2, 1)
     high = ((qh >> shifts) & 3).view(n, 4, 2, 32)
     q = (low | (high << 4)).view(n, 16, 16) + 64 * extra.view(n, 16, 1)
-    return _scaled(dl, _lookup(_iq6k_table(b.device).view(128), q))
+    return scaled(dl, lookup(_iq6k_table(b.device).view(128), q))
 
 
 def _iq4_ks(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
@@ -382,10 +304,10 @@ def _iq4_ks(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # h of qs[16 * ib + j] for element 16 * h + j
     assert row_d is not None, "IQ4_KS needs its row scale"
     n = b.shape[0]
-    sc = _u8(b, 0, 8)
+    sc = u8(b, 0, 8)
     dl = row_d * ((sc & 254) - 127).to(torch.float32)
-    q = _nibbles(_u8(b, 8, 128).view(n, 8, 16)).view(n, 8, 32) + 16 * (sc & 1).view(n, 8, 1)
-    return _scaled(dl, _lookup(_table(b.device, IQ4K), q))
+    q = nibbles(u8(b, 8, 128).view(n, 8, 16)).view(n, 8, 32) + 16 * (sc & 1).view(n, 8, 1)
+    return scaled(dl, lookup(table(b.device, IQ4K), q))
 
 
 def _iq4_kss(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
@@ -393,14 +315,14 @@ def _iq4_kss(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # the rest, x ^ (x >> 1) with bit 0 cleared, are four nibbles (as IQ4_KS's qs)
     assert row_d is not None, "IQ4_KSS needs its row scale"
     n = b.shape[0]
-    words = _u16(b, 0, 64).view(n, 8, 8)
+    words = u16(b, 0, 64).view(n, 8, 8)
     ls = ((words & 1) << torch.arange(8, dtype=torch.int32, device=b.device)).sum(dim=2)
     dl = row_d * ((ls & 254) - 127).to(torch.float32)
     aux = words & 0xFFFE
     aux = aux ^ (aux >> 1)
     qbytes = torch.stack((aux & 0xFF, aux >> 8), dim=3).view(n, 8, 16)
-    q = _nibbles(qbytes).view(n, 8, 32) + 16 * (ls & 1).view(n, 8, 1)
-    return _scaled(dl, _lookup(_table(b.device, IQ4K), q))
+    q = nibbles(qbytes).view(n, 8, 32) + 16 * (ls & 1).view(n, 8, 1)
+    return scaled(dl, lookup(table(b.device, IQ4K), q))
 
 
 def _iq5_ks(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
@@ -408,77 +330,13 @@ def _iq5_ks(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
     # qs[32 * (s // 2) + j], 5th bit: bit s of qh[j]
     assert row_d is not None, "IQ5_KS needs its row scale"
     n = b.shape[0]
-    sc = _u8(b, 0, 8)
+    sc = u8(b, 0, 8)
     dl = row_d * ((sc & 254) - 127).to(torch.float32)
-    low = _nibbles(_u8(b, 8, 128).view(n, 4, 32)).view(n, 8, 32)
+    low = nibbles(u8(b, 8, 128).view(n, 4, 32)).view(n, 8, 32)
     s = torch.arange(8, dtype=torch.int32, device=b.device).view(1, 8, 1)
-    high = (_u8(b, 136, 32).view(n, 1, 32) >> s) & 1
+    high = (u8(b, 136, 32).view(n, 1, 32) >> s) & 1
     q = (low | (high << 4)) + 32 * (sc & 1).view(n, 8, 1)
-    return _scaled(dl, _lookup(_table(b.device, IQ5NL), q))
-
-
-def _kt_groups(seeds: torch.Tensor, group: int) -> torch.Tensor:
-    """Trellis values of ``seeds`` (absolute, int) as ``[..., group]`` float32."""
-    return _lookup(_kt_table(seeds.device), seeds - KT_BASE)[..., :group]
-
-
-def _kt_nibble_scales(sc: torch.Tensor) -> torch.Tensor:
-    """IQ2_KT/IQ3_KT: the 8 block nibbles of ``scales[4]``, low nibbles first."""
-    return torch.cat((sc & 0x0F, sc >> 4), dim=1)
-
-
-def _iq1_kt(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
-    # sh[8] | ql[32] | qh[16]; group g = 4 * ib + ig of 8: 13-bit index ql[g], nibble ib // 4
-    # of qh[4 * (ib % 4) + ig] as bits 8-11, bit 4 + ig of sh[ib] as bit 12; block scale
-    # IQ4K[sh[ib] & 15]
-    assert row_d is not None, "IQ1_KT needs its row scale"
-    n = b.shape[0]
-    sh = _u8(b, 0, 8)
-    dl = row_d * _lookup(_table(b.device, IQ4K[:16]), sh & 0x0F)
-    ql = _u8(b, 8, 32).view(n, 8, 4)
-    qh = _u8(b, 40, 16).view(n, 1, 4, 4)
-    mid = torch.cat((qh & 0x0F, qh >> 4), dim=1).view(n, 8, 4)
-    top = (sh.view(n, 8, 1) >> (4 + torch.arange(4, device=b.device, dtype=torch.int32))) & 1
-    seeds = (ql | (mid << 8) | (top << 12)) + KT_BASE
-    return _scaled(dl, _kt_groups(seeds, 8))
-
-
-def _iq2_kt(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
-    # scales[4] | 32 uint16 indices, one per group of 8; block ib's scale IQ4K[nibble]
-    assert row_d is not None, "IQ2_KT needs its row scale"
-    nib = _kt_nibble_scales(_u8(b, 0, 4))
-    dl = row_d * _lookup(_table(b.device, IQ4K[:16]), nib)
-    return _scaled(dl, _kt_groups(_u16(b, 4, 32) + KT_BASE, 8))
-
-
-def _iq3_kt(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
-    # scales[4] | 32 uint16 indices | qh[32] signs; values are |trellis| times the unsigned
-    # nibble scale; element p of half h is negated by bit p // 32 + 4 * h of qh[p % 32]
-    assert row_d is not None, "IQ3_KT needs its row scale"
-    n = b.shape[0]
-    dl = row_d * _kt_nibble_scales(_u8(b, 0, 4)).to(torch.float32)
-    y = _scaled(dl, _kt_groups(_u16(b, 4, 32) + KT_BASE, 8).abs()).view(n, 2, 4, 32)
-    bit = torch.arange(8, dtype=torch.int32, device=b.device).view(1, 2, 4, 1)
-    neg = ((_u8(b, 68, 32).view(n, 1, 1, 32) >> bit) & 1).bool()
-    return torch.where(neg, -y, y).view(n, 256)
-
-
-def _iq4_kt(b: torch.Tensor, row_d: torch.Tensor | None) -> torch.Tensor:
-    # shb u32[8] | ql[64] | qh[32]; block ib: bit 0 of shb picks seed offset 4096 or 36864,
-    # bits 1-7 the scale + 64, bits 8 + 3 * ig.. the top 3 bits of group ig's 15-bit index;
-    # group jj = 8 * ib + ig: ql[jj], nibble jj // 32 of qh[jj % 32] as bits 8-11
-    assert row_d is not None, "IQ4_KT needs its row scale"
-    n = b.shape[0]
-    shb = _u32(b, 0, 8)
-    dl = row_d * (((shb & 0xFF) >> 1) - 64).to(torch.float32)
-    ql = _u8(b, 32, 64).to(torch.int64).view(n, 8, 8)
-    qh = _u8(b, 96, 32).to(torch.int64)
-    mid = torch.cat((qh & 0x0F, qh >> 4), dim=1).view(n, 8, 8)
-    ig = torch.arange(8, dtype=torch.int64, device=b.device)
-    top = (shb.view(n, 8, 1) >> (8 + 3 * ig)) & 7
-    offset = torch.where((shb & 1).bool(), 32768 + KT_BASE, KT_BASE).view(n, 8, 1)
-    seeds = (ql | (mid << 8) | (top << 12)) + offset
-    return _scaled(dl, _kt_groups(seeds, 4))
+    return scaled(dl, lookup(table(b.device, IQ5NL), q))
 
 
 T = GGMLType
@@ -498,10 +356,7 @@ IK_KERNELS: dict[GGMLType, IkKernel] = {
     T.IQ4_KS: IkKernel(_iq4_ks, "f32"),
     T.IQ4_KSS: IkKernel(_iq4_kss, "f32"),
     T.IQ5_KS: IkKernel(_iq5_ks, "f32"),
-    T.IQ1_KT: IkKernel(_iq1_kt, "f32"),
-    T.IQ2_KT: IkKernel(_iq2_kt, "f32"),
-    T.IQ3_KT: IkKernel(_iq3_kt, "f32"),
-    T.IQ4_KT: IkKernel(_iq4_kt, "f32"),
+    **TRELLIS_KERNELS,
 }
 del T
 

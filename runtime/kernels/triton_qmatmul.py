@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ggufswap.runtime.kernels._ik import IQ4K, _kt_table
+from ggufswap.runtime.kernels._ik_base import IQ4K
+from ggufswap.runtime.kernels._ik_trellis import kt_table as _kt_table
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, row_nbytes
 
 __all__ = ["TYPES", "matmul"]
