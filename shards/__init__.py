@@ -4,12 +4,20 @@ The names below are imported on first use (PEP 562), as ``ggufswap.runtime``'s a
 that needs one light part (``ggml_types``, ``records``: the IPC layer, the CLI's parser, a
 runtime opening its port) does not pay for gguf-py and numpy, which the reader, writer and
 requantizer import.
+
+A name that is also a submodule's (``fingerprint``) is bound here at import, not on first use:
+importing the submodule makes the package attribute that module, and ``__getattr__`` would never
+be asked (``from ggufswap.shards import fingerprint`` would give the module, depending on what was
+imported before). ``fingerprint`` is light (xxhash, the data readers).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+# Bound at import: the submodule of the same name (see above).
+from ggufswap.shards.fingerprint import fingerprint
 
 if TYPE_CHECKING:
     from ggufswap.shards.atomic import (
@@ -41,11 +49,7 @@ if TYPE_CHECKING:
         TruncatedError,
         UnsupportedVersionError,
     )
-    from ggufswap.shards.fingerprint import (
-        Fingerprinter,
-        fingerprint,
-        fingerprint_bytes,
-    )
+    from ggufswap.shards.fingerprint import Fingerprinter, fingerprint_bytes
     from ggufswap.shards.ggml_types import GGMLType
     from ggufswap.shards.keys import Arch, Keys
     from ggufswap.shards.presets import (
@@ -121,7 +125,6 @@ _HOMES: dict[str, str] = {  # name -> the module that defines it
     "check_readable": "ggufswap.shards.data",
     "demo_moe": "ggufswap.shards.presets",
     "diff_tables": "ggufswap.shards.diff",
-    "fingerprint": "ggufswap.shards.fingerprint",
     "fingerprint_bytes": "ggufswap.shards.fingerprint",
     "open_shard_set": "ggufswap.shards.shardset",
     "open_verified": "ggufswap.shards.data",

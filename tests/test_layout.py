@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
@@ -254,3 +258,23 @@ def test_one_console_script() -> None:
         "check-config",
     ):
         assert command in out.stdout, command
+
+
+LAZY_PACKAGES = (
+    "ggufswap.shards",
+    "ggufswap.runtime",
+    "ggufswap.runtime.serving",
+    "ggufswap.sweep",
+)
+
+
+@pytest.mark.parametrize("package", LAZY_PACKAGES)
+def test_a_lazily_exported_name_is_never_shadowed_by_a_submodule(package: str) -> None:
+    """Every name a package exports on first use (PEP 562) is the object it names, whatever was
+    imported before: a submodule of the same name, once imported, would otherwise replace it."""
+    module = importlib.import_module(package)
+    for info in pkgutil.iter_modules(module.__path__):
+        with contextlib.suppress(ImportError):  # an optional extra (triton) not installed
+            importlib.import_module(f"{package}.{info.name}")
+    shadowed = [name for name in module.__all__ if inspect.ismodule(getattr(module, name))]
+    assert shadowed == [], f"{package}: {shadowed} give the submodule, not the exported name"
