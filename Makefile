@@ -56,11 +56,23 @@ PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses $(TEST_MA
 # without its marker): the fast tier has none of the three; make test runs all but the slow one.
 FAST_TIER := not process and not real_model and not slow
 
-check: lint typecheck
-	$(PYTEST) -m "$(FAST_TIER)" --durations=10
+# mypy runs beside the tests (a minute of one core on a clean clone, while the test workers wait on
+# the processes they start): its report is printed after theirs, and either failing fails the target.
+# $(1): the marker expression, $(2): how many of the slowest tests to list.
+define typecheck_and_pytest
+	@rm -f $(VENV)/mypy.out
+	$(BIN)/mypy > $(VENV)/mypy.out 2>&1 & mypy=$$!; \
+	$(PYTEST) -m "$(1)" --durations=$(2); tests=$$?; \
+	wait $$mypy; typed=$$?; \
+	echo "mypy:"; cat $(VENV)/mypy.out; \
+	test $$tests -eq 0 && test $$typed -eq 0
+endef
 
-test: lint typecheck
-	$(PYTEST) -m "not slow" --durations=20
+check: lint
+	$(call typecheck_and_pytest,$(FAST_TIER),10)
+
+test: lint
+	$(call typecheck_and_pytest,not slow,20)
 
 # The slow tier: long scenarios (the 1,000-swap soak through real agent and runtime processes,
 # the real model's sweep), run by hand: CI runs make test only (.ci/run).

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import tiers
-from processes import GGUFSWAP, Proc, close_piped, status_of, wait_for
+from processes import GGUFSWAP, PROBE_INTERVAL_S, Proc, close_piped, status_of, wait_for
 from runtime_helpers import ModelDir, fresh_digest, loaded_bytes
 
 from ggufswap.ipc import MessageType, PeerTimeout, Subscriber, Topic, make_message, request
@@ -185,7 +185,7 @@ class Rig:
         storage: Storage = Storage.NATIVE,
         dev_headroom: int | None = None,
         settle_ms: int = 30,
-        batch_interval_s: float = 0.01,
+        batch_interval_s: float = PROBE_INTERVAL_S,
         allowed_roots: list[Path] | None = None,
         map_shards: bool = False,
     ) -> Rig:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import zmq
-from processes import Proc, status_of, wait_for, write_config
+from processes import PROBE, Proc, status_of, wait_for, write_config
 
 from ggufswap.ipc import (
     DealerClient,
@@ -111,7 +111,7 @@ def live_processes(
     if prepare is not None:
         prepare(model_dir, config)
     control = f"ipc://{run_dir}/rt.sock"
-    runtime = Proc(["runtime", "--config", str(config), "--mode", "probe"], log=tmp / "runtime.log")
+    runtime = Proc(["runtime", "--config", str(config), *PROBE], log=tmp / "runtime.log")
     agent: Proc | None = None
     try:
         wait_for(lambda: status_of(control), timeout=STARTUP_TIMEOUT_S, what="the runtime")

@@ -15,6 +15,13 @@ from ggufswap.ipc import Fields, MessageType, PeerTimeout, make_message, request
 
 GGUFSWAP = str(Path(sys.executable).with_name("ggufswap"))
 
+# A probe-mode runtime runs its fixed batch, then pauses this long: the default pause (0.01 s)
+# kept about a third of a core busy per idle runtime, a large share of the suite's CPU. A staged
+# plan commits after the pause (50 ms on average); the kill matrix sets its own interval.
+PROBE_INTERVAL_S = 0.1
+PROBE = ("--mode", "probe", "--batch-interval", str(PROBE_INTERVAL_S))
+PROBE_YAML = f"{{mode: probe, batch_interval_s: {PROBE_INTERVAL_S}}}"
+
 
 def run_ggufswap(
     *args: str | os.PathLike[str], timeout: float = 60.0, env: Mapping[str, str] | None = None

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from fault_helpers import Child, Zygote
 from gguf import GGMLQuantizationType as Q
-from processes import Proc, status_of, wait_for
+from processes import PROBE, Proc, status_of, wait_for
 
 from ggufswap.ipc import MessageType, make_message, request
 from ggufswap.shards import Layout, open_shard_set, requantize, tiny_moe, write_model
@@ -55,7 +55,7 @@ class Replicas:
         if name == "agent":
             self.procs[name] = Proc(["agent", "--config", str(self.agent_config)], log=log)
             return
-        args = ["runtime", "--config", str(self.configs[name]), "--mode", "probe"]
+        args = ["runtime", "--config", str(self.configs[name]), *PROBE]
         self.procs[name] = self.zygote.spawn(args, log=log)
         wait_for(lambda: status_of(self.endpoints[name]), timeout=60, what=f"runtime {name}")
 

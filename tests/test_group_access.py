@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from processes import GGUFSWAP, Proc, status_of, wait_for
+from processes import GGUFSWAP, PROBE_YAML, Proc, status_of, wait_for
 
 from ggufswap.config import endpoints
 from ggufswap.shards import tiny_dense, write_model
@@ -63,7 +63,7 @@ def test_status_sockets_admit_the_group_and_control_does_not(
     "permission denied" by the control socket."""
     first = write_model(tiny_dense(), tmp_path / "model")[0]
     config = tmp_path / "m.yaml"
-    config.write_text(f"runtime: {{model: {first}, serve: {{mode: probe}}}}\n")
+    config.write_text(f"runtime: {{model: {first}, serve: {PROBE_YAML}}}\n")
     proc = Proc(
         ["runtime", "--config", str(config)],
         log=tmp_path / "runtime.log",

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from flood_peer import FloodPeer
 from hostile import MODEL, STARTUP_TIMEOUT_S, TENSOR, RawPeer
-from processes import GGUFSWAP, Proc, status_of, wait_for, write_config
+from processes import GGUFSWAP, PROBE, Proc, status_of, wait_for, write_config
 from runtime_helpers import WAIT_S, ModelDir, Q, open_runtime
 
 from ggufswap.config import ConfigError, load_config
@@ -339,9 +339,7 @@ def test_non_utf8_names_are_carried_byte_for_byte(tmp_path: Path) -> None:
     )
     control = f"ipc://{run_dir}/rt.sock"
     agent_status = f"ipc://{run_dir}/agent.sock"
-    runtime = Proc(
-        ["runtime", "--config", str(config), "--mode", "probe"], log=tmp_path / "runtime.log"
-    )
+    runtime = Proc(["runtime", "--config", str(config), *PROBE], log=tmp_path / "runtime.log")
     agent: Proc | None = None
     try:
         wait_for(lambda: status_of(control), timeout=STARTUP_TIMEOUT_S, what="the runtime")

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fault_helpers import Child, Zygote
 from gguf import GGMLQuantizationType as Q
-from processes import Proc, status_of, wait_for, write_config
+from processes import PROBE, Proc, status_of, wait_for, write_config
 from runtime_helpers import fresh_digest, one_thread
 
 from ggufswap.shards import (
@@ -49,7 +49,7 @@ class Cluster:
 
     def start_runtime(self) -> None:
         self.runtime = self.zygote.spawn(
-            ["runtime", "--config", str(self.config), "--mode", "probe"], log=self._log("runtime")
+            ["runtime", "--config", str(self.config), *PROBE], log=self._log("runtime")
         )
         wait_for(lambda: status_of(self.control), timeout=60, what="the runtime")
 

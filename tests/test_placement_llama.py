@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import PROBE_YAML
 from runtime_helpers import ModelDir, Q, logits, one_thread, open_runtime, slot_states
 
 from ggufswap.config import ConfigError, PlacementConfig, load_config_text
@@ -355,7 +356,7 @@ def test_runtime_command_refuses_flags_it_does_not_honour(
 
     model = ModelDir.write(tmp_path / "m", tiny_dense())
     config = tmp_path / "r.yaml"
-    config.write_text(f"runtime:\n  model: {model.first}\n  serve: {{mode: probe}}\n")
+    config.write_text(f"runtime:\n  model: {model.first}\n  serve: {PROBE_YAML}\n")
     assert runtime("-ngl 9 --mlock -fa on") == 2
     err = capsys.readouterr().err
     assert "--llama-args: --mlock: '--mlock' is refused" in err

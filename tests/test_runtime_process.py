@@ -15,7 +15,7 @@ import pytest
 import zmq
 from fault_helpers import Child, Zygote
 from gguf import GGMLQuantizationType as Q
-from processes import Proc, status_of, wait_for
+from processes import PROBE, Proc, status_of, wait_for
 from runtime_helpers import fresh_digest, one_thread
 
 from ggufswap.ipc import (
@@ -59,7 +59,7 @@ runtime:
     return paths, config, f"ipc://{run_dir}/rt.sock"
 
 
-RUNTIME_ARGS = ("runtime", "--config", "{config}", "--mode", "probe")
+RUNTIME_ARGS = ("runtime", "--config", "{config}", *PROBE)
 
 
 @pytest.fixture
@@ -202,9 +202,7 @@ def test_tcp_without_curve_is_refused_at_startup(tmp_path: Path) -> None:
     config.write_text(
         f"runtime:\n  name: m\n  model: {paths[0]}\n  control_endpoint: tcp://127.0.0.1:45999\n"
     )
-    proc = Proc(
-        ["runtime", "--config", str(config), "--mode", "probe"], log=tmp_path / "runtime.log"
-    )
+    proc = Proc(["runtime", "--config", str(config), *PROBE], log=tmp_path / "runtime.log")
     code = proc.popen.wait(30)
     proc.stop()
     assert code == 2

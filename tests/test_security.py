@@ -36,7 +36,7 @@ from hostile import (
     plan_outcome,
     status_frame,
 )
-from processes import GGUFSWAP, Proc, wait_for
+from processes import GGUFSWAP, PROBE, Proc, wait_for
 from runtime_helpers import WAIT_S, ModelDir, Q, logits, one_thread, open_runtime
 
 from ggufswap.config import ConfigError, load_config
@@ -401,7 +401,7 @@ security:
     good = CurveKeys(
         server_public_key=keys / "server.key", client_secret_key=keys / "client.key_secret"
     )
-    proc = Proc(["runtime", "--config", str(config), "--mode", "probe"], log=tmp / "runtime.log")
+    proc = Proc(["runtime", "--config", str(config), *PROBE], log=tmp / "runtime.log")
     try:
         wait_for(
             lambda: curve_status(control, good, timeout=1.0),

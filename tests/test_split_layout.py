@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from gguf import GGMLQuantizationType as Q
-from processes import Proc, status_of, wait_for
+from processes import PROBE, Proc, status_of, wait_for
 
 from ggufswap.config import load_config
 from ggufswap.shards import Layout, open_shard_set, requantize, tiny_moe, write_model
@@ -75,7 +75,7 @@ def test_split_layout_connects_and_swaps_with_real_processes(tmp_path: Path, run
     write_split_layout(etc, {"m": paths[0]})
     env = {"RUNTIME_DIRECTORY": str(run_dir)}
     runtime = Proc(
-        ["runtime", "--config", str(etc / "m.yaml"), "--mode", "probe"],
+        ["runtime", "--config", str(etc / "m.yaml"), *PROBE],
         log=tmp_path / "runtime.log",
         env=env,
     )

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from processes import run_ggufswap
+from processes import PROBE_YAML, run_ggufswap
 
 from ggufswap.shards import tiny_dense, write_model
 
@@ -63,7 +63,7 @@ def test_events_endpoint_in_use(tmp_path: Path, first: Path, run_dir: Path) -> N
     holder.bind(str(run_dir / "m.events.sock"))
     holder.listen()
     config = tmp_path / "m.yaml"
-    config.write_text(f"runtime: {{model: {first}, serve: {{mode: probe}}}}\n")
+    config.write_text(f"runtime: {{model: {first}, serve: {PROBE_YAML}}}\n")
     try:
         code, output = start_runtime(config, run_dir)
     finally:
@@ -132,7 +132,7 @@ def test_a_shard_that_cannot_be_mapped_under_map_shards_true(
     with one line naming the file and why, exit status 2, no traceback."""
     config = tmp_path / "m.yaml"
     config.write_text(
-        f"runtime: {{model: {first}, storage: native, map_shards: true, serve: {{mode: probe}}}}\n"
+        f"runtime: {{model: {first}, storage: native, map_shards: true, serve: {PROBE_YAML}}}\n"
     )
     with open(first, "r+b"):
         code, output = start_runtime(config, run_dir)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from processes import Proc, run_ggufswap, wait_for
+from processes import PROBE, Proc, run_ggufswap, wait_for
 from runtime_helpers import ModelDir
 
 from ggufswap.config import MAX_THREADS
@@ -189,7 +189,7 @@ def test_runtime_applies_the_config_key_before_loading(tmp_path: Path) -> None:
         "  threads: 1\n"
     )
     proc = Proc(
-        ["runtime", "--config", str(config), "--mode", "probe"],
+        ["runtime", "--config", str(config), *PROBE],
         log=tmp_path / "runtime.log",
         env=NO_ENV,
     )
