@@ -63,17 +63,6 @@ def gemma(gguf_path: Path) -> Iterator[Loaded]:
         runtime.close()
 
 
-def greedy_ids(loaded: Loaded, prompt: str, n_new: int) -> list[int]:
-    """The ``n_new`` tokens greedy decoding adds to ``prompt``, each from a full forward."""
-    ids = torch.tensor([loaded.tokenizer.encode(prompt)])
-    start = ids.shape[1]
-    with torch.inference_mode():
-        for _ in range(n_new):
-            next_id = loaded.model(ids)[:, -1].argmax(-1, keepdim=True)
-            ids = torch.cat([ids, next_id], dim=1)
-    return ids[0, start:].tolist()
-
-
 PROMPTS = (
     "Monday, Tuesday, Wednesday,",
     "One, two, three, four,",
@@ -82,16 +71,9 @@ PROMPTS = (
 N_GREEDY = 8  # tokens decoded per prompt
 
 
-@pytest.fixture(scope="module")
-def greedy_full(gemma: Loaded) -> dict[str, list[int]]:
-    """Each prompt's first ``N_GREEDY`` greedy tokens from full forwards (each forward reads the
-    whole tied 262144-row head: the two tests that need them share them). Greedy decoding is
-    deterministic, so the first n of them are what decoding n tokens gives."""
-    return {prompt: greedy_ids(gemma, prompt, N_GREEDY) for prompt in PROMPTS}
-
-
-def greedy_cached(loaded: Loaded, prompt: str, n_new: int) -> str:
-    """``greedy_ids`` with a KV cache, decoded: the prompt once, then one token per forward."""
+def greedy_cached(loaded: Loaded, prompt: str, n_new: int) -> list[int]:
+    """The ``n_new`` tokens greedy decoding adds to ``prompt`` with a KV cache: the prompt once,
+    then one token per forward."""
     ids = loaded.tokenizer.encode(prompt)
     start = len(ids)
     cache = loaded.model.new_cache(max_len=start + n_new)
@@ -99,7 +81,14 @@ def greedy_cached(loaded: Loaded, prompt: str, n_new: int) -> str:
         for _ in range(n_new):
             new = torch.tensor([ids[cache.length :]])
             ids.append(int(loaded.model(new, start_pos=cache.length, cache=cache)[0, -1].argmax()))
-    return loaded.tokenizer.decode(ids[start:])
+    return ids[start:]
+
+
+@pytest.fixture(scope="module")
+def greedy(gemma: Loaded) -> dict[str, list[int]]:
+    """Each prompt's first ``N_GREEDY`` greedy tokens, decoded with a KV cache (the two tests
+    that need them share them)."""
+    return {prompt: greedy_cached(gemma, prompt, N_GREEDY) for prompt in PROMPTS}
 
 
 def english_text() -> str:
@@ -143,7 +132,7 @@ def test_tokenizer_round_trips_text_and_knows_the_special_tokens(gemma: Loaded) 
 
 
 def test_greedy_completions_are_coherent_english(
-    gemma: Loaded, greedy_full: dict[str, list[int]]
+    gemma: Loaded, greedy: dict[str, list[int]]
 ) -> None:
     """Greedy decoding continues simple sequences and states a well-known fact."""
     expected = {
@@ -152,19 +141,25 @@ def test_greedy_completions_are_coherent_english(
         "Water boils at a temperature of": "100",
     }
     # six tokens decoded greedily: the first six of the shared eight
-    completions = {prompt: gemma.tokenizer.decode(greedy_full[prompt][:6]) for prompt in expected}
+    completions = {prompt: gemma.tokenizer.decode(greedy[prompt][:6]) for prompt in expected}
     for prompt, word in expected.items():
         assert word in completions[prompt], completions
 
 
 def test_greedy_completions_with_a_kv_cache_are_unchanged(
-    gemma: Loaded, greedy_full: dict[str, list[int]]
+    gemma: Loaded, greedy: dict[str, list[int]]
 ) -> None:
-    """Greedy decoding with a KV cache gives the completions of full forwards, and the cached
-    last 16 of ~300 tokens of English, decoded one at a time, match a full forward."""
+    """Greedy decoding with a KV cache picks, at every step, the token a full forward over the
+    whole sequence ranks first there (the model is causal: that is greedy decoding by full
+    forwards), and the cached last 16 of ~300 tokens of English, decoded one at a time, match a
+    full forward."""
     for prompt in PROMPTS:
-        full = gemma.tokenizer.decode(greedy_full[prompt])
-        assert greedy_cached(gemma, prompt, N_GREEDY) == full, prompt
+        ids = gemma.tokenizer.encode(prompt)
+        start = len(ids)
+        with torch.inference_mode():
+            logits = gemma.model(torch.tensor([ids + greedy[prompt]]))[0]
+        by_full_forward = logits[start - 1 : start - 1 + N_GREEDY].argmax(-1).tolist()
+        assert by_full_forward == greedy[prompt], prompt
     ids = torch.tensor([gemma.tokenizer.encode(english_text())])
     cache = gemma.model.new_cache(max_len=ids.shape[1])
     with torch.inference_mode():
