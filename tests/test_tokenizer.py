@@ -427,3 +427,24 @@ def test_a_cache_that_cannot_be_written_only_costs_the_build(tmp_path: Path) -> 
     tok, logs = cached_load(path, blocked)
     assert "tokenizer.cache_not_written" in [e["event"] for e in logs]
     assert tok.decode(tok.encode("the cat")) == "the cat"
+
+
+def test_merges_holding_a_space_are_cached_as_pairs(tmp_path: Path) -> None:
+    """A merge whose halves hold a space cannot be written "left right": the entry keeps the
+    pairs, and loads back to the same encodings."""
+    import json
+
+    from ggufswap.runtime.serving.tokenizer_cache import serialized
+
+    md = spm_md(**{"tokenizer.ggml.add_space_prefix": False})
+    for piece in ("x", " ", "x "):
+        md["tokenizer.ggml.tokens"].append(piece)
+        md["tokenizer.ggml.token_type"].append(int(N))
+        md["tokenizer.ggml.scores"].append(-1.0)
+    path = write_vocabulary(tmp_path / "v.gguf", md)
+    fresh = GgufTokenizer.from_file(path)
+    assert ["x", " "] in json.loads(serialized(fresh._tok))["model"]["merges"]
+    cached_load(path, tmp_path / "cache")
+    again, logs = cached_load(path, tmp_path / "cache")
+    assert hit(logs)
+    assert again.encode("x x", add_bos=False) == fresh.encode("x x", add_bos=False)

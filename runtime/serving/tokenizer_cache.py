@@ -23,6 +23,7 @@ CacheDirectory=), else ``~/.cache/ggufswap/tokenizers``.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -115,9 +116,24 @@ def _check(data: bytes, key: str) -> str | None:
     return None
 
 
+def serialized(built: Tokenizer) -> str:
+    """``built.to_str()``, its BPE merges written ``"left right"`` (the form ``tokenizers`` wrote
+    before 0.20 and still reads) when no merged token holds a space: ``from_str`` loads that form
+    about a fifth faster than ``["left", "right"]`` pairs (measured on Gemma 3's 513k merges)."""
+    text = built.to_str()
+    tree = json.loads(text)
+    merges = (tree.get("model") or {}).get("merges")
+    if not merges or not all(isinstance(m, list) for m in merges):
+        return text
+    if any(" " in left or " " in right for left, right in merges):
+        return text
+    tree["model"]["merges"] = [f"{left} {right}" for left, right in merges]
+    return json.dumps(tree, ensure_ascii=False, separators=(",", ":"))
+
+
 def store(directory: Path, key: str, built: Tokenizer) -> None:
     """Write ``built`` under ``key`` (atomically); a failure is logged, not raised."""
-    body = built.to_str().encode("utf-8")
+    body = serialized(built).encode("utf-8")
     head = MAGIC + key.encode("ascii") + xxhash.xxh3_128_digest(body)
     path = entry_path(directory, key)
 
