@@ -448,3 +448,19 @@ def test_merges_holding_a_space_are_cached_as_pairs(tmp_path: Path) -> None:
     again, logs = cached_load(path, tmp_path / "cache")
     assert hit(logs)
     assert again.encode("x x", add_bos=False) == fresh.encode("x x", add_bos=False)
+
+
+def test_a_header_read_before_gives_the_same_tokenizer_or_refuses_a_replaced_file(
+    tmp_path: Path,
+) -> None:
+    """from_header (the daemon's: the loaded set's first header) builds what from_file builds,
+    and refuses a file replaced since the header was read rather than mix two vocabularies."""
+    from ggufswap.shards import FileChangedError, read_header
+
+    path = write_vocabulary(tmp_path / "v.gguf", spm_md())
+    header = read_header(path)
+    tok = GgufTokenizer.from_header(header, cache=tmp_path / "cache")
+    assert tok.encode("the cat") == GgufTokenizer.from_file(path).encode("the cat")
+    write_vocabulary(tmp_path / "new.gguf", long_token_md(10)).replace(path)
+    with pytest.raises(FileChangedError):
+        GgufTokenizer.from_header(header, cache=tmp_path / "cache")

@@ -131,11 +131,15 @@ def build_service(
     from ggufswap.runtime.serving.http import HttpService
     from ggufswap.runtime.serving.tokenizer import GgufTokenizer
     from ggufswap.runtime.serving.tokenizer_cache import cache_dir
+    from ggufswap.shards import FileChangedError
 
     assert runtime.shards is not None, "open() always records the shard set"
     assert server is not None, "http mode listens before the load"
     startup.enter(Phase.TOKENIZER)
-    tokenizer = GgufTokenizer.from_file(runtime.shards.first.path, cache=cache_dir())
+    try:  # the header the load read: its vocabulary is the loaded model's
+        tokenizer = GgufTokenizer.from_header(runtime.shards.first, cache=cache_dir())
+    except FileChangedError:  # replaced since: the file as it is now, as before
+        tokenizer = GgufTokenizer.from_file(runtime.shards.first.path, cache=cache_dir())
     service = HttpService(
         runtime,
         model,

@@ -322,12 +322,18 @@ class GgufTokenizer:
         ``cache``: a directory that keeps built tokenizers by vocabulary
         (:func:`tokenizer_cache.cache_dir` in the daemon; None builds every time).
         """
-        vocab, stored = read_vocabulary(header := read_header(path))
+        return cls.from_header(read_header(path), cache=cache)
+
+    @classmethod
+    def from_header(cls, header: ShardHeader, *, cache: Path | None = None) -> GgufTokenizer:
+        """:meth:`from_file` of a header already read (the loaded shard set's first); the
+        vocabulary's arrays are read from the file it describes, refused if it changed since."""
+        vocab, stored = read_vocabulary(header)
         if cache is None:
             return cls(vocab)
         key = tokenizer_cache.vocabulary_key(header.metadata, stored, build=BUILD_VERSION)
         built = tokenizer_cache.load(cache, key, n_vocab=len(vocab.tokens))
-        log.info("tokenizer.cache", path=str(path), key=key, hit=built is not None)
+        log.info("tokenizer.cache", path=header.path, key=key, hit=built is not None)
         tokenizer = cls(vocab, built=built)
         if built is None:
             tokenizer_cache.store(cache, key, tokenizer._tok)
