@@ -318,14 +318,20 @@ def hit(logs: list[dict[str, Any]]) -> bool:
 
 @pytest.mark.parametrize("md", [spm_md, bpe_md], ids=["spm", "bpe"])
 def test_a_built_tokenizer_is_cached_and_loaded_back(tmp_path: Path, md: Any) -> None:
-    """The first load builds and writes one entry; the next loads it (a hit) and encodes and
-    decodes every text as a fresh build does, special tokens included."""
+    """The first load builds and writes one entry (merges as "left right"); the next loads it (a
+    hit) and encodes and decodes every text as a fresh build does, special tokens included."""
+    import json
+
+    from ggufswap.runtime.serving.tokenizer_cache import MAGIC
+
     path = write_vocabulary(tmp_path / "v.gguf", md())
     fresh = GgufTokenizer.from_file(path)
     first, logs = cached_load(path, tmp_path / "cache")
     assert not hit(logs)
     (entry,) = (tmp_path / "cache").iterdir()
     assert entry.suffix == ".tokenizer"
+    body = json.loads(entry.read_bytes()[len(MAGIC) + 32 + 16 :])
+    assert all(isinstance(m, str) and " " in m for m in body["model"]["merges"])  # "left right"
     again, logs = cached_load(path, tmp_path / "cache")
     assert hit(logs)
     for tok in (first, again):

@@ -119,16 +119,27 @@ def _check(data: bytes, key: str) -> str | None:
 def serialized(built: Tokenizer) -> str:
     """``built.to_str()``, its BPE merges written ``"left right"`` (the form ``tokenizers`` wrote
     before 0.20 and still reads) when no merged token holds a space: ``from_str`` loads that form
-    about a fifth faster than ``["left", "right"]`` pairs (measured on Gemma 3's 513k merges)."""
+    about 15 % faster than ``["left", "right"]`` pairs (measured on Gemma 3's 513k merges).
+
+    Only the merges are parsed: they are the model's last member and the model the document's
+    last (``tokenizers``' order), so the array after the last ``"merges":[`` ends right before
+    the two closing braces; anything else keeps ``to_str``'s text.
+    """
     text = built.to_str()
-    tree = json.loads(text)
-    merges = (tree.get("model") or {}).get("merges")
-    if not merges or not all(isinstance(m, list) for m in merges):
+    at = text.rfind('"merges":[')
+    if at < 0:
+        return text
+    begin = at + len('"merges":')
+    try:
+        merges, end = json.JSONDecoder().raw_decode(text, begin)
+    except ValueError:
+        return text
+    if text[end:].strip() != "}}" or not all(isinstance(m, list) for m in merges):
         return text
     if any(" " in left or " " in right for left, right in merges):
         return text
-    tree["model"]["merges"] = [f"{left} {right}" for left, right in merges]
-    return json.dumps(tree, ensure_ascii=False, separators=(",", ":"))
+    legacy = json.dumps([f"{left} {right}" for left, right in merges], ensure_ascii=False)
+    return text[:begin] + legacy + text[end:]
 
 
 def store(directory: Path, key: str, built: Tokenizer) -> None:
