@@ -413,13 +413,14 @@ def read_header(path: str | os.PathLike[str]) -> ShardHeader:
         os.close(fd)
 
 
-def read_array(header: ShardHeader, key: str) -> list[Any]:
-    """Decode a metadata array that the header left on disk (or return the inline one)."""
+def read_array_bytes(header: ShardHeader, key: str) -> bytes:
+    """The bytes of a metadata array that the header left on disk, as stored: its elements
+    little-endian, each string with its u64 length (what a vocabulary digest hashes without
+    decoding a string). One ``pread``, after checking the file is still the one the header came
+    from; :class:`FileChangedError` or :class:`TruncatedError` otherwise."""
     value = header.metadata[key]
-    if isinstance(value, tuple):
-        return list(value)
     if not isinstance(value, ArrayRef):
-        raise TypeError(f"{header.path}: metadata {key!r} is not an array")
+        raise TypeError(f"{header.path}: metadata {key!r} is not an array left on disk")
     try:
         fd = os.open(header.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:  # removed or made unreadable since the header was read
@@ -432,6 +433,17 @@ def read_array(header: ShardHeader, key: str) -> list[Any]:
         os.close(fd)
     if len(data) != value.nbytes:
         raise TruncatedError(header.path, f"{key}: short read", pos=value.offset)
+    return data
+
+
+def read_array(header: ShardHeader, key: str) -> list[Any]:
+    """Decode a metadata array that the header left on disk (or return the inline one)."""
+    value = header.metadata[key]
+    if isinstance(value, tuple):
+        return list(value)
+    if not isinstance(value, ArrayRef):
+        raise TypeError(f"{header.path}: metadata {key!r} is not an array")
+    data = read_array_bytes(header, key)
     elem = GGUFValueType(value.elem_type)
     if elem != GGUFValueType.STRING:
         fmt = _SCALAR_FORMATS[elem]

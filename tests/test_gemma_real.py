@@ -131,6 +131,26 @@ def test_tokenizer_round_trips_text_and_knows_the_special_tokens(gemma: Loaded) 
     assert not misses, [tok.token(i) for i in misses]
 
 
+def test_the_cached_tokenizer_encodes_as_the_built_one(
+    gemma: Loaded, gguf_path: Path, tmp_path: Path
+) -> None:
+    """Gemma's tokenizer written to the cache and loaded back (its 513k merges as "left right")
+    encodes and decodes every text, special tokens parsed or not, as the one built here."""
+    from structlog.testing import capture_logs
+
+    cache = tmp_path / "tokenizers"
+    GgufTokenizer.from_file(gguf_path, cache=cache)
+    with capture_logs() as logs:
+        cached = GgufTokenizer.from_file(gguf_path, cache=cache)
+    assert [e["hit"] for e in logs if e["event"] == "tokenizer.cache"] == [True]
+    mixed = "naïve café 日本語 🤖 <start_of_turn>user\n  x=1;\ty+=2<end_of_turn>"
+    for text in (mixed, english_text()):
+        for special in (False, True):
+            ids = gemma.tokenizer.encode(text, parse_special=special)
+            assert cached.encode(text, parse_special=special) == ids
+            assert cached.decode(ids) == gemma.tokenizer.decode(ids)
+
+
 def test_greedy_completions_are_coherent_english(
     gemma: Loaded, greedy: dict[str, list[int]]
 ) -> None:

@@ -23,6 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggufswap.shards import ArrayRef, FileChangedError, ShardError, read_array, read_header
+from ggufswap.shards.arrays import StringArray, scalars
+from ggufswap.shards.reader import read_array_bytes
 from ggufswap.shards.writer import WRITABLE_TYPES, Layout, ModelSpec, Role, write_model
 
 FUZZ_EXAMPLES = int(os.environ.get("GGUFSWAP_FUZZ_EXAMPLES", "300"))
@@ -134,6 +136,42 @@ def test_tokens_array_equals_gguf_reader(model_files: dict[Layout, list[Path]]) 
     tokens = read_array(header, "tokenizer.ggml.tokens")
     assert tokens == ref
     assert len(tokens) == ALL_TYPES_SPEC.n_vocab
+
+
+def test_arrays_decoded_from_their_stored_bytes_equal_read_array(
+    model_files: dict[Layout, list[Path]],
+) -> None:
+    """StringArray (strings decoded on look-up: indexes, negative indexes, slices, iteration)
+    and scalars() over read_array_bytes give what read_array gives, for every on-disk array."""
+    header = read_header(model_files[Layout.SINGLE][0])
+    on_disk = [k for k, v in header.metadata.items() if isinstance(v, ArrayRef)]
+    assert "tokenizer.ggml.tokens" in on_disk
+    for key in on_disk:
+        ref = header.metadata[key]
+        assert isinstance(ref, ArrayRef)
+        expected = read_array(header, key)
+        stored = read_array_bytes(header, key)
+        if ref.elem_type == GGUFValueType.STRING:
+            strings = StringArray(stored, ref.count)
+            assert list(strings) == expected, key
+            assert [strings[i] for i in range(len(strings))] == expected, key
+            assert strings[-1] == expected[-1]
+            assert strings[3:9:2] == expected[3:9:2]
+            with pytest.raises(IndexError):
+                strings[ref.count]
+        else:
+            assert scalars(ref.elem_type, stored) == expected, key
+
+
+def test_a_string_array_cut_short_or_not_utf8_is_refused_or_replaced() -> None:
+    """Bytes cut inside a string raise ValueError at the first look-up (never a wrong string);
+    invalid UTF-8 decodes with U+FFFD, as read_array does."""
+    stored = b"".join(len(s).to_bytes(8, "little") + s for s in [b"ab", b"\xff\xfe", b"cde"])
+    assert list(StringArray(stored, 3)) == ["ab", "\ufffd\ufffd", "cde"]
+    assert StringArray(stored, 3)[2] == "cde"
+    for cut in (len(stored) - 1, len(stored) - 6):
+        with pytest.raises(ValueError, match="past their array"):
+            StringArray(stored[:cut], 3)[0]
 
 
 def test_tensor_data_agrees_with_gguf_reader(model_files: dict[Layout, list[Path]]) -> None:

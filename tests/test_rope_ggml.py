@@ -115,6 +115,33 @@ def test_interleaved_sections_choose_the_rotating_pairs() -> None:
     assert not torch.equal(tables.sin[:, 0], torch.zeros(3))
 
 
+def test_tables_grown_on_demand_hold_the_bits_of_one_computed_at_once() -> None:
+    """The first table covers INITIAL_POSITIONS positions, not the whole training context; rows
+    asked for past it (a long context, past the training context too) are the bits a table of
+    every position computed at once holds."""
+    from ggufswap.runtime.models.blocks.rope import INITIAL_POSITIONS
+
+    hp = HParams(
+        arch=Arch.LLAMA,
+        n_layer=1,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=4,
+        n_vocab=8,
+        n_ff=8,
+        context_length=4 * INITIAL_POSITIONS,
+    )
+    rope = RotaryEmbedding(hp, base=10000.0)
+    cpu = torch.device("cpu")
+    assert rope._n_pos == INITIAL_POSITIONS
+    far = 5 * INITIAL_POSITIONS
+    whole_cos, whole_sin = rope._cos_sin(torch.arange(far + 8))
+    for start in (0, INITIAL_POSITIONS - 3, 3 * INITIAL_POSITIONS, far):
+        tables = rope(start, 8, cpu)
+        assert torch.equal(tables.cos, whole_cos[start : start + 8]), start
+        assert torch.equal(tables.sin, whole_sin[start : start + 8]), start
+
+
 def metadata_of(spec: Any) -> dict[str, Any]:
     return {key: typed.value for key, typed in model_metadata(spec)}
 

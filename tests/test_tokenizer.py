@@ -268,19 +268,205 @@ def test_a_vocabulary_built_for_quadratic_merges_is_refused() -> None:
     assert "3,000 characters" in str(raised.value)
 
 
-def test_merges_are_cached_by_vocabulary_digest(tmp_path: Path) -> None:
-    """A second build reads the merges the first wrote (same encodings); a corrupt cache file is
-    recomputed, not trusted; another vocabulary gets a file of its own."""
-    from ggufswap.runtime.serving.tokenizer import cached_merges, spm_merges, vocabulary_digest
+# -- the tokenizer cache (tokenizer_cache.py) ---------------------------------------------------
 
-    vocab = Vocabulary.from_metadata(spm_md())
-    first = GgufTokenizer(vocab, merges_cache=tmp_path)
-    (cached,) = tmp_path.glob("*.merges")
-    assert cached.name == f"{vocabulary_digest(vocab)}.merges"
-    assert cached_merges(vocab, tmp_path) == spm_merges(vocab)
-    again = GgufTokenizer(vocab, merges_cache=tmp_path)
-    assert again.encode("the cat") == first.encode("the cat")
-    cached.write_bytes(cached.read_bytes()[:-4] + b"\xff\xff\xff\x7f")
-    assert cached_merges(vocab, tmp_path) == spm_merges(vocab)
-    GgufTokenizer(Vocabulary.from_metadata(long_token_md(10)), merges_cache=tmp_path)
-    assert len(list(tmp_path.glob("*.merges"))) == 2
+
+def write_vocabulary(path: Path, md: dict[str, Any]) -> Path:
+    """A GGUF file holding only ``md`` (tokenizer metadata), as the project's writer encodes it."""
+    from gguf import GGUFValueType as V
+
+    from ggufswap.shards._gguf_encode import TypedValue, encode_metadata, write_gguf
+
+    def typed(value: Any) -> TypedValue:
+        if isinstance(value, bool):
+            return TypedValue(V.BOOL, value)
+        if isinstance(value, int):
+            return TypedValue(V.UINT32, value)
+        if isinstance(value, str):
+            return TypedValue(V.STRING, value)
+        first = value[0]
+        sub = (
+            V.STRING
+            if isinstance(first, str)
+            else V.FLOAT32
+            if isinstance(first, float)
+            else V.INT32
+        )
+        return TypedValue(V.ARRAY, list(value), sub)
+
+    kv = [(key, typed(value)) for key, value in md.items()]
+    write_gguf(path, n_kv=len(kv), kv_bytes=encode_metadata(kv), tensors=[])
+    return path
+
+
+TEXTS = ["the cat", "hello world", "naïve 🤖 <|turn|> 123\n\n", ""]
+
+
+def cached_load(path: Path, cache: Path) -> tuple[GgufTokenizer, list[dict[str, Any]]]:
+    """``from_file`` with the cache, and what it logged."""
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        tok = GgufTokenizer.from_file(path, cache=cache)
+    return tok, logs
+
+
+def hit(logs: list[dict[str, Any]]) -> bool:
+    (event,) = [e for e in logs if e["event"] == "tokenizer.cache"]
+    return bool(event["hit"])
+
+
+@pytest.mark.parametrize("md", [spm_md, bpe_md], ids=["spm", "bpe"])
+def test_a_built_tokenizer_is_cached_and_loaded_back(tmp_path: Path, md: Any) -> None:
+    """The first load builds and writes one entry (merges as "left right"); the next loads it (a
+    hit) and encodes and decodes every text as a fresh build does, special tokens included."""
+    import json
+
+    from ggufswap.runtime.serving.tokenizer_cache import MAGIC
+
+    path = write_vocabulary(tmp_path / "v.gguf", md())
+    fresh = GgufTokenizer.from_file(path)
+    first, logs = cached_load(path, tmp_path / "cache")
+    assert not hit(logs)
+    (entry,) = (tmp_path / "cache").iterdir()
+    assert entry.suffix == ".tokenizer"
+    body = json.loads(entry.read_bytes()[len(MAGIC) + 32 + 16 :])
+    assert all(isinstance(m, str) and " " in m for m in body["model"]["merges"])  # "left right"
+    again, logs = cached_load(path, tmp_path / "cache")
+    assert hit(logs)
+    for tok in (first, again):
+        for text in TEXTS:
+            for special in (False, True):
+                ids = fresh.encode(text, parse_special=special)
+                assert tok.encode(text, parse_special=special) == ids, text
+                assert tok.decode(ids) == fresh.decode(ids)
+        assert [tok.token(i) for i in range(tok.n_vocab)] == list(fresh.vocab.tokens)
+
+
+def _damage(entry: Path, other: Path, how: str) -> None:
+    data = entry.read_bytes()
+    if how == "truncated":
+        entry.write_bytes(data[: len(data) // 2])
+    elif how == "empty":
+        entry.write_bytes(b"")
+    elif how == "flipped byte":
+        entry.write_bytes(data[:-10] + bytes([data[-10] ^ 0x20]) + data[-9:])
+    elif how == "another key's entry":
+        entry.write_bytes(other.read_bytes())
+    elif how == "refused by tokenizers":  # framing and checksum right, the JSON not a tokenizer
+        import xxhash
+
+        from ggufswap.runtime.serving.tokenizer_cache import MAGIC
+
+        body = b'{"version": "1.0", "model": 7}'
+        key = entry.name.removesuffix(".tokenizer").encode()
+        entry.write_bytes(MAGIC + key + xxhash.xxh3_128_digest(body) + body)
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["truncated", "empty", "flipped byte", "another key's entry", "refused by tokenizers"],
+)
+def test_a_damaged_or_stale_entry_is_rebuilt_never_trusted(tmp_path: Path, how: str) -> None:
+    """An entry cut short, empty, with a flipped byte, holding another vocabulary's tokenizer,
+    or refused by tokenizers is logged and rebuilt; the rebuilt entry is a hit next time."""
+    cache = tmp_path / "cache"
+    renamed = spm_md()  # as many tokens: only the key tells the entries apart
+    renamed["tokenizer.ggml.tokens"][270] = f"{SPACE}dog"
+    other = write_vocabulary(tmp_path / "other.gguf", renamed)
+    cached_load(other, cache)
+    path = write_vocabulary(tmp_path / "v.gguf", spm_md())
+    _, logs = cached_load(path, cache)
+    (key,) = [e["key"] for e in logs if e["event"] == "tokenizer.cache"]
+    entry = cache / f"{key}.tokenizer"
+    (other_entry,) = set(cache.iterdir()) - {entry}
+    _damage(entry, other_entry, how)
+    tok, logs = cached_load(path, cache)
+    assert not hit(logs)
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
+        "tokenizer.cache_bad_entry"
+    ]
+    assert [tok.token(i) for i in tok.encode("the cat")] == ["<s>", f"{SPACE}the", f"{SPACE}cat"]
+    _, logs = cached_load(path, cache)
+    assert hit(logs)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"tokenizer.ggml.tokens": 270, "value": f"{SPACE}dog"},
+        {"tokenizer.ggml.scores": 270, "value": -0.5},
+        {"tokenizer.ggml.token_type": 270, "value": int(U)},
+        {"tokenizer.ggml.add_space_prefix": False},
+        {"tokenizer.ggml.unknown_token_id": 3},
+    ],
+    ids=["a token", "a score", "a type", "a setting", "the unknown id"],
+)
+def test_the_cache_key_follows_the_vocabulary(tmp_path: Path, change: dict[str, Any]) -> None:
+    """Another token, score, type or setting gives another key; the same vocabulary in another
+    file (other metadata beside it) gives the same key."""
+    from ggufswap.runtime.serving.tokenizer import BUILD_VERSION, read_vocabulary
+    from ggufswap.runtime.serving.tokenizer_cache import vocabulary_key
+    from ggufswap.shards import read_header
+
+    def key(md: dict[str, Any], name: str) -> str:
+        header = read_header(write_vocabulary(tmp_path / name, md))
+        return vocabulary_key(header.metadata, read_vocabulary(header)[1], build=BUILD_VERSION)
+
+    base = key(spm_md(), "base.gguf")
+    assert key({"general.name": "another model", **spm_md()}, "same.gguf") == base
+    md = spm_md()
+    value = change.pop("value", None)
+    ((name, where),) = change.items()
+    if value is None:
+        md[name] = where
+    else:
+        md[name] = [*md[name][:where], value, *md[name][where + 1 :]]
+    assert key(md, "changed.gguf") != base
+
+
+def test_a_cache_that_cannot_be_written_only_costs_the_build(tmp_path: Path) -> None:
+    """A cache path that is a file: the tokenizer still builds, and the failure is logged."""
+    path = write_vocabulary(tmp_path / "v.gguf", spm_md())
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    tok, logs = cached_load(path, blocked)
+    assert "tokenizer.cache_not_written" in [e["event"] for e in logs]
+    assert tok.decode(tok.encode("the cat")) == "the cat"
+
+
+def test_merges_holding_a_space_are_cached_as_pairs(tmp_path: Path) -> None:
+    """A merge whose halves hold a space cannot be written "left right": the entry keeps the
+    pairs, and loads back to the same encodings."""
+    import json
+
+    from ggufswap.runtime.serving.tokenizer_cache import serialized
+
+    md = spm_md(**{"tokenizer.ggml.add_space_prefix": False})
+    for piece in ("x", " ", "x "):
+        md["tokenizer.ggml.tokens"].append(piece)
+        md["tokenizer.ggml.token_type"].append(int(N))
+        md["tokenizer.ggml.scores"].append(-1.0)
+    path = write_vocabulary(tmp_path / "v.gguf", md)
+    fresh = GgufTokenizer.from_file(path)
+    assert ["x", " "] in json.loads(serialized(fresh._tok))["model"]["merges"]
+    cached_load(path, tmp_path / "cache")
+    again, logs = cached_load(path, tmp_path / "cache")
+    assert hit(logs)
+    assert again.encode("x x", add_bos=False) == fresh.encode("x x", add_bos=False)
+
+
+def test_a_header_read_before_gives_the_same_tokenizer_or_refuses_a_replaced_file(
+    tmp_path: Path,
+) -> None:
+    """from_header (the daemon's: the loaded set's first header) builds what from_file builds,
+    and refuses a file replaced since the header was read rather than mix two vocabularies."""
+    from ggufswap.shards import FileChangedError, read_header
+
+    path = write_vocabulary(tmp_path / "v.gguf", spm_md())
+    header = read_header(path)
+    tok = GgufTokenizer.from_header(header, cache=tmp_path / "cache")
+    assert tok.encode("the cat") == GgufTokenizer.from_file(path).encode("the cat")
+    write_vocabulary(tmp_path / "new.gguf", long_token_md(10)).replace(path)
+    with pytest.raises(FileChangedError):
+        GgufTokenizer.from_header(header, cache=tmp_path / "cache")

@@ -129,12 +129,17 @@ def build_service(
         return ServeLoop(runtime, model, options=options)
     from ggufswap.runtime.serving.generate import BatcherOptions
     from ggufswap.runtime.serving.http import HttpService
-    from ggufswap.runtime.serving.tokenizer import GgufTokenizer, cache_dir
+    from ggufswap.runtime.serving.tokenizer import GgufTokenizer
+    from ggufswap.runtime.serving.tokenizer_cache import cache_dir
+    from ggufswap.shards import FileChangedError
 
     assert runtime.shards is not None, "open() always records the shard set"
     assert server is not None, "http mode listens before the load"
     startup.enter(Phase.TOKENIZER)
-    tokenizer = GgufTokenizer.from_file(runtime.shards.first.path, merges_cache=cache_dir())
+    try:  # the header the load read: its vocabulary is the loaded model's
+        tokenizer = GgufTokenizer.from_header(runtime.shards.first, cache=cache_dir())
+    except FileChangedError:  # replaced since: the file as it is now, as before
+        tokenizer = GgufTokenizer.from_file(runtime.shards.first.path, cache=cache_dir())
     service = HttpService(
         runtime,
         model,

@@ -18,30 +18,34 @@ are always matched whole, as llama.cpp does. ``tokenizer.ggml.add_bos_token`` /
 
 from __future__ import annotations
 
-import array
+import dataclasses
 import enum
 import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-import xxhash
+from gguf import GGUFValueType
 
 from ggufswap.logs import get_logger
+from ggufswap.runtime.serving import tokenizer_cache
 from ggufswap.runtime.serving.errors import TokenizerError
 from ggufswap.shards import read_header
+from ggufswap.shards.arrays import StringArray, scalars
 from ggufswap.shards.keys import Keys
-from ggufswap.shards.reader import read_array
+from ggufswap.shards.reader import ShardHeader, read_array_bytes
+from ggufswap.shards.records import ArrayRef
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 log = get_logger(__name__)
 
-# The SPM merges of a vocabulary, kept by its digest: ``$GGUFSWAP_TOKENIZER_CACHE`` (a directory;
-# ``off`` disables it), else ``$XDG_CACHE_HOME/ggufswap/tokenizers`` (the runtime unit points
-# XDG_CACHE_HOME at its CacheDirectory=), else ``~/.cache/ggufswap/tokenizers``.
-CACHE_ENV: Final = "GGUFSWAP_TOKENIZER_CACHE"
-_CACHE_MAGIC: Final = b"ggufswap-spm-merges-1\n"
+# The version of what build() makes of a vocabulary: part of the cache key
+# (tokenizer_cache.py), so bump it whenever build() would give another tokenizer for the same
+# file (a normalizer, decoder, merge order or added-token rule changed).
+BUILD_VERSION: Final = 1
 
 
 class TokenizerKind(str, enum.Enum):
@@ -102,7 +106,7 @@ class Vocabulary:
 
     @classmethod
     def from_metadata(
-        cls, md: Mapping[str, Any], array: Callable[[str], list[Any]] | None = None
+        cls, md: Mapping[str, Any], array: Callable[[str], Sequence[Any]] | None = None
     ) -> Vocabulary:
         """Read ``tokenizer.ggml.*``; ``array(key)`` decodes arrays left on disk (read_array).
 
@@ -110,7 +114,7 @@ class Vocabulary:
         """
         k = Keys.Tokenizer
 
-        def arr(key: str) -> list[Any] | None:
+        def arr(key: str) -> Sequence[Any] | None:
             if key not in md:
                 return None
             value = md[key]
@@ -189,72 +193,6 @@ def spm_merges(vocab: Vocabulary) -> list[tuple[str, str]]:
     return [(tokens[a], tokens[b]) for a, b in spm_merge_ids(vocab)]
 
 
-def vocabulary_digest(vocab: Vocabulary) -> str:
-    """xxh3-128 of the tokens, their types and scores: what the merges depend on."""
-    h = xxhash.xxh3_128()
-    h.update("\0".join(vocab.tokens).encode("utf-8", "surrogatepass"))
-    h.update(array.array("q", vocab.token_types).tobytes())
-    h.update(array.array("d", vocab.scores or ()).tobytes())
-    return h.hexdigest()
-
-
-def cache_dir() -> Path | None:
-    """Where merges are cached, or None when ``$GGUFSWAP_TOKENIZER_CACHE`` is ``off``."""
-    chosen = os.environ.get(CACHE_ENV)
-    if chosen:
-        return None if chosen == "off" else Path(chosen)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ggufswap" / "tokenizers"
-
-
-def cached_merges(vocab: Vocabulary, directory: Path | None) -> list[tuple[str, str]]:
-    """:func:`spm_merges`, read from ``directory`` when a run before wrote them there (a file
-    named by :func:`vocabulary_digest`, its content checked by its own xxh3), else computed and
-    written. A cache that cannot be read or written is only logged."""
-    flat = _read_cache(vocab, directory)
-    if flat is None:
-        flat = array.array("i", [i for pair in spm_merge_ids(vocab) for i in pair])
-        if directory is not None:
-            _write_cache(vocab, directory, flat)
-    get = vocab.tokens.__getitem__
-    return list(zip(map(get, flat[::2]), map(get, flat[1::2]), strict=True))
-
-
-def _cache_path(vocab: Vocabulary, directory: Path) -> Path:
-    return directory / f"{vocabulary_digest(vocab)}.merges"
-
-
-def _read_cache(vocab: Vocabulary, directory: Path | None) -> array.array[int] | None:
-    if directory is None:
-        return None
-    path = _cache_path(vocab, directory)
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    head = len(_CACHE_MAGIC) + 16
-    digest = data[len(_CACHE_MAGIC) : head]
-    if data[: len(_CACHE_MAGIC)] == _CACHE_MAGIC and xxhash.xxh3_128_digest(data[head:]) == digest:
-        flat = array.array("i")
-        flat.frombytes(data[head:])
-        if len(flat) % 2 == 0 and (not flat or 0 <= min(flat) <= max(flat) < len(vocab.tokens)):
-            return flat
-    log.warning("tokenizer.cache_unreadable", path=str(path), action="computing the merges")
-    return None
-
-
-def _write_cache(vocab: Vocabulary, directory: Path, flat: array.array[int]) -> None:
-    path = _cache_path(vocab, directory)
-    body = flat.tobytes()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, delete=False, suffix=".tmp") as tmp:
-            tmp.write(_CACHE_MAGIC + xxhash.xxh3_128_digest(body) + body)
-        os.replace(tmp.name, path)
-    except OSError as exc:
-        log.info("tokenizer.cache_not_written", path=str(path), error=str(exc))
-
-
 def spm_merge_ids(vocab: Vocabulary) -> list[tuple[int, int]]:
     """:func:`spm_merges` as token id pairs.
 
@@ -306,58 +244,100 @@ def _too_much_work(tokens: Sequence[str], present: set[int], budget: int) -> Tok
     )
 
 
+def build(vocab: Vocabulary) -> Tokenizer:
+    """The Hugging Face tokenizer of ``vocab`` (seconds for a 262k-token vocabulary: the cache
+    keeps the result; :data:`BUILD_VERSION` names what this function makes)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+    from tokenizers import pre_tokenizers as pre
+
+    if not isinstance(vocab.tokens, list):  # looked up by index many times below
+        vocab = dataclasses.replace(vocab, tokens=list(vocab.tokens))
+    ids = {tok: i for i, tok in enumerate(vocab.tokens)}
+    unk = None if vocab.unk_id is None else vocab.tokens[vocab.unk_id]
+    if vocab.kind is TokenizerKind.SPM:
+        model = models.BPE(ids, spm_merges(vocab), unk_token=unk, byte_fallback=True, fuse_unk=True)
+        tok = Tokenizer(model)
+        steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", SPACE)]
+        if vocab.add_space_prefix:
+            steps.insert(0, normalizers.Prepend(SPACE))
+        tok.normalizer = normalizers.Sequence(steps)
+        dec = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        if vocab.add_space_prefix:
+            dec.append(decoders.Strip(" ", 1, 0))
+        tok.decoder = decoders.Sequence(dec)
+    else:
+        assert vocab.merges is not None, "BPE vocabularies carry merges (checked when read)"
+        pairs = [tuple(m.split(" ", 1)) for m in vocab.merges]
+        tok = Tokenizer(models.BPE(ids, pairs, unk_token=unk))  # type: ignore[arg-type]
+        tok.pre_tokenizer = pre.Sequence(
+            [
+                pre.Split(Regex(BPE_PRE_SPLITS[vocab.pre]), behavior="isolated"),
+                pre.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        tok.decoder = decoders.ByteLevel()
+    special = {TokenType.CONTROL, TokenType.UNKNOWN}
+    added = [
+        AddedToken(t, special=ty in special, normalized=False)
+        for t, ty in zip(vocab.tokens, vocab.token_types, strict=True)
+        if ty in special or ty == TokenType.USER_DEFINED
+    ]
+    tok.add_tokens(added)
+    return tok
+
+
+def read_vocabulary(header: ShardHeader) -> tuple[Vocabulary, dict[str, bytes]]:
+    """The vocabulary of a file's header, and the stored bytes of its arrays by key (what
+    :func:`tokenizer_cache.vocabulary_key` hashes). Strings are decoded when looked up
+    (:class:`StringArray`), so a tokenizer loaded from the cache decodes none of them."""
+    md = header.metadata
+    stored = {
+        key: read_array_bytes(header, key)
+        for key, value in md.items()
+        if key.startswith(tokenizer_cache.KEY_PREFIX) and isinstance(value, ArrayRef)
+    }
+
+    def array(key: str) -> Sequence[Any]:
+        ref = md[key]
+        assert isinstance(ref, ArrayRef), "inline arrays are tuples (from_metadata takes those)"
+        if ref.elem_type == GGUFValueType.STRING:
+            return StringArray(stored[key], ref.count)
+        return scalars(ref.elem_type, stored[key])
+
+    return Vocabulary.from_metadata(md, array), stored
+
+
 class GgufTokenizer:
     """Text <-> token ids for one GGUF vocabulary."""
 
-    def __init__(self, vocab: Vocabulary, *, merges_cache: Path | None = None) -> None:
-        """``merges_cache``: a directory that keeps an SPM vocabulary's merges (:func:`cache_dir`
-        in the daemon; None computes them)."""
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-        from tokenizers import pre_tokenizers as pre
-
+    def __init__(self, vocab: Vocabulary, *, built: Tokenizer | None = None) -> None:
+        """``built``: the Hugging Face tokenizer of ``vocab`` when one was cached (else built)."""
         self.vocab = vocab
-        ids = {tok: i for i, tok in enumerate(vocab.tokens)}
-        unk = None if vocab.unk_id is None else vocab.tokens[vocab.unk_id]
-        if vocab.kind is TokenizerKind.SPM:
-            merges = cached_merges(vocab, merges_cache)
-            model = models.BPE(ids, merges, unk_token=unk, byte_fallback=True, fuse_unk=True)
-            tok = Tokenizer(model)
-            steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", SPACE)]
-            if vocab.add_space_prefix:
-                steps.insert(0, normalizers.Prepend(SPACE))
-            tok.normalizer = normalizers.Sequence(steps)
-            dec = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-            if vocab.add_space_prefix:
-                dec.append(decoders.Strip(" ", 1, 0))
-            tok.decoder = decoders.Sequence(dec)
-        else:
-            assert vocab.merges is not None, "BPE vocabularies carry merges (checked when read)"
-            pairs = [tuple(m.split(" ", 1)) for m in vocab.merges]
-            tok = Tokenizer(models.BPE(ids, pairs, unk_token=unk))  # type: ignore[arg-type]
-            tok.pre_tokenizer = pre.Sequence(
-                [
-                    pre.Split(Regex(BPE_PRE_SPLITS[vocab.pre]), behavior="isolated"),
-                    pre.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-            tok.decoder = decoders.ByteLevel()
-        special = {TokenType.CONTROL, TokenType.UNKNOWN}
-        added = [
-            AddedToken(t, special=ty in special, normalized=False)
-            for t, ty in zip(vocab.tokens, vocab.token_types, strict=True)
-            if ty in special or ty == TokenType.USER_DEFINED
-        ]
-        tok.add_tokens(added)
-        self._tok = tok
+        self._tok = build(vocab) if built is None else built
 
     @classmethod
-    def from_file(
-        cls, path: str | os.PathLike[str], *, merges_cache: Path | None = None
-    ) -> GgufTokenizer:
-        """The tokenizer of a GGUF file (the first shard of a split model holds it)."""
-        header = read_header(path)
-        vocab = Vocabulary.from_metadata(header.metadata, lambda key: read_array(header, key))
-        return cls(vocab, merges_cache=merges_cache)
+    def from_file(cls, path: str | os.PathLike[str], *, cache: Path | None = None) -> GgufTokenizer:
+        """The tokenizer of a GGUF file (the first shard of a split model holds it).
+
+        ``cache``: a directory that keeps built tokenizers by vocabulary
+        (:func:`tokenizer_cache.cache_dir` in the daemon; None builds every time).
+        """
+        return cls.from_header(read_header(path), cache=cache)
+
+    @classmethod
+    def from_header(cls, header: ShardHeader, *, cache: Path | None = None) -> GgufTokenizer:
+        """:meth:`from_file` of a header already read (the loaded shard set's first); the
+        vocabulary's arrays are read from the file it describes, refused if it changed since."""
+        vocab, stored = read_vocabulary(header)
+        if cache is None:
+            return cls(vocab)
+        key = tokenizer_cache.vocabulary_key(header.metadata, stored, build=BUILD_VERSION)
+        built = tokenizer_cache.load(cache, key, n_vocab=len(vocab.tokens))
+        log.info("tokenizer.cache", path=header.path, key=key, hit=built is not None)
+        tokenizer = cls(vocab, built=built)
+        if built is None:
+            tokenizer_cache.store(cache, key, tokenizer._tok)
+        return tokenizer
 
     @property
     def n_vocab(self) -> int:

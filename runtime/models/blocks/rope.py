@@ -118,8 +118,15 @@ def ggml_angles(
     return torch.stack(columns, dim=-1)
 
 
+# Positions the first table covers (at most the training context); it doubles past the last
+# position a forward asks for. A row depends on its position only, so a table grown later holds
+# the same bits; computing Gemma 3's 32k-position tables up front was 98 % of its model build.
+INITIAL_POSITIONS: Final = 4096
+
+
 class RotaryEmbedding(nn.Module):
-    """RoPE cos/sin cache (per device), grown on demand past the training context.
+    """RoPE cos/sin cache (per device), computed for :data:`INITIAL_POSITIONS` positions and
+    grown on demand (past the training context too).
 
     ``base`` overrides the config's RoPE base (gemma3's local layers), ``n_rot`` its rotated dims
     (deepseek2's decoupled rope dims); ``freq_scale`` is linear scaling (ggml_rope's
@@ -154,7 +161,7 @@ class RotaryEmbedding(nn.Module):
         self.rotating = None if sections is None else rotating_pairs(self.n_rot // 2, sections)
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self._n_pos = 0
-        self._extend(config.context_length)
+        self._extend(min(config.context_length, INITIAL_POSITIONS))
 
     def _cos_sin(self, positions: Tensor, factors: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """float32 ``cosf(theta) * mscale`` and ``sinf(theta) * mscale``, ``[P, n_rot/2]``."""
