@@ -127,6 +127,7 @@ def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int
     from ggufswap.runtime.serving.daemon import open_runtime
     from ggufswap.runtime.serving.errors import EvalTextError
     from ggufswap.runtime.serving.perplexity import eval_batch, text_chunks, text_tokens
+    from ggufswap.runtime.serving.tokenizer_cache import cache_dir
     from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
 
     rc = config.runtime if config is not None else None
@@ -145,7 +146,7 @@ def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int
         except ModelError as exc:
             print(f"ggufswap perplexity: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        tokenizer = GgufTokenizer.from_file(runtime.shards.first.path)
+        tokenizer = GgufTokenizer.from_file(runtime.shards.first.path, cache=cache_dir())
         ctx = min(args.ctx, hparams.context_length)
         if ctx < args.ctx:
             print(

@@ -15,6 +15,7 @@ from ggufswap.runtime import HotSwapRuntime, PlanState
 from ggufswap.runtime.models import Decoder, HParams, ModelError, build_model
 from ggufswap.runtime.serving.perplexity import first_scored, text_chunks, text_tokens
 from ggufswap.runtime.serving.tokenizer import GgufTokenizer
+from ggufswap.runtime.serving.tokenizer_cache import cache_dir
 from ggufswap.shards import TensorRecord, open_shard_set
 from ggufswap.sweep.basefile import BaseLogProbs
 from ggufswap.sweep.errors import RoundRefused, SourceError, SweepError
@@ -212,7 +213,9 @@ def run_sweep(
         assert runtime.shards is not None, "open() keeps the shard set"
         model = decoder_of(runtime, options.numerics.value)
         context_length = HParams.from_metadata(runtime.shards.metadata).context_length
-        tokens, bos = text_tokens(GgufTokenizer.from_file(runtime.shards.first.path), text)
+        tokens, bos = text_tokens(
+            GgufTokenizer.from_file(runtime.shards.first.path, cache=cache_dir()), text
+        )
         n_ctx = min(options.n_ctx, context_length)
         chunks = text_chunks(tokens, n_ctx=n_ctx, max_chunks=options.max_chunks)
         if announce is not None:

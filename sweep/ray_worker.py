@@ -148,6 +148,7 @@ class SweepWorker:
         from ggufswap.runtime.models import HParams
         from ggufswap.runtime.serving.perplexity import text_chunks, text_tokens
         from ggufswap.runtime.serving.tokenizer import GgufTokenizer
+        from ggufswap.runtime.serving.tokenizer_cache import cache_dir
         from ggufswap.sweep.evaluate import ChunkEvaluator
         from ggufswap.sweep.inprocess import decoder_of
 
@@ -155,7 +156,9 @@ class SweepWorker:
         assert shards is not None, "open() keeps the shard set"
         hparams = HParams.from_metadata(shards.metadata, source=shards.first.path)
         model = decoder_of(self.runtime, options.numerics.value)
-        tokens, bos = text_tokens(GgufTokenizer.from_file(shards.first.path), text)
+        tokens, bos = text_tokens(
+            GgufTokenizer.from_file(shards.first.path, cache=cache_dir()), text
+        )
         n_ctx = min(options.n_ctx, hparams.context_length)
         chunks = text_chunks(tokens, n_ctx=n_ctx, max_chunks=options.max_chunks)
         return ChunkEvaluator(

@@ -23,6 +23,7 @@ from ggufswap.runtime.control import ControlServer
 from ggufswap.runtime.models import HParams, Numerics
 from ggufswap.runtime.serving.perplexity import text_chunks, text_tokens
 from ggufswap.runtime.serving.tokenizer import GgufTokenizer
+from ggufswap.runtime.serving.tokenizer_cache import cache_dir
 from ggufswap.sweep.basefile import BaseLogProbs
 from ggufswap.sweep.evaluate import BASELINE_LOGITS, ChunkEvaluator
 from ggufswap.sweep.inprocess import _baseline_evaluator, decoder_of
@@ -76,7 +77,9 @@ def prepare(
     assert runtime.shards is not None, "open() keeps the shard set"
     model = decoder_of(runtime, numerics.value)
     hparams = HParams.from_metadata(runtime.shards.metadata)
-    tokens, bos = text_tokens(GgufTokenizer.from_file(runtime.shards.first.path), text)
+    tokens, bos = text_tokens(
+        GgufTokenizer.from_file(runtime.shards.first.path, cache=cache_dir()), text
+    )
     chunks = text_chunks(tokens, n_ctx=min(n_ctx, hparams.context_length), max_chunks=max_chunks)
     evaluator = ChunkEvaluator(
         model, chunks, bos, numerics=numerics, storage=runtime.store.storage, source=model_path,

@@ -53,12 +53,15 @@ class Loaded:
 
 @pytest.fixture(scope="module")
 def gemma(gguf_path: Path) -> Iterator[Loaded]:
+    """The model and its tokenizer, built here (not loaded from the user's cache: its cache
+    entry, beside the model, is what the cached tokenizer's test loads)."""
     runtime = HotSwapRuntime.open(gguf_path)
     assert runtime.shards is not None, "open() keeps the shard set"
     config = HParams.from_metadata(runtime.shards.metadata)
     model = build_model(config, runtime.store, store=runtime.store)
     try:
-        yield Loaded(runtime, model, config, GgufTokenizer.from_file(gguf_path))
+        tokenizer = GgufTokenizer.from_file(gguf_path, cache=gguf_path.with_name("tokenizers"))
+        yield Loaded(runtime, model, config, tokenizer)
     finally:
         runtime.close()
 
@@ -132,14 +135,13 @@ def test_tokenizer_round_trips_text_and_knows_the_special_tokens(gemma: Loaded) 
 
 
 def test_the_cached_tokenizer_encodes_as_the_built_one(
-    gemma: Loaded, gguf_path: Path, tmp_path: Path
+    gemma: Loaded, gguf_path: Path
 ) -> None:
     """Gemma's tokenizer written to the cache and loaded back (its 513k merges as "left right")
     encodes and decodes every text, special tokens parsed or not, as the one built here."""
     from structlog.testing import capture_logs
 
-    cache = tmp_path / "tokenizers"
-    GgufTokenizer.from_file(gguf_path, cache=cache)
+    cache = gguf_path.with_name("tokenizers")  # written by the fixture's build
     with capture_logs() as logs:
         cached = GgufTokenizer.from_file(gguf_path, cache=cache)
     assert [e["hit"] for e in logs if e["event"] == "tokenizer.cache"] == [True]
