@@ -128,24 +128,41 @@ def _rss() -> int:
 
 
 def child_load(
-    path: str, storage: str, threads: int, *, plain: bool = False, mapped: bool = False
+    path: str,
+    storage: str,
+    threads: int,
+    *,
+    plain: bool = False,
+    mapped: bool = False,
+    defaults: bool = False,
 ) -> dict[str, Any]:
     """Run in a fresh process: load, report seconds, RSS growth and bytes held. ``plain``: without
     the loader's prefault and readahead (the comparison load); ``mapped``: ``map_shards: true``
-    (tensors served from the files' pages)."""
+    (tensors served from the files' pages); ``defaults``: the runtime's configuration defaults
+    (``storage: auto``, ``map_shards: auto``), what a user who sets neither gets."""
     torch.set_num_threads(threads)
     if plain:
         loading.PREFAULT = loading.READAHEAD = False
+    options: dict[str, Any] = (
+        {"storage": Storage.AUTO, "map_shards": MapShards.AUTO}
+        if defaults
+        else {"storage": Storage(storage), "map_shards": MapShards.ON if mapped else MapShards.OFF}
+    )
     before = _rss()
     started = time.perf_counter()
-    runtime = HotSwapRuntime.open(
-        path, storage=Storage(storage), map_shards=MapShards.ON if mapped else MapShards.OFF
-    )
+    runtime = HotSwapRuntime.open(path, **options)
     try:
         load_s = time.perf_counter() - started
         held = sum(runtime.store.pools.usage().values())
         params = sum(s.record.n_elements for s in runtime.store.slots.values())
-        return {"load_s": load_s, "rss_growth": _rss() - before, "held": held, "params": params}
+        return {
+            "load_s": load_s,
+            "rss_growth": _rss() - before,
+            "held": held,
+            "params": params,
+            "storage": runtime.store.storage.value,
+            "mapped": runtime.store.maps.open_files,
+        }
     finally:
         runtime.close()
 
@@ -182,7 +199,7 @@ def load_rows(paths: list[Path], threads: int) -> list[dict[str, Any]]:
         took: dict[str, float] = {}
         cat: dict[str, float] = {}
         # Copied without prefault/readahead, copied as shipped, mapped: each after its own cat.
-        for what in ("load-plain", "load", "load-mapped"):
+        for what in ("load-plain", "load", "load-mapped", "load-defaults"):
             if temperature == "cold":
                 _drop_cache(paths)
             cat[what] = _cat_s(paths)
@@ -192,6 +209,8 @@ def load_rows(paths: list[Path], threads: int) -> list[dict[str, Any]]:
             took[what] = got["load_s"]
             if what == "load-mapped":
                 mapped_got = got
+            if what == "load-defaults":
+                defaults_got = got
         gb = f"{size / 1e9:.2f} GB"
         rows.append(
             row(
@@ -203,6 +222,14 @@ def load_rows(paths: list[Path], threads: int) -> list[dict[str, Any]]:
         )
         rows.append(
             row(f"load native copied {temperature} ({gb}) vs cat", cat["load"], took["load"], None)
+        )
+        rows.append(
+            row(
+                f"load with the defaults {temperature} ({gb}) vs cat",
+                cat["load-defaults"],
+                took["load-defaults"],
+                0.7,
+            )
         )
         rows.append(
             row(
@@ -237,6 +264,14 @@ def load_rows(paths: list[Path], threads: int) -> list[dict[str, Any]]:
     growth = mapped_got["rss_growth"]
     print(f"  mapped: rss growth / held = {growth / held:.3f}", file=sys.stderr)
     rows.append(row("rss mapped: bytes held / RSS growth", growth, held, 1 / 1.1))
+    growth = defaults_got["rss_growth"]
+    print(
+        f"  defaults chose storage {defaults_got['storage']}, mapped {defaults_got['mapped']}; "
+        f"rss growth / file = {growth / size:.3f}",
+        file=sys.stderr,
+    )
+    # The defaults' memory against the file (target <= 1.1x, printed as file / growth >= 0.91).
+    rows.append(row("rss defaults: file bytes / RSS growth", growth, size, 1 / 1.1))
     return rows
 
 
@@ -388,13 +423,13 @@ def gemma_rows(quick: bool, threads: int) -> list[dict[str, Any]]:
     ]
 
 
-def run(quick: bool, threads: int = 1) -> list[dict[str, Any]]:
+def run(quick: bool, threads: int = 1, layers: int = 16) -> list[dict[str, Any]]:
     torch.set_num_threads(threads)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ggufswap-bench-engine-") as tmp:
         root = Path(tmp)
-        n_layers, n_expert = (4, 32) if quick else (16, 128)
+        n_layers, n_expert = (4, 32) if quick else (layers, 128)
         spec = moe_spec("load", n_layers=n_layers, n_embd=1024, n_expert=n_expert, n_ff=512)
         paths = write_model(spec, root / "load")
         rows += load_rows(paths, threads)
@@ -409,6 +444,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--layers", type=int, default=16, help="layers of the load model (16: ~2 GB, 48: ~6 GB)"
+    )
     parser.add_argument("--child", nargs=4, metavar=("WHAT", "PATH", "STORAGE", "THREADS"))
     args = parser.parse_args()
     if args.child:
@@ -418,11 +456,12 @@ def main() -> int:
             "load": child_load,
             "load-plain": partial(child_load, plain=True),
             "load-mapped": partial(child_load, mapped=True),
+            "load-defaults": partial(child_load, defaults=True),
             "fill": child_fill,
         }.get(what, child_first_logits)
         print(json.dumps(child(path, storage, int(threads))))
         return 0
-    for r in run(args.quick, args.threads):
+    for r in run(args.quick, args.threads, args.layers):
         print(
             f"{r['name']}: baseline {r['baseline_s']:.4g} s, ours {r['ours_s']:.4g} s, "
             f"ratio {r['ratio']:.2f} (target {r['target']})"
