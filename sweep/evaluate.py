@@ -126,16 +126,20 @@ class ChunkEvaluator:
         stored = json.loads(path.read_text())
         numerics = stored.get("numerics", Numerics.EXACT.value)  # absent: before the option
         base_source = base.source if base is not None else self.source
-        same_base = stored.get("protocol", {}).get("baseline_model", base_source) == base_source
-        if stored.get("identity") == identity and numerics == self.numerics.value and same_base:
+        protocol = stored.get("protocol", {})
+        same_base = protocol.get("baseline_model", base_source) == base_source
+        ours = products(self.numerics)
+        theirs = protocol.get("products", ours)  # absent: before it was recorded
+        same = numerics == self.numerics.value and theirs == ours
+        if stored.get("identity") == identity and same and same_base:
             return dict(stored)
         if not (out_dir / JOURNAL).exists():
             return None
-        if numerics != self.numerics.value:
+        if not same:
             raise BaselineMismatch(
-                f"{out_dir} holds a sweep computed with numerics {numerics!r} ({path}), "
-                f"this one computes with {self.numerics.value!r}; use the same --numerics "
-                "or a new --out"
+                f"{out_dir} holds a sweep computed with numerics {numerics!r}, products of "
+                f"{theirs} ({path}); this one computes with {self.numerics.value!r}, products "
+                f"of {ours}; use the same --numerics and --ggml, or a new --out"
             )
         raise BaselineMismatch(
             f"{out_dir} holds the sweep of another model, text, context or baseline model "
@@ -226,4 +230,5 @@ def products(numerics: Numerics) -> str:
     library = ggml_library()
     if library is None:
         return "emulated (mainline's rounding)"
-    return "ik_llama.cpp's libggml" if library.ik else "llama.cpp's libggml"
+    whose = "ik_llama.cpp's libggml" if library.ik else "llama.cpp's libggml"
+    return f"{whose} ({library.package})" if library.package else whose
