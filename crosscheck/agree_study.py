@@ -22,7 +22,9 @@ Engines (``name``: what runs):
 - ``ik``: ik_llama.cpp (the ``ik-llama-cpp-python`` wheel; F32 K cache, F16 V, no flash
   attention, as ``ik_logits.py``);
 - ``ggufswap-mainline``, ``ggufswap-ik``, ``ggufswap-emulated``: the sweep's decoder with
-  ``--numerics ggml`` on mainline's libggml (llama-cpp-python's), ik_llama.cpp's, or none.
+  ``--numerics ggml`` on mainline's libggml (llama-cpp-python's), ik_llama.cpp's, or none, its
+  keys and values unrounded (the F32 cache of ``llama``); ``ggufswap-mainline-f16kv``: mainline's,
+  keys and values rounded to F16 (llama-perplexity's cache; compared with ``llama-perplexity``).
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ ENGINES: dict[str, tuple[str, dict, dict[str, str]]] = {  # name: (engine, optio
     "ggufswap-mainline": ("ggufswap", {}, {"GGUFSWAP_GGML": str(MAINLINE_LIB)}),
     "ggufswap-ik": ("ggufswap", {}, {"GGUFSWAP_GGML": str(IK_LIB)}),
     "ggufswap-emulated": ("ggufswap", {}, {"GGUFSWAP_GGML": "off"}),
+    "ggufswap-mainline-f16kv": ("ggufswap", {"kv": "f16"}, {"GGUFSWAP_GGML": str(MAINLINE_LIB)}),
 }
-REFERENCE = {"ggufswap-ik": "ik"}  # else "llama"
+REFERENCE = {"ggufswap-ik": "ik", "ggufswap-mainline-f16kv": "llama-perplexity"}  # else llama
 
 
 def start(name: str, jobs: dict, work: Path) -> subprocess.Popen:

@@ -16,7 +16,8 @@ Engines (``agree_study.py`` drives them, each in its own process, so one libggml
 - ``ik``: ik_llama.cpp through the ``ik-llama-cpp-python`` wheel (``.venv-ik``), as
   ``ik_logits.py`` runs it (F32 K cache, F16 V, flash attention off);
 - ``ggufswap``: the project's decoder with ``--numerics ggml`` (the project's venv), its libggml
-  chosen by the parent's ``GGUFSWAP_GGML``.
+  chosen by the parent's ``GGUFSWAP_GGML``. Option ``kv``: ``f32`` (default here: keys and values
+  unrounded, as the ``llama`` engine's F32 cache) or ``f16`` (llama-perplexity's cache).
 
 Imports numpy and the engine's package only.
 """
@@ -110,8 +111,11 @@ def ggufswap_engine(options: dict[str, Any]) -> Logits:
     from ggufswap.config import Storage
     from ggufswap.runtime import HotSwapRuntime
     from ggufswap.runtime.models import HParams, build_model
+    from ggufswap.runtime.models.ggml_numerics import kv_cache_type
+    from ggufswap.shards.ggml_types import GGMLType
 
     torch.set_num_threads(1)
+    kv = GGMLType.F16 if options.get("kv", "f32") == "f16" else GGMLType.F32
     models: dict[str, Any] = {}
 
     def logits(path: str, tokens: list[int]) -> np.ndarray:
@@ -122,7 +126,7 @@ def ggufswap_engine(options: dict[str, Any]) -> Logits:
             numerics = options.get("numerics", "ggml")
             models[path] = (runtime, build_model(hp, runtime.store, store=runtime.store,
                                                  numerics=numerics))  # fmt: skip
-        with torch.inference_mode():
+        with torch.inference_mode(), kv_cache_type(kv):
             out: np.ndarray = models[path][1](torch.tensor([tokens]))[0].numpy()
             return out
 
