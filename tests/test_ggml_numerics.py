@@ -253,3 +253,30 @@ def test_ggml_kv_cache_is_f16_inside_a_ggml_forward_unless_set_to_f32() -> None:
     assert outside[1] is v
     with pytest.raises(ModelError, match="F16 or F32, not Q8_0"), kv_cache_type(GGMLType.Q8_0):
         pass
+
+
+def test_a_ggml_decoder_attends_over_f16_keys_and_values_by_default(tmp_path: Path) -> None:
+    """A ggml decoder's forward holds its keys and values as F16 (its logits differ from the same
+    forward under ``kv_cache_type(F32)``, which the golden fixtures use); an exact decoder's
+    forward never rounds them."""
+    from ggufswap.runtime.models.ggml_numerics import kv_cache_type
+    from ggufswap.shards.ggml_types import GGMLType
+
+    path, _ = xcheck.write_case(CASES["tiny-dense/Q8_0"].spec, tmp_path)
+    runtime = HotSwapRuntime.open(path, storage=Storage.NATIVE)
+    try:
+        assert runtime.shards is not None, "open() keeps the shard set"
+        config = HParams.from_metadata(runtime.shards.metadata)
+        tokens = torch.tensor([list(xcheck.TOKENS)])
+        logits = {}
+        for numerics in ("ggml", "exact"):
+            model = build_model(config, runtime.store, store=runtime.store, numerics=numerics)
+            with torch.inference_mode():
+                f16 = model(tokens)
+                with kv_cache_type(GGMLType.F32):
+                    f32 = model(tokens)
+            logits[numerics] = (f16, f32)
+        assert not torch.equal(*logits["ggml"]), "F16 keys and values change the ggml logits"
+        assert torch.equal(*logits["exact"]), "exact numerics never round them"
+    finally:
+        runtime.close()
