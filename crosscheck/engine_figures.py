@@ -150,6 +150,8 @@ def main(argv: list[str]) -> int:
         for key, value in figures.items():
             parts.setdefault(key, []).append(value)
         print(f"chunk done: mean KLD {figures['kld'].mean():.6f}", flush=True)
+        partial = {key: np.concatenate(values) for key, values in parts.items()}
+        np.savez(argv[2] + ".partial.npz", **partial)  # the chunks so far, should it be stopped
     np.savez(argv[2], **{key: np.concatenate(values) for key, values in parts.items()})
     return 0
 
