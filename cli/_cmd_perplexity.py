@@ -71,6 +71,13 @@ def register(subparsers: Any) -> None:
         "comparable with llama-perplexity (native storage: with --config, runtime.storage: "
         "native); exact: float products",
     )
+    parser.add_argument(
+        "--ggml",
+        default="auto",
+        metavar="auto|mainline|ik|off|PATH",
+        help="with --numerics ggml, whose libggml multiplies, as ggufswap sweep --ggml chooses "
+        "(auto: mainline's when llama-cpp-python is installed and every type is mainline's)",
+    )
     add_threads_option(parser)
     parser.set_defaults(func=run)
 
@@ -118,6 +125,23 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def _select_products(args: argparse.Namespace, model: str | os.PathLike[str]) -> bool:
+    """The libggml of ``--ggml`` for the model's types (as the sweep chooses it), made this
+    process's before the runtime loads; False (said on stderr) when it cannot be."""
+    from ggufswap.runtime.errors import GgmlLibraryError
+    from ggufswap.runtime.kernels import ggml_select
+    from ggufswap.shards import open_shard_set
+    from ggufswap.sweep.libggml import AUTO, choose
+
+    types = {int(r.ggml_type) for r in open_shard_set(model).tensors.values()}
+    try:
+        ggml_select(choose(args.ggml, types), preferred=args.ggml == AUTO)
+    except GgmlLibraryError as exc:
+        print(f"ggufswap perplexity: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int:
     # torch is imported only by the commands that run a model
     from ggufswap.config import Storage
@@ -134,6 +158,8 @@ def _evaluate(args: argparse.Namespace, config: Config | None, text: str) -> int
     apply_thread_policy(resolve_threads(flag=args.threads, config=rc.threads if rc else None))
     signals = ProcessSignals().install() if args.hot_swap else None
     storage = Storage.NATIVE if args.numerics == "ggml" else Storage.DEQUANTIZED
+    if args.numerics == "ggml" and not _select_products(args, rc.model if rc else args.model):
+        return EXIT_USAGE
     if config is not None:
         runtime = open_runtime(config)
     else:

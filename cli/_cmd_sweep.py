@@ -95,6 +95,15 @@ def register(subparsers: Any) -> None:
         "rounding noise in the figures; docs/sweep.md)",
     )
     parser.add_argument(
+        "--ggml",
+        default="auto",
+        metavar="auto|mainline|ik|off|PATH",
+        help="with --numerics ggml, whose libggml multiplies: mainline (llama-cpp-python's: "
+        "figures comparable with llama.cpp's), ik (ik-llama-cpp-python's: with ik_llama.cpp's), "
+        "off (emulated), a libggml's path; auto (default): mainline when llama-cpp-python is "
+        "installed and every type of the sweep is mainline's, else ik",
+    )
+    parser.add_argument(
         "--keep-scratch",
         action="store_true",
         help="keep OUT/scratch (the rounds' tensors) at the end (removed round by round otherwise)",
@@ -177,6 +186,7 @@ def _options(args: argparse.Namespace) -> SweepOptions:
         verify_chunks=args.verify_chunks,
         storage=Storage(args.storage or "native"),
         numerics=Numerics(args.numerics),
+        ggml=args.ggml,
         plot=not args.no_plot,
         keep_scratch=args.keep_scratch,
         ppl_percent=args.ppl_percent,
@@ -316,6 +326,8 @@ def _process_sweep(
         max_chunks=args.chunks,
         threads=args.threads,
         numerics=args.numerics,
+        ggml=args.ggml,
+        targets=recipe.targets,
         verify_chunks=args.verify_chunks,
         models=models,
         baseline_model=args.baseline,

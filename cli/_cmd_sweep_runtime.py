@@ -28,6 +28,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--chunks", type=int, metavar="N")
     parser.add_argument("--numerics", choices=("exact", "ggml"), default="ggml")
     parser.add_argument("--verify-chunks", type=int, default=1, metavar="N")
+    parser.add_argument("--ggml", default="auto", metavar="auto|mainline|ik|off|PATH")
     parser.add_argument("--baseline", metavar="MODEL", help="the KLD's reference model")
     add_threads_option(parser)
     parser.set_defaults(func=run)
@@ -51,6 +52,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"ggufswap sweep-runtime: {exc}", file=sys.stderr)
         return EXIT_FAILED
     apply_thread_policy(resolve_threads(flag=args.threads, config=rc.threads))
+    if args.numerics == "ggml":
+        from ggufswap.runtime.errors import GgmlLibraryError
+        from ggufswap.runtime.kernels import ggml_select
+
+        try:  # before the runtime loads: its products are this library's
+            ggml_select(args.ggml)
+        except GgmlLibraryError as exc:
+            print(f"ggufswap sweep-runtime: {exc}", file=sys.stderr)
+            return EXIT_FAILED
     signals = ProcessSignals().install()
     runtime = open_runtime(config)
     try:

@@ -27,7 +27,9 @@ import torch
 from ggufswap.config import Storage
 from ggufswap.runtime import HotSwapRuntime
 from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.models.ggml_numerics import kv_cache_type
 from ggufswap.shards import requantize
+from ggufswap.shards.ggml_types import GGMLType
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_LLAMA_PYTHON = HERE.parent / ".venv-crosscheck" / "bin" / "python"
@@ -63,7 +65,7 @@ def ours(path: Path, chunks: list[list[int]]) -> list[np.ndarray]:
         assert runtime.shards is not None, "open() keeps the shard set"
         hp = HParams.from_metadata(runtime.shards.metadata)
         model = build_model(hp, runtime.store, store=runtime.store, numerics="ggml")
-        with torch.inference_mode():
+        with torch.inference_mode(), kv_cache_type(GGMLType.F32):  # llama_runs.py's F32 cache
             return [model(torch.tensor([c], dtype=torch.int64))[0].numpy() for c in chunks]
     finally:
         runtime.close()

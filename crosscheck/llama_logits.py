@@ -12,10 +12,11 @@ Optional JOBS fields: ``"quantize": [{"src", "dst", "ftype"}]`` has llama.cpp's 
 (``llama_model_quantize``, what ``llama-quantize`` runs; ``ftype`` a ``LLAMA_FTYPE_*`` number)
 write each ``dst`` first, reported as ``"quantized"``; ``"ubatch": N`` evaluates in
 micro-batches of N tokens (long sequences); ``"case_tokens": {case: [...]}`` gives a case its own
-tokens instead of ``tokens``; ``"tokenize": {"model": path, "text": str}`` has llama.cpp
-tokenize the text with that model's vocabulary as ``llama-perplexity`` does
-(``common_tokenize(..., add_special=true, parse_special=false)``: BOS in front when the vocabulary
-adds it), reported as ``"tokenized"``.
+tokens instead of ``tokens``; ``"kv_type"`` (0 = F32, the default; 1 = F16) and ``"flash_attn"``
+(default false): llama-perplexity's CPU defaults are F16 and true; ``"tokenize": {"model":
+path, "text": str}`` has llama.cpp tokenize the text with that model's vocabulary as
+``llama-perplexity`` does (``common_tokenize(..., add_special=true, parse_special=false)``:
+BOS in front when the vocabulary adds it), reported as ``"tokenized"``.
 
 Imports only numpy and llama_cpp: this venv does not have the project installed.
 """
@@ -38,10 +39,15 @@ GGML_TYPE_F32 = 0  # the KV cache's default here: see the jobs' kv_type
 
 
 def logits_of(
-    path: str, tokens: list[int], *, kv_type: int, ubatch: int | None = None
+    path: str,
+    tokens: list[int],
+    *,
+    kv_type: int,
+    ubatch: int | None = None,
+    flash_attn: bool = False,
 ) -> np.ndarray:
     """``[T, V]`` logits of ``tokens`` evaluated in one batch (or in micro-batches of ``ubatch``
-    tokens through the KV cache), K and V cached as ``kv_type``."""
+    tokens through the KV cache), K and V cached as ``kv_type``, flash attention as asked."""
     batch = len(tokens) if ubatch is None else min(ubatch, len(tokens))
     llm = Llama(
         type_k=kv_type,
@@ -53,6 +59,7 @@ def logits_of(
         logits_all=True,
         n_threads=1,
         n_threads_batch=1,
+        flash_attn=flash_attn,
         verbose=False,
         use_extra_bufts=False,
     )
@@ -113,7 +120,11 @@ def main(argv: list[str]) -> int:
         try:
             case_ubatch = jobs.get("ubatch")
             out[case] = logits_of(
-                path, case_tokens.get(case, tokens), kv_type=kv_type, ubatch=case_ubatch
+                path,
+                case_tokens.get(case, tokens),
+                kv_type=kv_type,
+                ubatch=case_ubatch,
+                flash_attn=bool(jobs.get("flash_attn", False)),
             )
         except (ValueError, RuntimeError) as exc:
             refused[case] = f"{exc}\n{load_log(path, tokens)}"

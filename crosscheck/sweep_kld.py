@@ -4,7 +4,9 @@
 base file (its chunks of tokens) and the round's journal record, writes the model with the
 round's tensors requantized as the sweep did (a single file, in a temp dir), evaluates every
 chunk (BOS first, as llama-perplexity does) with llama.cpp through llama-cpp-python in the
-cross-check venv (``crosscheck/llama_logits.py``) for the original and the swapped model, scores
+cross-check venv (``crosscheck/llama_logits.py``; with the sweep's F16 KV cache as
+llama-perplexity runs by default: F16 cache, flash attention on) for the original and the swapped
+model, scores
 the second half of each chunk with the same KLD code, and prints the sweep's figures beside
 llama.cpp's with their relative difference. Needs ``make crosscheck``'s venv; not run by tests.
 """
@@ -36,9 +38,17 @@ FIGURES = (
 )  # fmt: skip
 
 
-def llama_logits(python: Path, tokens: list[int], models: dict[str, str], tmp: Path) -> dict:
+# llama.cpp's settings for the sweep's KV cache (protocol.json's kv_cache): llama-perplexity's
+# CPU defaults (F16 cache, flash attention auto, which is on) or an F32 cache without it.
+LLAMA_SETTINGS = {"f16": {"kv_type": 1, "flash_attn": True}, "f32": {"kv_type": 0}}
+
+
+def llama_logits(
+    python: Path, tokens: list[int], models: dict[str, str], tmp: Path, kv_cache: str
+) -> dict:
     jobs = tmp / "jobs.json"
-    jobs.write_text(json.dumps({"tokens": tokens, "models": models}))
+    settings = LLAMA_SETTINGS[kv_cache]
+    jobs.write_text(json.dumps({"tokens": tokens, "models": models, **settings}))
     out = tmp / "logits.npz"
     run = subprocess.run(
         [str(python), str(HERE / "llama_logits.py"), str(jobs), str(out)],
@@ -65,6 +75,8 @@ def main() -> int:
     records = [json.loads(line) for line in (args.out / JOURNAL).read_text().splitlines()]
     record = next(r for r in records if r["key"] == args.round)
     base = BaseLogProbs(args.out / "baseline.logits")
+    protocol = json.loads((args.out / "protocol.json").read_text())
+    kv_cache = protocol.get("kv_cache", "f32")
     tokenizer = GgufTokenizer.from_file(args.model)
     bos = tokenizer.bos_id if tokenizer.vocab.add_bos else None
     batch = eval_batch(base.tokens, bos)  # [C, n_ctx]
@@ -83,13 +95,17 @@ def main() -> int:
                 batch[c].tolist(),
                 {"base": str(args.model), "swapped": str(swapped)},
                 tmp,
+                kv_cache,
             )
             targets = base.targets(c)
             rows, _ = encode_base_rows(torch.from_numpy(logits["base"][first : n_ctx - 1]), targets)
             stats.add(torch.from_numpy(logits["swapped"][first : n_ctx - 1]), rows, targets)
     theirs = stats.result().as_metrics()
     ours = record["metrics"]
-    print(f"round {record['key']} ({base.n_chunk} chunks of {n_ctx}, {theirs['count']} scored)")
+    print(
+        f"round {record['key']} ({base.n_chunk} chunks of {n_ctx}, {theirs['count']} scored; "
+        f"{protocol.get('products')}, KV cache {kv_cache}; llama.cpp: {LLAMA_SETTINGS[kv_cache]})"
+    )
     print(f"{'figure':<14}{'ggufswap':>14}{'llama.cpp':>14}{'rel. diff':>12}")
     for key in FIGURES:
         a, b = float(ours[key]), float(theirs[key])

@@ -592,12 +592,15 @@ def project_logits(
     """``[T, V]`` logits of the project's decoder over ``path``, read through the tensor store
     as the server does (``HotSwapRuntime.open``, ``HParams.from_metadata``, ``build_model``);
     ``within(runtime, path)`` wraps the forward (``emulate.emulating``). ``numerics="ggml"``:
-    the decoder rounds as ggml's CPU kernels do (native storage)."""
+    the decoder rounds as ggml's CPU kernels do (native storage), its KV cache F32 as the
+    reference runs here hold theirs (``llama_logits.py``: ``type_k = type_v = F32``)."""
     import torch
 
     from ggufswap.config import Storage
     from ggufswap.runtime import HotSwapRuntime
     from ggufswap.runtime.models import HParams, build_model
+    from ggufswap.runtime.models.ggml_numerics import kv_cache_type
+    from ggufswap.shards.ggml_types import GGMLType
 
     storage = Storage.NATIVE if numerics == "ggml" else Storage.DEQUANTIZED
     runtime = HotSwapRuntime.open(path, storage=storage)
@@ -609,7 +612,11 @@ def project_logits(
             store=runtime.store,
             numerics=numerics,
         )
-        with torch.inference_mode(), within(runtime, path) if within else nullcontext():
+        with (
+            torch.inference_mode(),
+            kv_cache_type(GGMLType.F32),
+            within(runtime, path) if within else nullcontext(),
+        ):
             out = model(torch.tensor([tokens], dtype=torch.int64))[0]
         return out.numpy().astype(np.float32)
     finally:

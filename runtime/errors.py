@@ -117,12 +117,18 @@ class WeightsLost(RuntimeLibraryError):
         )
 
 
+class GgmlLibraryError(RuntimeLibraryError, RuntimeError):
+    """The libggml asked for cannot be this process's: its package is not installed, or another
+    libggml already multiplies here (one a process, chosen before the first product)."""
+
+
 class SlotStateError(RuntimeLibraryError, RuntimeError):
     """A commit would put a slot in a state its buffers do not match: a bug, never an input
     problem. Raised before the commit changes anything."""
 
 
 __all__ = [
+    "GgmlLibraryError",
     "MapRefused",
     "NoPoolFits",
     "PlacementError",

@@ -31,6 +31,7 @@ from ggufswap.config import Storage
 from ggufswap.logs import get_logger
 from ggufswap.runtime.kernels import ggml_library
 from ggufswap.runtime.models import Decoder, Numerics
+from ggufswap.runtime.models.ggml_numerics import kv_cache_name
 from ggufswap.runtime.serving.perplexity import eval_batch, first_scored, scored_per_chunk
 from ggufswap.shards import TensorRecord
 from ggufswap.sweep.basefile import BaseLogProbs, BaseLogProbsWriter, encode_base_rows
@@ -104,6 +105,7 @@ class ChunkEvaluator:
         return {
             "numerics": self.numerics.value,
             "products": products(self.numerics),
+            "kv_cache": kv_cache_of(self.numerics),
             "n_ctx": self.n_ctx,
             "n_chunk": len(self.chunks),
             "scored_per_chunk": scored_per_chunk(self.n_ctx),
@@ -126,16 +128,21 @@ class ChunkEvaluator:
         stored = json.loads(path.read_text())
         numerics = stored.get("numerics", Numerics.EXACT.value)  # absent: before the option
         base_source = base.source if base is not None else self.source
-        same_base = stored.get("protocol", {}).get("baseline_model", base_source) == base_source
-        if stored.get("identity") == identity and numerics == self.numerics.value and same_base:
+        protocol = stored.get("protocol", {})
+        same_base = protocol.get("baseline_model", base_source) == base_source
+        ours = products(self.numerics), kv_cache_of(self.numerics)
+        theirs = protocol.get("products", ours[0]), protocol.get("kv_cache", "f32")  # absent: older
+        same = numerics == self.numerics.value and theirs == ours
+        if stored.get("identity") == identity and same and same_base:
             return dict(stored)
         if not (out_dir / JOURNAL).exists():
             return None
-        if numerics != self.numerics.value:
+        if not same:
             raise BaselineMismatch(
-                f"{out_dir} holds a sweep computed with numerics {numerics!r} ({path}), "
-                f"this one computes with {self.numerics.value!r}; use the same --numerics "
-                "or a new --out"
+                f"{out_dir} holds a sweep computed with numerics {numerics!r}, products of "
+                f"{theirs[0]}, KV cache {theirs[1]} ({path}); this one computes with "
+                f"{self.numerics.value!r}, products of {ours[0]}, KV cache {ours[1]}; use the "
+                "same --numerics and --ggml, or a new --out"
             )
         raise BaselineMismatch(
             f"{out_dir} holds the sweep of another model, text, context or baseline model "
@@ -217,6 +224,13 @@ class ChunkEvaluator:
         return [logits_digest(self.scored_logits(c)) for c in range(count)]
 
 
+def kv_cache_of(numerics: Numerics) -> str:
+    """How the keys and values are held: ggml numerics as llama-perplexity's default cache
+    (``f16``, unless :func:`~ggufswap.runtime.models.ggml_numerics.kv_cache_type` says F32),
+    float products unrounded (``f32``)."""
+    return kv_cache_name() if numerics is Numerics.GGML else "f32"
+
+
 def products(numerics: Numerics) -> str:
     """Whose arithmetic the products are, recorded beside the numerics: ggml numerics on
     ik_llama.cpp's libggml compare with ik_llama.cpp's llama-perplexity, on mainline's with
@@ -226,4 +240,5 @@ def products(numerics: Numerics) -> str:
     library = ggml_library()
     if library is None:
         return "emulated (mainline's rounding)"
-    return "ik_llama.cpp's libggml" if library.ik else "llama.cpp's libggml"
+    whose = "ik_llama.cpp's libggml" if library.ik else "llama.cpp's libggml"
+    return f"{whose} ({library.package})" if library.package else whose

@@ -6,13 +6,15 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ggufswap.ipc import Event, Job, Plan, PlanCommittedEvent
 from ggufswap.runtime import HotSwapRuntime, PlanState
-from ggufswap.runtime.models import Decoder, HParams, ModelError, build_model
+from ggufswap.runtime.errors import GgmlLibraryError
+from ggufswap.runtime.kernels import ggml_select
+from ggufswap.runtime.models import Decoder, HParams, ModelError, Numerics, build_model
 from ggufswap.runtime.serving.perplexity import first_scored, text_chunks, text_tokens
 from ggufswap.runtime.serving.tokenizer import GgufTokenizer
 from ggufswap.runtime.serving.tokenizer_cache import cache_dir
@@ -21,6 +23,7 @@ from ggufswap.sweep.basefile import BaseLogProbs
 from ggufswap.sweep.errors import RoundRefused, SourceError, SweepError
 from ggufswap.sweep.evaluate import ChunkEvaluator
 from ggufswap.sweep.ik_quantize import IkQuantizer
+from ggufswap.sweep.libggml import AUTO, choose
 from ggufswap.sweep.recipe import Recipe
 from ggufswap.sweep.sources import SCRATCH, TensorSet, TensorSources
 from ggufswap.sweep.sweep import (
@@ -159,6 +162,25 @@ class _baseline_evaluator:  # noqa: N801 (a context manager used as a function)
             self.runtime.close()
 
 
+def select_products(numerics: Numerics, option: str, types: Iterable[int]) -> str:
+    """Before the runtime loads: the libggml ggml numerics multiply with, ``option`` (``--ggml``)
+    resolved for the sweep's ``types`` (:func:`.libggml.choose`), made this process's; its choice
+    word. SweepError when it cannot be (its package absent, another already loaded)."""
+    if numerics is not Numerics.GGML:
+        return option
+    chosen = choose(option, types)
+    try:  # auto: the library this process already multiplies with, if any, stays
+        ggml_select(chosen, preferred=option == AUTO)
+    except GgmlLibraryError as exc:
+        raise SweepError(str(exc)) from None
+    return chosen
+
+
+def sweep_types(tensors: Mapping[str, TensorRecord], recipe: Recipe) -> set[int]:
+    """The types a sweep multiplies: the model's and the recipe's targets."""
+    return {int(r.ggml_type) for r in tensors.values()} | {int(t) for t in recipe.targets}
+
+
 def decoder_of(runtime: HotSwapRuntime, numerics: str) -> Decoder:
     """The model over ``runtime``'s store; SweepError when the architecture or numerics do not
     fit (ggml numerics need native storage)."""
@@ -204,6 +226,7 @@ def run_sweep(
     ``baseline_model``: the KLD's reference (default: the swept model itself).
     """
     shards = open_shard_set(model_path)
+    select_products(options.numerics, options.ggml, sweep_types(shards.tensors, recipe))
     sources = open_sources(
         str(model_path), out_dir=out_dir, originals=shards.tensors, models=models, imatrix=imatrix
     )

@@ -33,7 +33,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -56,6 +56,7 @@ from ggufswap.sweep.children import Child, CommitEvents, poll_until, status_of
 from ggufswap.sweep.errors import ChildFailed, RoundRefused, SourceError, SweepError
 from ggufswap.sweep.evaluate import BASELINE_JSON
 from ggufswap.sweep.inprocess import open_sources
+from ggufswap.sweep.libggml import choose
 from ggufswap.sweep.results import write_text
 from ggufswap.sweep.sources import TensorSet, TensorSources
 from ggufswap.sweep.suite import ORIGINALS
@@ -85,6 +86,8 @@ class ProcessTarget:
         max_chunks: int | None,
         threads: int | None = None,
         numerics: str = "ggml",
+        ggml: str = "auto",
+        targets: Iterable[int] = (),
         verify_chunks: int = 1,
         models: Mapping[int, TensorSet] | None = None,
         baseline_model: str | None = None,
@@ -114,6 +117,8 @@ class ProcessTarget:
         self.max_chunks = max_chunks
         self.threads = threads
         self.numerics = numerics
+        self.ggml = ggml  # --ggml, resolved for the model's and the targets' types at start
+        self.targets = frozenset(int(t) for t in targets)
         self.verify_chunks = verify_chunks
         self.models = models
         self.baseline_model = baseline_model
@@ -160,6 +165,8 @@ class ProcessTarget:
         if self.threads is not None:
             args += ["--threads", str(self.threads)]
         args += ["--numerics", self.numerics, "--verify-chunks", str(self.verify_chunks)]
+        types = {int(r.ggml_type) for r in self._originals.values()} | self.targets
+        args += ["--ggml", choose(self.ggml, types)]
         if self.baseline_model is not None:
             args += ["--baseline", self.baseline_model]
         runtime = Child("runtime", args, log_path=logs / "runtime.log")

@@ -111,7 +111,12 @@ class SweepWorker:
         from ggufswap.runtime import HotSwapRuntime
         from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
         from ggufswap.shards import open_shard_set
-        from ggufswap.sweep.inprocess import InProcessTarget, open_sources
+        from ggufswap.sweep.inprocess import (
+            InProcessTarget,
+            open_sources,
+            select_products,
+            sweep_types,
+        )
         from ggufswap.sweep.suite_dir import open_source
         from ggufswap.sweep.sweep import Sweep
 
@@ -123,6 +128,7 @@ class SweepWorker:
         if not self.restarted:  # a replacement keeps its predecessor's marker: a retried round
             (self.work_dir / CURRENT_ROUND).unlink(missing_ok=True)
         shards = open_shard_set(model_path)
+        select_products(options.numerics, options.ggml, sweep_types(shards.tensors, recipe))
         models = {int(t): open_source(p, t) for t, p in sources.items()}
         self.sources = open_sources(
             model_path, out_dir=self.work_dir, originals=shards.tensors, models=models,

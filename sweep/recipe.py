@@ -51,6 +51,11 @@ class Recipe:
     locked: tuple[re.Pattern[str], ...]
     source: str = "<recipe>"
 
+    @property
+    def targets(self) -> frozenset[GGMLType]:
+        """Every type a rule of the recipe sweeps to."""
+        return frozenset(q for rule in self.rules for q in rule.quants)
+
     @classmethod
     def load(cls, path: str | Path) -> Recipe:
         path = Path(path)

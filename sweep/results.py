@@ -124,7 +124,8 @@ def render_table(
     p = protocol
     lines.insert(
         0,
-        f"numerics {p.get('numerics')} ({p.get('products')}), ctx {p.get('n_ctx')}, "
+        f"numerics {p.get('numerics')} ({p.get('products')}, KV cache {p.get('kv_cache')}), "
+        f"ctx {p.get('n_ctx')}, "
         f"{chunks(p.get('n_chunk'))} "
         f"({p.get('scored_per_chunk')} scored each), text sha256 "
         f"{str(p.get('text_sha256'))[:16]}..., baseline {p.get('baseline_file')} of "

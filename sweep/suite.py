@@ -277,7 +277,8 @@ def _header(layout: SuiteLayout, unit: str, qtype: str) -> str:
     p = layout.protocol
     return (
         f"ggufswap sweep: {unit} -> {qtype} (llama-perplexity's protocol and output)\n"
-        f"ggufswap sweep: numerics {p.get('numerics')} ({p.get('products')}), "
+        f"ggufswap sweep: numerics {p.get('numerics')} ({p.get('products')}, "
+        f"KV cache {p.get('kv_cache')}), "
         f"n_ctx {p.get('n_ctx')}, "
         f"{p.get('n_chunk')} chunks ({p.get('scored_per_chunk')} scored each), "
         f"text sha256 {p.get('text_sha256')}, baseline {p.get('baseline_file')} "

@@ -66,6 +66,8 @@ class SweepOptions:
     # llama.cpp's CPU rounding by default: figures comparable with llama-perplexity's. It reads
     # each weight's type and blocks from the store, so it needs native storage.
     numerics: Numerics = Numerics.GGML
+    # which libggml's products (sweep/libggml.py): auto, mainline, ik, off or a path
+    ggml: str = "auto"
     storage: Storage = Storage.NATIVE
     plot: bool = False  # write OUT/sweep.png when matplotlib is installed (the CLI does)
     keep_scratch: bool = False  # keep OUT/scratch (and OUT/originals) at the end

@@ -220,3 +220,63 @@ def test_ggml_rms_norm_is_ggml_kernel_inside_a_ggml_forward_only() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         with_ggml_norms(forward)()
     assert not ggml_norms_active()
+
+
+def test_ggml_kv_cache_is_f16_inside_a_ggml_forward_unless_set_to_f32() -> None:
+    """Inside a ggml decoder's forward, keys and values are held as llama-perplexity's default
+    cache holds them (F16, round to nearest even, ggml's FP32->FP16); ``kv_cache_type(F32)``
+    keeps them unrounded, as does any forward outside ggml numerics; other types are refused."""
+    from ggufswap.runtime.models.ggml_numerics import (
+        ggml_norms,
+        kv_cache,
+        kv_cache_name,
+        kv_cache_type,
+    )
+    from ggufswap.shards.ggml_types import GGMLType
+
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(1, 64, 1, 256, generator=g), torch.randn(1, 64, 1, 256, generator=g) * 30
+    f16 = np.float16  # numpy's conversion rounds to nearest even, as F16C's _cvtss_sh(x, 0)
+    with ggml_norms():
+        assert kv_cache_name() == "f16"
+        k16, v16 = kv_cache(k, v)
+        assert np.array_equal(k16.numpy(), k.numpy().astype(f16).astype(np.float32))
+        assert np.array_equal(v16.numpy(), v.numpy().astype(f16).astype(np.float32))
+        assert not torch.equal(v16, v), "rounding changed some values"
+        with kv_cache_type(GGMLType.F32):
+            assert kv_cache_name() == "f32"
+            k32, v32 = kv_cache(k, v)
+            assert k32 is k
+            assert v32 is v
+    outside = kv_cache(k, v)
+    assert outside[0] is k
+    assert outside[1] is v
+    with pytest.raises(ModelError, match="F16 or F32, not Q8_0"), kv_cache_type(GGMLType.Q8_0):
+        pass
+
+
+def test_a_ggml_decoder_attends_over_f16_keys_and_values_by_default(tmp_path: Path) -> None:
+    """A ggml decoder's forward holds its keys and values as F16 (its logits differ from the same
+    forward under ``kv_cache_type(F32)``, which the golden fixtures use); an exact decoder's
+    forward never rounds them."""
+    from ggufswap.runtime.models.ggml_numerics import kv_cache_type
+    from ggufswap.shards.ggml_types import GGMLType
+
+    path, _ = xcheck.write_case(CASES["tiny-dense/Q8_0"].spec, tmp_path)
+    runtime = HotSwapRuntime.open(path, storage=Storage.NATIVE)
+    try:
+        assert runtime.shards is not None, "open() keeps the shard set"
+        config = HParams.from_metadata(runtime.shards.metadata)
+        tokens = torch.tensor([list(xcheck.TOKENS)])
+        logits = {}
+        for numerics in ("ggml", "exact"):
+            model = build_model(config, runtime.store, store=runtime.store, numerics=numerics)
+            with torch.inference_mode():
+                f16 = model(tokens)
+                with kv_cache_type(GGMLType.F32):
+                    f32 = model(tokens)
+            logits[numerics] = (f16, f32)
+        assert not torch.equal(*logits["ggml"]), "F16 keys and values change the ggml logits"
+        assert torch.equal(*logits["exact"]), "exact numerics never round them"
+    finally:
+        runtime.close()

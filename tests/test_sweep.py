@@ -37,7 +37,7 @@ from ggufswap.sweep import (
     SweepOptions,
     run_sweep,
 )
-from ggufswap.sweep.evaluate import ChunkEvaluator
+from ggufswap.sweep.evaluate import ChunkEvaluator, products
 from ggufswap.sweep.results import JOURNAL, KLD_CSV, PPL_CSV
 from ggufswap.sweep.sources import TensorSources
 
@@ -337,8 +337,9 @@ def test_tensors_from_a_model_in_the_target_type(tmp_path: Path) -> None:
 
 
 def test_ggml_numerics_are_recorded_and_a_resume_must_match(tmp_path: Path) -> None:
-    """A sweep with numerics "ggml" records them with its baseline; resuming its journal with
-    other numerics is refused, as is "ggml" over dequantized storage."""
+    """A sweep with numerics "ggml" records them and whose products with its baseline; resuming
+    its journal with other numerics or another library's products is refused, as is "ggml" over
+    dequantized storage."""
     model = ModelDir.write(tmp_path / "model", tiny_dense())
     recipe = Recipe.from_document({"quants": ["q4_0"], "tensors": [{"match": r"^blk\.0\.attn_q"}]})
     out = tmp_path / "out"
@@ -351,6 +352,12 @@ def test_ggml_numerics_are_recorded_and_a_resume_must_match(tmp_path: Path) -> N
     )
     with pytest.raises(SweepError, match="computed with numerics 'ggml'"):
         run_sweep(model.first, text=english(), recipe=recipe, out_dir=out, options=float_products)
+    assert json.loads((out / "protocol.json").read_text())["products"] == products(Numerics.GGML)
+    stored = json.loads((out / "baseline.json").read_text())
+    stored["protocol"]["products"] = "another libggml"
+    (out / "baseline.json").write_text(json.dumps(stored))
+    with pytest.raises(SweepError, match=r"products of another libggml.*--ggml"):
+        run_sweep(model.first, text=english(), recipe=recipe, out_dir=out, options=ggml)
     dequantized = SweepOptions(
         n_ctx=CTX, max_chunks=2, numerics=Numerics.GGML, storage=Storage.DEQUANTIZED
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 from ggufswap.runtime.kernels._ggml import describe as ggml_describe
 from ggufswap.runtime.kernels._ggml import float_products
 from ggufswap.runtime.kernels._ggml import library as ggml_library
+from ggufswap.runtime.kernels._ggml import select as ggml_select
 from ggufswap.runtime.kernels.dequant import KERNEL_TYPES, dequantize, has_kernel
 from ggufswap.runtime.kernels.experts import QuantizedExperts, grouped
 from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix, kernels, linear_all
@@ -33,6 +34,7 @@ __all__ = [
     "float_products",
     "ggml_describe",
     "ggml_library",
+    "ggml_select",
     "grouped",
     "has_kernel",
     "kernels",

@@ -8,10 +8,18 @@ float32 activations through it, one tiny graph per product (``ggml_mul_mat``, or
 llama.cpp computes on that libggml. Which libggml:
 
 - ``GGUFSWAP_GGML=/path/to/libggml.so`` (mainline's ``libggml-cpu.so`` or ik_llama.cpp's
-  ``libggml.so``), or ``GGUFSWAP_GGML=off`` for none;
-- else ik_llama.cpp's, from the ``ik-llama-cpp-python`` wheel (``ik_llama_cpp/lib/libggml.so``:
-  every mainline type and ik's own, with its iqk kernels);
+  ``libggml.so``), ``GGUFSWAP_GGML=mainline`` or ``ik`` (the installed package's), or
+  ``GGUFSWAP_GGML=off`` for none;
+- else (``auto``) ik_llama.cpp's, from the ``ik-llama-cpp-python`` wheel
+  (``ik_llama_cpp/lib/libggml.so``: every mainline type and ik's own, with its iqk kernels);
 - else mainline's, from ``llama-cpp-python`` (``llama_cpp/lib/libggml-cpu.so``).
+
+One libggml a process: the glue holds one, loaded on first use. :func:`select` chooses it before
+that (the sweep's ``--ggml``) and writes the choice to ``$GGUFSWAP_GGML``, so the processes this
+one starts multiply with the same library; asking for another once one is loaded is an error.
+(Both libraries do load side by side, ``RTLD_LOCAL``, their sonames differ: ``libggml.so``
+against ``libggml-base.so.0`` + ``libggml-cpu.so.0``; one a process keeps a process's figures
+one library's arithmetic.)
 
 The packages are found, never imported (they would load their own llama library too). Without
 one, or without the compiled glue (no compiler at install), :func:`library` is None and the
@@ -37,19 +45,27 @@ from typing import Any, Final
 
 import torch
 
+from ggufswap.runtime.errors import GgmlLibraryError
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, row_nbytes
 
 __all__ = [
+    "CHOICES",
     "ENV",
     "IK_TYPES",
     "MAINLINE_TYPES",
     "Library",
     "float_products",
     "library",
+    "package_library",
+    "select",
 ]
 
 ENV: Final = "GGUFSWAP_GGML"
 OFF: Final = "off"
+AUTO: Final = "auto"
+MAINLINE: Final = "mainline"
+IK: Final = "ik"
+CHOICES: Final = (AUTO, MAINLINE, IK, OFF)  # or a library's path
 
 T = GGMLType
 # Mainline types with a CPU vec_dot in both libraries (ik's fork keeps them).
@@ -283,16 +299,43 @@ def _package_lib(package: str, names: tuple[str, ...]) -> Path | None:
     return None
 
 
-def find() -> Path | None:
-    """The libggml to load: ``$GGUFSWAP_GGML``, else ik's wheel's, else llama-cpp-python's."""
-    chosen = os.environ.get(ENV, "").strip()
-    if chosen == OFF:
+def package_library(which: str) -> Path | None:
+    """The installed package's libggml: ``ik`` (ik-llama-cpp-python's) or ``mainline``
+    (llama-cpp-python's); None when that package is not installed."""
+    if which == IK:
+        return _package_lib("ik_llama_cpp", ("libggml.so",))
+    if which == MAINLINE:
+        return _package_lib("llama_cpp", ("libggml-cpu.so", "libggml.so"))
+    raise ValueError(f"no package library {which!r} (known: {IK}, {MAINLINE})")
+
+
+def resolve(choice: str) -> Path | None:
+    """The library ``choice`` names (:data:`CHOICES` or a path); None for ``off``, or for
+    ``auto`` with neither package installed (``auto`` is ``$GGUFSWAP_GGML`` when that is set).
+    GgmlLibraryError when ``mainline`` or ``ik`` is asked and its package is not installed."""
+    choice = choice.strip()
+    if choice in ("", AUTO):
+        choice = os.environ.get(ENV, "").strip()
+    if choice == OFF:
         return None
-    if chosen:
-        return Path(chosen)
-    return _package_lib("ik_llama_cpp", ("libggml.so",)) or _package_lib(
-        "llama_cpp", ("libggml-cpu.so", "libggml.so")
-    )
+    if choice in (MAINLINE, IK):
+        path = package_library(choice)
+        if path is None:
+            package = "ik-llama-cpp-python" if choice == IK else "llama-cpp-python"
+            raise GgmlLibraryError(
+                f"libggml {choice!r} asked (--ggml / ${ENV}), but {package} is not installed: "
+                f"install it, or choose another ({', '.join(CHOICES)}, or a libggml's path)"
+            )
+        return path
+    if choice and choice != AUTO:
+        return Path(choice)
+    return package_library(IK) or package_library(MAINLINE)
+
+
+def find() -> Path | None:
+    """The libggml to load: ``$GGUFSWAP_GGML`` (:func:`resolve`), by default ik's wheel's, else
+    llama-cpp-python's."""
+    return resolve(AUTO)
 
 
 def _glue() -> ModuleType | None:
@@ -329,7 +372,10 @@ def _passive_openmp() -> Iterator[None]:
 
 def _load() -> tuple[Library | None, str]:
     """The library and a line saying which (or why none)."""
-    path = find()
+    try:
+        path = find()
+    except GgmlLibraryError as exc:
+        return None, str(exc)
     if path is None:
         return None, f"no libggml ({ENV}=off, or neither ik-llama-cpp-python nor llama-cpp-python)"
     module = _glue()
@@ -362,6 +408,31 @@ def library() -> Library | None:
     if "loaded" not in _STATE:
         _STATE["loaded"] = _load()
     return _STATE["loaded"][0]
+
+
+def select(choice: str, *, preferred: bool = False) -> Library | None:
+    """Make ``choice`` (:data:`CHOICES` or a path) this process's libggml, before its first
+    product, and ``$GGUFSWAP_GGML`` say so for the processes it starts. GgmlLibraryError when
+    the package asked for is not installed, or when another libggml (or none) is already this
+    process's: one a process, chosen up front. ``preferred``: a wish, not an order (the sweep's
+    ``auto``): the library already loaded, if any, stays without an error."""
+    if preferred and "loaded" in _STATE:
+        return _STATE["loaded"][0]
+    path = resolve(choice)
+    wanted = None if path is None else path.resolve()
+    if "loaded" in _STATE:
+        current = _STATE["loaded"][0]
+        if (None if current is None else current.path.resolve()) == wanted:
+            return current
+        whose = "no libggml" if current is None else current.name
+        raise GgmlLibraryError(
+            f"libggml {choice!r} ({wanted or 'none'}) asked, but this process already multiplies "
+            f"with {whose} ({describe()}): one libggml a process, chosen before the first "
+            f"product; set "
+            f"{ENV}={choice} (or --ggml {choice}) when the process starts"
+        )
+    os.environ[ENV] = OFF if wanted is None else str(wanted)
+    return library()
 
 
 def describe() -> str:

@@ -25,6 +25,12 @@ agrees in expectation, within its standard error (docs/sweep.md).
   summed in double, the mean rounded to float, ``1.0f / sqrtf(mean + eps)``, ``(x * scale) * w``.
   The decoders' float32 norm differs by an ulp in a fifth of the rows, and a real model's
   activations hold many values within an ulp of an 8-bit rounding tie: that ulp flips them.
+- The KV cache as ``llama-perplexity`` keeps it by default (``--cache-type-k/-v f16``, flash
+  attention ``auto``, which is on for the CPU): keys (after RoPE) and values rounded to F16
+  (:func:`kv_cache`); a batch's flash attention on the CPU reads them as F16 values and computes
+  in float32 (ggml-cpu's ``ggml_compute_forward_flash_attn_ext_tiled``), as the decoders' float32
+  attention does. :func:`kv_cache_type` sets F32 instead (llama-cpp-python's ``Llama`` with
+  ``type_k = type_v = F32``, ``crosscheck/llama_logits.py``'s reference).
 
 How: ``build_model(..., numerics="ggml")`` gives the decoder a :class:`GgmlWeights` over the
 store (native storage: the weight's type and blocks are at hand); its ``matrix`` and
@@ -71,6 +77,8 @@ __all__ = [
     "gelu",
     "ggml_norms",
     "ggml_norms_active",
+    "kv_cache",
+    "kv_cache_type",
     "q8_blocks",
     "q8_k",
     "rms_norm",
@@ -196,6 +204,36 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     mean = ((xf * xf).double().sum(-1, keepdim=True) / xf.shape[-1]).float()
     scale = torch.rsqrt(mean + eps)
     return ((xf * scale) * w.to(device=x.device, dtype=torch.float32)).to(x.dtype)
+
+
+# The KV cache's type a ggml decoder's forward rounds keys and values to (llama-perplexity's
+# default F16; F32: no rounding).
+_KV_TYPE: ContextVar[GGMLType] = ContextVar("ggufswap_ggml_kv_type", default=T.F16)
+
+
+@contextmanager
+def kv_cache_type(ggml_type: GGMLType) -> Iterator[None]:
+    """Within the block, ggml decoders' keys and values are held as ``ggml_type`` (F16 or F32)."""
+    if ggml_type not in (T.F16, T.F32):
+        raise ModelError(f"numerics 'ggml' holds the KV cache as F16 or F32, not {ggml_type.name}")
+    token = _KV_TYPE.set(ggml_type)
+    try:
+        yield
+    finally:
+        _KV_TYPE.reset(token)
+
+
+def kv_cache_name() -> str:
+    """``f16`` or ``f32``: what a ggml decoder's forward holds keys and values as here."""
+    return _KV_TYPE.get().name.lower()
+
+
+def kv_cache(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values as llama.cpp's KV cache holds them: inside a ggml decoder's forward
+    (:func:`ggml_norms`) rounded to F16 unless :func:`kv_cache_type` says F32; else as given."""
+    if not _GGML_NORMS.get() or _KV_TYPE.get() is not T.F16:
+        return k, v
+    return k.half().to(k.dtype), v.half().to(v.dtype)
 
 
 def ggml_norms_active() -> bool:

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables
 from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider, linear, linears
+from ggufswap.runtime.models.ggml_numerics import kv_cache
 from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.shards.keys import TensorNames
@@ -93,6 +94,7 @@ def attend(
     cached keys and values first when ``cache``): query head ``h`` reads kv head ``h // (H /
     Hkv)``, without copies of K/V (:func:`grouped_attention`); ``[B, T, H * hd]``."""
     bsz, seq, heads, _ = q.shape
+    k, v = kv_cache(k, v)  # with ggml numerics: as llama.cpp's cache holds them (F16)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H(kv), T, hd]
     if cache is not None:  # the rope tables already carry start_pos = cache.length
         k, v = cache.update(layer, k, v)  # [B, Hkv, S, hd]
