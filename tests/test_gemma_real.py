@@ -134,9 +134,7 @@ def test_tokenizer_round_trips_text_and_knows_the_special_tokens(gemma: Loaded) 
     assert not misses, [tok.token(i) for i in misses]
 
 
-def test_the_cached_tokenizer_encodes_as_the_built_one(
-    gemma: Loaded, gguf_path: Path
-) -> None:
+def test_the_cached_tokenizer_encodes_as_the_built_one(gemma: Loaded, gguf_path: Path) -> None:
     """Gemma's tokenizer written to the cache and loaded back (its 513k merges as "left right")
     encodes and decodes every text, special tokens parsed or not, as the one built here."""
     from structlog.testing import capture_logs
