@@ -6,15 +6,22 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor
 
+from ggufswap.runtime import rows_rms_norm
 from ggufswap.runtime.models.ggml_numerics import ggml_norms_active
 from ggufswap.runtime.models.ggml_numerics import rms_norm as ggml_rms_norm
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     """llama.cpp's RMS norm over the last dim, in float32, scaled by ``w`` (in a forward of a
-    decoder with ggml's numerics: ggml's own rounding, :func:`.ggml_numerics.rms_norm`)."""
+    decoder with ggml's numerics: ggml's own rounding, :func:`.ggml_numerics.rms_norm`).
+
+    float32 rows on the CPU with a weight per value are normed by the compiled row operation
+    (ggml's norm, one call: :func:`~ggufswap.runtime.rows_rms_norm`); the torch ops otherwise."""
     if ggml_norms_active():
         return ggml_rms_norm(x, w, eps)
+    fused = rows_rms_norm(x, w, eps)
+    if fused is not None:
+        return fused
     # F.rms_norm: x * rsqrt(mean(x^2) + eps) * w, the same float32 operations in one call; a
     # weight that broadcasts (one row per head) multiplies after
     wf = w.to(device=x.device, dtype=torch.float32)
