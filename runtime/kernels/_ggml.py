@@ -211,9 +211,7 @@ class Library:
         n_tokens, n_used = ids.shape
         per_token = 1 if x.dim() == 2 else x.shape[1]
         flat = _activations(x, cols)  # [N * per_token, cols]
-        picked = ids.to(torch.int32).contiguous()
-        if picked.numel() and (int(picked.min()) < 0 or int(picked.max()) >= n_expert):
-            raise ValueError(f"expert ids outside [0, {n_expert}): {ids.tolist()}")
+        picked = _expert_ids(ids, n_expert)
         out = torch.empty(n_tokens, n_used, rows, dtype=torch.float32)
         self.module.mul_mat_id(
             _ptr(raw),
@@ -230,6 +228,24 @@ class Library:
             threads(),
         )
         return out
+
+
+# The ids last checked and their int32 copy: a layer's projections share one routing, so a
+# step converts and checks it once (the strong reference keeps its identity from being reused).
+_LAST_IDS: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+
+
+def _expert_ids(ids: torch.Tensor, n_expert: int) -> torch.Tensor:
+    """``ids`` as contiguous int32, each checked to be in ``[0, n_expert)`` (ggml would abort
+    the process on another), or ValueError."""
+    last = _LAST_IDS[0] if _LAST_IDS else None
+    if last is not None and last[0] is ids and last[1] == n_expert:
+        return last[2]
+    picked = ids.to(torch.int32).contiguous()
+    if picked.numel() and (int(picked.min()) < 0 or int(picked.max()) >= n_expert):
+        raise ValueError(f"expert ids outside [0, {n_expert}): {ids.tolist()}")
+    _LAST_IDS[:] = [(ids, n_expert, picked)]
+    return picked
 
 
 def threads() -> int:
