@@ -255,7 +255,7 @@ def threads() -> int:
 
 def _activations(x: torch.Tensor, cols: int) -> torch.Tensor:
     """``x`` as the contiguous float32 CPU rows ggml reads."""
-    if x.dtype is torch.float32 and x.is_contiguous() and x.device.type == "cpu":
+    if x.dtype is torch.float32 and x.is_cpu and x.is_contiguous():
         return x.view(-1, cols)
     return x.to(device="cpu", dtype=torch.float32).reshape(-1, cols).contiguous()
 

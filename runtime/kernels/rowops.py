@@ -44,7 +44,7 @@ def available() -> bool:
 
 
 def _rows(x: torch.Tensor) -> bool:
-    return x.dtype is _F32 and x.device.type == "cpu" and x.is_contiguous()
+    return x.dtype is _F32 and x.is_cpu and x.is_contiguous()
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
