@@ -172,7 +172,7 @@ class Library:
             flat.data_ptr(),
             flat.shape[0],
             out.data_ptr(),
-            threads(),
+            threads(flat.shape[0] * raw.numel()),
         )
         return out.view(*x.shape[:-1], rows)
 
@@ -188,7 +188,7 @@ class Library:
             flat.data_ptr(),
             flat.shape[0],
             cols,
-            threads(),
+            threads(flat.shape[0] * sum(raw.numel() for raw, _, _ in matrices)),
             [
                 (_ptr(raw), int(t), rows, out.data_ptr())
                 for (raw, t, rows), out in zip(matrices, outs, strict=True)
@@ -225,7 +225,7 @@ class Library:
             picked.data_ptr(),
             n_used,
             out.data_ptr(),
-            threads(),
+            threads(picked.numel() * raw.numel() // n_expert),
         )
         return out
 
@@ -248,8 +248,19 @@ def _expert_ids(ids: torch.Tensor, n_expert: int) -> torch.Tensor:
     return picked
 
 
-def threads() -> int:
-    """Threads ggml's products run on: torch's count (the runtime's thread policy sets it)."""
+# A product that reads fewer weight bytes than this, times its activation rows, runs on one
+# thread: waking the other threads (one OpenMP region per call, idle workers asleep under
+# OMP_WAIT_POLICY=PASSIVE) costs more than they save on a decode step's small matrices. The
+# results do not depend on the thread count (above).
+SMALL_PRODUCT_BYTES: Final = 4 << 20
+
+
+def threads(work: int | None = None) -> int:
+    """Threads ggml's products run on: torch's count (the runtime's thread policy sets it), or
+    one for a product of ``work`` weight bytes times activation rows under
+    :data:`SMALL_PRODUCT_BYTES`."""
+    if work is not None and work < SMALL_PRODUCT_BYTES:
+        return 1
     return torch.get_num_threads()
 
 
