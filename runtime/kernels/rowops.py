@@ -6,7 +6,8 @@ NEOX rotation a dozen). :func:`rms_norm` and :func:`rope` do each in one pass ov
 float32 CPU rows:
 
 - :func:`rms_norm` is ggml's (``ggml_compute_forward_rms_norm_f32`` then the weight's mul):
-  the squares summed in double, in order; the same bits as llama.cpp's CPU norm;
+  the squares summed in double, in order; the same bits as llama.cpp's CPU norm (the decoders
+  with ggml's numerics norm with it; the others keep torch's float32 norm);
 - :func:`rope` is the float32 arithmetic of ``RopeTables.rotate``'s torch ops, each product and
   sum rounded alike: the same bits.
 
