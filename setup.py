@@ -49,6 +49,14 @@ setup(
             optional=True,
         ),
         Extension(
+            # A decode step's RMS norms and RoPE in one call each (runtime/kernels/rowops.py);
+            # no FMA contraction: the float32 operations of ggml's norm and of torch's rotation.
+            "ggufswap.runtime.kernels._rowops",
+            sources=["runtime/kernels/csrc/rowops.c"],
+            extra_compile_args=["-O2", "-ffp-contract=off", "-fno-math-errno", "-std=c11"],
+            optional=True,
+        ),
+        Extension(
             # The SIGBUS guard of mapped shards (runtime/mapping.py): without it, map_shards
             # cannot defend against a file truncated under its mapping, and maps nothing.
             "ggufswap.runtime._sigbus",

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
         grouped,
         has_kernel,
         linear_all,
+        rows_rms_norm,
+        rows_rope,
     )
     from ggufswap.runtime.placement import Placement
     from ggufswap.runtime.plans import PlanState, PlanTicket
@@ -64,6 +66,8 @@ _HOMES: dict[str, str] = {  # name -> the module that defines it
     "grouped": "ggufswap.runtime.kernels",
     "has_kernel": "ggufswap.runtime.kernels",
     "linear_all": "ggufswap.runtime.kernels",
+    "rows_rms_norm": "ggufswap.runtime.kernels",
+    "rows_rope": "ggufswap.runtime.kernels",
     "PlanState": "ggufswap.runtime.plans",
     "PlanTicket": "ggufswap.runtime.plans",
     "Buffer": "ggufswap.runtime.pools",
@@ -114,4 +118,6 @@ __all__ = [
     "grouped",
     "has_kernel",
     "linear_all",
+    "rows_rms_norm",
+    "rows_rope",
 ]

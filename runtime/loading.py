@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import torch
@@ -55,6 +55,16 @@ CHUNK_BYTES: Final = 8 << 20  # per read: big enough for sequential I/O, small e
 PREFAULT = True  # fault each direct chunk's pages in with one madvise call before reading
 READAHEAD = True  # posix_fadvise: SEQUENTIAL per tensor, WILLNEED for the next chunk
 RING: Final = 3  # staged chunk buffers: one being read, one being decoded, one spare
+
+
+@dataclass
+class LoadReport:
+    """What a store's load did: tensors, bytes read, seconds, bytes placed per pool."""
+
+    tensors: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0  # reading and decoding, placement excluded
+    placed: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

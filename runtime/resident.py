@@ -116,5 +116,13 @@ class ForwardViews:
             self._views[(kind, name)] = view
         return view
 
+    def find(self, kind: str, name: str) -> object | None:
+        """The ``kind`` view of ``name`` made since the last ``clear``, or None."""
+        return self._views.get((kind, name))
+
+    def keep(self, kind: str, name: str, view: object) -> None:
+        """Remember ``view`` as the ``kind`` view of ``name`` until the next ``clear``."""
+        self._views[(kind, name)] = view
+
     def clear(self) -> None:
         self._views.clear()

@@ -9,6 +9,7 @@ a split tensor one expert at a time through :class:`SplitTensor`, on that expert
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -167,9 +168,17 @@ class SplitTensor:
         rows, cols = self.shape[1], self.shape[2]
         return QuantizedMatrix(flat, self.record.ggml_type, (rows, cols), self.record.name)
 
+    @functools.cached_property
+    def _blocks(self) -> QuantizedExperts | None:
+        return self._make_blocks()
+
     def blocks(self) -> QuantizedExperts | None:
         """The whole stack in its GGUF blocks, when it is one part in native storage (what one
-        grouped product multiplies from); None for a split or decoded stack."""
+        grouped product multiplies from); None for a split or decoded stack. Made once: the
+        parts and record of a stack never change (a commit makes new stacks)."""
+        return self._blocks
+
+    def _make_blocks(self) -> QuantizedExperts | None:
         if not self.native or len(self.parts) != 1:
             return None
         _, rows, cols = self.shape

@@ -15,7 +15,7 @@ Storage modes:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -25,7 +25,7 @@ from ggufswap.ipc import SlotState
 from ggufswap.logs import get_logger
 from ggufswap.runtime.families import DerivedTensor, family_of
 from ggufswap.runtime.kernels import QuantizedMatrix, dequantize
-from ggufswap.runtime.loading import Loader, LoadJob, Segment, trim_heap
+from ggufswap.runtime.loading import Loader, LoadJob, LoadReport, Segment, trim_heap
 from ggufswap.runtime.mapping import ShardMaps
 from ggufswap.runtime.placement import Placement, placement_units, plan_placement
 from ggufswap.runtime.pools import Buffer, Pool, PoolSet, first_fit
@@ -106,14 +106,6 @@ class Slot:
         )
 
 
-@dataclass
-class LoadReport:
-    tensors: int = 0
-    bytes_read: int = 0
-    seconds: float = 0.0  # reading and decoding, placement excluded
-    placed: dict[str, int] = field(default_factory=dict)
-
-
 class TensorStore:
     """A model's tensors in slots; implements the model's ``WeightProvider``."""
 
@@ -155,6 +147,8 @@ class TensorStore:
         return name in self.slots or name in self.derived
 
     def weight(self, name: str) -> torch.Tensor:
+        if isinstance(view := self.views.find("weight", name), torch.Tensor):
+            return view  # a float view made below, until the next commit
         if name in self.derived_values:
             return self.derived_values[name]
         slot = self.slots[name]
@@ -190,9 +184,13 @@ class TensorStore:
         matrix's blocks (:class:`QuantizedMatrix`): a few activation rows multiply from them,
         many rows use the decoded cache's copy when every dense matrix fits the cache (decoded
         once), else a scratch decode per use. Elsewhere, the decoded tensor."""
+        if isinstance(found := self.views.find("matrix", name), QuantizedMatrix):
+            return found  # blocks a compiled kernel multiplies (below), until the next commit
         matrix = self.blocks(name)  # None but for a native 2-D slot
         if matrix is None or self._is_view(self.slots[name].record):
             return self.weight(name)
+        if matrix.compiled:  # multiplied from its blocks whatever the numerics
+            self.views.keep("matrix", name, matrix)
         return matrix if matrix.multiplies_blocks else self.weight(name)
 
     def blocks(self, name: str) -> QuantizedMatrix | None:

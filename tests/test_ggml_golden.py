@@ -73,10 +73,12 @@ def experts(family: str, name: str) -> QuantizedExperts:
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    """ggml's products on 1 and 2 threads (restored afterwards)."""
+def threads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """ggml's products on 1 and 2 threads (restored afterwards), small products included (they
+    run on one thread otherwise: ``_ggml.SMALL_PRODUCT_BYTES``)."""
     before = torch.get_num_threads()
     torch.set_num_threads(request.param)
+    monkeypatch.setattr(_ggml, "SMALL_PRODUCT_BYTES", 0)
     yield request.param
     torch.set_num_threads(before)
 
@@ -181,3 +183,12 @@ def test_every_type_ggml_multiplies_has_golden_data() -> None:
     mainline, ik = set(recorded("mainline")), set(recorded("ik"))
     assert {t.name for t in _ggml.MAINLINE_TYPES} <= mainline & ik
     assert {t.name for t in _ggml.IK_TYPES} <= ik
+
+
+def test_small_products_run_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A product under SMALL_PRODUCT_BYTES (weight bytes times rows) takes one thread, a larger
+    one torch's count: waking idle workers for a decode step's small matrices costs more."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert _ggml.threads(_ggml.SMALL_PRODUCT_BYTES - 1) == 1
+    assert _ggml.threads(_ggml.SMALL_PRODUCT_BYTES) == 2
+    assert _ggml.threads() == 2

@@ -8,6 +8,8 @@
   (:class:`QuantizedMatrix`): through ggml's own kernels where a libggml is found at run time
   (:mod:`._ggml`, ``csrc/ggmlcall.c``), else the compiled float kernels, else decoding into
   per-role scratch (:mod:`.scratch`);
+- :mod:`.rowops` computes a decode step's RMS norms and RoPE rotations in one compiled call
+  each (``csrc/rowops.c``; None where it does not apply: the caller's torch ops then);
 - :mod:`.experts` multiplies a MoE layer's routed experts in one call per projection
   (:class:`QuantizedExperts`: ggml's ``mul_mat_id``; :func:`grouped` for any stack).
 
@@ -24,6 +26,8 @@ from ggufswap.runtime.kernels._ggml import select as ggml_select
 from ggufswap.runtime.kernels.dequant import KERNEL_TYPES, dequantize, has_kernel
 from ggufswap.runtime.kernels.experts import QuantizedExperts, grouped
 from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix, kernels, linear_all
+from ggufswap.runtime.kernels.rowops import rms_norm as rows_rms_norm
+from ggufswap.runtime.kernels.rowops import rope as rows_rope
 from ggufswap.runtime.kernels.scratch import role_scratch
 
 __all__ = [
@@ -40,4 +44,6 @@ __all__ = [
     "kernels",
     "linear_all",
     "role_scratch",
+    "rows_rms_norm",
+    "rows_rope",
 ]

@@ -188,7 +188,7 @@ class Library:
             flat.data_ptr(),
             flat.shape[0],
             out.data_ptr(),
-            threads(),
+            threads(flat.shape[0] * raw.numel()),
         )
         return out.view(*x.shape[:-1], rows)
 
@@ -204,7 +204,7 @@ class Library:
             flat.data_ptr(),
             flat.shape[0],
             cols,
-            threads(),
+            threads(flat.shape[0] * sum(raw.numel() for raw, _, _ in matrices)),
             [
                 (_ptr(raw), int(t), rows, out.data_ptr())
                 for (raw, t, rows), out in zip(matrices, outs, strict=True)
@@ -227,9 +227,7 @@ class Library:
         n_tokens, n_used = ids.shape
         per_token = 1 if x.dim() == 2 else x.shape[1]
         flat = _activations(x, cols)  # [N * per_token, cols]
-        picked = ids.to(torch.int32).contiguous()
-        if picked.numel() and (int(picked.min()) < 0 or int(picked.max()) >= n_expert):
-            raise ValueError(f"expert ids outside [0, {n_expert}): {ids.tolist()}")
+        picked = _expert_ids(ids, n_expert)
         out = torch.empty(n_tokens, n_used, rows, dtype=torch.float32)
         self.module.mul_mat_id(
             _ptr(raw),
@@ -243,18 +241,49 @@ class Library:
             picked.data_ptr(),
             n_used,
             out.data_ptr(),
-            threads(),
+            threads(picked.numel() * raw.numel() // n_expert),
         )
         return out
 
 
-def threads() -> int:
-    """Threads ggml's products run on: torch's count (the runtime's thread policy sets it)."""
+# The ids last checked and their int32 copy: a layer's projections share one routing, so a
+# step converts and checks it once (the strong reference keeps its identity from being reused).
+_LAST_IDS: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+
+
+def _expert_ids(ids: torch.Tensor, n_expert: int) -> torch.Tensor:
+    """``ids`` as contiguous int32, each checked to be in ``[0, n_expert)`` (ggml would abort
+    the process on another), or ValueError."""
+    last = _LAST_IDS[0] if _LAST_IDS else None
+    if last is not None and last[0] is ids and last[1] == n_expert:
+        return last[2]
+    picked = ids.to(torch.int32).contiguous()
+    if picked.numel() and (int(picked.min()) < 0 or int(picked.max()) >= n_expert):
+        raise ValueError(f"expert ids outside [0, {n_expert}): {ids.tolist()}")
+    _LAST_IDS[:] = [(ids, n_expert, picked)]
+    return picked
+
+
+# A product that reads fewer weight bytes than this, times its activation rows, runs on one
+# thread: waking the other threads (one OpenMP region per call, idle workers asleep under
+# OMP_WAIT_POLICY=PASSIVE) costs more than they save on a decode step's small matrices. The
+# results do not depend on the thread count (above).
+SMALL_PRODUCT_BYTES: Final = 4 << 20
+
+
+def threads(work: int | None = None) -> int:
+    """Threads ggml's products run on: torch's count (the runtime's thread policy sets it), or
+    one for a product of ``work`` weight bytes times activation rows under
+    :data:`SMALL_PRODUCT_BYTES`."""
+    if work is not None and work < SMALL_PRODUCT_BYTES:
+        return 1
     return torch.get_num_threads()
 
 
 def _activations(x: torch.Tensor, cols: int) -> torch.Tensor:
     """``x`` as the contiguous float32 CPU rows ggml reads."""
+    if x.dtype is torch.float32 and x.is_cpu and x.is_contiguous():
+        return x.view(-1, cols)
     return x.to(device="cpu", dtype=torch.float32).reshape(-1, cols).contiguous()
 
 

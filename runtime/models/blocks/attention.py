@@ -128,7 +128,7 @@ def grouped_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
         )
     rows = None  # one query attending every key (a decode step within its window): no mask
-    if mask is not None and not bool(mask.all()):
+    if mask is not None:
         k, v, rows = _window(k, v, mask)
         rows = None if rows is None else rows.repeat(group, 1)  # [g, S]: each head of a group
     y = F.scaled_dot_product_attention(
@@ -141,13 +141,33 @@ def _window(k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor 
     """One query's keys under ``mask [1, S]``: where the keys it may attend are one run (a
     sliding window), that run alone and no mask, so a decode step of a local layer reads its
     window, not the whole cache (llama.cpp's SWA cache holds the window only); else all, masked."""
-    keep = mask[0].nonzero().flatten()
-    if keep.numel() == 0:
+    span = _span(mask)
+    if span is None:
         return k, v, mask
-    lo, hi = int(keep[0]), int(keep[-1]) + 1
-    if hi - lo != keep.numel():
-        return k, v, mask
+    lo, hi = span
+    if (lo, hi) == (0, k.shape[2]):
+        return k, v, None
     return k[:, :, lo:hi], v[:, :, lo:hi], None
+
+
+# The mask last asked about and its run of keys: the layers of a kind share one mask per step,
+# so a step reads each mask once (the strong reference keeps its identity from being reused).
+_LAST_SPAN: list[tuple[Tensor, tuple[int, int] | None]] = []
+
+
+def _span(mask: Tensor) -> tuple[int, int] | None:
+    """``(lo, hi)`` where the keys ``mask [1, S]`` allows are the one run ``lo .. hi - 1``;
+    None where they are not one run (or none)."""
+    last = _LAST_SPAN[0] if _LAST_SPAN else None
+    if last is not None and last[0] is mask:
+        return last[1]
+    keep = mask[0].nonzero().flatten()
+    span = None
+    if keep.numel():
+        lo, hi = int(keep[0]), int(keep[-1]) + 1
+        span = (lo, hi) if hi - lo == keep.numel() else None
+    _LAST_SPAN[:] = [(mask, span)]
+    return span
 
 
 class GatedAttention(nn.Module):

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ggufswap.runtime import rows_rope
 from ggufswap.runtime.models.hparams import HParams, RopeType
 
 # llama_hparams' YaRN defaults (yarn_beta_fast / yarn_beta_slow).
@@ -43,8 +44,13 @@ class RopeTables:
     rope_type: RopeType
 
     def rotate(self, x: Tensor) -> Tensor:
-        """NORM rotates (x[2i], x[2i+1]), NEOX (x[i], x[i + n_rot/2]); dims past n_rot pass."""
+        """NORM rotates (x[2i], x[2i+1]), NEOX (x[i], x[i + n_rot/2]); dims past n_rot pass
+        (float32 CPU rows in one compiled call, :func:`~ggufswap.runtime.rows_rope`: the same
+        bits as these torch ops)."""
         # x: [B, T, H, hd]
+        fused = rows_rope(x, self.cos, self.sin, self.n_rot, neox=self.rope_type != RopeType.NORM)
+        if fused is not None:
+            return fused
         cos, sin = self.cos[None, :, None, :], self.sin[None, :, None, :]  # [1, T, 1, n_rot/2]
         rot, rest = x[..., : self.n_rot].float(), x[..., self.n_rot :]
         if self.rope_type == RopeType.NORM:
