@@ -192,3 +192,16 @@ def test_small_products_run_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> No
     assert _ggml.threads(_ggml.SMALL_PRODUCT_BYTES - 1) == 1
     assert _ggml.threads(_ggml.SMALL_PRODUCT_BYTES) == 2
     assert _ggml.threads() == 2
+
+
+def test_routing_ids_written_in_place_are_checked_again() -> None:
+    """The routing's int32 copy, kept for a layer's three products, is made again when the same
+    ids tensor was written in place since: a reused buffer never serves stale or unchecked ids."""
+    ids = torch.tensor([[0, 1]])
+    assert _ggml._expert_ids(ids, 4).tolist() == [[0, 1]]
+    assert _ggml._expert_ids(ids, 4) is _ggml._expert_ids(ids, 4)  # the same step: kept
+    ids[0, 1] = 3
+    assert _ggml._expert_ids(ids, 4).tolist() == [[0, 3]]
+    ids[0, 0] = 7
+    with pytest.raises(ValueError, match="outside"):
+        _ggml._expert_ids(ids, 4)

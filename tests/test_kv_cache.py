@@ -223,3 +223,16 @@ def test_the_batcher_decodes_with_the_cache_as_full_forwards_would(
             uncached = uncached[: uncached.index(tokenizer.eos_id)]
         assert "\ufffd" not in tokenizer.decode(uncached), "pick a prompt without byte tokens"
         assert text == tokenizer.decode(uncached)
+
+
+def test_a_mask_written_in_place_is_read_again() -> None:
+    """The run of keys a step's mask allows is kept for the step's layers, and read again when
+    the same mask tensor was written in place since."""
+    from ggufswap.runtime.models.blocks.attention import _span
+
+    mask = torch.tensor([[False, True, True, False]])
+    assert _span(mask) == (1, 3)
+    mask[0, 3] = True
+    assert _span(mask) == (1, 4)
+    mask[0, 2] = False
+    assert _span(mask) is None  # no longer one run
