@@ -18,10 +18,25 @@ from ggufswap.shards import leases
 EXIT_FORCED = 130
 
 
+class HandlerSafeEvent(threading.Event):
+    """A :class:`threading.Event` that a signal handler may set.
+
+    A handler runs in the main thread between two bytecodes, possibly while that thread holds
+    the event's lock inside ``Event.wait`` (a daemon loop's ``stop.wait(timeout)``). A plain
+    Event's lock is not reentrant, so ``set()`` from that handler waited forever for a lock its
+    own thread held: SIGTERM now and then left a runtime hanging, nothing logged. This event's
+    condition is built on an ``RLock``, which the handler re-enters.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cond = threading.Condition(threading.RLock())
+
+
 class ProcessSignals:
     def __init__(self) -> None:
-        self.stop = threading.Event()
-        self.reload = threading.Event()
+        self.stop: threading.Event = HandlerSafeEvent()
+        self.reload: threading.Event = HandlerSafeEvent()
         self._interrupts = 0
 
     def install(self) -> ProcessSignals:
