@@ -194,9 +194,16 @@ def test_small_products_run_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> No
     assert _ggml.threads() == 2
 
 
-def test_routing_ids_written_in_place_are_checked_again() -> None:
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_routing_ids_written_in_place_are_checked_again(inference: bool) -> None:
     """The routing's int32 copy, kept for a layer's three products, is made again when the same
-    ids tensor was written in place since: a reused buffer never serves stale or unchecked ids."""
+    ids tensor was written in place since (inference tensors included, which keep no version
+    counter): a reused buffer never serves stale or unchecked ids."""
+    with torch.inference_mode(inference):
+        _routing_ids_written_in_place_are_checked_again()
+
+
+def _routing_ids_written_in_place_are_checked_again() -> None:
     ids = torch.tensor([[0, 1]])
     assert _ggml._expert_ids(ids, 4).tolist() == [[0, 1]]
     assert _ggml._expert_ids(ids, 4) is _ggml._expert_ids(ids, 4)  # the same step: kept

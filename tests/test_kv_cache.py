@@ -4,7 +4,7 @@ architecture, and the server's cached greedy decoding gives the text of uncached
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -225,11 +225,18 @@ def test_the_batcher_decodes_with_the_cache_as_full_forwards_would(
         assert text == tokenizer.decode(uncached)
 
 
-def test_a_mask_written_in_place_is_read_again() -> None:
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_a_mask_written_in_place_is_read_again(inference: bool) -> None:
     """The run of keys a step's mask allows is kept for the step's layers, and read again when
-    the same mask tensor was written in place since."""
+    the same mask tensor was written in place since (inference tensors included, which keep no
+    version counter)."""
     from ggufswap.runtime.models.blocks.attention import _span
 
+    with torch.inference_mode(inference):
+        _mask_written_in_place_is_read_again(_span)
+
+
+def _mask_written_in_place_is_read_again(_span: Callable[[torch.Tensor], object]) -> None:
     mask = torch.tensor([[False, True, True, False]])
     assert _span(mask) == (1, 3)
     mask[0, 3] = True

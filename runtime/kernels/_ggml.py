@@ -246,22 +246,30 @@ class Library:
         return out
 
 
-# The ids last checked, their version counter and their int32 copy: a layer's projections share
-# one routing, so a step converts and checks it once (the strong reference keeps its identity from
-# being reused; the version counter, which every in-place write bumps, catches a reused buffer).
-_LAST_IDS: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []
+# A copy of the ids last checked and their int32 form: a layer's projections share one routing,
+# so a step converts and checks it once. Matched by content (a copy, compared with torch.equal),
+# not identity: a buffer reused and written in place is checked again (inference tensors, what a
+# served step makes, keep no version counter).
+_LAST_IDS: list[tuple[torch.Tensor, int, torch.Tensor]] = []
 
 
 def _expert_ids(ids: torch.Tensor, n_expert: int) -> torch.Tensor:
     """``ids`` as contiguous int32, each checked to be in ``[0, n_expert)`` (ggml would abort
     the process on another), or ValueError."""
     last = _LAST_IDS[0] if _LAST_IDS else None
-    if last is not None and last[0] is ids and last[1] == ids._version and last[2] == n_expert:
-        return last[3]
+    if (
+        last is not None
+        and last[1] == n_expert
+        and last[0].shape == ids.shape
+        and last[0].dtype == ids.dtype
+        and last[0].device == ids.device
+        and torch.equal(last[0], ids)
+    ):
+        return last[2]
     picked = ids.to(torch.int32).contiguous()
     if picked.numel() and (int(picked.min()) < 0 or int(picked.max()) >= n_expert):
         raise ValueError(f"expert ids outside [0, {n_expert}): {ids.tolist()}")
-    _LAST_IDS[:] = [(ids, ids._version, n_expert, picked)]
+    _LAST_IDS[:] = [(ids.clone(), n_expert, picked)]
     return picked
 
 

@@ -150,24 +150,30 @@ def _window(k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor 
     return k[:, :, lo:hi], v[:, :, lo:hi], None
 
 
-# The mask last asked about, its version counter and its run of keys: the layers of a kind share
-# one mask per step, so a step reads each mask once (the strong reference keeps its identity from
-# being reused; the version counter, which every in-place write bumps, catches a reused buffer).
-_LAST_SPAN: list[tuple[Tensor, int, tuple[int, int] | None]] = []
+# A copy of the mask last asked about and its run of keys: the layers of a kind share one mask
+# per step, so a step reads each mask once. Matched by content (a copy, compared with
+# torch.equal), not identity: a buffer reused and written in place is read again (inference
+# tensors, what a served step makes, keep no version counter).
+_LAST_SPAN: list[tuple[Tensor, tuple[int, int] | None]] = []
 
 
 def _span(mask: Tensor) -> tuple[int, int] | None:
     """``(lo, hi)`` where the keys ``mask [1, S]`` allows are the one run ``lo .. hi - 1``;
     None where they are not one run (or none)."""
     last = _LAST_SPAN[0] if _LAST_SPAN else None
-    if last is not None and last[0] is mask and last[1] == mask._version:
-        return last[2]
+    if (
+        last is not None
+        and last[0].shape == mask.shape
+        and last[0].device == mask.device
+        and torch.equal(last[0], mask)
+    ):
+        return last[1]
     keep = mask[0].nonzero().flatten()
     span = None
     if keep.numel():
         lo, hi = int(keep[0]), int(keep[-1]) + 1
         span = (lo, hi) if hi - lo == keep.numel() else None
-    _LAST_SPAN[:] = [(mask, mask._version, span)]
+    _LAST_SPAN[:] = [(mask.clone(), span)]
     return span
 
 
