@@ -191,10 +191,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_CONFIG
-    # Before any model load: every socket (and the HTTP port, unless held) free, the model readable.
-    problems = runtime_problems(
-        config, http_port=None if early is not None else (serve.host, serve.port)
-    )
+    # Before any model load: every socket (and the HTTP port, in http mode unless held) free,
+    # the model readable. The mode is the command line's over the configuration's.
+    unheld = serve.mode is ServeMode.HTTP and early is None
+    problems = runtime_problems(config, http_port=(serve.host, serve.port) if unheld else None)
     if problems:
         if early is not None:
             early.handover().close()

@@ -16,7 +16,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from ggufswap.config import Config, ServeMode, Transport, transport_of
+from ggufswap.config import Config, Transport, transport_of
 
 IPC_PREFIX = "ipc://"
 
@@ -130,7 +130,8 @@ def _where(config: Config) -> str:
 
 def runtime_problems(config: Config, *, http_port: tuple[str, int] | None) -> list[str]:
     """One line per reason ``ggufswap runtime`` would fail after loading: model unreadable,
-    endpoint directory unwritable, endpoint or HTTP port (``http_port``) taken."""
+    endpoint directory unwritable, endpoint or HTTP port (``http_port``, given only when the
+    runtime will bind it) taken."""
     rc = config.require_runtime()
     where = _where(config)
     problems = []
@@ -155,7 +156,7 @@ def runtime_problems(config: Config, *, http_port: tuple[str, int] | None) -> li
         if why is not None and why not in seen:
             seen.add(why)
             problems.append(f"{where}: {key}: {endpoint}: {why}")
-    if http_port is not None and rc.serve.mode is ServeMode.HTTP:
+    if http_port is not None:  # the caller's: the mode may be the command line's
         host, port = http_port
         why = port_problem(host, port)
         if why is not None:

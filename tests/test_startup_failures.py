@@ -107,6 +107,28 @@ def test_http_port_in_use(tmp_path: Path, first: Path, run_dir: Path) -> None:
     assert_one_clear_line(code, output, str(config), "runtime.serve.port", str(port), "in use")
 
 
+def test_the_http_port_is_not_checked_when_the_command_line_picks_another_mode(
+    tmp_path: Path, first: Path, run_dir: Path
+) -> None:
+    """``--mode probe`` over a configuration in http mode: a taken HTTP port is none of the
+    runtime's business (it binds none), so the one problem named is the events socket's."""
+    port = free_port()
+    held_port = socket.socket()
+    held_port.bind(("127.0.0.1", port))
+    held_port.listen()
+    held_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    held_socket.bind(str(run_dir / "m.events.sock"))
+    held_socket.listen()
+    config = tmp_path / "m.yaml"
+    config.write_text(f"runtime: {{model: {first}, serve: {{port: {port}}}}}\n")
+    try:
+        code, output = start_runtime(config, run_dir, "--mode", "probe")
+    finally:
+        held_port.close()
+        held_socket.close()
+    assert_one_clear_line(code, output, str(config), "runtime.events_endpoint", "in use")
+
+
 def test_torch_missing_names_the_extra(tmp_path: Path, first: Path, run_dir: Path) -> None:
     """Without torch (the runtime extra), ``ggufswap runtime`` says which extra to install."""
     shim = tmp_path / "no-torch"
