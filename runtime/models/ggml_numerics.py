@@ -206,6 +206,16 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return ((xf * scale) * w.to(device=x.device, dtype=torch.float32)).to(x.dtype)
 
 
+@contextmanager
+def _scoped(var: ContextVar[Any], value: Any) -> Iterator[None]:
+    """``var`` holds ``value`` within the block (this thread / context), as it did after."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 # The KV cache's type a ggml decoder's forward rounds keys and values to (llama-perplexity's
 # default F16; F32: no rounding).
 _KV_TYPE: ContextVar[GGMLType] = ContextVar("ggufswap_ggml_kv_type", default=T.F16)
@@ -216,11 +226,8 @@ def kv_cache_type(ggml_type: GGMLType) -> Iterator[None]:
     """Within the block, ggml decoders' keys and values are held as ``ggml_type`` (F16 or F32)."""
     if ggml_type not in (T.F16, T.F32):
         raise ModelError(f"numerics 'ggml' holds the KV cache as F16 or F32, not {ggml_type.name}")
-    token = _KV_TYPE.set(ggml_type)
-    try:
+    with _scoped(_KV_TYPE, ggml_type):
         yield
-    finally:
-        _KV_TYPE.reset(token)
 
 
 def kv_cache_name() -> str:
@@ -244,11 +251,8 @@ def ggml_norms_active() -> bool:
 @contextmanager
 def ggml_norms() -> Iterator[None]:
     """Within the block (this thread / context), the decoders' RMS norms are ggml's."""
-    token = _GGML_NORMS.set(True)
-    try:
+    with _scoped(_GGML_NORMS, True):
         yield
-    finally:
-        _GGML_NORMS.reset(token)
 
 
 def with_ggml_norms(forward: Callable[..., Any]) -> Callable[..., Any]:
