@@ -137,6 +137,18 @@ def test_a_failed_load_gives_its_pools_back_everything(
     assert pools[0].used == 0
 
 
+def dequantized_and_native_logits(first: Path, token: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``token``'s logits from a fresh load in dequantized storage, then in native storage."""
+    out = []
+    for storage in (Storage.DEQUANTIZED, Storage.NATIVE):
+        runtime, model = open_runtime(first, storage=storage)
+        try:
+            out.append(logits(model, token))
+        finally:
+            runtime.close()
+    return tuple(out)
+
+
 @pytest.mark.usefixtures(float_kernels.__name__)
 def test_native_moe_reads_only_the_routed_experts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -148,16 +160,7 @@ def test_native_moe_reads_only_the_routed_experts(
     spec = tiny_moe(n_expert=16, n_expert_used=2)
     model_dir = ModelDir.write(tmp_path / "model", spec)
     token = torch.tensor([[3]])
-    expected_rt, expected_model = open_runtime(model_dir.first, storage=Storage.DEQUANTIZED)
-    try:
-        expected = logits(expected_model, token)
-    finally:
-        expected_rt.close()
-    fresh_rt, fresh_model = open_runtime(model_dir.first, storage=Storage.NATIVE)
-    try:
-        fresh = logits(fresh_model, token)
-    finally:
-        fresh_rt.close()
+    expected, fresh = dequantized_and_native_logits(model_dir.first, token)
     runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE)
     read: list[tuple[str, tuple[int, int]]] = []
     real = experts_module.QuantizedMatrix
@@ -191,16 +194,7 @@ def test_native_moe_with_ggml_is_one_routed_product_per_projection(
     spec = tiny_moe(n_expert=16, n_expert_used=2)
     model_dir = ModelDir.write(tmp_path / "model", spec)
     token = torch.tensor([[3]])
-    expected_rt, expected_model = open_runtime(model_dir.first, storage=Storage.DEQUANTIZED)
-    try:
-        expected = logits(expected_model, token)
-    finally:
-        expected_rt.close()
-    fresh_rt, fresh_model = open_runtime(model_dir.first, storage=Storage.NATIVE)
-    try:
-        fresh = logits(fresh_model, token)
-    finally:
-        fresh_rt.close()
+    expected, fresh = dequantized_and_native_logits(model_dir.first, token)
     runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE)
     calls: list[tuple[int, ...]] = []
     real = type(library).mul_mat_id
