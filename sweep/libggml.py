@@ -4,7 +4,7 @@ ggml numerics take their products from a libggml (``runtime/kernels/_ggml.py``),
 are then that library's arithmetic: llama.cpp's with mainline's libggml (llama-cpp-python's), to
 compare with mainline's ``llama-perplexity``; ik_llama.cpp's with its fork's (the
 ``ik-llama-cpp-python`` wheel), to compare with ik_llama.cpp's, whose activation rounding differs
-(its mean KLD of a round is a third lower on Gemma 3: docs/sweep.md). One library a process,
+(its mean KLD of a round is 25 % lower on Gemma 3: docs/sweep.md). One library a process,
 chosen before the first product. ``auto`` (the default) takes mainline's when llama-cpp-python
 is installed and every type of the sweep (the model's and the recipe's targets) is mainline's,
 else ik_llama.cpp's when installed, else whatever the process finds (``$GGUFSWAP_GGML``, then
