@@ -48,6 +48,7 @@ from typing import Any, Final
 import structlog
 import torch
 from _real import REAL_PACKAGE, real_model
+from _rows import row
 from gguf import GGMLQuantizationType
 
 from ggufswap.config import MapShards, Storage
@@ -89,16 +90,6 @@ def moe_spec(name: str, *, n_layers: int, n_embd: int, n_expert: int, n_ff: int)
         context_length=512,
         types=EXPERT_TYPES,
     )
-
-
-def row(name: str, baseline_s: float, ours_s: float, target: float | None) -> dict[str, Any]:
-    return {
-        "name": name,
-        "baseline_s": baseline_s,
-        "ours_s": ours_s,
-        "ratio": baseline_s / ours_s if ours_s > 0 else float("inf"),
-        "target": target,
-    }
 
 
 # -- load and memory (a child process per measurement) -----------------------------------------

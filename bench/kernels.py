@@ -34,6 +34,7 @@ from typing import Any, Final
 
 import numpy as np
 import torch
+from _rows import row
 
 from ggufswap.runtime import QuantizedMatrix, float_products
 from ggufswap.runtime.kernels import _ggml
@@ -44,12 +45,6 @@ ROWS, COLS = 2048, 2048
 T = GGMLType
 MAINLINE: Final = (T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
 IK: Final = (T.IQ4_KS, T.IQ4_K, T.IQ5_K)
-
-
-def row(name: str, baseline_s: float, ours_s: float, target: float | None) -> dict[str, Any]:
-    ratio = baseline_s / ours_s if ours_s > 0 else float("inf")
-    return {"name": name, "baseline_s": baseline_s, "ours_s": ours_s, "ratio": ratio,
-            "target": target}  # fmt: skip
 
 
 def blocks(t: GGMLType) -> torch.Tensor:

@@ -41,21 +41,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
+from _rows import row
+
 HERE: Final = Path(__file__).resolve()
 REPO: Final = HERE.parent.parent
 LLAMA_PYTHON: Final = REPO / ".venv-crosscheck" / "bin" / "python"
 PROMPT: Final = [2, 818, 5279, 529, 7001, 563, 496, 1024]  # "<bos>The capital of France is a..."
 EVAL_TOKENS: Final = 512
-
-
-def row(name: str, baseline_s: float, ours_s: float, target: float | None) -> dict[str, Any]:
-    return {
-        "name": name,
-        "baseline_s": baseline_s,
-        "ours_s": ours_s,
-        "ratio": baseline_s / ours_s if ours_s > 0 else float("inf"),
-        "target": target,
-    }
 
 
 def _json_child(argv: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
