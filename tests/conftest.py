@@ -23,11 +23,13 @@ import pluggy
 import pytest
 import tiers
 import zmq
+import zygote as zygotes
 from watchdog.observers.inotify_c import InotifyFD
 
 if TYPE_CHECKING:  # imported by the fixtures themselves: the agent's tests need no torch
-    from fault_helpers import Rig, Zygote
+    from fault_helpers import Rig
     from hostile import Live
+    from zygote import Zygote
 
 # How long a finished test's threads may take to end, and its descriptors to close (libzmq closes
 # a socket's descriptors in its own I/O thread, after ``close()`` returned). The leak checks' own
@@ -86,6 +88,8 @@ def _open_fds() -> dict[int, str]:
     """This process's open descriptors and what each points to."""
     fds: dict[int, str] = {}
     for name in os.listdir("/proc/self/fd"):
+        if int(name) in zygotes.SHARED_FDS:
+            continue  # the worker's zygote, kept for the worker's life
         try:
             fds[int(name)] = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
@@ -122,17 +126,11 @@ def sockdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("s")
 
 
-@pytest.fixture(scope="module")
-def zygote() -> Iterator[Zygote]:
-    """A process that has imported the runtime and forks ``ggufswap`` commands on request
-    (fault_helpers.Zygote), shared by a module's tests."""
-    from fault_helpers import Zygote
-
-    z = Zygote()
-    try:
-        yield z
-    finally:
-        z.close()
+@pytest.fixture
+def zygote() -> Zygote:
+    """The worker's zygote (tests/zygote.py): a process that has imported the runtime and forks
+    ``ggufswap`` commands on request, started by the first test that needs it."""
+    return zygotes.shared()
 
 
 @pytest.fixture

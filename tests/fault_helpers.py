@@ -2,28 +2,23 @@
 and the checks that prove nothing was lost, mixed or applied twice.
 
 A runtime restart normally pays ~2 s of ``import torch``; a 50-iteration kill loop cannot. The
-:class:`Zygote` is a helper process that imports the runtime once and then forks one child per
-``ggufswap runtime`` command: the child runs the very same ``ggufswap`` entry point (argument
-parsing, logging, signal handlers, model load, sockets, serve loop) without the interpreter start,
-so killing it is a real SIGKILL of a real runtime process. The agent (no torch, ~0.5 s to start)
-runs as an ordinary ``ggufswap agent`` subprocess.
+runtimes are forked by the worker's zygote (tests/zygote.py): each runs the very same
+``ggufswap`` entry point without the interpreter start, so killing it is a real SIGKILL of a real
+runtime process. The agent (no torch, ~0.5 s to start) runs as an ordinary ``ggufswap agent``
+subprocess, or forked too for kill loops.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tiers
-from processes import GGUFSWAP, PROBE_INTERVAL_S, Proc, close_piped, status_of, wait_for
+from processes import GGUFSWAP, PROBE_INTERVAL_S, Proc, status_of, wait_for
 from runtime_helpers import ModelDir, fresh_digest, loaded_bytes
+from zygote import Child, Zygote
 
 from ggufswap.ipc import MessageType, PeerTimeout, Subscriber, Topic, make_message, request
 from ggufswap.runtime import Storage
@@ -31,125 +26,6 @@ from ggufswap.shards import Fingerprinter, open_shard_set, tiny_moe
 
 MODEL = "tiny-moe"
 WAIT_S = 60.0  # bound of every wait on the processes (a broken build fails, never hangs)
-
-_ZYGOTE = r"""
-import json, os, signal, sys, traceback
-from ggufswap.main import main
-import ggufswap.runtime.serving.daemon  # torch and the runtime, imported once before any fork
-
-signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
-sys.stdout.write("ready\n"); sys.stdout.flush()
-for line in sys.stdin:
-    req = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            os.environ.update(req.get("env", {}))
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-            log = os.open(req["log"], flags, 0o644)
-            out = os.open(req["out"], flags, 0o644) if "out" in req else os.dup(log)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0); os.dup2(out, 1); os.dup2(log, 2)
-            os.close(log); os.close(out); os.close(null)
-            code = main(req["args"])
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush(); sys.stderr.flush()
-            with open(req["exit"], "w") as f:
-                f.write(str(code))
-            os._exit(code)
-    sys.stdout.write(f"{pid}\n"); sys.stdout.flush()
-"""
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
-class Zygote:
-    """A process that has imported the runtime and forks ``ggufswap`` commands on request."""
-
-    def __init__(self) -> None:
-        self.popen = subprocess.Popen(
-            [sys.executable, "-c", _ZYGOTE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            # One torch thread, as the tests' in-process fresh loads use: results are bit-exact
-            # only between equal thread counts (and 2 busy cores gain nothing from more).
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-        )
-        assert self.popen.stdout is not None
-        assert self.popen.stdin is not None
-        first = self.popen.stdout.readline().strip()
-        assert first == "ready", f"zygote did not start: {first!r}"
-
-    def spawn(
-        self,
-        args: list[str],
-        *,
-        log: Path,
-        out: Path | None = None,
-        env: dict[str, str] | None = None,
-    ) -> Child:
-        """Fork ``ggufswap ARGS``: its stderr goes to ``log``, and its stdout too unless ``out``
-        names a file of its own (a command whose printed output is checked); ``env`` is added
-        to the child's environment."""
-        tiers.starting(f"asked the zygote to fork `ggufswap {' '.join(args[:1])}`")
-        assert self.popen.stdin is not None
-        assert self.popen.stdout is not None
-        exit_file = log.with_suffix(".exit")
-        request: dict[str, Any] = {"args": args, "log": str(log), "exit": str(exit_file)}
-        if out is not None:
-            request["out"] = str(out)
-        if env:
-            request["env"] = env
-        request_line = json.dumps(request)
-        self.popen.stdin.write(request_line + "\n")
-        self.popen.stdin.flush()
-        return Child(int(self.popen.stdout.readline()), log, exit_file)
-
-    def close(self) -> None:
-        close_piped(self.popen)
-
-
-@dataclass
-class Child:
-    """A forked ``ggufswap`` process (not our child: the zygote reaps it)."""
-
-    pid: int
-    log_path: Path
-    exit_path: Path
-
-    def alive(self) -> bool:
-        return not gone(self.pid)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        """SIGKILL and wait until the process is gone."""
-        if not gone(self.pid):
-            os.kill(self.pid, signal.SIGKILL)
-        wait_for(lambda: gone(self.pid), timeout=10, what=f"pid {self.pid} to die", interval=0.005)
-
-    def stop(self, *, timeout: float = 15.0) -> int:
-        """SIGTERM, wait, return the exit code the process wrote."""
-        if not gone(self.pid):
-            os.kill(self.pid, signal.SIGTERM)
-            wait_for(lambda: gone(self.pid), timeout=timeout, what=f"pid {self.pid} to stop")
-        return int(self.exit_path.read_text() or "-1")
-
-    def exit_code(self) -> int:
-        """The exit code the ended process wrote (-1: it wrote none, e.g. it was killed)."""
-        return int(self.exit_path.read_text() or "-1") if self.exit_path.exists() else -1
 
 
 def disk_fingerprints(first: Path, fingerprinter: Fingerprinter) -> dict[str, str]:
@@ -424,4 +300,4 @@ def iter_fds(base: Path) -> Iterator[str]:
         return
 
 
-__all__ = ["GGUFSWAP", "Child", "CommitLog", "Rig", "Zygote", "gone", "proc_counts"]
+__all__ = ["GGUFSWAP", "CommitLog", "Rig", "proc_counts"]

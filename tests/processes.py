@@ -6,10 +6,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+import zygote
 
 from ggufswap.ipc import Fields, MessageType, PeerTimeout, make_message, request
 
@@ -27,15 +30,38 @@ def run_ggufswap(
     *args: str | os.PathLike[str], timeout: float = 60.0, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run ``ggufswap ARGS`` to the end (killed after ``timeout``); its exit code and text output,
-    with ``env`` added to this process's environment."""
+    with ``env`` added to this process's environment. A command that imports torch is forked
+    from the worker's zygote (tests/zygote.py), the others run as subprocesses."""
+    argv = [*map(str, args)]
+    if zygote.forkable(argv, dict(env or {})):
+        return _run_forked(argv, timeout=timeout, env=dict(env or {}))
     return subprocess.run(
-        [GGUFSWAP, *map(str, args)],
+        [GGUFSWAP, *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
         env={**os.environ, **(env or {})},
         check=False,
     )
+
+
+def _run_forked(
+    argv: list[str], *, timeout: float, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    with tempfile.TemporaryDirectory(prefix="ggufswap-run-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        child = zygote.shared().spawn(argv, log=err, out=out, env=env)
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            raise subprocess.TimeoutExpired([GGUFSWAP, *argv], timeout) from None
+        return subprocess.CompletedProcess(
+            [GGUFSWAP, *argv],
+            code,
+            out.read_text(errors="replace"),
+            err.read_text(errors="replace"),
+        )
 
 
 def close_piped(popen: subprocess.Popen[Any], *, timeout_s: float = 10.0) -> None:
@@ -77,7 +103,8 @@ def status_of(endpoint: str, *, timeout: float = 1.0) -> dict[str, Any] | None:
 
 
 class Proc:
-    """A ``ggufswap`` subprocess with its log in a file."""
+    """A ``ggufswap`` process with its log in a file: forked from the worker's zygote when it
+    imports torch (tests/zygote.py), else a subprocess."""
 
     def __init__(
         self,
@@ -86,9 +113,16 @@ class Proc:
         log: Path,
         env: dict[str, str] | None = None,
         wrapper: tuple[str, ...] = (),
+        fresh: bool = False,
     ) -> None:
-        """``wrapper``: a command that runs ``ggufswap ARGS`` (``unshare ...``, ``setpriv ...``)."""
+        """``wrapper``: a command that runs ``ggufswap ARGS`` (``unshare ...``, ``setpriv ...``);
+        ``fresh``: the installed command from its interpreter's start, never forked."""
         self.log_path = log
+        self.popen: subprocess.Popen[bytes] | zygote.Child
+        if not (wrapper or fresh) and zygote.forkable(args, env):
+            self._log: BinaryIO | None = None
+            self.popen = zygote.shared().spawn(args, log=log, env=env)
+            return
         self._log = log.open("wb")
         try:
             self.popen = subprocess.Popen(
@@ -120,18 +154,24 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(5)
-                self._log.close()
+                self._close_log()
                 raise AssertionError(
                     f"process did not stop within {timeout}s:\n{self.log()}"
                 ) from None
-        self._log.close()
-        return self.popen.returncode
+        self._close_log()
+        code = self.popen.returncode
+        assert code is not None
+        return code
 
     def kill(self) -> None:
         if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait(10)
-        self._log.close()
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
 
 
 def write_config(

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fault_helpers import Child, Zygote
 from gguf import GGMLQuantizationType as Q
 from processes import PROBE, Proc, status_of, wait_for
+from zygote import Child, Zygote
 
 from ggufswap.ipc import MessageType, make_message, request
 from ggufswap.shards import Layout, open_shard_set, requantize, tiny_moe, write_model

@@ -12,10 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fault_helpers import WAIT_S, CommitLog, Rig, Zygote
+from fault_helpers import WAIT_S, CommitLog, Rig
 from processes import wait_for
 from reliability import record
 from runtime_helpers import Q, one_thread
+from zygote import Zygote
 
 from ggufswap.shards import atomic_copy
 

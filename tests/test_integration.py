@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fault_helpers import Child, Zygote
 from gguf import GGMLQuantizationType as Q
 from processes import PROBE, Proc, status_of, wait_for, write_config
 from runtime_helpers import fresh_digest, one_thread
+from zygote import Child, Zygote
 
 from ggufswap.shards import (
     Fingerprinter,

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sysconfig
 from pathlib import Path
 from typing import Any
 
 import pytest
-from processes import GGUFSWAP, Proc, status_of, wait_for
+from processes import Proc, run_ggufswap, status_of, wait_for
 from runtime_helpers import ModelDir, Q, one_thread
 
 from ggufswap.config import Storage
@@ -80,14 +79,7 @@ def reference(
 
 
 def ggufswap(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [GGUFSWAP, *args],
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-        env={**os.environ, **ENV},
-        check=False,
-    )
+    return run_ggufswap(*args, timeout=WAIT_S, env=ENV)
 
 
 def test_perplexity_of_a_model_on_english_text(tmp_path: Path, text_file: Path) -> None:
@@ -218,10 +210,9 @@ def test_real_model_perplexity_on_english_text(tmp_path: Path, real_gemma: Path)
     128 tokens, its second half scored, llama.cpp's rounding."""
     text = tmp_path / "license.txt"
     text.write_text(license_text(), encoding="utf-8")
-    run = subprocess.run(
-        [GGUFSWAP, "perplexity", "--model", str(real_gemma), "--text", str(text), "--ctx", "128",
-         "--chunks", "1", "--json"],
-        capture_output=True, text=True, timeout=800, env={**os.environ, **ENV}, check=False,
+    run = run_ggufswap(
+        "perplexity", "--model", str(real_gemma), "--text", str(text), "--ctx", "128",
+        "--chunks", "1", "--json", timeout=800, env=ENV,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     (line,) = run.stdout.splitlines()
@@ -234,11 +225,10 @@ def test_progress_lines_when_not_on_a_terminal(tmp_path: Path, text_file: Path) 
     """Off a terminal, the load and the evaluation log structured progress lines (done, total,
     rate, time left) at the configured interval."""
     models = ModelDir.write(tmp_path / "model", tiny_dense())
-    run = subprocess.run(
-        [GGUFSWAP, "perplexity", "--model", str(models.first), "--text", str(text_file),
-         "--ctx", str(CTX), "--batch", "1", "--json"],
-        capture_output=True, text=True, timeout=WAIT_S, check=False,
-        env={**os.environ, **ENV, "GGUFSWAP_PROGRESS_INTERVAL_S": "1e-9"},
+    run = run_ggufswap(
+        "perplexity", "--model", str(models.first), "--text", str(text_file),
+        "--ctx", str(CTX), "--batch", "1", "--json", timeout=WAIT_S,
+        env={**ENV, "GGUFSWAP_PROGRESS_INTERVAL_S": "1e-9"},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     lines = [json.loads(line) for line in run.stderr.splitlines() if line.startswith("{")]

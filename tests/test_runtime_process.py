@@ -1,7 +1,7 @@
 """The runtime as a real process: control socket, plans, status, hostile frames, shutdown. The
-runtimes are forked by the module's zygote (fault_helpers.Zygote: ``import torch`` once for the
-module), each running the ``ggufswap`` entry point; the shutdown test's is a fresh interpreter (a
-zygote's child ends with ``os._exit``, skipping the interpreter's own shutdown)."""
+runtimes are forked by the worker's zygote (tests/zygote.py: ``import torch`` once for the
+worker), each running the ``ggufswap`` entry point; the shutdown test's is a fresh interpreter
+(the installed command from its start)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import zmq
-from fault_helpers import Child, Zygote
 from gguf import GGMLQuantizationType as Q
 from processes import PROBE, Proc, status_of, wait_for
 from runtime_helpers import fresh_digest, one_thread
+from zygote import Child, Zygote
 
 from ggufswap.ipc import (
     DealerClient,
@@ -80,7 +80,7 @@ def served_fresh(tmp_path: Path) -> Iterator[tuple[list[Path], str, Proc]]:
     """``served`` with the runtime a fresh ``ggufswap`` interpreter."""
     paths, config, control = write_served(tmp_path)
     args = [a.format(config=config) for a in RUNTIME_ARGS]
-    proc = Proc(args, log=tmp_path / "runtime.log")
+    proc = Proc(args, log=tmp_path / "runtime.log", fresh=True)
     try:
         wait_for(lambda: status_of(control), timeout=60, what="the runtime to answer status")
         yield paths, control, proc

@@ -7,10 +7,9 @@ with the text an in-process server gives; ``ggufswap runtime --mode perplexity``
 weight version 0 the perplexity an in-process evaluation of its stream gives; and ``ggufswap
 perplexity`` prints the perplexity of the same text windows evaluated in this process. The three
 processes start together and the references are computed while they load; a module's zygote
-(fault_helpers.Zygote: one ``import torch`` for the module) forks them, each running the
+(tests/zygote.py: one ``import torch`` for the worker) forks them, each running the
 ``ggufswap`` entry point, so a case costs no interpreter start. The first preset's two runtimes
-are fresh interpreters (a zygote's child ends with ``os._exit``, skipping the interpreter's own
-shutdown): each mode is seen to start and exit 0 as the installed command. Every wait has a
+are fresh interpreters: each mode is seen to start and exit 0 as the installed command. Every wait has a
 timeout.
 """
 
@@ -22,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fault_helpers import Child, Zygote, gone
 from processes import Proc, status_of, wait_for
 from runtime_helpers import ModelDir, one_thread
 from test_http import WAIT_S, complete, start_server
 from test_perplexity_cmd import license_text, reference
+from zygote import Child, Zygote
 
 from ggufswap.runtime import HotSwapRuntime, Storage
 from ggufswap.runtime.models import HParams, build_model
@@ -84,7 +83,7 @@ def start_runtime(
     args = ["runtime", "--config", str(config), "--mode", mode, "--threads", "1", *extra]
     log = tmp / f"{mode}.log"
     if zygote is None:
-        return Proc(args, log=log, env=ENV), control
+        return Proc(args, log=log, env=ENV, fresh=True), control
     return zygote.spawn(args, log=log), control
 
 
@@ -135,8 +134,7 @@ def test_every_architecture_runs_in_the_reference_server(
         windows_ppl = reference(models.first, text, ctx=CTX, batch=4)
         stream_ppl = stream_perplexity(models.first)
 
-        wait_for(lambda: gone(command.pid), timeout=START_S, what="ggufswap perplexity to exit")
-        assert command.exit_code() == 0, command.log()
+        assert command.wait(START_S) == 0, command.log()
         (line,) = printed.read_text().splitlines()
         result = json.loads(line)
         assert result["weight_version"] == 0

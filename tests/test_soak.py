@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from fault_helpers import Rig, Zygote, proc_counts
+from fault_helpers import Rig, proc_counts
 from reliability import record
 from runtime_helpers import ModelDir, Q, cpu_pools, loaded_bytes, logits, one_thread, open_runtime
+from zygote import Zygote
 
 from ggufswap.runtime import SlotState, Storage
 

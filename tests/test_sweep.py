@@ -7,9 +7,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import signal
-import subprocess
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -17,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from processes import GGUFSWAP, wait_for
+from processes import Proc, run_ggufswap, wait_for
 from runtime_helpers import ModelDir, Q, one_thread
 
 from ggufswap.config import Storage
@@ -236,7 +233,7 @@ def test_refused_round_is_reported_and_never_recorded(tmp_path: Path) -> None:
 
 def sweep_command(model: Path, text: Path, recipe: Path, out: Path) -> list[str]:
     return [
-        GGUFSWAP, "sweep", "--model", str(model), "--text", str(text), "--recipe", str(recipe),
+        "sweep", "--model", str(model), "--text", str(text), "--recipe", str(recipe),
         "--out", str(out), "--ctx", str(CTX), "--chunks", str(CHUNKS), "--no-progress",
     ]  # fmt: skip
 
@@ -259,9 +256,9 @@ def test_kill_and_restart_loses_no_verified_round_and_repeats_none(tmp_path: Pat
     )
     out = tmp_path / "out"
     journal = out / JOURNAL
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "1"}
     cmd = sweep_command(model.first, text, recipe, out)
-    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    first = Proc(cmd, log=tmp_path / "first.log", env=env)
     try:
         wait_for(
             lambda: journal.exists() and journal.read_bytes().count(b"\n") >= 2,
@@ -270,15 +267,12 @@ def test_kill_and_restart_loses_no_verified_round_and_repeats_none(tmp_path: Pat
             interval=0.01,
         )
     finally:
-        first.send_signal(signal.SIGKILL)
-        first.communicate(timeout=30)
+        first.kill()
     kept = journal.read_bytes().splitlines(keepends=True)
     assert len(kept) < 32, "the kill came after the last round: nothing to resume"
     with journal.open("ab") as f:
         f.write(b'{"key": "torn')  # a write cut by the kill
-    rerun = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=WAIT_S, check=False
-    )
+    rerun = run_ggufswap(*cmd, timeout=WAIT_S, env=env)
     assert rerun.returncode == 0, rerun.stderr
     lines = journal.read_bytes().splitlines(keepends=True)
     assert lines[: len(kept)] == kept, "verified rounds are kept byte for byte"
@@ -297,19 +291,13 @@ def test_sweep_command_usage_errors_name_the_problem(tmp_path: Path) -> None:
     text.write_text("Monday, Tuesday.", encoding="utf-8")
     bad = tmp_path / "bad.yaml"
     bad.write_text("tensors:\n  - match: '('\n    quants: [q9_9]\n")
-    run = subprocess.run(
-        sweep_command(model.first, text, bad, tmp_path / "out"), capture_output=True, text=True,
-        timeout=WAIT_S, check=False,
-    )  # fmt: skip
+    run = run_ggufswap(*sweep_command(model.first, text, bad, tmp_path / "out"), timeout=WAIT_S)
     assert run.returncode == 2
     assert "bad regex '('" in run.stderr
     assert "unknown GGML type 'q9_9'" in run.stderr
     good = tmp_path / "good.yaml"
     good.write_text("quants: [q4_0]\ntensors: [{match: attn_q}]\n")
-    run = subprocess.run(
-        sweep_command(model.first, text, good, tmp_path / "out"), capture_output=True, text=True,
-        timeout=WAIT_S, check=False,
-    )  # fmt: skip
+    run = run_ggufswap(*sweep_command(model.first, text, good, tmp_path / "out"), timeout=WAIT_S)
     assert run.returncode == 1
     assert "needs at least 128" in run.stderr
 

@@ -5,10 +5,7 @@ model's files as they were."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sysconfig
 import tempfile
 from collections.abc import Iterator
@@ -16,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from processes import GGUFSWAP, wait_for
+from processes import Proc, run_ggufswap, wait_for
 from runtime_helpers import ModelDir, one_thread
 
 from ggufswap.config import load_config
@@ -96,14 +93,10 @@ def test_process_sweep_equals_the_in_process_sweep(tmp_path: Path, run_dir: Path
     write_config(config, model, run_dir)
     recipe.write_text(yaml.safe_dump(RECIPE))
     out = tmp_path / "out"
-    run = subprocess.run(
-        [
-            GGUFSWAP, "sweep", "--config", str(config), "--text", str(short), "--recipe",
-            str(recipe), "--out", str(out), "--ctx", str(CTX), "--chunks", str(CHUNKS),
-            "--no-progress", "--source", f"Q5_1={q5_1}",
-        ],
-        capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    run = run_ggufswap(
+        "sweep", "--config", str(config), "--text", str(short), "--recipe", str(recipe),
+        "--out", str(out), "--ctx", str(CTX), "--chunks", str(CHUNKS), "--no-progress",
+        "--source", f"Q5_1={q5_1}", timeout=300, env={"OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr + run.stdout
     assert "4 of 4 rounds recorded" in run.stdout
@@ -145,12 +138,9 @@ def test_process_sweep_needs_one_tensor_per_shard(tmp_path: Path, run_dir: Path)
     recipe.write_text(yaml.safe_dump(RECIPE))
     text = tmp_path / "english.txt"
     text.write_text("Monday, Tuesday. " * 200, encoding="utf-8")
-    run = subprocess.run(
-        [
-            GGUFSWAP, "sweep", "--config", str(config), "--text", str(text), "--recipe",
-            str(recipe), "--out", str(tmp_path / "out"), "--no-progress",
-        ],
-        capture_output=True, text=True, timeout=120, check=False,
+    run = run_ggufswap(
+        "sweep", "--config", str(config), "--text", str(text), "--recipe", str(recipe),
+        "--out", str(tmp_path / "out"), "--no-progress", timeout=120,
     )  # fmt: skip
     assert run.returncode == 1
     assert "ggufswap split --per-tensor" in run.stderr
@@ -178,12 +168,12 @@ def test_process_sweep_resumes_after_a_kill(tmp_path: Path, run_dir: Path) -> No
     )
     out = tmp_path / "out"
     cmd = [
-        GGUFSWAP, "sweep", "--config", str(config), "--text", str(short), "--recipe", str(recipe),
+        "sweep", "--config", str(config), "--text", str(short), "--recipe", str(recipe),
         "--out", str(out), "--ctx", str(CTX), "--chunks", str(CHUNKS), "--no-progress",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "1"}
     journal = out / "rounds.jsonl"
-    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = Proc(cmd, log=tmp_path / "first.log", env=env)
     try:
         wait_for(
             lambda: journal.exists() and journal.read_bytes().count(b"\n") >= 1,
@@ -192,11 +182,10 @@ def test_process_sweep_resumes_after_a_kill(tmp_path: Path, run_dir: Path) -> No
             interval=0.02,
         )
     finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait(30)
+        first.kill()
     kept = journal.read_bytes().splitlines(keepends=True)
     assert len(kept) < 12, "the kill came after the last round"
-    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    rerun = run_ggufswap(*cmd, timeout=300, env=env)
     assert rerun.returncode == 0, rerun.stderr + rerun.stdout
     lines = journal.read_bytes().splitlines(keepends=True)
     assert lines[: len(kept)] == kept

@@ -1,0 +1,246 @@
+"""``ggufswap`` commands forked from a process that imported torch once.
+
+``import torch`` costs ~3 CPU-s; the suite starts a runtime, a sweep or a perplexity command
+about a hundred times. The :class:`Zygote` is a helper process that imports the CLI and the
+runtime once and then forks one child per command: the child runs the very same ``ggufswap``
+entry point (argument parsing, logging, signal handlers, model load, sockets, serve loop) without
+the interpreter start, and ends as the command would (``SystemExit`` through the interpreter's
+own exit: ``atexit`` handlers, non-daemon threads joined, streams flushed). Killing it is a real
+signal to a real process. The zygote reaps its children and writes each one's exit status (as
+:attr:`subprocess.Popen.returncode` gives it: ``-9`` for SIGKILL) to a file beside its log.
+
+:func:`shared` is the xdist worker's own zygote, started on first use and kept for the worker's
+life (its two pipe descriptors are in :data:`SHARED_FDS`, which the leak check does not count);
+``processes.run_ggufswap`` and ``processes.Proc`` fork the commands of :data:`FORKED_COMMANDS`
+from it. A command that must start from a fresh interpreter (another thread count, a wrapper such
+as ``setpriv``) runs as an ordinary subprocess.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tiers
+
+# The commands that import torch, which the zygote has imported already.
+FORKED_COMMANDS = frozenset({"runtime", "serve", "perplexity", "sweep"})
+# What the zygote's children inherit from its start and could not change later: torch's OpenMP
+# runtime reads these as it loads. A command whose environment says otherwise is not forked.
+IMPORT_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+_ZYGOTE = r"""
+import json, os, signal, sys, traceback
+from ggufswap.main import main
+# torch and the commands' modules, imported once before any fork
+import ggufswap.runtime.serving.daemon, ggufswap.runtime.serving.perplexity, ggufswap.sweep
+
+exits = {}  # child pid -> the file its exit status goes to
+
+def reap(*_):
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        path = exits.pop(pid, None)
+        if path is not None:
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.waitstatus_to_exitcode(status)))
+            os.rename(path + ".tmp", path)
+
+def child(req):
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+    os.environ.clear(); os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    log = os.open(req["log"], flags, 0o644)
+    out = os.open(req["out"], flags, 0o644) if "out" in req else os.dup(log)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0); os.dup2(out, 1); os.dup2(log, 2)
+    os.close(log); os.close(out); os.close(null)
+    sys.argv = [req["argv0"], *req["args"]]
+    try:
+        return main(req["args"])
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+signal.signal(signal.SIGCHLD, reap)
+sys.stdout.write("ready\n"); sys.stdout.flush()
+for line in sys.stdin:
+    req = json.loads(line)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # reap() must know the pid first
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(child(req))  # the interpreter's own exit, as the console script's
+    exits[pid] = req["exit"]
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+    sys.stdout.write(f"{pid}\n"); sys.stdout.flush()
+"""
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+class Zygote:
+    """A process that has imported the runtime and forks ``ggufswap`` commands on request."""
+
+    def __init__(self) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, "-c", _ZYGOTE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            # One torch thread, as the tests' in-process fresh loads use: results are bit-exact
+            # only between equal thread counts (and 2 busy cores gain nothing from more).
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **IMPORT_ENV},
+        )
+        assert self.popen.stdout is not None
+        assert self.popen.stdin is not None
+        first = self.popen.stdout.readline().strip()
+        assert first == "ready", f"zygote did not start: {first!r}"
+
+    def spawn(
+        self,
+        args: list[str],
+        *,
+        log: Path,
+        out: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Child:
+        """Fork ``ggufswap ARGS``: its stderr goes to ``log``, and its stdout too unless ``out``
+        names a file of its own (a command whose printed output is checked); ``env`` is added
+        to this process's environment for the child, which starts in this process's directory."""
+        tiers.starting(f"asked the zygote to fork `ggufswap {' '.join(args[:1])}`")
+        assert self.popen.stdin is not None
+        assert self.popen.stdout is not None
+        exit_file = log.with_suffix(log.suffix + ".exit")
+        exit_file.unlink(missing_ok=True)
+        request: dict[str, Any] = {
+            "args": args,
+            "argv0": str(Path(sys.executable).with_name("ggufswap")),
+            "log": str(log),
+            "exit": str(exit_file),
+            "env": {**os.environ, **(env or {})},
+            "cwd": os.getcwd(),
+        }
+        if out is not None:
+            request["out"] = str(out)
+        self.popen.stdin.write(json.dumps(request) + "\n")
+        self.popen.stdin.flush()
+        return Child(int(self.popen.stdout.readline()), log, exit_file)
+
+    def close(self) -> None:
+        from processes import close_piped
+
+        close_piped(self.popen)
+
+
+@dataclass
+class Child:
+    """A forked ``ggufswap`` process (not our child: the zygote reaps it). It answers the part
+    of :class:`subprocess.Popen` the tests use (``pid``, ``poll``, ``wait``, ``send_signal``,
+    ``kill``, ``returncode``)."""
+
+    pid: int
+    log_path: Path
+    exit_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status as ``Popen.returncode`` gives it; None while it runs."""
+        try:
+            return int(self.exit_path.read_text())
+        except FileNotFoundError:
+            return None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def alive(self) -> bool:
+        return self.returncode is None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status, once the zygote has reaped the process; ``TimeoutExpired`` after
+        ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        interval = 0.002
+        while (code := self.returncode) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"ggufswap (pid {self.pid})", timeout or 0.0)
+            time.sleep(interval)
+            interval = min(interval * 2, 0.05)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass  # it ended; the zygote is writing its status
+
+    def kill(self) -> None:
+        """SIGKILL and wait until the process is gone."""
+        self.send_signal(signal.SIGKILL)
+        self.wait(10)
+
+    def stop(self, *, timeout: float = 15.0) -> int:
+        """SIGTERM, wait, return the exit status."""
+        self.send_signal(signal.SIGTERM)
+        try:
+            return self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"pid {self.pid} did not stop within {timeout}s") from None
+
+    def exit_code(self) -> int:
+        """The exit status of the ended process (-1 while it runs)."""
+        code = self.returncode
+        return -1 if code is None else code
+
+
+# The worker's zygote and the descriptors it holds open for the worker's life.
+_SHARED: list[Zygote] = []
+SHARED_FDS: set[int] = set()
+
+
+def shared() -> Zygote:
+    """This process's zygote, started on first use and closed at exit."""
+    if not _SHARED:
+        zygote = Zygote()
+        _SHARED.append(zygote)
+        assert zygote.popen.stdin is not None
+        assert zygote.popen.stdout is not None
+        SHARED_FDS.update({zygote.popen.stdin.fileno(), zygote.popen.stdout.fileno()})
+        atexit.register(zygote.close)
+    return _SHARED[0]
+
+
+def forkable(args: list[str], env: dict[str, str] | None = None) -> bool:
+    """Whether ``ggufswap ARGS`` with ``env`` added can be forked from the zygote: a command that
+    imports torch, in the environment the zygote imported it in."""
+    if not args or args[0] not in FORKED_COMMANDS:
+        return False
+    final = {**os.environ, **(env or {})}
+    return all(final.get(key, value) == value for key, value in IMPORT_ENV.items())
