@@ -9,8 +9,8 @@ perplexity`` prints the perplexity of the same text windows evaluated in this pr
 processes start together and the references are computed while they load; a module's zygote
 (tests/zygote.py: one ``import torch`` for the worker) forks them, each running the
 ``ggufswap`` entry point, so a case costs no interpreter start. The first preset's two runtimes
-are fresh interpreters: each mode is seen to start and exit 0 as the installed command. Every wait has a
-timeout.
+are fresh interpreters: each mode is seen to start and exit 0 as the installed command. Every
+wait has a timeout.
 """
 
 from __future__ import annotations

@@ -107,7 +107,9 @@ def test_thousand_in_process_swaps_return_memory_fds_and_threads_to_baseline(
 
 def process_soak(tmp_path: Path, zygote: Zygote, swaps: int) -> None:
     """Swaps through a real agent (a fresh interpreter, measured) and runtime (forked)."""
-    rig = Rig.create(tmp_path, zygote, dev_headroom=HEADROOM, settle_ms=20)
+    # Commits wait out the probe's pause between batches: the suite's 0.1 s would make 1,000 swaps
+    # outlast the test's time limit; 0.01 s keeps the soak about the swaps.
+    rig = Rig.create(tmp_path, zygote, dev_headroom=HEADROOM, settle_ms=20, batch_interval_s=0.01)
     saved = {n: rig.model.save(n, tmp_path / "saved") for n in (DOWN1, ATTN_K0)}
     changed = {n: rig.model.variant(n, OSCILLATE[n], tmp_path / "variants") for n in saved}
     names = list(saved)
@@ -174,6 +176,7 @@ def test_process_soak_returns_fds_threads_and_watches_to_baseline(
 
 @pytest.mark.process
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # ~100 s on an idle host
 def test_thousand_process_swaps_return_to_baseline(tmp_path: Path, zygote: Zygote) -> None:
     """1,000 swaps through the real agent and runtime: every resource back at its baseline."""
     process_soak(tmp_path, zygote, SWAPS)

@@ -64,7 +64,7 @@ def child(req):
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     os.environ.clear(); os.environ.update(req["env"])
     os.chdir(req["cwd"])
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    flags = os.O_WRONLY | os.O_CREAT  # made empty by spawn()
     log = os.open(req["log"], flags, 0o644)
     out = os.open(req["out"], flags, 0o644) if "out" in req else os.dup(log)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -135,6 +135,9 @@ class Zygote:
         assert self.popen.stdout is not None
         exit_file = log.with_suffix(log.suffix + ".exit")
         exit_file.unlink(missing_ok=True)
+        for path in (log, out):
+            if path is not None:
+                path.write_bytes(b"")  # there (and empty) from the start, as Popen's would be
         request: dict[str, Any] = {
             "args": args,
             "argv0": str(Path(sys.executable).with_name("ggufswap")),
