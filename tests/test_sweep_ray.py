@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from processes import GGUFSWAP, wait_for
+from processes import GGUFSWAP, run_ggufswap, wait_for
 from runtime_helpers import ModelDir
 from test_sweep import english
 
@@ -108,12 +108,12 @@ def sweep_cli(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``ggufswap sweep`` (over the cluster with ``ray_address``), which must succeed."""
     cmd = [
-        GGUFSWAP, "sweep", "--model", str(files.model), "--text", str(files.text),
+        "sweep", "--model", str(files.model), "--text", str(files.text),
         "--recipe", str(files.recipe), "--out", str(out), *COMMON, *args,
     ]  # fmt: skip
     if ray_address is not None:
         cmd += ["--ray", ray_address]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT_S * 2, check=False)
+    done = run_ggufswap(*cmd, timeout=WAIT_S * 2)
     assert done.returncode == 0, done.stderr
     return done
 
@@ -268,12 +268,11 @@ def test_unplaceable_workers_end_the_sweep_with_one_line(
 ) -> None:
     """Three one-CPU workers on a cluster of two free CPUs (a 0-CPU head): the sweep ends after
     the placement timeout with one line naming what was asked and what is free."""
-    cmd = [
-        GGUFSWAP, "sweep", "--model", str(files.model), "--text", str(files.text), "--recipe",
+    done = run_ggufswap(
+        "sweep", "--model", str(files.model), "--text", str(files.text), "--recipe",
         str(files.recipe), "--out", str(tmp_path / "o"), *COMMON, "--ray", cluster,
-        "--ray-workers", "3", "--ray-placement-timeout", "2",
-    ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT_S, check=False)
+        "--ray-workers", "3", "--ray-placement-timeout", "2", timeout=WAIT_S,
+    )  # fmt: skip
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
@@ -426,12 +425,11 @@ def test_a_worker_without_the_model_stops_the_sweep_naming_it(cluster: str, tmp_
 
 
 def test_ray_usage_errors_are_named(tmp_path: Path) -> None:
-    cmd = [
-        GGUFSWAP, "sweep", "--config", str(tmp_path / "c.yaml"), "--text", str(tmp_path / "t"),
+    done = run_ggufswap(
+        "sweep", "--config", str(tmp_path / "c.yaml"), "--text", str(tmp_path / "t"),
         "--recipe", str(tmp_path / "r"), "--out", str(tmp_path / "o"), "--ray", "auto",
-        "--ray-workers", "0", "--ray-placement-timeout", "0",
-    ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT_S, check=False)
+        "--ray-workers", "0", "--ray-placement-timeout", "0", timeout=WAIT_S,
+    )  # fmt: skip
     assert done.returncode == 2
     assert "--ray runs in-process workers (--model)" in done.stderr
     assert "--ray-workers must be >= 1" in done.stderr
