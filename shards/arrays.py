@@ -15,9 +15,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Final, overload
 
-from gguf import GGUFValueType
-
 from ggufswap.shards._cursor import U64
+from ggufswap.shards.value_types import GGUFValueType
 
 # Numeric element types -> the ``array`` typecode of the same size and kind.
 _TYPECODES: Final[dict[GGUFValueType, str]] = {

@@ -22,8 +22,16 @@ from gguf import GGUFReader, GGUFValueType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ggufswap.shards import ArrayRef, FileChangedError, ShardError, read_array, read_header
+from ggufswap.shards import (
+    ArrayRef,
+    FileChangedError,
+    ShardError,
+    read_array,
+    read_header,
+    value_types,
+)
 from ggufswap.shards.arrays import StringArray, scalars
+from ggufswap.shards.keys import TensorNames
 from ggufswap.shards.reader import read_array_bytes
 from ggufswap.shards.writer import WRITABLE_TYPES, Layout, ModelSpec, Role, write_model
 
@@ -79,6 +87,37 @@ def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[Layout, list[P
 
 def _reference(path: Path) -> GGUFReader:
     return GGUFReader(path, "r")
+
+
+def test_value_types_are_gguf_pys() -> None:
+    """The project's own GGUFValueType (the reader's, which imports no gguf-py) has gguf-py's
+    names and codes, member for member."""
+    ours = {t.name: t.value for t in value_types.GGUFValueType}
+    assert ours == {t.name: t.value for t in GGUFValueType}
+
+
+# What follows a tensor's base name in TensorNames' templates.
+TENSOR_SUFFIXES = ("weight", "bias", "scale", "{}", "{}.weight", "")
+
+
+def test_tensor_names_are_gguf_pys() -> None:
+    """Every TensorNames template (literal, so that reading a file imports no gguf-py) is one of
+    gguf-py's TENSOR_NAMES followed by a weight/bias/scale suffix."""
+    from gguf.constants import TENSOR_NAMES
+
+    bases = {name.replace("{bid}", "{}") for name in TENSOR_NAMES.values()}
+    templates = {k: v for k, v in vars(TensorNames).items() if not k.startswith("_")}
+    assert len(templates) > 60, "the class's attributes are its templates"
+    unknown = [
+        f"{attr} = {name!r}"
+        for attr, name in templates.items()
+        if not any(
+            name == base + ("." + suffix if suffix else "")
+            for base in bases
+            for suffix in TENSOR_SUFFIXES
+        )
+    ]
+    assert not unknown, f"not gguf-py's tensor names: {unknown}"
 
 
 def test_every_writable_type_is_covered(model_files: dict[Layout, list[Path]]) -> None:

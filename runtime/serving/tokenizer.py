@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from gguf import GGUFValueType
-
 from ggufswap.logs import get_logger
 from ggufswap.runtime.serving import tokenizer_cache
 from ggufswap.runtime.serving.errors import TokenizerError
@@ -36,6 +34,7 @@ from ggufswap.shards.arrays import StringArray, scalars
 from ggufswap.shards.keys import Keys
 from ggufswap.shards.reader import ShardHeader, read_array_bytes
 from ggufswap.shards.records import ArrayRef
+from ggufswap.shards.value_types import GGUFValueType
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
