@@ -92,6 +92,22 @@ class StringArray(Sequence[str]):
             yield data[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace")
             pos += 8 + n
 
+    def tolist(self) -> list[str]:
+        """Every string, decoded at once: the bytes of all of them joined by NUL, decoded and
+        split in one pass each (C speed; ~0.2 s for 262k tokens where one decode per string took
+        ~0.5 s). Where a string holds a NUL or invalid UTF-8, each is decoded on its own
+        (U+FFFD for invalid bytes, as a look-up gives)."""
+        starts, data = self._walk(), self._data
+        ends = starts[1:]
+        joined = b"\0".join([data[a : b - 8] for a, b in zip(starts, ends, strict=False)])
+        try:
+            strings = joined.decode("utf-8").split("\0") if self._count else []
+        except UnicodeDecodeError:
+            strings = []
+        if len(strings) != self._count:  # a NUL inside a string, or invalid UTF-8
+            strings = list(self)
+        return strings
+
     def _walk(self) -> array.array[int]:
         """Where each string's bytes begin (and one past the last string's, plus 8)."""
         with self._lock:

@@ -70,8 +70,9 @@ def test_command_line_parser_does_not_import_torch() -> None:
 
 
 # What serving a model must not import: gguf-py (its package import pulls in its writer,
-# quantizers and vocabulary tools) and the project's writer.
-WRITER_MODULES = (
+# quantizers and vocabulary tools), the project's writer, and (for a SentencePiece vocabulary)
+# Hugging Face's tokenizers.
+NOT_ON_THE_START_PATH = (
     "ggufswap.shards.writer",
     "ggufswap.shards._synth",
     "ggufswap.shards.kquants",
@@ -82,6 +83,7 @@ WRITER_MODULES = (
     "ggufswap.shards._arch_spec",
     "ggufswap.shards._model_spec",
     "ggufswap.shards.presets",
+    "tokenizers",  # Hugging Face's: byte-level BPE vocabularies only
 )
 SERVE_A_MODEL = """
 import sys
@@ -102,7 +104,7 @@ hparams = HParams.from_metadata(runtime.shards.metadata)
 model = build_model(hparams, runtime.store, store=runtime.store)
 assert torch.isfinite(model(torch.tensor([[1, 2, 3]]))).all()
 runtime.close()
-for _ in range(2):  # built and stored, then loaded from the cache
+for _ in range(2):  # an SPM vocabulary: built each time, never cached
     tokenizer = GgufTokenizer.from_file(sys.argv[2], cache=Path(sys.argv[3]))
     assert tokenizer.decode(tokenizer.encode("the cat")) == "the cat"
 print(sorted(n for n in sys.modules if n.split(".")[0] == "gguf" or n in sys.argv[4:]))
@@ -112,8 +114,8 @@ print(sorted(n for n in sys.modules if n.split(".")[0] == "gguf" or n in sys.arg
 @pytest.mark.process
 def test_serving_a_model_imports_neither_gguf_py_nor_the_writer(tmp_path: Path) -> None:
     """A fresh process that does what a runtime's start does (the command line, the daemon and
-    HTTP modules, a model opened, built and run, a tokenizer built and then loaded from the
-    cache) never imports gguf-py or the project's writer."""
+    HTTP modules, a model opened, built and run, a SentencePiece tokenizer built twice with the
+    cache given) never imports gguf-py, the project's writer, or Hugging Face's tokenizers."""
     from test_tokenizer import spm_md, write_vocabulary
 
     from ggufswap.shards.presets import tiny_dense
@@ -123,7 +125,7 @@ def test_serving_a_model_imports_neither_gguf_py_nor_the_writer(tmp_path: Path) 
     vocabulary = write_vocabulary(tmp_path / "vocab.gguf", spm_md())
     argv = [sys.executable, "-c", SERVE_A_MODEL, str(model), str(vocabulary), str(tmp_path / "tok")]
     out = subprocess.run(
-        [*argv, *WRITER_MODULES], capture_output=True, text=True, check=True, timeout=120
+        [*argv, *NOT_ON_THE_START_PATH], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "[]", f"imported on the start path: {out.stdout.strip()}"
 
