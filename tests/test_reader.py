@@ -213,6 +213,57 @@ def test_a_string_array_cut_short_or_not_utf8_is_refused_or_replaced() -> None:
             StringArray(stored[:cut], 3)[0]
 
 
+def _stored(strings: list[bytes]) -> bytes:
+    return b"".join(len(s).to_bytes(8, "little") + s for s in strings)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize(
+    "strings",
+    [
+        [b"ab", "\u2581caf\u00e9".encode(), "\U0001f916".encode(), b"", b"ab"],
+        [b"ok", b"nul\x00inside", b"bad\xff\xfe", b"cde"],
+        [],
+    ],
+    ids=["duplicates", "nul-and-invalid", "empty"],
+)
+def test_a_string_array_decodes_whole_as_one_by_one(
+    monkeypatch: pytest.MonkeyPatch, compiled: bool, strings: list[bytes]
+) -> None:
+    """tolist() and with_index() (the compiled one-pass decoder, or the Python passes where it
+    is not built) give the strings one look-up each gives, U+FFFD for invalid UTF-8, a NUL kept,
+    and each string's later position when it is held twice."""
+    from ggufswap.shards import arrays
+
+    if compiled and arrays._compiled_strings() is None:
+        pytest.skip("the optional extension ggufswap.shards._strings is not built")
+    if not compiled:
+        monkeypatch.setattr(arrays, "_compiled_strings", lambda: None)
+    array = StringArray(_stored(strings), len(strings))
+    expected = [array[i] for i in range(len(strings))]
+    assert array.tolist() == expected
+    decoded, index = array.with_index()
+    assert decoded == expected
+    assert index == {text: i for i, text in enumerate(expected)}
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_string_array_cut_short_is_refused_whole(
+    monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    """Decoding every string of an array cut inside its last string raises ValueError."""
+    from ggufswap.shards import arrays
+
+    if compiled and arrays._compiled_strings() is None:
+        pytest.skip("the optional extension ggufswap.shards._strings is not built")
+    if not compiled:
+        monkeypatch.setattr(arrays, "_compiled_strings", lambda: None)
+    stored = _stored([b"ab", b"cde"])
+    for cut in (len(stored) - 1, len(stored) - 6):
+        with pytest.raises(ValueError, match="past"):
+            StringArray(stored[:cut], 2).with_index()
+
+
 def test_tensor_data_agrees_with_gguf_reader(model_files: dict[Layout, list[Path]]) -> None:
     """The bytes at each record's offset are the bytes GGUFReader maps for that tensor."""
     (path,) = model_files[Layout.SINGLE]

@@ -50,12 +50,15 @@ class SpmTokenizer:
 
     def __init__(self, vocab: Vocabulary) -> None:
         assert vocab.scores is not None, "SPM vocabularies carry scores (checked when read)"
+        # llama.cpp's token_to_id: a text held by two tokens maps to the later one.
         tokens = vocab.tokens
-        self._tokens = tokens.tolist() if isinstance(tokens, StringArray) else list(tokens)
+        if isinstance(tokens, StringArray):  # decoded and indexed in one pass
+            self._tokens, self._ids = tokens.with_index()
+        else:
+            self._tokens = list(tokens)
+            self._ids = dict(zip(self._tokens, range(len(self._tokens)), strict=True))
         self._types = vocab.token_types
         self._scores = vocab.scores
-        # llama.cpp's token_to_id: a text held by two tokens maps to the later one.
-        self._ids = dict(zip(self._tokens, range(len(self._tokens)), strict=True))
         self._add_space_prefix = vocab.add_space_prefix
         self._unk_id = vocab.unk_id
         special = {TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED}
