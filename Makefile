@@ -95,7 +95,8 @@ fuzz: $(STAMP)
 # The cross-check against llama.cpp (docs/models.md#cross-check): llama-cpp-python built from
 # source into its own venv (a one-time 15-25 min build; pip caches the wheel), never part of make
 # test. It rewrites tests/fixtures/crosscheck, the golden data make test checks without llama.cpp,
-# then runs the real Gemma 3 270M on real text (crosscheck/gemma_real.py: tests/fixtures/gemma_real).
+# then runs the real Gemma 3 270M on real text (crosscheck/gemma_real.py: tests/fixtures/gemma_real)
+# and tokenizes a varied corpus with it (crosscheck/gemma_tokens.py: tokens.json beside it).
 XCHECK_VENV ?= .venv-crosscheck
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 # llama.cpp's AMX matmul crashed on the first forward on this project's x86 machines.
@@ -160,6 +161,7 @@ crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed ik-venv $(CONVERT_VENV)
 	done
 	$(BIN)/python crosscheck/long_context.py --llama-python $(XCHECK_VENV)/bin/python
 	$(BIN)/python crosscheck/gemma_real.py --llama-python $(XCHECK_VENV)/bin/python
+	$(BIN)/python crosscheck/gemma_tokens.py --llama-python $(XCHECK_VENV)/bin/python
 
 # On a GPU host (docs/operations.md, "GPU check"): the CUDA tests and bench/gpu_check.py (parity,
 # swap, out-of-memory fallback, CUDA-graph replay, native speed), in under 5 minutes. The host's own

@@ -4,12 +4,14 @@ The map (import name -> folder) is read from pyproject.toml's ``[tool.ggufswap.p
 place. The compiled pieces: quantized products straight from GGUF blocks
 (runtime/kernels/csrc/qkernels.c), the glue that calls ggml's own kernels from a libggml found
 at run time (runtime/kernels/csrc/ggmlcall.c), ggml's reference K-quant/IQ4 quantizers
-(shards/csrc, used by requant, the agent-side tools and the sweep), and the SIGBUS guard of
-mapped shards (runtime/csrc). Everything else is declared in pyproject.toml.
+(shards/csrc, used by requant, the agent-side tools and the sweep), the one-pass decoder of GGUF
+string arrays (shards/csrc/strings.c: vocabularies), and the SIGBUS guard of mapped shards
+(runtime/csrc). Everything else is declared in pyproject.toml.
 
 The extensions are optional: where they cannot be built (no C compiler), the runtime decodes
 blocks with its torch kernels instead (runtime/kernels/qmatmul.py says which path runs), and
-shards/kquants.py quantizes with numpy (the same bytes, slower), and ``map_shards`` maps nothing
+shards/kquants.py quantizes with numpy (the same bytes, slower), shards/arrays.py decodes string
+arrays in a few Python passes, and ``map_shards`` maps nothing
 (``auto`` copies the files, ``true`` refuses, saying the guard is missing).
 """
 
@@ -61,6 +63,14 @@ setup(
             # cannot defend against a file truncated under its mapping, and maps nothing.
             "ggufswap.runtime._sigbus",
             sources=["runtime/csrc/sigbus.c"],
+            extra_compile_args=["-O2", "-std=c11"],
+            optional=True,
+        ),
+        Extension(
+            # A GGUF string array decoded in one pass (shards/arrays.py StringArray.tolist, and a
+            # SentencePiece tokenizer's look-up table); without it the same in a few Python passes.
+            "ggufswap.shards._strings",
+            sources=["shards/csrc/strings.c"],
             extra_compile_args=["-O2", "-std=c11"],
             optional=True,
         ),

@@ -10,8 +10,6 @@ import sys
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from gguf import GGUFValueType
-
 from ggufswap.shards import (
     ArrayRef,
     ChangeKind,
@@ -25,6 +23,7 @@ from ggufswap.shards import (
     open_shard_set,
 )
 from ggufswap.shards.reader import MetaValue
+from ggufswap.shards.value_types import GGUFValueType
 
 EXIT_OK = 0
 EXIT_FAILURE = 1

@@ -8,7 +8,6 @@ import warnings
 from collections.abc import Sequence
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
 from ggufswap.ipc import Plan, Reason
 from ggufswap.runtime.kernels import has_kernel
@@ -54,7 +53,7 @@ def can_dequantize(ggml_type: ggml_types.GGMLType) -> bool:
         return True
     if ggml_types.LAYOUTS[ggml_type].origin is not ggml_types.Origin.MAINLINE:
         return False  # gguf knows mainline's types only
-    from gguf import quants
+    from gguf import GGMLQuantizationType, quants
 
     _, type_size = type_sizes(ggml_type)
     try:

@@ -13,10 +13,10 @@ from gguf import GGMLQuantizationType, Keys
 
 from ggufswap.shards._gguf_encode import TypedValue
 from ggufswap.shards._planned import PlannedTensor
-from ggufswap.shards._roles import Role
+from ggufswap.shards._roles import Role, tensor_template
 from ggufswap.shards.archs import Experts, SharedExpert, rules_of
 from ggufswap.shards.archs._common import u32
-from ggufswap.shards.keys import TensorNames, tensor_template
+from ggufswap.shards.keys import TensorNames
 
 if TYPE_CHECKING:
     from ggufswap.shards.writer import ModelSpec

@@ -11,29 +11,19 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Final
+from typing import BinaryIO, Final
 
 import numpy as np
 from gguf import (
     GGUF_DEFAULT_ALIGNMENT,
     GGUF_VERSION,
     GGMLQuantizationType,
-    GGUFValueType,
 )
 
 from ggufswap.shards import ggml_types
 from ggufswap.shards.atomic import atomic_write
 from ggufswap.shards.ggml_types import GGMLType
-
-
-@dataclass(frozen=True, slots=True)
-class TypedValue:
-    """One metadata value with its GGUF type (``sub_type`` for arrays)."""
-
-    vtype: GGUFValueType
-    value: Any
-    sub_type: GGUFValueType | None = None
-
+from ggufswap.shards.value_types import GGUFValueType, TypedValue
 
 _SCALAR_FORMATS: Final = {
     GGUFValueType.UINT8: "<B",
@@ -58,11 +48,11 @@ def _encode_string(s: str | bytes) -> bytes:
 def _encode_value(v: TypedValue) -> bytes:
     if v.vtype in _SCALAR_FORMATS:
         return struct.pack(_SCALAR_FORMATS[v.vtype], v.value)
-    if v.vtype is GGUFValueType.STRING:
+    if v.vtype == GGUFValueType.STRING:
         return _encode_string(v.value)
-    if v.vtype is GGUFValueType.ARRAY and v.sub_type is not None:
+    if v.vtype == GGUFValueType.ARRAY and v.sub_type is not None:
         head = struct.pack("<IQ", v.sub_type, len(v.value))
-        if v.sub_type is GGUFValueType.STRING:
+        if v.sub_type == GGUFValueType.STRING:
             return head + b"".join(_encode_string(s) for s in v.value)
         fmt = _SCALAR_FORMATS[v.sub_type]
         return head + np.asarray(v.value, dtype=np.dtype(fmt)).tobytes()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from gguf import GGMLQuantizationType
+from typing import TYPE_CHECKING
 
 from ggufswap.shards import ggml_types
 from ggufswap.shards._roles import Role
 from ggufswap.shards.ggml_types import GGMLType
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 
 @dataclass(frozen=True, slots=True)

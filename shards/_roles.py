@@ -8,17 +8,24 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Final
 
-from gguf import MODEL_TENSOR, GGMLQuantizationType
+from gguf import MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType
 
 from ggufswap.shards import _synth
 from ggufswap.shards.ggml_types import GGMLType
 from ggufswap.shards.ggml_types import ggml_type as ggml_type_of
-from ggufswap.shards.keys import tensor_template
 
 Q = GGMLQuantizationType
 WRITABLE_TYPES: Final = _synth.WRITABLE_TYPES
 # What the writer accepts: also ik_llama.cpp's types (files only this project and ik read).
 ACCEPTED_TYPES: Final = WRITABLE_TYPES + _synth.IK_TYPES
+
+
+def tensor_template(tensor: MODEL_TENSOR, suffix: str = "weight") -> str:
+    """llama.cpp's name of ``tensor`` (gguf-py's ``TENSOR_NAMES``) as a positional template:
+    ``blk.{}.ffn_up_exps.weight``, formatted with the block index (``suffix=""``: none, as
+    ``blk.{}.ssm_a``)."""
+    name = TENSOR_NAMES[tensor].replace("{bid}", "{}")
+    return name + "." + suffix if suffix else name
 
 
 class Role(Enum):

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from typing import Final
 
-from gguf.constants import MODEL_TENSOR, TENSOR_NAMES
-
 
 class Arch(str, enum.Enum):
     """The ``general.architecture`` values the project writes and the reference runtime runs."""
@@ -136,96 +134,88 @@ class Keys:
         ADD_SPACE_PREFIX: Final = "tokenizer.ggml.add_space_prefix"
 
 
-def tensor_template(tensor: MODEL_TENSOR, suffix: str = "weight") -> str:
-    """llama.cpp's name of ``tensor`` (gguf-py's ``TENSOR_NAMES``) as a positional template:
-    ``blk.{}.ffn_up_exps.weight``, formatted with the block index (and a ``{}`` suffix when
-    ``suffix="{}"``, for tensors that come as ``weight`` and ``bias``; ``suffix=""``: none, as
-    ``blk.{}.ssm_a``)."""
-    name = TENSOR_NAMES[tensor].replace("{bid}", "{}")
-    return name + "." + suffix if suffix else name
-
-
 class TensorNames:
-    """llama.cpp tensor names; per-layer templates are formatted with the block index."""
+    """llama.cpp tensor names (gguf-py's ``TENSOR_NAMES``, checked by the tests); per-layer
+    templates are formatted with the block index."""
 
-    TOKEN_EMBD: Final = tensor_template(MODEL_TENSOR.TOKEN_EMBD)
-    OUTPUT_NORM: Final = tensor_template(MODEL_TENSOR.OUTPUT_NORM)
-    OUTPUT: Final = tensor_template(MODEL_TENSOR.OUTPUT)
-    ROPE_FREQS: Final = tensor_template(MODEL_TENSOR.ROPE_FREQS)
-    ATTN_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_NORM)
-    ATTN_Q: Final = tensor_template(MODEL_TENSOR.ATTN_Q, "{}")  # second field: weight or bias
-    ATTN_K: Final = tensor_template(MODEL_TENSOR.ATTN_K, "{}")
-    ATTN_V: Final = tensor_template(MODEL_TENSOR.ATTN_V, "{}")
-    ATTN_OUT: Final = tensor_template(MODEL_TENSOR.ATTN_OUT, "{}")
-    ATTN_Q_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_Q_NORM)
-    ATTN_K_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_K_NORM)
-    ATTN_POST_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_POST_NORM)  # gemma3
-    FFN_NORM: Final = tensor_template(MODEL_TENSOR.FFN_NORM)
-    FFN_POST_NORM: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM)  # gemma3
+    TOKEN_EMBD: Final = "token_embd.weight"
+    OUTPUT_NORM: Final = "output_norm.weight"
+    OUTPUT: Final = "output.weight"
+    ROPE_FREQS: Final = "rope_freqs.weight"
+    ATTN_NORM: Final = "blk.{}.attn_norm.weight"
+    ATTN_Q: Final = "blk.{}.attn_q.{}"  # second field: weight or bias
+    ATTN_K: Final = "blk.{}.attn_k.{}"
+    ATTN_V: Final = "blk.{}.attn_v.{}"
+    ATTN_OUT: Final = "blk.{}.attn_output.{}"
+    ATTN_Q_NORM: Final = "blk.{}.attn_q_norm.weight"
+    ATTN_K_NORM: Final = "blk.{}.attn_k_norm.weight"
+    ATTN_POST_NORM: Final = "blk.{}.post_attention_norm.weight"  # gemma3
+    FFN_NORM: Final = "blk.{}.ffn_norm.weight"
+    FFN_POST_NORM: Final = "blk.{}.post_ffw_norm.weight"  # gemma3
     # gemma4's MoE blocks: second pre/post norms, router and per-expert scales; layer scale
-    FFN_PRE_NORM_2: Final = tensor_template(MODEL_TENSOR.FFN_PRE_NORM_2)
-    FFN_POST_NORM_1: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM_1)
-    FFN_POST_NORM_2: Final = tensor_template(MODEL_TENSOR.FFN_POST_NORM_2)
-    FFN_GATE_INP_SCALE: Final = tensor_template(MODEL_TENSOR.FFN_GATE_INP, "scale")
-    FFN_DOWN_EXPS_SCALE: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_EXP, "scale")
-    FFN_GATE_UP_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_GATE_UP_EXP)
-    LAYER_OUT_SCALE: Final = tensor_template(MODEL_TENSOR.LAYER_OUT_SCALE)
-    PER_LAYER_TOKEN_EMBD: Final = tensor_template(MODEL_TENSOR.PER_LAYER_TOKEN_EMBD)
-    ATTN_SINKS: Final = tensor_template(MODEL_TENSOR.ATTN_SINKS)  # gpt-oss: [n_head] logits
-    FFN_GATE: Final = tensor_template(MODEL_TENSOR.FFN_GATE)
-    FFN_UP: Final = tensor_template(MODEL_TENSOR.FFN_UP)
-    FFN_DOWN: Final = tensor_template(MODEL_TENSOR.FFN_DOWN)
-    FFN_GATE_INP: Final = tensor_template(MODEL_TENSOR.FFN_GATE_INP)
-    FFN_GATE_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_GATE_EXP)
-    FFN_UP_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_UP_EXP)
-    FFN_DOWN_EXPS: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_EXP)
+    FFN_PRE_NORM_2: Final = "blk.{}.pre_ffw_norm_2.weight"
+    FFN_POST_NORM_1: Final = "blk.{}.post_ffw_norm_1.weight"
+    FFN_POST_NORM_2: Final = "blk.{}.post_ffw_norm_2.weight"
+    FFN_GATE_INP_SCALE: Final = "blk.{}.ffn_gate_inp.scale"
+    FFN_DOWN_EXPS_SCALE: Final = "blk.{}.ffn_down_exps.scale"
+    FFN_GATE_UP_EXPS: Final = "blk.{}.ffn_gate_up_exps.weight"
+    LAYER_OUT_SCALE: Final = "blk.{}.layer_output_scale.weight"
+    PER_LAYER_TOKEN_EMBD: Final = "per_layer_token_embd.weight"
+    ATTN_SINKS: Final = "blk.{}.attn_sinks.weight"  # gpt-oss: [n_head] logits
+    FFN_GATE: Final = "blk.{}.ffn_gate.weight"
+    FFN_UP: Final = "blk.{}.ffn_up.weight"
+    FFN_DOWN: Final = "blk.{}.ffn_down.weight"
+    FFN_GATE_INP: Final = "blk.{}.ffn_gate_inp.weight"
+    FFN_GATE_EXPS: Final = "blk.{}.ffn_gate_exps.weight"
+    FFN_UP_EXPS: Final = "blk.{}.ffn_up_exps.weight"
+    FFN_DOWN_EXPS: Final = "blk.{}.ffn_down_exps.weight"
     # gpt-oss: the router's and the experts' biases ([n_expert], [n_ff_exp or n_embd, n_expert]).
-    FFN_GATE_INP_BIAS: Final = tensor_template(MODEL_TENSOR.FFN_GATE_INP, "bias")
-    FFN_GATE_EXPS_BIAS: Final = tensor_template(MODEL_TENSOR.FFN_GATE_EXP, "bias")
-    FFN_UP_EXPS_BIAS: Final = tensor_template(MODEL_TENSOR.FFN_UP_EXP, "bias")
-    FFN_DOWN_EXPS_BIAS: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_EXP, "bias")
-    FFN_GATE_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_GATE_SHEXP)
-    FFN_UP_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_UP_SHEXP)
-    FFN_DOWN_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_DOWN_SHEXP)
-    FFN_GATE_INP_SHEXP: Final = tensor_template(MODEL_TENSOR.FFN_GATE_INP_SHEXP)
-    FFN_EXP_PROBS_B: Final = tensor_template(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias")
+    FFN_GATE_INP_BIAS: Final = "blk.{}.ffn_gate_inp.bias"
+    FFN_GATE_EXPS_BIAS: Final = "blk.{}.ffn_gate_exps.bias"
+    FFN_UP_EXPS_BIAS: Final = "blk.{}.ffn_up_exps.bias"
+    FFN_DOWN_EXPS_BIAS: Final = "blk.{}.ffn_down_exps.bias"
+    FFN_GATE_SHEXP: Final = "blk.{}.ffn_gate_shexp.weight"
+    FFN_UP_SHEXP: Final = "blk.{}.ffn_up_shexp.weight"
+    FFN_DOWN_SHEXP: Final = "blk.{}.ffn_down_shexp.weight"
+    FFN_GATE_INP_SHEXP: Final = "blk.{}.ffn_gate_inp_shexp.weight"
+    FFN_EXP_PROBS_B: Final = "blk.{}.exp_probs_b.bias"
     # deepseek2's multi-head latent attention
-    ATTN_Q_A: Final = tensor_template(MODEL_TENSOR.ATTN_Q_A)
-    ATTN_Q_B: Final = tensor_template(MODEL_TENSOR.ATTN_Q_B)
-    ATTN_Q_A_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_Q_A_NORM)
-    ATTN_KV_A_MQA: Final = tensor_template(MODEL_TENSOR.ATTN_KV_A_MQA)
-    ATTN_KV_A_NORM: Final = tensor_template(MODEL_TENSOR.ATTN_KV_A_NORM)
-    ATTN_KV_B: Final = tensor_template(MODEL_TENSOR.ATTN_KV_B)
-    ATTN_K_B: Final = tensor_template(MODEL_TENSOR.ATTN_K_B)
-    ATTN_V_B: Final = tensor_template(MODEL_TENSOR.ATTN_V_B)
+    ATTN_Q_A: Final = "blk.{}.attn_q_a.weight"
+    ATTN_Q_B: Final = "blk.{}.attn_q_b.weight"
+    ATTN_Q_A_NORM: Final = "blk.{}.attn_q_a_norm.weight"
+    ATTN_KV_A_MQA: Final = "blk.{}.attn_kv_a_mqa.weight"
+    ATTN_KV_A_NORM: Final = "blk.{}.attn_kv_a_norm.weight"
+    ATTN_KV_B: Final = "blk.{}.attn_kv_b.weight"
+    ATTN_K_B: Final = "blk.{}.attn_k_b.weight"
+    ATTN_V_B: Final = "blk.{}.attn_v_b.weight"
     # qwen35 / qwen35moe / qwen3next: gated delta-net layers (ssm_a has no suffix)
-    ATTN_QKV: Final = tensor_template(MODEL_TENSOR.ATTN_QKV)
-    ATTN_GATE: Final = tensor_template(MODEL_TENSOR.ATTN_GATE)
-    SSM_CONV1D: Final = tensor_template(MODEL_TENSOR.SSM_CONV1D)
-    SSM_DT_BIAS: Final = tensor_template(MODEL_TENSOR.SSM_DT, "bias")
-    SSM_A: Final = tensor_template(MODEL_TENSOR.SSM_A, "")
-    SSM_BETA: Final = tensor_template(MODEL_TENSOR.SSM_BETA)
-    SSM_ALPHA: Final = tensor_template(MODEL_TENSOR.SSM_ALPHA)
-    SSM_BETA_ALPHA: Final = tensor_template(MODEL_TENSOR.SSM_BETA_ALPHA)
-    SSM_NORM: Final = tensor_template(MODEL_TENSOR.SSM_NORM)
-    SSM_OUT: Final = tensor_template(MODEL_TENSOR.SSM_OUT)
-    SSM_IN: Final = tensor_template(MODEL_TENSOR.SSM_IN)
+    ATTN_QKV: Final = "blk.{}.attn_qkv.weight"
+    ATTN_GATE: Final = "blk.{}.attn_gate.weight"
+    SSM_CONV1D: Final = "blk.{}.ssm_conv1d.weight"
+    SSM_DT_BIAS: Final = "blk.{}.ssm_dt.bias"
+    SSM_A: Final = "blk.{}.ssm_a"
+    SSM_BETA: Final = "blk.{}.ssm_beta.weight"
+    SSM_ALPHA: Final = "blk.{}.ssm_alpha.weight"
+    SSM_BETA_ALPHA: Final = "blk.{}.ssm_ba.weight"
+    SSM_NORM: Final = "blk.{}.ssm_norm.weight"
+    SSM_OUT: Final = "blk.{}.ssm_out.weight"
+    SSM_IN: Final = "blk.{}.ssm_in.weight"
     # deepseek32 / glm-dsa: the DSA lightning indexer (k_norm comes as weight and bias).
-    # Literal: gguf-py releases before the DSA architectures lack these tensors.
+    # (gguf-py releases before the DSA architectures lack these tensors.)
     INDEXER_K_NORM: Final = "blk.{}.indexer.k_norm.{}"
     INDEXER_PROJ: Final = "blk.{}.indexer.proj.weight"
     INDEXER_ATTN_K: Final = "blk.{}.indexer.attn_k.weight"
     INDEXER_ATTN_Q_B: Final = "blk.{}.indexer.attn_q_b.weight"
     # NextN/MTP blocks (glm4moe, deepseek2): loaded, never computed
-    NEXTN_EH_PROJ: Final = tensor_template(MODEL_TENSOR.NEXTN_EH_PROJ)
-    NEXTN_ENORM: Final = tensor_template(MODEL_TENSOR.NEXTN_ENORM)
-    NEXTN_HNORM: Final = tensor_template(MODEL_TENSOR.NEXTN_HNORM)
-    NEXTN_SHARED_HEAD_NORM: Final = tensor_template(MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM)
+    NEXTN_EH_PROJ: Final = "blk.{}.nextn.eh_proj.weight"
+    NEXTN_ENORM: Final = "blk.{}.nextn.enorm.weight"
+    NEXTN_HNORM: Final = "blk.{}.nextn.hnorm.weight"
+    NEXTN_SHARED_HEAD_NORM: Final = "blk.{}.nextn.shared_head_norm.weight"
     # Old Mixtral files: one tensor per expert (llama.cpp's LLM_TENSOR_FFN_*_EXP,
     # "blk.%d.ffn_gate.%d"), formatted with the block and the expert index.
-    FFN_GATE_EXPERT: Final = tensor_template(MODEL_TENSOR.FFN_GATE, "{}.weight")
-    FFN_UP_EXPERT: Final = tensor_template(MODEL_TENSOR.FFN_UP, "{}.weight")
-    FFN_DOWN_EXPERT: Final = tensor_template(MODEL_TENSOR.FFN_DOWN, "{}.weight")
+    FFN_GATE_EXPERT: Final = "blk.{}.ffn_gate.{}.weight"
+    FFN_UP_EXPERT: Final = "blk.{}.ffn_up.{}.weight"
+    FFN_DOWN_EXPERT: Final = "blk.{}.ffn_down.{}.weight"
 
 
 GGUF_MAGIC: Final = 0x46554747  # b"GGUF" read as a little-endian uint32

@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, TypeAlias
 
-from gguf import GGUFValueType
-
 from ggufswap.shards import ggml_types
 from ggufswap.shards._cursor import U32, U64, Cursor
 from ggufswap.shards.errors import (
@@ -54,6 +52,7 @@ from ggufswap.shards.keys import (
     Keys,
 )
 from ggufswap.shards.records import ArrayRef, FileIdentity, TensorRecord
+from ggufswap.shards.value_types import GGUFValueType
 
 MetaValue: TypeAlias = int | float | bool | str | tuple[Any, ...] | ArrayRef
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Final
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ggufswap.shards import _synth
 from ggufswap.shards.atomic import atomic_copy
@@ -32,6 +32,7 @@ from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, Origin
 from ggufswap.shards.ggml_types import ggml_type as ggml_type_of
 from ggufswap.shards.reader import read_header
 from ggufswap.shards.records import FileIdentity, TensorRecord
+from ggufswap.shards.value_types import GGUFValueType
 from ggufswap.shards.writer import Hole, RawTensor, parse_type, write_gguf
 
 SUPPORTED_TARGETS: Final = _synth.QUANTIZABLE_TYPES
@@ -66,7 +67,7 @@ def _skip_value(blob: bytes, pos: int, vtype: GGUFValueType) -> int:
     """Position just after one metadata value of ``vtype`` starting at ``pos``."""
     if vtype in _SCALAR_SIZES:
         return pos + _SCALAR_SIZES[vtype]
-    if vtype is GGUFValueType.STRING:
+    if vtype == GGUFValueType.STRING:
         return pos + 8 + _U64.unpack_from(blob, pos)[0]
     sub = GGUFValueType(_U32.unpack_from(blob, pos)[0])
     count = _U64.unpack_from(blob, pos + 4)[0]

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Final
 
 import numpy as np
-from gguf import GGUFValueType, Keys
+from gguf import Keys
 
 from ggufswap.shards.errors import ShardError
 from ggufswap.shards.reader import read_header
 from ggufswap.shards.requant import _kv_section, _skip_value
 from ggufswap.shards.shardset import ShardSet, open_shard_set, split_path
+from ggufswap.shards.value_types import GGUFValueType
 from ggufswap.shards.writer import RawTensor, TypedValue, encode_metadata, write_gguf
 
 _U32: Final = struct.Struct("<I")

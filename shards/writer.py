@@ -27,7 +27,6 @@ import numpy as np
 from gguf import (
     GGML_QUANT_VERSION,
     GGMLQuantizationType,
-    GGUFValueType,
     Keys,
     LlamaFileType,
 )
@@ -61,6 +60,7 @@ from ggufswap.shards._roles import (
 from ggufswap.shards.archs import ExpertWidth, SharedExpert, rules_of
 from ggufswap.shards.ggml_types import GGMLType
 from ggufswap.shards.keys import Arch
+from ggufswap.shards.value_types import GGUFValueType
 
 __all__ = [
     "DEFAULT_TYPES",

@@ -69,6 +69,67 @@ def test_command_line_parser_does_not_import_torch() -> None:
     assert out.stdout.strip() == "[]"
 
 
+# What serving a model must not import: gguf-py (its package import pulls in its writer,
+# quantizers and vocabulary tools), the project's writer, and (for a SentencePiece vocabulary)
+# Hugging Face's tokenizers.
+NOT_ON_THE_START_PATH = (
+    "ggufswap.shards.writer",
+    "ggufswap.shards._synth",
+    "ggufswap.shards.kquants",
+    "ggufswap.shards._kq_numpy",
+    "ggufswap.shards._gguf_encode",
+    "ggufswap.shards._roles",
+    "ggufswap.shards._planned",
+    "ggufswap.shards._arch_spec",
+    "ggufswap.shards._model_spec",
+    "ggufswap.shards.presets",
+    "tokenizers",  # Hugging Face's: byte-level BPE vocabularies only
+)
+SERVE_A_MODEL = """
+import sys
+from pathlib import Path
+
+import torch
+
+import ggufswap.main
+from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime.models.hparams import HParams
+from ggufswap.runtime.models.registry import build_model
+from ggufswap.runtime.serving import daemon, http, serve
+from ggufswap.runtime.serving.tokenizer import GgufTokenizer
+
+ggufswap.main.build_parser()
+runtime = HotSwapRuntime.open(sys.argv[1])
+hparams = HParams.from_metadata(runtime.shards.metadata)
+model = build_model(hparams, runtime.store, store=runtime.store)
+assert torch.isfinite(model(torch.tensor([[1, 2, 3]]))).all()
+runtime.close()
+for _ in range(2):  # an SPM vocabulary: built each time, never cached
+    tokenizer = GgufTokenizer.from_file(sys.argv[2], cache=Path(sys.argv[3]))
+    assert tokenizer.decode(tokenizer.encode("the cat")) == "the cat"
+print(sorted(n for n in sys.modules if n.split(".")[0] == "gguf" or n in sys.argv[4:]))
+"""
+
+
+@pytest.mark.process
+def test_serving_a_model_imports_neither_gguf_py_nor_the_writer(tmp_path: Path) -> None:
+    """A fresh process that does what a runtime's start does (the command line, the daemon and
+    HTTP modules, a model opened, built and run, a SentencePiece tokenizer built twice with the
+    cache given) never imports gguf-py, the project's writer, or Hugging Face's tokenizers."""
+    from test_tokenizer import spm_md, write_vocabulary
+
+    from ggufswap.shards.presets import tiny_dense
+    from ggufswap.shards.writer import write_model
+
+    model = write_model(tiny_dense(), tmp_path / "model")[0]
+    vocabulary = write_vocabulary(tmp_path / "vocab.gguf", spm_md())
+    argv = [sys.executable, "-c", SERVE_A_MODEL, str(model), str(vocabulary), str(tmp_path / "tok")]
+    out = subprocess.run(
+        [*argv, *NOT_ON_THE_START_PATH], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", f"imported on the start path: {out.stdout.strip()}"
+
+
 @pytest.mark.process
 def test_installed_import_names_are_namespaced(tmp_path: Path) -> None:
     """The distribution installs only ``ggufswap.*`` packages, never bare ``config``/``runtime``."""

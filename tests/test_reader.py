@@ -22,8 +22,16 @@ from gguf import GGUFReader, GGUFValueType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ggufswap.shards import ArrayRef, FileChangedError, ShardError, read_array, read_header
+from ggufswap.shards import (
+    ArrayRef,
+    FileChangedError,
+    ShardError,
+    read_array,
+    read_header,
+    value_types,
+)
 from ggufswap.shards.arrays import StringArray, scalars
+from ggufswap.shards.keys import TensorNames
 from ggufswap.shards.reader import read_array_bytes
 from ggufswap.shards.writer import WRITABLE_TYPES, Layout, ModelSpec, Role, write_model
 
@@ -79,6 +87,37 @@ def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[Layout, list[P
 
 def _reference(path: Path) -> GGUFReader:
     return GGUFReader(path, "r")
+
+
+def test_value_types_are_gguf_pys() -> None:
+    """The project's own GGUFValueType (the reader's, which imports no gguf-py) has gguf-py's
+    names and codes, member for member."""
+    ours = {t.name: t.value for t in value_types.GGUFValueType}
+    assert ours == {t.name: t.value for t in GGUFValueType}
+
+
+# What follows a tensor's base name in TensorNames' templates.
+TENSOR_SUFFIXES = ("weight", "bias", "scale", "{}", "{}.weight", "")
+
+
+def test_tensor_names_are_gguf_pys() -> None:
+    """Every TensorNames template (literal, so that reading a file imports no gguf-py) is one of
+    gguf-py's TENSOR_NAMES followed by a weight/bias/scale suffix."""
+    from gguf.constants import TENSOR_NAMES
+
+    bases = {name.replace("{bid}", "{}") for name in TENSOR_NAMES.values()}
+    templates = {k: v for k, v in vars(TensorNames).items() if not k.startswith("_")}
+    assert len(templates) > 60, "the class's attributes are its templates"
+    unknown = [
+        f"{attr} = {name!r}"
+        for attr, name in templates.items()
+        if not any(
+            name == base + ("." + suffix if suffix else "")
+            for base in bases
+            for suffix in TENSOR_SUFFIXES
+        )
+    ]
+    assert not unknown, f"not gguf-py's tensor names: {unknown}"
 
 
 def test_every_writable_type_is_covered(model_files: dict[Layout, list[Path]]) -> None:
@@ -172,6 +211,57 @@ def test_a_string_array_cut_short_or_not_utf8_is_refused_or_replaced() -> None:
     for cut in (len(stored) - 1, len(stored) - 6):
         with pytest.raises(ValueError, match="past their array"):
             StringArray(stored[:cut], 3)[0]
+
+
+def _stored(strings: list[bytes]) -> bytes:
+    return b"".join(len(s).to_bytes(8, "little") + s for s in strings)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize(
+    "strings",
+    [
+        [b"ab", "\u2581caf\u00e9".encode(), "\U0001f916".encode(), b"", b"ab"],
+        [b"ok", b"nul\x00inside", b"bad\xff\xfe", b"cde"],
+        [],
+    ],
+    ids=["duplicates", "nul-and-invalid", "empty"],
+)
+def test_a_string_array_decodes_whole_as_one_by_one(
+    monkeypatch: pytest.MonkeyPatch, compiled: bool, strings: list[bytes]
+) -> None:
+    """tolist() and with_index() (the compiled one-pass decoder, or the Python passes where it
+    is not built) give the strings one look-up each gives, U+FFFD for invalid UTF-8, a NUL kept,
+    and each string's later position when it is held twice."""
+    from ggufswap.shards import arrays
+
+    if compiled and arrays._compiled_strings() is None:
+        pytest.skip("the optional extension ggufswap.shards._strings is not built")
+    if not compiled:
+        monkeypatch.setattr(arrays, "_compiled_strings", lambda: None)
+    array = StringArray(_stored(strings), len(strings))
+    expected = [array[i] for i in range(len(strings))]
+    assert array.tolist() == expected
+    decoded, index = array.with_index()
+    assert decoded == expected
+    assert index == {text: i for i, text in enumerate(expected)}
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_string_array_cut_short_is_refused_whole(
+    monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    """Decoding every string of an array cut inside its last string raises ValueError."""
+    from ggufswap.shards import arrays
+
+    if compiled and arrays._compiled_strings() is None:
+        pytest.skip("the optional extension ggufswap.shards._strings is not built")
+    if not compiled:
+        monkeypatch.setattr(arrays, "_compiled_strings", lambda: None)
+    stored = _stored([b"ab", b"cde"])
+    for cut in (len(stored) - 1, len(stored) - 6):
+        with pytest.raises(ValueError, match="past"):
+            StringArray(stored[:cut], 2).with_index()
 
 
 def test_tensor_data_agrees_with_gguf_reader(model_files: dict[Layout, list[Path]]) -> None:

@@ -256,16 +256,47 @@ def test_a_megabyte_token_builds_in_linear_time() -> None:
     outcome="TokenizerError naming the work bound and the longest token, at once",
 )
 def test_a_vocabulary_built_for_quadratic_merges_is_refused() -> None:
-    """Tokens of every length 1..3000 would need ~9e9 characters examined: the build refuses
-    with a message naming the bound and the longest token, instead of stalling."""
+    """Tokens of every length 1..3000 would need ~9e9 characters examined: Hugging Face's build
+    refuses with a message naming the bound and the longest token, instead of stalling; the
+    served (llama.cpp) tokenizer extracts no merges and encodes at once."""
     md = spm_md()
     extra = ["a" * k for k in range(2, 3001)]
     md["tokenizer.ggml.tokens"] = [*md["tokenizer.ggml.tokens"], *extra]
     md["tokenizer.ggml.token_type"] = [*md["tokenizer.ggml.token_type"], *[int(N)] * len(extra)]
     md["tokenizer.ggml.scores"] = [*md["tokenizer.ggml.scores"], *[-40.0] * len(extra)]
     with pytest.raises(TokenizerError, match="would examine more than") as raised:
-        GgufTokenizer(Vocabulary.from_metadata(md))
+        GgufTokenizer(Vocabulary.from_metadata(md), hf=True)
     assert "3,000 characters" in str(raised.value)
+    served = GgufTokenizer(Vocabulary.from_metadata(md))
+    assert served.decode(served.encode("a" * 5000)) == "a" * 5000
+
+
+SPM_TEXTS = [
+    "the cat",
+    "  the  cat  ",
+    "<s>the</s>cat",
+    "<|turn|>the cat<|turn|> cat",
+    "the\n\ncat\n\n",
+    "ça 🤖 c",
+    "<0x41> catcat",
+    "",
+    " ",
+]
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["space-prefix", "no-prefix"])
+@pytest.mark.parametrize("special", [False, True], ids=["plain", "parse-special"])
+def test_the_served_spm_tokenizer_is_the_previous_one(prefix: bool, special: bool) -> None:
+    """llama.cpp's algorithm (served) and Hugging Face's BPE over the extracted merges (served
+    before) give the same ids and texts: a space prefix after every special piece or none,
+    user-defined and control tokens in text, byte fallback, runs of spaces."""
+    vocab = Vocabulary.from_metadata(spm_md(**{"tokenizer.ggml.add_space_prefix": prefix}))
+    served, before = GgufTokenizer(vocab), GgufTokenizer(vocab, hf=True)
+    for text in SPM_TEXTS:
+        ids = served.encode(text, parse_special=special)
+        assert ids == before.encode(text, parse_special=special), text
+        for skip in (True, False):
+            assert served.decode(ids, skip_special=skip) == before.decode(ids, skip_special=skip)
 
 
 # -- the tokenizer cache (tokenizer_cache.py) ---------------------------------------------------
@@ -316,15 +347,15 @@ def hit(logs: list[dict[str, Any]]) -> bool:
     return bool(event["hit"])
 
 
-@pytest.mark.parametrize("md", [spm_md, bpe_md], ids=["spm", "bpe"])
-def test_a_built_tokenizer_is_cached_and_loaded_back(tmp_path: Path, md: Any) -> None:
-    """The first load builds and writes one entry (merges as "left right"); the next loads it (a
-    hit) and encodes and decodes every text as a fresh build does, special tokens included."""
+def test_a_built_tokenizer_is_cached_and_loaded_back(tmp_path: Path) -> None:
+    """The first load of a BPE vocabulary builds and writes one entry (merges as "left right");
+    the next loads it (a hit) and encodes and decodes every text as a fresh build does, special
+    tokens included."""
     import json
 
     from ggufswap.runtime.serving.tokenizer_cache import MAGIC
 
-    path = write_vocabulary(tmp_path / "v.gguf", md())
+    path = write_vocabulary(tmp_path / "v.gguf", bpe_md())
     fresh = GgufTokenizer.from_file(path)
     first, logs = cached_load(path, tmp_path / "cache")
     assert not hit(logs)
@@ -341,6 +372,16 @@ def test_a_built_tokenizer_is_cached_and_loaded_back(tmp_path: Path, md: Any) ->
                 assert tok.encode(text, parse_special=special) == ids, text
                 assert tok.decode(ids) == fresh.decode(ids)
         assert [tok.token(i) for i in range(tok.n_vocab)] == list(fresh.vocab.tokens)
+
+
+def test_an_spm_vocabulary_is_not_cached(tmp_path: Path) -> None:
+    """A SentencePiece vocabulary builds in one pass (llama.cpp's algorithm needs no merge
+    table): nothing is written to the cache and nothing is looked up there."""
+    path = write_vocabulary(tmp_path / "v.gguf", spm_md())
+    tok, logs = cached_load(path, tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+    assert "tokenizer.cache" not in [e["event"] for e in logs]
+    assert [tok.token(i) for i in tok.encode("the cat")] == ["<s>", f"{SPACE}the", f"{SPACE}cat"]
 
 
 def _damage(entry: Path, other: Path, how: str) -> None:
@@ -371,11 +412,11 @@ def test_a_damaged_or_stale_entry_is_rebuilt_never_trusted(tmp_path: Path, how: 
     """An entry cut short, empty, with a flipped byte, holding another vocabulary's tokenizer,
     or refused by tokenizers is logged and rebuilt; the rebuilt entry is a hit next time."""
     cache = tmp_path / "cache"
-    renamed = spm_md()  # as many tokens: only the key tells the entries apart
-    renamed["tokenizer.ggml.tokens"][270] = f"{SPACE}dog"
+    renamed = bpe_md()  # as many tokens: only the key tells the entries apart
+    renamed["tokenizer.ggml.tokens"][-1] = "<|end|>"
     other = write_vocabulary(tmp_path / "other.gguf", renamed)
     cached_load(other, cache)
-    path = write_vocabulary(tmp_path / "v.gguf", spm_md())
+    path = write_vocabulary(tmp_path / "v.gguf", bpe_md())
     _, logs = cached_load(path, cache)
     (key,) = [e["key"] for e in logs if e["event"] == "tokenizer.cache"]
     entry = cache / f"{key}.tokenizer"
@@ -386,7 +427,7 @@ def test_a_damaged_or_stale_entry_is_rebuilt_never_trusted(tmp_path: Path, how: 
     assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
         "tokenizer.cache_bad_entry"
     ]
-    assert [tok.token(i) for i in tok.encode("the cat")] == ["<s>", f"{SPACE}the", f"{SPACE}cat"]
+    assert [tok.token(i) for i in tok.encode("hello world")] == ["hello", "Ġworld"]
     _, logs = cached_load(path, cache)
     assert hit(logs)
 
@@ -427,32 +468,33 @@ def test_the_cache_key_follows_the_vocabulary(tmp_path: Path, change: dict[str, 
 
 def test_a_cache_that_cannot_be_written_only_costs_the_build(tmp_path: Path) -> None:
     """A cache path that is a file: the tokenizer still builds, and the failure is logged."""
-    path = write_vocabulary(tmp_path / "v.gguf", spm_md())
+    path = write_vocabulary(tmp_path / "v.gguf", bpe_md())
     blocked = tmp_path / "not-a-directory"
     blocked.write_text("")
     tok, logs = cached_load(path, blocked)
     assert "tokenizer.cache_not_written" in [e["event"] for e in logs]
-    assert tok.decode(tok.encode("the cat")) == "the cat"
+    assert tok.decode(tok.encode("hello world")) == "hello world"
 
 
 def test_merges_holding_a_space_are_cached_as_pairs(tmp_path: Path) -> None:
-    """A merge whose halves hold a space cannot be written "left right": the entry keeps the
-    pairs, and loads back to the same encodings."""
+    """A merge whose halves hold a space (Hugging Face's build of an SPM vocabulary) cannot be
+    written "left right": the entry keeps the pairs, and loads back to the same encodings."""
     import json
 
-    from ggufswap.runtime.serving.tokenizer_cache import serialized
+    from ggufswap.runtime.serving.tokenizer_cache import load, serialized, store
 
     md = spm_md(**{"tokenizer.ggml.add_space_prefix": False})
     for piece in ("x", " ", "x "):
         md["tokenizer.ggml.tokens"].append(piece)
         md["tokenizer.ggml.token_type"].append(int(N))
         md["tokenizer.ggml.scores"].append(-1.0)
-    path = write_vocabulary(tmp_path / "v.gguf", md)
-    fresh = GgufTokenizer.from_file(path)
+    vocab = Vocabulary.from_metadata(md)
+    fresh = GgufTokenizer(vocab, hf=True)
+    assert fresh._tok is not None
     assert ["x", " "] in json.loads(serialized(fresh._tok))["model"]["merges"]
-    cached_load(path, tmp_path / "cache")
-    again, logs = cached_load(path, tmp_path / "cache")
-    assert hit(logs)
+    store(tmp_path, "k" * 32, fresh._tok)
+    again = GgufTokenizer(vocab, built=load(tmp_path, "k" * 32, n_vocab=len(vocab.tokens)))
+    assert again._tok is not None, "the entry loads"
     assert again.encode("x x", add_bos=False) == fresh.encode("x x", add_bos=False)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-import gguf.quants as gq
 import torch
 
 from ggufswap.runtime.kernels._ik_labels import (
@@ -17,7 +16,7 @@ from ggufswap.runtime.kernels._ik_labels import (
     copy_d,
     or_into,
 )
-from ggufswap.runtime.kernels._iq import _grid_rows
+from ggufswap.runtime.kernels._iq import _grid_rows, gguf_quants
 
 
 def rp_iq2_bn_r4(x: list[Block], y: Block) -> None:
@@ -133,7 +132,7 @@ def decode_q8_k_r8(base: torch.Tensor, n_per_row: int) -> torch.Tensor:
 @lru_cache(maxsize=4)
 def _iq1s_grid(device: torch.device) -> torch.Tensor:
     """float32 ``[2048, 8]``: ggml's iq1s_grid (values -1, 0, 1), from gguf-py's table."""
-    return torch.tensor(_grid_rows(gq.IQ1_S), dtype=torch.float32, device=device)
+    return torch.tensor(_grid_rows(gguf_quants().IQ1_S), dtype=torch.float32, device=device)
 
 
 _IQ1_DELTA = 0.125  # IQ1S_DELTA, IQ1M_DELTA

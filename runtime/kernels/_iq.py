@@ -34,8 +34,6 @@ from math import ceil, log2
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType as T
-from gguf import quants as gq
 
 from ggufswap.runtime.kernels._base import (
     Arena,
@@ -44,8 +42,18 @@ from ggufswap.runtime.kernels._base import (
     _f16,
     _rep,
 )
+from ggufswap.shards.ggml_types import GGMLType as T
 
 # --- tables -------------------------------------------------------------------------------------
+
+
+def gguf_quants() -> Any:
+    """gguf-py's ``quants`` module, which holds ggml's IQ grids and FP4 values: imported when a
+    kernel of this module first builds its tables, so that serving a model without these types
+    never imports gguf-py (its package import pulls in its writer and vocabulary tools)."""
+    import gguf.quants
+
+    return gguf.quants
 
 
 def _grid_rows(cls: Any) -> list[list[int]]:
@@ -77,6 +85,7 @@ def _packed(rows: torch.Tensor) -> torch.Tensor:
 @lru_cache(maxsize=16)
 def _signed_grid(device: torch.device, name: str) -> torch.Tensor:
     """int64 table: ``grid | sign_index << log2(len(grid))`` -> the 8 signed grid values."""
+    gq = gguf_quants()
     cls = getattr(gq, name)
     grid = torch.tensor(_grid_rows(cls), dtype=torch.int8)  # [G, 8]
     signs = _sign_rows(gq.IQ2_XXS.ksigns)  # [128, 8]
@@ -86,6 +95,7 @@ def _signed_grid(device: torch.device, name: str) -> torch.Tensor:
 @lru_cache(maxsize=16)
 def _grid(device: torch.device, name: str) -> torch.Tensor:
     """The grid of ``gguf.quants.<name>`` as packed int8 rows (int64 or int32 per row)."""
+    gq = gguf_quants()
     rows = torch.tensor(_grid_rows(getattr(gq, name)), dtype=torch.int8)
     return _packed(rows).to(device)
 
@@ -93,6 +103,7 @@ def _grid(device: torch.device, name: str) -> torch.Tensor:
 @lru_cache(maxsize=16)
 def _sign_masks(device: torch.device, ksigns: bool) -> torch.Tensor:
     """int64 table: sign byte (or IQ2_XXS's 7-bit ksigns index) -> 0xFF where negative."""
+    gq = gguf_quants()
     patterns = list(gq.IQ2_XXS.ksigns) if ksigns else list(range(256))
     masks = torch.where(_sign_rows(patterns) < 0, -1, 0).to(torch.int8)
     return _packed(masks).to(device)
@@ -101,6 +112,7 @@ def _sign_masks(device: torch.device, ksigns: bool) -> torch.Tensor:
 @lru_cache(maxsize=4)
 def _iq1_grid(device: torch.device) -> torch.Tensor:
     """int64 table: ``grid | delta_bit << 11`` -> ``8 * grid + 1`` (bit clear) or ``- 1``."""
+    gq = gguf_quants()
     grid = torch.tensor(_grid_rows(gq.IQ1_S), dtype=torch.int8)  # [2048, 8] of -1, 0, 1
     delta = int(float(gq.IQ1_S.delta) * 8)
     assert delta == 1, gq.IQ1_S.delta
@@ -117,6 +129,7 @@ def _shifts(
 @lru_cache(maxsize=8)
 def _fp4_values(device: torch.device) -> torch.Tensor:
     """``[16]`` float32: gguf's doubled E2M1 values (``MXFP4.kvalues``, shared by NVFP4)."""
+    gq = gguf_quants()
     kv = [int(v) for v in gq.MXFP4.kvalues]
     assert kv == [int(v) for v in gq.NVFP4.kvalues]
     return torch.tensor(kv, dtype=torch.float32, device=device)

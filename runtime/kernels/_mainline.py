@@ -21,7 +21,6 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
-from gguf import GGMLQuantizationType as T
 
 from ggufswap.runtime.kernels._base import (
     Arena,
@@ -33,6 +32,7 @@ from ggufswap.runtime.kernels._base import (
     _to_float,
     _words,
 )
+from ggufswap.shards.ggml_types import GGMLType as T
 
 # IQ4_NL / IQ4_XS non-linear 4-bit grid (gguf.quants.IQ4_NL.kvalues).
 IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)

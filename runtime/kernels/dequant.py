@@ -24,7 +24,6 @@ import threading
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ggufswap.logs import get_logger
 from ggufswap.runtime.errors import UnsupportedTypeError
@@ -42,7 +41,7 @@ __all__ = ["KERNEL_TYPES", "dequantize", "has_kernel"]
 log = get_logger(__name__)
 
 # The block-scheme torch kernels by type: the mainline table and the grid/ternary/FP4 one.
-KERNELS: dict[GGMLQuantizationType, Kernel] = {**MAINLINE_KERNELS, **IQ_KERNELS}
+KERNELS: dict[GGMLType, Kernel] = {**MAINLINE_KERNELS, **IQ_KERNELS}
 
 KERNEL_TYPES: frozenset[GGMLType] = (
     frozenset(GGMLType(int(t)) for t in KERNELS) | frozenset(IK_KERNELS) | frozenset(INTERLEAVED)
@@ -66,7 +65,7 @@ _CHUNKS_PER_SCALE_GROUP = 16
 _scratch = threading.local()
 
 _warned_lock = threading.Lock()
-_warned_types: set[GGMLQuantizationType] = set()
+_warned_types: set[GGMLType] = set()
 
 
 def has_kernel(ggml_type: int) -> bool:
@@ -128,7 +127,7 @@ def dequantize(
     if LAYOUTS[known].origin is not Origin.MAINLINE:
         msg = f"no dequantization kernel for {known.name} (an ik_llama.cpp type)"
         raise UnsupportedTypeError(msg)
-    ggml_type = GGMLQuantizationType(int(known))  # mainline from here on: gguf's member
+    ggml_type = known  # a mainline type from here on
     if _compiled.handles(ggml_type, ne[0], raw.device):
         flat = _decode_compiled(raw, ggml_type, dtype, None if out is None else out.view(-1))
         return flat.view(shape) if out is None else out
@@ -299,7 +298,7 @@ def _run(
 
 def _decode_compiled(
     raw: torch.Tensor,
-    ggml_type: GGMLQuantizationType,
+    ggml_type: GGMLType,
     dtype: torch.dtype,
     out: torch.Tensor | None,
 ) -> torch.Tensor:
@@ -307,13 +306,13 @@ def _decode_compiled(
     is rounded from float32 chunks, as the torch kernels do."""
     kernels, threads = _compiled.module(), torch.get_num_threads()
     raw = raw if raw.is_contiguous() else raw.contiguous()
-    numel = raw.numel() // GGML_QUANT_SIZES[ggml_type][1] * GGML_QUANT_SIZES[ggml_type][0]
+    block_size, type_size = LAYOUTS[ggml_type].block_size, LAYOUTS[ggml_type].type_size
+    numel = raw.numel() // type_size * block_size
     if out is None:
         out = _empty(numel, dtype, raw.device)
     if dtype == torch.float32:
         kernels.decode(raw.data_ptr(), int(ggml_type), numel, out.data_ptr(), threads)
         return out
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     chunk = max(block_size, _CPU_CHUNK_ELEMENTS // block_size * block_size)
     scratch = _arena(raw.device).take("compiled_f32", min(chunk, numel), torch.float32)
     for start in range(0, numel, chunk):
@@ -348,7 +347,7 @@ def _decode_compiled_rows(
 
 def _fallback(
     raw: torch.Tensor,
-    ggml_type: GGMLQuantizationType,
+    ggml_type: GGMLType,
     ne: tuple[int, ...],
     *,
     dtype: torch.dtype,
@@ -363,12 +362,12 @@ def _fallback(
             ggml_type=ggml_type.name,
             reason="no torch kernel; using gguf's numpy dequantization on the CPU",
         )
-    from gguf import quants
+    from gguf import GGMLQuantizationType, quants
 
     rows = math.prod(ne[1:])
     data = raw.detach().cpu().numpy().reshape(rows, -1)
     try:
-        values = quants.dequantize(data, ggml_type)
+        values = quants.dequantize(data, GGMLQuantizationType(int(ggml_type)))
     except NotImplementedError as exc:
         msg = f"neither a torch kernel nor gguf can dequantize {ggml_type.name}: {exc}"
         raise UnsupportedTypeError(msg) from exc

@@ -1,15 +1,17 @@
-"""Tokenizers built from a GGUF file's own metadata, on Hugging Face's ``tokenizers`` library.
+"""Tokenizers built from a GGUF file's own metadata.
 
 Two ``tokenizer.ggml.model`` kinds are supported:
 
-- ``llama`` (SentencePiece BPE): llama.cpp merges the adjacent pair whose concatenation is the
-  highest-scoring token, repeatedly. That is BPE whose merges are every ``(left, right)`` split of
-  a normal token into two vocabulary tokens, ranked by the merged token's score (the same
-  extraction ``transformers`` uses to convert SentencePiece models). Spaces become ``▁``, a ``▁``
-  is prepended when ``tokenizer.ggml.add_space_prefix`` is true (the default), and characters
-  without a token fall back to the ``<0xXX>`` byte tokens.
-- ``gpt2`` (byte-level BPE): ``tokenizer.ggml.merges`` as given, with the pre-tokenizer regex
-  that ``tokenizer.ggml.pre`` names.
+- ``llama`` (SentencePiece): llama.cpp's own algorithm (``spm.py``): the adjacent pair whose
+  concatenation is the highest-scoring token is merged, repeatedly; spaces become ``▁``, a ``▁`` is
+  prepended when ``tokenizer.ggml.add_space_prefix`` is true (the default), and characters without
+  a token fall back to the ``<0xXX>`` byte tokens. It builds in one pass over the vocabulary.
+  :func:`build` can still make the Hugging Face equivalent (BPE whose merges are every split of a
+  normal token into two vocabulary tokens, ranked by the merged token's score: the extraction
+  ``transformers`` uses): the tokenizer served before, which the tests compare with.
+- ``gpt2`` (byte-level BPE): Hugging Face's ``tokenizers`` over ``tokenizer.ggml.merges`` as
+  given, with the pre-tokenizer regex that ``tokenizer.ggml.pre`` names; built once per vocabulary
+  and cached (``tokenizer_cache.py``).
 
 Control tokens are special (matched in text only with ``parse_special=True``); user-defined tokens
 are always matched whole, as llama.cpp does. ``tokenizer.ggml.add_bos_token`` /
@@ -19,26 +21,43 @@ are always matched whole, as llama.cpp does. ``tokenizer.ggml.add_bos_token`` /
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
-
-from gguf import GGUFValueType
+from typing import TYPE_CHECKING, Final
 
 from ggufswap.logs import get_logger
 from ggufswap.runtime.serving import tokenizer_cache
 from ggufswap.runtime.serving.errors import TokenizerError
+from ggufswap.runtime.serving.spm import SpmTokenizer
+from ggufswap.runtime.serving.vocabulary import (
+    BPE_PRE_SPLITS,
+    SPACE,
+    TokenizerKind,
+    TokenType,
+    Vocabulary,
+    read_vocabulary,
+)
 from ggufswap.shards import read_header
-from ggufswap.shards.arrays import StringArray, scalars
 from ggufswap.shards.keys import Keys
-from ggufswap.shards.reader import ShardHeader, read_array_bytes
-from ggufswap.shards.records import ArrayRef
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+
+    from ggufswap.shards.reader import ShardHeader
+
+__all__ = [
+    "BUILD_VERSION",
+    "SPACE",
+    "GgufTokenizer",
+    "TokenType",
+    "TokenizerKind",
+    "Vocabulary",
+    "build",
+    "read_vocabulary",
+    "spm_merge_ids",
+    "spm_merges",
+]
 
 log = get_logger(__name__)
 
@@ -46,135 +65,6 @@ log = get_logger(__name__)
 # (tokenizer_cache.py), so bump it whenever build() would give another tokenizer for the same
 # file (a normalizer, decoder, merge order or added-token rule changed).
 BUILD_VERSION: Final = 1
-
-
-class TokenizerKind(str, enum.Enum):
-    """``tokenizer.ggml.model`` values this module builds."""
-
-    SPM = "llama"
-    BPE = "gpt2"
-
-
-class TokenType(enum.IntEnum):
-    """llama.cpp's ``LLAMA_TOKEN_TYPE_*`` (``tokenizer.ggml.token_type``)."""
-
-    UNDEFINED = 0
-    NORMAL = 1
-    UNKNOWN = 2
-    CONTROL = 3
-    USER_DEFINED = 4
-    UNUSED = 5
-    BYTE = 6
-
-
-SPACE: Final = "\u2581"  # SentencePiece's visible space
-_GPT2_SPLIT: Final = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT: Final = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT: Final = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# tokenizer.ggml.pre -> the pre-tokenizer split regex (llama.cpp's llama-vocab.cpp).
-BPE_PRE_SPLITS: Final[Mapping[str, str]] = {
-    "default": _GPT2_SPLIT,
-    "gpt-2": _GPT2_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "llama3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-}
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    """The tokenizer metadata of one GGUF file, decoded."""
-
-    kind: TokenizerKind
-    tokens: Sequence[str]
-    token_types: Sequence[int]
-    scores: Sequence[float] | None = None
-    merges: Sequence[str] | None = None
-    pre: str = "default"
-    bos_id: int | None = None
-    eos_id: int | None = None
-    unk_id: int | None = None
-    add_bos: bool = False
-    add_eos: bool = False
-    add_space_prefix: bool = True
-
-    @classmethod
-    def from_metadata(
-        cls, md: Mapping[str, Any], array: Callable[[str], Sequence[Any]] | None = None
-    ) -> Vocabulary:
-        """Read ``tokenizer.ggml.*``; ``array(key)`` decodes arrays left on disk (read_array).
-
-        Size: being reworked by issue 29; split there.
-        """
-        k = Keys.Tokenizer
-
-        def arr(key: str) -> Sequence[Any] | None:
-            if key not in md:
-                return None
-            value = md[key]
-            if isinstance(value, list | tuple):
-                return list(value)
-            if array is None:
-                raise TokenizerError(f"{key}: array left on disk and no reader given")
-            return array(key)
-
-        kind_name = md.get(k.MODEL)
-        try:
-            kind = TokenizerKind(str(kind_name))
-        except ValueError:
-            supported = ", ".join(repr(t.value) for t in TokenizerKind)
-            raise TokenizerError(
-                f"{k.MODEL} = {kind_name!r} is not supported; supported: {supported}"
-            ) from None
-        tokens, types = arr(k.TOKENS), arr(k.TOKEN_TYPE)
-        scores, merges = arr(k.SCORES), arr(k.MERGES)
-        problems = []
-        if tokens is None:
-            problems.append(f"missing {k.TOKENS!r}")
-        n = len(tokens or ())
-        if types is None:
-            types = [TokenType.NORMAL] * n
-        for key, values in ((k.TOKEN_TYPE, types), (k.SCORES, scores)):
-            if values is not None and len(values) != n:
-                problems.append(f"{key} has {len(values)} entries, {k.TOKENS} has {n}")
-        if kind is TokenizerKind.SPM and scores is None:
-            problems.append(f"a {kind.value!r} tokenizer needs {k.SCORES!r}")
-        if kind is TokenizerKind.BPE and merges is None:
-            problems.append(f"a {kind.value!r} tokenizer needs {k.MERGES!r}")
-        pre = str(md.get(k.PRE, "default"))
-        if kind is TokenizerKind.BPE and pre not in BPE_PRE_SPLITS:
-            problems.append(f"{k.PRE} = {pre!r} is not supported; known: {sorted(BPE_PRE_SPLITS)}")
-        ids = {key: md.get(key) for key in (k.BOS_ID, k.EOS_ID, k.UNK_ID)}
-        for key, value in ids.items():
-            if value is not None and not 0 <= int(value) < n:
-                problems.append(f"{key} = {value} is outside the vocabulary (0..{n - 1})")
-        if problems:
-            raise TokenizerError("cannot build the tokenizer:\n  " + "\n  ".join(problems))
-
-        def opt(key: str) -> int | None:
-            value = ids[key]
-            return None if value is None else int(value)
-
-        return cls(
-            kind=kind,
-            tokens=tokens or [],
-            token_types=[int(t) for t in types],
-            scores=None if scores is None else [float(s) for s in scores],
-            merges=merges,
-            pre=pre,
-            bos_id=opt(k.BOS_ID),
-            eos_id=opt(k.EOS_ID),
-            unk_id=opt(k.UNK_ID),
-            add_bos=bool(md.get(k.ADD_BOS, kind is TokenizerKind.SPM)),
-            add_eos=bool(md.get(k.ADD_EOS, False)),
-            add_space_prefix=bool(md.get(k.ADD_SPACE_PREFIX, kind is TokenizerKind.SPM)),
-        )
 
 
 # The merge extraction examines, for each normal token, only the cuts whose two halves have
@@ -286,34 +176,22 @@ def build(vocab: Vocabulary) -> Tokenizer:
     return tok
 
 
-def read_vocabulary(header: ShardHeader) -> tuple[Vocabulary, dict[str, bytes]]:
-    """The vocabulary of a file's header, and the stored bytes of its arrays by key (what
-    :func:`tokenizer_cache.vocabulary_key` hashes). Strings are decoded when looked up
-    (:class:`StringArray`), so a tokenizer loaded from the cache decodes none of them."""
-    md = header.metadata
-    stored = {
-        key: read_array_bytes(header, key)
-        for key, value in md.items()
-        if key.startswith(tokenizer_cache.KEY_PREFIX) and isinstance(value, ArrayRef)
-    }
-
-    def array(key: str) -> Sequence[Any]:
-        ref = md[key]
-        assert isinstance(ref, ArrayRef), "inline arrays are tuples (from_metadata takes those)"
-        if ref.elem_type == GGUFValueType.STRING:
-            return StringArray(stored[key], ref.count)
-        return scalars(ref.elem_type, stored[key])
-
-    return Vocabulary.from_metadata(md, array), stored
-
-
 class GgufTokenizer:
     """Text <-> token ids for one GGUF vocabulary."""
 
-    def __init__(self, vocab: Vocabulary, *, built: Tokenizer | None = None) -> None:
-        """``built``: the Hugging Face tokenizer of ``vocab`` when one was cached (else built)."""
+    def __init__(
+        self, vocab: Vocabulary, *, built: Tokenizer | None = None, hf: bool = False
+    ) -> None:
+        """``built``: the Hugging Face tokenizer of a BPE ``vocab`` when one was cached (else
+        built). ``hf``: Hugging Face's tokenizer for an SPM vocabulary too (the reference the tests
+        compare llama.cpp's algorithm with)."""
         self.vocab = vocab
-        self._tok = build(vocab) if built is None else built
+        self._spm: SpmTokenizer | None = None
+        self._tok: Tokenizer | None = built
+        if vocab.kind is TokenizerKind.SPM and not hf and built is None:
+            self._spm = SpmTokenizer(vocab)
+        elif built is None:
+            self._tok = build(vocab)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], *, cache: Path | None = None) -> GgufTokenizer:
@@ -329,13 +207,14 @@ class GgufTokenizer:
         """:meth:`from_file` of a header already read (the loaded shard set's first); the
         vocabulary's arrays are read from the file it describes, refused if it changed since."""
         vocab, stored = read_vocabulary(header)
-        if cache is None:
+        if cache is None or vocab.kind is TokenizerKind.SPM:  # SPM: nothing worth caching
             return cls(vocab)
         key = tokenizer_cache.vocabulary_key(header.metadata, stored, build=BUILD_VERSION)
         built = tokenizer_cache.load(cache, key, n_vocab=len(vocab.tokens))
         log.info("tokenizer.cache", path=header.path, key=key, hit=built is not None)
         tokenizer = cls(vocab, built=built)
         if built is None:
+            assert tokenizer._tok is not None, "a BPE vocabulary is built by Hugging Face"
             tokenizer_cache.store(cache, key, tokenizer._tok)
         return tokenizer
 
@@ -361,8 +240,13 @@ class GgufTokenizer:
     ) -> list[int]:
         """Token ids of ``text``; BOS/EOS as the file says unless given; control tokens written in
         the text are tokens only with ``parse_special``."""
-        self._tok.encode_special_tokens = not parse_special
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        ids: list[int]
+        if self._spm is not None:
+            ids = self._spm.encode(text, parse_special=parse_special)
+        else:
+            assert self._tok is not None, "one of the two is built"
+            self._tok.encode_special_tokens = not parse_special
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         bos = self.vocab.add_bos if add_bos is None else add_bos
         eos = self.vocab.add_eos if add_eos is None else add_eos
         if bos and self.bos_id is not None:
@@ -373,6 +257,9 @@ class GgufTokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         """The text of ``ids``; control tokens are left out unless ``skip_special=False``."""
+        if self._spm is not None:
+            return self._spm.decode(ids, skip_special=skip_special)
+        assert self._tok is not None, "one of the two is built"
         text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special)
         return text
 
@@ -407,6 +294,9 @@ class GgufTokenizer:
 
     def token_id(self, token: str) -> int | None:
         """The id of a vocabulary entry, or None."""
+        if self._spm is not None:
+            return self._spm.token_id(token)
+        assert self._tok is not None, "one of the two is built"
         found: int | None = self._tok.token_to_id(token)
         return found
 

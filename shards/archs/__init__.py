@@ -5,6 +5,11 @@ which refuses a spec llama.cpp would refuse, and by the runtime's ``HParams``, w
 hyper-parameter with llama.cpp's rule), with the writer's hooks for what the shared tensor plan
 does not cover. ``ARCH_RULES`` below holds one line per architecture; the runtime's decoders
 (``ggufswap.runtime.models``) have their own one-line registry.
+
+The runtime reads only the rules: importing this package imports neither gguf-py nor the writer
+(the hooks import the writer's ``Role`` and ``PlannedTensor`` when they run; keys and typed
+values come from ``shards.keys`` and ``shards.value_types``), so serving a model does not pay for
+them (``tests/test_layout.py``).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Final
 from ggufswap.shards.keys import Arch, Keys
 
 if TYPE_CHECKING:
-    from ggufswap.shards._gguf_encode import TypedValue
     from ggufswap.shards._planned import PlannedTensor
+    from ggufswap.shards.value_types import TypedValue
     from ggufswap.shards.writer import ModelSpec
 
 

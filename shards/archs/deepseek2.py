@@ -10,14 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gguf import GGUFValueType, Keys
-
-from ggufswap.shards import keys as names
-from ggufswap.shards._gguf_encode import TypedValue
-from ggufswap.shards._roles import Role
 from ggufswap.shards.archs._common import f32, routing_metadata, u32
 from ggufswap.shards.archs._rules import Experts, ExpertWidth, SharedExpert, WriterHooks, rules
-from ggufswap.shards.keys import Arch
+from ggufswap.shards.keys import Arch, Keys
+from ggufswap.shards.value_types import GGUFValueType, TypedValue
 
 if TYPE_CHECKING:
     from ggufswap.shards.writer import ModelSpec
@@ -80,33 +76,35 @@ def ik_errors(spec: ModelSpec) -> list[str]:
 
 def mla_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
     """deepseek2's keys, as llama.cpp's converter writes them (conversion/deepseek.py)."""
-    a, llm, att, rope = spec.arch_name, Keys.LLM, Keys.Attention, Keys.Rope
+    a, llm = spec.arch_name, Keys.LLM
     kv = [
-        (llm.LEADING_DENSE_BLOCK_COUNT.format(arch=a), u32(spec.n_dense_lead)),
-        (att.Q_LORA_RANK.format(arch=a), u32(spec.q_lora_rank)),
-        (att.KV_LORA_RANK.format(arch=a), u32(spec.kv_lora_rank)),
+        (llm.LEADING_DENSE_BLOCK_COUNT.format(a), u32(spec.n_dense_lead)),
+        (llm.Q_LORA_RANK.format(a), u32(spec.q_lora_rank)),
+        (llm.KV_LORA_RANK.format(a), u32(spec.kv_lora_rank)),
     ]
     if spec.mla_split:
         kv += [
-            (att.KEY_LENGTH_MLA.format(arch=a), u32(spec.n_embd_head)),
-            (att.VALUE_LENGTH_MLA.format(arch=a), u32(spec.head_v)),
+            (llm.KEY_LENGTH_MLA.format(a), u32(spec.n_embd_head)),
+            (llm.VALUE_LENGTH_MLA.format(a), u32(spec.head_v)),
         ]
-    kv.append((rope.DIMENSION_COUNT.format(arch=a), u32(spec.n_rot)))
+    kv.append((llm.ROPE_DIMENSION_COUNT.format(a), u32(spec.n_rot)))
     kv += routing_metadata(spec)
     if spec.rope_scaling is not None:
         kv += [
-            (rope.SCALING_TYPE.format(arch=a), TypedValue(GGUFValueType.STRING, spec.rope_scaling)),
-            (rope.SCALING_FACTOR.format(arch=a), f32(spec.rope_scaling_factor)),
+            (llm.ROPE_SCALING_TYPE.format(a), TypedValue(GGUFValueType.STRING, spec.rope_scaling)),
+            (llm.ROPE_SCALING_FACTOR.format(a), f32(spec.rope_scaling_factor)),
         ]
     if spec.rope_orig_ctx:
-        kv.append((rope.SCALING_ORIG_CTX_LEN.format(arch=a), u32(spec.rope_orig_ctx)))
+        kv.append((llm.ROPE_SCALING_ORIG_CTX_LEN.format(a), u32(spec.rope_orig_ctx)))
     if spec.yarn_log_mul:
-        kv.append((rope.SCALING_YARN_LOG_MUL.format(arch=a), f32(spec.yarn_log_mul)))
+        kv.append((llm.ROPE_SCALING_YARN_LOG_MUL.format(a), f32(spec.yarn_log_mul)))
     return kv
 
 
 def plan_attention(spec: ModelSpec, add: Any, b: int) -> None:
     """deepseek2's attention tensors of block ``b`` (llama_model_deepseek2::load_arch_tensors)."""
+    from ggufswap.shards._roles import Role
+
     e, h, rank, rot = spec.n_embd, spec.n_head, spec.kv_lora_rank, spec.n_rot
     nope, v = spec.n_embd_head - rot, spec.head_v
     if spec.q_lora_rank > 0:
@@ -141,18 +139,18 @@ RULES = rules(
     norm_topk=False,
     writer=WriterHooks(errors=mla_errors, metadata=mla_metadata, attention=plan_attention),
     llama_cpp_keys=(
-        names.Keys.LLM.KEY_LENGTH_MLA,
-        names.Keys.LLM.VALUE_LENGTH_MLA,
-        names.Keys.LLM.Q_LORA_RANK,
-        names.Keys.LLM.KV_LORA_RANK,
-        names.Keys.LLM.ATTENTION_TEMPERATURE_LENGTH,
-        names.Keys.LLM.ATTENTION_TEMPERATURE_SCALE,
-        names.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
-        names.Keys.LLM.EXPERT_GATING_FUNC,
-        names.Keys.LLM.EXPERT_SHARED_COUNT,
-        names.Keys.LLM.EXPERT_WEIGHTS_NORM,
-        names.Keys.LLM.EXPERT_WEIGHTS_SCALE,
-        names.Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
-        names.Keys.LLM.ROPE_SCALING_YARN_LOG_MUL,
+        Keys.LLM.KEY_LENGTH_MLA,
+        Keys.LLM.VALUE_LENGTH_MLA,
+        Keys.LLM.Q_LORA_RANK,
+        Keys.LLM.KV_LORA_RANK,
+        Keys.LLM.ATTENTION_TEMPERATURE_LENGTH,
+        Keys.LLM.ATTENTION_TEMPERATURE_SCALE,
+        Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
+        Keys.LLM.EXPERT_GATING_FUNC,
+        Keys.LLM.EXPERT_SHARED_COUNT,
+        Keys.LLM.EXPERT_WEIGHTS_NORM,
+        Keys.LLM.EXPERT_WEIGHTS_SCALE,
+        Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
+        Keys.LLM.ROPE_SCALING_YARN_LOG_MUL,
     ),
 )

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final
 
-from gguf import GGUFValueType
-
-from ggufswap.shards._gguf_encode import TypedValue
-from ggufswap.shards._roles import Role
 from ggufswap.shards.archs import deepseek2
 from ggufswap.shards.archs._common import u32
 from ggufswap.shards.archs._rules import Experts, ExpertWidth, SharedExpert, WriterHooks, rules
 from ggufswap.shards.keys import Arch, Keys
+from ggufswap.shards.value_types import GGUFValueType, TypedValue
 
 if TYPE_CHECKING:
     from ggufswap.shards.writer import ModelSpec
@@ -107,6 +104,8 @@ def dsa_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
 def plan_attention(spec: ModelSpec, add: Any, b: int) -> None:
     """deepseek2's attention tensors of block ``b``, then its indexer's
     (llama_model_deepseek32::load_arch_tensors)."""
+    from ggufswap.shards._roles import Role
+
     deepseek2.plan_attention(spec, add, b)
     if not is_full(spec, b):
         return

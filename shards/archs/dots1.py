@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ggufswap.shards._gguf_encode import TypedValue
 from ggufswap.shards.archs._common import routing_metadata, u32
 from ggufswap.shards.archs._rules import Experts, ExpertWidth, SharedExpert, WriterHooks, rules
 from ggufswap.shards.keys import Arch, Keys
+from ggufswap.shards.value_types import TypedValue
 
 if TYPE_CHECKING:
     from ggufswap.shards.writer import ModelSpec

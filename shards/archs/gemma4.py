@@ -12,16 +12,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-from gguf import GGUFValueType
-
-from ggufswap.shards._gguf_encode import TypedValue
-from ggufswap.shards._planned import PlannedTensor
-from ggufswap.shards._roles import Role
 from ggufswap.shards.archs._common import f32, u32
 from ggufswap.shards.archs._rules import Experts, ExpertWidth, WriterHooks, rules
 from ggufswap.shards.keys import Arch, Keys
+from ggufswap.shards.value_types import GGUFValueType, TypedValue
 
 if TYPE_CHECKING:
+    from ggufswap.shards._planned import PlannedTensor
+    from ggufswap.shards._roles import Role
     from ggufswap.shards.writer import ModelSpec
 
 SOURCE = "llama_model_gemma4::load_arch_hparams/load_arch_tensors (src/models/gemma4.cpp)"
@@ -95,6 +93,9 @@ def metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
 
 def plan_block(spec: ModelSpec, b: int) -> list[PlannedTensor]:
     """One block as load_arch_tensors creates it (``rope_freqs`` before the first block)."""
+    from ggufswap.shards._planned import PlannedTensor
+    from ggufswap.shards._roles import Role
+
     e, swa = spec.n_embd, is_swa(spec, b)
     hd = head_swa(spec) if swa else spec.n_embd_head
     kv = (spec.n_head_kv if swa else kv_full(spec)) * hd

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gguf import Keys
-
-from ggufswap.shards import keys as names
-from ggufswap.shards._gguf_encode import TypedValue
 from ggufswap.shards.archs._common import routing_metadata, u32
 from ggufswap.shards.archs._rules import Experts, ExpertWidth, SharedExpert, WriterHooks, rules
-from ggufswap.shards.keys import Arch
+from ggufswap.shards.keys import Arch, Keys
+from ggufswap.shards.value_types import TypedValue
 
 if TYPE_CHECKING:
     from ggufswap.shards.writer import ModelSpec
@@ -45,12 +42,12 @@ def glm_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
     """glm4moe's keys, as llama.cpp's converter writes them (conversion/glm.py)."""
     a, llm = spec.arch_name, Keys.LLM
     kv = [
-        (llm.LEADING_DENSE_BLOCK_COUNT.format(arch=a), u32(spec.n_dense_lead)),
-        (Keys.Rope.DIMENSION_COUNT.format(arch=a), u32(spec.n_rot)),
+        (llm.LEADING_DENSE_BLOCK_COUNT.format(a), u32(spec.n_dense_lead)),
+        (llm.ROPE_DIMENSION_COUNT.format(a), u32(spec.n_rot)),
         *routing_metadata(spec),
     ]
     if spec.n_nextn:
-        kv.append((llm.NEXTN_PREDICT_LAYERS.format(arch=a), u32(spec.n_nextn)))
+        kv.append((llm.NEXTN_PREDICT_LAYERS.format(a), u32(spec.n_nextn)))
     return kv
 
 
@@ -64,12 +61,12 @@ RULES = rules(
     norm_topk=False,
     writer=WriterHooks(errors=glm_errors, metadata=glm_metadata),
     llama_cpp_keys=(
-        names.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
-        names.Keys.LLM.EXPERT_GATING_FUNC,
-        names.Keys.LLM.EXPERT_SHARED_COUNT,
-        names.Keys.LLM.EXPERT_WEIGHTS_NORM,
-        names.Keys.LLM.EXPERT_WEIGHTS_SCALE,
-        names.Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
-        names.Keys.LLM.ROPE_DIMENSION_SECTIONS,
+        Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
+        Keys.LLM.EXPERT_GATING_FUNC,
+        Keys.LLM.EXPERT_SHARED_COUNT,
+        Keys.LLM.EXPERT_WEIGHTS_NORM,
+        Keys.LLM.EXPERT_WEIGHTS_SCALE,
+        Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
+        Keys.LLM.ROPE_DIMENSION_SECTIONS,
     ),
 )

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ggufswap.shards._planned import PlannedTensor
-from ggufswap.shards._roles import Role
 from ggufswap.shards.archs._rules import Experts, ExpertWidth, WriterHooks, rules
 from ggufswap.shards.keys import Arch, Keys
 
 if TYPE_CHECKING:
+    from ggufswap.shards._planned import PlannedTensor
     from ggufswap.shards.writer import ModelSpec
 
 
@@ -22,6 +21,9 @@ def plan_block(spec: ModelSpec, b: int) -> list[PlannedTensor]:
     """One gpt-oss block as llama_model_openai_moe::load_arch_tensors creates it: biased
     attention with sinks, post_attention_norm (the FFN's input norm), a biased router and biased
     experts."""
+    from ggufswap.shards._planned import PlannedTensor
+    from ggufswap.shards._roles import Role
+
     e, hd, f, x = spec.n_embd, spec.n_embd_head, spec.n_ff_expert, spec.n_expert
     q, kv = spec.n_head * hd, spec.n_head_kv * hd
     shapes = (

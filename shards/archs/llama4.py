@@ -12,9 +12,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ggufswap.shards._gguf_encode import TypedValue
-from ggufswap.shards._planned import PlannedTensor
-from ggufswap.shards._roles import Role
 from ggufswap.shards.archs._common import u32
 from ggufswap.shards.archs._rules import (
     Experts,
@@ -24,8 +21,11 @@ from ggufswap.shards.archs._rules import (
     rules,
 )
 from ggufswap.shards.keys import Arch, Keys
+from ggufswap.shards.value_types import TypedValue
 
 if TYPE_CHECKING:
+    from ggufswap.shards._planned import PlannedTensor
+    from ggufswap.shards._roles import Role
     from ggufswap.shards.writer import ModelSpec
 
 SOURCE = "llama_model_llama4::load_arch_hparams/load_arch_tensors (src/models/llama4.cpp)"
@@ -58,6 +58,9 @@ def metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
 def plan_block(spec: ModelSpec, b: int) -> list[PlannedTensor]:
     """One block as load_arch_tensors creates it: plain attention, then routed experts with a
     shared expert of their width, or a dense SwiGLU of ``n_ff``."""
+    from ggufswap.shards._planned import PlannedTensor
+    from ggufswap.shards._roles import Role
+
     e, hd = spec.n_embd, spec.n_embd_head
     q, kv = spec.n_head * hd, spec.n_head_kv * hd
     shapes: list[tuple[Role, tuple[int, ...]]] = [

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ggufswap.shards._gguf_encode import TypedValue
-from ggufswap.shards._planned import PlannedTensor
-from ggufswap.shards._roles import Role
 from ggufswap.shards.archs._common import u32
 from ggufswap.shards.archs._rules import Experts, ExpertWidth, WriterHooks, rules
 from ggufswap.shards.keys import Arch, Keys
+from ggufswap.shards.value_types import TypedValue
 
 if TYPE_CHECKING:
+    from ggufswap.shards._planned import PlannedTensor
     from ggufswap.shards.writer import ModelSpec
 
 SOURCE = "llama_model_minimax_m2::load_arch_hparams/load_arch_tensors (src/models/minimax-m2.cpp)"
@@ -58,6 +57,9 @@ def metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
 
 def plan_block(spec: ModelSpec, b: int) -> list[PlannedTensor]:
     """One block as load_arch_tensors creates it: Q/K norms as wide as all query / key heads."""
+    from ggufswap.shards._planned import PlannedTensor
+    from ggufswap.shards._roles import Role
+
     e, hd, f, x = spec.n_embd, spec.n_embd_head, spec.n_ff_expert, spec.n_expert
     q, kv = spec.n_head * hd, spec.n_head_kv * hd
     shapes = (

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gguf import GGUFValueType
-
-from ggufswap.shards._gguf_encode import TypedValue
-from ggufswap.shards._planned import PlannedTensor
-from ggufswap.shards._roles import Role
 from ggufswap.shards.archs._common import u32
 from ggufswap.shards.archs._rules import WriterHooks, rules
 from ggufswap.shards.keys import Arch, Keys
+from ggufswap.shards.value_types import GGUFValueType, TypedValue
 
 if TYPE_CHECKING:
+    from ggufswap.shards._planned import PlannedTensor
+    from ggufswap.shards._roles import Role
     from ggufswap.shards.writer import ModelSpec
 
 SOURCE = "llama_model_qwen35::load_arch_hparams/load_arch_tensors (src/models/qwen35.cpp)"
@@ -97,6 +95,9 @@ def qwen35_metadata(spec: ModelSpec) -> list[tuple[str, TypedValue]]:
 def plan_block(spec: ModelSpec, b: int) -> list[PlannedTensor]:
     """One block as llama_model_qwen35(moe)::load_arch_tensors / llama_model_qwen3next create
     it: the delta-net or gated-attention tensors, then the dense or routed FFN."""
+    from ggufswap.shards._planned import PlannedTensor
+    from ggufswap.shards._roles import Role
+
     e, hd = spec.n_embd, spec.n_embd_head
     shapes: list[tuple[Role, tuple[int, ...]]] = [(Role.ATTN_NORM, (e,))]
     if is_recurrent(spec, b):

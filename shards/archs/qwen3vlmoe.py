@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-from gguf import GGUFValueType
-
-from ggufswap.shards._gguf_encode import TypedValue
 from ggufswap.shards.archs._common import u32
 from ggufswap.shards.archs._rules import Experts, ExpertWidth, WriterHooks, rules
 from ggufswap.shards.keys import Arch, Keys
+from ggufswap.shards.value_types import GGUFValueType, TypedValue
 
 if TYPE_CHECKING:
     from ggufswap.shards.writer import ModelSpec
