@@ -31,7 +31,7 @@ $(MODULES): FORCE
 # --no-compile: pip would compile all ~11,000 modules of the environment (~1 minute of CPU, torch
 # and ray most of it); Python compiles, and keeps, the few thousand that are imported instead.
 PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile
-$(STAMP): pyproject.toml setup.py Makefile $(MODULES) $(wildcard runtime/kernels/csrc/*.c runtime/csrc/*.c shards/csrc/*.c)
+$(STAMP): pyproject.toml setup.py Makefile $(MODULES) $(wildcard runtime/kernels/csrc/*.[ch] runtime/csrc/*.c shards/csrc/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) $(TORCH_SPEC)
 	rm -rf build/__editable__.*
