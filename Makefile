@@ -34,7 +34,7 @@ $(MODULES): FORCE
 # and keeps, the few thousand modules that are imported, not all ~11,000 (a minute of CPU).
 PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile
 UV_INSTALL = $(BIN)/uv pip install --quiet --python $(BIN)/python $$($(BIN)/python tools/uv_args.py)
-$(STAMP): pyproject.toml setup.py Makefile tools/uv_args.py $(MODULES) $(wildcard runtime/kernels/csrc/*.c runtime/csrc/*.c shards/csrc/*.c)
+$(STAMP): pyproject.toml setup.py Makefile tools/uv_args.py $(MODULES) $(wildcard runtime/kernels/csrc/*.[ch] runtime/csrc/*.c shards/csrc/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	test -x $(BIN)/uv || $(PIP_INSTALL) uv
 	$(UV_INSTALL) $(TORCH_SPEC)

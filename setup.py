@@ -43,10 +43,16 @@ setup(
         ),
         Extension(
             "ggufswap.runtime.kernels._ggmlcall",
-            sources=["runtime/kernels/csrc/ggmlcall.c"],
+            sources=["runtime/kernels/csrc/ggmlcall.c", "runtime/kernels/csrc/ggmlblock.c"],
+            depends=[
+                "runtime/kernels/csrc/ggmlcall.h",
+                "runtime/kernels/csrc/rownorm.h",
+                "runtime/kernels/csrc/rowrope.h",
+            ],
             # Glue only: the libggml it calls is found and loaded at run time (dlopen), so the
-            # build needs no ggml (runtime/kernels/_ggml.py).
-            extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE"],
+            # build needs no ggml (runtime/kernels/_ggml.py). No FMA contraction: its norms are
+            # ggml's float32 operations (rownorm.h).
+            extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off"],
             extra_link_args=["-ldl", "-pthread"],
             optional=True,
         ),
@@ -55,6 +61,7 @@ setup(
             # no FMA contraction: the float32 operations of ggml's norm and of torch's rotation.
             "ggufswap.runtime.kernels._rowops",
             sources=["runtime/kernels/csrc/rowops.c"],
+            depends=["runtime/kernels/csrc/rownorm.h", "runtime/kernels/csrc/rowrope.h"],
             extra_compile_args=["-O2", "-ffp-contract=off", "-fno-math-errno", "-std=c11"],
             optional=True,
         ),

@@ -12,12 +12,15 @@ alternate (ours, llama.cpp, ours, ...) for ``--rounds`` rounds and each figure i
 over the rounds. Every row is a ratio, llama.cpp's time over ours (higher is better; 1.0 =
 llama.cpp's pace), with the issue's target:
 
-- greedy decode of the real Gemma 3 270M Q4_K_M at 1 and 2 threads (target 1.0);
+- greedy decode of the real Gemma 3 270M Q4_K_M at 1 and 2 threads (target 1.0), with the
+  default numerics and with ggml's (``runtime.numerics: ggml``: ggml's norms and products end to
+  end, native storage);
 - perplexity evaluation, one 512-token context, 2 threads: in ggml's numerics (native storage,
   ``numerics="ggml"``: the sweep's llama.cpp-comparable figures, target 1.0) and in exact numerics
   (dequantized float products); and the sweep's ggml numerics against its exact ones;
 - process start to first logits, warm page cache (target: at most 1.5x llama.cpp's time);
-- one-token decode of a synthetic qwen3moe (128 experts, 8 used; Q4_K/Q6_K), 1 thread (target 1.0);
+- one-token decode of a synthetic qwen3moe (128 experts, 8 used; Q4_K/Q6_K), 1 thread, default
+  and ggml numerics (target 1.0);
 - decode-step growth from 64 to 4,096 tokens of context, 1 thread (ours against llama.cpp's
   growth: no worse, target 1.0).
 
@@ -187,17 +190,22 @@ def gemma_rows(
     clock = " (CPU time)" if cpu else ""
     steps = 8 if quick else 32
     for threads in (1, 2):
-        job = {"what": "decode", "path": str(path), "threads": threads, "steps": steps}
-        theirs, mine, last = interleaved(
-            rounds,
-            lambda job=job: ours(job),
-            lambda job=job: llama(python, job),
-            _key("step_s", cpu),
-        )
-        _say(f"gemma3 decode {threads} thread(s): ours {1 / mine:.1f} tok/s ({last['storage']}, "
-             f"{last['kernels']}), llama.cpp {1 / theirs:.1f} tok/s{clock}")  # fmt: skip
-        name = f"gemma3 270M greedy decode, {threads} thread(s){clock}"
-        rows.append(row(name, theirs, mine, 1.0))
+        for numerics in (None, "ggml"):
+            job = {"what": "decode", "path": str(path), "threads": threads, "steps": steps}
+            if numerics is not None:
+                job["numerics"] = numerics
+            theirs, mine, last = interleaved(
+                rounds,
+                lambda job=job: ours(job),
+                lambda job=job: llama(python, job),
+                _key("step_s", cpu),
+            )
+            how = f", {numerics} numerics" if numerics else ""
+            _say(f"gemma3 decode {threads} thread(s){how}: ours {1 / mine:.1f} tok/s "
+                 f"({last['storage']}, {last['kernels']}), llama.cpp {1 / theirs:.1f} tok/s"
+                 f"{clock}")  # fmt: skip
+            name = f"gemma3 270M greedy decode, {threads} thread(s){how}{clock}"
+            rows.append(row(name, theirs, mine, 1.0))
     prompt = [PROMPT[i % len(PROMPT)] for i in range(EVAL_TOKENS)]
     base = {"what": "eval", "path": str(path), "threads": 2, "prompt": prompt}
     figures = {}
@@ -249,15 +257,25 @@ def moe_rows(python: Path, root: Path, rounds: int, quick: bool, cpu: bool) -> l
     n_embd, n_ff, n_layers = (256, 256, 2) if quick else (1024, 512, 4)
     spec = moe_spec("moe128", n_layers=n_layers, n_embd=n_embd, n_expert=128, n_ff=n_ff)
     path = write_model(spec, root / "moe128")[0]
-    job = {"what": "decode", "path": str(path), "threads": 1, "steps": 8 if quick else 32}
-    job["prompt"] = [1, 2, 3, 4]
-    theirs, mine, last = interleaved(
-        rounds, lambda: ours(job), lambda: llama(python, job), _key("step_s", cpu)
-    )
+    rows = []
     clock = " (CPU time)" if cpu else ""
-    _say(f"qwen3moe 128 experts decode: ours {mine * 1e3:.2f} ms/step ({last['kernels']}), "
-         f"llama.cpp {theirs * 1e3:.2f} ms/step{clock}")  # fmt: skip
-    return [row(f"qwen3moe 128 experts (8 used) decode, 1 thread{clock}", theirs, mine, 1.0)]
+    for numerics in (None, "ggml"):
+        job = {"what": "decode", "path": str(path), "threads": 1, "steps": 8 if quick else 32}
+        job["prompt"] = [1, 2, 3, 4]
+        if numerics is not None:
+            job["numerics"] = numerics
+        theirs, mine, last = interleaved(
+            rounds,
+            lambda job=job: ours(job),
+            lambda job=job: llama(python, job),
+            _key("step_s", cpu),
+        )
+        how = f", {numerics} numerics" if numerics else ""
+        _say(f"qwen3moe 128 experts decode{how}: ours {mine * 1e3:.2f} ms/step "
+             f"({last['kernels']}), llama.cpp {theirs * 1e3:.2f} ms/step{clock}")  # fmt: skip
+        name = f"qwen3moe 128 experts (8 used) decode, 1 thread{how}{clock}"
+        rows.append(row(name, theirs, mine, 1.0))
+    return rows
 
 
 def _say(line: str) -> None:

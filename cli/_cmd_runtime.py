@@ -15,9 +15,11 @@ from ggufswap.config import (
     Config,
     ConfigError,
     ConfigProblem,
+    Numerics,
     ServeConfig,
     ServeMode,
     load_config,
+    numerics_problems,
     parse_threads,
 )
 from ggufswap.config.llama_args import LlamaArgs
@@ -59,6 +61,15 @@ def register(subparsers: Any) -> None:
         f"(default: runtime.serve.batch_interval_s, else {d.batch_interval_s})",
     )
     add_threads_option(parser)
+    parser.add_argument(
+        "--numerics",
+        choices=[n.value for n in Numerics],
+        default=None,
+        help="how the served decoder computes, overriding runtime.numerics: auto (the fastest "
+        "products: ggml's where a libggml runs, float32 norms), exact (float products), ggml "
+        "(ggml's CPU arithmetic end to end, llama.cpp's rounding; native storage). "
+        "Default: runtime.numerics, else auto",
+    )
     parser.add_argument(
         "--llama-args",
         default=None,
@@ -149,6 +160,21 @@ def serve_settings(serve: ServeConfig, args: argparse.Namespace) -> ServeConfig:
     return dataclasses.replace(serve, **{k: v for k, v in flags.items() if v is not None})
 
 
+def with_numerics(config: Config, numerics: str | None) -> Config:
+    """``config`` with ``--numerics`` in place of ``runtime.numerics`` (ConfigError when the
+    rest of the runtime section cannot run with it)."""
+    if numerics is None:
+        return config
+    runtime = dataclasses.replace(config.require_runtime(), numerics=Numerics(numerics))
+    problems = [
+        ConfigProblem("--numerics", None, f"runtime.{key}", problem)
+        for key, problem in numerics_problems(runtime)
+    ]
+    if problems:
+        raise ConfigError(problems)
+    return dataclasses.replace(config, runtime=runtime)
+
+
 def with_llama_args(
     config: Config, serve: ServeConfig, text: str | None
 ) -> tuple[Config, LlamaArgs | None]:
@@ -174,7 +200,7 @@ def with_llama_args(
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config)
+        config = with_numerics(load_config(args.config), args.numerics)
         serve = serve_settings(config.require_runtime().serve, args)
         config, llama = with_llama_args(config, serve, args.llama_args)
     except ConfigError as exc:

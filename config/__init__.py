@@ -7,6 +7,7 @@ reported at once in a ``ConfigError`` whose lines read ``FILE:LINE: key.path: me
 
 from __future__ import annotations
 
+from ggufswap.config._checks import numerics_problems
 from ggufswap.config._export import config_to_dict
 from ggufswap.config.endpoints import Transport, default_runtime_dir, transport_of
 from ggufswap.config.errors import ConfigError, ConfigProblem, MissingSectionError
@@ -20,6 +21,7 @@ from ggufswap.config.schema import (
     LogLevel,
     MapShards,
     ModelConfig,
+    Numerics,
     PlacementConfig,
     PoolConfig,
     RuntimeConfig,
@@ -56,6 +58,7 @@ __all__ = [
     "MapShards",
     "MissingSectionError",
     "ModelConfig",
+    "Numerics",
     "PlacementConfig",
     "PoolConfig",
     "RuntimeConfig",
@@ -74,6 +77,7 @@ __all__ = [
     "format_threads",
     "load_config",
     "load_config_text",
+    "numerics_problems",
     "parse_size",
     "parse_threads",
     "transport_of",

@@ -14,7 +14,16 @@ from ggufswap.config.endpoints import (
     socket_dir_problem,
     transport_of,
 )
-from ggufswap.config.schema import CPU_BUFFER, Config, Keys, RuntimeConfig, ServeMode
+from ggufswap.config.schema import (
+    CPU_BUFFER,
+    ComputeDtype,
+    Config,
+    Keys,
+    Numerics,
+    RuntimeConfig,
+    ServeMode,
+    Storage,
+)
 
 _SERVER_KEYS = ("server_secret_key", "authorized_keys_dir")
 _CLIENT_KEYS = ("client_secret_key", "server_public_key")
@@ -63,7 +72,28 @@ def _unique_values(reader: NodeReader, keyed: list[tuple[str, object]], what: st
             first[value] = key_path
 
 
+def numerics_problems(runtime: RuntimeConfig) -> list[tuple[str, str]]:
+    """``(key, problem)`` for each setting ``runtime.numerics`` cannot run with: ggml's numerics
+    round by each weight's GGUF blocks (native storage) and compute in float32."""
+    if runtime.numerics is not Numerics.GGML:
+        return []
+    problems = []
+    if runtime.storage is Storage.DEQUANTIZED:
+        problems.append(
+            ("storage", "numerics ggml reads the weights' GGUF blocks: it needs storage native "
+             "(or auto), found dequantized; set runtime.storage: native, or numerics auto")
+        )  # fmt: skip
+    if runtime.compute_dtype is not ComputeDtype.FLOAT32:
+        problems.append(
+            ("compute_dtype", "numerics ggml computes in float32, found "
+             f"{runtime.compute_dtype.value}; set runtime.compute_dtype: float32")
+        )  # fmt: skip
+    return problems
+
+
 def _check_runtime(runtime: RuntimeConfig, reader: NodeReader) -> None:
+    for key, problem in numerics_problems(runtime):
+        reader.report_at(f"runtime.{key}", problem)
     _unique_names(reader, "runtime.pools", [p.name for p in runtime.pools], "pool name")
     pool_names = [p.name for p in runtime.pools]
     wanted = runtime.placement.experts_pool

@@ -34,6 +34,7 @@ from ggufswap.config.schema import (
     LogLevel,
     MapShards,
     ModelConfig,
+    Numerics,
     PlacementConfig,
     PoolConfig,
     RuntimeConfig,
@@ -82,6 +83,7 @@ RUNTIME_KEYS = (
     "threads",
     "decoded_cache",
     "map_shards",
+    "numerics",
     "serve",
 )
 SERVE_KEYS = (
@@ -377,6 +379,7 @@ class _Builder:
                 sec, "decoded_cache", self.v.size_or_zero, DEFAULT_DECODED_CACHE
             ),
             map_shards=self.r.get(sec, "map_shards", self.v.map_shards, MapShards.AUTO),
+            numerics=self.r.get(sec, "numerics", self.v.choice(Numerics), Numerics.AUTO),
             serve=self.serve(serve),
         )
 

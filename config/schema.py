@@ -49,6 +49,14 @@ class MapShards(str, enum.Enum):
     ON = "true"  # mapped, or the load fails naming the file that cannot be
 
 
+class Numerics(str, enum.Enum):
+    """``runtime.numerics``: how the served decoder computes (docs/configuration.md)."""
+
+    AUTO = "auto"  # the store's fastest products (ggml's where a libggml runs), float32 norms
+    EXACT = "exact"  # float products: decoded weights times float activations
+    GGML = "ggml"  # ggml's CPU arithmetic end to end: llama.cpp's rounding (native storage)
+
+
 # Native storage keeps up to this many bytes of decoded dense tensors by default.
 DEFAULT_DECODED_CACHE = 1 << 30
 
@@ -271,6 +279,7 @@ class RuntimeConfig:
     threads: int | None = None  # torch's CPU threads; None: auto, from the process's CPU affinity
     decoded_cache: int = DEFAULT_DECODED_CACHE  # native storage: decoded dense tensors kept (bytes)
     map_shards: MapShards = MapShards.AUTO  # native storage: serve CPU tensors from their files
+    numerics: Numerics = Numerics.AUTO  # how the served decoder computes
     serve: ServeConfig = field(default_factory=ServeConfig)
 
     def pool(self, name: str) -> PoolConfig:

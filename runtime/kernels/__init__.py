@@ -25,6 +25,8 @@ from ggufswap.runtime.kernels._ggml import library as ggml_library
 from ggufswap.runtime.kernels._ggml import select as ggml_select
 from ggufswap.runtime.kernels.dequant import KERNEL_TYPES, dequantize, has_kernel
 from ggufswap.runtime.kernels.experts import QuantizedExperts, grouped
+from ggufswap.runtime.kernels.ggml_block import attn_front as ggml_attn_front
+from ggufswap.runtime.kernels.ggml_block import geglu_tail as ggml_geglu_tail
 from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix, kernels, linear_all
 from ggufswap.runtime.kernels.rowops import rms_norm as rows_rms_norm
 from ggufswap.runtime.kernels.rowops import rope as rows_rope
@@ -36,7 +38,9 @@ __all__ = [
     "QuantizedMatrix",
     "dequantize",
     "float_products",
+    "ggml_attn_front",
     "ggml_describe",
+    "ggml_geglu_tail",
     "ggml_library",
     "ggml_select",
     "grouped",

@@ -10,6 +10,7 @@ so sums are deterministic), for float stacks and wherever ggml does not run.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,19 +71,27 @@ class QuantizedExperts:
         flat = self.raw[e * unit : (e + 1) * unit]
         return QuantizedMatrix(flat, self.ggml_type, (rows, cols), self.name)
 
+    @functools.cached_property
+    def _library(self) -> _ggml.Library | None:
+        """The libggml that multiplies this stack (its type, row length and device), if any:
+        asked once per stack (the store makes a stack's blocks once per commit), not per call."""
+        library = _ggml.library()
+        if library is None or not library.multiplies(
+            self.ggml_type, self.shape[2], self.raw.device
+        ):
+            return None
+        return library
+
     @property
     def ggml(self) -> bool:
         """Whether :meth:`routed` is one call into ggml here (else one product per expert)."""
-        library = _ggml.library()
-        return library is not None and library.handles(
-            self.ggml_type, self.shape[2], self.raw.device
-        )
+        return self._library is not None and not _ggml.float_only()
 
     def routed(self, x: torch.Tensor, ids: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
         """``[N, k, rows]`` products of the routed experts (``x``, ``ids`` as :func:`grouped`):
         float32 from ggml, else each expert's ``linear`` in ``dtype``."""
-        library = _ggml.library()
-        if library is not None and library.handles(self.ggml_type, self.shape[2], self.raw.device):
+        library = self._library
+        if library is not None and not _ggml.float_only():
             raw = self.raw if self.raw.is_contiguous() else self.raw.contiguous()
             return library.mul_mat_id(raw, self.ggml_type, self.shape, x, ids)
         return grouped(

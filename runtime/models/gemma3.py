@@ -31,6 +31,7 @@ from ggufswap.runtime.models.blocks.ffn import FeedForward
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables, RotaryEmbedding
 from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider
+from ggufswap.runtime.models.ggml_numerics import block_tail
 from ggufswap.runtime.models.hparams import Arch, HParams, KeyReader
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
 from ggufswap.shards.keys import Keys, TensorNames
@@ -95,8 +96,12 @@ class Gemma3Block(nn.Module):
     ) -> Tensor:
         # x: [B, T, D]
         w, eps = self.weights.weight, self.config.norm_eps
-        a = self.attention(rms_norm(x, w(self.attn_norm), eps), rope, mask, cache)
-        h = x + rms_norm(a, w(self.post_attn_norm), eps)
+        a = self.attention.normed_heads(x, self.attn_norm, rope, mask, cache)
+        norms = (self.post_attn_norm, self.ffn_norm, self.post_ffw_norm)
+        y = block_tail(self.weights, x, a, self.attention, self.feed_forward, norms=norms, eps=eps)
+        if y is not None:  # ggml's numerics: the rest in one compiled call, the same bits
+            return y
+        h = x + rms_norm(self.attention.project(a), w(self.post_attn_norm), eps)
         f = self.feed_forward(rms_norm(h, w(self.ffn_norm), eps))
         return h + rms_norm(f, w(self.post_ffw_norm), eps)
 

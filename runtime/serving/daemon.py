@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ggufswap.config import Config
+from ggufswap.config import Config, Numerics, RuntimeConfig, Storage
 from ggufswap.ipc import PlanCommittedEvent, supervisor
 from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
 from ggufswap.logs import get_logger
@@ -50,7 +50,7 @@ def open_runtime(
     return HotSwapRuntime.open(
         rc.model,
         pools=pools,
-        storage=rc.storage,
+        storage=served_storage(rc),
         compute_dtype=getattr(torch, rc.compute_dtype.value),
         decoded_cache=rc.decoded_cache,
         map_shards=rc.map_shards,
@@ -61,6 +61,24 @@ def open_runtime(
         progress=sys.stderr.isatty(),
         on_progress=on_progress,
     )
+
+
+def served_storage(rc: RuntimeConfig) -> Storage:
+    """``runtime.storage``, native where it is ``auto`` and the numerics are ggml's (they read
+    each weight's GGUF blocks; the configuration refuses ``dequantized`` with them)."""
+    if rc.numerics is Numerics.GGML and rc.storage is Storage.AUTO:
+        return Storage.NATIVE
+    return rc.storage
+
+
+def served_model(runtime: HotSwapRuntime, rc: RuntimeConfig) -> Decoder:
+    """The decoder over ``runtime``'s store with ``runtime.numerics``: ``auto`` the store's
+    fastest products (``build_model``'s default), ``exact`` float products, ``ggml`` ggml's CPU
+    arithmetic end to end (norms, products, GELU, an F16 KV cache: llama.cpp's)."""
+    assert runtime.shards is not None, "open() always records the shard set"
+    hparams = HParams.from_metadata(runtime.shards.metadata, source=runtime.shards.first.path)
+    numerics = None if rc.numerics is Numerics.AUTO else rc.numerics.value
+    return build_model(hparams, runtime.store, store=runtime.store, numerics=numerics)
 
 
 def report_unused(runtime: HotSwapRuntime, model: Decoder) -> frozenset[str]:
@@ -167,10 +185,8 @@ def _start(
     try:
         startup.enter(Phase.LOAD)
         runtime = open_runtime(config, on_progress=startup.progress)
-        assert runtime.shards is not None, "open() always records the shard set"
         startup.enter(Phase.MODEL)
-        hparams = HParams.from_metadata(runtime.shards.metadata, source=runtime.shards.first.path)
-        model = build_model(hparams, runtime.store, store=runtime.store)
+        model = served_model(runtime, config.require_runtime())
         report_unused(runtime, model)
         loop = build_service(runtime, model, options, server=server, startup=startup)
         if not startup.ready:
@@ -219,6 +235,7 @@ def run(
         model=runtime.model_name,
         control=rc.control_endpoint,
         mode=options.mode.value,
+        numerics=rc.numerics.value,
         http_port=None if server is None else server.port,
         load_s=round(time.monotonic() - started, 3),
     )
@@ -263,4 +280,4 @@ def _shut_down(loop: Service, control: ControlServer, runtime: HotSwapRuntime) -
     control.close()
 
 
-__all__ = ["open_runtime", "report_unused", "run"]
+__all__ = ["open_runtime", "report_unused", "run", "served_model", "served_storage"]

@@ -32,6 +32,8 @@
  *        of n_expert matrices [rows, cols], x [n_tokens, x_per_token, cols] (x_per_token is 1,
  *        the same input for every slot, or n_used), ids int32 [n_tokens, n_used],
  *        y [n_tokens, n_used, rows]
+ *   geglu_tail(...), attn_front(...)
+ *        a block's steps around its products in one call each: ggmlblock.c
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -40,6 +42,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "ggmlcall.h"
 
 enum { GGML_F32 = 0, GGML_I32 = 26 };
 /* ggml asserts that a CPU buffer made from a pointer starts at a multiple of this. */
@@ -81,7 +85,7 @@ static struct {
     int threads; /* the backend's thread count as last set */
 } G;
 
-static pthread_mutex_t LOCK = PTHREAD_MUTEX_INITIALIZER;
+pthread_mutex_t LOCK = PTHREAD_MUTEX_INITIALIZER;
 
 /* Graph memory: a handful of tensor headers and a small graph, reused by every product. */
 #define GRAPH_NODES 8
@@ -141,7 +145,7 @@ static PyObject *py_load(PyObject *self, PyObject *args) {
     return PyBool_FromLong(G.ik);
 }
 
-static bool loaded(void) {
+bool loaded(void) {
     if (G.handle != NULL) return true;
     PyErr_SetString(PyExc_RuntimeError, "no libggml loaded (call load first)");
     return false;
@@ -208,6 +212,25 @@ static ggml_context *new_context(void) {
     return G.init(params);
 }
 
+/* ggmlcall.h */
+int mats_locked(uintptr_t x, long long n, long long cols, const mat_arg *m, int count,
+                       int threads) {
+    ggml_context *ctx = new_context();
+    ggml_tensor *tx = G.new_tensor_2d(ctx, GGML_F32, cols, n);
+    ggml_tensor *outs[MAX_MATS];
+    placed ts[MAX_PLACED];
+    ts[0] = (placed){tx, x, (size_t)(n * cols) * sizeof(float)};
+    for (int i = 0; i < count; i++) {
+        ggml_tensor *tw = G.new_tensor_2d(ctx, m[i].type, cols, m[i].rows);
+        outs[i] = G.mul_mat(ctx, tw, tx);
+        ts[1 + 2 * i] = (placed){tw, (uintptr_t)m[i].w, (size_t)m[i].rows * G.row_size(m[i].type, cols)};
+        ts[2 + 2 * i] = (placed){outs[i], (uintptr_t)m[i].y, (size_t)(n * m[i].rows) * sizeof(float)};
+    }
+    int status = compute(ctx, outs, count, ts, 1 + 2 * count, threads);
+    G.free(ctx);
+    return status;
+}
+
 static PyObject *py_mul_mat(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long w, x, y;
@@ -219,31 +242,16 @@ static PyObject *py_mul_mat(PyObject *self, PyObject *args) {
     if (rows < 1 || cols < 1 || n < 1 || threads < 1)
         return PyErr_Format(PyExc_ValueError, "bad product rows=%lld cols=%lld n=%lld", rows,
                             cols, n);
+    mat_arg m = {w, y, type, rows};
     int status;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&LOCK);
-    ggml_context *ctx = new_context();
-    ggml_tensor *tw = G.new_tensor_2d(ctx, type, cols, rows);
-    ggml_tensor *tx = G.new_tensor_2d(ctx, GGML_F32, cols, n);
-    ggml_tensor *ty = G.mul_mat(ctx, tw, tx);
-    placed ts[3] = {
-        {tw, (uintptr_t)w, (size_t)rows * G.row_size(type, cols)},
-        {tx, (uintptr_t)x, (size_t)(n * cols) * sizeof(float)},
-        {ty, (uintptr_t)y, (size_t)(n * rows) * sizeof(float)},
-    };
-    status = compute(ctx, &ty, 1, ts, 3, threads);
-    G.free(ctx);
+    status = mats_locked((uintptr_t)x, n, cols, &m, 1, threads);
     pthread_mutex_unlock(&LOCK);
     Py_END_ALLOW_THREADS
     if (status != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
-
-typedef struct {
-    unsigned long long w, y;
-    int type;
-    long long rows;
-} mat_arg;
 
 static PyObject *py_mul_mats(PyObject *self, PyObject *args) {
     (void)self;
@@ -275,19 +283,7 @@ static PyObject *py_mul_mats(PyObject *self, PyObject *args) {
     int status;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&LOCK);
-    ggml_context *ctx = new_context();
-    ggml_tensor *tx = G.new_tensor_2d(ctx, GGML_F32, cols, n);
-    ggml_tensor *outs[MAX_MATS];
-    placed ts[MAX_PLACED];
-    ts[0] = (placed){tx, (uintptr_t)x, (size_t)(n * cols) * sizeof(float)};
-    for (Py_ssize_t i = 0; i < count; i++) {
-        ggml_tensor *tw = G.new_tensor_2d(ctx, m[i].type, cols, m[i].rows);
-        outs[i] = G.mul_mat(ctx, tw, tx);
-        ts[1 + 2 * i] = (placed){tw, (uintptr_t)m[i].w, (size_t)m[i].rows * G.row_size(m[i].type, cols)};
-        ts[2 + 2 * i] = (placed){outs[i], (uintptr_t)m[i].y, (size_t)(n * m[i].rows) * sizeof(float)};
-    }
-    status = compute(ctx, outs, (int)count, ts, 1 + 2 * (int)count, threads);
-    G.free(ctx);
+    status = mats_locked((uintptr_t)x, n, cols, m, (int)count, threads);
     pthread_mutex_unlock(&LOCK);
     Py_END_ALLOW_THREADS
     if (status != 0) return PyErr_NoMemory();
@@ -331,6 +327,9 @@ static PyObject *py_mul_mat_id(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ggmlcall.h */
+size_t row_size(int type, long long cols) { return G.row_size(type, cols); }
+
 static PyMethodDef METHODS[] = {
     {"load", py_load, METH_VARARGS, "dlopen a libggml; True for ik_llama.cpp's fork."},
     {"row_size", py_row_size, METH_VARARGS, "ggml_row_size(type, cols)."},
@@ -338,6 +337,8 @@ static PyMethodDef METHODS[] = {
     {"mul_mat", py_mul_mat, METH_VARARGS, "y[n, rows] = x[n, cols] @ W.T through ggml."},
     {"mul_mats", py_mul_mats, METH_VARARGS, "Several matrices by the same x, one graph."},
     {"mul_mat_id", py_mul_mat_id, METH_VARARGS, "Routed experts' products through ggml."},
+    {"geglu_tail", py_geglu_tail, METH_VARARGS, "A GeGLU block's half after attention."},
+    {"attn_front", py_attn_front, METH_VARARGS, "A block's attention up to the heads' q, k, v."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,20 +8,19 @@
  *
  *   rms_norm(x, rows, n, w, eps, y)
  *        ggml_compute_forward_rms_norm_f32 followed by ggml_mul by w (llama.cpp's build_norm):
- *        per row the float32 squares summed in double in order, mean = (float)(sum / n),
- *        scale = 1.0f / sqrtf(mean + eps), y = (x * scale) * w, each product rounded to float32
- *        (compiled without FMA contraction, so the bits are ggml's).
+ *        rownorm.h, compiled without FMA contraction, so the bits are ggml's.
  *   rope(x, rows, heads, hd, n_rot, neox, cos, sin, y)
- *        x [rows / heads positions, heads, hd]; position p rotates with cos[p], sin[p]
- *        ([positions, n_rot / 2]): NEOX pairs (x[i], x[i + n_rot/2]), NORM pairs (x[2i],
- *        x[2i+1]), (x0 * c - x1 * s, x0 * s + x1 * c), dims past n_rot copied: the same float32
- *        operations, each rounded, as RopeTables.rotate's torch ops.
+ *        x [rows / heads positions, heads, hd] rotated by cos, sin [positions, n_rot / 2]
+ *        (rowrope.h): the same float32 operations, each rounded, as RopeTables.rotate's.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "rownorm.h"
+#include "rowrope.h"
 
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     (void)self;
@@ -30,18 +29,8 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     float eps;
     if (!PyArg_ParseTuple(args, "KLLKfK", &px, &rows, &n, &pw, &eps, &py)) return NULL;
     if (rows < 0 || n < 1) return PyErr_Format(PyExc_ValueError, "rms_norm rows=%lld n=%lld", rows, n);
-    const float *x = (const float *)(uintptr_t)px;
-    const float *w = (const float *)(uintptr_t)pw;
-    float *y = (float *)(uintptr_t)py;
-    for (long long r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        float *yr = y + r * n;
-        double sum = 0.0;
-        for (long long i = 0; i < n; i++) sum += (double)(xr[i] * xr[i]);
-        const float mean = (float)(sum / (double)n);
-        const float scale = 1.0f / sqrtf(mean + eps);
-        for (long long i = 0; i < n; i++) yr[i] = (xr[i] * scale) * w[i];
-    }
+    rownorm((const float *)(uintptr_t)px, rows, n, (const float *)(uintptr_t)pw, eps,
+            (float *)(uintptr_t)py);
     Py_RETURN_NONE;
 }
 
@@ -56,25 +45,9 @@ static PyObject *py_rope(PyObject *self, PyObject *args) {
     if (rows < 0 || heads < 1 || rows % heads || n_rot < 2 || n_rot % 2 || n_rot > hd)
         return PyErr_Format(PyExc_ValueError, "rope rows=%lld heads=%lld hd=%lld n_rot=%lld", rows,
                             heads, hd, n_rot);
-    const float *x = (const float *)(uintptr_t)px;
-    const float *cos_t = (const float *)(uintptr_t)pcos;
-    const float *sin_t = (const float *)(uintptr_t)psin;
-    float *y = (float *)(uintptr_t)py;
-    const long long half = n_rot / 2;
-    for (long long r = 0; r < rows; r++) {
-        const float *xr = x + r * hd;
-        float *yr = y + r * hd;
-        const float *c = cos_t + (r / heads) * half;
-        const float *s = sin_t + (r / heads) * half;
-        for (long long i = 0; i < half; i++) {
-            const long long i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
-            const float x0 = xr[i0], x1 = xr[i1];
-            const float a = x0 * c[i], b = x1 * s[i], d = x0 * s[i], e = x1 * c[i];
-            yr[i0] = a - b;
-            yr[i1] = d + e;
-        }
-        if (n_rot < hd) memcpy(yr + n_rot, xr + n_rot, (size_t)(hd - n_rot) * sizeof(float));
-    }
+    rowrope((const float *)(uintptr_t)px, rows, heads, hd, n_rot, neox,
+            (const float *)(uintptr_t)pcos, (const float *)(uintptr_t)psin,
+            (float *)(uintptr_t)py);
     Py_RETURN_NONE;
 }
 

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables
 from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider, linear, linears
-from ggufswap.runtime.models.ggml_numerics import kv_cache
+from ggufswap.runtime.models.ggml_numerics import block_front, kv_cache
 from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.shards.keys import TensorNames
@@ -63,6 +63,36 @@ class Attention(nn.Module):
     ) -> Tensor:
         """Causal attention, or attention under ``mask`` ([T, S] bool, True = may attend). With
         ``cache`` the keys are the cached ones then this forward's (S = cache.length + T)."""
+        # x: [B, T, D] -> [B, T, D]
+        return self.project(self.heads(x, rope, mask, cache))
+
+    @property
+    def head_norms(self) -> tuple[str | None, str | None]:
+        """The per-head Q and K norms' tensors (None: the attention has none)."""
+        return self.q_norm, self.k_norm
+
+    def normed_heads(
+        self, x: Tensor, norm: str, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
+    ) -> Tensor:
+        """:meth:`heads` of ``rms_norm(x)`` by the tensor ``norm``; in a decoder with ggml's
+        numerics the norm, products, head norms and RoPE in one compiled call (the same bits:
+        :func:`~.ggml_numerics.block_front`) where it applies."""
+        # x: [B, T, D] -> [B, T, H * hd]
+        c = self.config
+        qkv = block_front(self.weights, x, self, norm=norm, rope=rope, eps=c.norm_eps)
+        if qkv is None or type(self).heads is not Attention.heads:
+            return self.heads(rms_norm(x, self.weights.weight(norm), c.norm_eps), rope, mask, cache)
+        q, k, v = qkv
+        return attend(q, k, v, layer=self.layer, scale=c.attn_scale, mask=mask, cache=cache)
+
+    def project(self, y: Tensor) -> Tensor:
+        """The output product of the heads ``y [B, T, H * hd]``: ``[B, T, D]``."""
+        return self._proj(y, self.wo, self.bo)
+
+    def heads(
+        self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
+    ) -> Tensor:
+        """:meth:`forward` before the output product: the heads' outputs ``[B, T, H * hd]``."""
         # x: [B, T, D]
         c, (bsz, seq, _) = self.config, x.shape
         w, b = self.weights, self.weights.weight
@@ -76,8 +106,7 @@ class Attention(nn.Module):
         v = v.view(bsz, seq, c.n_head_kv, c.head_dim)
         q = rope.rotate(self._norm(q, self.q_norm))
         k = rope.rotate(self._norm(k, self.k_norm))
-        y = attend(q, k, v, layer=self.layer, scale=c.attn_scale, mask=mask, cache=cache)
-        return self._proj(y, self.wo, self.bo)  # [B, T, D]
+        return attend(q, k, v, layer=self.layer, scale=c.attn_scale, mask=mask, cache=cache)
 
 
 def attend(

@@ -62,7 +62,11 @@ class TransformerBlock(nn.Module):
     ) -> Tensor:
         # x: [B, T, D]
         w, eps = self.weights.weight, self.config.norm_eps
-        h = x + self.attention(rms_norm(x, w(self.attn_norm), eps), rope, mask, cache)
+        if type(self.attention) is Attention:  # its norm and products in one call where it can
+            a = self.attention.normed_heads(x, self.attn_norm, rope, mask, cache)
+            h = x + self.attention.project(a)
+        else:
+            h = x + self.attention(rms_norm(x, w(self.attn_norm), eps), rope, mask, cache)
         return h + self.feed_forward(rms_norm(h, w(self.ffn_norm), eps))
 
 

@@ -43,6 +43,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.weights = weights
         self.act = GATED_FFN[config.activation]
+        self.gelu = config.activation is Activation.GELU_TANH  # GeGLU (gemma)
         d, ff = config.n_embd, config.n_ff
         self.gate = spec.need(TensorNames.FFN_GATE.format(layer), (ff, d))
         self.up = spec.need(TensorNames.FFN_UP.format(layer), (ff, d))

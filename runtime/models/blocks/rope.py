@@ -43,12 +43,17 @@ class RopeTables:
     n_rot: int
     rope_type: RopeType
 
+    @property
+    def neox(self) -> bool:
+        """NEOX pairs (x[i], x[i + n_rot/2]) rather than NORM's (x[2i], x[2i+1])."""
+        return self.rope_type != RopeType.NORM
+
     def rotate(self, x: Tensor) -> Tensor:
         """NORM rotates (x[2i], x[2i+1]), NEOX (x[i], x[i + n_rot/2]); dims past n_rot pass
         (float32 CPU rows in one compiled call, :func:`~ggufswap.runtime.rows_rope`: the same
         bits as these torch ops)."""
         # x: [B, T, H, hd]
-        fused = rows_rope(x, self.cos, self.sin, self.n_rot, neox=self.rope_type != RopeType.NORM)
+        fused = rows_rope(x, self.cos, self.sin, self.n_rot, neox=self.neox)
         if fused is not None:
             return fused
         cos, sin = self.cos[None, :, None, :], self.sin[None, :, None, :]  # [1, T, 1, n_rot/2]

@@ -1,0 +1,218 @@
+/* A transformer block's steps around ggml's products, in one call each (ggml's numerics).
+ *
+ * At one token per step a block is a handful of products and a few dozen row operations (norms,
+ * RoPE, residual adds, GELU), and from Python each row operation costs its dispatch more than its
+ * arithmetic. These functions run a block's steps in C around ggml's products (the same graphs as
+ * ggmlcall.c's mul_mat and mul_mats, so the same bits), with ggml's RMS norm (rownorm.h) and the
+ * decoders' RoPE (rowrope.h): the results are, bit for bit, those of the steps one by one
+ * (runtime/kernels/ggml_block.py says which). Weights are read where the caller's store holds
+ * them: a commit changes what the next call reads.
+ *
+ *   attn_front(x, n, d, attn_norm, (wq, type, rows), (wk, type, rows), (wv, type, rows), q_norm,
+ *              k_norm, hd, n_rot, neox, cos, sin, q_heads_step, kv_heads_step, eps, q, k, v,
+ *              threads, small)
+ *        xn = attn_norm(x[n, d]); q, k, v = xn @ W.T; per head of hd values q_norm (k_norm)
+ *        when given (pointer 0: none); RoPE of q and k by cos, sin [positions, n_rot / 2], row r
+ *        of q at position r / q_heads_step (k: kv_heads_step); q [n, rows_q], k, v likewise
+ *   geglu_tail(x, a, n, d, q_dim, ff, (wo, type), (gate, type), (up, type), (down, type),
+ *              post_attn_norm, ffn_norm, post_ffw_norm, eps, gelu_table, y, threads, small)
+ *        y[n, d] = h + post_ffw_norm(down(gelu(gate(f)) * up(f))) with h = x + post_attn_norm(
+ *        a[n, q_dim] @ Wo.T), f = ffn_norm(h); a norm pointer 0 is no norm (ffn_norm is
+ *        required); gelu_table: 65536 float32, the GELU of each F16 value (ggml's table)
+ *
+ * A product runs on one thread when n times its weight bytes is under `small` (ggml's results do
+ * not depend on the thread count), else on `threads`. Compiled without FMA contraction.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "ggmlcall.h"
+#include "rownorm.h"
+#include "rowrope.h"
+
+/* One row-major float32 buffer of n x (sum of widths) for a block's intermediates. */
+static float *scratch(long long n, long long width) {
+    return (float *)malloc((size_t)(n * width) * sizeof(float));
+}
+
+/* g -> GELU(g) * u: GELU through ggml's F16 table (GGML_GELU_FP16: the value at g rounded to
+ * F16, to nearest even as GGML_FP32_TO_FP16; zero from -10 down, the identity from 10 up), then
+ * ggml_mul's float32 product. */
+static inline __attribute__((always_inline)) void geglu_body(float *g, const float *u,
+                                                             long long count, const float *table) {
+    for (long long i = 0; i < count; i++) {
+        const float x = g[i];
+        float a;
+        if (x <= -10.0f) {
+            a = 0.0f;
+        } else if (x >= 10.0f) {
+            a = x;
+        } else {
+            _Float16 h = (_Float16)x;
+            uint16_t bits;
+            memcpy(&bits, &h, sizeof bits);
+            a = table[bits];
+        }
+        g[i] = a * u[i];
+    }
+}
+
+/* The F16C instruction converts where the CPU has it; elsewhere the compiler's conversion gives
+ * the same bits, slower. */
+__attribute__((target("f16c"))) static void geglu_f16c(float *g, const float *u, long long count,
+                                                       const float *table) {
+    geglu_body(g, u, count, table);
+}
+
+static void geglu_soft(float *g, const float *u, long long count, const float *table) {
+    geglu_body(g, u, count, table);
+}
+
+static void geglu_rows(float *g, const float *u, long long count, const float *table) {
+    (__builtin_cpu_supports("f16c") ? geglu_f16c : geglu_soft)(g, u, count, table);
+}
+
+typedef struct {
+    long long n, d, q_dim, ff, small;
+    mat_arg wo, gate, up, down;
+    const float *x, *a, *post_attn, *ffn_norm, *post_ffw, *table;
+    float eps;
+    float *y;
+    int threads;
+} tail_args;
+
+static int product_threads(const tail_args *t, long long weight_bytes) {
+    return t->n * weight_bytes < t->small ? 1 : t->threads;
+}
+
+/* The block's half after attention (gemma3's: llama.cpp's graph, ggml's products and norms):
+ *   h = x + post_attn_norm(a @ Wo.T);  f = ffn_norm(h)
+ *   y = h + post_ffw_norm(down(gelu(gate(f)) * up(f)))
+ * a post norm given as NULL is left out. LOCK held, no GIL. */
+static int tail_locked(tail_args *t) {
+    const long long n = t->n, d = t->d, ff = t->ff;
+    float *h = scratch(n, 3 * d + 2 * ff);
+    if (h == NULL) return -1;
+    float *o = h + n * d, *f = o + n * d, *g = f + n * d, *u = g + n * ff;
+    t->wo.y = (uintptr_t)o;
+    int status = mats_locked((uintptr_t)t->a, n, t->q_dim, &t->wo, 1,
+                             product_threads(t, d * row_size(t->wo.type, t->q_dim)));
+    if (status == 0) {
+        if (t->post_attn != NULL) rownorm(o, n, d, t->post_attn, t->eps, o);
+        for (long long i = 0; i < n * d; i++) h[i] = t->x[i] + o[i];
+        rownorm(h, n, d, t->ffn_norm, t->eps, f);
+        mat_arg gu[2] = {t->gate, t->up};
+        gu[0].y = (uintptr_t)g;
+        gu[1].y = (uintptr_t)u;
+        long long bytes = ff * (row_size(t->gate.type, d) + row_size(t->up.type, d));
+        status = mats_locked((uintptr_t)f, n, d, gu, 2, product_threads(t, bytes));
+    }
+    if (status == 0) {
+        geglu_rows(g, u, n * ff, t->table);
+        t->down.y = (uintptr_t)o;
+        status = mats_locked((uintptr_t)g, n, ff, &t->down, 1,
+                             product_threads(t, d * row_size(t->down.type, ff)));
+    }
+    if (status == 0) {
+        if (t->post_ffw != NULL) rownorm(o, n, d, t->post_ffw, t->eps, o);
+        for (long long i = 0; i < n * d; i++) t->y[i] = h[i] + o[i];
+    }
+    free(h);
+    return status;
+}
+
+PyObject *py_geglu_tail(PyObject *self, PyObject *args) {
+    (void)self;
+    tail_args t;
+    unsigned long long x, a, pa, fn, pf, table, y;
+    if (!PyArg_ParseTuple(args, "KKLLLL(Ki)(Ki)(Ki)(Ki)KKKfKKiL", &x, &a, &t.n, &t.d, &t.q_dim,
+                          &t.ff, &t.wo.w, &t.wo.type, &t.gate.w, &t.gate.type, &t.up.w,
+                          &t.up.type, &t.down.w, &t.down.type, &pa, &fn, &pf, &t.eps, &table, &y,
+                          &t.threads, &t.small))
+        return NULL;
+    if (!loaded()) return NULL;
+    if (t.n < 1 || t.d < 1 || t.q_dim < 1 || t.ff < 1 || t.threads < 1 || fn == 0 || table == 0)
+        return PyErr_Format(PyExc_ValueError, "geglu_tail n=%lld d=%lld q_dim=%lld ff=%lld", t.n,
+                            t.d, t.q_dim, t.ff);
+    t.wo.rows = t.d;
+    t.gate.rows = t.up.rows = t.ff;
+    t.down.rows = t.d;
+    t.x = (const float *)(uintptr_t)x;
+    t.a = (const float *)(uintptr_t)a;
+    t.post_attn = (const float *)(uintptr_t)pa;
+    t.ffn_norm = (const float *)(uintptr_t)fn;
+    t.post_ffw = (const float *)(uintptr_t)pf;
+    t.table = (const float *)(uintptr_t)table;
+    t.y = (float *)(uintptr_t)y;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&LOCK);
+    status = tail_locked(&t);
+    pthread_mutex_unlock(&LOCK);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+
+typedef struct {
+    long long n, d, hd, n_rot, q_step, kv_step, small;
+    mat_arg w[3]; /* q, k, v */
+    const float *x, *attn_norm, *q_norm, *k_norm, *cos_t, *sin_t;
+    int neox, threads;
+    float eps;
+} front_args;
+
+/* A block's attention up to the heads' q, k, v. LOCK held, no GIL. */
+static int front_locked(front_args *t) {
+    const long long n = t->n, d = t->d, hd = t->hd;
+    float *xn = (float *)malloc((size_t)(n * d) * sizeof(float));
+    if (xn == NULL) return -1;
+    rownorm(t->x, n, d, t->attn_norm, t->eps, xn);
+    long long bytes = 0;
+    for (int i = 0; i < 3; i++) bytes += t->w[i].rows * (long long)row_size(t->w[i].type, d);
+    int status = mats_locked((uintptr_t)xn, n, d, t->w, 3,
+                             n * bytes < t->small ? 1 : t->threads);
+    free(xn);
+    if (status != 0) return status;
+    float *q = (float *)(uintptr_t)t->w[0].y, *k = (float *)(uintptr_t)t->w[1].y;
+    const long long q_rows = n * t->w[0].rows / hd, k_rows = n * t->w[1].rows / hd;
+    if (t->q_norm != NULL) rownorm(q, q_rows, hd, t->q_norm, t->eps, q);
+    if (t->k_norm != NULL) rownorm(k, k_rows, hd, t->k_norm, t->eps, k);
+    rowrope(q, q_rows, t->q_step, hd, t->n_rot, t->neox, t->cos_t, t->sin_t, q);
+    rowrope(k, k_rows, t->kv_step, hd, t->n_rot, t->neox, t->cos_t, t->sin_t, k);
+    return 0;
+}
+
+PyObject *py_attn_front(PyObject *self, PyObject *args) {
+    (void)self;
+    front_args t;
+    unsigned long long x, an, qn, kn, pc, ps;
+    if (!PyArg_ParseTuple(args, "KLLK(KiL)(KiL)(KiL)KKLLpKKLLfKKKiL", &x, &t.n, &t.d, &an,
+                          &t.w[0].w, &t.w[0].type, &t.w[0].rows, &t.w[1].w, &t.w[1].type,
+                          &t.w[1].rows, &t.w[2].w, &t.w[2].type, &t.w[2].rows, &qn, &kn, &t.hd,
+                          &t.n_rot, &t.neox, &pc, &ps, &t.q_step, &t.kv_step, &t.eps,
+                          &t.w[0].y, &t.w[1].y, &t.w[2].y, &t.threads, &t.small))
+        return NULL;
+    if (!loaded()) return NULL;
+    bool heads = t.hd > 0 && t.w[0].rows % t.hd == 0 && t.w[1].rows % t.hd == 0;
+    if (t.n < 1 || t.d < 1 || !heads || t.n_rot < 2 || t.n_rot % 2 || t.n_rot > t.hd ||
+        t.q_step < 1 || t.kv_step < 1 || t.threads < 1 || an == 0 || t.w[2].rows < 1 ||
+        (t.n * t.w[0].rows / t.hd) % t.q_step || (t.n * t.w[1].rows / t.hd) % t.kv_step)
+        return PyErr_Format(PyExc_ValueError, "attn_front n=%lld d=%lld hd=%lld n_rot=%lld", t.n,
+                            t.d, t.hd, t.n_rot);
+    t.x = (const float *)(uintptr_t)x;
+    t.attn_norm = (const float *)(uintptr_t)an;
+    t.q_norm = (const float *)(uintptr_t)qn;
+    t.k_norm = (const float *)(uintptr_t)kn;
+    t.cos_t = (const float *)(uintptr_t)pc;
+    t.sin_t = (const float *)(uintptr_t)ps;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&LOCK);
+    status = front_locked(&t);
+    pthread_mutex_unlock(&LOCK);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}

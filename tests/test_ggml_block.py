@@ -1,0 +1,162 @@
+"""A block's steps around its products in one compiled call each under ggml's numerics
+(``runtime/kernels/ggml_block.py``): the attention's front (norm, q/k/v, head norms, RoPE) and a
+gemma3 block's half after attention give the bits of the same steps one by one, reading the
+store."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import ModelDir, Q, one_thread
+
+import ggufswap.runtime.models.blocks.attention as attention_module
+import ggufswap.runtime.models.gemma3 as gemma3
+from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, float_products
+from ggufswap.runtime.kernels import ggml_library
+from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.models.ggml_numerics import ggml_norms
+from ggufswap.runtime.models.registry import Decoder
+from ggufswap.shards.presets import tiny_arch
+
+pytestmark = [
+    pytest.mark.skipif(ggml_library() is None, reason="no libggml installed"),
+    pytest.mark.usefixtures(one_thread.__name__),
+]
+
+PROMPT = torch.tensor([[1, 17, 33, 250, 4, 99, 7]])
+DOWN2 = "blk.2.ffn_down.weight"
+
+
+def spec(arch: str = "gemma3") -> object:
+    """A tiny model of ``arch`` (gemma3: six blocks, five of them sliding-window) with a mix of
+    ggml's types."""
+    return tiny_arch(arch).with_types(
+        ffn_gate="q4_0", ffn_up="q5_0", ffn_down="q8_0", attn_o="iq4_nl", attn_k="q5_0"
+    )
+
+
+def open_ggml(first: Path) -> tuple[HotSwapRuntime, Decoder]:
+    """A native runtime over ``first`` and its decoder with ggml's numerics."""
+    runtime = HotSwapRuntime.open(first, storage=Storage.NATIVE)
+    assert runtime.shards is not None, "open() keeps the shard set"
+    config = HParams.from_metadata(runtime.shards.metadata)
+    return runtime, build_model(config, runtime.store, store=runtime.store, numerics="ggml")
+
+
+@pytest.fixture(params=["gemma3"])
+def ggml_model(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[HotSwapRuntime, Decoder, ModelDir]]:
+    model_dir = ModelDir.write(tmp_path / "model", spec(request.param))  # type: ignore[arg-type]
+    runtime = HotSwapRuntime.open(model_dir.first, storage=Storage.NATIVE)
+    try:
+        assert runtime.shards is not None, "open() keeps the shard set"
+        config = HParams.from_metadata(runtime.shards.metadata)
+        yield (
+            runtime,
+            build_model(config, runtime.store, store=runtime.store, numerics="ggml"),
+            model_dir,
+        )
+    finally:
+        runtime.close()
+
+
+def decode(model: Decoder, steps: int = 4) -> list[torch.Tensor]:
+    """The prompt's logits, then ``steps`` greedy steps' through a KV cache."""
+    cache = model.new_cache(max_len=32)
+    with torch.inference_mode():
+        logits = model(PROMPT, cache=cache)
+        out = [logits]
+        for _ in range(steps):
+            token = logits[:, -1:].argmax(-1)
+            logits = model(token, start_pos=cache.length, cache=cache)
+            out.append(logits)
+    return out
+
+
+def counting(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[bool]:
+    """Whether each call of ``module.name`` gave a result (it is replaced by a counting twin)."""
+    real = getattr(module, name)
+    ran: list[bool] = []
+
+    def counted(*args: object, **kwargs: object) -> object:
+        y = real(*args, **kwargs)
+        ran.append(y is not None)
+        return y
+
+    monkeypatch.setattr(module, name, counted)
+    return ran
+
+
+@pytest.mark.parametrize("ggml_model", ["gemma3", "qwen3moe"], indirect=True)
+def test_the_compiled_steps_give_the_bits_of_the_steps(
+    ggml_model: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill and cached steps give, bit for bit, the logits of the blocks' steps one by one,
+    and the compiled calls ran in every block of every forward (the tail in gemma3's)."""
+    _, model, _ = ggml_model
+    fronts = counting(monkeypatch, attention_module, "block_front")
+    tails = counting(monkeypatch, gemma3, "block_tail")
+    fused = decode(model)
+    calls = len(fused) * len(model.layers)
+    assert fronts == [True] * calls, "the attention's front ran compiled in every block"
+    assert tails == ([True] * calls if model.config.arch.value == "gemma3" else [])
+    monkeypatch.setattr(gemma3, "block_tail", lambda *args, **kwargs: None)
+    monkeypatch.setattr(attention_module, "block_front", lambda *args, **kwargs: None)
+    stepped = decode(model)
+    for i, (a, b) in enumerate(zip(fused, stepped, strict=True)):
+        assert torch.equal(a, b), f"forward {i}"
+
+
+def test_a_swap_is_what_the_next_compiled_call_reads(
+    ggml_model: tuple[HotSwapRuntime, Decoder, ModelDir], tmp_path: Path
+) -> None:
+    """After a committed swap of a block's FFN matrix the compiled tail computes with the new
+    weights (a fresh load's logits), and after the swap back with the old ones."""
+    runtime, model, model_dir = ggml_model
+    baseline = decode(model, steps=1)
+    saved = model_dir.save(DOWN2, tmp_path / "saved")
+    model_dir.put(DOWN2, model_dir.variant(DOWN2, Q.Q4_0, tmp_path / "variants"))
+    assert runtime.apply(model_dir.plan("to", [DOWN2])).state is PlanState.COMMITTED
+    swapped = decode(model, steps=1)
+    fresh, fresh_model = open_ggml(model_dir.first)
+    try:
+        again = decode(fresh_model, steps=1)
+    finally:
+        fresh.close()
+    assert not torch.equal(swapped[0], baseline[0])
+    assert all(torch.equal(a, b) for a, b in zip(swapped, again, strict=True))
+    model_dir.put(DOWN2, saved)
+    assert runtime.apply(model_dir.plan("back", [DOWN2])).state is PlanState.COMMITTED
+    assert all(torch.equal(a, b) for a, b in zip(decode(model, 1), baseline, strict=True))
+
+
+def test_the_tail_is_left_to_the_steps_where_it_does_not_apply(
+    ggml_model: tuple[HotSwapRuntime, Decoder, ModelDir],
+) -> None:
+    """Inside float products, with another numerics' weights, or with rows of another dtype, the
+    steps are not compiled."""
+    runtime, model, _ = ggml_model
+    block = model.layers[0]
+    x = torch.randn(1, 1, block.config.n_embd)
+    a = torch.randn(1, 1, block.config.n_head * block.config.head_dim)
+    norms = (block.post_attn_norm, block.ffn_norm, block.post_ffw_norm)
+    args = (block.attention, block.feed_forward)
+    kw = {"norms": norms, "eps": 1e-6}
+    with ggml_norms():
+        assert gemma3.block_tail(block.weights, x, a, *args, **kw) is not None
+        with float_products():
+            assert gemma3.block_tail(block.weights, x, a, *args, **kw) is None
+        assert gemma3.block_tail(runtime.store, x, a, *args, **kw) is None  # exact's provider
+        assert gemma3.block_tail(block.weights, x.double(), a, *args, **kw) is None
+    assert gemma3.block_tail(block.weights, x, a, *args, **kw) is None  # outside a ggml forward
+    rope = model.layer_inputs(0, 1, torch.device("cpu"), cached=False)[0][0]
+    front = {"norm": block.attn_norm, "rope": rope, "eps": 1e-6}
+    with ggml_norms():
+        assert attention_module.block_front(block.weights, x, block.attention, **front) is not None
+        with float_products():
+            assert attention_module.block_front(block.weights, x, block.attention, **front) is None
+        assert attention_module.block_front(runtime.store, x, block.attention, **front) is None
