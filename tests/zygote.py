@@ -36,6 +36,9 @@ FORKED_COMMANDS = frozenset({"runtime", "serve", "perplexity", "sweep"})
 # What the zygote's children inherit from its start and could not change later: torch's OpenMP
 # runtime reads these as it loads. A command whose environment says otherwise is not forked.
 IMPORT_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+# Variables read as an interpreter starts or a library loads (the import path, the allocator, the
+# linker, OpenMP and MKL): a command that sets one differently from the zygote is not forked.
+IMPORT_PREFIXES = ("PYTHON", "OMP_", "KMP_", "MKL_", "LD_", "MALLOC_")
 
 _ZYGOTE = r"""
 import json, os, signal, sys, traceback
@@ -245,5 +248,9 @@ def forkable(args: list[str], env: dict[str, str] | None = None) -> bool:
     imports torch, in the environment the zygote imported it in."""
     if not args or args[0] not in FORKED_COMMANDS:
         return False
-    final = {**os.environ, **(env or {})}
-    return all(final.get(key, value) == value for key, value in IMPORT_ENV.items())
+    # Unset, IMPORT_ENV's variables mean what the zygote set: one thread is the tests' default
+    # (conftest.py), and `ggufswap` sets the passive wait policy before torch loads.
+    final = {**IMPORT_ENV, **os.environ, **(env or {})}
+    started = {**os.environ, "PYTHONUNBUFFERED": "1", **IMPORT_ENV}  # the zygote's (Zygote())
+    keys = {k for k in final.keys() | started.keys() if k.startswith(IMPORT_PREFIXES)}
+    return all(final.get(k) == started.get(k) for k in keys - {"PYTHONUNBUFFERED"})
