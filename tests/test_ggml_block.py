@@ -13,6 +13,7 @@ import torch
 from runtime_helpers import ModelDir, Q, one_thread
 
 import ggufswap.runtime.models.blocks.attention as attention_module
+import ggufswap.runtime.models.blocks.weights as weights_module
 import ggufswap.runtime.models.gemma3 as gemma3
 from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, float_products
 from ggufswap.runtime.kernels import ggml_library
@@ -96,16 +97,21 @@ def test_the_compiled_steps_give_the_bits_of_the_steps(
     ggml_model: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefill and cached steps give, bit for bit, the logits of the blocks' steps one by one,
-    and the compiled calls ran in every block of every forward (the tail in gemma3's)."""
+    and the compiled calls ran in every block of every forward (the tail in gemma3's, the
+    experts' gate and up in one call in qwen3moe's)."""
     _, model, _ = ggml_model
     fronts = counting(monkeypatch, attention_module, "block_front")
     tails = counting(monkeypatch, gemma3, "block_tail")
+    pairs = counting(monkeypatch, weights_module, "routed_all")
     fused = decode(model)
     calls = len(fused) * len(model.layers)
+    gemma = model.config.arch.value == "gemma3"
     assert fronts == [True] * calls, "the attention's front ran compiled in every block"
-    assert tails == ([True] * calls if model.config.arch.value == "gemma3" else [])
+    assert tails == ([True] * calls if gemma else [])
+    assert pairs == ([] if gemma else [True] * calls)
     monkeypatch.setattr(gemma3, "block_tail", lambda *args, **kwargs: None)
     monkeypatch.setattr(attention_module, "block_front", lambda *args, **kwargs: None)
+    monkeypatch.setattr(weights_module, "routed_all", lambda *args, **kwargs: None)
     stepped = decode(model)
     for i, (a, b) in enumerate(zip(fused, stepped, strict=True)):
         assert torch.equal(a, b), f"forward {i}"

@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
+from ggufswap.runtime.models.blocks.ggml_steps import block_front
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables
 from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider, linear, linears
-from ggufswap.runtime.models.ggml_numerics import block_front, kv_cache
+from ggufswap.runtime.models.ggml_numerics import kv_cache
 from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.shards.keys import TensorNames
@@ -76,7 +77,7 @@ class Attention(nn.Module):
     ) -> Tensor:
         """:meth:`heads` of ``rms_norm(x)`` by the tensor ``norm``; in a decoder with ggml's
         numerics the norm, products, head norms and RoPE in one compiled call (the same bits:
-        :func:`~.ggml_numerics.block_front`) where it applies."""
+        :func:`~.ggml_steps.block_front`) where it applies."""
         # x: [B, T, D] -> [B, T, H * hd]
         c = self.config
         qkv = block_front(self.weights, x, self, norm=norm, rope=rope, eps=c.norm_eps)
