@@ -24,6 +24,7 @@ from ggufswap.runtime.models.ggml_numerics import (
     GgmlWeights,
     gelu,
     ggml_norms_active,
+    kv_cache_name,
 )
 
 if TYPE_CHECKING:
@@ -92,7 +93,9 @@ def block_front(
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """A block's attention up to its heads' inputs in one compiled call, in a decoder with
     ggml's numerics: ``q, k, v`` of ``norm(x)``, q and k normed per head (where the attention
-    has those norms) and rotated: the same bits as those steps one by one
+    has those norms) and rotated, k and v as the forward's KV cache holds them
+    (:func:`~.ggml_numerics.kv_cache`: F16 values unless F32): the same bits as those steps one
+    by one
     (``ggufswap.runtime.kernels.ggml_block``). None elsewhere (exact numerics, biases, another
     attention, a matrix ggml does not multiply): the caller steps."""
     if not isinstance(weights, GgmlWeights) or not ggml_norms_active():
@@ -114,4 +117,5 @@ def block_front(
         head_dim=attention.config.head_dim,
         rope=(rope.cos, rope.sin, rope.n_rot, rope.neox),
         eps=eps,
+        kv_f16=kv_cache_name() == "f16",  # as kv_cache() rounds them in this forward
     )
