@@ -12,12 +12,14 @@ caller then steps.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from ggufswap.runtime import ggml_attn_front, ggml_geglu_tail
+from ggufswap.runtime import QuantizedMatrix, ggml_attn_front, ggml_geglu_tail
 from ggufswap.runtime.models.blocks.rope import RopeTables
 from ggufswap.runtime.models.ggml_numerics import (
     GgmlMatrix,
@@ -42,6 +44,31 @@ def gelu_table() -> Tensor:
     return gelu(values.float()).contiguous()
 
 
+@dataclass(frozen=True)
+class _Operands:
+    """A block's matrices in their blocks (None: one is not a ggml matrix) and its vectors (norm
+    weights), as the store holds them until its next commit."""
+
+    blocks: tuple[QuantizedMatrix, ...] | None
+    vectors: tuple[Tensor | None, ...]
+
+
+def _operands(
+    weights: GgmlWeights, kind: str, matrices: Sequence[str], vectors: Sequence[str | None]
+) -> _Operands:
+    """``matrices``' blocks and ``vectors``' tensors, looked up once per commit (kept in the
+    store's forward views under ``kind`` and the first matrix's name, which a commit clears: a
+    swap is what the next call reads)."""
+
+    def make() -> _Operands:
+        found = [weights.matrix(n) for n in matrices]
+        blocks = tuple(m.blocks for m in found if isinstance(m, GgmlMatrix))
+        held = tuple(None if n is None else weights.weight(n) for n in vectors)
+        return _Operands(blocks if len(blocks) == len(found) else None, held)
+
+    return weights.store.views.get(kind, matrices[0], _Operands, make)
+
+
 def block_tail(
     weights: object,
     x: Tensor,
@@ -61,13 +88,12 @@ def block_tail(
         return None
     if attention.bo is not None:
         return None
-    matrices = [weights.matrix(n) for n in (attention.wo, ffn.gate, ffn.up, ffn.down)]
-    blocks = [m.blocks for m in matrices if isinstance(m, GgmlMatrix)]
-    if len(blocks) != len(matrices):
+    names = (attention.wo, ffn.gate, ffn.up, ffn.down)
+    found = _operands(weights, "ggml-tail", names, norms)
+    if found.blocks is None:
         return None
-    wo, gate, up, down = blocks
-    vectors = tuple(None if n is None else weights.weight(n) for n in norms)
-    post_attn, ffn_norm, post_ffw = vectors
+    wo, gate, up, down = found.blocks
+    post_attn, ffn_norm, post_ffw = found.vectors
     assert ffn_norm is not None, "a block always has its FFN norm"
     return ggml_geglu_tail(
         x,
@@ -95,24 +121,24 @@ def block_front(
     ggml's numerics: ``q, k, v`` of ``norm(x)``, q and k normed per head (where the attention
     has those norms) and rotated, k and v as the forward's KV cache holds them
     (:func:`~.ggml_numerics.kv_cache`: F16 values unless F32): the same bits as those steps one
-    by one
-    (``ggufswap.runtime.kernels.ggml_block``). None elsewhere (exact numerics, biases, another
-    attention, a matrix ggml does not multiply): the caller steps."""
+    by one (``ggufswap.runtime.kernels.ggml_block``). None elsewhere (exact numerics, biases,
+    another attention, a matrix ggml does not multiply): the caller steps."""
     if not isinstance(weights, GgmlWeights) or not ggml_norms_active():
         return None
     if not isinstance(rope, RopeTables) or any(
         b is not None for b in (attention.bq, attention.bk, attention.bv)
     ):
         return None
-    matrices = [weights.matrix(n) for n in (attention.wq, attention.wk, attention.wv)]
-    blocks = [m.blocks for m in matrices if isinstance(m, GgmlMatrix)]
-    if len(blocks) != len(matrices):
+    names = (attention.wq, attention.wk, attention.wv)
+    found = _operands(weights, "ggml-front", names, (norm, *attention.head_norms))
+    if found.blocks is None:
         return None
-    q_norm, k_norm = (None if n is None else weights.weight(n) for n in attention.head_norms)
+    attn_norm, q_norm, k_norm = found.vectors
+    assert attn_norm is not None, "an attention always has its norm"
     return ggml_attn_front(
         x,
-        attn_norm=weights.weight(norm),
-        qkv=(blocks[0], blocks[1], blocks[2]),
+        attn_norm=attn_norm,
+        qkv=(found.blocks[0], found.blocks[1], found.blocks[2]),
         head_norms=(q_norm, k_norm),
         head_dim=attention.config.head_dim,
         rope=(rope.cos, rope.sin, rope.n_rot, rope.neox),
