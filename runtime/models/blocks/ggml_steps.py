@@ -3,8 +3,9 @@ numerics (``ggufswap.runtime.kernels.ggml_block``, ``csrc/ggmlblock.c``).
 
 :func:`block_front` is an attention's RMS norm, q/k/v products, per-head norms and RoPE;
 :func:`block_tail` a GeGLU block's half after attention. Each gives the bits of the same steps
-one by one (``tests/test_ggml_block.py``) and reads the weights from the store at the call, so a
-committed swap is what the next call computes with; each is None where it does not apply (exact
+one by one (``tests/test_ggml_block.py``) and reads the store's weights, looked up once per commit
+(its forward views, which a commit clears), so a committed swap is what the next call computes
+with; each is None where it does not apply (exact
 numerics, biases, SwiGLU's tail, another attention, a matrix ggml does not multiply), and the
 caller then steps.
 """
