@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         grouped,
         has_kernel,
         linear_all,
+        routed_all,
         rows_rms_norm,
         rows_rope,
     )
@@ -70,6 +71,7 @@ _HOMES: dict[str, str] = {  # name -> the module that defines it
     "grouped": "ggufswap.runtime.kernels",
     "has_kernel": "ggufswap.runtime.kernels",
     "linear_all": "ggufswap.runtime.kernels",
+    "routed_all": "ggufswap.runtime.kernels",
     "rows_rms_norm": "ggufswap.runtime.kernels",
     "rows_rope": "ggufswap.runtime.kernels",
     "PlanState": "ggufswap.runtime.plans",
@@ -124,6 +126,7 @@ __all__ = [
     "grouped",
     "has_kernel",
     "linear_all",
+    "routed_all",
     "rows_rms_norm",
     "rows_rope",
 ]

@@ -13,12 +13,14 @@ import torch
 from runtime_helpers import ModelDir, Q, one_thread
 
 import ggufswap.runtime.models.blocks.attention as attention_module
+import ggufswap.runtime.models.blocks.weights as weights_module
 import ggufswap.runtime.models.gemma3 as gemma3
 from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, float_products
 from ggufswap.runtime.kernels import ggml_library
 from ggufswap.runtime.models import HParams, build_model
-from ggufswap.runtime.models.ggml_numerics import ggml_norms
+from ggufswap.runtime.models.ggml_numerics import ggml_norms, kv_cache_type
 from ggufswap.runtime.models.registry import Decoder
+from ggufswap.shards.ggml_types import GGMLType
 from ggufswap.shards.presets import tiny_arch
 
 pytestmark = [
@@ -96,19 +98,38 @@ def test_the_compiled_steps_give_the_bits_of_the_steps(
     ggml_model: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefill and cached steps give, bit for bit, the logits of the blocks' steps one by one,
-    and the compiled calls ran in every block of every forward (the tail in gemma3's)."""
+    and the compiled calls ran in every block of every forward (the tail in gemma3's, the
+    experts' gate and up in one call in qwen3moe's)."""
     _, model, _ = ggml_model
     fronts = counting(monkeypatch, attention_module, "block_front")
     tails = counting(monkeypatch, gemma3, "block_tail")
+    pairs = counting(monkeypatch, weights_module, "routed_all")
     fused = decode(model)
     calls = len(fused) * len(model.layers)
+    gemma = model.config.arch.value == "gemma3"
     assert fronts == [True] * calls, "the attention's front ran compiled in every block"
-    assert tails == ([True] * calls if model.config.arch.value == "gemma3" else [])
+    assert tails == ([True] * calls if gemma else [])
+    assert pairs == ([] if gemma else [True] * calls)
     monkeypatch.setattr(gemma3, "block_tail", lambda *args, **kwargs: None)
     monkeypatch.setattr(attention_module, "block_front", lambda *args, **kwargs: None)
+    monkeypatch.setattr(weights_module, "routed_all", lambda *args, **kwargs: None)
     stepped = decode(model)
     for i, (a, b) in enumerate(zip(fused, stepped, strict=True)):
         assert torch.equal(a, b), f"forward {i}"
+
+
+def test_an_f32_kv_cache_keeps_unrounded_keys_and_values(
+    ggml_model: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under an F32 KV cache (kv_cache_type) the compiled front leaves keys and values unrounded,
+    as the steps do: the same bits, and not those of the F16 cache."""
+    _, model, _ = ggml_model
+    with kv_cache_type(GGMLType.F32):
+        fused = decode(model, steps=2)
+        monkeypatch.setattr(attention_module, "block_front", lambda *args, **kwargs: None)
+        stepped = decode(model, steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(fused, stepped, strict=True))
+    assert not torch.equal(fused[-1], decode(model, steps=2)[-1])  # the F16 cache's differ
 
 
 def test_a_swap_is_what_the_next_compiled_call_reads(

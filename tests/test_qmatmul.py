@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
 from runtime_helpers import one_thread
 
-from ggufswap.runtime import QuantizedMatrix, float_products
+from ggufswap.runtime import QuantizedExperts, QuantizedMatrix, float_products, routed_all
 from ggufswap.runtime.kernels import _compiled, _ggml, qmatmul
 from ggufswap.shards import _synth
 from ggufswap.shards.ggml_types import GGMLType
@@ -192,6 +192,34 @@ def test_matrices_sharing_activations_multiply_in_one_ggml_call_with_the_same_bi
             _ggml._FLOAT_ONLY.reset(token)
         assert [t.shape for t in together] == [(3, 32), (3, 24)]
         assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True)), ggml
+
+
+@pytest.mark.skipif(_ggml.library() is None, reason="no libggml installed")
+@pytest.mark.parametrize("per_slot", [False, True], ids=["shared-input", "input-per-slot"])
+def test_stacks_sharing_a_routing_multiply_in_one_ggml_call_with_the_same_bits(
+    per_slot: bool,
+) -> None:
+    """routed_all gives each expert stack's own routed product bit for bit in one ggml call
+    (a MoE layer's gate and up), and None inside float products (the caller then calls each)."""
+    n_expert, rows = 4, 16
+    stacks = [
+        QuantizedExperts(blocks(t, rows=n_expert * rows, seed=s), t, (n_expert, rows, COLS), n)
+        for t, s, n in ((Q.Q4_K, 3, "blk.0.ffn_gate_exps.weight"), (Q.Q8_0, 4, "blk.0.ffn_up"))
+    ]
+    ids = torch.tensor([[3, 0], [1, 3], [2, 2]])
+    shape = (3, 2, COLS) if per_slot else (3, COLS)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(7))
+    token = _ggml._FLOAT_ONLY.set(False)  # leave this module's float_products for a moment
+    try:
+        together = routed_all(stacks, x, ids)
+        alone = [s.routed(x, ids, dtype=torch.float32) for s in stacks]
+    finally:
+        _ggml._FLOAT_ONLY.reset(token)
+    assert together is not None
+    assert [t.shape for t in together] == [(3, 2, rows)] * 2
+    assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
+    with float_products():
+        assert routed_all(stacks, x, ids) is None
 
 
 @pytest.mark.parametrize("ggml_type", [Q.Q4_1, Q.Q5_1], ids=lambda t: t.name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -184,10 +185,10 @@ def test_native_moe_reads_only_the_routed_experts(
 def test_native_moe_with_ggml_is_one_routed_product_per_projection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With a libggml, a native one-token forward multiplies each of gate, up and down of a
-    block by one mul_mat_id over the routed experts' ids, computes what a fresh native load
-    computes bit for bit, and what dequantized storage computes up to ggml's 8-bit activation
-    rounding."""
+    """With a libggml, a native one-token forward multiplies gate and up of a block by one
+    mul_mat_id each in one ggml call (the activations quantized once) and down by one more, over
+    the routed experts' ids, computes what a fresh native load computes bit for bit, and what
+    dequantized storage computes up to ggml's 8-bit activation rounding."""
     library = ggml_library()
     if library is None:
         pytest.skip("no libggml here")
@@ -197,18 +198,24 @@ def test_native_moe_with_ggml_is_one_routed_product_per_projection(
     expected, fresh = dequantized_and_native_logits(model_dir.first, token)
     runtime, model = open_runtime(model_dir.first, storage=Storage.NATIVE)
     calls: list[tuple[int, ...]] = []
-    real = type(library).mul_mat_id
+    real, real_pair = type(library).mul_mat_id, library.module.mul_mat_ids
 
     def counting(self: object, raw: torch.Tensor, t: int, shape: tuple[int, int, int],
                  x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
         calls.append(tuple(ids.shape))
         return real(self, raw, t, shape, x, ids)  # type: ignore[arg-type]
 
+    def counting_pair(*args: Any) -> None:
+        calls.append((args[2], args[4], len(args[7])))  # tokens, slots, stacks
+        real_pair(*args)
+
     monkeypatch.setattr(type(library), "mul_mat_id", counting)
+    monkeypatch.setattr(library.module, "mul_mat_ids", counting_pair)
     try:
         got = logits(model, token)
         assert torch.equal(got, fresh)
-        assert calls == [(1, spec.n_expert_used)] * (spec.n_layers * 3)
+        block = [(1, spec.n_expert_used, 2), (1, spec.n_expert_used)]  # gate and up; down
+        assert calls == block * spec.n_layers
         error = (got - expected).norm() / expected.norm()
         assert 0 < error < 0.02, error
     finally:

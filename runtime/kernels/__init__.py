@@ -24,7 +24,7 @@ from ggufswap.runtime.kernels._ggml import float_products
 from ggufswap.runtime.kernels._ggml import library as ggml_library
 from ggufswap.runtime.kernels._ggml import select as ggml_select
 from ggufswap.runtime.kernels.dequant import KERNEL_TYPES, dequantize, has_kernel
-from ggufswap.runtime.kernels.experts import QuantizedExperts, grouped
+from ggufswap.runtime.kernels.experts import QuantizedExperts, grouped, routed_all
 from ggufswap.runtime.kernels.ggml_block import attn_front as ggml_attn_front
 from ggufswap.runtime.kernels.ggml_block import geglu_tail as ggml_geglu_tail
 from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix, kernels, linear_all
@@ -48,6 +48,7 @@ __all__ = [
     "kernels",
     "linear_all",
     "role_scratch",
+    "routed_all",
     "rows_rms_norm",
     "rows_rope",
 ]

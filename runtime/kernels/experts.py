@@ -20,7 +20,7 @@ from ggufswap.runtime.kernels import _ggml
 from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix
 from ggufswap.shards.ggml_types import GGMLType, row_nbytes
 
-__all__ = ["QuantizedExperts", "grouped"]
+__all__ = ["QuantizedExperts", "grouped", "routed_all"]
 
 
 def grouped(
@@ -97,3 +97,47 @@ class QuantizedExperts:
         return grouped(
             lambda e, rows: self.expert(e).linear(rows, dtype=dtype), x, ids, self.shape[1]
         )
+
+
+# The most stacks one ggml call multiplies by the same activations and routing (csrc/ggmlcall.c).
+MAX_ROUTED = 3
+
+
+def routed_all(
+    stacks: list[QuantizedExperts], x: torch.Tensor, ids: torch.Tensor
+) -> list[torch.Tensor] | None:
+    """``[s.routed(x, ids)]`` for stacks read by the same activations and routing (a MoE
+    layer's gate and up), float32: one ggml graph where ggml multiplies every one of them (the
+    activations quantized once, the ids converted and checked once), the same values as one
+    call each; None where that does not apply (the caller calls each)."""
+    library = stacks[0]._library if stacks else None
+    cols = stacks[0].shape[2] if stacks else 0
+    if (
+        library is None
+        or _ggml.float_only()
+        or len(stacks) > MAX_ROUTED
+        or not hasattr(library.module, "mul_mat_ids")
+        or any(s._library is not library or s.shape[2] != cols for s in stacks)
+        or not all(s.raw.is_contiguous() for s in stacks)
+    ):
+        return None
+    n_tokens, n_used = ids.shape
+    per_token = 1 if x.dim() == 2 else x.shape[1]
+    flat = _ggml._activations(x, cols)  # [N * per_token, cols]
+    outs = [torch.empty(n_tokens, n_used, s.shape[1], dtype=torch.float32) for s in stacks]
+    picked = _ggml._expert_ids(ids, min(s.shape[0] for s in stacks))
+    work = sum(picked.numel() * s.raw.numel() // s.shape[0] for s in stacks)
+    library.module.mul_mat_ids(
+        flat.data_ptr(),
+        per_token,
+        n_tokens,
+        picked.data_ptr(),
+        n_used,
+        cols,
+        _ggml.threads(work),
+        [
+            (s.raw.data_ptr(), int(s.ggml_type), s.shape[0], s.shape[1], out.data_ptr())
+            for s, out in zip(stacks, outs, strict=True)
+        ],
+    )
+    return outs

@@ -119,11 +119,13 @@ def attn_front(
     head_dim: int,
     rope: tuple[torch.Tensor, torch.Tensor, int, bool],
     eps: float,
+    kv_f16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``q [B, T, H, hd], k, v [B, T, Hkv, hd]`` of the residual stream ``x [B, T, d]``:
     ``attn_norm(x)`` times each of ``qkv``, ``head_norms`` (q's, k's: float32 ``[hd]``, or
     None) per head, then q and k rotated by ``rope`` = ``(cos, sin [T, n_rot / 2], n_rot,
-    neox)``; or None where the compiled call does not apply (``B > 1`` with ``T > 1`` too)."""
+    neox)``; with ``kv_f16`` k and v rounded to F16 values (``.half().float()``: an F16 KV
+    cache's); or None where the compiled call does not apply (``B > 1`` with ``T > 1`` too)."""
     cos, sin, n_rot, neox = rope
     bsz, seq, d = x.shape
     vectors = [attn_norm, *(t for t in head_norms if t is not None)]
@@ -158,6 +160,7 @@ def attn_front(
         step * q.shape[2],
         step * k.shape[2],
         eps,
+        kv_f16,
         q.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),

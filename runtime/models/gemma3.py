@@ -28,10 +28,10 @@ from ggufswap.runtime.models.architecture import Architecture
 from ggufswap.runtime.models.blocks.attention import Attention, sliding_window_mask
 from ggufswap.runtime.models.blocks.decoder import DecoderStack, LayerInputs
 from ggufswap.runtime.models.blocks.ffn import FeedForward
+from ggufswap.runtime.models.blocks.ggml_steps import block_tail
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables, RotaryEmbedding
 from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider
-from ggufswap.runtime.models.ggml_numerics import block_tail
 from ggufswap.runtime.models.hparams import Arch, HParams, KeyReader
 from ggufswap.runtime.models.kv_cache import KVCache, attention_mask
 from ggufswap.shards.keys import Keys, TensorNames

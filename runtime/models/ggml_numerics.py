@@ -62,31 +62,19 @@ import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor
 
 from ggufswap.config import Storage
-from ggufswap.runtime import (
-    QuantizedExperts,
-    QuantizedMatrix,
-    ggml_attn_front,
-    ggml_geglu_tail,
-    grouped,
-)
-from ggufswap.runtime.models.blocks.rope import RopeTables
+from ggufswap.runtime import QuantizedExperts, QuantizedMatrix, grouped
 from ggufswap.runtime.models.errors import ModelError
 from ggufswap.shards.ggml_types import GGMLType
 
 if TYPE_CHECKING:
     from ggufswap.runtime import TensorStore
-    from ggufswap.runtime.models.blocks.attention import Attention
-    from ggufswap.runtime.models.blocks.ffn import FeedForward
 
 __all__ = [
     "VEC_DOT",
     "GgmlMatrix",
     "GgmlWeights",
     "Numerics",
-    "block_front",
-    "block_tail",
     "gelu",
-    "gelu_table",
     "ggml_norms",
     "ggml_norms_active",
     "kv_cache",
@@ -200,90 +188,6 @@ def gelu(x: Tensor) -> Tensor:
     zero = torch.zeros_like(xf)
     out = torch.where(xf <= -GELU_CLAMP, zero, torch.where(xf >= GELU_CLAMP, xf, table))
     return out.to(x.dtype)
-
-
-@functools.cache
-def gelu_table() -> Tensor:
-    """:func:`gelu` of every F16 value, indexed by its bits: ``[65536]`` float32 (what the
-    compiled block tail reads for the values between the clamps)."""
-    values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
-    return gelu(values.float()).contiguous()
-
-
-def block_tail(
-    weights: object,
-    x: Tensor,
-    a: Tensor,
-    attention: Attention,
-    ffn: FeedForward,
-    *,
-    norms: tuple[str | None, str, str | None],
-    eps: float,
-) -> Tensor | None:
-    """A GeGLU block's half after attention in one compiled call, in a decoder with ggml's
-    numerics: ``h = x + post_attn_norm(wo(a))``, ``y = h + post_ffw_norm(ffn(ffn_norm(h)))``
-    (``norms``: those three norms' tensors, a post norm None where the block has none), the same
-    bits as those steps one by one (``ggufswap.runtime.kernels.ggml_block``). None elsewhere
-    (exact numerics, a bias, SwiGLU, a matrix ggml does not multiply): the caller steps."""
-    if not isinstance(weights, GgmlWeights) or not _GGML_NORMS.get() or not ffn.gelu:
-        return None
-    if attention.bo is not None:
-        return None
-    matrices = [weights.matrix(n) for n in (attention.wo, ffn.gate, ffn.up, ffn.down)]
-    blocks = [m.blocks for m in matrices if isinstance(m, GgmlMatrix)]
-    if len(blocks) != len(matrices):
-        return None
-    wo, gate, up, down = blocks
-    vectors = tuple(None if n is None else weights.weight(n) for n in norms)
-    post_attn, ffn_norm, post_ffw = vectors
-    assert ffn_norm is not None, "a block always has its FFN norm"
-    return ggml_geglu_tail(
-        x,
-        a,
-        wo=wo,
-        gate=gate,
-        up=up,
-        down=down,
-        norms=(post_attn, ffn_norm, post_ffw),
-        eps=eps,
-        gelu_table=gelu_table(),
-    )
-
-
-def block_front(
-    weights: object,
-    x: Tensor,
-    attention: Attention,
-    *,
-    norm: str,
-    rope: RopeTables,
-    eps: float,
-) -> tuple[Tensor, Tensor, Tensor] | None:
-    """A block's attention up to its heads' inputs in one compiled call, in a decoder with
-    ggml's numerics: ``q, k, v`` of ``norm(x)``, q and k normed per head (where the attention
-    has those norms) and rotated: the same bits as those steps one by one
-    (``ggufswap.runtime.kernels.ggml_block``). None elsewhere (exact numerics, biases, another
-    attention, a matrix ggml does not multiply): the caller steps."""
-    if not isinstance(weights, GgmlWeights) or not _GGML_NORMS.get():
-        return None
-    if not isinstance(rope, RopeTables) or any(
-        b is not None for b in (attention.bq, attention.bk, attention.bv)
-    ):
-        return None
-    matrices = [weights.matrix(n) for n in (attention.wq, attention.wk, attention.wv)]
-    blocks = [m.blocks for m in matrices if isinstance(m, GgmlMatrix)]
-    if len(blocks) != len(matrices):
-        return None
-    q_norm, k_norm = (None if n is None else weights.weight(n) for n in attention.head_norms)
-    return ggml_attn_front(
-        x,
-        attn_norm=weights.weight(norm),
-        qkv=(blocks[0], blocks[1], blocks[2]),
-        head_norms=(q_norm, k_norm),
-        head_dim=attention.config.head_dim,
-        rope=(rope.cos, rope.sin, rope.n_rot, rope.neox),
-        eps=eps,
-    )
 
 
 # Set while a decoder with ggml's numerics runs its forward (``with_ggml_norms``): the decoders'
@@ -448,11 +352,16 @@ class _GgmlExperts:
         item = self.stack[e]  # type: ignore[index]
         return GgmlMatrix(item) if isinstance(item, QuantizedMatrix) else item
 
+    def blocks(self) -> QuantizedExperts | None:
+        """The whole stack in its GGUF blocks (the store's), or None (a split or decoded one)."""
+        blocks = getattr(self.stack, "blocks", None)
+        stack: QuantizedExperts | None = blocks() if blocks is not None else None
+        return stack
+
     def routed(self, x: Tensor, ids: Tensor) -> Tensor:
         """``[N, k, rows]`` routed experts' products as ggml computes them: one ``mul_mat_id``
         through a libggml where it multiplies this stack, else each expert emulated."""
-        blocks = getattr(self.stack, "blocks", None)
-        stack: QuantizedExperts | None = blocks() if blocks is not None else None
+        stack = self.blocks()
         if stack is not None and stack.ggml:
             return stack.routed(x, ids, dtype=torch.float32).to(x.dtype)
         rows = self.shape[1]

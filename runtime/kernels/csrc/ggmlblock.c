@@ -9,11 +9,12 @@
  * them: a commit changes what the next call reads.
  *
  *   attn_front(x, n, d, attn_norm, (wq, type, rows), (wk, type, rows), (wv, type, rows), q_norm,
- *              k_norm, hd, n_rot, neox, cos, sin, q_heads_step, kv_heads_step, eps, q, k, v,
- *              threads, small)
+ *              k_norm, hd, n_rot, neox, cos, sin, q_heads_step, kv_heads_step, eps, kv_f16, q, k,
+ *              v, threads, small)
  *        xn = attn_norm(x[n, d]); q, k, v = xn @ W.T; per head of hd values q_norm (k_norm)
  *        when given (pointer 0: none); RoPE of q and k by cos, sin [positions, n_rot / 2], row r
- *        of q at position r / q_heads_step (k: kv_heads_step); q [n, rows_q], k, v likewise
+ *        of q at position r / q_heads_step (k: kv_heads_step); with kv_f16, k and v rounded to
+ *        F16 values (an F16 KV cache's); q [n, rows_q], k, v likewise
  *   geglu_tail(x, a, n, d, q_dim, ff, (wo, type), (gate, type), (up, type), (down, type),
  *              post_attn_norm, ffn_norm, post_ffw_norm, eps, gelu_table, y, threads, small)
  *        y[n, d] = h + post_ffw_norm(down(gelu(gate(f)) * up(f))) with h = x + post_attn_norm(
@@ -155,11 +156,27 @@ PyObject *py_geglu_tail(PyObject *self, PyObject *args) {
 }
 
 
+/* x -> x rounded to F16 and back, in place (the F16 KV cache's values; to nearest even both
+ * ways, as torch's .half().float()). The F16C instructions where the CPU has them. */
+static inline __attribute__((always_inline)) void f16_body(float *x, long long count) {
+    for (long long i = 0; i < count; i++) x[i] = (float)(_Float16)x[i];
+}
+
+__attribute__((target("f16c"))) static void f16_round_f16c(float *x, long long count) {
+    f16_body(x, count);
+}
+
+static void f16_round_soft(float *x, long long count) { f16_body(x, count); }
+
+static void f16_round(float *x, long long count) {
+    (__builtin_cpu_supports("f16c") ? f16_round_f16c : f16_round_soft)(x, count);
+}
+
 typedef struct {
     long long n, d, hd, n_rot, q_step, kv_step, small;
     mat_arg w[3]; /* q, k, v */
     const float *x, *attn_norm, *q_norm, *k_norm, *cos_t, *sin_t;
-    int neox, threads;
+    int neox, threads, kv_f16;
     float eps;
 } front_args;
 
@@ -181,6 +198,10 @@ static int front_locked(front_args *t) {
     if (t->k_norm != NULL) rownorm(k, k_rows, hd, t->k_norm, t->eps, k);
     rowrope(q, q_rows, t->q_step, hd, t->n_rot, t->neox, t->cos_t, t->sin_t, q);
     rowrope(k, k_rows, t->kv_step, hd, t->n_rot, t->neox, t->cos_t, t->sin_t, k);
+    if (t->kv_f16) {
+        f16_round(k, n * t->w[1].rows);
+        f16_round((float *)(uintptr_t)t->w[2].y, n * t->w[2].rows);
+    }
     return 0;
 }
 
@@ -188,10 +209,10 @@ PyObject *py_attn_front(PyObject *self, PyObject *args) {
     (void)self;
     front_args t;
     unsigned long long x, an, qn, kn, pc, ps;
-    if (!PyArg_ParseTuple(args, "KLLK(KiL)(KiL)(KiL)KKLLpKKLLfKKKiL", &x, &t.n, &t.d, &an,
+    if (!PyArg_ParseTuple(args, "KLLK(KiL)(KiL)(KiL)KKLLpKKLLfpKKKiL", &x, &t.n, &t.d, &an,
                           &t.w[0].w, &t.w[0].type, &t.w[0].rows, &t.w[1].w, &t.w[1].type,
                           &t.w[1].rows, &t.w[2].w, &t.w[2].type, &t.w[2].rows, &qn, &kn, &t.hd,
-                          &t.n_rot, &t.neox, &pc, &ps, &t.q_step, &t.kv_step, &t.eps,
+                          &t.n_rot, &t.neox, &pc, &ps, &t.q_step, &t.kv_step, &t.eps, &t.kv_f16,
                           &t.w[0].y, &t.w[1].y, &t.w[2].y, &t.threads, &t.small))
         return NULL;
     if (!loaded()) return NULL;

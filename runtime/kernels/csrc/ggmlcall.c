@@ -32,6 +32,10 @@
  *        of n_expert matrices [rows, cols], x [n_tokens, x_per_token, cols] (x_per_token is 1,
  *        the same input for every slot, or n_used), ids int32 [n_tokens, n_used],
  *        y [n_tokens, n_used, rows]
+ *   mul_mat_ids(x, x_per_token, n_tokens, ids, n_used, cols, threads,
+ *               ((w, type, n_expert, rows, y), ...))
+ *        several stacks' routed products by the same activations and routing, one graph (up to
+ *        MAX_STACKS: a MoE layer's gate and up)
  *   geglu_tail(...), attn_front(...)
  *        a block's steps around its products in one call each: ggmlblock.c
  */
@@ -290,41 +294,101 @@ static PyObject *py_mul_mats(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_mul_mat_id(PyObject *self, PyObject *args) {
-    (void)self;
-    unsigned long long w, x, ids, y;
-    int type, threads;
-    long long n_expert, rows, cols, x_per_token, n_tokens, n_used;
-    if (!PyArg_ParseTuple(args, "KiLLLKLLKLKi", &w, &type, &n_expert, &rows, &cols, &x,
-                          &x_per_token, &n_tokens, &ids, &n_used, &y, &threads))
-        return NULL;
-    if (!loaded()) return NULL;
-    if (n_expert < 1 || rows < 1 || cols < 1 || n_tokens < 1 || n_used < 1 || threads < 1 ||
-        (x_per_token != 1 && x_per_token != n_used))
+typedef struct {
+    unsigned long long w, y;
+    int type;
+    long long n_expert, rows;
+} stack_arg;
+
+#define MAX_STACKS 3
+
+/* The routed experts' products of `count` stacks by the same activations and routing, one graph
+ * (ggml quantizes the activations once per node, as separate calls do). LOCK held, no GIL. */
+static int ids_locked(uintptr_t x, long long x_per_token, long long n_tokens, uintptr_t ids,
+                      long long n_used, long long cols, const stack_arg *s, int count,
+                      int threads) {
+    ggml_context *ctx = new_context();
+    ggml_tensor *tx = G.new_tensor_3d(ctx, GGML_F32, cols, x_per_token, n_tokens);
+    ggml_tensor *ti = G.new_tensor_2d(ctx, GGML_I32, n_used, n_tokens);
+    ggml_tensor *outs[MAX_STACKS];
+    placed ts[2 + 2 * MAX_STACKS];
+    ts[0] = (placed){tx, x, (size_t)(n_tokens * x_per_token * cols) * sizeof(float)};
+    ts[1] = (placed){ti, ids, (size_t)(n_tokens * n_used) * sizeof(int32_t)};
+    for (int i = 0; i < count; i++) {
+        ggml_tensor *tw = G.new_tensor_3d(ctx, s[i].type, cols, s[i].rows, s[i].n_expert);
+        outs[i] = G.mul_mat_id(ctx, tw, tx, ti);
+        ts[2 + 2 * i] = (placed){tw, (uintptr_t)s[i].w,
+                                 (size_t)(s[i].n_expert * s[i].rows) * G.row_size(s[i].type, cols)};
+        ts[3 + 2 * i] = (placed){outs[i], (uintptr_t)s[i].y,
+                                 (size_t)(n_tokens * n_used * s[i].rows) * sizeof(float)};
+    }
+    int status = compute(ctx, outs, count, ts, 2 + 2 * count, threads);
+    G.free(ctx);
+    return status;
+}
+
+static PyObject *expert_products(long long x_per_token, long long n_tokens, long long n_used,
+                                 long long cols, int threads, const stack_arg *s, int count,
+                                 unsigned long long x, unsigned long long ids) {
+    bool ok = cols >= 1 && n_tokens >= 1 && n_used >= 1 && threads >= 1 &&
+              (x_per_token == 1 || x_per_token == n_used);
+    for (int i = 0; i < count; i++) ok = ok && s[i].n_expert >= 1 && s[i].rows >= 1;
+    if (!ok)
         return PyErr_Format(PyExc_ValueError,
-                            "bad expert product n_expert=%lld rows=%lld cols=%lld tokens=%lld "
-                            "used=%lld x_per_token=%lld",
-                            n_expert, rows, cols, n_tokens, n_used, x_per_token);
+                            "bad expert product cols=%lld tokens=%lld used=%lld x_per_token=%lld",
+                            cols, n_tokens, n_used, x_per_token);
     int status;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&LOCK);
-    ggml_context *ctx = new_context();
-    ggml_tensor *tw = G.new_tensor_3d(ctx, type, cols, rows, n_expert);
-    ggml_tensor *tx = G.new_tensor_3d(ctx, GGML_F32, cols, x_per_token, n_tokens);
-    ggml_tensor *ti = G.new_tensor_2d(ctx, GGML_I32, n_used, n_tokens);
-    ggml_tensor *ty = G.mul_mat_id(ctx, tw, tx, ti);
-    placed ts[4] = {
-        {tw, (uintptr_t)w, (size_t)(n_expert * rows) * G.row_size(type, cols)},
-        {tx, (uintptr_t)x, (size_t)(n_tokens * x_per_token * cols) * sizeof(float)},
-        {ti, (uintptr_t)ids, (size_t)(n_tokens * n_used) * sizeof(int32_t)},
-        {ty, (uintptr_t)y, (size_t)(n_tokens * n_used * rows) * sizeof(float)},
-    };
-    status = compute(ctx, &ty, 1, ts, 4, threads);
-    G.free(ctx);
+    status = ids_locked((uintptr_t)x, x_per_token, n_tokens, (uintptr_t)ids, n_used, cols, s,
+                        count, threads);
     pthread_mutex_unlock(&LOCK);
     Py_END_ALLOW_THREADS
     if (status != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
+}
+
+static PyObject *py_mul_mat_id(PyObject *self, PyObject *args) {
+    (void)self;
+    stack_arg s;
+    unsigned long long x, ids;
+    int threads;
+    long long cols, x_per_token, n_tokens, n_used;
+    if (!PyArg_ParseTuple(args, "KiLLLKLLKLKi", &s.w, &s.type, &s.n_expert, &s.rows, &cols, &x,
+                          &x_per_token, &n_tokens, &ids, &n_used, &s.y, &threads))
+        return NULL;
+    if (!loaded()) return NULL;
+    return expert_products(x_per_token, n_tokens, n_used, cols, threads, &s, 1, x, ids);
+}
+
+static PyObject *py_mul_mat_ids(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, ids;
+    int threads;
+    long long cols, x_per_token, n_tokens, n_used;
+    PyObject *stacks;
+    if (!PyArg_ParseTuple(args, "KLLKLLiO", &x, &x_per_token, &n_tokens, &ids, &n_used, &cols,
+                          &threads, &stacks))
+        return NULL;
+    if (!loaded()) return NULL;
+    PyObject *seq = PySequence_Fast(stacks, "mul_mat_ids: the stacks must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    stack_arg s[MAX_STACKS];
+    if (count < 1 || count > MAX_STACKS) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "mul_mat_ids: 1 to %d stacks", MAX_STACKS);
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyArg_ParseTuple(item, "KiLLK", &s[i].w, &s[i].type, &s[i].n_expert, &s[i].rows,
+                              &s[i].y)) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return expert_products(x_per_token, n_tokens, n_used, cols, threads, s, (int)count, x, ids);
 }
 
 /* ggmlcall.h */
@@ -337,6 +401,7 @@ static PyMethodDef METHODS[] = {
     {"mul_mat", py_mul_mat, METH_VARARGS, "y[n, rows] = x[n, cols] @ W.T through ggml."},
     {"mul_mats", py_mul_mats, METH_VARARGS, "Several matrices by the same x, one graph."},
     {"mul_mat_id", py_mul_mat_id, METH_VARARGS, "Routed experts' products through ggml."},
+    {"mul_mat_ids", py_mul_mat_ids, METH_VARARGS, "Several stacks' routed products, one graph."},
     {"geglu_tail", py_geglu_tail, METH_VARARGS, "A GeGLU block's half after attention."},
     {"attn_front", py_attn_front, METH_VARARGS, "A block's attention up to the heads' q, k, v."},
     {NULL, NULL, 0, NULL},

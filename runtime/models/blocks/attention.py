@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
+from ggufswap.runtime.models.blocks.ggml_steps import block_front
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables
 from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider, linear, linears
-from ggufswap.runtime.models.ggml_numerics import block_front, kv_cache
+from ggufswap.runtime.models.ggml_numerics import kv_cache
 from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.shards.keys import TensorNames
@@ -76,14 +77,15 @@ class Attention(nn.Module):
     ) -> Tensor:
         """:meth:`heads` of ``rms_norm(x)`` by the tensor ``norm``; in a decoder with ggml's
         numerics the norm, products, head norms and RoPE in one compiled call (the same bits:
-        :func:`~.ggml_numerics.block_front`) where it applies."""
+        :func:`~.ggml_steps.block_front`) where it applies."""
         # x: [B, T, D] -> [B, T, H * hd]
         c = self.config
         qkv = block_front(self.weights, x, self, norm=norm, rope=rope, eps=c.norm_eps)
         if qkv is None or type(self).heads is not Attention.heads:
             return self.heads(rms_norm(x, self.weights.weight(norm), c.norm_eps), rope, mask, cache)
-        q, k, v = qkv
-        return attend(q, k, v, layer=self.layer, scale=c.attn_scale, mask=mask, cache=cache)
+        q, k, v = qkv  # k, v already as the KV cache holds them
+        scale = c.attn_scale
+        return attend(q, k, v, layer=self.layer, scale=scale, mask=mask, cache=cache, held=True)
 
     def project(self, y: Tensor) -> Tensor:
         """The output product of the heads ``y [B, T, H * hd]``: ``[B, T, D]``."""
@@ -118,12 +120,15 @@ def attend(
     scale: float,
     mask: Tensor | None,
     cache: KVCache | None,
+    held: bool = False,
 ) -> Tensor:
     """Grouped-query attention of ``q [B, T, H, hd]`` over ``k, v [B, T, Hkv, hd]`` (with the
     cached keys and values first when ``cache``): query head ``h`` reads kv head ``h // (H /
-    Hkv)``, without copies of K/V (:func:`grouped_attention`); ``[B, T, H * hd]``."""
+    Hkv)``, without copies of K/V (:func:`grouped_attention`); ``[B, T, H * hd]``. ``held``:
+    ``k`` and ``v`` are already as the KV cache holds them (:func:`.ggml_numerics.kv_cache`)."""
     bsz, seq, heads, _ = q.shape
-    k, v = kv_cache(k, v)  # with ggml numerics: as llama.cpp's cache holds them (F16)
+    if not held:
+        k, v = kv_cache(k, v)  # with ggml numerics: as llama.cpp's cache holds them (F16)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H(kv), T, hd]
     if cache is not None:  # the rope tables already carry start_pos = cache.length
         k, v = cache.update(layer, k, v)  # [B, Hkv, S, hd]

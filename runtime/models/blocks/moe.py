@@ -29,6 +29,7 @@ from ggufswap.runtime.models.blocks.weights import (
     WeightProvider,
     linear,
     routed_linear,
+    routed_linears,
 )
 from ggufswap.runtime.models.hparams import Arch, Gating, HParams
 from ggufswap.shards.keys import TensorNames
@@ -74,8 +75,7 @@ def routed_swiglu(
     product per projection (:func:`~.weights.routed_linear`), the slots summed in order as
     llama.cpp's ``build_moe_ffn`` adds its views; ``[N, D]``."""
     gate_exps, up_exps, down_exps = (weights.experts(name) for name in names)
-    gate = routed_linear(gate_exps, flat, top_i)  # [N, k, ff]
-    up = routed_linear(up_exps, flat, top_i)
+    gate, up = routed_linears([gate_exps, up_exps], flat, top_i)  # [N, k, ff] each: one call
     y = routed_linear(down_exps, F.silu(gate) * up, top_i)  # [N, k, D]
     return (y * top_w.unsqueeze(-1).to(y.dtype)).sum(dim=1)
 

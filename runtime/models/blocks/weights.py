@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor
 
-from ggufswap.runtime import QuantizedMatrix, grouped, linear_all
+from ggufswap.runtime import QuantizedExperts, QuantizedMatrix, grouped, linear_all, routed_all
 from ggufswap.runtime.models.errors import MissingWeightError
 from ggufswap.runtime.models.ggml_numerics import GgmlMatrix
 
@@ -141,6 +141,20 @@ def linears(x: Tensor, ws: list[Matrix], biases: list[Tensor | None] | None = No
     ys = linear_all(x, [m for m in blocks if isinstance(m, QuantizedMatrix)], dtype=torch.float32)
     biased = [y if b is None else y + b.to(y.device, y.dtype) for y, b in zip(ys, bs, strict=True)]
     return [y.to(device=x.device, dtype=x.dtype) for y in biased]
+
+
+def routed_linears(stacks: list[Tensor | ExpertStack], x: Tensor, ids: Tensor) -> list[Tensor]:
+    """``[routed_linear(s, x, ids)]`` for stacks read by the same ``x`` and ``ids`` (a MoE
+    layer's gate and up): one ggml call where ggml multiplies every one of them from its blocks
+    (the activations quantized once), the same values as one call each."""
+    blocks = [getattr(s, "blocks", None) for s in stacks]
+    found = [b() if callable(b) else None for b in blocks]
+    whole = [q for q in found if isinstance(q, QuantizedExperts)]
+    usable = len(whole) == len(stacks) and x.dtype is torch.float32 and x.is_cpu
+    outs = routed_all(whole, x, ids) if usable else None
+    if outs is None:
+        return [routed_linear(s, x, ids) for s in stacks]
+    return outs
 
 
 def routed_linear(stack: Tensor | ExpertStack, x: Tensor, ids: Tensor) -> Tensor:
