@@ -183,6 +183,20 @@ def _key(name: str, cpu: bool) -> str:
     return name.replace("_s", "_cpu_s") if cpu else name
 
 
+def _decode(
+    python: Path, rounds: int, cpu: bool, job: dict[str, Any], numerics: str | None
+) -> tuple[float, float, dict[str, Any], str]:
+    """A decode job's step time, ours and llama.cpp's, interleaved over ``rounds``, in
+    ``numerics`` (None: the runtime's default); the last of our results, and the row name's
+    suffix."""
+    if numerics is not None:
+        job = {**job, "numerics": numerics}
+    theirs, mine, last = interleaved(
+        rounds, lambda: ours(job), lambda: llama(python, job), _key("step_s", cpu)
+    )
+    return theirs, mine, last, f", {numerics} numerics" if numerics else ""
+
+
 def gemma_rows(
     python: Path, path: Path, rounds: int, quick: bool, cpu: bool
 ) -> list[dict[str, Any]]:
@@ -192,15 +206,7 @@ def gemma_rows(
     for threads in (1, 2):
         for numerics in (None, "ggml"):
             job = {"what": "decode", "path": str(path), "threads": threads, "steps": steps}
-            if numerics is not None:
-                job["numerics"] = numerics
-            theirs, mine, last = interleaved(
-                rounds,
-                lambda job=job: ours(job),
-                lambda job=job: llama(python, job),
-                _key("step_s", cpu),
-            )
-            how = f", {numerics} numerics" if numerics else ""
+            theirs, mine, last, how = _decode(python, rounds, cpu, job, numerics)
             _say(f"gemma3 decode {threads} thread(s){how}: ours {1 / mine:.1f} tok/s "
                  f"({last['storage']}, {last['kernels']}), llama.cpp {1 / theirs:.1f} tok/s"
                  f"{clock}")  # fmt: skip
@@ -262,15 +268,7 @@ def moe_rows(python: Path, root: Path, rounds: int, quick: bool, cpu: bool) -> l
     for numerics in (None, "ggml"):
         job = {"what": "decode", "path": str(path), "threads": 1, "steps": 8 if quick else 32}
         job["prompt"] = [1, 2, 3, 4]
-        if numerics is not None:
-            job["numerics"] = numerics
-        theirs, mine, last = interleaved(
-            rounds,
-            lambda job=job: ours(job),
-            lambda job=job: llama(python, job),
-            _key("step_s", cpu),
-        )
-        how = f", {numerics} numerics" if numerics else ""
+        theirs, mine, last, how = _decode(python, rounds, cpu, job, numerics)
         _say(f"qwen3moe 128 experts decode{how}: ours {mine * 1e3:.2f} ms/step "
              f"({last['kernels']}), llama.cpp {theirs * 1e3:.2f} ms/step{clock}")  # fmt: skip
         name = f"qwen3moe 128 experts (8 used) decode, 1 thread{how}{clock}"
