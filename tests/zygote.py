@@ -36,6 +36,9 @@ FORKED_COMMANDS = frozenset({"runtime", "serve", "perplexity", "sweep"})
 # What the zygote's children inherit from its start and could not change later: torch's OpenMP
 # runtime reads these as it loads. A command whose environment says otherwise is not forked.
 IMPORT_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+# What the zygote's start adds to the worker's environment. Unbuffered stdio lets a test read a
+# child's log while it runs; a command that leaves it unset is forked all the same.
+ZYGOTE_ENV = {"PYTHONUNBUFFERED": "1", **IMPORT_ENV}
 # Variables read as an interpreter starts or a library loads (the import path, the allocator, the
 # linker, OpenMP and MKL): a command that sets one differently from the zygote is not forked.
 IMPORT_PREFIXES = ("PYTHON", "OMP_", "KMP_", "MKL_", "LD_", "MALLOC_")
@@ -115,7 +118,7 @@ class Zygote:
             text=True,
             # One torch thread, as the tests' in-process fresh loads use: results are bit-exact
             # only between equal thread counts (and 2 busy cores gain nothing from more).
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **IMPORT_ENV},
+            env={**os.environ, **ZYGOTE_ENV},
         )
         assert self.popen.stdout is not None
         assert self.popen.stdin is not None
@@ -251,6 +254,6 @@ def forkable(args: list[str], env: dict[str, str] | None = None) -> bool:
     # Unset, IMPORT_ENV's variables mean what the zygote set: one thread is the tests' default
     # (conftest.py), and `ggufswap` sets the passive wait policy before torch loads.
     final = {**IMPORT_ENV, **os.environ, **(env or {})}
-    started = {**os.environ, "PYTHONUNBUFFERED": "1", **IMPORT_ENV}  # the zygote's (Zygote())
+    started = {**os.environ, **ZYGOTE_ENV}
     keys = {k for k in final.keys() | started.keys() if k.startswith(IMPORT_PREFIXES)}
     return all(final.get(k) == started.get(k) for k in keys - {"PYTHONUNBUFFERED"})
