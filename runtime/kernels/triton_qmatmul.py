@@ -59,8 +59,12 @@ TYPES: frozenset[GGMLType] = frozenset(
 BLOCK_N = 32
 # Columns per tile: whole 256-value super-blocks, or eight 32-value blocks.
 BLOCK_K = 256
-_KT_OFFSET = 32  # IQ2_KT's table: IQ4K's 32 values, then the trellis values of every index
-_E8M0_OFFSET = 16  # MXFP4's table: the 16 FP4 values, then the 256 E8M0 (halved) scales
+# A global a kernel reads must be a tl.constexpr (Triton refuses any other at compile time;
+# tests/test_code_rules.py checks it on hosts without Triton).
+# IQ2_KT's table: IQ4K's 32 values, then the trellis values of every index.
+_KT_OFFSET = tl.constexpr(32)
+# MXFP4's table: the 16 FP4 values, then the 256 E8M0 (halved) scales.
+_E8M0_OFFSET = tl.constexpr(16)
 
 
 # --- field readers (byte offsets into the uint8 weight buffer) --------------------------------
