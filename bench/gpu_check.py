@@ -27,6 +27,7 @@ at small sizes, and the device-only checks say SKIP. Every figure is measured in
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -225,6 +226,7 @@ def fill_device(device: torch.device) -> list[torch.Tensor]:
     """Hold device memory until no block of the caching allocator can be had: its cache is
     returned to the driver first, then taken in halving chunks, so a later allocation is refused
     by the allocator itself rather than served from memory torch had cached."""
+    gc.collect()  # the earlier checks' models: freed later, they would return blocks to the cache
     torch.cuda.empty_cache()
     filler: list[torch.Tensor] = []
     chunk = 1 << 30
