@@ -3,8 +3,9 @@ durations (``--durations``) say more about the neighbours than about the test.
 
 ``GGUFSWAP_TEST_CPU_TOP=N`` lists the N tests that used the most CPU: the test's own process
 (setup, call and teardown) plus the child processes it waited for (``subprocess.run``, a
-``Popen`` it waited on). A process nobody waits for (the zygote's children, which the kernel
-reaps) is not counted. Under pytest-xdist the workers send their figures to the controller.
+``Popen`` it waited on) and the zygote's children whose exit it read (the zygote reaps them and
+writes their CPU time beside their exit status). Under pytest-xdist the workers send their
+figures to the controller.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ _PROPERTY = "ggufswap_cpu_s"
 
 def _cpu_s() -> tuple[float, float]:
     """CPU seconds of this process and of its waited-for children, so far."""
+    import zygote
+
     t = os.times()
-    return t.user + t.system, t.children_user + t.children_system
+    return t.user + t.system, t.children_user + t.children_system + zygote.Child.reaped_cpu_s
 
 
 class CpuTimes:

@@ -4,8 +4,11 @@
 about a hundred times. The :class:`Zygote` is a helper process that imports the CLI and the
 runtime once and then forks one child per command: the child runs the very same ``ggufswap``
 entry point (argument parsing, logging, signal handlers, model load, sockets, serve loop) without
-the interpreter start, and ends as the command would (``SystemExit`` through the interpreter's
-own exit: ``atexit`` handlers, non-daemon threads joined, streams flushed). Killing it is a real
+the interpreter start, and ends as the command would up to the module teardown: its exit status
+as ``SystemExit`` gives it, non-daemon threads joined, ``atexit`` handlers run, streams flushed,
+in the interpreter's own order. The teardown after that (torch's modules and objects freed one by
+one) costs ~1-1.5 CPU-s a process and tests nothing of ours, so the child skips it with
+``os._exit``. Killing it is a real
 signal to a real process. The zygote reaps its children and writes each one's exit status (as
 :attr:`subprocess.Popen.returncode` gives it: ``-9`` for SIGKILL) to a file beside its log.
 
@@ -25,9 +28,9 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import tiers
 
@@ -44,17 +47,20 @@ ZYGOTE_ENV = {"PYTHONUNBUFFERED": "1", **IMPORT_ENV}
 IMPORT_PREFIXES = ("PYTHON", "OMP_", "KMP_", "MKL_", "LD_", "MALLOC_")
 
 _ZYGOTE = r"""
-import json, os, signal, sys, traceback
+import atexit, json, os, signal, sys, threading, traceback
 from ggufswap.main import main
-# torch and the commands' modules, imported once before any fork
+# torch and the commands' modules, imported once before any fork; the HTTP mode's too (uvicorn,
+# starlette, jinja2, the BPE tokenizers the tiny models use): ~0.45 CPU-s a forked server saves
 import ggufswap.runtime.serving.daemon, ggufswap.runtime.serving.perplexity, ggufswap.sweep
+import ggufswap.runtime.serving.http, ggufswap.runtime.serving.generate, tokenizers
+import ggufswap.runtime.serving.tokenizer, ggufswap.runtime.serving.metrics
 
 exits = {}  # child pid -> the file its exit status goes to
 
 def reap(*_):
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
@@ -62,7 +68,8 @@ def reap(*_):
         path = exits.pop(pid, None)
         if path is not None:
             with open(path + ".tmp", "w") as f:
-                f.write(str(os.waitstatus_to_exitcode(status)))
+                cpu = usage.ru_utime + usage.ru_stime
+                f.write(f"{os.waitstatus_to_exitcode(status)} {cpu:.3f}")
             os.rename(path + ".tmp", path)
 
 def child(req):
@@ -79,11 +86,27 @@ def child(req):
     sys.argv = [req["argv0"], *req["args"]]
     try:
         return main(req["args"])
-    except SystemExit:
-        raise
+    except SystemExit as exc:
+        return exc.code
     except BaseException:
         traceback.print_exc()
         return 1
+
+def finish(code):
+    # The interpreter's exit (Py_FinalizeEx) up to the module teardown, in its order.
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # sys.exit("message"): printed, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    threading._shutdown()  # non-daemon threads joined
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code & 0xFF)
 
 signal.signal(signal.SIGCHLD, reap)
 sys.stdout.write("ready\n"); sys.stdout.flush()
@@ -92,7 +115,7 @@ for line in sys.stdin:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # reap() must know the pid first
     pid = os.fork()
     if pid == 0:
-        sys.exit(child(req))  # the interpreter's own exit, as the console script's
+        finish(child(req))  # the console script's exit, less the module teardown
     exits[pid] = req["exit"]
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     sys.stdout.write(f"{pid}\n"); sys.stdout.flush()
@@ -173,6 +196,10 @@ class Child:
     pid: int
     log_path: Path
     exit_path: Path
+    _counted: bool = field(default=False, repr=False)
+    # CPU seconds of the children whose exit status this worker has read (the zygote writes each
+    # child's beside its status; the kernel counts them to the zygote), for tests/cpu_times.py.
+    reaped_cpu_s: ClassVar[float] = 0.0
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -181,9 +208,13 @@ class Child:
     def returncode(self) -> int | None:
         """The exit status as ``Popen.returncode`` gives it; None while it runs."""
         try:
-            return int(self.exit_path.read_text())
+            code, cpu = self.exit_path.read_text().split()
         except FileNotFoundError:
             return None
+        if not self._counted:  # the first reader adds the child's CPU to the worker's sum
+            self._counted = True
+            Child.reaped_cpu_s += float(cpu)
+        return int(code)
 
     def poll(self) -> int | None:
         return self.returncode
@@ -231,6 +262,7 @@ class Child:
 
 # The worker's zygote and the descriptors it holds open for the worker's life.
 _SHARED: list[Zygote] = []
+
 SHARED_FDS: set[int] = set()
 
 

@@ -10,7 +10,9 @@ record what each ``weight_version`` produced:
   tokens, each scored as the one protocol scores a chunk (its second half,
   :func:`~.perplexity.batch_nll`: the figure ``ggufswap perplexity`` and the sweep give for the
   same tokens); a pass completed entirely on one version gives that version's perplexity (a pass
-  interrupted by a commit starts over). This is the per-expert sweep's measurement.
+  interrupted by a commit starts over). The loop then runs no batch until the next commit (the
+  same weights would give the same figure): it only wakes to commit. This is the per-expert
+  sweep's measurement.
 
 A third mode, ``http``, serves completions over HTTP instead of this loop (``runtime.generate``
 and ``runtime.http``); its options live here too so that the daemon takes one options record.
@@ -94,6 +96,7 @@ class ServeLoop:
         self._pass_version: int | None = None
         self._pass_index = 0
         self._pass_stats = NllStats()
+        self._measured_version: int | None = None  # perplexity: the last version a pass completed
 
     def run(self, stop: threading.Event, *, on_iteration: Callable[[], None] | None = None) -> None:
         while not stop.is_set():
@@ -110,6 +113,8 @@ class ServeLoop:
         except WeightsLost:  # logged by the runtime; a commit of the agent's plan ends it
             self.refused_batches += 1
             return self.runtime.weight_version
+        if self.options.mode is Mode.PERPLEXITY and version == self._measured_version:
+            return version  # measured: nothing to run until a commit changes the weights
         started = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -142,6 +147,7 @@ class ServeLoop:
             stats = self._pass_stats
             self._record(version, perplexity=stats.perplexity, tokens=stats.n_tokens)
             self._pass_index, self._pass_stats = 0, NllStats()
+            self._measured_version = version
 
     def _record(self, version: int, **values: Any) -> None:
         with self._lock:
