@@ -15,7 +15,7 @@ from runtime_helpers import ModelDir, Q, one_thread
 import ggufswap.runtime.models.blocks.attention as attention_module
 import ggufswap.runtime.models.blocks.weights as weights_module
 import ggufswap.runtime.models.gemma3 as gemma3
-from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, float_products
+from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, float_products, ggml_flash_attn
 from ggufswap.runtime.kernels import ggml_library
 from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.models.ggml_numerics import ggml_norms, kv_cache_type
@@ -97,25 +97,85 @@ def counting(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list
 def test_the_compiled_steps_give_the_bits_of_the_steps(
     ggml_model: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Prefill and cached steps give, bit for bit, the logits of the blocks' steps one by one,
-    and the compiled calls ran in every block of every forward (the tail in gemma3's, the
-    experts' gate and up in one call in qwen3moe's)."""
+    """Prefill and cached steps give, bit for bit, the logits of the blocks' steps one by one
+    (each decode step's attention ggml's, over the F16 cache), and the compiled calls ran in
+    every block of every forward: in gemma3's the front and tail in the prefill and the whole
+    block in each decode step, in qwen3moe's the front and the experts' gate and up in one call."""
     _, model, _ = ggml_model
     fronts = counting(monkeypatch, attention_module, "block_front")
     tails = counting(monkeypatch, gemma3, "block_tail")
+    layers = counting(monkeypatch, gemma3, "block_layer")
     pairs = counting(monkeypatch, weights_module, "routed_all")
+    steps = counting(monkeypatch, attention_module, "ggml_decode_step")
     fused = decode(model)
-    calls = len(fused) * len(model.layers)
+    n = len(model.layers)
+    calls, decoded = len(fused) * n, (len(fused) - 1) * n
     gemma = model.config.arch.value == "gemma3"
-    assert fronts == [True] * calls, "the attention's front ran compiled in every block"
-    assert tails == ([True] * calls if gemma else [])
+    assert fronts == [True] * (n if gemma else calls), "the front ran compiled in every block"
+    assert tails == ([True] * n if gemma else [])
+    assert layers == ([True] * decoded if gemma else [])
     assert pairs == ([] if gemma else [True] * calls)
+    prefill = [False] * n  # the prefill's attention is torch's
+    assert steps == prefill + ([] if gemma else [True] * decoded), "ggml's in each decode step"
+    monkeypatch.setattr(gemma3, "block_layer", lambda *args, **kwargs: None)
     monkeypatch.setattr(gemma3, "block_tail", lambda *args, **kwargs: None)
     monkeypatch.setattr(attention_module, "block_front", lambda *args, **kwargs: None)
     monkeypatch.setattr(weights_module, "routed_all", lambda *args, **kwargs: None)
     stepped = decode(model)
+    assert steps[-decoded:] == [True] * decoded, "the steps' attention is ggml's too"
     for i, (a, b) in enumerate(zip(fused, stepped, strict=True)):
         assert torch.equal(a, b), f"forward {i}"
+
+
+def test_the_f16_cache_holds_f16_and_its_steps_attend_as_ggml(
+    ggml_model: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ggml's numerics the KV cache holds F16 tensors (an F32 cache float32); the prefill's
+    logits are those of the torch attention over the same values, and a decode step's move
+    (ggml's attention rounds the queries to F16) but stay close."""
+    _, model, _ = ggml_model
+    cache = model.new_cache(max_len=32)
+    with torch.inference_mode():
+        model(PROMPT, cache=cache)
+    assert all(t is not None and t.dtype == torch.float16 for t in (*cache._k, *cache._v))
+    with kv_cache_type(GGMLType.F32):
+        cache32 = model.new_cache(max_len=32)
+        with torch.inference_mode():
+            model(PROMPT, cache=cache32)
+    assert all(t is not None and t.dtype == torch.float32 for t in cache32._k)
+    fused = decode(model, steps=2)
+    monkeypatch.setattr(gemma3, "block_layer", lambda *args, **kwargs: None)
+    monkeypatch.setattr(attention_module, "ggml_decode_step", lambda *args, **kwargs: None)
+    torch_attention = decode(model, steps=2)
+    assert torch.equal(fused[0], torch_attention[0]), "the prefill is unchanged"
+    assert not torch.equal(fused[1], torch_attention[1]), "a decode step's attention is ggml's"
+    assert torch.allclose(fused[1], torch_attention[1], atol=0.5, rtol=0.05)
+
+
+@pytest.mark.parametrize(("heads", "window"), [((4, 1), (0, 40)), ((8, 2), (17, 40))])
+def test_ggml_attention_reads_the_cache_in_place(
+    heads: tuple[int, int], window: tuple[int, int]
+) -> None:
+    """ggml's one-token attention over keys lo .. hi - 1 of an F16 cache (grouped heads, a
+    window inside a larger buffer) gives the attention's values to F16 rounding, and the same
+    bits as over a cache that holds those keys alone."""
+    n_head, n_kv = heads
+    lo, hi = window
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(n_head, 64, generator=gen)
+    k, v = (torch.randn(1, n_kv, 48, 64, generator=gen).half() for _ in range(2))
+    y = ggml_flash_attn(q, k, v, (lo, hi), scale=0.125)
+    assert y is not None
+    alone = ggml_flash_attn(
+        q, *(t[:, :, lo:hi].contiguous() for t in (k, v)), (0, hi - lo), scale=0.125
+    )
+    assert alone is not None
+    assert torch.equal(y, alone)
+    kk, vv = (t[0, :, lo:hi].double() for t in (k, v))  # [Hkv, S, hd]
+    qq = q.double().view(n_kv, n_head // n_kv, 64)
+    ref = torch.softmax(qq @ kk.transpose(1, 2) * 0.125, -1) @ vv
+    assert torch.allclose(y.double(), ref.reshape(-1), atol=5e-3)
+    assert ggml_flash_attn(q, k.float(), v.float(), (lo, hi), scale=0.125) is None, "F16 only"
 
 
 def test_an_f32_kv_cache_keeps_unrounded_keys_and_values(

@@ -79,6 +79,7 @@ __all__ = [
     "ggml_norms_active",
     "kv_cache",
     "kv_cache_type",
+    "kv_f16",
     "q8_blocks",
     "q8_k",
     "rms_norm",
@@ -241,6 +242,12 @@ def kv_cache(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     if not _GGML_NORMS.get() or _KV_TYPE.get() is not T.F16:
         return k, v
     return k.half().to(k.dtype), v.half().to(v.dtype)
+
+
+def kv_f16() -> bool:
+    """True inside a ggml decoder's forward with an F16 KV cache (the default): its cache holds
+    F16 tensors, which its decode steps' attention (ggml's) reads in place."""
+    return _GGML_NORMS.get() and _KV_TYPE.get() is T.F16
 
 
 def ggml_norms_active() -> bool:

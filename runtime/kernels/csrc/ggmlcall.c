@@ -36,8 +36,10 @@
  *               ((w, type, n_expert, rows, y), ...))
  *        several stacks' routed products by the same activations and routing, one graph (up to
  *        MAX_STACKS: a MoE layer's gate and up)
- *   geglu_tail(...), attn_front(...)
- *        a block's steps around its products in one call each: ggmlblock.c
+ *   geglu_tail(...), attn_front(...), flash_attn(...), geglu_layer(...)
+ *        a block's steps around its products in one call each, one token's attention over an
+ *        F16 KV cache (ggml_flash_attn_ext, attn_locked below), a whole GeGLU block for one
+ *        token: ggmlblock.c
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -49,7 +51,9 @@
 
 #include "ggmlcall.h"
 
-enum { GGML_F32 = 0, GGML_I32 = 26 };
+enum { GGML_F32 = 0, GGML_F16 = 1, GGML_I32 = 26 };
+/* mainline's enum ggml_prec: GGML_PREC_F32 (ggml_prec_set_acc, which ik's fork does not have) */
+#define MAINLINE_PREC_F32 10
 /* ggml asserts that a CPU buffer made from a pointer starts at a multiple of this. */
 #define TENSOR_ALIGNMENT 32
 
@@ -85,6 +89,12 @@ static struct {
     void (*tensor_alloc)(ggml_backend_buffer_t, ggml_tensor *, void *);
     size_t (*row_size)(int, int64_t);
     int64_t (*blck_size)(int);
+    /* optional: attention (attn_locked) where the library has them */
+    ggml_tensor *(*view_3d)(ggml_context *, ggml_tensor *, int64_t, int64_t, int64_t, size_t,
+                            size_t, size_t);
+    ggml_tensor *(*flash_attn_ext)(ggml_context *, ggml_tensor *, ggml_tensor *, ggml_tensor *,
+                                   ggml_tensor *, float, float, float);
+    bool (*prec_set_acc)(ggml_tensor *, int);
     ggml_backend_t backend;
     int threads; /* the backend's thread count as last set */
 } G;
@@ -138,6 +148,9 @@ static PyObject *py_load(PyObject *self, PyObject *args) {
                             path, missing);
     }
     G.ik = dlsym(handle, "iqk_mul_mat") != NULL;
+    *(void **)(&G.view_3d) = dlsym(handle, "ggml_view_3d");
+    *(void **)(&G.flash_attn_ext) = dlsym(handle, "ggml_flash_attn_ext");
+    *(void **)(&G.prec_set_acc) = dlsym(handle, "ggml_prec_set_acc");
     G.backend = G.cpu_init();
     if (G.backend == NULL) {
         dlclose(handle);
@@ -231,6 +244,40 @@ int mats_locked(uintptr_t x, long long n, long long cols, const mat_arg *m, int 
         ts[2 + 2 * i] = (placed){outs[i], (uintptr_t)m[i].y, (size_t)(n * m[i].rows) * sizeof(float)};
     }
     int status = compute(ctx, outs, count, ts, 1 + 2 * count, threads);
+    G.free(ctx);
+    return status;
+}
+
+/* ggmlcall.h */
+bool attends(void) { return G.view_3d != NULL && G.flash_attn_ext != NULL; }
+
+/* ggmlcall.h: one token's attention over an F16 KV cache, llama.cpp's node: ggml_flash_attn_ext
+ * of q [hd, 1, n_head] over views of keys and values lo .. hi - 1 of the caches [n_head_kv,
+ * cap, hd], no mask, with the accumulator precision llama.cpp asks for (F32 on mainline, which
+ * has ggml_prec_set_acc; ik's fork's default). */
+int attn_locked(const attn_arg *a, int threads) {
+    if (!attends()) return -1;
+    ggml_context *ctx = new_context();
+    const size_t row = (size_t)a->hd * 2, head = (size_t)a->cap * row;
+    ggml_tensor *tq = G.new_tensor_3d(ctx, GGML_F32, a->hd, 1, a->n_head);
+    ggml_tensor *kb = G.new_tensor_3d(ctx, GGML_F16, a->hd, a->cap, a->n_head_kv);
+    ggml_tensor *vb = G.new_tensor_3d(ctx, GGML_F16, a->hd, a->cap, a->n_head_kv);
+    /* the caches are placed first: a view takes its data pointer from its source when made */
+    ggml_backend_buffer_t kbuf = place(kb, a->k, head * a->n_head_kv);
+    ggml_backend_buffer_t vbuf = place(vb, a->v, head * a->n_head_kv);
+    int status = -1;
+    if (kbuf != NULL && vbuf != NULL) {
+        const long long n_kv = a->hi - a->lo;
+        ggml_tensor *tk = G.view_3d(ctx, kb, a->hd, n_kv, a->n_head_kv, row, head, a->lo * row);
+        ggml_tensor *tv = G.view_3d(ctx, vb, a->hd, n_kv, a->n_head_kv, row, head, a->lo * row);
+        ggml_tensor *out = G.flash_attn_ext(ctx, tq, tk, tv, NULL, a->scale, 0.0f, a->softcap);
+        if (G.prec_set_acc != NULL) G.prec_set_acc(out, MAINLINE_PREC_F32);
+        placed ts[2] = {{tq, a->q, (size_t)(a->n_head * a->hd) * sizeof(float)},
+                        {out, a->y, (size_t)(a->n_head * a->hd) * sizeof(float)}};
+        status = compute(ctx, &out, 1, ts, 2, threads);
+    }
+    if (kbuf != NULL) G.buffer_free(kbuf);
+    if (vbuf != NULL) G.buffer_free(vbuf);
     G.free(ctx);
     return status;
 }
@@ -404,6 +451,8 @@ static PyMethodDef METHODS[] = {
     {"mul_mat_ids", py_mul_mat_ids, METH_VARARGS, "Several stacks' routed products, one graph."},
     {"geglu_tail", py_geglu_tail, METH_VARARGS, "A GeGLU block's half after attention."},
     {"attn_front", py_attn_front, METH_VARARGS, "A block's attention up to the heads' q, k, v."},
+    {"flash_attn", py_flash_attn, METH_VARARGS, "One token's attention over an F16 KV cache."},
+    {"geglu_layer", py_geglu_layer, METH_VARARGS, "One token through a GeGLU block."},
     {NULL, NULL, 0, NULL},
 };
 

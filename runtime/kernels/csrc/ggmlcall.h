@@ -31,7 +31,24 @@ size_t row_size(int type, long long cols);
 int mats_locked(uintptr_t x, long long n, long long cols, const mat_arg *m, int count,
                 int threads);
 
+/* One token's attention (ggml_flash_attn_ext) over an F16 KV cache: q [n_head, hd] float32;
+ * k, v F16 [n_head_kv, cap, hd] (one sequence's cache), keys lo .. hi - 1 read; y [n_head, hd]
+ * float32. */
+typedef struct {
+    long long hd, n_head, n_head_kv, cap, lo, hi;
+    uintptr_t q, k, v, y;
+    float scale, softcap;
+} attn_arg;
+
+/* Whether the loaded library has what attn_locked builds (ggml_view_3d, ggml_flash_attn_ext). */
+bool attends(void);
+
+/* attn_locked: LOCK held, no GIL; 0, or -1 (no allocation, or no attention in the library). */
+int attn_locked(const attn_arg *a, int threads);
+
 PyObject *py_geglu_tail(PyObject *self, PyObject *args);
 PyObject *py_attn_front(PyObject *self, PyObject *args);
+PyObject *py_flash_attn(PyObject *self, PyObject *args);
+PyObject *py_geglu_layer(PyObject *self, PyObject *args);
 
 #endif

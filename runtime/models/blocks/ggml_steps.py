@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ggufswap.runtime import QuantizedMatrix, ggml_attn_front, ggml_geglu_tail
+from ggufswap.runtime import QuantizedMatrix, ggml_attn_front, ggml_geglu_layer, ggml_geglu_tail
 from ggufswap.runtime.models.blocks.rope import RopeTables
 from ggufswap.runtime.models.ggml_numerics import (
     GgmlMatrix,
@@ -28,13 +28,15 @@ from ggufswap.runtime.models.ggml_numerics import (
     gelu,
     ggml_norms_active,
     kv_cache_name,
+    kv_f16,
 )
 
 if TYPE_CHECKING:
     from ggufswap.runtime.models.blocks.attention import Attention
     from ggufswap.runtime.models.blocks.ffn import FeedForward
+    from ggufswap.runtime.models.kv_cache import KVCache
 
-__all__ = ["block_front", "block_tail", "gelu_table"]
+__all__ = ["block_front", "block_layer", "block_tail", "gelu_table"]
 
 
 @functools.cache
@@ -145,4 +147,62 @@ def block_front(
         rope=(rope.cos, rope.sin, rope.n_rot, rope.neox),
         eps=eps,
         kv_f16=kv_cache_name() == "f16",  # as kv_cache() rounds them in this forward
+    )
+
+
+def block_layer(
+    weights: object,
+    x: Tensor,
+    parts: tuple[Attention, FeedForward],
+    norms: tuple[str, str | None, str, str | None],
+    *,
+    rope: RopeTables,
+    keys: tuple[int, int] | None,
+    cache: KVCache | None,
+    eps: float,
+) -> Tensor | None:
+    """A GeGLU block's decode step in one compiled call, in a decoder with ggml's numerics and an
+    F16 KV cache: :func:`block_front`, the token's keys and values written to ``cache``, ggml's
+    attention over the cached ``keys = (lo, end)`` (:func:`~.attention.ggml_decode_step`) and
+    :func:`block_tail`, the bits of those steps one after the other; ``norms``: the attention,
+    post-attention, FFN and post-FFN norms' tensors. None elsewhere (more than one token, exact
+    numerics, an F32 cache, a bias, SwiGLU, a matrix ggml does not multiply): the caller steps."""
+    attention, ffn = parts
+    if (
+        not isinstance(weights, GgmlWeights)
+        or not ggml_norms_active()
+        or not kv_f16()
+        or cache is None
+        or keys is None
+        or x.shape[:2] != (1, 1)
+        or not ffn.gelu
+        or not isinstance(rope, RopeTables)
+        or any(b is not None for b in (attention.bq, attention.bk, attention.bv, attention.bo))
+    ):
+        return None
+    names = (attention.wq, attention.wk, attention.wv, attention.wo, ffn.gate, ffn.up, ffn.down)
+    found = _operands(weights, "ggml-layer", names, (*norms, *attention.head_norms))
+    if found.blocks is None:
+        return None
+    attn_norm, post_attn, ffn_norm, post_ffw, q_norm, k_norm = found.vectors
+    assert attn_norm is not None, "an attention always has its norm"
+    assert ffn_norm is not None, "a block always has its FFN norm"
+    end = cache.length + 1
+    like = x.new_empty(1, attention.config.n_head_kv, 1, attention.config.head_dim)
+    k_buf, v_buf = cache.buffers(attention.layer, end, like.half(), like.half())
+    scale = attention.config.attn_scale
+    wq, wk, wv, wo, gate, up, down = found.blocks
+    return ggml_geglu_layer(
+        x,
+        attn_norm=attn_norm,
+        qkv=(wq, wk, wv),
+        head_norms=(q_norm, k_norm),
+        head_dim=attention.config.head_dim,
+        rope=(rope.cos, rope.sin, rope.n_rot, rope.neox),
+        eps=eps,
+        cache=(k_buf, v_buf, cache.length, keys[0]),
+        scales=(1.0, scale) if attention.scale_q else (scale, 1.0),
+        tail=(wo, gate, up, down),
+        norms=(post_attn, ffn_norm, post_ffw),
+        gelu_table=gelu_table(),
     )

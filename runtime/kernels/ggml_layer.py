@@ -1,0 +1,181 @@
+"""One token's attention over an F16 KV cache as ggml computes it, and a whole GeGLU block for one
+token in one compiled call (``csrc/ggmlblock.c``, ``csrc/ggmlcall.c``), for decoders with ggml's
+numerics.
+
+:func:`flash_attn` is llama.cpp's attention node on the CPU: ``ggml_flash_attn_ext`` of one
+token's queries over the keys and values ``lo .. hi - 1`` of an F16 cache, read where the cache
+holds them (views, no copy), with the accumulator precision llama.cpp asks for (F32 on mainline's
+library; ik_llama.cpp's default on its fork). Its results are ggml's, not torch's: the queries
+are rounded to F16 for the dot products, as ggml's kernel does.
+
+:func:`geglu_layer` runs a GeGLU block (gemma3's) for one token in one call: the attention's front
+(:func:`~.ggml_block.attn_front`), the token's keys and values written to the caches, ``q`` times
+``q_scale`` (llama.cpp's ``ggml_scale`` of ``Qcur`` in gemma3's graph), :func:`flash_attn` and the
+tail (:func:`~.ggml_block.geglu_tail`): the bits of those calls one after the other, with one
+crossing from Python into C per block instead of three and no torch operation between them.
+
+Each is None where it does not apply (no libggml or no attention in it, a matrix ggml does not
+multiply here, inside :func:`~._ggml.float_products`, a cache that is not one sequence's F16
+buffers on the CPU): the caller then steps.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import torch
+
+from ggufswap.runtime.kernels import _ggml
+from ggufswap.runtime.kernels.ggml_block import F16_VALUES
+from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix
+
+__all__ = ["flash_attn", "geglu_layer"]
+
+_F32: Final = torch.float32
+_F16: Final = torch.float16
+
+
+def _library() -> _ggml.Library | None:
+    library = _ggml.library()
+    if library is None or _ggml.float_only() or not hasattr(library.module, "geglu_layer"):
+        return None
+    return library
+
+
+def _cache_fits(k: torch.Tensor, v: torch.Tensor, head_dim: int) -> bool:
+    """Whether ``k, v`` are one sequence's F16 cache buffers ``[1, Hkv, cap, hd]`` on the CPU."""
+    return (
+        k.shape == v.shape
+        and k.dim() == 4
+        and k.shape[0] == 1
+        and k.shape[3] == head_dim
+        and all(t.dtype is _F16 and t.is_cpu and t.is_contiguous() for t in (k, v))
+    )
+
+
+def flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: tuple[int, int],
+    *,
+    scale: float,
+    softcap: float = 0.0,
+) -> torch.Tensor | None:
+    """``[H * hd]`` float32: one token's queries ``q [H, hd]`` (float32) attending the keys and
+    values ``keys = (lo, hi)`` of the F16 caches ``k, v [1, Hkv, cap, hd]`` (query head ``h``
+    reads kv head ``h // (H / Hkv)``), scores times ``scale``; or None where ggml's attention
+    does not apply here."""
+    library = _library()
+    heads, head_dim = q.shape
+    lo, hi = keys
+    if (
+        library is None
+        or not _cache_fits(k, v, head_dim)
+        or q.dtype is not _F32
+        or not q.is_contiguous()
+        or heads % k.shape[1]
+        or not 0 <= lo < hi <= k.shape[2]
+    ):
+        return None
+    y = torch.empty(heads * head_dim, dtype=_F32)
+    library.module.flash_attn(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        y.data_ptr(),
+        head_dim,
+        heads,
+        k.shape[1],
+        k.shape[2],
+        lo,
+        hi,
+        scale,
+        softcap,
+        _ggml.threads(),
+        _ggml.SMALL_PRODUCT_BYTES,
+    )
+    return y
+
+
+def _rows(t: torch.Tensor) -> bool:
+    return t.dtype is _F32 and t.is_cpu and t.is_contiguous()
+
+
+def geglu_layer(
+    x: torch.Tensor,
+    *,
+    attn_norm: torch.Tensor,
+    qkv: tuple[QuantizedMatrix, QuantizedMatrix, QuantizedMatrix],
+    head_norms: tuple[torch.Tensor | None, torch.Tensor | None],
+    head_dim: int,
+    rope: tuple[torch.Tensor, torch.Tensor, int, bool],
+    eps: float,
+    cache: tuple[torch.Tensor, torch.Tensor, int, int],
+    scales: tuple[float, float],
+    tail: tuple[QuantizedMatrix, QuantizedMatrix, QuantizedMatrix, QuantizedMatrix],
+    norms: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None],
+    gelu_table: torch.Tensor,
+) -> torch.Tensor | None:
+    """``y [1, 1, d]``: one token ``x [1, 1, d]`` through a GeGLU block, its keys and values
+    written at ``pos`` of the F16 caches, attending keys ``lo .. pos``: ``cache = (k, v [1, Hkv,
+    cap, hd], pos, lo)``; ``scales = (kq_scale, q_scale)``; ``tail = (wo, gate, up, down)``;
+    ``norms``: the post-attention, FFN and post-FFN norms' weights (a post norm None where the
+    block has none); the rest as :func:`~.ggml_block.attn_front` and
+    :func:`~.ggml_block.geglu_tail` take them. None where the call does not apply."""
+    library = _library()
+    k_cache, v_cache, pos, lo = cache
+    cos, sin, n_rot, neox = rope
+    wo, gate, up, down = tail
+    d = x.shape[-1]
+    rows = [m.shape[0] for m in qkv]
+    vectors = [attn_norm, *(t for t in (*head_norms, *norms) if t is not None)]
+    fits = (
+        x.shape == (1, 1, d)
+        and all(m.shape[1] == d for m in qkv)
+        and rows[0] % head_dim == 0
+        and rows[1] == rows[2]
+        and rows[1] % head_dim == 0
+        and rows[0] % rows[1] == 0
+        and _cache_fits(k_cache, v_cache, head_dim)
+        and k_cache.shape[1] * head_dim == rows[1]
+        and 0 <= lo <= pos < k_cache.shape[2]
+        and wo.shape == (d, rows[0])
+        and gate.shape == up.shape
+        and gate.shape[1] == d
+        and down.shape == (d, gate.shape[0])
+        and cos.shape == sin.shape == (1, n_rot // 2)
+        and 2 <= n_rot <= head_dim
+        and gelu_table.shape == (F16_VALUES,)
+    )
+    matrices = (*qkv, *tail)
+    if (
+        library is None
+        or not fits
+        or not all(m.ggml and m.raw.is_contiguous() for m in matrices)
+        or not all(_rows(t) for t in (x, cos, sin, gelu_table, *vectors))
+    ):
+        return None
+    y = torch.empty_like(x)
+    kq_scale, q_scale = scales
+    library.module.geglu_layer(
+        x.data_ptr(),
+        d,
+        attn_norm.data_ptr(),
+        *((m.raw.data_ptr(), int(m.ggml_type), m.shape[0]) for m in qkv),
+        *(0 if t is None else t.data_ptr() for t in head_norms),
+        head_dim,
+        n_rot,
+        neox,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        eps,
+        (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], pos, lo, kq_scale, q_scale, 0.0),
+        (*((m.raw.data_ptr(), int(m.ggml_type)) for m in tail), gate.shape[0]),
+        *(0 if t is None else t.data_ptr() for t in norms),
+        gelu_table.data_ptr(),
+        y.data_ptr(),
+        _ggml.threads(),
+        _ggml.SMALL_PRODUCT_BYTES,
+    )
+    return y
