@@ -13,6 +13,8 @@ import torch
 from runtime_helpers import ModelDir, Q, one_thread
 
 import ggufswap.runtime.models.blocks.attention as attention_module
+import ggufswap.runtime.models.blocks.decoder as decoder_module
+import ggufswap.runtime.models.blocks.moe as moe_module
 import ggufswap.runtime.models.blocks.weights as weights_module
 import ggufswap.runtime.models.gemma3 as gemma3
 from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, float_products, ggml_flash_attn
@@ -98,25 +100,28 @@ def test_the_compiled_steps_give_the_bits_of_the_steps(
     ggml_model: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefill and cached steps give, bit for bit, the logits of the blocks' steps one by one
-    (each decode step's attention ggml's, over the F16 cache), and the compiled calls ran in
-    every block of every forward: in gemma3's the front and tail in the prefill and the whole
-    block in each decode step, in qwen3moe's the front and the experts' gate and up in one call."""
+    (each decode step's attention ggml's over the F16 cache, qwen3moe's MoE FFN ggml's in one
+    call), and the compiled calls ran in every block of every forward: the front and gemma3's
+    tail or qwen3moe's experts' gate and up in one graph in the prefill, the whole block in
+    each decode step."""
     _, model, _ = ggml_model
     fronts = counting(monkeypatch, attention_module, "block_front")
     tails = counting(monkeypatch, gemma3, "block_tail")
     layers = counting(monkeypatch, gemma3, "block_layer")
+    moe_layers = counting(monkeypatch, decoder_module, "block_moe_layer")
     pairs = counting(monkeypatch, weights_module, "routed_all")
     steps = counting(monkeypatch, attention_module, "ggml_decode_step")
     fused = decode(model)
     n = len(model.layers)
-    calls, decoded = len(fused) * n, (len(fused) - 1) * n
+    decoded = (len(fused) - 1) * n
     gemma = model.config.arch.value == "gemma3"
-    assert fronts == [True] * (n if gemma else calls), "the front ran compiled in every block"
+    assert fronts == [True] * n, "the prefill's front ran compiled in every block"
     assert tails == ([True] * n if gemma else [])
     assert layers == ([True] * decoded if gemma else [])
-    assert pairs == ([] if gemma else [True] * calls)
-    prefill = [False] * n  # the prefill's attention is torch's
-    assert steps == prefill + ([] if gemma else [True] * decoded), "ggml's in each decode step"
+    assert moe_layers == ([] if gemma else [True] * decoded)
+    assert pairs == ([] if gemma else [True] * n)
+    assert steps == [False] * n, "the prefill's attention is torch's, the steps' in the layers"
+    monkeypatch.setattr(decoder_module, "block_moe_layer", lambda *args, **kwargs: None)
     monkeypatch.setattr(gemma3, "block_layer", lambda *args, **kwargs: None)
     monkeypatch.setattr(gemma3, "block_tail", lambda *args, **kwargs: None)
     monkeypatch.setattr(attention_module, "block_front", lambda *args, **kwargs: None)
@@ -150,6 +155,24 @@ def test_the_f16_cache_holds_f16_and_its_steps_attend_as_ggml(
     assert torch.equal(fused[0], torch_attention[0]), "the prefill is unchanged"
     assert not torch.equal(fused[1], torch_attention[1]), "a decode step's attention is ggml's"
     assert torch.allclose(fused[1], torch_attention[1], atol=0.5, rtol=0.05)
+
+
+@pytest.mark.parametrize("ggml_model", ["qwen3moe"], indirect=True)
+def test_the_moe_decode_step_is_ggmls_ffn_close_to_the_torch_steps(
+    ggml_model: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A qwen3moe decode step's MoE FFN in one call (ggml's router, softmax, SwiGLU experts and
+    weighted sum) ran in every block, and gives the torch steps' logits to float rounding."""
+    _, model, _ = ggml_model
+    ran = counting(monkeypatch, moe_module, "moe_step")
+    monkeypatch.setattr(decoder_module, "block_moe_layer", lambda *args, **kwargs: None)
+    fused = decode(model, steps=3)
+    n = len(model.layers)
+    assert ran == [False] * n + [True] * 3 * n, "the prefill steps, each decode step one call"
+    monkeypatch.setattr(moe_module, "moe_step", lambda *args, **kwargs: None)
+    stepped = decode(model, steps=3)
+    for a, b in zip(fused, stepped, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(("heads", "window"), [((4, 1), (0, 40)), ((8, 2), (17, 40))])
@@ -192,16 +215,22 @@ def test_an_f32_kv_cache_keeps_unrounded_keys_and_values(
     assert not torch.equal(fused[-1], decode(model, steps=2)[-1])  # the F16 cache's differ
 
 
+@pytest.mark.parametrize(
+    ("ggml_model", "swapped_name"),
+    [("gemma3", DOWN2), ("qwen3moe", "blk.1.ffn_down_exps.weight")],
+    indirect=["ggml_model"],
+)
 def test_a_swap_is_what_the_next_compiled_call_reads(
-    ggml_model: tuple[HotSwapRuntime, Decoder, ModelDir], tmp_path: Path
+    ggml_model: tuple[HotSwapRuntime, Decoder, ModelDir], swapped_name: str, tmp_path: Path
 ) -> None:
-    """After a committed swap of a block's FFN matrix the compiled tail computes with the new
-    weights (a fresh load's logits), and after the swap back with the old ones."""
+    """After a committed swap of a block's FFN matrix (qwen3moe: its experts' down stack) the
+    compiled calls compute with the new weights (a fresh load's logits, prefill and decode
+    step), and after the swap back with the old ones."""
     runtime, model, model_dir = ggml_model
     baseline = decode(model, steps=1)
-    saved = model_dir.save(DOWN2, tmp_path / "saved")
-    model_dir.put(DOWN2, model_dir.variant(DOWN2, Q.Q4_0, tmp_path / "variants"))
-    assert runtime.apply(model_dir.plan("to", [DOWN2])).state is PlanState.COMMITTED
+    saved = model_dir.save(swapped_name, tmp_path / "saved")
+    model_dir.put(swapped_name, model_dir.variant(swapped_name, Q.Q4_0, tmp_path / "variants"))
+    assert runtime.apply(model_dir.plan("to", [swapped_name])).state is PlanState.COMMITTED
     swapped = decode(model, steps=1)
     fresh, fresh_model = open_ggml(model_dir.first)
     try:
@@ -210,8 +239,8 @@ def test_a_swap_is_what_the_next_compiled_call_reads(
         fresh.close()
     assert not torch.equal(swapped[0], baseline[0])
     assert all(torch.equal(a, b) for a, b in zip(swapped, again, strict=True))
-    model_dir.put(DOWN2, saved)
-    assert runtime.apply(model_dir.plan("back", [DOWN2])).state is PlanState.COMMITTED
+    model_dir.put(swapped_name, saved)
+    assert runtime.apply(model_dir.plan("back", [swapped_name])).state is PlanState.COMMITTED
     assert all(torch.equal(a, b) for a, b in zip(decode(model, 1), baseline, strict=True))
 
 

@@ -21,7 +21,7 @@ buffers on the CPU): the caller then steps.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, NamedTuple
 
 import torch
 
@@ -29,7 +29,7 @@ from ggufswap.runtime.kernels import _ggml
 from ggufswap.runtime.kernels.ggml_block import F16_VALUES
 from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix
 
-__all__ = ["flash_attn", "geglu_layer"]
+__all__ = ["Front", "flash_attn", "front_args", "geglu_layer"]
 
 _F32: Final = torch.float32
 _F16: Final = torch.float16
@@ -102,7 +102,16 @@ def _rows(t: torch.Tensor) -> bool:
     return t.dtype is _F32 and t.is_cpu and t.is_contiguous()
 
 
-def geglu_layer(
+class Front(NamedTuple):
+    """A layer call's attention half, as the C side's ``parse_front`` reads it (made and
+    checked by :func:`front_args`), and the width of its heads' output (``wo``'s columns)."""
+
+    front: tuple[object, ...]
+    cache: tuple[object, ...]
+    q_dim: int
+
+
+def front_args(
     x: torch.Tensor,
     *,
     attn_norm: torch.Tensor,
@@ -113,23 +122,18 @@ def geglu_layer(
     eps: float,
     cache: tuple[torch.Tensor, torch.Tensor, int, int],
     scales: tuple[float, float],
-    tail: tuple[QuantizedMatrix, QuantizedMatrix, QuantizedMatrix, QuantizedMatrix],
-    norms: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None],
-    gelu_table: torch.Tensor,
-) -> torch.Tensor | None:
-    """``y [1, 1, d]``: one token ``x [1, 1, d]`` through a GeGLU block, its keys and values
-    written at ``pos`` of the F16 caches, attending keys ``lo .. pos``: ``cache = (k, v [1, Hkv,
-    cap, hd], pos, lo)``; ``scales = (kq_scale, q_scale)``; ``tail = (wo, gate, up, down)``;
-    ``norms``: the post-attention, FFN and post-FFN norms' weights (a post norm None where the
-    block has none); the rest as :func:`~.ggml_block.attn_front` and
-    :func:`~.ggml_block.geglu_tail` take them. None where the call does not apply."""
-    library = _library()
+) -> Front | None:
+    """A layer call's attention half for one token ``x [1, 1, d]`` as the C side's
+    ``parse_front`` reads it (front, cache), or None where it does not fit: ``attn_norm``'s
+    weight, the ``qkv`` matrices, ``head_norms`` (q's, k's, or None), ``rope = (cos, sin [1,
+    n_rot / 2], n_rot, neox)``, the token's keys and values written at ``pos`` of the F16
+    caches, attending keys ``lo .. pos``: ``cache = (k, v [1, Hkv, cap, hd], pos, lo)``;
+    ``scales = (kq_scale, q_scale)``."""
     k_cache, v_cache, pos, lo = cache
     cos, sin, n_rot, neox = rope
-    wo, gate, up, down = tail
     d = x.shape[-1]
     rows = [m.shape[0] for m in qkv]
-    vectors = [attn_norm, *(t for t in (*head_norms, *norms) if t is not None)]
+    vectors = [attn_norm, *(t for t in head_norms if t is not None)]
     fits = (
         x.shape == (1, 1, d)
         and all(m.shape[1] == d for m in qkv)
@@ -140,25 +144,14 @@ def geglu_layer(
         and _cache_fits(k_cache, v_cache, head_dim)
         and k_cache.shape[1] * head_dim == rows[1]
         and 0 <= lo <= pos < k_cache.shape[2]
-        and wo.shape == (d, rows[0])
-        and gate.shape == up.shape
-        and gate.shape[1] == d
-        and down.shape == (d, gate.shape[0])
         and cos.shape == sin.shape == (1, n_rot // 2)
         and 2 <= n_rot <= head_dim
-        and gelu_table.shape == (F16_VALUES,)
+        and all(m.ggml and m.raw.is_contiguous() for m in qkv)
+        and all(_rows(t) for t in (x, cos, sin, *vectors))
     )
-    matrices = (*qkv, *tail)
-    if (
-        library is None
-        or not fits
-        or not all(m.ggml and m.raw.is_contiguous() for m in matrices)
-        or not all(_rows(t) for t in (x, cos, sin, gelu_table, *vectors))
-    ):
+    if not fits:
         return None
-    y = torch.empty_like(x)
-    kq_scale, q_scale = scales
-    library.module.geglu_layer(
+    front = (
         x.data_ptr(),
         d,
         attn_norm.data_ptr(),
@@ -170,7 +163,45 @@ def geglu_layer(
         cos.data_ptr(),
         sin.data_ptr(),
         eps,
-        (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], pos, lo, kq_scale, q_scale, 0.0),
+    )
+    kq_scale, q_scale = scales
+    held = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], pos, lo)
+    return Front(front, (*held, kq_scale, q_scale, 0.0), rows[0])
+
+
+def geglu_layer(
+    x: torch.Tensor,
+    front: Front,
+    *,
+    tail: tuple[QuantizedMatrix, QuantizedMatrix, QuantizedMatrix, QuantizedMatrix],
+    norms: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None],
+    gelu_table: torch.Tensor,
+) -> torch.Tensor | None:
+    """``y [1, 1, d]``: one token ``x [1, 1, d]`` through a GeGLU block: ``front`` as
+    :func:`front_args` made it for ``x``; ``tail = (wo, gate, up, down)``; ``norms``: the
+    post-attention, FFN and post-FFN norms' weights (a post norm None where the block has none);
+    ``gelu_table`` as :func:`~.ggml_block.geglu_tail` takes it. None where the call does not
+    apply."""
+    library = _library()
+    wo, gate, up, down = tail
+    d = x.shape[-1]
+    vectors = [t for t in norms if t is not None]
+    fits = (
+        wo.shape == (d, front.q_dim)
+        and gate.shape == up.shape
+        and gate.shape[1] == d
+        and down.shape == (d, gate.shape[0])
+        and gelu_table.shape == (F16_VALUES,)
+        and all(m.ggml and m.raw.is_contiguous() for m in tail)
+        and all(_rows(t) and t.shape == (d,) for t in vectors)
+        and _rows(gelu_table)
+    )
+    if library is None or not fits:
+        return None
+    y = torch.empty_like(x)
+    library.module.geglu_layer(
+        front.front,
+        front.cache,
         (*((m.raw.data_ptr(), int(m.ggml_type)) for m in tail), gate.shape[0]),
         *(0 if t is None else t.data_ptr() for t in norms),
         gelu_table.data_ptr(),

@@ -40,6 +40,9 @@
  *        a block's steps around its products in one call each, one token's attention over an
  *        F16 KV cache (ggml_flash_attn_ext, attn_locked below), a whole GeGLU block for one
  *        token: ggmlblock.c
+ *   moe_ffn(...), moe_layer(...)
+ *        one token through a MoE FFN of stacked SwiGLU experts (router_locked and
+ *        experts_locked below: ggml's nodes), a whole block with one: ggmlmoe.c, ggmlblock.c
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -95,6 +98,10 @@ static struct {
     ggml_tensor *(*flash_attn_ext)(ggml_context *, ggml_tensor *, ggml_tensor *, ggml_tensor *,
                                    ggml_tensor *, float, float, float);
     bool (*prec_set_acc)(ggml_tensor *, int);
+    /* optional: a MoE FFN's router and experts (router_locked, experts_locked) */
+    ggml_tensor *(*soft_max)(ggml_context *, ggml_tensor *);
+    ggml_tensor *(*silu)(ggml_context *, ggml_tensor *);
+    ggml_tensor *(*mul)(ggml_context *, ggml_tensor *, ggml_tensor *);
     ggml_backend_t backend;
     int threads; /* the backend's thread count as last set */
 } G;
@@ -102,7 +109,7 @@ static struct {
 pthread_mutex_t LOCK = PTHREAD_MUTEX_INITIALIZER;
 
 /* Graph memory: a handful of tensor headers and a small graph, reused by every product. */
-#define GRAPH_NODES 8
+#define GRAPH_NODES 16
 #define MAX_MATS 4
 #define CTX_BYTES (64 * 1024)
 static _Alignas(64) unsigned char CTX_MEM[CTX_BYTES];
@@ -151,6 +158,9 @@ static PyObject *py_load(PyObject *self, PyObject *args) {
     *(void **)(&G.view_3d) = dlsym(handle, "ggml_view_3d");
     *(void **)(&G.flash_attn_ext) = dlsym(handle, "ggml_flash_attn_ext");
     *(void **)(&G.prec_set_acc) = dlsym(handle, "ggml_prec_set_acc");
+    *(void **)(&G.soft_max) = dlsym(handle, "ggml_soft_max");
+    *(void **)(&G.silu) = dlsym(handle, "ggml_silu");
+    *(void **)(&G.mul) = dlsym(handle, "ggml_mul");
     G.backend = G.cpu_init();
     if (G.backend == NULL) {
         dlclose(handle);
@@ -198,7 +208,7 @@ typedef struct {
     size_t nbytes;
 } placed;
 
-#define MAX_PLACED (2 * MAX_MATS + 1)
+#define MAX_PLACED 12 /* a MoE FFN's experts' graph: 10 */
 
 /* Place the tensors, compute the graph of `outs` on `threads` threads, free the buffers. Called
  * with LOCK held and without the GIL. Returns 0, or -1 when ggml could not allocate. */
@@ -341,12 +351,6 @@ static PyObject *py_mul_mats(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-typedef struct {
-    unsigned long long w, y;
-    int type;
-    long long n_expert, rows;
-} stack_arg;
-
 #define MAX_STACKS 3
 
 /* The routed experts' products of `count` stacks by the same activations and routing, one graph
@@ -393,6 +397,61 @@ static PyObject *expert_products(long long x_per_token, long long n_tokens, long
     Py_END_ALLOW_THREADS
     if (status != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
+}
+
+/* ggmlcall.h */
+bool routes(void) { return G.soft_max != NULL && G.silu != NULL && G.mul != NULL; }
+
+/* ggmlcall.h: probs[E] = soft_max(router [E, d] @ f [d]), ggml's mul_mat and soft_max nodes
+ * (logits: scratch for the product). */
+int router_locked(const mat_arg *router, long long d, uintptr_t f, uintptr_t probs, int threads) {
+    if (!routes()) return -1;
+    ggml_context *ctx = new_context();
+    ggml_tensor *tw = G.new_tensor_2d(ctx, router->type, d, router->rows);
+    ggml_tensor *tx = G.new_tensor_2d(ctx, GGML_F32, d, 1);
+    ggml_tensor *tl = G.mul_mat(ctx, tw, tx);
+    ggml_tensor *tp = G.soft_max(ctx, tl);
+    const size_t e = (size_t)router->rows * sizeof(float);
+    placed ts[4] = {{tw, (uintptr_t)router->w, (size_t)router->rows * G.row_size(router->type, d)},
+                    {tx, f, (size_t)d * sizeof(float)},
+                    {tl, (uintptr_t)router->y, e},
+                    {tp, probs, e}};
+    int status = compute(ctx, &tp, 1, ts, 4, threads);
+    G.free(ctx);
+    return status;
+}
+
+/* ggmlcall.h: one token's routed SwiGLU experts: down[k, d] = down_exps[ids] @ (silu(gate) *
+ * up), gate, up = gate_exps[ids] @ f, up_exps[ids] @ f: ggml's mul_mat_id, silu and mul nodes
+ * in one graph; scratch: 4 * k * ff floats (gate, up, silu(gate), their product). */
+int experts_locked(uintptr_t f, long long d, long long ff, uintptr_t ids, long long k,
+                   const stack_arg s[3], uintptr_t scratch, uintptr_t down, int threads) {
+    if (!routes()) return -1;
+    ggml_context *ctx = new_context();
+    ggml_tensor *tx = G.new_tensor_3d(ctx, GGML_F32, d, 1, 1);
+    ggml_tensor *ti = G.new_tensor_2d(ctx, GGML_I32, k, 1);
+    ggml_tensor *wg = G.new_tensor_3d(ctx, s[0].type, d, ff, s[0].n_expert);
+    ggml_tensor *wu = G.new_tensor_3d(ctx, s[1].type, d, ff, s[1].n_expert);
+    ggml_tensor *wd = G.new_tensor_3d(ctx, s[2].type, ff, d, s[2].n_expert);
+    ggml_tensor *g = G.mul_mat_id(ctx, wg, tx, ti), *u = G.mul_mat_id(ctx, wu, tx, ti);
+    ggml_tensor *a = G.silu(ctx, g), *h = G.mul(ctx, a, u);
+    ggml_tensor *dn = G.mul_mat_id(ctx, wd, h, ti);
+    const size_t part = (size_t)(k * ff) * sizeof(float);
+    placed ts[10] = {
+        {tx, f, (size_t)d * sizeof(float)},
+        {ti, ids, (size_t)k * sizeof(int32_t)},
+        {wg, (uintptr_t)s[0].w, (size_t)(s[0].n_expert * ff) * G.row_size(s[0].type, d)},
+        {wu, (uintptr_t)s[1].w, (size_t)(s[1].n_expert * ff) * G.row_size(s[1].type, d)},
+        {wd, (uintptr_t)s[2].w, (size_t)(s[2].n_expert * d) * G.row_size(s[2].type, ff)},
+        {g, scratch, part},
+        {u, scratch + part, part},
+        {a, scratch + 2 * part, part},
+        {h, scratch + 3 * part, part},
+        {dn, down, (size_t)(k * d) * sizeof(float)},
+    };
+    int status = compute(ctx, &dn, 1, ts, 10, threads);
+    G.free(ctx);
+    return status;
 }
 
 static PyObject *py_mul_mat_id(PyObject *self, PyObject *args) {
@@ -453,6 +512,8 @@ static PyMethodDef METHODS[] = {
     {"attn_front", py_attn_front, METH_VARARGS, "A block's attention up to the heads' q, k, v."},
     {"flash_attn", py_flash_attn, METH_VARARGS, "One token's attention over an F16 KV cache."},
     {"geglu_layer", py_geglu_layer, METH_VARARGS, "One token through a GeGLU block."},
+    {"moe_ffn", py_moe_ffn, METH_VARARGS, "One token through a MoE FFN of SwiGLU experts."},
+    {"moe_layer", py_moe_layer, METH_VARARGS, "One token through a block with a MoE FFN."},
     {NULL, NULL, 0, NULL},
 };
 

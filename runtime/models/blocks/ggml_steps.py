@@ -20,7 +20,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ggufswap.runtime import QuantizedMatrix, ggml_attn_front, ggml_geglu_layer, ggml_geglu_tail
+from ggufswap.runtime import (
+    QuantizedMatrix,
+    ggml_attn_front,
+    ggml_front_args,
+    ggml_geglu_layer,
+    ggml_geglu_tail,
+    ggml_moe_ffn,
+    ggml_moe_layer,
+)
+from ggufswap.runtime.kernels.ggml_layer import Front
+from ggufswap.runtime.kernels.ggml_moe import MoeSpec
 from ggufswap.runtime.models.blocks.rope import RopeTables
 from ggufswap.runtime.models.ggml_numerics import (
     GgmlMatrix,
@@ -34,9 +44,17 @@ from ggufswap.runtime.models.ggml_numerics import (
 if TYPE_CHECKING:
     from ggufswap.runtime.models.blocks.attention import Attention
     from ggufswap.runtime.models.blocks.ffn import FeedForward
+    from ggufswap.runtime.models.blocks.moe import MoEFeedForward
     from ggufswap.runtime.models.kv_cache import KVCache
 
-__all__ = ["block_front", "block_layer", "block_tail", "gelu_table"]
+__all__ = [
+    "block_front",
+    "block_layer",
+    "block_moe_layer",
+    "block_tail",
+    "gelu_table",
+    "moe_step",
+]
 
 
 @functools.cache
@@ -150,6 +168,59 @@ def block_front(
     )
 
 
+def _front(
+    weights: GgmlWeights,
+    x: Tensor,
+    attention: Attention,
+    norm: str,
+    step: tuple[RopeTables, tuple[int, int], KVCache],
+    *,
+    eps: float,
+) -> Front | None:
+    """A decode step's attention half for the layer calls (:func:`~.ggml_layer.front_args`):
+    the front's operands (looked up once per commit, shared with :func:`block_front`), the
+    token's row in ``cache``'s F16 buffers, the keys it attends."""
+    rope, keys, cache = step
+    names = (attention.wq, attention.wk, attention.wv)
+    found = _operands(weights, "ggml-front", names, (norm, *attention.head_norms))
+    if found.blocks is None:
+        return None
+    attn_norm, q_norm, k_norm = found.vectors
+    assert attn_norm is not None, "an attention always has its norm"
+    c = attention.config
+    end = cache.length + 1
+    like = x.new_empty(1, c.n_head_kv, 1, c.head_dim).half()
+    k_buf, v_buf = cache.buffers(attention.layer, end, like, like)
+    scale = c.attn_scale
+    return ggml_front_args(
+        x,
+        attn_norm=attn_norm,
+        qkv=(found.blocks[0], found.blocks[1], found.blocks[2]),
+        head_norms=(q_norm, k_norm),
+        head_dim=c.head_dim,
+        rope=(rope.cos, rope.sin, rope.n_rot, rope.neox),
+        eps=eps,
+        cache=(k_buf, v_buf, cache.length, keys[0]),
+        scales=(1.0, scale) if attention.scale_q else (scale, 1.0),
+    )
+
+
+def _decoding(weights: object, x: Tensor, attention: Attention, step: tuple[object, ...]) -> bool:
+    """Whether a layer call may run: one token in a ggml decoder's forward with an F16 cache,
+    an attention without biases, the keys one run (``step``: rope, keys, cache)."""
+    rope, keys, cache = step
+    return (
+        isinstance(weights, GgmlWeights)
+        and ggml_norms_active()
+        and kv_f16()
+        and cache is not None
+        and keys is not None
+        and x.shape[:2] == (1, 1)
+        and isinstance(rope, RopeTables)
+        and all(b is None for b in (attention.bq, attention.bk, attention.bv, attention.bo))
+    )
+
+
 def block_layer(
     weights: object,
     x: Tensor,
@@ -168,41 +239,96 @@ def block_layer(
     post-attention, FFN and post-FFN norms' tensors. None elsewhere (more than one token, exact
     numerics, an F32 cache, a bias, SwiGLU, a matrix ggml does not multiply): the caller steps."""
     attention, ffn = parts
-    if (
-        not isinstance(weights, GgmlWeights)
-        or not ggml_norms_active()
-        or not kv_f16()
-        or cache is None
-        or keys is None
-        or x.shape[:2] != (1, 1)
-        or not ffn.gelu
-        or not isinstance(rope, RopeTables)
-        or any(b is not None for b in (attention.bq, attention.bk, attention.bv, attention.bo))
-    ):
+    if not _decoding(weights, x, attention, (rope, keys, cache)) or not ffn.gelu:
         return None
-    names = (attention.wq, attention.wk, attention.wv, attention.wo, ffn.gate, ffn.up, ffn.down)
-    found = _operands(weights, "ggml-layer", names, (*norms, *attention.head_norms))
-    if found.blocks is None:
+    assert isinstance(weights, GgmlWeights)
+    assert keys is not None
+    assert cache is not None
+    attn_norm, post_attn, ffn_norm, post_ffw = norms
+    names = (attention.wo, ffn.gate, ffn.up, ffn.down)
+    tail = _operands(weights, "ggml-tail", names, (post_attn, ffn_norm, post_ffw))
+    front = _front(weights, x, attention, attn_norm, (rope, keys, cache), eps=eps)
+    if front is None or tail.blocks is None:
         return None
-    attn_norm, post_attn, ffn_norm, post_ffw, q_norm, k_norm = found.vectors
-    assert attn_norm is not None, "an attention always has its norm"
-    assert ffn_norm is not None, "a block always has its FFN norm"
-    end = cache.length + 1
-    like = x.new_empty(1, attention.config.n_head_kv, 1, attention.config.head_dim)
-    k_buf, v_buf = cache.buffers(attention.layer, end, like.half(), like.half())
-    scale = attention.config.attn_scale
-    wq, wk, wv, wo, gate, up, down = found.blocks
+    wo, gate, up, down = tail.blocks
+    post_a, ffn_n, post_f = tail.vectors
+    assert ffn_n is not None, "a block always has its FFN norm"
     return ggml_geglu_layer(
         x,
-        attn_norm=attn_norm,
-        qkv=(wq, wk, wv),
-        head_norms=(q_norm, k_norm),
-        head_dim=attention.config.head_dim,
-        rope=(rope.cos, rope.sin, rope.n_rot, rope.neox),
-        eps=eps,
-        cache=(k_buf, v_buf, cache.length, keys[0]),
-        scales=(1.0, scale) if attention.scale_q else (scale, 1.0),
+        front,
         tail=(wo, gate, up, down),
-        norms=(post_attn, ffn_norm, post_ffw),
+        norms=(post_a, ffn_n, post_f),
         gelu_table=gelu_table(),
     )
+
+
+@dataclass(frozen=True)
+class _Moe:
+    """A MoE FFN's router, its stacks in their blocks (None: one is not) and what routes."""
+
+    spec: MoeSpec | None
+
+
+def _moe(weights: GgmlWeights, moe: MoEFeedForward) -> MoeSpec | None:
+    """``moe``'s operands for :func:`~.ggml_moe.moe_ffn`, looked up once per commit (kept in the
+    store's forward views under its router's name, which a commit clears); None where its
+    experts are not stacked SwiGLU ones in their blocks, or it has a shared expert."""
+
+    def make() -> _Moe:
+        if moe.per_expert is not None or moe.shared is not None:
+            return _Moe(None)
+        stacks = tuple(
+            weights.experts(n).blocks() for n in (moe.gate_exps, moe.up_exps, moe.down_exps)
+        )
+        router = weights.weight(moe.router)
+        c = moe.config
+        if any(s is None for s in stacks) or router.dtype is not torch.float32:
+            return _Moe(None)
+        held = tuple(s for s in stacks if s is not None)
+        return _Moe((router, c.n_expert_used, c.norm_topk, c.expert_weights_scale, held))
+
+    return weights.store.views.get("ggml-moe", moe.router, _Moe, make).spec
+
+
+def moe_step(weights: object, moe: MoEFeedForward, f: Tensor) -> Tensor | None:
+    """One token's MoE FFN of ``f [1, 1, d]`` (normed) in one compiled call, in a decoder with
+    ggml's numerics (:func:`~.ggml_moe.moe_ffn`: ggml's router, softmax, SwiGLU experts and
+    weighted sum); None elsewhere (more tokens, exact numerics, a shared expert, experts ggml
+    does not multiply): the caller steps."""
+    if not isinstance(weights, GgmlWeights) or not ggml_norms_active() or f.shape[:2] != (1, 1):
+        return None
+    spec = _moe(weights, moe)
+    return None if spec is None else ggml_moe_ffn(f, spec)
+
+
+def block_moe_layer(
+    weights: object,
+    x: Tensor,
+    parts: tuple[Attention, MoEFeedForward],
+    norms: tuple[str, str],
+    *,
+    rope: RopeTables,
+    keys: tuple[int, int] | None,
+    cache: KVCache | None,
+    eps: float,
+) -> Tensor | None:
+    """A pre-norm block with a MoE FFN (qwen3moe's) for one token in one compiled call, in a
+    decoder with ggml's numerics and an F16 cache: the attention as :func:`block_layer`'s, the
+    output product, the residual, the FFN norm (``norms``: the attention's and the FFN's),
+    :func:`moe_step`'s FFN and the residual, the bits of those steps one after the other. None
+    elsewhere: the caller steps."""
+    attention, moe = parts
+    if not _decoding(weights, x, attention, (rope, keys, cache)):
+        return None
+    assert isinstance(weights, GgmlWeights)
+    assert keys is not None
+    assert cache is not None
+    attn_norm, ffn_norm = norms
+    spec = _moe(weights, moe)
+    wo = _operands(weights, "ggml-wo", (attention.wo,), (ffn_norm,))
+    if spec is None or wo.blocks is None or wo.vectors[0] is None:
+        return None
+    front = _front(weights, x, attention, attn_norm, (rope, keys, cache), eps=eps)
+    if front is None:
+        return None
+    return ggml_moe_layer(x, front, wo=wo.blocks[0], ffn_norm=wo.vectors[0], moe=spec)
