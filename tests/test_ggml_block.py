@@ -157,6 +157,24 @@ def test_the_f16_cache_holds_f16_and_its_steps_attend_as_ggml(
     assert torch.allclose(fused[1], torch_attention[1], atol=0.5, rtol=0.05)
 
 
+@pytest.mark.parametrize("ggml_model", ["gemma3", "qwen3moe"], indirect=True)
+def test_the_layer_calls_step_aside_inside_float_products_and_come_back(
+    ggml_model: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside float products a decode step's block is not one compiled call (the steps run),
+    and after it, without a commit, the compiled calls run again."""
+    _, model, _ = ggml_model
+    gemma = model.config.arch.value == "gemma3"
+    module, name = (gemma3, "block_layer") if gemma else (decoder_module, "block_moe_layer")
+    ran = counting(monkeypatch, module, name)
+    n = len(model.layers)
+    with float_products():
+        decode(model, steps=1)
+    assert ran == [False] * n
+    decode(model, steps=1)
+    assert ran[n:] == [True] * n
+
+
 @pytest.mark.parametrize("ggml_model", ["qwen3moe"], indirect=True)
 def test_the_moe_decode_step_is_ggmls_ffn_close_to_the_torch_steps(
     ggml_model: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch

@@ -32,7 +32,14 @@ from ggufswap.runtime.kernels.ggml_layer import Front
 from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix
 from ggufswap.shards.ggml_types import GGMLType
 
-__all__ = ["MAX_USED", "MoeSpec", "moe_ffn", "moe_layer"]
+__all__ = [
+    "MAX_USED",
+    "MoeSpec",
+    "moe_args",
+    "moe_block_args",
+    "moe_ffn",
+    "moe_layer",
+]
 
 MAX_USED: Final = 64  # experts a token may use here (csrc/ggmlcall.h's MAX_USED)
 _F32: Final = torch.float32
@@ -48,8 +55,10 @@ def _library() -> _ggml.Library | None:
     return library
 
 
-def _spec(moe: MoeSpec, d: int) -> tuple[object, ...] | None:
-    """The C side's ``parse_moe`` tuple, or None where the experts do not fit."""
+def moe_args(moe: MoeSpec, d: int) -> tuple[object, ...] | None:
+    """``moe`` = (router, k, norm, scale, (gate, up, down)) as the C side's ``parse_moe`` reads
+    it, for activations of width ``d`` (made and checked once: a caller keeps it until the
+    store's next commit); None where the experts do not fit."""
     router, k, norm, scale, stacks = moe
     if len(stacks) != 3:
         return None
@@ -63,7 +72,7 @@ def _spec(moe: MoeSpec, d: int) -> tuple[object, ...] | None:
         and 1 <= k <= min(n_expert, MAX_USED)
         and gate.shape == up.shape == (n_expert, ff, d)
         and down.shape == (n_expert, d, ff)
-        and all(s.ggml and s.raw.is_contiguous() for s in stacks)
+        and all(s.ggml_multiplies and s.raw.is_contiguous() for s in stacks)
     )
     if not fits:
         return None
@@ -81,54 +90,46 @@ def _one_token(t: torch.Tensor, d: int) -> bool:
     return t.numel() == d and t.dtype is _F32 and t.is_cpu and t.is_contiguous()
 
 
-def moe_ffn(f: torch.Tensor, moe: MoeSpec) -> torch.Tensor | None:
+def moe_ffn(f: torch.Tensor, moe: tuple[object, ...], d: int) -> torch.Tensor | None:
     """The MoE FFN of one token's normed activations ``f [..., d]`` (one row): ``[..., d]``, or
-    None where the call does not apply; ``moe`` = (router, k, norm, scale, (gate, up, down))."""
+    None where the call does not apply; ``moe`` as :func:`moe_args` made it for ``d``."""
     library = _library()
-    d = f.shape[-1]
-    spec = _spec(moe, d)
-    if library is None or spec is None or not _one_token(f, d):
+    if library is None or not _one_token(f, d):
         return None
     y = torch.empty_like(f)
     library.module.moe_ffn(
-        f.data_ptr(), d, spec, y.data_ptr(), _ggml.threads(), _ggml.SMALL_PRODUCT_BYTES
+        f.data_ptr(), d, moe, y.data_ptr(), _ggml.threads(), _ggml.SMALL_PRODUCT_BYTES
     )
     return y
 
 
-def moe_layer(
-    x: torch.Tensor,
-    front: Front,
-    *,
-    wo: QuantizedMatrix,
-    ffn_norm: torch.Tensor,
-    moe: MoeSpec,
-) -> torch.Tensor | None:
-    """``y [1, 1, d]``: one token ``x [1, 1, d]`` through a pre-norm block with a MoE FFN;
-    ``front`` as :func:`~.ggml_layer.front_args` made it for ``x``,
-    ``wo`` the attention's output matrix, ``ffn_norm`` its norm's weight; None where the call
-    does not apply."""
-    library = _library()
-    d = x.shape[-1]
-    spec = _spec(moe, d)
+def moe_block_args(
+    wo: QuantizedMatrix, ffn_norm: torch.Tensor, moe: tuple[object, ...], q_dim: int
+) -> tuple[object, ...] | None:
+    """A MoE block's half after attention as :func:`moe_layer` passes it (made and checked
+    once): ``wo`` (``[d, q_dim]``, ggml's), the FFN norm's weight, ``moe`` as :func:`moe_args`
+    made it; None where they do not fit."""
+    d = wo.shape[0]
     fits = (
-        _one_token(x, d)
-        and _one_token(ffn_norm, d)
-        and wo.shape == (d, front.q_dim)
-        and wo.ggml
+        wo.shape == (d, q_dim)
+        and wo.ggml_multiplies
         and wo.raw.is_contiguous()
+        and _one_token(ffn_norm, d)
     )
-    if library is None or spec is None or not fits:
+    if not fits:
+        return None
+    return ((wo.raw.data_ptr(), int(wo.ggml_type)), ffn_norm.data_ptr(), moe)
+
+
+def moe_layer(x: torch.Tensor, front: Front, block: tuple[object, ...]) -> torch.Tensor | None:
+    """``y [1, 1, d]``: one token ``x [1, 1, d]`` through a pre-norm block with a MoE FFN;
+    ``front`` as :func:`~.ggml_layer.front_args` made it for ``x``, ``block`` as
+    :func:`moe_block_args` made it; None where the call does not apply."""
+    library = _library()
+    if library is None:
         return None
     y = torch.empty_like(x)
     library.module.moe_layer(
-        front.front,
-        front.cache,
-        (wo.raw.data_ptr(), int(wo.ggml_type)),
-        ffn_norm.data_ptr(),
-        spec,
-        y.data_ptr(),
-        _ggml.threads(),
-        _ggml.SMALL_PRODUCT_BYTES,
+        front.front, front.cache, block, y.data_ptr(), _ggml.threads(), _ggml.SMALL_PRODUCT_BYTES
     )
     return y

@@ -65,6 +65,14 @@ class KVCache:
         cache_v[:, :, self.length : end] = v
         return cache_k[:, :, :end], cache_v[:, :, :end]
 
+    def room(self, layer: int, end: int) -> tuple[Tensor, Tensor] | None:
+        """``layer``'s whole key and value buffers where they hold ``end`` positions, else None
+        (:meth:`buffers` makes or grows them)."""
+        cache_k, cache_v = self._k[layer], self._v[layer]
+        if cache_k is None or cache_v is None or end > cache_k.shape[2]:
+            return None
+        return cache_k, cache_v
+
     def buffers(self, layer: int, end: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``layer``'s whole key and value buffers ``[B, Hkv, capacity, hd]`` with room for
         ``end`` positions: made like ``k, v [B, Hkv, T, hd]`` (their dtype and device) on the

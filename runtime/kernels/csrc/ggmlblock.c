@@ -324,13 +324,13 @@ static int layer_locked(layer_args *l) {
     return status;
 }
 
-/* The front and cache of a layer call: x, d, attn_norm, (wq, type, rows), (wk, ...), (wv, ...),
- * q_norm, k_norm, hd, n_rot, neox, cos, sin, eps, then (k_cache, v_cache, cap, pos, lo,
+/* The front and cache of a layer call: (x, d, (attn_norm, (wq, type, rows), (wk, ...), (wv,
+ * ...), q_norm, k_norm, hd), n_rot, neox, cos, sin, eps), then (k_cache, v_cache, cap, pos, lo,
  * kq_scale, q_scale, softcap); threads and small already in l->t. False with an exception. */
 static bool parse_front(PyObject *front, PyObject *cache, layer_args *l) {
     front_args *f = &l->f;
     unsigned long long x, an, qn, kn, pc, ps, kc, vc;
-    if (!PyArg_ParseTuple(front, "KLK(KiL)(KiL)(KiL)KKLLpKKf", &x, &f->d, &an, &f->w[0].w,
+    if (!PyArg_ParseTuple(front, "KL(K(KiL)(KiL)(KiL)KKL)LpKKf", &x, &f->d, &an, &f->w[0].w,
                           &f->w[0].type, &f->w[0].rows, &f->w[1].w, &f->w[1].type, &f->w[1].rows,
                           &f->w[2].w, &f->w[2].type, &f->w[2].rows, &qn, &kn, &f->hd, &f->n_rot,
                           &f->neox, &pc, &ps, &f->eps) ||
@@ -371,8 +371,8 @@ static PyObject *run_layer(int (*locked)(void *), void *arg) {
 
 static int geglu_layer_locked(void *l) { return layer_locked((layer_args *)l); }
 
-/* geglu_layer(front, cache, ((wo, type), (gate, type), (up, type), (down, type), ff),
- *             post_attn_norm, ffn_norm, post_ffw_norm, gelu_table, y, threads, small):
+/* geglu_layer(front, cache, ((wo, type), (gate, type), (up, type), (down, type), ff,
+ *             post_attn_norm, ffn_norm, post_ffw_norm, gelu_table), y, threads, small):
  * front and cache as parse_front reads them. */
 PyObject *py_geglu_layer(PyObject *self, PyObject *args) {
     (void)self;
@@ -381,7 +381,7 @@ PyObject *py_geglu_layer(PyObject *self, PyObject *args) {
     tail_args *t = &l.t;
     PyObject *front, *cache;
     unsigned long long pa, fn, pf, table, y;
-    if (!PyArg_ParseTuple(args, "OO((Ki)(Ki)(Ki)(Ki)L)KKKKKiL", &front, &cache, &t->wo.w,
+    if (!PyArg_ParseTuple(args, "OO((Ki)(Ki)(Ki)(Ki)LKKKK)KiL", &front, &cache, &t->wo.w,
                           &t->wo.type, &t->gate.w, &t->gate.type, &t->up.w, &t->up.type,
                           &t->down.w, &t->down.type, &t->ff, &pa, &fn, &pf, &table, &y,
                           &t->threads, &t->small))
@@ -432,7 +432,7 @@ static int moe_layer_locked(void *arg) {
     return status;
 }
 
-/* moe_layer(front, cache, (wo, type), ffn_norm, moe, y, threads, small): front and cache as
+/* moe_layer(front, cache, ((wo, type), ffn_norm, moe), y, threads, small): front and cache as
  * parse_front reads them, moe as ggmlmoe.c's parse_moe. */
 PyObject *py_moe_layer(PyObject *self, PyObject *args) {
     (void)self;
@@ -440,7 +440,7 @@ PyObject *py_moe_layer(PyObject *self, PyObject *args) {
     memset(&b, 0, sizeof b);
     PyObject *front, *cache, *moe;
     unsigned long long fn, y;
-    if (!PyArg_ParseTuple(args, "OO(Ki)KOKiL", &front, &cache, &b.wo.w, &b.wo.type, &fn, &moe,
+    if (!PyArg_ParseTuple(args, "OO((Ki)KO)KiL", &front, &cache, &b.wo.w, &b.wo.type, &fn, &moe,
                           &y, &b.l.t.threads, &b.l.t.small))
         return NULL;
     if (!loaded() || !parse_front(front, cache, &b.l) || !parse_moe(moe, b.l.f.d, &b.m))

@@ -13,9 +13,9 @@ caller then steps.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -23,14 +23,19 @@ from torch import Tensor
 from ggufswap.runtime import (
     QuantizedMatrix,
     ggml_attn_front,
-    ggml_front_args,
     ggml_geglu_layer,
     ggml_geglu_tail,
     ggml_moe_ffn,
     ggml_moe_layer,
 )
-from ggufswap.runtime.kernels.ggml_layer import Front
-from ggufswap.runtime.kernels.ggml_moe import MoeSpec
+from ggufswap.runtime.kernels.ggml_layer import (
+    Front,
+    LayerWeights,
+    front_args,
+    layer_weights,
+    tail_weights,
+)
+from ggufswap.runtime.kernels.ggml_moe import moe_args, moe_block_args
 from ggufswap.runtime.models.blocks.rope import RopeTables
 from ggufswap.runtime.models.ggml_numerics import (
     GgmlMatrix,
@@ -168,6 +173,34 @@ def block_front(
     )
 
 
+@dataclass(frozen=True)
+class _Held:
+    """What a layer call reads of the store, as its C side takes it (None: the call does not
+    apply), made once per commit (kept in the store's forward views, which a commit clears)."""
+
+    value: Any
+
+
+def _held(weights: GgmlWeights, kind: str, name: str, make: Callable[[], Any]) -> Any:
+    return weights.store.views.get(kind, name, _Held, lambda: _Held(make())).value
+
+
+def _layer_weights(weights: GgmlWeights, attention: Attention, norm: str) -> LayerWeights | None:
+    """The attention half's weights for the layer calls, once per commit."""
+
+    def make() -> LayerWeights | None:
+        names = (attention.wq, attention.wk, attention.wv)
+        found = _operands(weights, "ggml-front", names, (norm, *attention.head_norms))
+        attn_norm, q_norm, k_norm = found.vectors
+        if found.blocks is None or attn_norm is None:
+            return None
+        qkv = (found.blocks[0], found.blocks[1], found.blocks[2])
+        return layer_weights(attn_norm, qkv, (q_norm, k_norm), attention.config.head_dim)
+
+    held: LayerWeights | None = _held(weights, "ggml-layer-front", attention.wq, make)
+    return held
+
+
 def _front(
     weights: GgmlWeights,
     x: Tensor,
@@ -178,29 +211,24 @@ def _front(
     eps: float,
 ) -> Front | None:
     """A decode step's attention half for the layer calls (:func:`~.ggml_layer.front_args`):
-    the front's operands (looked up once per commit, shared with :func:`block_front`), the
-    token's row in ``cache``'s F16 buffers, the keys it attends."""
+    the front's weights (once per commit), the token's row in ``cache``'s F16 buffers, the keys
+    it attends."""
     rope, keys, cache = step
-    names = (attention.wq, attention.wk, attention.wv)
-    found = _operands(weights, "ggml-front", names, (norm, *attention.head_norms))
-    if found.blocks is None:
+    held = _layer_weights(weights, attention, norm)
+    if held is None:
         return None
-    attn_norm, q_norm, k_norm = found.vectors
-    assert attn_norm is not None, "an attention always has its norm"
-    c = attention.config
     end = cache.length + 1
-    like = x.new_empty(1, c.n_head_kv, 1, c.head_dim).half()
-    k_buf, v_buf = cache.buffers(attention.layer, end, like, like)
-    scale = c.attn_scale
-    return ggml_front_args(
+    buffers = cache.room(attention.layer, end)
+    if buffers is None:
+        like = x.new_empty(1, held.n_head_kv, 1, held.head_dim).half()
+        buffers = cache.buffers(attention.layer, end, like, like)
+    scale = attention.config.attn_scale
+    return front_args(
         x,
-        attn_norm=attn_norm,
-        qkv=(found.blocks[0], found.blocks[1], found.blocks[2]),
-        head_norms=(q_norm, k_norm),
-        head_dim=c.head_dim,
+        held,
         rope=(rope.cos, rope.sin, rope.n_rot, rope.neox),
         eps=eps,
-        cache=(k_buf, v_buf, cache.length, keys[0]),
+        cache=(buffers[0], buffers[1], cache.length, keys[0]),
         scales=(1.0, scale) if attention.scale_q else (scale, 1.0),
     )
 
@@ -245,31 +273,33 @@ def block_layer(
     assert keys is not None
     assert cache is not None
     attn_norm, post_attn, ffn_norm, post_ffw = norms
-    names = (attention.wo, ffn.gate, ffn.up, ffn.down)
-    tail = _operands(weights, "ggml-tail", names, (post_attn, ffn_norm, post_ffw))
+
+    def make() -> tuple[object, ...] | None:
+        names = (attention.wo, ffn.gate, ffn.up, ffn.down)
+        tail = _operands(weights, "ggml-tail", names, (post_attn, ffn_norm, post_ffw))
+        post_a, ffn_n, post_f = tail.vectors
+        front = _layer_weights(weights, attention, attn_norm)
+        if tail.blocks is None or ffn_n is None or front is None:
+            return None
+        wo, gate, up, down = tail.blocks
+        held = (post_a, ffn_n, post_f)
+        return tail_weights((wo, gate, up, down), held, gelu_table(), front.q_dim)
+
+    tail_args = _held(weights, "ggml-layer-tail", attention.wo, make)
     front = _front(weights, x, attention, attn_norm, (rope, keys, cache), eps=eps)
-    if front is None or tail.blocks is None:
+    if front is None or tail_args is None:
         return None
-    wo, gate, up, down = tail.blocks
-    post_a, ffn_n, post_f = tail.vectors
-    assert ffn_n is not None, "a block always has its FFN norm"
-    return ggml_geglu_layer(
-        x,
-        front,
-        tail=(wo, gate, up, down),
-        norms=(post_a, ffn_n, post_f),
-        gelu_table=gelu_table(),
-    )
+    return ggml_geglu_layer(x, front, tail_args)
 
 
 @dataclass(frozen=True)
 class _Moe:
-    """A MoE FFN's router, its stacks in their blocks (None: one is not) and what routes."""
+    """A MoE FFN's operands as its compiled call takes them (None: it does not apply)."""
 
-    spec: MoeSpec | None
+    spec: tuple[object, ...] | None
 
 
-def _moe(weights: GgmlWeights, moe: MoEFeedForward) -> MoeSpec | None:
+def _moe(weights: GgmlWeights, moe: MoEFeedForward) -> tuple[object, ...] | None:
     """``moe``'s operands for :func:`~.ggml_moe.moe_ffn`, looked up once per commit (kept in the
     store's forward views under its router's name, which a commit clears); None where its
     experts are not stacked SwiGLU ones in their blocks, or it has a shared expert."""
@@ -282,10 +312,11 @@ def _moe(weights: GgmlWeights, moe: MoEFeedForward) -> MoeSpec | None:
         )
         router = weights.weight(moe.router)
         c = moe.config
-        if any(s is None for s in stacks) or router.dtype is not torch.float32:
+        if any(s is None for s in stacks):
             return _Moe(None)
         held = tuple(s for s in stacks if s is not None)
-        return _Moe((router, c.n_expert_used, c.norm_topk, c.expert_weights_scale, held))
+        spec = (router, c.n_expert_used, c.norm_topk, c.expert_weights_scale, held)
+        return _Moe(moe_args(spec, c.n_embd))
 
     return weights.store.views.get("ggml-moe", moe.router, _Moe, make).spec
 
@@ -298,7 +329,7 @@ def moe_step(weights: object, moe: MoEFeedForward, f: Tensor) -> Tensor | None:
     if not isinstance(weights, GgmlWeights) or not ggml_norms_active() or f.shape[:2] != (1, 1):
         return None
     spec = _moe(weights, moe)
-    return None if spec is None else ggml_moe_ffn(f, spec)
+    return None if spec is None else ggml_moe_ffn(f, spec, moe.config.n_embd)
 
 
 def block_moe_layer(
@@ -324,11 +355,17 @@ def block_moe_layer(
     assert keys is not None
     assert cache is not None
     attn_norm, ffn_norm = norms
-    spec = _moe(weights, moe)
-    wo = _operands(weights, "ggml-wo", (attention.wo,), (ffn_norm,))
-    if spec is None or wo.blocks is None or wo.vectors[0] is None:
-        return None
+
+    def make() -> tuple[object, ...] | None:
+        spec = _moe(weights, moe)
+        wo = _operands(weights, "ggml-wo", (attention.wo,), (ffn_norm,))
+        front = _layer_weights(weights, attention, attn_norm)
+        if spec is None or wo.blocks is None or wo.vectors[0] is None or front is None:
+            return None
+        return moe_block_args(wo.blocks[0], wo.vectors[0], spec, front.q_dim)
+
+    block = _held(weights, "ggml-moe-block", attention.wo, make)
     front = _front(weights, x, attention, attn_norm, (rope, keys, cache), eps=eps)
-    if front is None:
+    if front is None or block is None:
         return None
-    return ggml_moe_layer(x, front, wo=wo.blocks[0], ffn_norm=wo.vectors[0], moe=spec)
+    return ggml_moe_layer(x, front, block)
