@@ -29,7 +29,10 @@ agrees in expectation, within its standard error (docs/sweep.md).
   attention ``auto``, which is on for the CPU): keys (after RoPE) and values rounded to F16
   (:func:`kv_cache`); a batch's flash attention on the CPU reads them as F16 values and computes
   in float32 (ggml-cpu's ``ggml_compute_forward_flash_attn_ext_tiled``), as the decoders' float32
-  attention does. :func:`kv_cache_type` sets F32 instead (llama-cpp-python's ``Llama`` with
+  attention does in a prefill. The cache holds them as F16 tensors (:func:`kv_f16`), and a
+  decode step's attention (one token through the cache) is ggml's own ``flash_attn_ext`` over
+  them, read in place (``blocks/attention.py``'s ``ggml_decode_step``), as llama.cpp's decode
+  step computes it: the queries rounded to F16 for the scores. :func:`kv_cache_type` sets F32 instead (llama-cpp-python's ``Llama`` with
   ``type_k = type_v = F32``, ``crosscheck/llama_logits.py``'s reference).
 
 How: ``build_model(..., numerics="ggml")`` gives the decoder a :class:`GgmlWeights` over the
