@@ -32,8 +32,9 @@ agrees in expectation, within its standard error (docs/sweep.md).
   attention does in a prefill. The cache holds them as F16 tensors (:func:`kv_f16`), and a
   decode step's attention (one token through the cache) is ggml's own ``flash_attn_ext`` over
   them, read in place (``blocks/attention.py``'s ``ggml_decode_step``), as llama.cpp's decode
-  step computes it: the queries rounded to F16 for the scores. :func:`kv_cache_type` sets F32 instead (llama-cpp-python's ``Llama`` with
-  ``type_k = type_v = F32``, ``crosscheck/llama_logits.py``'s reference).
+  step computes it: the queries rounded to F16 for the scores. :func:`kv_cache_type` sets F32
+  instead (llama-cpp-python's ``Llama`` with ``type_k = type_v = F32``,
+  ``crosscheck/llama_logits.py``'s reference; its decode steps keep the torch attention).
 
 How: ``build_model(..., numerics="ggml")`` gives the decoder a :class:`GgmlWeights` over the
 store (native storage: the weight's type and blocks are at hand); its ``matrix`` and
