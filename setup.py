@@ -43,7 +43,11 @@ setup(
         ),
         Extension(
             "ggufswap.runtime.kernels._ggmlcall",
-            sources=["runtime/kernels/csrc/ggmlcall.c", "runtime/kernels/csrc/ggmlblock.c"],
+            sources=[
+                "runtime/kernels/csrc/ggmlcall.c",
+                "runtime/kernels/csrc/ggmlblock.c",
+                "runtime/kernels/csrc/ggmlmoe.c",
+            ],
             depends=[
                 "runtime/kernels/csrc/ggmlcall.h",
                 "runtime/kernels/csrc/rownorm.h",

@@ -27,6 +27,11 @@ from ggufswap.runtime.kernels.dequant import KERNEL_TYPES, dequantize, has_kerne
 from ggufswap.runtime.kernels.experts import QuantizedExperts, grouped, routed_all
 from ggufswap.runtime.kernels.ggml_block import attn_front as ggml_attn_front
 from ggufswap.runtime.kernels.ggml_block import geglu_tail as ggml_geglu_tail
+from ggufswap.runtime.kernels.ggml_layer import flash_attn as ggml_flash_attn
+from ggufswap.runtime.kernels.ggml_layer import front_args as ggml_front_args
+from ggufswap.runtime.kernels.ggml_layer import geglu_layer as ggml_geglu_layer
+from ggufswap.runtime.kernels.ggml_moe import moe_ffn as ggml_moe_ffn
+from ggufswap.runtime.kernels.ggml_moe import moe_layer as ggml_moe_layer
 from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix, kernels, linear_all
 from ggufswap.runtime.kernels.rowops import rms_norm as rows_rms_norm
 from ggufswap.runtime.kernels.rowops import rope as rows_rope
@@ -40,8 +45,13 @@ __all__ = [
     "float_products",
     "ggml_attn_front",
     "ggml_describe",
+    "ggml_flash_attn",
+    "ggml_front_args",
+    "ggml_geglu_layer",
     "ggml_geglu_tail",
     "ggml_library",
+    "ggml_moe_ffn",
+    "ggml_moe_layer",
     "ggml_select",
     "grouped",
     "has_kernel",

@@ -83,6 +83,12 @@ class QuantizedExperts:
         return library
 
     @property
+    def ggml_multiplies(self) -> bool:
+        """Whether the loaded libggml multiplies this stack (outside
+        :func:`~._ggml.float_products`: :attr:`ggml` says whether it does here, now)."""
+        return self._library is not None
+
+    @property
     def ggml(self) -> bool:
         """Whether :meth:`routed` is one call into ggml here (else one product per expert)."""
         return self._library is not None and not _ggml.float_only()

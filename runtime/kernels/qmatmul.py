@@ -102,6 +102,12 @@ class QuantizedMatrix:
         return library
 
     @property
+    def ggml_multiplies(self) -> bool:
+        """Whether the loaded libggml multiplies this matrix (outside
+        :func:`~._ggml.float_products`: :attr:`ggml` says whether it does here, now)."""
+        return self._library is not None
+
+    @property
     def ggml(self) -> bool:
         """Whether :meth:`linear` runs ggml's kernels for this matrix (here, now)."""
         return self._library is not None and not _ggml.float_only()

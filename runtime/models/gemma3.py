@@ -25,10 +25,10 @@ import torch
 from torch import Tensor, nn
 
 from ggufswap.runtime.models.architecture import Architecture
-from ggufswap.runtime.models.blocks.attention import Attention, sliding_window_mask
+from ggufswap.runtime.models.blocks.attention import Attention, decode_keys, sliding_window_mask
 from ggufswap.runtime.models.blocks.decoder import DecoderStack, LayerInputs
 from ggufswap.runtime.models.blocks.ffn import FeedForward
-from ggufswap.runtime.models.blocks.ggml_steps import block_tail
+from ggufswap.runtime.models.blocks.ggml_steps import block_layer, block_tail
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables, RotaryEmbedding
 from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider
@@ -89,6 +89,7 @@ class Gemma3Block(nn.Module):
         self.ffn_norm = spec.need(TensorNames.FFN_NORM.format(layer), d)
         self.post_ffw_norm = spec.need(TensorNames.FFN_POST_NORM.format(layer), d)
         self.attention = Attention(config, weights, layer, spec)
+        self.attention.scale_q = True  # llama.cpp: Qcur = ggml_scale(Qcur, f_attention_scale)
         self.feed_forward = FeedForward(config, weights, layer, spec)
 
     def forward(
@@ -96,6 +97,15 @@ class Gemma3Block(nn.Module):
     ) -> Tensor:
         # x: [B, T, D]
         w, eps = self.weights.weight, self.config.norm_eps
+        if cache is not None and x.shape[1] == 1:  # a decode step: in ggml's numerics one call
+            keys = decode_keys(mask, cache.length + 1)
+            norms4 = (self.attn_norm, self.post_attn_norm, self.ffn_norm, self.post_ffw_norm)
+            parts = (self.attention, self.feed_forward)
+            y = block_layer(
+                self.weights, x, parts, norms4, rope=rope, keys=keys, cache=cache, eps=eps
+            )
+            if y is not None:
+                return y
         a = self.attention.normed_heads(x, self.attn_norm, rope, mask, cache)
         norms = (self.post_attn_norm, self.ffn_norm, self.post_ffw_norm)
         y = block_tail(self.weights, x, a, self.attention, self.feed_forward, norms=norms, eps=eps)

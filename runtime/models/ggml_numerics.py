@@ -29,8 +29,12 @@ agrees in expectation, within its standard error (docs/sweep.md).
   attention ``auto``, which is on for the CPU): keys (after RoPE) and values rounded to F16
   (:func:`kv_cache`); a batch's flash attention on the CPU reads them as F16 values and computes
   in float32 (ggml-cpu's ``ggml_compute_forward_flash_attn_ext_tiled``), as the decoders' float32
-  attention does. :func:`kv_cache_type` sets F32 instead (llama-cpp-python's ``Llama`` with
-  ``type_k = type_v = F32``, ``crosscheck/llama_logits.py``'s reference).
+  attention does in a prefill. The cache holds them as F16 tensors (:func:`kv_f16`), and a
+  decode step's attention (one token through the cache) is ggml's own ``flash_attn_ext`` over
+  them, read in place (``blocks/attention.py``'s ``ggml_decode_step``), as llama.cpp's decode
+  step computes it: the queries rounded to F16 for the scores. :func:`kv_cache_type` sets F32
+  instead (llama-cpp-python's ``Llama`` with ``type_k = type_v = F32``,
+  ``crosscheck/llama_logits.py``'s reference; its decode steps keep the torch attention).
 
 How: ``build_model(..., numerics="ggml")`` gives the decoder a :class:`GgmlWeights` over the
 store (native storage: the weight's type and blocks are at hand); its ``matrix`` and
@@ -79,6 +83,7 @@ __all__ = [
     "ggml_norms_active",
     "kv_cache",
     "kv_cache_type",
+    "kv_f16",
     "q8_blocks",
     "q8_k",
     "rms_norm",
@@ -241,6 +246,12 @@ def kv_cache(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     if not _GGML_NORMS.get() or _KV_TYPE.get() is not T.F16:
         return k, v
     return k.half().to(k.dtype), v.half().to(v.dtype)
+
+
+def kv_f16() -> bool:
+    """True inside a ggml decoder's forward with an F16 KV cache (the default): its cache holds
+    F16 tensors, which its decode steps' attention (ggml's) reads in place."""
+    return _GGML_NORMS.get() and _KV_TYPE.get() is T.F16
 
 
 def ggml_norms_active() -> bool:

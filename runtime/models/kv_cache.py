@@ -14,7 +14,10 @@ filled before it.
 Storage: per layer, ``k`` and ``v`` of shape ``[B, n_head_kv, capacity, head_dim]`` in the dtype
 and on the device of the first keys written, allocated on the first forward with room for
 ``max_len`` positions and doubled when a forward runs past it. Sliding-window layers keep every
-position too (the mask limits what they see), so one position index serves every layer.
+position too (the mask limits what they see), so one position index serves every layer. A decoder
+with ggml's numerics and an F16 cache (the default) writes F16 keys and values: its cache holds
+them as llama.cpp's does, in half the bytes, and its decode steps read them there
+(``blocks/attention.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +60,24 @@ class KVCache:
         them, ``[B, Hkv, length + T, hd]`` each."""
         # k, v: [B, Hkv, T, hd]
         end = self.length + k.shape[2]
+        cache_k, cache_v = self.buffers(layer, end, k, v)
+        cache_k[:, :, self.length : end] = k
+        cache_v[:, :, self.length : end] = v
+        return cache_k[:, :, :end], cache_v[:, :, :end]
+
+    def room(self, layer: int, end: int) -> tuple[Tensor, Tensor] | None:
+        """``layer``'s whole key and value buffers where they hold ``end`` positions, else None
+        (:meth:`buffers` makes or grows them)."""
+        cache_k, cache_v = self._k[layer], self._v[layer]
+        if cache_k is None or cache_v is None or end > cache_k.shape[2]:
+            return None
+        return cache_k, cache_v
+
+    def buffers(self, layer: int, end: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """``layer``'s whole key and value buffers ``[B, Hkv, capacity, hd]`` with room for
+        ``end`` positions: made like ``k, v [B, Hkv, T, hd]`` (their dtype and device) on the
+        first forward, doubled when ``end`` runs past them. A caller that writes positions
+        ``length .. end - 1`` itself (a compiled decode step) reads them here."""
         cache_k, cache_v = self._k[layer], self._v[layer]
         if cache_k is None or cache_v is None:
             cache_k, cache_v = (
@@ -64,10 +85,8 @@ class KVCache:
             )
         elif end > cache_k.shape[2]:
             cache_k, cache_v = (_grown(t, 2 * end) for t in (cache_k, cache_v))
-        cache_k[:, :, self.length : end] = k
-        cache_v[:, :, self.length : end] = v
         self._k[layer], self._v[layer] = cache_k, cache_v
-        return cache_k[:, :, :end], cache_v[:, :, :end]
+        return cache_k, cache_v
 
     def advance(self, n_new: int) -> None:
         """Mark ``n_new`` more positions as stored (the model calls this after its last layer)."""

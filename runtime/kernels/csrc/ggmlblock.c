@@ -237,3 +237,218 @@ PyObject *py_attn_front(PyObject *self, PyObject *args) {
     if (status != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
+
+/* Threads for an attention: one where the keys and values it reads are under `small` bytes. */
+static int attn_threads(const attn_arg *a, int threads, long long small) {
+    return 4 * (a->hi - a->lo) * a->hd * a->n_head_kv < small ? 1 : threads;
+}
+
+/* attn_arg from Python: (q, k, v, y, hd, n_head, n_head_kv, cap, lo, hi, scale, softcap). */
+PyObject *py_flash_attn(PyObject *self, PyObject *args) {
+    (void)self;
+    attn_arg a;
+    unsigned long long q, k, v, y;
+    int threads;
+    long long small;
+    if (!PyArg_ParseTuple(args, "KKKKLLLLLLffiL", &q, &k, &v, &y, &a.hd, &a.n_head,
+                          &a.n_head_kv, &a.cap, &a.lo, &a.hi, &a.scale, &a.softcap, &threads,
+                          &small))
+        return NULL;
+    if (!loaded()) return NULL;
+    if (!attends())
+        return PyErr_Format(PyExc_RuntimeError, "this libggml has no ggml_flash_attn_ext");
+    if (a.hd < 1 || a.n_head_kv < 1 || a.n_head % a.n_head_kv || a.lo < 0 || a.hi <= a.lo ||
+        a.hi > a.cap || threads < 1)
+        return PyErr_Format(PyExc_ValueError,
+                            "flash_attn hd=%lld heads=%lld/%lld keys %lld..%lld of %lld", a.hd,
+                            a.n_head, a.n_head_kv, a.lo, a.hi, a.cap);
+    a.q = (uintptr_t)q, a.k = (uintptr_t)k, a.v = (uintptr_t)v, a.y = (uintptr_t)y;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&LOCK);
+    status = attn_locked(&a, attn_threads(&a, threads, small));
+    pthread_mutex_unlock(&LOCK);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+typedef struct {
+    front_args f;
+    attn_arg a;
+    tail_args t;
+    long long pos; /* the token's position: its keys and values go to row pos of the caches */
+    float q_scale;
+} layer_args;
+
+/* Row `pos` of each head of an F16 cache [heads, cap, hd] from rows [heads, hd] of float32. */
+static void to_cache(const float *x, uintptr_t cache, long long heads, long long cap,
+                     long long pos, long long hd) {
+    _Float16 *c = (_Float16 *)cache;
+    for (long long h = 0; h < heads; h++)
+        for (long long j = 0; j < hd; j++) c[(h * cap + pos) * hd + j] = (_Float16)x[h * hd + j];
+}
+
+/* One token's attention from the residual stream into att [q rows]: attn_front, its keys and
+ * values written to the caches, q times q_scale (llama.cpp's ggml_scale of Qcur where the model
+ * scales q, else 1), attn_locked. LOCK held, no GIL. */
+static int token_attention(layer_args *l, float *att) {
+    const long long qn = l->f.w[0].rows, kn = l->f.w[1].rows, vn = l->f.w[2].rows;
+    float *q = scratch(1, qn + kn + vn);
+    if (q == NULL) return -1;
+    float *k = q + qn, *v = k + kn;
+    l->f.w[0].y = (uintptr_t)q, l->f.w[1].y = (uintptr_t)k, l->f.w[2].y = (uintptr_t)v;
+    int status = front_locked(&l->f);
+    if (status == 0) {
+        to_cache(k, l->a.k, l->a.n_head_kv, l->a.cap, l->pos, l->a.hd);
+        to_cache(v, l->a.v, l->a.n_head_kv, l->a.cap, l->pos, l->a.hd);
+        if (l->q_scale != 1.0f)
+            for (long long i = 0; i < qn; i++) q[i] *= l->q_scale;
+        l->a.q = (uintptr_t)q, l->a.y = (uintptr_t)att;
+        status = attn_locked(&l->a, attn_threads(&l->a, l->t.threads, l->t.small));
+    }
+    free(q);
+    return status;
+}
+
+/* One token through a GeGLU block: token_attention, then tail_locked. LOCK held, no GIL. */
+static int layer_locked(layer_args *l) {
+    float *att = scratch(1, l->f.w[0].rows);
+    if (att == NULL) return -1;
+    int status = token_attention(l, att);
+    if (status == 0) {
+        l->t.a = att;
+        status = tail_locked(&l->t);
+    }
+    free(att);
+    return status;
+}
+
+/* The front and cache of a layer call: (x, d, (attn_norm, (wq, type, rows), (wk, ...), (wv,
+ * ...), q_norm, k_norm, hd), n_rot, neox, cos, sin, eps), then (k_cache, v_cache, cap, pos, lo,
+ * kq_scale, q_scale, softcap); threads and small already in l->t. False with an exception. */
+static bool parse_front(PyObject *front, PyObject *cache, layer_args *l) {
+    front_args *f = &l->f;
+    unsigned long long x, an, qn, kn, pc, ps, kc, vc;
+    if (!PyArg_ParseTuple(front, "KL(K(KiL)(KiL)(KiL)KKL)LpKKf", &x, &f->d, &an, &f->w[0].w,
+                          &f->w[0].type, &f->w[0].rows, &f->w[1].w, &f->w[1].type, &f->w[1].rows,
+                          &f->w[2].w, &f->w[2].type, &f->w[2].rows, &qn, &kn, &f->hd, &f->n_rot,
+                          &f->neox, &pc, &ps, &f->eps) ||
+        !PyArg_ParseTuple(cache, "KKLLLfff", &kc, &vc, &l->a.cap, &l->pos, &l->a.lo,
+                          &l->a.scale, &l->q_scale, &l->a.softcap))
+        return false;
+    const long long d = f->d, hd = f->hd;
+    bool ok = attends() && d >= 1 && hd >= 1 && f->w[0].rows % hd == 0 &&
+              f->w[1].rows % hd == 0 && f->w[2].rows == f->w[1].rows && f->w[1].rows > 0 &&
+              f->w[0].rows % f->w[1].rows == 0 && f->n_rot >= 2 && f->n_rot % 2 == 0 &&
+              f->n_rot <= hd && l->t.threads >= 1 && an && l->pos >= 0 && l->pos < l->a.cap &&
+              l->a.lo >= 0 && l->a.lo <= l->pos;
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "layer d=%lld hd=%lld pos=%lld of %lld", d, hd, l->pos,
+                     l->a.cap);
+        return false;
+    }
+    f->n = 1, f->kv_f16 = 1, f->threads = l->t.threads, f->small = l->t.small;
+    f->q_step = f->w[0].rows / hd, f->kv_step = f->w[1].rows / hd;
+    f->x = (const float *)(uintptr_t)x, f->attn_norm = (const float *)(uintptr_t)an;
+    f->q_norm = (const float *)(uintptr_t)qn, f->k_norm = (const float *)(uintptr_t)kn;
+    f->cos_t = (const float *)(uintptr_t)pc, f->sin_t = (const float *)(uintptr_t)ps;
+    l->a.hd = hd, l->a.n_head = f->q_step, l->a.n_head_kv = f->kv_step;
+    l->a.k = (uintptr_t)kc, l->a.v = (uintptr_t)vc, l->a.hi = l->pos + 1;
+    return true;
+}
+
+static PyObject *run_layer(int (*locked)(void *), void *arg) {
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&LOCK);
+    status = locked(arg);
+    pthread_mutex_unlock(&LOCK);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static int geglu_layer_locked(void *l) { return layer_locked((layer_args *)l); }
+
+/* geglu_layer(front, cache, ((wo, type), (gate, type), (up, type), (down, type), ff,
+ *             post_attn_norm, ffn_norm, post_ffw_norm, gelu_table), y, threads, small):
+ * front and cache as parse_front reads them. */
+PyObject *py_geglu_layer(PyObject *self, PyObject *args) {
+    (void)self;
+    layer_args l;
+    memset(&l, 0, sizeof l);
+    tail_args *t = &l.t;
+    PyObject *front, *cache;
+    unsigned long long pa, fn, pf, table, y;
+    if (!PyArg_ParseTuple(args, "OO((Ki)(Ki)(Ki)(Ki)LKKKK)KiL", &front, &cache, &t->wo.w,
+                          &t->wo.type, &t->gate.w, &t->gate.type, &t->up.w, &t->up.type,
+                          &t->down.w, &t->down.type, &t->ff, &pa, &fn, &pf, &table, &y,
+                          &t->threads, &t->small))
+        return NULL;
+    if (!loaded() || !parse_front(front, cache, &l)) return NULL;
+    if (t->ff < 1 || fn == 0 || table == 0)
+        return PyErr_Format(PyExc_ValueError, "geglu_layer ff=%lld", t->ff);
+    const long long d = l.f.d;
+    t->n = 1, t->d = d, t->q_dim = l.f.w[0].rows, t->eps = l.f.eps;
+    t->wo.rows = d, t->down.rows = d, t->gate.rows = t->up.rows = t->ff;
+    t->x = l.f.x;
+    t->post_attn = (const float *)(uintptr_t)pa, t->ffn_norm = (const float *)(uintptr_t)fn;
+    t->post_ffw = (const float *)(uintptr_t)pf, t->table = (const float *)(uintptr_t)table;
+    t->y = (float *)(uintptr_t)y;
+    return run_layer(geglu_layer_locked, &l);
+}
+
+typedef struct {
+    layer_args l;
+    moe_args m;
+    mat_arg wo;
+    const float *ffn_norm;
+    float *y;
+} moe_layer_args;
+
+/* One token through a pre-norm block with a MoE FFN (qwen3moe's): h = x + att @ Wo.T, then
+ * y = h + moe(ffn_norm(h)). LOCK held, no GIL. */
+static int moe_layer_locked(void *arg) {
+    moe_layer_args *b = (moe_layer_args *)arg;
+    const long long d = b->l.f.d, q_dim = b->l.f.w[0].rows;
+    float *att = scratch(1, q_dim + 3 * d);
+    if (att == NULL) return -1;
+    float *h = att + q_dim, *f = h + d, *e = f + d;
+    int status = token_attention(&b->l, att);
+    if (status == 0) {
+        b->wo.y = (uintptr_t)h;
+        int threads = d * (long long)row_size(b->wo.type, q_dim) < b->l.t.small ? 1 : b->l.t.threads;
+        status = mats_locked((uintptr_t)att, 1, q_dim, &b->wo, 1, threads);
+    }
+    if (status == 0) {
+        for (long long i = 0; i < d; i++) h[i] = b->l.f.x[i] + h[i];
+        rownorm(h, 1, d, b->ffn_norm, b->l.f.eps, f);
+        status = moe_locked(&b->m, f, e);
+    }
+    if (status == 0)
+        for (long long i = 0; i < d; i++) b->y[i] = h[i] + e[i];
+    free(att);
+    return status;
+}
+
+/* moe_layer(front, cache, ((wo, type), ffn_norm, moe), y, threads, small): front and cache as
+ * parse_front reads them, moe as ggmlmoe.c's parse_moe. */
+PyObject *py_moe_layer(PyObject *self, PyObject *args) {
+    (void)self;
+    moe_layer_args b;
+    memset(&b, 0, sizeof b);
+    PyObject *front, *cache, *moe;
+    unsigned long long fn, y;
+    if (!PyArg_ParseTuple(args, "OO((Ki)KO)KiL", &front, &cache, &b.wo.w, &b.wo.type, &fn, &moe,
+                          &y, &b.l.t.threads, &b.l.t.small))
+        return NULL;
+    if (!loaded() || !parse_front(front, cache, &b.l) || !parse_moe(moe, b.l.f.d, &b.m))
+        return NULL;
+    if (fn == 0) return PyErr_Format(PyExc_ValueError, "moe_layer: no ffn_norm");
+    b.m.threads = b.l.t.threads, b.m.small = b.l.t.small;
+    b.wo.rows = b.l.f.d;
+    b.ffn_norm = (const float *)(uintptr_t)fn;
+    b.y = (float *)(uintptr_t)y;
+    return run_layer(moe_layer_locked, &b);
+}

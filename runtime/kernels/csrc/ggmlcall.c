@@ -36,8 +36,13 @@
  *               ((w, type, n_expert, rows, y), ...))
  *        several stacks' routed products by the same activations and routing, one graph (up to
  *        MAX_STACKS: a MoE layer's gate and up)
- *   geglu_tail(...), attn_front(...)
- *        a block's steps around its products in one call each: ggmlblock.c
+ *   geglu_tail(...), attn_front(...), flash_attn(...), geglu_layer(...)
+ *        a block's steps around its products in one call each, one token's attention over an
+ *        F16 KV cache (ggml_flash_attn_ext, attn_locked below), a whole GeGLU block for one
+ *        token: ggmlblock.c
+ *   moe_ffn(...), moe_layer(...)
+ *        one token through a MoE FFN of stacked SwiGLU experts (router_locked and
+ *        experts_locked below: ggml's nodes), a whole block with one: ggmlmoe.c, ggmlblock.c
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -49,7 +54,9 @@
 
 #include "ggmlcall.h"
 
-enum { GGML_F32 = 0, GGML_I32 = 26 };
+enum { GGML_F32 = 0, GGML_F16 = 1, GGML_I32 = 26 };
+/* mainline's enum ggml_prec: GGML_PREC_F32 (ggml_prec_set_acc, which ik's fork does not have) */
+#define MAINLINE_PREC_F32 10
 /* ggml asserts that a CPU buffer made from a pointer starts at a multiple of this. */
 #define TENSOR_ALIGNMENT 32
 
@@ -85,6 +92,16 @@ static struct {
     void (*tensor_alloc)(ggml_backend_buffer_t, ggml_tensor *, void *);
     size_t (*row_size)(int, int64_t);
     int64_t (*blck_size)(int);
+    /* optional: attention (attn_locked) where the library has them */
+    ggml_tensor *(*view_3d)(ggml_context *, ggml_tensor *, int64_t, int64_t, int64_t, size_t,
+                            size_t, size_t);
+    ggml_tensor *(*flash_attn_ext)(ggml_context *, ggml_tensor *, ggml_tensor *, ggml_tensor *,
+                                   ggml_tensor *, float, float, float);
+    bool (*prec_set_acc)(ggml_tensor *, int);
+    /* optional: a MoE FFN's router and experts (router_locked, experts_locked) */
+    ggml_tensor *(*soft_max)(ggml_context *, ggml_tensor *);
+    ggml_tensor *(*silu)(ggml_context *, ggml_tensor *);
+    ggml_tensor *(*mul)(ggml_context *, ggml_tensor *, ggml_tensor *);
     ggml_backend_t backend;
     int threads; /* the backend's thread count as last set */
 } G;
@@ -92,7 +109,7 @@ static struct {
 pthread_mutex_t LOCK = PTHREAD_MUTEX_INITIALIZER;
 
 /* Graph memory: a handful of tensor headers and a small graph, reused by every product. */
-#define GRAPH_NODES 8
+#define GRAPH_NODES 16
 #define MAX_MATS 4
 #define CTX_BYTES (64 * 1024)
 static _Alignas(64) unsigned char CTX_MEM[CTX_BYTES];
@@ -138,6 +155,12 @@ static PyObject *py_load(PyObject *self, PyObject *args) {
                             path, missing);
     }
     G.ik = dlsym(handle, "iqk_mul_mat") != NULL;
+    *(void **)(&G.view_3d) = dlsym(handle, "ggml_view_3d");
+    *(void **)(&G.flash_attn_ext) = dlsym(handle, "ggml_flash_attn_ext");
+    *(void **)(&G.prec_set_acc) = dlsym(handle, "ggml_prec_set_acc");
+    *(void **)(&G.soft_max) = dlsym(handle, "ggml_soft_max");
+    *(void **)(&G.silu) = dlsym(handle, "ggml_silu");
+    *(void **)(&G.mul) = dlsym(handle, "ggml_mul");
     G.backend = G.cpu_init();
     if (G.backend == NULL) {
         dlclose(handle);
@@ -185,7 +208,7 @@ typedef struct {
     size_t nbytes;
 } placed;
 
-#define MAX_PLACED (2 * MAX_MATS + 1)
+#define MAX_PLACED 12 /* a MoE FFN's experts' graph: 10 */
 
 /* Place the tensors, compute the graph of `outs` on `threads` threads, free the buffers. Called
  * with LOCK held and without the GIL. Returns 0, or -1 when ggml could not allocate. */
@@ -231,6 +254,40 @@ int mats_locked(uintptr_t x, long long n, long long cols, const mat_arg *m, int 
         ts[2 + 2 * i] = (placed){outs[i], (uintptr_t)m[i].y, (size_t)(n * m[i].rows) * sizeof(float)};
     }
     int status = compute(ctx, outs, count, ts, 1 + 2 * count, threads);
+    G.free(ctx);
+    return status;
+}
+
+/* ggmlcall.h */
+bool attends(void) { return G.view_3d != NULL && G.flash_attn_ext != NULL; }
+
+/* ggmlcall.h: one token's attention over an F16 KV cache, llama.cpp's node: ggml_flash_attn_ext
+ * of q [hd, 1, n_head] over views of keys and values lo .. hi - 1 of the caches [n_head_kv,
+ * cap, hd], no mask, with the accumulator precision llama.cpp asks for (F32 on mainline, which
+ * has ggml_prec_set_acc; ik's fork's default). */
+int attn_locked(const attn_arg *a, int threads) {
+    if (!attends()) return -1;
+    ggml_context *ctx = new_context();
+    const size_t row = (size_t)a->hd * 2, head = (size_t)a->cap * row;
+    ggml_tensor *tq = G.new_tensor_3d(ctx, GGML_F32, a->hd, 1, a->n_head);
+    ggml_tensor *kb = G.new_tensor_3d(ctx, GGML_F16, a->hd, a->cap, a->n_head_kv);
+    ggml_tensor *vb = G.new_tensor_3d(ctx, GGML_F16, a->hd, a->cap, a->n_head_kv);
+    /* the caches are placed first: a view takes its data pointer from its source when made */
+    ggml_backend_buffer_t kbuf = place(kb, a->k, head * a->n_head_kv);
+    ggml_backend_buffer_t vbuf = place(vb, a->v, head * a->n_head_kv);
+    int status = -1;
+    if (kbuf != NULL && vbuf != NULL) {
+        const long long n_kv = a->hi - a->lo;
+        ggml_tensor *tk = G.view_3d(ctx, kb, a->hd, n_kv, a->n_head_kv, row, head, a->lo * row);
+        ggml_tensor *tv = G.view_3d(ctx, vb, a->hd, n_kv, a->n_head_kv, row, head, a->lo * row);
+        ggml_tensor *out = G.flash_attn_ext(ctx, tq, tk, tv, NULL, a->scale, 0.0f, a->softcap);
+        if (G.prec_set_acc != NULL) G.prec_set_acc(out, MAINLINE_PREC_F32);
+        placed ts[2] = {{tq, a->q, (size_t)(a->n_head * a->hd) * sizeof(float)},
+                        {out, a->y, (size_t)(a->n_head * a->hd) * sizeof(float)}};
+        status = compute(ctx, &out, 1, ts, 2, threads);
+    }
+    if (kbuf != NULL) G.buffer_free(kbuf);
+    if (vbuf != NULL) G.buffer_free(vbuf);
     G.free(ctx);
     return status;
 }
@@ -294,12 +351,6 @@ static PyObject *py_mul_mats(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-typedef struct {
-    unsigned long long w, y;
-    int type;
-    long long n_expert, rows;
-} stack_arg;
-
 #define MAX_STACKS 3
 
 /* The routed experts' products of `count` stacks by the same activations and routing, one graph
@@ -346,6 +397,61 @@ static PyObject *expert_products(long long x_per_token, long long n_tokens, long
     Py_END_ALLOW_THREADS
     if (status != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
+}
+
+/* ggmlcall.h */
+bool routes(void) { return G.soft_max != NULL && G.silu != NULL && G.mul != NULL; }
+
+/* ggmlcall.h: probs[E] = soft_max(router [E, d] @ f [d]), ggml's mul_mat and soft_max nodes
+ * (logits: scratch for the product). */
+int router_locked(const mat_arg *router, long long d, uintptr_t f, uintptr_t probs, int threads) {
+    if (!routes()) return -1;
+    ggml_context *ctx = new_context();
+    ggml_tensor *tw = G.new_tensor_2d(ctx, router->type, d, router->rows);
+    ggml_tensor *tx = G.new_tensor_2d(ctx, GGML_F32, d, 1);
+    ggml_tensor *tl = G.mul_mat(ctx, tw, tx);
+    ggml_tensor *tp = G.soft_max(ctx, tl);
+    const size_t e = (size_t)router->rows * sizeof(float);
+    placed ts[4] = {{tw, (uintptr_t)router->w, (size_t)router->rows * G.row_size(router->type, d)},
+                    {tx, f, (size_t)d * sizeof(float)},
+                    {tl, (uintptr_t)router->y, e},
+                    {tp, probs, e}};
+    int status = compute(ctx, &tp, 1, ts, 4, threads);
+    G.free(ctx);
+    return status;
+}
+
+/* ggmlcall.h: one token's routed SwiGLU experts: down[k, d] = down_exps[ids] @ (silu(gate) *
+ * up), gate, up = gate_exps[ids] @ f, up_exps[ids] @ f: ggml's mul_mat_id, silu and mul nodes
+ * in one graph; scratch: 4 * k * ff floats (gate, up, silu(gate), their product). */
+int experts_locked(uintptr_t f, long long d, long long ff, uintptr_t ids, long long k,
+                   const stack_arg s[3], uintptr_t scratch, uintptr_t down, int threads) {
+    if (!routes()) return -1;
+    ggml_context *ctx = new_context();
+    ggml_tensor *tx = G.new_tensor_3d(ctx, GGML_F32, d, 1, 1);
+    ggml_tensor *ti = G.new_tensor_2d(ctx, GGML_I32, k, 1);
+    ggml_tensor *wg = G.new_tensor_3d(ctx, s[0].type, d, ff, s[0].n_expert);
+    ggml_tensor *wu = G.new_tensor_3d(ctx, s[1].type, d, ff, s[1].n_expert);
+    ggml_tensor *wd = G.new_tensor_3d(ctx, s[2].type, ff, d, s[2].n_expert);
+    ggml_tensor *g = G.mul_mat_id(ctx, wg, tx, ti), *u = G.mul_mat_id(ctx, wu, tx, ti);
+    ggml_tensor *a = G.silu(ctx, g), *h = G.mul(ctx, a, u);
+    ggml_tensor *dn = G.mul_mat_id(ctx, wd, h, ti);
+    const size_t part = (size_t)(k * ff) * sizeof(float);
+    placed ts[10] = {
+        {tx, f, (size_t)d * sizeof(float)},
+        {ti, ids, (size_t)k * sizeof(int32_t)},
+        {wg, (uintptr_t)s[0].w, (size_t)(s[0].n_expert * ff) * G.row_size(s[0].type, d)},
+        {wu, (uintptr_t)s[1].w, (size_t)(s[1].n_expert * ff) * G.row_size(s[1].type, d)},
+        {wd, (uintptr_t)s[2].w, (size_t)(s[2].n_expert * d) * G.row_size(s[2].type, ff)},
+        {g, scratch, part},
+        {u, scratch + part, part},
+        {a, scratch + 2 * part, part},
+        {h, scratch + 3 * part, part},
+        {dn, down, (size_t)(k * d) * sizeof(float)},
+    };
+    int status = compute(ctx, &dn, 1, ts, 10, threads);
+    G.free(ctx);
+    return status;
 }
 
 static PyObject *py_mul_mat_id(PyObject *self, PyObject *args) {
@@ -404,6 +510,10 @@ static PyMethodDef METHODS[] = {
     {"mul_mat_ids", py_mul_mat_ids, METH_VARARGS, "Several stacks' routed products, one graph."},
     {"geglu_tail", py_geglu_tail, METH_VARARGS, "A GeGLU block's half after attention."},
     {"attn_front", py_attn_front, METH_VARARGS, "A block's attention up to the heads' q, k, v."},
+    {"flash_attn", py_flash_attn, METH_VARARGS, "One token's attention over an F16 KV cache."},
+    {"geglu_layer", py_geglu_layer, METH_VARARGS, "One token through a GeGLU block."},
+    {"moe_ffn", py_moe_ffn, METH_VARARGS, "One token through a MoE FFN of SwiGLU experts."},
+    {"moe_layer", py_moe_layer, METH_VARARGS, "One token through a block with a MoE FFN."},
     {NULL, NULL, 0, NULL},
 };
 

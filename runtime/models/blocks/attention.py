@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
+from ggufswap.runtime import ggml_flash_attn
 from ggufswap.runtime.models.blocks.ggml_steps import block_front
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables
 from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider, linear, linears
-from ggufswap.runtime.models.ggml_numerics import kv_cache
+from ggufswap.runtime.models.ggml_numerics import kv_cache, kv_f16
 from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.models.kv_cache import KVCache
 from ggufswap.shards.keys import TensorNames
@@ -31,6 +32,10 @@ def sliding_window_mask(length: int, window: int, device: torch.device) -> Tenso
 
 class Attention(nn.Module):
     """Grouped-query causal self-attention with optional Q/K biases and per-head Q/K norms."""
+
+    # Whether llama.cpp's graph multiplies q by the attention scale before the scores (gemma3's),
+    # not the scores: what a ggml decode step does (:func:`ggml_decode_step`).
+    scale_q = False
 
     def __init__(self, config: HParams, weights: WeightProvider, layer: int, spec: TensorSpec):
         super().__init__()
@@ -85,7 +90,17 @@ class Attention(nn.Module):
             return self.heads(rms_norm(x, self.weights.weight(norm), c.norm_eps), rope, mask, cache)
         q, k, v = qkv  # k, v already as the KV cache holds them
         scale = c.attn_scale
-        return attend(q, k, v, layer=self.layer, scale=scale, mask=mask, cache=cache, held=True)
+        return attend(
+            q,
+            k,
+            v,
+            layer=self.layer,
+            scale=scale,
+            mask=mask,
+            cache=cache,
+            held=True,
+            scale_q=self.scale_q,
+        )
 
     def project(self, y: Tensor) -> Tensor:
         """The output product of the heads ``y [B, T, H * hd]``: ``[B, T, D]``."""
@@ -108,7 +123,10 @@ class Attention(nn.Module):
         v = v.view(bsz, seq, c.n_head_kv, c.head_dim)
         q = rope.rotate(self._norm(q, self.q_norm))
         k = rope.rotate(self._norm(k, self.k_norm))
-        return attend(q, k, v, layer=self.layer, scale=c.attn_scale, mask=mask, cache=cache)
+        scale = c.attn_scale
+        return attend(
+            q, k, v, layer=self.layer, scale=scale, mask=mask, cache=cache, scale_q=self.scale_q
+        )
 
 
 def attend(
@@ -121,19 +139,76 @@ def attend(
     mask: Tensor | None,
     cache: KVCache | None,
     held: bool = False,
+    scale_q: bool = False,
 ) -> Tensor:
     """Grouped-query attention of ``q [B, T, H, hd]`` over ``k, v [B, T, Hkv, hd]`` (with the
     cached keys and values first when ``cache``): query head ``h`` reads kv head ``h // (H /
     Hkv)``, without copies of K/V (:func:`grouped_attention`); ``[B, T, H * hd]``. ``held``:
-    ``k`` and ``v`` are already as the KV cache holds them (:func:`.ggml_numerics.kv_cache`)."""
+    ``k`` and ``v`` are already as the KV cache holds them (:func:`.ggml_numerics.kv_cache`).
+
+    In a decoder with ggml's numerics and an F16 cache the cache holds F16 tensors (the same
+    values: they were rounded to F16), and a decode step's attention is ggml's own
+    (:func:`ggml_decode_step`); ``scale_q``: there ``q`` is multiplied by ``scale`` before the
+    scores (gemma3's graph in llama.cpp) instead of the scores by ``scale``."""
     bsz, seq, heads, _ = q.shape
     if not held:
         k, v = kv_cache(k, v)  # with ggml numerics: as llama.cpp's cache holds them (F16)
+    if cache is not None and kv_f16():
+        y = ggml_decode_step(
+            q, k, v, layer=layer, scale=scale, mask=mask, cache=cache, scale_q=scale_q
+        )
+        if y is not None:
+            return y
+        k, v = k.half(), v.half()  # exact: already F16 values
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H(kv), T, hd]
     if cache is not None:  # the rope tables already carry start_pos = cache.length
         k, v = cache.update(layer, k, v)  # [B, Hkv, S, hd]
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an F16 cache's values, exactly
     y = grouped_attention(q, k, v, mask, scale=scale)  # [B, H, T, hd]
     return y.transpose(1, 2).reshape(bsz, seq, heads * v.shape[-1])  # [B, T, H*hd]
+
+
+def decode_keys(mask: Tensor | None, end: int) -> tuple[int, int] | None:
+    """The keys ``(lo, end)`` a decode step's one query attends under ``mask [1, end]`` (None:
+    every key), where they are one run ending at the query's own; else None."""
+    if mask is None:
+        return 0, end
+    span = _span(mask) if mask.shape == (1, end) else None
+    return span if span is not None and span[1] == end else None
+
+
+def ggml_decode_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    layer: int,
+    scale: float,
+    mask: Tensor | None,
+    cache: KVCache,
+    scale_q: bool = False,
+) -> Tensor | None:
+    """One token's attention as llama.cpp's decode step computes it (a decoder with ggml's
+    numerics and an F16 cache): ``k, v [1, 1, Hkv, hd]`` (F16 values) written to the cache,
+    then ggml's ``flash_attn_ext`` of ``q [1, 1, H, hd]`` over the cached keys the mask allows
+    (:func:`decode_keys`), read where the cache holds them; ``[1, 1, H * hd]``, or None where it
+    does not apply (more tokens, keys not one run, no ggml attention here)."""
+    bsz, seq, heads, hd = q.shape
+    end = cache.length + 1
+    keys = decode_keys(mask, end) if bsz == seq == 1 else None
+    if keys is None:
+        return None
+    k16, v16 = (t.transpose(1, 2).half() for t in (k, v))  # [1, Hkv, 1, hd]
+    k_buf, v_buf = cache.buffers(layer, end, k16, v16)
+    if k_buf.dtype is not torch.float16:
+        return None
+    k_buf[:, :, cache.length] = k16[:, :, 0]
+    v_buf[:, :, cache.length] = v16[:, :, 0]
+    rows = q.reshape(heads, hd)
+    if scale_q:
+        rows, scale = rows * scale, 1.0
+    y = ggml_flash_attn(rows.contiguous(), k_buf, v_buf, keys, scale=scale)
+    return None if y is None else y.view(1, 1, heads * hd)
 
 
 def group_queries(q: Tensor, n_head_kv: int) -> Tensor:

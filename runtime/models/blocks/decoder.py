@@ -14,8 +14,9 @@ from typing import ClassVar, TypeAlias
 import torch
 from torch import Tensor, nn
 
-from ggufswap.runtime.models.blocks.attention import Attention
+from ggufswap.runtime.models.blocks.attention import Attention, decode_keys
 from ggufswap.runtime.models.blocks.ffn import FeedForward
+from ggufswap.runtime.models.blocks.ggml_steps import block_moe_layer
 from ggufswap.runtime.models.blocks.moe import MoEFeedForward
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables
@@ -62,12 +63,33 @@ class TransformerBlock(nn.Module):
     ) -> Tensor:
         # x: [B, T, D]
         w, eps = self.weights.weight, self.config.norm_eps
+        y = self._moe_step(x, rope, mask, cache)
+        if y is not None:  # ggml's numerics: a MoE block's decode step in one compiled call
+            return y
         if type(self.attention) is Attention:  # its norm and products in one call where it can
             a = self.attention.normed_heads(x, self.attn_norm, rope, mask, cache)
             h = x + self.attention.project(a)
         else:
             h = x + self.attention(rms_norm(x, w(self.attn_norm), eps), rope, mask, cache)
         return h + self.feed_forward(rms_norm(h, w(self.ffn_norm), eps))
+
+    def _moe_step(
+        self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
+    ) -> Tensor | None:
+        """A decode step of a block with MoE experts in one compiled call
+        (:func:`~.ggml_steps.block_moe_layer`), or None (the caller steps)."""
+        ffn = self.feed_forward
+        if cache is None or x.shape[1] != 1 or type(self.attention) is not Attention:
+            return None
+        if not isinstance(ffn, MoEFeedForward):
+            return None
+        keys = decode_keys(mask, cache.length + 1)
+        parts = (self.attention, ffn)
+        norms = (self.attn_norm, self.ffn_norm)
+        eps = self.config.norm_eps
+        return block_moe_layer(
+            self.weights, x, parts, norms, rope=rope, keys=keys, cache=cache, eps=eps
+        )
 
 
 # A block's RoPE tables and attention mask ([T, S] bool, True = may attend; None = causal within

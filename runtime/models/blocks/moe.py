@@ -24,6 +24,7 @@ import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import Tensor, nn
 
 from ggufswap.runtime.models.blocks.ffn import FeedForward, swiglu
+from ggufswap.runtime.models.blocks.ggml_steps import moe_step
 from ggufswap.runtime.models.blocks.weights import (
     TensorSpec,
     WeightProvider,
@@ -138,7 +139,11 @@ class MoEFeedForward(nn.Module):
         return swiglu(x, w(self.gate_exps)[e], w(self.up_exps)[e], w(self.down_exps)[e])
 
     def forward(self, x: Tensor) -> Tensor:
-        # x: [B, T, D]
+        """The FFN of ``x [B, T, D]``; one token in a decoder with ggml's numerics: one compiled
+        call, ggml's router, softmax, experts and sum (:func:`~.ggml_steps.moe_step`)."""
+        y = moe_step(self.weights, self, x)
+        if y is not None:
+            return y
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
         top_w, top_i = self.route(flat)  # [N, k]
         if self.per_expert is None:  # stacked experts: one grouped product per projection
