@@ -266,8 +266,9 @@ def _before_torch(config: Config, server: Any) -> EarlyTokenizer | None:
     from ggufswap.runtime.serving.startup import Phase
 
     prestart.quiet_torch_import()
-    prestart.preload_torch_library()
-    if server is None:
+    # Nothing to overlap without the preload (or without torch, whose absence is then the
+    # start's one line): the tokenizer waits for the load, as it did.
+    if prestart.preload_torch_library() is None or server is None:
         return None
     early = prestart.early_tokenizer(config.require_runtime().model, server.startup)
     server.startup.enter(Phase.IMPORT)

@@ -17,8 +17,9 @@ here shorten it or overlap it; the command line (``_cmd_runtime``) calls them in
   its ``dlopen``, and glibc holds its loader lock across a library's initialisers: work that
   overlaps must be pure Python with its extension modules already imported, or it waits.
 - :func:`early_tokenizer`: the overlapping work, the tokenizer (0.3-0.5 s for Gemma's 262k
-  tokens) built from the configured file's header; the daemon uses it when the loaded first
-  shard is the same file (path and identity), and builds another after the load otherwise.
+  tokens) built from the configured file's header, in http mode, when the preload started;
+  the daemon uses it when the loaded first shard is the same file (path and identity), and
+  builds another after the load otherwise.
 
 Garbage collection is paused for the whole start (``ggufswap.main``; resumed at ready by
 :func:`~ggufswap.runtime.serving.startup.collect_from_now`).
