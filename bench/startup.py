@@ -1,6 +1,7 @@
 """A runtime's start against llama.cpp's on the real Gemma 3 270M Q4_K_M.
 
     python bench/startup.py [--rounds 3] [--llama-python .venv-crosscheck/bin/python]
+                            [--against OTHER_CHECKOUT/.venv/bin/python]
 
 Ours: ``ggufswap runtime`` in http mode, from the process's start to the first answer of
 ``/health`` (503 ``loading``) and to its 200 (the model loaded, the tokenizer built, the warm-up
@@ -10,7 +11,8 @@ start's phases (``startup.ready``'s seconds per phase, from its log) are reporte
 Baseline: a process that imports llama-cpp-python and constructs ``Llama(model, n_threads=2,
 n_ctx=2048)`` (the cross-check venv's build), from the process's start. Rounds alternate between
 the two and report medians; both run with two threads. Issue 29's target: start → ready within
-2x llama.cpp's (ratio >= 0.5), and the port answering within 1 s.
+2x llama.cpp's (ratio >= 0.5), and the port answering within 1 s. ``--against`` starts another
+checkout's runtime (its venv's python) in the same rounds, for a before/after ratio in one sitting.
 """
 
 from __future__ import annotations
@@ -66,10 +68,13 @@ def _phases(log: Path) -> dict[str, float]:
     return {}
 
 
-def ours(model: Path, work: Path) -> tuple[float, float, dict[str, float]]:
+def ours(
+    model: Path, work: Path, python: str = sys.executable
+) -> tuple[float, float, dict[str, float]]:
     """Seconds from the process's start to /health's first answer and to its 200, and the
-    phases the runtime logged."""
+    phases the runtime logged (``python``: the venv whose ggufswap runs)."""
     port = _free_port()
+    work.mkdir(parents=True, exist_ok=True)
     config = work / "runtime.yaml"
     config.write_text(f"runtime:\n  model: {model}\n  serve: {{port: {port}}}\n")
     # Bytecode as an installed runtime has it (pip compiles on install; llama-cpp-python's is
@@ -82,7 +87,7 @@ def ours(model: Path, work: Path) -> tuple[float, float, dict[str, float]]:
         "GGUFSWAP_TOKENIZER_CACHE": str(work / "tokenizers"),
     }
     log = work / "runtime.log"
-    argv = [sys.executable, "-m", "ggufswap", "runtime", "--config", str(config), "--threads", "2"]
+    argv = [python, "-m", "ggufswap", "runtime", "--config", str(config), "--threads", "2"]
     started = time.monotonic()
     with log.open("wb") as sink:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=sink)
@@ -114,25 +119,38 @@ def llama(python: Path, model: Path) -> float:
 
 
 def run(
-    quick: bool = False, llama_python: Path = DEFAULT_LLAMA_PYTHON, rounds: int = 3
+    quick: bool = False,
+    llama_python: Path = DEFAULT_LLAMA_PYTHON,
+    rounds: int = 3,
+    against: Path | None = None,
 ) -> list[dict[str, Any]]:
     model = real_model()
     if model is None or not llama_python.exists():
         return []
     rounds = 1 if quick else rounds
-    firsts, readies, baselines, phases = [], [], [], []
+    firsts, readies, baselines, phases, others = [], [], [], [], []
     with tempfile.TemporaryDirectory(prefix="ggufswap-bench-start-") as tmp:
         _, cold, cold_phases = ours(model, Path(tmp))  # empty cache; a restart finds it filled
+        if against is not None:  # its bytecode written, as ours is by the cold start
+            ours(model, Path(tmp) / "against", str(against))
         for _ in range(rounds):
             baselines.append(llama(llama_python, model))
             first, ready, seen = ours(model, Path(tmp))
             firsts.append(first)
             readies.append(ready)
             phases.append(seen)
+            if against is not None:
+                others.append(ours(model, Path(tmp) / "against", str(against))[1])
     base, ready, first = (statistics.median(x) for x in (baselines, readies, firsts))
     names = [name for name in phases[0] if all(name in seen for seen in phases)]
     median_phases = {name: statistics.median(seen[name] for seen in phases) for name in names}
+    compared = [
+        {"name": f"start -> ready vs {against}'s", "baseline_s": statistics.median(others),
+         "ours_s": ready, "ratio": statistics.median(others) / ready, "target": None,
+         "baseline_vs_llama": base / statistics.median(others)}
+    ] if others else []  # fmt: skip
     return [
+        *compared,
         {"name": "start -> ready vs Llama()", "baseline_s": base, "ours_s": ready,
          "ratio": base / ready, "target": 0.5, "phases": median_phases},
         {"name": "start -> /health answers (1 s)", "baseline_s": 1.0, "ours_s": first,
@@ -146,13 +164,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--llama-python", type=Path, default=DEFAULT_LLAMA_PYTHON)
+    parser.add_argument(
+        "--against", type=Path, default=None, help="another checkout's venv python, interleaved"
+    )
     args = parser.parse_args()
     print(f"load average: {os.getloadavg()[0]:.1f}")
-    for row in run(llama_python=args.llama_python, rounds=args.rounds):
+    rows = run(llama_python=args.llama_python, rounds=args.rounds, against=args.against)
+    for row in rows:
         print(
             f"{row['name']}: ours {row['ours_s']:.2f} s, baseline {row['baseline_s']:.2f} s, "
             f"ratio {row['ratio']:.2f} (target {row['target']})"
         )
+        if "baseline_vs_llama" in row:
+            print(f"  its ratio against Llama(): {row['baseline_vs_llama']:.2f}")
         if "phases" in row:
             print("  phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in row["phases"].items()))
     print(f"load average: {os.getloadavg()[0]:.1f}")

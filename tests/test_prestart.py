@@ -86,7 +86,8 @@ def test_an_early_tokenizer_serves_only_the_file_version_it_was_built_from(
     tmp_path: Path,
 ) -> None:
     """The tokenizer built before the load is the loaded model's only when the loaded first shard
-    is the same file, unchanged: a file replaced at the same path is not."""
+    is the same file, unchanged (the load is given the header it parsed): a file replaced at the
+    same path is not, and is parsed again."""
     path = write_vocabulary(tmp_path / "vocab.gguf", spm_md())
     startup = Startup("m")
     early = early_tokenizer(path, startup)
@@ -94,9 +95,11 @@ def test_an_early_tokenizer_serves_only_the_file_version_it_was_built_from(
     assert startup.phase is Phase.TOKENIZER
     assert early.tokenizer.decode(early.tokenizer.encode("the cat")) == "the cat"
     assert early.serves(read_header(path))
+    assert early.headers.get(path) is early.header
     replaced = write_vocabulary(tmp_path / "other.gguf", spm_md())
     os.replace(replaced, path)
     assert not early.serves(read_header(path))
+    assert not early.serves(early.headers.get(path))
 
 
 def test_an_early_tokenizer_is_left_to_the_daemon_when_it_cannot_be_built_now(

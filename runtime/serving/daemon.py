@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from ggufswap.runtime.serving.http import CompletionServer
     from ggufswap.runtime.serving.prestart import EarlyTokenizer
     from ggufswap.runtime.serving.tokenizer import GgufTokenizer
+    from ggufswap.shards import HeaderCache
     from ggufswap.shards.reader import ShardHeader
 
 log = get_logger(__name__)
@@ -44,10 +45,13 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 
 def open_runtime(
-    config: Config, *, on_progress: Callable[[int, int], None] | None = None
+    config: Config,
+    *,
+    on_progress: Callable[[int, int], None] | None = None,
+    headers: HeaderCache | None = None,
 ) -> HotSwapRuntime:
     """Load the configured model onto the configured pools (``on_progress(done, total)``:
-    the bytes read so far)."""
+    the bytes read so far; ``headers``: headers already parsed)."""
     rc = config.require_runtime()
     pools = [Pool(name=p.name, device=torch.device(p.device), budget=p.budget) for p in rc.pools]
     return HotSwapRuntime.open(
@@ -63,6 +67,7 @@ def open_runtime(
         model_name=rc.name,
         progress=sys.stderr.isatty(),
         on_progress=on_progress,
+        headers=headers,
     )
 
 
@@ -206,7 +211,8 @@ def _start(
     runtime: HotSwapRuntime | None = None
     try:
         startup.enter(Phase.LOAD)
-        runtime = open_runtime(config, on_progress=startup.progress)
+        headers = None if early is None else early.headers  # the header it parsed
+        runtime = open_runtime(config, on_progress=startup.progress, headers=headers)
         startup.enter(Phase.MODEL)
         model = served_model(runtime, config.require_runtime())
         report_unused(runtime, model)

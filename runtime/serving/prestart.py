@@ -44,7 +44,7 @@ from ggufswap.runtime.serving.errors import ServingError
 from ggufswap.runtime.serving.startup import Phase, Startup
 from ggufswap.runtime.serving.tokenizer import GgufTokenizer
 from ggufswap.runtime.serving.tokenizer_cache import cache_dir
-from ggufswap.shards import ShardError, read_header
+from ggufswap.shards import HeaderCache, ShardError
 from ggufswap.shards.reader import ShardHeader
 
 log = get_logger(__name__)
@@ -104,10 +104,12 @@ def _dlopen(library: Path) -> None:
 
 @dataclass(frozen=True)
 class EarlyTokenizer:
-    """A tokenizer built before the load, and the header (file version) it was built from."""
+    """A tokenizer built before the load, the header (file version) it was built from, and the
+    cache holding that header (the load parses it again only if the file changed)."""
 
     header: ShardHeader
     tokenizer: GgufTokenizer
+    headers: HeaderCache
 
     def serves(self, loaded: ShardHeader) -> bool:
         """Whether the loaded first shard is the file this tokenizer was built from."""
@@ -118,12 +120,14 @@ def early_tokenizer(model: Path, startup: Startup) -> EarlyTokenizer | None:
     """The tokenizer of ``model`` (phase ``tokenizer``), or None where the file is not the one
     that holds it (a later shard of a split set) or cannot be read or built now: the daemon then
     builds it after the load, where a fault is reported as it always was."""
+    headers = HeaderCache()
     try:
-        header = read_header(model)
+        header = headers.get(model)
         if header.split_no != 0:
             return None
         startup.enter(Phase.TOKENIZER)
-        return EarlyTokenizer(header, GgufTokenizer.from_header(header, cache=cache_dir()))
+        tokenizer = GgufTokenizer.from_header(header, cache=cache_dir())
+        return EarlyTokenizer(header, tokenizer, headers)
     except (ShardError, ServingError) as exc:
         log.info("startup.tokenizer_deferred", model=str(model), reason=str(exc))
         return None
