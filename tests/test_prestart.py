@@ -78,8 +78,10 @@ def test_the_torch_library_loads_in_a_thread_that_leaves_python_running() -> Non
     )
     assert out.returncode == 0, out.stderr
     ran_s, took_s = map(float, out.stdout.split())
-    # Held across the load, the GIL would leave the main thread ~0 s of Python in it.
-    assert ran_s >= 0.1 * took_s, (ran_s, took_s)
+    # Held across the load, the GIL would leave the main thread ~0 s of Python in it (0.01 of
+    # the load's time measured with ctypes.PyDLL, which holds it); released, the main thread's
+    # share of a core (all of one on an idle host).
+    assert ran_s >= 0.05 * took_s, (ran_s, took_s)
 
 
 def test_an_early_tokenizer_serves_only_the_file_version_it_was_built_from(
