@@ -1,6 +1,7 @@
 """A runtime's start against llama.cpp's on the real Gemma 3 270M Q4_K_M.
 
     python bench/startup.py [--rounds 3] [--llama-python .venv-crosscheck/bin/python]
+                            [--against OTHER_CHECKOUT/.venv/bin/python]
 
 Ours: ``ggufswap runtime`` in http mode, from the process's start to the first answer of
 ``/health`` (503 ``loading``) and to its 200 (the model loaded, the tokenizer built, the warm-up
@@ -10,7 +11,8 @@ start's phases (``startup.ready``'s seconds per phase, from its log) are reporte
 Baseline: a process that imports llama-cpp-python and constructs ``Llama(model, n_threads=2,
 n_ctx=2048)`` (the cross-check venv's build), from the process's start. Rounds alternate between
 the two and report medians; both run with two threads. Issue 29's target: start → ready within
-2x llama.cpp's (ratio >= 0.5), and the port answering within 1 s.
+2x llama.cpp's (ratio >= 0.5), and the port answering within 1 s. ``--against`` starts another
+checkout's runtime (its venv's python) in the same rounds, for a before/after ratio in one sitting.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import http.client
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -26,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from _real import real_model
 
@@ -66,10 +69,23 @@ def _phases(log: Path) -> dict[str, float]:
     return {}
 
 
-def ours(model: Path, work: Path) -> tuple[float, float, dict[str, float]]:
-    """Seconds from the process's start to /health's first answer and to its 200, and the
-    phases the runtime logged."""
+class Start(NamedTuple):
+    first: float  # seconds from the process's start to /health's first answer
+    ready: float  # ... to its 200
+    phases: dict[str, float]  # the runtime's startup.ready line
+    cpu: float  # CPU seconds (user + system, all threads) the process had used when ready
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (its threads included), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ours(model: Path, work: Path, python: str = sys.executable) -> Start:
+    """The runtime's start (``python``: the venv whose ggufswap runs)."""
     port = _free_port()
+    work.mkdir(parents=True, exist_ok=True)
     config = work / "runtime.yaml"
     config.write_text(f"runtime:\n  model: {model}\n  serve: {{port: {port}}}\n")
     # Bytecode as an installed runtime has it (pip compiles on install; llama-cpp-python's is
@@ -82,19 +98,20 @@ def ours(model: Path, work: Path) -> tuple[float, float, dict[str, float]]:
         "GGUFSWAP_TOKENIZER_CACHE": str(work / "tokenizers"),
     }
     log = work / "runtime.log"
-    argv = [sys.executable, "-m", "ggufswap", "runtime", "--config", str(config), "--threads", "2"]
+    argv = [python, "-m", "ggufswap", "runtime", "--config", str(config), "--threads", "2"]
     started = time.monotonic()
     with log.open("wb") as sink:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=sink)
     try:
         first = ready = None
+        cpu = 0.0
         while time.monotonic() - started < TIMEOUT_S and ready is None:
             status = _health(port)
             now = time.monotonic() - started
             if status is not None and first is None:
                 first = now
             if status == 200:
-                ready = now
+                ready, cpu = now, _cpu_s(proc.pid)
             if proc.poll() is not None:
                 raise RuntimeError(f"the runtime exited {proc.returncode}")
             time.sleep(0.01)
@@ -103,42 +120,64 @@ def ours(model: Path, work: Path) -> tuple[float, float, dict[str, float]]:
     finally:
         proc.terminate()
         proc.wait(30)
-    return first, ready, _phases(log)
+    return Start(first, ready, _phases(log), cpu)
 
 
-def llama(python: Path, model: Path) -> float:
-    """Seconds from the process's start to a constructed ``Llama``."""
+def llama(python: Path, model: Path) -> tuple[float, float]:
+    """Seconds from the process's start to a constructed ``Llama``, and its CPU seconds (to
+    its exit, which follows at once)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     subprocess.run([str(python), "-c", LLAMA_CHILD, str(model)], check=True, capture_output=True)
-    return time.monotonic() - started
+    wall = time.monotonic() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 def run(
-    quick: bool = False, llama_python: Path = DEFAULT_LLAMA_PYTHON, rounds: int = 3
+    quick: bool = False,
+    llama_python: Path = DEFAULT_LLAMA_PYTHON,
+    rounds: int = 3,
+    against: Path | None = None,
 ) -> list[dict[str, Any]]:
     model = real_model()
     if model is None or not llama_python.exists():
         return []
     rounds = 1 if quick else rounds
-    firsts, readies, baselines, phases = [], [], [], []
+    starts: list[Start] = []
+    baselines: list[tuple[float, float]] = []
+    others: list[Start] = []
     with tempfile.TemporaryDirectory(prefix="ggufswap-bench-start-") as tmp:
-        _, cold, cold_phases = ours(model, Path(tmp))  # empty cache; a restart finds it filled
+        cold = ours(model, Path(tmp))  # empty cache; a restart finds it filled
+        if against is not None:  # its bytecode written, as ours is by the cold start
+            ours(model, Path(tmp) / "against", str(against))
         for _ in range(rounds):
             baselines.append(llama(llama_python, model))
-            first, ready, seen = ours(model, Path(tmp))
-            firsts.append(first)
-            readies.append(ready)
-            phases.append(seen)
-    base, ready, first = (statistics.median(x) for x in (baselines, readies, firsts))
+            starts.append(ours(model, Path(tmp)))
+            if against is not None:
+                others.append(ours(model, Path(tmp) / "against", str(against)))
+    med = statistics.median
+    base, base_cpu = med(b[0] for b in baselines), med(b[1] for b in baselines)
+    ready, first, cpu = (med(getattr(s, f) for s in starts) for f in ("ready", "first", "cpu"))
+    phases = [s.phases for s in starts]
     names = [name for name in phases[0] if all(name in seen for seen in phases)]
-    median_phases = {name: statistics.median(seen[name] for seen in phases) for name in names}
+    median_phases = {name: med(seen[name] for seen in phases) for name in names}
+    other, other_cpu = med(o.ready for o in others or starts), med(o.cpu for o in others or starts)
+    compared = [
+        {"name": f"start -> ready vs {against}'s", "baseline_s": other, "ours_s": ready,
+         "ratio": other / ready, "target": None, "baseline_vs_llama": base / other,
+         "cpu_s": (other_cpu, cpu)}
+    ] if others else []  # fmt: skip
     return [
+        *compared,
         {"name": "start -> ready vs Llama()", "baseline_s": base, "ours_s": ready,
-         "ratio": base / ready, "target": 0.5, "phases": median_phases},
+         "ratio": base / ready, "target": 0.5, "phases": median_phases,
+         "cpu_s": (base_cpu, cpu)},
         {"name": "start -> /health answers (1 s)", "baseline_s": 1.0, "ours_s": first,
          "ratio": 1.0 / first, "target": 1.0},
         {"name": "first start (empty tokenizer cache) -> ready", "baseline_s": base,
-         "ours_s": cold, "ratio": base / cold, "target": None, "phases": cold_phases},
+         "ours_s": cold.ready, "ratio": base / cold.ready, "target": None,
+         "phases": cold.phases},
     ]  # fmt: skip
 
 
@@ -146,13 +185,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--llama-python", type=Path, default=DEFAULT_LLAMA_PYTHON)
+    parser.add_argument(
+        "--against", type=Path, default=None, help="another checkout's venv python, interleaved"
+    )
     args = parser.parse_args()
     print(f"load average: {os.getloadavg()[0]:.1f}")
-    for row in run(llama_python=args.llama_python, rounds=args.rounds):
+    rows = run(llama_python=args.llama_python, rounds=args.rounds, against=args.against)
+    for row in rows:
         print(
             f"{row['name']}: ours {row['ours_s']:.2f} s, baseline {row['baseline_s']:.2f} s, "
             f"ratio {row['ratio']:.2f} (target {row['target']})"
         )
+        if "cpu_s" in row:
+            theirs, mine = row["cpu_s"]
+            print(f"  CPU seconds to ready: ours {mine:.2f}, baseline {theirs:.2f}")
+        if "baseline_vs_llama" in row:
+            print(f"  its ratio against Llama(): {row['baseline_vs_llama']:.2f}")
         if "phases" in row:
             print("  phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in row["phases"].items()))
     print(f"load average: {os.getloadavg()[0]:.1f}")

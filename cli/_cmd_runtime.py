@@ -27,6 +27,7 @@ from ggufswap.config.llama_args import translate as translate_llama_args
 
 if TYPE_CHECKING:
     from ggufswap.runtime.serving.early import EarlyHealth
+    from ggufswap.runtime.serving.prestart import EarlyTokenizer
     from ggufswap.runtime.serving.serve import ServeOptions
 
 EXIT_CONFIG = 2
@@ -80,7 +81,8 @@ def register(subparsers: Any) -> None:
         "any other flag is refused by name (docs/configuration.md#llama-cpp-flags)",
     )
     _add_http_options(parser, d)
-    parser.set_defaults(func=run)
+    # ggufswap.main pauses garbage collection until the runtime is ready (startup.py)
+    parser.set_defaults(func=run, gc_paused_until_ready=True)
 
 
 def _add_http_options(parser: argparse.ArgumentParser, d: ServeConfig) -> None:
@@ -237,17 +239,40 @@ def run(args: argparse.Namespace) -> int:
     from ggufswap.ipc import IpcError
     from ggufswap.runtime import MapRefused
     from ggufswap.runtime.errors import PlacementError
-    from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
     from ggufswap.shards import ShardError
+
+    early_tokenizer = _before_torch(config, server)
+    from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
 
     options = _serve_options(serve, llama)
     try:
         return daemon.run(
-            config, options=options, stop=signals.stop, threads=args.threads, server=server
+            config,
+            options=options,
+            stop=signals.stop,
+            threads=args.threads,
+            server=server,
+            early=early_tokenizer,
         )
     except (ListenError, IpcError, ShardError, MapRefused, PlacementError) as exc:
         print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+def _before_torch(config: Config, server: Any) -> EarlyTokenizer | None:
+    """What overlaps torch's import (runtime/serving/prestart.py): torch's library loads in a
+    thread while, in http mode, the tokenizer is built; then the phase ``import`` begins."""
+    from ggufswap.runtime.serving import prestart
+    from ggufswap.runtime.serving.startup import Phase
+
+    prestart.quiet_torch_import()
+    # Nothing to overlap without the preload (or without torch, whose absence is then the
+    # start's one line): the tokenizer waits for the load, as it did.
+    if prestart.preload_torch_library() is None or server is None:
+        return None
+    early = prestart.early_tokenizer(config.require_runtime().model, server.startup)
+    server.startup.enter(Phase.IMPORT)
+    return early
 
 
 def _serve_options(serve: ServeConfig, llama: LlamaArgs | None) -> ServeOptions:

@@ -62,7 +62,7 @@ from ggufswap.runtime.pools import Buffer, Pool
 from ggufswap.runtime.staging import StagedPlan, Stager
 from ggufswap.runtime.store import Slot, TensorStore
 from ggufswap.runtime.validate import validate_plan
-from ggufswap.shards import ShardSet
+from ggufswap.shards import HeaderCache, ShardSet
 
 log = get_logger(__name__)
 
@@ -147,13 +147,14 @@ class HotSwapRuntime:
         progress: bool = False,
         on_progress: Callable[[int, int], None] | None = None,
         group: torch.distributed.ProcessGroup | GroupOptions | bool | None = None,
+        headers: HeaderCache | None = None,
     ) -> HotSwapRuntime:
         """Load the shard set containing ``model`` onto ``pools`` and start the stager.
 
         The model's options are :func:`~ggufswap.runtime.opening.load_model`'s (``storage=AUTO``
         is resolved there). ``allowed_roots``: the directories plans may name (default: the
         model's own). ``on_progress(done, total)``: the bytes of the load read so far (a server's
-        ``/health``).
+        ``/health``). ``headers``: headers already parsed (load_model's).
         ``group``: a ``torch.distributed`` process group (``True``: the default group), or a
         :class:`~ggufswap.runtime.coordinated.GroupOptions` naming one and its deadlines, makes
         this runtime one rank of a coordinated commit (:mod:`ggufswap.runtime.coordinated`).
@@ -171,6 +172,7 @@ class HotSwapRuntime:
             model_name=model_name,
             progress=progress,
             on_progress=on_progress,
+            headers=headers,
         )
         roots = (
             list(allowed_roots)

@@ -37,6 +37,7 @@ def load_model(
     model_name: str | None = None,
     progress: bool = False,
     on_progress: Callable[[int, int], None] | None = None,
+    headers: HeaderCache | None = None,
 ) -> tuple[ShardSet, TensorStore, str]:
     """The shard set containing ``model``, a store holding its tensors, and the model's name
     (``model_name``, else ``general.name``, else the first shard's file name).
@@ -44,9 +45,10 @@ def load_model(
     ``storage=AUTO`` is resolved here; ``decoded_cache`` bounds the decoded dense tensors native
     storage keeps (bytes); ``map_shards`` serves native CPU tensors from their files' pages
     (:mod:`.mapping`); ``placement`` puts blocks and experts on pools (:mod:`.placement`);
-    ``on_progress(done, total)`` is told the bytes of the load read so far.
+    ``on_progress(done, total)`` is told the bytes of the load read so far. ``headers``: headers
+    already parsed (a file whose identity changed since is parsed again).
     """
-    shards = open_shard_set(model, cache=HeaderCache())
+    shards = open_shard_set(model, cache=headers or HeaderCache())
     pool_set = PoolSet(pools or [], fallback=fallback_pool)
     if storage is Storage.AUTO:
         storage, why = choose_storage(shards.tensors.values(), pool_set, compute_dtype)

@@ -124,7 +124,9 @@ def health(port: int) -> tuple[int, dict[str, object]] | None:
 @pytest.mark.process
 def test_health_answers_503_loading_before_the_model_is_loaded(tmp_path: Path) -> None:
     """The port opens before torch and the model load: the first answer of /health is 503
-    with status "loading" and the start's phase, and the runtime then turns to 200."""
+    with status "loading" and the start's phase, and the runtime then turns to 200, having
+    built the tokenizer before torch's import (while torch's library loaded) and logged every
+    phase."""
     import socket
     import time
 
@@ -145,13 +147,19 @@ def test_health_answers_503_loading_before_the_model_is_loaded(tmp_path: Path) -
         opened = time.monotonic() - started
         status, body = answer
         assert (status, body["status"]) == (503, "loading"), body
-        assert body["phase"] in ("starting", "load", "model", "tokenizer", "warmup"), body
+        phases = ["starting", "tokenizer", "import", "load", "model", "warmup"]
+        assert body["phase"] in phases, body
         ready = wait_for(
             lambda: (h := health(port)) is not None and h[0] == 200 and h,
             timeout=60,
             what="the runtime to be ready",
         )
         assert ready[1]["weight_version"] == 0
+        events = [json.loads(line) for line in proc.log().splitlines() if line.startswith("{")]
+        done = next(e for e in events if e["event"] == "startup.ready")
+        assert list(done["phases"]) == phases, done
+        preloaded = next(e for e in events if e["event"] == "startup.torch_preloaded")
+        assert preloaded["loaded"] is True, preloaded
         print(
             f"\n/health answered 503 loading {opened:.2f} s after the process started "
             f"(phase {body['phase']}); 200 after {time.monotonic() - started:.2f} s"

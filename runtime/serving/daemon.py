@@ -29,11 +29,15 @@ from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.models.registry import Decoder, build_model, unused_tensors
 from ggufswap.runtime.pools import Pool
 from ggufswap.runtime.serving.serve import Mode, ServeLoop, ServeOptions
-from ggufswap.runtime.serving.startup import Phase, Startup
+from ggufswap.runtime.serving.startup import Phase, Startup, collect_from_now
 from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
 
 if TYPE_CHECKING:
     from ggufswap.runtime.serving.http import CompletionServer
+    from ggufswap.runtime.serving.prestart import EarlyTokenizer
+    from ggufswap.runtime.serving.tokenizer import GgufTokenizer
+    from ggufswap.shards import HeaderCache
+    from ggufswap.shards.reader import ShardHeader
 
 log = get_logger(__name__)
 
@@ -41,10 +45,13 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 
 def open_runtime(
-    config: Config, *, on_progress: Callable[[int, int], None] | None = None
+    config: Config,
+    *,
+    on_progress: Callable[[int, int], None] | None = None,
+    headers: HeaderCache | None = None,
 ) -> HotSwapRuntime:
     """Load the configured model onto the configured pools (``on_progress(done, total)``:
-    the bytes read so far)."""
+    the bytes read so far; ``headers``: headers already parsed)."""
     rc = config.require_runtime()
     pools = [Pool(name=p.name, device=torch.device(p.device), budget=p.budget) for p in rc.pools]
     return HotSwapRuntime.open(
@@ -60,6 +67,7 @@ def open_runtime(
         model_name=rc.name,
         progress=sys.stderr.isatty(),
         on_progress=on_progress,
+        headers=headers,
     )
 
 
@@ -140,24 +148,27 @@ def build_service(
     *,
     server: CompletionServer | None,
     startup: Startup,
+    early: EarlyTokenizer | None = None,
 ) -> Service:
     """The serving loop of ``options.mode``; an HTTP service is attached to ``server`` (after
-    the tokenizer and warm-up phases)."""
+    the tokenizer, unless ``early`` built it from the loaded file, and warm-up phases)."""
     if options.mode is not Mode.HTTP:
         return ServeLoop(runtime, model, options=options)
     from ggufswap.runtime.serving.generate import BatcherOptions
     from ggufswap.runtime.serving.http import HttpService
-    from ggufswap.runtime.serving.tokenizer import GgufTokenizer
-    from ggufswap.runtime.serving.tokenizer_cache import cache_dir
-    from ggufswap.shards import FileChangedError
 
     assert runtime.shards is not None, "open() always records the shard set"
     assert server is not None, "http mode listens before the load"
-    startup.enter(Phase.TOKENIZER)
-    try:  # the header the load read: its vocabulary is the loaded model's
-        tokenizer = GgufTokenizer.from_header(runtime.shards.first, cache=cache_dir())
-    except FileChangedError:  # replaced since: the file as it is now, as before
-        tokenizer = GgufTokenizer.from_file(runtime.shards.first.path, cache=cache_dir())
+    if early is not None and early.serves(runtime.shards.first):
+        tokenizer = early.tokenizer
+    else:
+        if early is not None:
+            log.info(
+                "startup.tokenizer_rebuilt",
+                path=runtime.shards.first.path,
+                reason="the file loaded is not the one the tokenizer was built from",
+            )
+        tokenizer = _loaded_tokenizer(runtime.shards.first, startup)
     service = HttpService(
         runtime,
         model,
@@ -174,8 +185,24 @@ def build_service(
     return service.start()
 
 
+def _loaded_tokenizer(first: ShardHeader, startup: Startup) -> GgufTokenizer:
+    """The tokenizer of the loaded first shard (phase ``tokenizer``)."""
+    from ggufswap.runtime.serving.tokenizer import GgufTokenizer
+    from ggufswap.runtime.serving.tokenizer_cache import cache_dir
+    from ggufswap.shards import FileChangedError
+
+    startup.enter(Phase.TOKENIZER)
+    try:  # the header the load read: its vocabulary is the loaded model's
+        return GgufTokenizer.from_header(first, cache=cache_dir())
+    except FileChangedError:  # replaced since: the file as it is now, as before
+        return GgufTokenizer.from_file(first.path, cache=cache_dir())
+
+
 def _start(
-    config: Config, options: ServeOptions, server: CompletionServer | None
+    config: Config,
+    options: ServeOptions,
+    server: CompletionServer | None,
+    early: EarlyTokenizer | None = None,
 ) -> tuple[HotSwapRuntime, Service, ControlServer]:
     """The start's phases (startup.py): load, model, the service (tokenizer and warm-up in http
     mode), then the control endpoint; a failure is shown on ``/health`` and closes what opened."""
@@ -184,11 +211,12 @@ def _start(
     runtime: HotSwapRuntime | None = None
     try:
         startup.enter(Phase.LOAD)
-        runtime = open_runtime(config, on_progress=startup.progress)
+        headers = None if early is None else early.headers  # the header it parsed
+        runtime = open_runtime(config, on_progress=startup.progress, headers=headers)
         startup.enter(Phase.MODEL)
         model = served_model(runtime, config.require_runtime())
         report_unused(runtime, model)
-        loop = build_service(runtime, model, options, server=server, startup=startup)
+        loop = build_service(runtime, model, options, server=server, startup=startup, early=early)
         if not startup.ready:
             startup.enter(Phase.READY)
         control = ControlServer.from_config(runtime, config, extra_status=loop.status).start()
@@ -211,12 +239,14 @@ def run(
     stop: threading.Event,
     threads: int | None = None,
     server: CompletionServer | None = None,
+    early: EarlyTokenizer | None = None,
 ) -> int:
     """Serve until ``stop`` is set; return the process exit code.
 
     ``threads`` (``--threads``) overrides ``runtime.threads``; ``None`` leaves it to the config.
     ``server``: the HTTP server the command line opened before importing torch (http mode);
-    None opens one here.
+    None opens one here. ``early``: the tokenizer the command line built meanwhile (used when
+    the loaded first shard is its file).
     """
     rc = config.require_runtime()
     notifier = Notifier.from_env()
@@ -225,7 +255,8 @@ def run(
     apply_thread_policy(resolve_threads(flag=threads, config=rc.threads))
     if server is None and options.mode is Mode.HTTP:
         server = open_http(options, Startup(rc.name))
-    runtime, loop, control = _start(config, options, server)
+    runtime, loop, control = _start(config, options, server, early)
+    collect_from_now()  # the start paused garbage collection (ggufswap.main)
     if rc.metrics_port is not None:
         from ggufswap.runtime.serving.metrics import RuntimeMetrics
 
