@@ -24,6 +24,11 @@ Q = GGMLQuantizationType
 RANK_SCRIPT = Path(__file__).with_name("coordinated_rank.py")
 RUN_TIMEOUT_S = 300  # the whole torchrun; each collective also times out after 60 s
 VOTE_TIMEOUT_S = 5.0  # the deadline tests' vote deadline
+# torchrun's agent sleeps this long between checks of its ranks: where every rank finishes, it
+# exits at its next check (30 s kept a finished group waiting ~20 s); where a rank is killed,
+# 30 s lets the others see the death themselves before the agent stops them.
+FINISH_MONITOR_S = 0.5
+KILL_MONITOR_S = 30.0
 SWAPS = {  # tensors swapped back and forth between two encodings of the same byte size
     "blk.0.attn_q.weight": Q.BF16,
     "blk.1.attn_q.weight": Q.BF16,
@@ -70,18 +75,23 @@ def rank_logs(logs: Path) -> str:
 
 
 def torchrun(
-    tmp_path: Path, ranks: int, model: Path, manifest: Path, *args: str
+    tmp_path: Path,
+    ranks: int,
+    model: Path,
+    manifest: Path,
+    *args: str,
+    monitor_s: float = FINISH_MONITOR_S,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """Run ``ranks`` ranks of coordinated_rank.py under torchrun (its agent checks on them every
-    30 s, so a rank that dies does not get the others stopped by the agent first); the finished
-    run and the directory of the ranks' ``rank-N.json``."""
+    """Run ``ranks`` ranks of coordinated_rank.py under torchrun, whose agent checks on them
+    every ``monitor_s`` (it notices the ranks have finished only then); the finished run and the
+    directory of the ranks' ``rank-N.json``."""
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={ranks}", "--redirects=3", f"--log-dir={tmp_path / 'logs'}",
-        "--monitor-interval=30", str(RANK_SCRIPT),
+        f"--monitor-interval={monitor_s}", str(RANK_SCRIPT),
         "--model", str(model), "--plans", str(manifest), "--out", str(out), *args,
     ]  # fmt: skip
     done = subprocess.run(
@@ -213,6 +223,7 @@ def test_a_killed_rank_ends_the_others_naming_it(tmp_path: Path) -> None:
     done, out = torchrun(
         tmp_path, 4, model_dir.first, manifest,
         "--kill-rank", "2", "--kill-step", "20", "--vote-timeout", str(VOTE_TIMEOUT_S),
+        monitor_s=KILL_MONITOR_S,
     )  # fmt: skip
     assert done.returncode != 0, "a rank died"
     logs = done.stderr[-2000:] + rank_logs(tmp_path / "logs")
