@@ -50,6 +50,10 @@ def test_ids_are_llama_cpps(served: GgufTokenizer, corpus: dict[str, Any], side:
         assert got == want, f"{text[:60]!r}: first difference at {_first_difference(got, want)}"
 
 
+# slow: building the Hugging Face reference costs ~10 CPU-s; make test keeps llama.cpp's ids on
+# the real vocabulary (above), its round trip (below), and test_tokenizer's equivalence with the
+# previous tokenizer on a synthetic SentencePiece vocabulary.
+@pytest.mark.slow
 @pytest.mark.parametrize("side", SIDES)
 def test_ids_texts_and_streamed_pieces_are_the_previous_tokenizers(
     served: GgufTokenizer, hugging_face: GgufTokenizer, corpus: dict[str, Any], side: str
