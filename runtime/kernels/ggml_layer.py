@@ -43,11 +43,29 @@ _F32: Final = torch.float32
 _F16: Final = torch.float16
 
 
-def _library() -> _ggml.Library | None:
+def layer_library(entry: str = "geglu_layer") -> _ggml.Library | None:
+    """The libggml in use whose compiled module has ``entry`` (None: ggml's products are off, or
+    the module predates it)."""
     library = _ggml.library()
-    if library is None or _ggml.float_only() or not hasattr(library.module, "geglu_layer"):
+    if library is None or _ggml.float_only() or not hasattr(library.module, entry):
         return None
     return library
+
+
+def layer_call(
+    entry: str, x: torch.Tensor, front: Front, block: tuple[object, ...]
+) -> torch.Tensor | None:
+    """``y [1, 1, d]``: one token ``x [1, 1, d]`` through the compiled one-block call ``entry``
+    (``front`` as :func:`front_args` made it for ``x``, ``block`` the rest of the block's
+    arguments as its maker made them); None where the call does not apply."""
+    library = layer_library(entry)
+    if library is None:
+        return None
+    y = torch.empty_like(x)
+    getattr(library.module, entry)(
+        front.front, front.cache, block, y.data_ptr(), _ggml.threads(), _ggml.SMALL_PRODUCT_BYTES
+    )
+    return y
 
 
 def _cache_fits(k: torch.Tensor, v: torch.Tensor, head_dim: int) -> bool:
@@ -74,7 +92,7 @@ def flash_attn(
     values ``keys = (lo, hi)`` of the F16 caches ``k, v [1, Hkv, cap, hd]`` (query head ``h``
     reads kv head ``h // (H / Hkv)``), scores times ``scale``; or None where ggml's attention
     does not apply here."""
-    library = _library()
+    library = layer_library()
     heads, head_dim = q.shape
     lo, hi = keys
     if (
@@ -246,11 +264,4 @@ def geglu_layer(x: torch.Tensor, front: Front, tail: tuple[object, ...]) -> torc
     """``y [1, 1, d]``: one token ``x [1, 1, d]`` through a GeGLU block: ``front`` as
     :func:`front_args` made it for ``x``, ``tail`` as :func:`tail_weights` made it. None where
     the call does not apply."""
-    library = _library()
-    if library is None:
-        return None
-    y = torch.empty_like(x)
-    library.module.geglu_layer(
-        front.front, front.cache, tail, y.data_ptr(), _ggml.threads(), _ggml.SMALL_PRODUCT_BYTES
-    )
-    return y
+    return layer_call("geglu_layer", x, front, tail)

@@ -28,7 +28,7 @@ import torch
 
 from ggufswap.runtime.kernels import _ggml
 from ggufswap.runtime.kernels.experts import QuantizedExperts
-from ggufswap.runtime.kernels.ggml_layer import Front
+from ggufswap.runtime.kernels.ggml_layer import Front, layer_call, layer_library
 from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix
 from ggufswap.shards.ggml_types import GGMLType
 
@@ -46,13 +46,6 @@ _F32: Final = torch.float32
 
 # (router [E, d] float32, experts used, normalise the weights, their scale, (gate, up, down))
 MoeSpec = tuple[torch.Tensor, int, bool, float, tuple[QuantizedExperts, ...]]
-
-
-def _library() -> _ggml.Library | None:
-    library = _ggml.library()
-    if library is None or _ggml.float_only() or not hasattr(library.module, "moe_layer"):
-        return None
-    return library
 
 
 def moe_args(moe: MoeSpec, d: int) -> tuple[object, ...] | None:
@@ -93,7 +86,7 @@ def _one_token(t: torch.Tensor, d: int) -> bool:
 def moe_ffn(f: torch.Tensor, moe: tuple[object, ...], d: int) -> torch.Tensor | None:
     """The MoE FFN of one token's normed activations ``f [..., d]`` (one row): ``[..., d]``, or
     None where the call does not apply; ``moe`` as :func:`moe_args` made it for ``d``."""
-    library = _library()
+    library = layer_library("moe_layer")
     if library is None or not _one_token(f, d):
         return None
     y = torch.empty_like(f)
@@ -125,11 +118,4 @@ def moe_layer(x: torch.Tensor, front: Front, block: tuple[object, ...]) -> torch
     """``y [1, 1, d]``: one token ``x [1, 1, d]`` through a pre-norm block with a MoE FFN;
     ``front`` as :func:`~.ggml_layer.front_args` made it for ``x``, ``block`` as
     :func:`moe_block_args` made it; None where the call does not apply."""
-    library = _library()
-    if library is None:
-        return None
-    y = torch.empty_like(x)
-    library.module.moe_layer(
-        front.front, front.cache, block, y.data_ptr(), _ggml.threads(), _ggml.SMALL_PRODUCT_BYTES
-    )
-    return y
+    return layer_call("moe_layer", x, front, block)
