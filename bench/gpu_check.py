@@ -421,7 +421,14 @@ def check_speed(root: Path, device: torch.device, quick: bool) -> Result:
     return Result("speed", "PASS" if ratio >= 0.7 else "FAIL", figures, "target ratio >= 0.7")
 
 
-CHECKS = ("parity", "swap", "oom", "graph", "speed")
+# Each check by name, in the order they run: (the work folder, the device, --quick) -> its result.
+CHECKS: dict[str, Callable[[Path, torch.device, bool], Result]] = {
+    "parity": lambda root, device, _quick: check_parity(root, device),
+    "swap": lambda root, device, _quick: check_swap(root, device),
+    "oom": lambda root, device, _quick: check_oom(root, device),
+    "graph": lambda root, device, _quick: check_graph(root, device),
+    "speed": check_speed,
+}
 
 
 def main() -> int:
@@ -430,7 +437,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small models only")
     parser.add_argument("--json", type=Path, help="write the results here too")
     parser.add_argument(
-        "--check", action="append", choices=CHECKS, help="run only this check (repeatable)"
+        "--check", action="append", choices=list(CHECKS), help="run only this check (repeatable)"
     )
     args = parser.parse_args()
     name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -442,19 +449,12 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         root = Path(tmp)
-        checks: list[Callable[[], Result]] = [
-            lambda: check_parity(root, device),
-            lambda: check_swap(root, device),
-            lambda: check_oom(root, device),
-            lambda: check_graph(root, device),
-            lambda: check_speed(root, device, args.quick),
-        ]
-        for label, check in zip(CHECKS, checks, strict=True):
+        for label, check in CHECKS.items():
             if args.check and label not in args.check:
                 continue
             started = time.perf_counter()
             try:
-                result = check()
+                result = check(root, device, args.quick)
             except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others'
                 traceback.print_exc()
                 result = Result(label, "FAIL", why=f"{type(exc).__name__}: {exc}"[:500])
