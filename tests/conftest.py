@@ -22,6 +22,7 @@ import leak_rules
 import pluggy
 import pytest
 import tiers
+import tmp_root
 import zmq
 import zygote as zygotes
 from watchdog.observers.inotify_c import InotifyFD
@@ -183,13 +184,16 @@ def _is_xdist_worker(config: pytest.Config) -> bool:
 RELIABILITY_ROWS = "ggufswap_reliability_rows"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own tmp_path factory reads --basetemp
 def pytest_configure(config: pytest.Config) -> None:
-    """One torch thread; enforce the tiers' markers (tests/tiers.py). On the xdist controller,
-    before the workers start: make the directory where they write their groups
-    (pytest_collection_modifyitems), and assemble the real Gemma model into its cache if the
-    package is installed and the file is not there yet: the package's ``assemble()`` writes the
-    file in place, so two workers assembling it at once would each read the other's half-written
-    file (a wrong sha256). Once it exists ``assemble()`` only reads it."""
+    """One torch thread; enforce the tiers' markers (tests/tiers.py). In the session's own
+    process (not an xdist worker): the ``tmp_path`` root in memory where it has room
+    (tests/tmp_root.py). On the xdist controller, before the workers start: make the directory
+    where they write their groups (pytest_collection_modifyitems), and assemble the real Gemma
+    model into its cache if the package is installed and the file is not there yet: the
+    package's ``assemble()`` writes the file in place, so two workers assembling it at once would
+    each read the other's half-written file (a wrong sha256). Once it exists ``assemble()`` only
+    reads it."""
     # Torch (OpenMP) on one thread unless the caller chose otherwise, set before any test module
     # imports torch and inherited by the processes tests start: the tiny models gain nothing
     # from a second thread, and OpenMP's idle workers spin (test_model, test_kld and
@@ -198,7 +202,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(tiers.TierGuard(), "ggufswap-tiers")
     if top := int(os.environ.get(cpu_times.ENV, "0")):
         config.pluginmanager.register(cpu_times.CpuTimes(top), "ggufswap-cpu-times")
-    if _is_xdist_worker(config) or not config.getoption("numprocesses", None):
+    if _is_xdist_worker(config):
+        return
+    if config.option.basetemp is None and (root := tmp_root.session_root()) is not None:
+        config.option.basetemp = str(root)  # read by pytest's tmp_path factory, configured next
+        config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
+    if not config.getoption("numprocesses", None):
         return
     if config.getoption("dist", "no") == "loadgroup":
         groups = Path(tempfile.mkdtemp(prefix="ggufswap-xdist-groups-"))

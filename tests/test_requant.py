@@ -108,7 +108,16 @@ def test_requant_keeps_a_long_vocabulary_byte_identical(tmp_path: Path) -> None:
     assert kv_end > 20_000 * 8
     assert after.index(first_info) == kv_end
     assert after[:kv_end] == before[:kv_end]
-    _assert_only_changed(src, out, name, Q.Q5_0)
+    # The metadata is byte-identical above, so the tensors are compared through the project's
+    # reader (gguf-py takes seconds to parse the 20000 strings again; the other tests use it).
+    old, new = read_header(src).tensor_map(), read_header(out).tensor_map()
+    assert list(old) == list(new)
+    for n, record in old.items():
+        assert new[n].ne == record.ne, n
+        if n != name:
+            assert new[n].ggml_type == record.ggml_type, n
+            assert after[new[n].offset : new[n].end] == before[record.offset : record.end], n
+    assert new[name].ggml_type == Q.Q5_0
 
 
 def test_unknown_tensor_is_refused_with_nearest_names(tmp_path: Path) -> None:
