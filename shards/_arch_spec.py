@@ -2,7 +2,7 @@
 (``shards.archs``: the shared rules, then each architecture's own ``WriterHooks.errors``), and the
 tensors a spec implies (``plan``: the shared block, or an architecture's own attention or block).
 
-``shards.writer`` calls these; its ``plan_tensors`` is ``plan`` after checking the spec.
+``shards.writer`` calls these; its ``plan_tensors`` is ``plan``, computed once per spec.
 """
 
 from __future__ import annotations

@@ -31,9 +31,10 @@ from ggufswap.shards.archs import rules_of
 from ggufswap.shards.ggml_types import GGMLType
 from ggufswap.shards.keys import Arch
 
-__all__ = ["ModelSpec", "raise_if_invalid"]
+__all__ = ["ModelSpec", "planned_tensors", "raise_if_invalid"]
 
 Q = GGMLQuantizationType
+_PLANNED = "_planned_tensors"  # the instance attribute (not a field) planned_tensors fills
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,6 +194,16 @@ class ModelSpec:
         return replace(self, types=merged)
 
 
+def planned_tensors(spec: ModelSpec) -> tuple[PlannedTensor, ...]:
+    """``plan(spec)``, computed once per spec: a spec is frozen, and the check at its
+    construction plans it first (a test suite builds thousands of specs, a write plans each)."""
+    cached: tuple[PlannedTensor, ...] | None = spec.__dict__.get(_PLANNED)
+    if cached is None:
+        cached = plan(spec)
+        object.__setattr__(spec, _PLANNED, cached)
+    return cached
+
+
 def raise_if_invalid(spec: ModelSpec) -> None:
     """ValueError naming every inconsistency of ``spec`` (none: returns)."""
     errors = _spec_errors(spec)
@@ -249,7 +260,7 @@ def _plan_errors(spec: ModelSpec) -> list[str]:
     in another type, a row length that is not a multiple of its type's block size."""
     errors = []
     misfits: dict[Role, list[PlannedTensor]] = {}
-    planned = plan(spec)
+    planned = planned_tensors(spec)
     for role in sorted({t.role for t in planned} & F32_ONLY_ROLES, key=lambda r: r.name):
         if spec.type_of(role) != Q.F32:
             found = spec.type_of(role).name

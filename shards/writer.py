@@ -33,10 +33,7 @@ from gguf import (
 
 from ggufswap.logs import get_logger
 from ggufswap.shards import _synth
-from ggufswap.shards._arch_spec import (
-    head_lengths,
-    plan,
-)
+from ggufswap.shards._arch_spec import head_lengths
 from ggufswap.shards._gguf_encode import (
     Hole,
     RawTensor,
@@ -44,7 +41,7 @@ from ggufswap.shards._gguf_encode import (
     encode_metadata,
     write_gguf,
 )
-from ggufswap.shards._model_spec import ModelSpec, raise_if_invalid
+from ggufswap.shards._model_spec import ModelSpec, planned_tensors
 from ggufswap.shards._planned import PlannedTensor
 from ggufswap.shards._roles import (
     DEFAULT_TYPES,
@@ -127,11 +124,10 @@ def llama3_rope_factors(spec: ModelSpec) -> np.ndarray:
     return np.asarray(out, dtype=f32)
 
 
-def plan_tensors(spec: ModelSpec, *, validate: bool = True) -> tuple[PlannedTensor, ...]:
-    """The tensors of ``spec`` in file order, with llama.cpp's names and ``ne`` shapes."""
-    if validate:
-        raise_if_invalid(spec)
-    return plan(spec)
+def plan_tensors(spec: ModelSpec) -> tuple[PlannedTensor, ...]:
+    """The tensors of ``spec`` in file order, with llama.cpp's names and ``ne`` shapes (a spec
+    is checked at its construction, which plans it: this returns that plan)."""
+    return planned_tensors(spec)
 
 
 def tensor_bytes(spec: ModelSpec, t: PlannedTensor) -> np.ndarray:
