@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import dataclasses
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 from ggufswap._preflight import runtime_problems
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from ggufswap.runtime.serving.serve import ServeOptions
 
 EXIT_CONFIG = 2
+PRELOAD_JOIN_S = 10.0  # a failed start waits this long at most for the preload's log line
 
 
 def register(subparsers: Any) -> None:
@@ -241,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     from ggufswap.runtime.errors import PlacementError
     from ggufswap.shards import ShardError
 
-    early_tokenizer = _before_torch(config, server)
+    preload, early_tokenizer = _before_torch(config, server)
     from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
 
     options = _serve_options(serve, llama)
@@ -255,24 +257,30 @@ def run(args: argparse.Namespace) -> int:
             early=early_tokenizer,
         )
     except (ListenError, IpcError, ShardError, MapRefused, PlacementError) as exc:
+        if preload is not None:  # its log line comes before the start's last one, not after
+            preload.join(PRELOAD_JOIN_S)
         print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
 
 
-def _before_torch(config: Config, server: Any) -> EarlyTokenizer | None:
+def _before_torch(
+    config: Config, server: Any
+) -> tuple[threading.Thread | None, EarlyTokenizer | None]:
     """What overlaps torch's import (runtime/serving/prestart.py): torch's library loads in a
-    thread while, in http mode, the tokenizer is built; then the phase ``import`` begins."""
+    thread while, in http mode, the tokenizer is built; then the phase ``import`` begins. Returns
+    the preload's thread and the early tokenizer (None: none)."""
     from ggufswap.runtime.serving import prestart
     from ggufswap.runtime.serving.startup import Phase
 
     prestart.quiet_torch_import()
+    preload = prestart.preload_torch_library()
     # Nothing to overlap without the preload (or without torch, whose absence is then the
     # start's one line): the tokenizer waits for the load, as it did.
-    if prestart.preload_torch_library() is None or server is None:
-        return None
+    if preload is None or server is None:
+        return preload, None
     early = prestart.early_tokenizer(config.require_runtime().model, server.startup)
     server.startup.enter(Phase.IMPORT)
-    return early
+    return preload, early
 
 
 def _serve_options(serve: ServeConfig, llama: LlamaArgs | None) -> ServeOptions:

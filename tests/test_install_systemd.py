@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -131,11 +132,17 @@ def test_an_executable_the_units_hide_is_named(where: str, directive: str | None
 def test_a_venv_in_tmp_is_refused_on_the_host_and_warned_in_a_scratch_root(tmp_path: Path) -> None:
     """A ggufswap whose venv lives under /tmp: one line naming PrivateTmp and the /opt/ggufswap
     fix; a scratch --prefix still gets its files (for review), the host (--prefix /) nothing."""
-    script = tmp_path / "bin" / "ggufswap"
-    script.parent.mkdir()
-    script.write_text(f"#!{tmp_path}/bin/python\n")
-    script.chmod(0o755)
-    scratch = run_ggufswap("install-systemd", "--prefix", tmp_path / "root", "--executable", script)
+    # The venv in /tmp itself: tmp_path may be elsewhere (tests/tmp_root.py puts it in /dev/shm).
+    venv = Path(tempfile.mkdtemp(prefix="gs-venv-", dir="/tmp"))
+    try:
+        script = venv / "bin" / "ggufswap"
+        script.parent.mkdir()
+        script.write_text(f"#!{venv}/bin/python\n")
+        script.chmod(0o755)
+        prefix = tmp_path / "root"
+        scratch = run_ggufswap("install-systemd", "--prefix", prefix, "--executable", script)
+    finally:
+        shutil.rmtree(venv)
     assert scratch.returncode == 0, scratch.stderr
     (line,) = scratch.stderr.strip().splitlines()
     assert "PrivateTmp=yes" in line, line

@@ -22,7 +22,7 @@ from pathlib import Path
 
 ENV = "GGUFSWAP_TEST_TMP"
 DEFAULT_PARENT = "/dev/shm"
-PREFIX = "ggufswap-tests-"
+PREFIX = "gst-"  # short: a Unix socket path under it must fit in 107 bytes
 # The fast tier peaks at ~0.8 GB of files, make test at ~2.5 GB: a smaller tmpfs (a container's
 # default /dev/shm is 64 MB) is not used.
 MIN_FREE_BYTES = 6 << 30
