@@ -445,8 +445,11 @@ class HotSwapRuntime:
     def _refuse_lost(self) -> None:
         with self._commit_lock:
             before = set(self.store.lost)
+            # Counted before the check: a report the watcher makes while it runs is not in
+            # what it took out of service, so batch_intact must see it as new (batch dropped).
+            reported = self.store.maps.reported
             lost = dict(check_mapped(self.store))
-            self._reported_at_boundary = self.store.maps.reported
+            self._reported_at_boundary = reported
         if set(lost) - before:
             reasons = tuple(Reason(name, why) for name, why in sorted(lost.items()))
             self._emit(TensorsLostEvent(reasons=reasons))

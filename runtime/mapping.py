@@ -120,7 +120,9 @@ class ShardMaps:
         self.compromised: dict[str, str] = {}  # path -> why its bytes may have changed
         self.reported = 0  # files reported compromised, ever (a batch compares it)
         self._reports: list[Compromised] = []  # not yet taken by the store
-        self.last_pass = time.monotonic()  # the end of the watcher's last pass
+        # When the last complete pass began: every lease was intact at or after this time (a
+        # pass stopped after it checked a file, and resumed, vouches for nothing later).
+        self.last_pass = time.monotonic()
         self._break_time_s = leases.lease_break_time()
         self._break_time_at = time.monotonic()
         self._files: dict[str, _Mapped] = {}
@@ -344,7 +346,9 @@ class ShardMaps:
         return now - self.last_pass > limit and self.mapped_files > 0
 
     def check_all(self, files: list[_Mapped] | None = None) -> None:
-        """One pass: every leased file is checked (:meth:`_check`), each on its own."""
+        """One pass: every leased file is checked (:meth:`_check`), each on its own; its start
+        becomes :attr:`last_pass` (:meth:`stale` measures from it)."""
+        started = time.monotonic()
         if files is None:
             with self._lock:
                 files = [f for f in self._files.values() if not f.closed]
@@ -357,7 +361,7 @@ class ShardMaps:
                 except Exception as exc:  # this file is given up; the others are watched on
                     log.exception("mapping.check_failed", file=mapped.path)
                     self._given_up(mapped, f"its check failed: {type(exc).__name__}: {exc}")
-        self.last_pass = time.monotonic()
+        self.last_pass = max(self.last_pass, started)  # the watcher's and a boundary's may overlap
 
     def _check(self, mapped: _Mapped) -> None:
         """A writer waits, the kernel broke the lease, or the file shrank: move the file's
