@@ -231,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
     from ggufswap._signals import ProcessSignals  # imports the shards package (gguf, numpy)
 
     signals = ProcessSignals().install()
+    preloading = _preload_torch(early)
     try:
         server = _listen_early(serve, early)
     except ListenError as exc:
@@ -241,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     from ggufswap.runtime.errors import PlacementError
     from ggufswap.shards import ShardError
 
-    early_tokenizer = _before_torch(config, server)
+    early_tokenizer = _before_torch(config, server, preloading)
     from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
 
     options = _serve_options(serve, llama)
@@ -259,16 +260,26 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
 
 
-def _before_torch(config: Config, server: Any) -> EarlyTokenizer | None:
-    """What overlaps torch's import (runtime/serving/prestart.py): torch's library loads in a
-    thread while, in http mode, the tokenizer is built; then the phase ``import`` begins."""
+def _preload_torch(early: EarlyHealth | None) -> bool:
+    """torch's library starts loading in a thread (runtime/serving/prestart.py): in http mode
+    once the port answers, before the HTTP server's modules and the tokenizer, which run beside
+    it. False where nothing is loading (no torch: its absence is then the start's one line)."""
+    from ggufswap.runtime.serving import prestart
+
+    prestart.quiet_torch_import()
+    if early is not None:  # what runs beside the load imports its extension modules first
+        prestart.import_extensions()
+    return prestart.preload_torch_library() is not None
+
+
+def _before_torch(config: Config, server: Any, preloading: bool) -> EarlyTokenizer | None:
+    """What overlaps torch's import, continued: in http mode the tokenizer is built while
+    torch's library loads; then the phase ``import`` begins."""
     from ggufswap.runtime.serving import prestart
     from ggufswap.runtime.serving.startup import Phase
 
-    prestart.quiet_torch_import()
-    # Nothing to overlap without the preload (or without torch, whose absence is then the
-    # start's one line): the tokenizer waits for the load, as it did.
-    if prestart.preload_torch_library() is None or server is None:
+    # Nothing to overlap without the preload: the tokenizer waits for the load, as it did.
+    if not preloading or server is None:
         return None
     early = prestart.early_tokenizer(config.require_runtime().model, server.startup)
     server.startup.enter(Phase.IMPORT)
