@@ -13,6 +13,9 @@ n_ctx=2048)`` (the cross-check venv's build), from the process's start. Rounds a
 the two and report medians; both run with two threads. Issue 29's target: start → ready within
 2x llama.cpp's (ratio >= 0.5), and the port answering within 1 s. ``--against`` starts another
 checkout's runtime (its venv's python) in the same rounds, for a before/after ratio in one sitting.
+Each round also starts a process that only imports torch as the runtime does (garbage collection
+paused, ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``), from the process's start: the floor a start that
+imports torch before it is ready cannot go below, against ``Llama()`` in the same rounds.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ LLAMA_CHILD = (
     "Llama(model_path=sys.argv[1], n_threads=2, n_ctx=2048, verbose=False); "
     "print(time.monotonic() - t)"
 )
+# torch's import alone, as the runtime's start imports it (runtime/serving/prestart.py, main.py)
+# (os._exit: the interpreter's teardown of torch's ~1,100 modules, 0.3-0.6 s, is not a start's)
+TORCH_CHILD = "import gc; gc.disable(); import torch, os; os._exit(0)"
+TORCH_ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 TIMEOUT_S = 600.0
 
 
@@ -123,15 +130,25 @@ def ours(model: Path, work: Path, python: str = sys.executable) -> Start:
     return Start(first, ready, _phases(log), cpu)
 
 
-def llama(python: Path, model: Path) -> tuple[float, float]:
-    """Seconds from the process's start to a constructed ``Llama``, and its CPU seconds (to
-    its exit, which follows at once)."""
+def child(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Seconds from a child process's start to its exit, and its CPU seconds."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
-    subprocess.run([str(python), "-c", LLAMA_CHILD, str(model)], check=True, capture_output=True)
+    subprocess.run(argv, check=True, capture_output=True, env=env)
     wall = time.monotonic() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def llama(python: Path, model: Path) -> tuple[float, float]:
+    """Seconds from the process's start to a constructed ``Llama``, and its CPU seconds (to
+    its exit, which follows at once)."""
+    return child([str(python), "-c", LLAMA_CHILD, str(model)])
+
+
+def torch_alone(python: str = sys.executable) -> tuple[float, float]:
+    """Seconds from the process's start to ``import torch`` done, and its CPU seconds."""
+    return child([python, "-c", TORCH_CHILD], env=os.environ | TORCH_ENV)
 
 
 def run(
@@ -146,6 +163,7 @@ def run(
     rounds = 1 if quick else rounds
     starts: list[Start] = []
     baselines: list[tuple[float, float]] = []
+    torches: list[tuple[float, float]] = []
     others: list[Start] = []
     with tempfile.TemporaryDirectory(prefix="ggufswap-bench-start-") as tmp:
         cold = ours(model, Path(tmp))  # empty cache; a restart finds it filled
@@ -154,6 +172,7 @@ def run(
         for _ in range(rounds):
             baselines.append(llama(llama_python, model))
             starts.append(ours(model, Path(tmp)))
+            torches.append(torch_alone())
             if against is not None:
                 others.append(ours(model, Path(tmp) / "against", str(against)))
     med = statistics.median
@@ -168,11 +187,14 @@ def run(
          "ratio": other / ready, "target": None, "baseline_vs_llama": base / other,
          "cpu_s": (other_cpu, cpu)}
     ] if others else []  # fmt: skip
+    torch_s, torch_cpu = med(t[0] for t in torches), med(t[1] for t in torches)
     return [
         *compared,
         {"name": "start -> ready vs Llama()", "baseline_s": base, "ours_s": ready,
          "ratio": base / ready, "target": 0.5, "phases": median_phases,
          "cpu_s": (base_cpu, cpu)},
+        {"name": "import torch alone vs Llama()", "baseline_s": base, "ours_s": torch_s,
+         "ratio": base / torch_s, "target": None, "cpu_s": (base_cpu, torch_cpu)},
         {"name": "start -> /health answers (1 s)", "baseline_s": 1.0, "ours_s": first,
          "ratio": 1.0 / first, "target": 1.0},
         {"name": "first start (empty tokenizer cache) -> ready", "baseline_s": base,
@@ -198,7 +220,7 @@ def main() -> None:
         )
         if "cpu_s" in row:
             theirs, mine = row["cpu_s"]
-            print(f"  CPU seconds to ready: ours {mine:.2f}, baseline {theirs:.2f}")
+            print(f"  CPU seconds: ours {mine:.2f}, baseline {theirs:.2f}")
         if "baseline_vs_llama" in row:
             print(f"  its ratio against Llama(): {row['baseline_vs_llama']:.2f}")
         if "phases" in row:
