@@ -1,18 +1,25 @@
 """A runtime's start against llama.cpp's on the real Gemma 3 270M Q4_K_M.
 
     python bench/startup.py [--rounds 3] [--llama-python .venv-crosscheck/bin/python]
-                            [--against OTHER_CHECKOUT/.venv/bin/python]
+                            [--against OTHER_CHECKOUT/.venv/bin/python] [--poll]
 
 Ours: ``ggufswap runtime`` in http mode, from the process's start to the first answer of
-``/health`` (503 ``loading``) and to its 200 (the model loaded, the tokenizer built, the warm-up
-done), with the tokenizer cached and the project's bytecode written (a second start, as a
-restarted unit finds them; the first start, with an empty cache, is reported on its own). Each
-start's phases (``startup.ready``'s seconds per phase, from its log) are reported as medians.
+``/health`` (503 ``loading``, polled every 10 ms) and to ready: the ``READY=1`` it sends to
+``NOTIFY_SOCKET`` (what systemd waits for; sent just after ``/health`` turns 200: the model
+loaded, the tokenizer built, the warm-up done, the control socket bound), ``/health`` no longer
+polled after its first answer (each poll takes the GIL from the start: ~7 % of a core at 10 ms);
+with ``--poll``, its 200, polled throughout (the method of the sittings before). The tokenizer is
+cached and the project's bytecode written (a second start, as a restarted unit finds them; the
+first start, with an empty cache, is reported on its own). Each start's phases
+(``startup.ready``'s seconds per phase, from its log) are reported as medians.
 Baseline: a process that imports llama-cpp-python and constructs ``Llama(model, n_threads=2,
 n_ctx=2048)`` (the cross-check venv's build), from the process's start. Rounds alternate between
 the two and report medians; both run with two threads. Issue 29's target: start → ready within
 2x llama.cpp's (ratio >= 0.5), and the port answering within 1 s. ``--against`` starts another
 checkout's runtime (its venv's python) in the same rounds, for a before/after ratio in one sitting.
+Each round also starts a process that only imports torch as the runtime does (garbage collection
+paused, ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``), from the process's start: the floor a start that
+imports torch before it is ready cannot go below, against ``Llama()`` in the same rounds.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import http.client
 import json
 import os
 import resource
+import select
 import socket
 import statistics
 import subprocess
@@ -40,6 +48,10 @@ LLAMA_CHILD = (
     "Llama(model_path=sys.argv[1], n_threads=2, n_ctx=2048, verbose=False); "
     "print(time.monotonic() - t)"
 )
+# torch's import alone, as the runtime's start imports it (runtime/serving/prestart.py, main.py)
+# (os._exit: the interpreter's teardown of torch's ~1,100 modules, 0.3-0.6 s, is not a start's)
+TORCH_CHILD = "import gc; gc.disable(); import torch, os; os._exit(0)"
+TORCH_ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 TIMEOUT_S = 600.0
 
 
@@ -71,7 +83,7 @@ def _phases(log: Path) -> dict[str, float]:
 
 class Start(NamedTuple):
     first: float  # seconds from the process's start to /health's first answer
-    ready: float  # ... to its 200
+    ready: float  # ... to READY=1 (sd_notify), or with --poll to /health's 200
     phases: dict[str, float]  # the runtime's startup.ready line
     cpu: float  # CPU seconds (user + system, all threads) the process had used when ready
 
@@ -82,8 +94,49 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def ours(model: Path, work: Path, python: str = sys.executable) -> Start:
-    """The runtime's start (``python``: the venv whose ggufswap runs)."""
+def _notify_socket() -> tuple[socket.socket, str]:
+    """A datagram socket for the runtime's sd_notify messages, and its ``NOTIFY_SOCKET``."""
+    name = f"ggufswap-bench-{os.getpid()}-{time.monotonic_ns()}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(b"\0" + name.encode())
+    return sock, "@" + name
+
+
+def _said_ready(sock: socket.socket, timeout: float) -> bool:
+    """Whether a datagram holding ``READY=1`` arrived within ``timeout`` seconds."""
+    if not select.select([sock], [], [], timeout)[0]:
+        return False
+    return b"READY=1" in sock.recv(4096).split(b"\n")
+
+
+def _watch(
+    proc: subprocess.Popen[bytes], started: float, port: int, notify: socket.socket | None
+) -> Start:
+    """Seconds from ``proc``'s start to ``/health``'s first answer (polled every 10 ms) and to
+    ready: its ``READY=1`` (``notify``; no polling after the first answer, whose requests take
+    the GIL from the start), else its ``/health`` 200 (phases left empty for the caller)."""
+    first = ready = None
+    cpu = 0.0
+    while time.monotonic() - started < TIMEOUT_S and ready is None:
+        if first is None or notify is None:
+            status = _health(port)
+            if status is not None and first is None:
+                first = time.monotonic() - started
+            if status == 200:
+                ready, cpu = time.monotonic() - started, _cpu_s(proc.pid)
+            time.sleep(0.01)
+        elif _said_ready(notify, 0.1):
+            ready, cpu = time.monotonic() - started, _cpu_s(proc.pid)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the runtime exited {proc.returncode}")
+    if first is None or ready is None:
+        raise RuntimeError("the runtime was not ready in time")
+    return Start(first, ready, {}, cpu)
+
+
+def ours(model: Path, work: Path, python: str = sys.executable, *, poll: bool = False) -> Start:
+    """The runtime's start (``python``: the venv whose ggufswap runs); ready when it tells
+    systemd so (``NOTIFY_SOCKET``), or with ``poll`` when ``/health`` answers 200."""
     port = _free_port()
     work.mkdir(parents=True, exist_ok=True)
     config = work / "runtime.yaml"
@@ -97,41 +150,43 @@ def ours(model: Path, work: Path, python: str = sys.executable) -> Start:
         "GGUFSWAP_LOG_LEVEL": "info",
         "GGUFSWAP_TOKENIZER_CACHE": str(work / "tokenizers"),
     }
+    notify = None
+    if not poll:
+        notify, env["NOTIFY_SOCKET"] = _notify_socket()
     log = work / "runtime.log"
     argv = [python, "-m", "ggufswap", "runtime", "--config", str(config), "--threads", "2"]
     started = time.monotonic()
     with log.open("wb") as sink:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=sink)
     try:
-        first = ready = None
-        cpu = 0.0
-        while time.monotonic() - started < TIMEOUT_S and ready is None:
-            status = _health(port)
-            now = time.monotonic() - started
-            if status is not None and first is None:
-                first = now
-            if status == 200:
-                ready, cpu = now, _cpu_s(proc.pid)
-            if proc.poll() is not None:
-                raise RuntimeError(f"the runtime exited {proc.returncode}")
-            time.sleep(0.01)
-        if first is None or ready is None:
-            raise RuntimeError("the runtime was not ready in time")
+        start = _watch(proc, started, port, notify)
     finally:
         proc.terminate()
         proc.wait(30)
-    return Start(first, ready, _phases(log), cpu)
+        if notify is not None:
+            notify.close()
+    return start._replace(phases=_phases(log))
+
+
+def child(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Seconds from a child process's start to its exit, and its CPU seconds."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
+    subprocess.run(argv, check=True, capture_output=True, env=env)
+    wall = time.monotonic() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 def llama(python: Path, model: Path) -> tuple[float, float]:
     """Seconds from the process's start to a constructed ``Llama``, and its CPU seconds (to
     its exit, which follows at once)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.monotonic()
-    subprocess.run([str(python), "-c", LLAMA_CHILD, str(model)], check=True, capture_output=True)
-    wall = time.monotonic() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return child([str(python), "-c", LLAMA_CHILD, str(model)])
+
+
+def torch_alone(python: str = sys.executable) -> tuple[float, float]:
+    """Seconds from the process's start to ``import torch`` done, and its CPU seconds."""
+    return child([python, "-c", TORCH_CHILD], env=os.environ | TORCH_ENV)
 
 
 def run(
@@ -139,6 +194,7 @@ def run(
     llama_python: Path = DEFAULT_LLAMA_PYTHON,
     rounds: int = 3,
     against: Path | None = None,
+    poll: bool = False,
 ) -> list[dict[str, Any]]:
     model = real_model()
     if model is None or not llama_python.exists():
@@ -146,16 +202,18 @@ def run(
     rounds = 1 if quick else rounds
     starts: list[Start] = []
     baselines: list[tuple[float, float]] = []
+    torches: list[tuple[float, float]] = []
     others: list[Start] = []
     with tempfile.TemporaryDirectory(prefix="ggufswap-bench-start-") as tmp:
-        cold = ours(model, Path(tmp))  # empty cache; a restart finds it filled
+        cold = ours(model, Path(tmp), poll=poll)  # empty cache; a restart finds it filled
         if against is not None:  # its bytecode written, as ours is by the cold start
-            ours(model, Path(tmp) / "against", str(against))
+            ours(model, Path(tmp) / "against", str(against), poll=poll)
         for _ in range(rounds):
             baselines.append(llama(llama_python, model))
-            starts.append(ours(model, Path(tmp)))
+            starts.append(ours(model, Path(tmp), poll=poll))
+            torches.append(torch_alone())
             if against is not None:
-                others.append(ours(model, Path(tmp) / "against", str(against)))
+                others.append(ours(model, Path(tmp) / "against", str(against), poll=poll))
     med = statistics.median
     base, base_cpu = med(b[0] for b in baselines), med(b[1] for b in baselines)
     ready, first, cpu = (med(getattr(s, f) for s in starts) for f in ("ready", "first", "cpu"))
@@ -168,11 +226,14 @@ def run(
          "ratio": other / ready, "target": None, "baseline_vs_llama": base / other,
          "cpu_s": (other_cpu, cpu)}
     ] if others else []  # fmt: skip
+    torch_s, torch_cpu = med(t[0] for t in torches), med(t[1] for t in torches)
     return [
         *compared,
         {"name": "start -> ready vs Llama()", "baseline_s": base, "ours_s": ready,
          "ratio": base / ready, "target": 0.5, "phases": median_phases,
          "cpu_s": (base_cpu, cpu)},
+        {"name": "import torch alone vs Llama()", "baseline_s": base, "ours_s": torch_s,
+         "ratio": base / torch_s, "target": None, "cpu_s": (base_cpu, torch_cpu)},
         {"name": "start -> /health answers (1 s)", "baseline_s": 1.0, "ours_s": first,
          "ratio": 1.0 / first, "target": 1.0},
         {"name": "first start (empty tokenizer cache) -> ready", "baseline_s": base,
@@ -188,9 +249,17 @@ def main() -> None:
     parser.add_argument(
         "--against", type=Path, default=None, help="another checkout's venv python, interleaved"
     )
+    parser.add_argument(
+        "--poll",
+        action="store_true",
+        help="ready when /health answers 200, polled every 10 ms throughout (the bench's method "
+        "before READY=1; the polls cost the start ~7%% of a core)",
+    )
     args = parser.parse_args()
     print(f"load average: {os.getloadavg()[0]:.1f}")
-    rows = run(llama_python=args.llama_python, rounds=args.rounds, against=args.against)
+    rows = run(
+        llama_python=args.llama_python, rounds=args.rounds, against=args.against, poll=args.poll
+    )
     for row in rows:
         print(
             f"{row['name']}: ours {row['ours_s']:.2f} s, baseline {row['baseline_s']:.2f} s, "
@@ -198,7 +267,7 @@ def main() -> None:
         )
         if "cpu_s" in row:
             theirs, mine = row["cpu_s"]
-            print(f"  CPU seconds to ready: ours {mine:.2f}, baseline {theirs:.2f}")
+            print(f"  CPU seconds: ours {mine:.2f}, baseline {theirs:.2f}")
         if "baseline_vs_llama" in row:
             print(f"  its ratio against Llama(): {row['baseline_vs_llama']:.2f}")
         if "phases" in row:

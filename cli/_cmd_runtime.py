@@ -233,17 +233,18 @@ def run(args: argparse.Namespace) -> int:
     from ggufswap._signals import ProcessSignals  # imports the shards package (gguf, numpy)
 
     signals = ProcessSignals().install()
+    preload = _preload_torch(early)
     try:
         server = _listen_early(serve, early)
     except ListenError as exc:
-        print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
+        _failed_start(config, exc, preload)
         return EXIT_CONFIG
     from ggufswap.ipc import IpcError
     from ggufswap.runtime import MapRefused
     from ggufswap.runtime.errors import PlacementError
     from ggufswap.shards import ShardError
 
-    preload, early_tokenizer = _before_torch(config, server)
+    early_tokenizer = _before_torch(config, server, preload is not None)
     from ggufswap.runtime.serving import daemon  # torch is imported only by the runtime command
 
     options = _serve_options(serve, llama)
@@ -257,30 +258,42 @@ def run(args: argparse.Namespace) -> int:
             early=early_tokenizer,
         )
     except (ListenError, IpcError, ShardError, MapRefused, PlacementError) as exc:
-        if preload is not None:  # its log line comes before the start's last one, not after
-            preload.join(PRELOAD_JOIN_S)
-        print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
+        _failed_start(config, exc, preload)
         return EXIT_CONFIG
 
 
-def _before_torch(
-    config: Config, server: Any
-) -> tuple[threading.Thread | None, EarlyTokenizer | None]:
-    """What overlaps torch's import (runtime/serving/prestart.py): torch's library loads in a
-    thread while, in http mode, the tokenizer is built; then the phase ``import`` begins. Returns
-    the preload's thread and the early tokenizer (None: none)."""
+def _failed_start(config: Config, exc: Exception, preload: threading.Thread | None) -> None:
+    """The start's one line, and its last: the torch preload's own log line comes before it."""
+    if preload is not None:
+        preload.join(PRELOAD_JOIN_S)
+    print(f"ggufswap runtime: {config.source}: {exc}", file=sys.stderr)
+
+
+def _preload_torch(early: EarlyHealth | None) -> threading.Thread | None:
+    """torch's library starts loading in a thread (runtime/serving/prestart.py): in http mode
+    once the port answers, before the HTTP server's modules and the tokenizer, which run beside
+    it. The thread, or None where nothing is loading (no torch: its absence is then the start's
+    one line)."""
+    from ggufswap.runtime.serving import prestart
+
+    prestart.quiet_torch_import()
+    if early is not None:  # what runs beside the load imports its extension modules first
+        prestart.import_extensions()
+    return prestart.preload_torch_library()
+
+
+def _before_torch(config: Config, server: Any, preloading: bool) -> EarlyTokenizer | None:
+    """What overlaps torch's import, continued: in http mode the tokenizer is built while
+    torch's library loads; then the phase ``import`` begins."""
     from ggufswap.runtime.serving import prestart
     from ggufswap.runtime.serving.startup import Phase
 
-    prestart.quiet_torch_import()
-    preload = prestart.preload_torch_library()
-    # Nothing to overlap without the preload (or without torch, whose absence is then the
-    # start's one line): the tokenizer waits for the load, as it did.
-    if preload is None or server is None:
-        return preload, None
+    # Nothing to overlap without the preload: the tokenizer waits for the load, as it did.
+    if not preloading or server is None:
+        return None
     early = prestart.early_tokenizer(config.require_runtime().model, server.startup)
     server.startup.enter(Phase.IMPORT)
-    return preload, early
+    return early
 
 
 def _serve_options(serve: ServeConfig, llama: LlamaArgs | None) -> ServeOptions:

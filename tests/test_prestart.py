@@ -84,6 +84,58 @@ def test_the_torch_library_loads_in_a_thread_that_leaves_python_running() -> Non
     assert ran_s >= 0.05 * took_s, (ran_s, took_s)
 
 
+WINDOW = """
+import sys, urllib.error, urllib.request
+from importlib.machinery import ExtensionFileLoader
+from pathlib import Path
+import ggufswap._cmd_runtime  # imported before the preload starts, as by the command line
+from ggufswap.runtime.serving import prestart
+
+def extensions():
+    return {name for name, module in list(sys.modules.items())
+            if isinstance(getattr(module, "__loader__", None), ExtensionFileLoader)}
+
+from ggufswap.runtime.serving.early import EarlyHealth, listen
+from ggufswap.runtime.serving.startup import Startup
+
+early = EarlyHealth(listen("127.0.0.1", 0, 16), Startup("m")).start()  # the port first
+prestart.import_extensions()
+before = extensions()
+from ggufswap.runtime.serving.http import CompletionServer, HttpOptions
+
+server = CompletionServer(
+    options=HttpOptions(host="127.0.0.1", port=0), model_name="m", startup=early.startup,
+    sock=early.handover(),
+).start()
+assert prestart.early_tokenizer(Path(sys.argv[1]), server.startup) is not None
+try:
+    urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=30)
+except urllib.error.HTTPError as exc:
+    assert exc.code == 503, exc.code
+server.close()
+print(" ".join(sorted(extensions() - before)))
+"""
+
+
+@pytest.mark.process
+def test_what_runs_beside_the_preload_imports_no_extension_module_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """The HTTP server (its modules, its thread's start, a request) and the tokenizer, which run
+    while torch's library loads, import no extension module that ``import_extensions`` did not
+    import before: one imported while the loader is busy would wait for it, holding the GIL."""
+    path = write_vocabulary(tmp_path / "vocab.gguf", spm_md())
+    out = subprocess.run(
+        [sys.executable, "-c", WINDOW, str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [], f"add to prestart.EXTENSIONS: {out.stdout}"
+
+
 def test_an_early_tokenizer_serves_only_the_file_version_it_was_built_from(
     tmp_path: Path,
 ) -> None:

@@ -16,10 +16,12 @@ here shorten it or overlap it; the command line (``_cmd_runtime``) calls them in
   drops from ~0.4 s to ~0.05 s). CPython's import of an extension module holds the GIL across
   its ``dlopen``, and glibc holds its loader lock across a library's initialisers: work that
   overlaps must be pure Python with its extension modules already imported, or it waits.
-- :func:`early_tokenizer`: the overlapping work, the tokenizer (0.3-0.5 s for Gemma's 262k
-  tokens) built from the configured file's header, in http mode, when the preload started;
-  the daemon uses it when the loaded first shard is the same file (path and identity), and
-  builds another after the load otherwise.
+- The overlapping work, in http mode: the HTTP server's modules and its thread's start
+  (0.15-0.2 s, once the port answers), then :func:`early_tokenizer`, the tokenizer (0.3-0.5 s
+  for Gemma's 262k tokens) built from the configured file's header; the daemon uses it when the
+  loaded first shard is the same file (path and identity), and builds another after the load
+  otherwise. The extension modules this work needs are imported before the preload starts
+  (:func:`import_extensions`).
 
 Garbage collection is paused for the whole start (``ggufswap.main``; resumed at ready by
 :func:`~ggufswap.runtime.serving.startup.collect_from_now`).
@@ -54,6 +56,20 @@ log = get_logger(__name__)
 with contextlib.suppress(ImportError):
     importlib.import_module("ggufswap.shards._strings")
 
+# Extension modules that the work beside the preload imports (the HTTP server's modules and its
+# thread's, the tokenizer's): imported by :func:`import_extensions` before the preload starts.
+# tests/test_prestart.py keeps the list whole by starting a server and building a tokenizer.
+EXTENSIONS: Final = (
+    "_blake2",  # hashlib
+    "_hashlib",
+    "_multiprocessing",  # uvicorn's supervisors
+    "httptools.parser.parser",  # uvicorn's HTTP protocol, imported by the server's thread
+    "httptools.parser.url_parser",
+    "markupsafe._speedups",  # jinja2: chat templates
+    "mmap",
+    "resource",
+)
+
 AUTOLOAD_ENV: Final = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 TORCH_LIBRARY: Final = "libtorch_cpu.so"  # torch/lib/: the CPU kernels, most of torch's load
 
@@ -61,6 +77,13 @@ TORCH_LIBRARY: Final = "libtorch_cpu.so"  # torch/lib/: the CPU kernels, most of
 def quiet_torch_import(environ: MutableMapping[str, str] = os.environ) -> None:
     """No out-of-tree device backend search at torch's import, unless the environment asks."""
     environ.setdefault(AUTOLOAD_ENV, "0")
+
+
+def import_extensions() -> None:
+    """Import :data:`EXTENSIONS` (those not installed are skipped: their importer reports it)."""
+    for name in EXTENSIONS:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
 
 def torch_library() -> Path | None:

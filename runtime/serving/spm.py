@@ -67,6 +67,11 @@ class SpmTokenizer:
             if self._tokens[token_id]:
                 _insert(self._trie, self._tokens[token_id], token_id)
 
+    @property
+    def tokens(self) -> Sequence[str]:
+        """The vocabulary's strings, decoded."""
+        return self._tokens
+
     def token_id(self, token: str) -> int | None:
         """The id of a vocabulary entry, or None."""
         return self._ids.get(token)

@@ -279,7 +279,7 @@ class GgufTokenizer:
         """The bytes ``token_id`` stands for in text (a response's logprobs show them): a byte
         token's byte, an SPM piece with ``▁`` as a space, a byte-level BPE piece decoded;
         control tokens as written."""
-        token = self.vocab.tokens[token_id]
+        token = self._tokens()[token_id]
         kind = self.vocab.token_types[token_id]
         if kind == TokenType.BYTE and len(token) == 6 and token.startswith("<0x"):
             return bytes([int(token[3:5], 16)])
@@ -290,7 +290,12 @@ class GgufTokenizer:
 
     def token(self, token_id: int) -> str:
         """The vocabulary entry of ``token_id`` (``▁``-spaced for SPM, byte-level for BPE)."""
-        return self.vocab.tokens[token_id]
+        return self._tokens()[token_id]
+
+    def _tokens(self) -> Sequence[str]:
+        """The vocabulary's strings: the SPM tokenizer's, decoded when it was built, else the
+        file's (a first look-up there walks the whole array: ~0.07 s for Gemma's 262k)."""
+        return self._spm.tokens if self._spm is not None else self.vocab.tokens
 
     def token_id(self, token: str) -> int | None:
         """The id of a vocabulary entry, or None."""
