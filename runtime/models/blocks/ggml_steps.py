@@ -36,6 +36,7 @@ from ggufswap.runtime.kernels.ggml_layer import (
     tail_weights,
 )
 from ggufswap.runtime.kernels.ggml_moe import moe_args, moe_block_args
+from ggufswap.runtime.kernels.ggml_step import StepLayer
 from ggufswap.runtime.models.blocks.rope import RopeTables
 from ggufswap.runtime.models.ggml_numerics import (
     GgmlMatrix,
@@ -53,12 +54,14 @@ if TYPE_CHECKING:
     from ggufswap.runtime.models.kv_cache import KVCache
 
 __all__ = [
+    "StepLayer",
     "block_front",
     "block_layer",
     "block_moe_layer",
     "block_tail",
     "gelu_table",
     "moe_step",
+    "step_layer",
 ]
 
 
@@ -222,14 +225,13 @@ def _front(
     if buffers is None:
         like = x.new_empty(1, held.n_head_kv, 1, held.head_dim).half()
         buffers = cache.buffers(attention.layer, end, like, like)
-    scale = attention.config.attn_scale
     return front_args(
         x,
         held,
         rope=(rope.cos, rope.sin, rope.n_rot, rope.neox),
         eps=eps,
         cache=(buffers[0], buffers[1], cache.length, keys[0]),
-        scales=(1.0, scale) if attention.scale_q else (scale, 1.0),
+        scales=_scales(attention),
     )
 
 
@@ -247,6 +249,37 @@ def _decoding(weights: object, x: Tensor, attention: Attention, step: tuple[obje
         and isinstance(rope, RopeTables)
         and all(b is None for b in (attention.bq, attention.bk, attention.bv, attention.bo))
     )
+
+
+def _tail_args(
+    weights: GgmlWeights,
+    parts: tuple[Attention, FeedForward],
+    norms: tuple[str, str | None, str, str | None],
+) -> tuple[object, ...] | None:
+    """A GeGLU block's tail for the layer calls (:func:`~.ggml_layer.tail_weights`), once per
+    commit; ``norms``: the attention, post-attention, FFN and post-FFN norms' tensors."""
+    attention, ffn = parts
+    attn_norm, post_attn, ffn_norm, post_ffw = norms
+
+    def make() -> tuple[object, ...] | None:
+        names = (attention.wo, ffn.gate, ffn.up, ffn.down)
+        tail = _operands(weights, "ggml-tail", names, (post_attn, ffn_norm, post_ffw))
+        post_a, ffn_n, post_f = tail.vectors
+        front = _layer_weights(weights, attention, attn_norm)
+        if tail.blocks is None or ffn_n is None or front is None:
+            return None
+        wo, gate, up, down = tail.blocks
+        held = (post_a, ffn_n, post_f)
+        return tail_weights((wo, gate, up, down), held, gelu_table(), front.q_dim)
+
+    held: tuple[object, ...] | None = _held(weights, "ggml-layer-tail", attention.wo, make)
+    return held
+
+
+def _scales(attention: Attention) -> tuple[float, float]:
+    """``(kq_scale, q_scale)``: the attention's scale on the scores, or on q (gemma3's)."""
+    scale = attention.config.attn_scale
+    return (1.0, scale) if attention.scale_q else (scale, 1.0)
 
 
 def block_layer(
@@ -272,24 +305,31 @@ def block_layer(
     assert isinstance(weights, GgmlWeights)
     assert keys is not None
     assert cache is not None
-    attn_norm, post_attn, ffn_norm, post_ffw = norms
-
-    def make() -> tuple[object, ...] | None:
-        names = (attention.wo, ffn.gate, ffn.up, ffn.down)
-        tail = _operands(weights, "ggml-tail", names, (post_attn, ffn_norm, post_ffw))
-        post_a, ffn_n, post_f = tail.vectors
-        front = _layer_weights(weights, attention, attn_norm)
-        if tail.blocks is None or ffn_n is None or front is None:
-            return None
-        wo, gate, up, down = tail.blocks
-        held = (post_a, ffn_n, post_f)
-        return tail_weights((wo, gate, up, down), held, gelu_table(), front.q_dim)
-
-    tail_args = _held(weights, "ggml-layer-tail", attention.wo, make)
-    front = _front(weights, x, attention, attn_norm, (rope, keys, cache), eps=eps)
+    tail_args = _tail_args(weights, parts, norms)
+    front = _front(weights, x, attention, norms[0], (rope, keys, cache), eps=eps)
     if front is None or tail_args is None:
         return None
     return ggml_geglu_layer(x, front, tail_args)
+
+
+def step_layer(
+    weights: object,
+    parts: tuple[Attention, FeedForward],
+    norms: tuple[str, str | None, str, str | None],
+    kind: int,
+) -> StepLayer | None:
+    """A GeGLU block's part of a one-call decode step (:func:`~.ggml_step.step_weights`), of
+    ``kind`` (which RoPE and keys it reads), made from what :func:`block_layer` reads (once per
+    commit); None where :func:`block_layer` would not apply whatever the step."""
+    attention, ffn = parts
+    biases = (attention.bq, attention.bk, attention.bv, attention.bo)
+    if not isinstance(weights, GgmlWeights) or not ffn.gelu or any(b is not None for b in biases):
+        return None
+    front = _layer_weights(weights, attention, norms[0])
+    tail = _tail_args(weights, parts, norms)
+    if front is None or tail is None:
+        return None
+    return StepLayer(front, tail, kind, _scales(attention))
 
 
 @dataclass(frozen=True)
