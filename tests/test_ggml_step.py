@@ -1,5 +1,5 @@
-"""A gemma3 decode step in one compiled call under ggml's numerics
-(``runtime/models/blocks/ggml_decode.py``, ``runtime/kernels/csrc/ggmlstep.c``): every block, the
+"""A decode step in one compiled call under ggml's numerics (``runtime/models/blocks/
+ggml_decode.py``, ``runtime/kernels/csrc/ggmlstep.c``), gemma3's and qwen3moe's: every block, the
 final norm and the head give the bits of the blocks one call each and of the steps one by one,
 read what the store holds after a commit, and step aside where they do not apply."""
 
@@ -14,6 +14,7 @@ import torch
 from runtime_helpers import ModelDir, Q, one_thread
 
 import ggufswap.runtime.models.blocks.attention as attention_module
+import ggufswap.runtime.models.blocks.decoder as decoder_module
 import ggufswap.runtime.models.blocks.ggml_decode as ggml_decode
 import ggufswap.runtime.models.gemma3 as gemma3
 from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, float_products
@@ -42,11 +43,13 @@ def open_ggml(first: Path) -> tuple[HotSwapRuntime, Decoder]:
     return runtime, build_model(config, runtime.store, store=runtime.store, numerics="ggml")
 
 
-@pytest.fixture
-def gemma(tmp_path: Path) -> Iterator[tuple[HotSwapRuntime, Decoder, ModelDir]]:
-    """A tiny gemma3 (six blocks, five with a window of 4) of a mix of ggml's types, native,
-    with ggml's numerics."""
-    spec = tiny_arch("gemma3").with_types(
+@pytest.fixture(params=["gemma3"])
+def gemma(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[HotSwapRuntime, Decoder, ModelDir]]:
+    """A tiny model of a mix of ggml's types, native, with ggml's numerics: gemma3 (six blocks,
+    five with a window of 4) unless the test asks for qwen3moe."""
+    spec = tiny_arch(request.param).with_types(
         ffn_gate="q4_0", ffn_up="q5_0", ffn_down="q8_0", attn_o="iq4_nl", attn_k="q5_0"
     )
     model_dir = ModelDir.write(tmp_path / "model", spec)
@@ -89,12 +92,13 @@ def ran(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return calls
 
 
+@pytest.mark.parametrize("gemma", ["gemma3", "qwen3moe"], indirect=True)
 def test_one_call_steps_give_the_bits_of_the_block_calls_and_of_the_steps(
     gemma: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Six decode steps in one call each (past the window, the cache grown twice) give, bit for
-    bit, the logits of the blocks one compiled call each and of every step one by one (ggml's
-    products and attention called from Python)."""
+    """Six decode steps in one call each (gemma3's past the window, the cache grown twice) give,
+    bit for bit, the logits of the blocks one compiled call each and of every step one by one
+    (ggml's products, attention and MoE FFN called from Python)."""
     _, model, _ = gemma
     calls = ran(monkeypatch)
     one = steps_of(model, 6)
@@ -103,6 +107,7 @@ def test_one_call_steps_give_the_bits_of_the_block_calls_and_of_the_steps(
         blocks = steps_of(model, 6)
         for name in ("block_layer", "block_tail"):
             monkeypatch.setattr(gemma3, name, lambda *args, **kwargs: None)
+        monkeypatch.setattr(decoder_module, "block_moe_layer", lambda *args, **kwargs: None)
         monkeypatch.setattr(attention_module, "block_front", lambda *args, **kwargs: None)
         stepped = steps_of(model, 6)
     assert calls == [True] * 6, "not while the steps run block by block"
@@ -111,11 +116,16 @@ def test_one_call_steps_give_the_bits_of_the_block_calls_and_of_the_steps(
         assert torch.equal(a, c), f"forward {i}: one call against the steps"
 
 
-@pytest.mark.parametrize("swapped", [DOWN2, "head"])
+@pytest.mark.parametrize(
+    ("gemma", "swapped"),
+    [("gemma3", DOWN2), ("gemma3", "head"), ("qwen3moe", "blk.1.ffn_down_exps.weight")],
+    indirect=["gemma"],
+)
 def test_a_swap_between_steps_is_what_the_next_step_reads(
     gemma: tuple[HotSwapRuntime, Decoder, ModelDir], swapped: str, tmp_path: Path
 ) -> None:
-    """A swap committed between two steps of one cache (a block's FFN matrix, or the head) is
+    """A swap committed between two steps of one cache (a block's FFN matrix, qwen3moe's experts'
+    down stack, or the head) is
     what the next one-call step reads, as the block calls read it; a fresh load computes the
     same; after the swap back the steps are the first load's again."""
     runtime, model, model_dir = gemma

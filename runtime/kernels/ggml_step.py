@@ -1,7 +1,8 @@
-"""A GeGLU decoder's whole decode step in one compiled call (``csrc/ggmlstep.c``), for decoders
-with ggml's numerics: every block as :func:`~.ggml_layer.geglu_layer` computes it, one after the
-other, then the final RMS norm and the output head's product, the bits of those calls one by one
-(the head: :meth:`~.qmatmul.QuantizedMatrix.linear`'s graph).
+"""A decoder's whole decode step in one compiled call (``csrc/ggmlstep.c``), for decoders with
+ggml's numerics: every block as :func:`~.ggml_layer.geglu_layer` (a GeGLU block) or
+:func:`~.ggml_moe.moe_layer` (a block with a MoE FFN) computes it, one after the other, then the
+final RMS norm and the output head's product, the bits of those calls one by one (the head:
+:meth:`~.qmatmul.QuantizedMatrix.linear`'s graph).
 
 A step crosses from Python into C once instead of once a block plus the norm and the head. What
 it reads of the store comes in :class:`StepWeights`, made once per commit by
@@ -44,7 +45,8 @@ MAX_KINDS: Final = 4
 
 class StepLayer(NamedTuple):
     """One block of a step: its attention half's weights (:func:`~.ggml_layer.layer_weights`),
-    its tail (:func:`~.ggml_layer.tail_weights`), which kind of block it is (its RoPE and keys)
+    its tail (:func:`~.ggml_layer.tail_weights`, or a MoE block's
+    :func:`~.ggml_moe.moe_block_args`), which kind of block it is (its RoPE and keys)
     and its scales ``(kq_scale, q_scale)``."""
 
     front: LayerWeights

@@ -28,7 +28,6 @@ from ggufswap.runtime.models.architecture import Architecture
 from ggufswap.runtime.models.blocks.attention import Attention, decode_keys, sliding_window_mask
 from ggufswap.runtime.models.blocks.decoder import DecoderStack, LayerInputs
 from ggufswap.runtime.models.blocks.ffn import FeedForward
-from ggufswap.runtime.models.blocks.ggml_decode import stack_step
 from ggufswap.runtime.models.blocks.ggml_steps import StepLayer, block_layer, block_tail, step_layer
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables, RotaryEmbedding
@@ -135,17 +134,6 @@ class Gemma3Transformer(DecoderStack):
         super().__init__(config, weights, check_shapes=check_shapes)
         self.rope_global = RotaryEmbedding(config, freq_scale=config.rope_freq_scale)
         self.rope_local = RotaryEmbedding(config, base=config.rope_base_local)
-
-    def forward(
-        self, tokens: Tensor, *, start_pos: int = 0, cache: KVCache | None = None
-    ) -> Tensor:
-        """:meth:`DecoderStack.forward`; a decode step in ggml's numerics is one compiled call
-        after the embedding (:func:`~.ggml_decode.stack_step`) where it applies."""
-        if cache is not None:
-            logits = stack_step(self, tokens, start_pos, cache)
-            if logits is not None:
-                return logits
-        return super().forward(tokens, start_pos=start_pos, cache=cache)
 
     def layer_inputs(
         self, start: int, seq: int, device: torch.device, *, cached: bool

@@ -403,18 +403,8 @@ PyObject *py_geglu_layer(PyObject *self, PyObject *args) {
     return run_layer(geglu_layer_locked, &l);
 }
 
-typedef struct {
-    layer_args l;
-    moe_args m;
-    mat_arg wo;
-    const float *ffn_norm;
-    float *y;
-} moe_layer_args;
-
-/* One token through a pre-norm block with a MoE FFN (qwen3moe's): h = x + att @ Wo.T, then
- * y = h + moe(ffn_norm(h)). LOCK held, no GIL. */
-static int moe_layer_locked(void *arg) {
-    moe_layer_args *b = (moe_layer_args *)arg;
+/* ggmlblock.h */
+int moe_block_locked(moe_layer_args *b) {
     const long long d = b->l.f.d, q_dim = b->l.f.w[0].rows;
     float *att = scratch(1, q_dim + 3 * d);
     if (att == NULL) return -1;
@@ -436,23 +426,38 @@ static int moe_layer_locked(void *arg) {
     return status;
 }
 
+/* ggmlblock.h */
+bool parse_moe_block(PyObject *block, moe_layer_args *b) {
+    PyObject *moe;
+    unsigned long long fn;
+    if (!PyArg_ParseTuple(block, "(Ki)KO", &b->wo.w, &b->wo.type, &fn, &moe) ||
+        !parse_moe(moe, b->l.f.d, &b->m))
+        return false;
+    if (fn == 0) {
+        PyErr_SetString(PyExc_ValueError, "moe_layer: no ffn_norm");
+        return false;
+    }
+    b->m.threads = b->l.t.threads, b->m.small = b->l.t.small;
+    b->wo.rows = b->l.f.d;
+    b->ffn_norm = (const float *)(uintptr_t)fn;
+    return true;
+}
+
+static int moe_layer_locked(void *b) { return moe_block_locked((moe_layer_args *)b); }
+
 /* moe_layer(front, cache, ((wo, type), ffn_norm, moe), y, threads, small): front and cache as
- * parse_front reads them, moe as ggmlmoe.c's parse_moe. */
+ * parse_front reads them, the block as parse_moe_block. */
 PyObject *py_moe_layer(PyObject *self, PyObject *args) {
     (void)self;
     moe_layer_args b;
     memset(&b, 0, sizeof b);
-    PyObject *front, *cache, *moe;
-    unsigned long long fn, y;
-    if (!PyArg_ParseTuple(args, "OO((Ki)KO)KiL", &front, &cache, &b.wo.w, &b.wo.type, &fn, &moe,
-                          &y, &b.l.t.threads, &b.l.t.small))
+    PyObject *front, *cache, *block;
+    unsigned long long y;
+    if (!PyArg_ParseTuple(args, "OOOKiL", &front, &cache, &block, &y, &b.l.t.threads,
+                          &b.l.t.small))
         return NULL;
-    if (!loaded() || !parse_front(front, cache, &b.l) || !parse_moe(moe, b.l.f.d, &b.m))
+    if (!loaded() || !parse_front(front, cache, &b.l) || !parse_moe_block(block, &b))
         return NULL;
-    if (fn == 0) return PyErr_Format(PyExc_ValueError, "moe_layer: no ffn_norm");
-    b.m.threads = b.l.t.threads, b.m.small = b.l.t.small;
-    b.wo.rows = b.l.f.d;
-    b.ffn_norm = (const float *)(uintptr_t)fn;
     b.y = (float *)(uintptr_t)y;
     return run_layer(moe_layer_locked, &b);
 }

@@ -50,4 +50,22 @@ bool parse_tail(PyObject *tail, layer_args *l);
  * attention, the tail; LOCK held, no GIL; 0 or -1. */
 int layer_locked(layer_args *l);
 
+/* A pre-norm block with a MoE FFN (qwen3moe's): its attention as a GeGLU block's (l), then the
+ * output product wo, the residual, the FFN norm, the MoE FFN (m) and the residual into y. */
+typedef struct {
+    layer_args l;
+    moe_args m;
+    mat_arg wo;
+    const float *ffn_norm;
+    float *y;
+} moe_layer_args;
+
+/* The block after the attention, ((wo, type), ffn_norm, moe) with moe as ggmlmoe.c's parse_moe,
+ * into b (after its front: d, threads, small); false with an exception. b->y is the caller's. */
+bool parse_moe_block(PyObject *block, moe_layer_args *b);
+
+/* One token through a block with a MoE FFN: y = h + moe(ffn_norm(h)), h = x + attention @ Wo.T;
+ * LOCK held, no GIL; 0 or -1. */
+int moe_block_locked(moe_layer_args *b);
+
 #endif

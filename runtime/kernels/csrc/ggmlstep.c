@@ -1,5 +1,6 @@
-/* A whole decode step of a GeGLU decoder (gemma3's) in one call (ggml's numerics): every block
- * (ggmlblock.c's layer_locked, one after the other), the final RMS norm and the output head.
+/* A whole decode step in one call (ggml's numerics): every block (ggmlblock.c's layer_locked
+ * for a GeGLU block, gemma3's; moe_block_locked for a block with a MoE FFN, qwen3moe's), one
+ * after the other, the final RMS norm and the output head.
  *
  * One token's step is, per block, a handful of products and row operations; the blocks one call
  * each still cross from Python into C once a block and build each block's arguments in Python.
@@ -13,7 +14,8 @@
  *   decode_step(layers, (x, d, pos, eps, ropes), caches, (out_norm, w, type, rows), y, threads,
  *               small)
  *        layers: per block (held, tail, kind, kq_scale, q_scale), held as ggmlblock.c's
- *        parse_held reads it, tail as parse_tail; kind: which of `ropes` the block reads;
+ *        parse_held reads it, tail as parse_tail (a GeGLU block's) or, of three items, as
+ *        parse_moe_block (a MoE block's); kind: which of `ropes` the block reads;
  *        ropes: per kind of block (cos, sin, n_rot, neox, lo): the RoPE row of the token's
  *        position (float32 [n_rot / 2] each) and the first key it attends; caches: per block
  *        (k, v, cap), its F16 caches [n_head_kv, cap, hd]; x: the token's embedding, float32
@@ -31,8 +33,13 @@
 #define MAX_KINDS 4 /* kinds of blocks a step tells apart (gemma3: sliding-window and global) */
 
 typedef struct {
+    moe_layer_args b; /* b.l: the block's attention (and a GeGLU block's tail) */
+    bool moe;
+} step_layer;
+
+typedef struct {
     long long n_layer, d;
-    layer_args *layers;
+    step_layer *layers;
     const float *x, *out_norm;
     mat_arg head;
     float eps;
@@ -49,10 +56,10 @@ static int step_locked(step_args *s) {
     const float *cur = s->x;
     int status = 0;
     for (long long i = 0; i < s->n_layer && status == 0; i++) {
-        layer_args *l = &s->layers[i];
+        step_layer *b = &s->layers[i];
         float *out = buf + (i % 2) * d;
-        l->f.x = cur, l->t.x = cur, l->t.y = out;
-        status = layer_locked(l);
+        b->b.l.f.x = cur, b->b.l.t.x = cur, b->b.l.t.y = out, b->b.y = out;
+        status = b->moe ? moe_block_locked(&b->b) : layer_locked(&b->b.l);
         cur = out;
     }
     if (status == 0) {
@@ -89,7 +96,8 @@ static int parse_ropes(PyObject *ropes, rope_row *r) {
 /* Block i of the step from its (held, tail, kind, kq_scale, q_scale) and (k, v, cap); false
  * with an exception. */
 static bool parse_layer(PyObject *item, PyObject *cache, const rope_row *ropes, int n_kinds,
-                        const step_args *s, long long pos, layer_args *l) {
+                        const step_args *s, long long pos, step_layer *b) {
+    layer_args *l = &b->b.l;
     PyObject *held, *tail;
     int kind;
     unsigned long long kc, vc;
@@ -106,7 +114,8 @@ static bool parse_layer(PyObject *item, PyObject *cache, const rope_row *ropes, 
     f->cos_t = (const float *)(uintptr_t)r->cos, f->sin_t = (const float *)(uintptr_t)r->sin;
     l->a.k = (uintptr_t)kc, l->a.v = (uintptr_t)vc, l->a.lo = r->lo, l->a.softcap = 0.0f;
     l->pos = pos, l->t.threads = s->threads, l->t.small = s->small;
-    return check_front(l) && parse_tail(tail, l);
+    b->moe = PyTuple_Check(tail) && PyTuple_GET_SIZE(tail) == 3;
+    return check_front(l) && (b->moe ? parse_moe_block(tail, &b->b) : parse_tail(tail, l));
 }
 
 static PyObject *run_step(step_args *s) {
@@ -140,7 +149,7 @@ PyObject *py_decode_step(PyObject *self, PyObject *args) {
     rope_row r[MAX_KINDS];
     int n_kinds = parse_ropes(ropes, r);
     if (n_kinds < 0) return NULL;
-    s.layers = (layer_args *)calloc((size_t)s.n_layer, sizeof(layer_args));
+    s.layers = (step_layer *)calloc((size_t)s.n_layer, sizeof(step_layer));
     if (s.layers == NULL) return PyErr_NoMemory();
     for (long long i = 0; i < s.n_layer; i++) {
         if (!parse_layer(PyTuple_GET_ITEM(layers, i), PyTuple_GET_ITEM(caches, i), r, n_kinds,

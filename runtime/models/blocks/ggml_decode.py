@@ -1,20 +1,24 @@
 """A decoder's whole decode step in one compiled call, in ggml's numerics
-(``ggufswap.runtime.kernels.ggml_step``, ``csrc/ggmlstep.c``): gemma3's GeGLU stack.
+(``ggufswap.runtime.kernels.ggml_step``, ``csrc/ggmlstep.c``): gemma3's GeGLU stack, and the
+stacks of pre-norm blocks with MoE experts (qwen3moe's).
 
-Block by block, a decode step crosses from Python into C once a block (:func:`~.ggml_steps.
-block_layer`) and builds each block's arguments in Python, then runs the final norm and the head
-from Python too. :func:`stack_step` runs the embedding in Python and everything after it in one
-call: the blocks, the final norm, the head. Its logits are, bit for bit, those of the steps block
-by block (``tests/test_ggml_step.py``), and it reads what they read: the blocks' weights and the
-head looked up once per commit (kept in the store's forward views, which a commit clears: a swap
-is what the next step reads), the RoPE rows and keys of the stack's own ``layer_inputs`` (each
-kind of layer once), the KV cache's F16 buffers where they are (their addresses taken again when
-the cache makes or grows them).
+Block by block, a decode step crosses from Python into C once a block
+(:func:`~.ggml_steps.block_layer`, :func:`~.ggml_steps.block_moe_layer`) and builds each block's
+arguments in Python, then runs the final norm and the head from Python too. :func:`stack_step`
+runs the embedding in Python and everything after it in one call: the blocks, the final norm,
+the head. Its logits are, bit for bit, those of the steps block by block
+(``tests/test_ggml_step.py``), and it reads what they read: the blocks' weights and the head
+looked up once per commit (kept in the store's forward views, which a commit clears: a swap is
+what the next step reads), the RoPE rows and keys of the stack's own ``layer_inputs`` (each kind
+of layer once), the KV cache's F16 buffers where they are (their addresses taken again when the
+cache makes or grows them).
 
-It is None where it does not apply (exact numerics, an F32 cache, more than one token, a block
-that is not a GeGLU one or not one ggml multiplies, another attention, no libggml with the call):
-the caller then steps block by block. :func:`per_block_steps` turns it off within a block of
-code (what it is checked and measured against).
+Every block says what it adds to the step (its ``step_layer(kind)``: gemma3's blocks, and
+:class:`~.decoder.TransformerBlock` where its FFN is a MoE one); the step is None where a block
+says nothing, or elsewhere where it does not apply (exact numerics, an F32 cache, more than one
+token, a matrix ggml does not multiply, another attention, no libggml with the call): the caller
+then steps block by block. :func:`per_block_steps` turns it off within a block of code (what it
+is checked and measured against).
 """
 
 from __future__ import annotations
@@ -39,7 +43,6 @@ from ggufswap.runtime.kernels.ggml_step import (
     step_weights,
 )
 from ggufswap.runtime.models.blocks.attention import decode_keys
-from ggufswap.runtime.models.blocks.decoder import embed
 from ggufswap.runtime.models.blocks.rope import RopeTables
 from ggufswap.runtime.models.ggml_numerics import GgmlMatrix, GgmlWeights, ggml_norms_active, kv_f16
 
@@ -96,9 +99,10 @@ class _Step:
     held: tuple[object, ...]
 
 
-def _step(weights: GgmlWeights, stack: DecoderStack, kinds: tuple[int, ...]) -> StepWeights | None:
-    """The stack's :class:`StepWeights` for layers of ``kinds``, once per commit (the store's
-    forward views, under the head's name)."""
+def _step(weights: GgmlWeights, stack: DecoderStack, kinds: tuple[int, ...]) -> _Step:
+    """The stack's :class:`StepWeights` (None: the call does not apply), once per commit (the
+    store's forward views, under the head's name), for layers of ``kinds`` (the first step's
+    after the commit: a stack's split of its layers into kinds does not change)."""
 
     def make() -> _Step:
         layers: list[StepLayer] = []
@@ -114,11 +118,7 @@ def _step(weights: GgmlWeights, stack: DecoderStack, kinds: tuple[int, ...]) -> 
             return _Step(kinds, None, ())
         return _Step(kinds, step_weights(layers, norm, head.blocks), (head, norm))
 
-    step = weights.store.views.get("ggml-step", stack.output, _Step, make)
-    if step.kinds != kinds:  # another split of the layers into kinds: made again
-        step = make()
-        weights.store.views.keep("ggml-step", stack.output, step)
-    return step.weights
+    return weights.store.views.get("ggml-step", stack.output, _Step, make)
 
 
 # Each cache's buffers as the last step took them: (its generation, the step weights, caches).
@@ -167,18 +167,25 @@ def stack_step(
     if not applies:
         return None
     assert isinstance(weights, GgmlWeights)
+    known = weights.store.views.find("ggml-step", stack.output)
+    if isinstance(known, _Step) and known.weights is None:
+        return None  # not this stack, until the next commit
     end = start_pos + 1
     found = _kinds(stack.layer_inputs(start_pos, 1, tokens.device, cached=True), end)
     if found is None:
         return None
     kinds, ropes = found
-    held = _step(weights, stack, kinds)
-    caches = None if held is None else _caches(cache, held, end)
-    if held is None or caches is None:
+    step = _step(weights, stack, kinds)
+    held = step.weights
+    if held is None or step.kinds != kinds:
+        return None
+    caches = _caches(cache, held, end)
+    if caches is None:
         return None
     c = stack.config
-    x = embed(tokens, weights, stack.tok_embd, c.embed_scale)
-    logits = decode_step(x, held, ropes, caches, pos=start_pos, eps=c.norm_eps)
+    logits = decode_step(
+        stack.embedding(tokens), held, ropes, caches, pos=start_pos, eps=c.norm_eps
+    )
     if logits is None:
         return None
     cache.advance(1)

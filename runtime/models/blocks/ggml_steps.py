@@ -62,6 +62,7 @@ __all__ = [
     "gelu_table",
     "moe_step",
     "step_layer",
+    "step_moe_layer",
 ]
 
 
@@ -372,6 +373,26 @@ def moe_step(weights: object, moe: MoEFeedForward, f: Tensor) -> Tensor | None:
     return None if spec is None else ggml_moe_ffn(f, spec, moe.config.n_embd)
 
 
+def _moe_block(
+    weights: GgmlWeights, parts: tuple[Attention, MoEFeedForward], norms: tuple[str, str]
+) -> tuple[object, ...] | None:
+    """A MoE block's half after attention for the layer calls (:func:`~.ggml_moe.
+    moe_block_args`), once per commit; ``norms``: the attention's and the FFN's."""
+    attention, moe = parts
+    attn_norm, ffn_norm = norms
+
+    def make() -> tuple[object, ...] | None:
+        spec = _moe(weights, moe)
+        wo = _operands(weights, "ggml-wo", (attention.wo,), (ffn_norm,))
+        front = _layer_weights(weights, attention, attn_norm)
+        if spec is None or wo.blocks is None or wo.vectors[0] is None or front is None:
+            return None
+        return moe_block_args(wo.blocks[0], wo.vectors[0], spec, front.q_dim)
+
+    held: tuple[object, ...] | None = _held(weights, "ggml-moe-block", attention.wo, make)
+    return held
+
+
 def block_moe_layer(
     weights: object,
     x: Tensor,
@@ -388,24 +409,31 @@ def block_moe_layer(
     output product, the residual, the FFN norm (``norms``: the attention's and the FFN's),
     :func:`moe_step`'s FFN and the residual, the bits of those steps one after the other. None
     elsewhere: the caller steps."""
-    attention, moe = parts
+    attention = parts[0]
     if not _decoding(weights, x, attention, (rope, keys, cache)):
         return None
     assert isinstance(weights, GgmlWeights)
     assert keys is not None
     assert cache is not None
-    attn_norm, ffn_norm = norms
-
-    def make() -> tuple[object, ...] | None:
-        spec = _moe(weights, moe)
-        wo = _operands(weights, "ggml-wo", (attention.wo,), (ffn_norm,))
-        front = _layer_weights(weights, attention, attn_norm)
-        if spec is None or wo.blocks is None or wo.vectors[0] is None or front is None:
-            return None
-        return moe_block_args(wo.blocks[0], wo.vectors[0], spec, front.q_dim)
-
-    block = _held(weights, "ggml-moe-block", attention.wo, make)
-    front = _front(weights, x, attention, attn_norm, (rope, keys, cache), eps=eps)
+    block = _moe_block(weights, parts, norms)
+    front = _front(weights, x, attention, norms[0], (rope, keys, cache), eps=eps)
     if front is None or block is None:
         return None
     return ggml_moe_layer(x, front, block)
+
+
+def step_moe_layer(
+    weights: object, parts: tuple[Attention, MoEFeedForward], norms: tuple[str, str], kind: int
+) -> StepLayer | None:
+    """A MoE block's part of a one-call decode step (:func:`~.ggml_step.step_weights`), of
+    ``kind``, made from what :func:`block_moe_layer` reads (once per commit); None where
+    :func:`block_moe_layer` would not apply whatever the step."""
+    attention, _ = parts
+    biases = (attention.bq, attention.bk, attention.bv, attention.bo)
+    if not isinstance(weights, GgmlWeights) or any(b is not None for b in biases):
+        return None
+    front = _layer_weights(weights, attention, norms[0])
+    block = _moe_block(weights, parts, norms)
+    if front is None or block is None:
+        return None
+    return StepLayer(front, block, kind, _scales(attention))
