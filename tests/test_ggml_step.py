@@ -19,6 +19,7 @@ import ggufswap.runtime.models.blocks.ggml_decode as ggml_decode
 import ggufswap.runtime.models.gemma3 as gemma3
 from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, float_products
 from ggufswap.runtime.kernels import ggml_library
+from ggufswap.runtime.kernels.ggml_step import StepLayer, decode_step, step_caches, step_weights
 from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.models.blocks.ggml_decode import per_block_steps
 from ggufswap.runtime.models.ggml_numerics import kv_cache_type
@@ -193,3 +194,36 @@ def test_a_decoder_with_exact_numerics_never_takes_the_call(
     exact = build_model(config, runtime.store, store=runtime.store)
     steps_of(exact, 2)
     assert calls == []
+
+
+def test_step_arguments_that_do_not_fit_are_refused(
+    gemma: tuple[HotSwapRuntime, Decoder, ModelDir],
+) -> None:
+    """A step's weights need a final norm of the blocks' width; its caches F16 buffers of each
+    block's heads, one pair a block; its call a float32 row of that width and one RoPE row a
+    kind of block: elsewhere None (the blocks step). A position past the caches is refused by
+    the C side, not written."""
+    _, model, _ = gemma
+    weights = model.weights
+    layers = [layer.step_layer(0) for layer in model.layers]
+    assert all(isinstance(layer, StepLayer) for layer in layers)
+    head = weights.matrix(model.output)
+    norm = weights.weight(model.norm)
+    held = step_weights(layers, norm, head.blocks)  # type: ignore[arg-type, union-attr]
+    assert held is not None
+    assert step_weights(layers, norm[:-1], head.blocks) is None  # type: ignore[arg-type, union-attr]
+    f16 = [(torch.zeros(1, h, 8, d, dtype=torch.float16),) * 2 for h, d in held.heads]
+    caches = step_caches(held, f16)
+    assert caches is not None
+    assert step_caches(held, [(k.float(), v.float()) for k, v in f16]) is None
+    assert step_caches(held, f16[:-1]) is None
+    n_rot = model.config.n_rot
+    rope = (torch.ones(1, n_rot // 2), torch.zeros(1, n_rot // 2), n_rot, True, 0)
+    x = torch.randn(1, 1, held.d)
+    assert decode_step(x.double(), held, [rope], caches, pos=0, eps=1e-6) is None
+    assert decode_step(x, held, [rope, rope], caches, pos=0, eps=1e-6) is None
+    logits = decode_step(x, held, [rope], caches, pos=0, eps=1e-6)
+    assert logits is not None
+    assert logits.shape == (1, 1, head.blocks.shape[0])  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="pos=8 of 8"):
+        decode_step(x, held, [rope], caches, pos=8, eps=1e-6)
