@@ -121,13 +121,14 @@ def _step(weights: GgmlWeights, stack: DecoderStack, kinds: tuple[int, ...]) -> 
     return weights.store.views.get("ggml-step", stack.output, _Step, make)
 
 
+Caches = tuple[tuple[int, int, int], ...]  # per layer: k, v (addresses), capacity
 # Each cache's buffers as the last step took them: (its generation, the step weights, caches).
-_CACHES: weakref.WeakKeyDictionary[KVCache, tuple[int, StepWeights, tuple[object, ...]]] = (
+_CACHES: weakref.WeakKeyDictionary[KVCache, tuple[int, StepWeights, Caches]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _caches(cache: KVCache, held: StepWeights, end: int) -> tuple[tuple[int, int, int], ...] | None:
+def _caches(cache: KVCache, held: StepWeights, end: int) -> Caches | None:
     """Every layer's F16 buffers with room for ``end`` positions (made or grown here where they
     do not have it), as the step takes them; None where they are not F16 ones."""
     if cache.capacity() < end:
@@ -136,7 +137,7 @@ def _caches(cache: KVCache, held: StepWeights, end: int) -> tuple[tuple[int, int
             cache.buffers(layer, end, like, like)
     last = _CACHES.get(cache)
     if last is not None and last[0] == cache.generation and last[1] is held:
-        return last[2]  # type: ignore[return-value]
+        return last[2]
     buffers = [cache.room(layer, end) for layer in range(len(held.heads))]
     if any(b is None for b in buffers):
         return None
@@ -151,8 +152,8 @@ def stack_step(
 ) -> Tensor | None:
     """``logits [1, 1, V]`` of one token ``tokens [1, 1]`` at ``start_pos`` (the cache's
     length) in one compiled call after the embedding, the token's keys and values appended to
-    ``cache``; None where the call does not apply (nothing done: the caller steps block by
-    block)."""
+    ``cache``; None where the call does not apply (the caller steps block by block; the cache
+    may have grown its buffers for the token, nothing else is done)."""
     weights = stack.weights
     applies = (
         not _PER_BLOCK.get()

@@ -7,7 +7,9 @@ one by one (``tests/test_ggml_block.py``) and reads the store's weights, looked 
 (its forward views, which a commit clears), so a committed swap is what the next call computes
 with; each is None where it does not apply (exact
 numerics, biases, SwiGLU's tail, another attention, a matrix ggml does not multiply), and the
-caller then steps.
+caller then steps. :func:`block_layer` and :func:`block_moe_layer` are a whole block's decode step
+in one call; :func:`step_layer` and :func:`step_moe_layer` what the same blocks add to a whole
+decode step in one call (``ggml_decode.py``), made from the same per-commit arguments.
 """
 
 from __future__ import annotations
