@@ -47,9 +47,11 @@ setup(
                 "runtime/kernels/csrc/ggmlcall.c",
                 "runtime/kernels/csrc/ggmlblock.c",
                 "runtime/kernels/csrc/ggmlmoe.c",
+                "runtime/kernels/csrc/ggmlstep.c",
             ],
             depends=[
                 "runtime/kernels/csrc/ggmlcall.h",
+                "runtime/kernels/csrc/ggmlblock.h",
                 "runtime/kernels/csrc/rownorm.h",
                 "runtime/kernels/csrc/rowrope.h",
             ],

@@ -1,6 +1,7 @@
 """The engine against llama.cpp, same files, tokens and threads, measured in the same run.
 
-    python bench/llama_ratio.py [--quick] [--rounds N] [--llama-python PATH]
+    python bench/llama_ratio.py [--quick] [--rounds N] [--llama-python PATH] [--cpu-time]
+                                [--decode-only] [--against REPO]
 
 llama.cpp is llama-cpp-python in the cross-check venv (``.venv-crosscheck``, ``make crosscheck``
 builds it), run in a fresh process per measurement (``bench/_llama_child.py``); ours runs in a
@@ -23,6 +24,11 @@ llama.cpp's pace), with the issue's target:
   and ggml numerics (target 1.0);
 - decode-step growth from 64 to 4,096 tokens of context, 1 thread (ours against llama.cpp's
   growth: no worse, target 1.0).
+
+``--against REPO`` measures another build of ggufswap in the same rounds of the decode rows (a
+checkout with its own ``.venv``, e.g. main's: ``REPO/.venv/bin/python REPO/bench/llama_ratio.py
+--child``), and prints its ratio beside ours (``before -> ours``); ``--decode-only`` runs the
+decode rows alone (Gemma at 1 and 2 threads, the MoE model).
 
 Without the cross-check venv nothing is measured (a note says how to build it). The host's load
 (``os.getloadavg``) is printed beside the figures: on a shared host they are noisy, and
@@ -72,9 +78,14 @@ def llama(python: Path, job: dict[str, Any]) -> dict[str, Any]:
     return got
 
 
-def ours(job: dict[str, Any]) -> dict[str, Any]:
+def ours(job: dict[str, Any], repo: Path | None = None) -> dict[str, Any]:
+    """Our measurement in a fresh process: this build's, or (``repo``) another checkout's with
+    its own ``.venv``."""
+    argv = [sys.executable, str(HERE)]
+    if repo is not None:
+        argv = [str(repo / ".venv" / "bin" / "python"), str(repo / "bench" / HERE.name)]
     started = time.perf_counter()
-    got = _json_child([sys.executable, str(HERE), "--child", json.dumps(job)])
+    got = _json_child([*argv, "--child", json.dumps(job)])
     got["wall_s"] = time.perf_counter() - started
     return got
 
@@ -186,19 +197,39 @@ def _key(name: str, cpu: bool) -> str:
 def _decode(
     python: Path, rounds: int, cpu: bool, job: dict[str, Any], numerics: str | None
 ) -> tuple[float, float, dict[str, Any], str]:
-    """A decode job's step time, ours and llama.cpp's, interleaved over ``rounds``, in
-    ``numerics`` (None: the runtime's default); the last of our results, and the row name's
-    suffix."""
+    """A decode job's step time, ours and llama.cpp's (and the ``--against`` build's, as
+    ``before_s`` in the last result), interleaved over ``rounds``, in ``numerics`` (None: the
+    runtime's default); the last of our results, and the row name's suffix."""
     if numerics is not None:
         job = {**job, "numerics": numerics}
-    theirs, mine, last = interleaved(
-        rounds, lambda: ours(job), lambda: llama(python, job), _key("step_s", cpu)
-    )
+    key = _key("step_s", cpu)
+    before: list[float] = []
+
+    def measure() -> dict[str, Any]:
+        got = ours(job)
+        if AGAINST:
+            before.append(float(ours(job, AGAINST[0])[key]))
+        return got
+
+    theirs, mine, last = interleaved(rounds, measure, lambda: llama(python, job), key)
+    last["before_s"] = statistics.median(before) if before else None
     return theirs, mine, last, f", {numerics} numerics" if numerics else ""
 
 
+# ``--against``: the other build measured beside ours in the decode rows (none: empty).
+AGAINST: list[Path] = []
+
+
+def _decode_row(name: str, theirs: float, mine: float, last: dict[str, Any]) -> dict[str, Any]:
+    """A decode row, with the ``--against`` build's time and ratio where it was measured."""
+    out = row(name, theirs, mine, 1.0)
+    if last.get("before_s"):
+        out["before_s"], out["before_ratio"] = last["before_s"], theirs / last["before_s"]
+    return out
+
+
 def gemma_rows(
-    python: Path, path: Path, rounds: int, quick: bool, cpu: bool
+    python: Path, path: Path, rounds: int, quick: bool, cpu: bool, *, decode_only: bool = False
 ) -> list[dict[str, Any]]:
     rows = []
     clock = " (CPU time)" if cpu else ""
@@ -211,7 +242,9 @@ def gemma_rows(
                  f"({last['storage']}, {last['kernels']}), llama.cpp {1 / theirs:.1f} tok/s"
                  f"{clock}")  # fmt: skip
             name = f"gemma3 270M greedy decode, {threads} thread(s){how}{clock}"
-            rows.append(row(name, theirs, mine, 1.0))
+            rows.append(_decode_row(name, theirs, mine, last))
+    if decode_only:
+        return rows
     prompt = [PROMPT[i % len(PROMPT)] for i in range(EVAL_TOKENS)]
     base = {"what": "eval", "path": str(path), "threads": 2, "prompt": prompt}
     figures = {}
@@ -272,7 +305,7 @@ def moe_rows(python: Path, root: Path, rounds: int, quick: bool, cpu: bool) -> l
         _say(f"qwen3moe 128 experts decode{how}: ours {mine * 1e3:.2f} ms/step "
              f"({last['kernels']}), llama.cpp {theirs * 1e3:.2f} ms/step{clock}")  # fmt: skip
         name = f"qwen3moe 128 experts (8 used) decode, 1 thread{how}{clock}"
-        rows.append(row(name, theirs, mine, 1.0))
+        rows.append(_decode_row(name, theirs, mine, last))
     return rows
 
 
@@ -287,6 +320,7 @@ def run(
     llama_python: Path = LLAMA_PYTHON,
     *,
     cpu: bool = False,
+    decode_only: bool = False,
 ) -> list[Any]:
     sys.path.insert(0, str(HERE.parent))
     from _real import REAL_PACKAGE, real_model
@@ -300,7 +334,7 @@ def run(
     if path is None:
         _say(f"{REAL_PACKAGE} is not installed: no Gemma 3 270M rows")
     else:
-        rows += gemma_rows(llama_python, path, rounds, quick, cpu)
+        rows += gemma_rows(llama_python, path, rounds, quick, cpu, decode_only=decode_only)
     with tempfile.TemporaryDirectory(prefix="ggufswap-bench-llama-") as tmp:
         rows += moe_rows(llama_python, Path(tmp), rounds, quick, cpu)
     return rows
@@ -316,15 +350,29 @@ def main() -> int:
         action="store_true",
         help="ratios of the processes' CPU time (steadier than wall time on a shared host)",
     )
+    parser.add_argument("--decode-only", action="store_true", help="the decode rows alone")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="another ggufswap checkout (with its .venv) measured beside ours in the decode rows",
+    )
     parser.add_argument("--child", help="one measurement of ours (JSON job)")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
-    for r in run(args.quick, args.rounds, args.llama_python, cpu=args.cpu_time):
+    if args.against is not None:
+        AGAINST.append(args.against.resolve())
+    rows = run(
+        args.quick, args.rounds, args.llama_python, cpu=args.cpu_time, decode_only=args.decode_only
+    )
+    for r in rows:
+        before = ""
+        if "before_ratio" in r:
+            before = f", {args.against} {r['before_s']:.4g} (ratio {r['before_ratio']:.2f})"
         print(
             f"{r['name']}: llama.cpp {r['baseline_s']:.4g}, ours {r['ours_s']:.4g}, "
-            f"ratio {r['ratio']:.2f} (target {r['target']})"
+            f"ratio {r['ratio']:.2f} (target {r['target']}){before}"
         )
     return 0
 

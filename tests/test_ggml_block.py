@@ -1,7 +1,8 @@
 """A block's steps around its products in one compiled call each under ggml's numerics
 (``runtime/kernels/ggml_block.py``): the attention's front (norm, q/k/v, head norms, RoPE) and a
 gemma3 block's half after attention give the bits of the same steps one by one, reading the
-store."""
+store. Decode steps run block by block here (``per_block_steps``): gemma3's whole step in one call
+is tests/test_ggml_step.py's."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import ggufswap.runtime.models.gemma3 as gemma3
 from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, float_products, ggml_flash_attn
 from ggufswap.runtime.kernels import ggml_library
 from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.models.blocks.ggml_decode import per_block_steps
 from ggufswap.runtime.models.ggml_numerics import ggml_norms, kv_cache_type
 from ggufswap.runtime.models.registry import Decoder
 from ggufswap.shards.ggml_types import GGMLType
@@ -32,6 +34,13 @@ pytestmark = [
 
 PROMPT = torch.tensor([[1, 17, 33, 250, 4, 99, 7]])
 DOWN2 = "blk.2.ffn_down.weight"
+
+
+@pytest.fixture(autouse=True)
+def block_by_block() -> Iterator[None]:
+    """Decode steps one compiled call a block, not one a step."""
+    with per_block_steps():
+        yield
 
 
 def spec(arch: str = "gemma3") -> object:

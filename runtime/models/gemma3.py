@@ -28,7 +28,7 @@ from ggufswap.runtime.models.architecture import Architecture
 from ggufswap.runtime.models.blocks.attention import Attention, decode_keys, sliding_window_mask
 from ggufswap.runtime.models.blocks.decoder import DecoderStack, LayerInputs
 from ggufswap.runtime.models.blocks.ffn import FeedForward
-from ggufswap.runtime.models.blocks.ggml_steps import block_layer, block_tail
+from ggufswap.runtime.models.blocks.ggml_steps import StepLayer, block_layer, block_tail, step_layer
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables, RotaryEmbedding
 from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider
@@ -91,6 +91,12 @@ class Gemma3Block(nn.Module):
         self.attention = Attention(config, weights, layer, spec)
         self.attention.scale_q = True  # llama.cpp: Qcur = ggml_scale(Qcur, f_attention_scale)
         self.feed_forward = FeedForward(config, weights, layer, spec)
+
+    def step_layer(self, kind: int) -> StepLayer | None:
+        """This block's part of a one-call decode step in ggml's numerics (of ``kind``: which
+        RoPE and keys it reads), or None (:func:`~.ggml_steps.step_layer`)."""
+        norms4 = (self.attn_norm, self.post_attn_norm, self.ffn_norm, self.post_ffw_norm)
+        return step_layer(self.weights, (self.attention, self.feed_forward), norms4, kind)
 
     def forward(
         self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None

@@ -45,6 +45,9 @@ class KVCache:
         self.length = 0  # positions stored (in every layer once a forward has finished)
         self._k: list[Tensor | None] = [None] * n_layer  # [B, Hkv, capacity, hd]
         self._v: list[Tensor | None] = [None] * n_layer
+        # Bumped whenever a layer's buffers are made or grown: whoever keeps their addresses
+        # (a compiled decode step's arguments) takes them again then.
+        self.generation = 0
 
     def check_continues(self, start_pos: int, n_new: int) -> None:
         """Raise unless a forward of ``n_new`` tokens at ``start_pos`` extends this cache."""
@@ -83,10 +86,17 @@ class KVCache:
             cache_k, cache_v = (
                 t.new_zeros(*t.shape[:2], max(self.max_len, end), t.shape[3]) for t in (k, v)
             )
+            self.generation += 1
         elif end > cache_k.shape[2]:
             cache_k, cache_v = (_grown(t, 2 * end) for t in (cache_k, cache_v))
+            self.generation += 1
         self._k[layer], self._v[layer] = cache_k, cache_v
         return cache_k, cache_v
+
+    def capacity(self) -> int:
+        """Positions every layer's buffers hold (0 until each has them)."""
+        caps = [0 if k is None else k.shape[2] for k in self._k]
+        return min(caps)
 
     def advance(self, n_new: int) -> None:
         """Mark ``n_new`` more positions as stored (the model calls this after its last layer)."""

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ggmlblock.h"
 #include "ggmlcall.h"
 #include "rownorm.h"
 #include "rowrope.h"
@@ -72,15 +73,6 @@ static void geglu_soft(float *g, const float *u, long long count, const float *t
 static void geglu_rows(float *g, const float *u, long long count, const float *table) {
     (__builtin_cpu_supports("f16c") ? geglu_f16c : geglu_soft)(g, u, count, table);
 }
-
-typedef struct {
-    long long n, d, q_dim, ff, small;
-    mat_arg wo, gate, up, down;
-    const float *x, *a, *post_attn, *ffn_norm, *post_ffw, *table;
-    float eps;
-    float *y;
-    int threads;
-} tail_args;
 
 static int product_threads(const tail_args *t, long long weight_bytes) {
     return t->n * weight_bytes < t->small ? 1 : t->threads;
@@ -171,14 +163,6 @@ static void f16_round_soft(float *x, long long count) { f16_body(x, count); }
 static void f16_round(float *x, long long count) {
     (__builtin_cpu_supports("f16c") ? f16_round_f16c : f16_round_soft)(x, count);
 }
-
-typedef struct {
-    long long n, d, hd, n_rot, q_step, kv_step, small;
-    mat_arg w[3]; /* q, k, v */
-    const float *x, *attn_norm, *q_norm, *k_norm, *cos_t, *sin_t;
-    int neox, threads, kv_f16;
-    float eps;
-} front_args;
 
 /* A block's attention up to the heads' q, k, v. LOCK held, no GIL. */
 static int front_locked(front_args *t) {
@@ -273,14 +257,6 @@ PyObject *py_flash_attn(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-typedef struct {
-    front_args f;
-    attn_arg a;
-    tail_args t;
-    long long pos; /* the token's position: its keys and values go to row pos of the caches */
-    float q_scale;
-} layer_args;
-
 /* Row `pos` of each head of an F16 cache [heads, cap, hd] from rows [heads, hd] of float32. */
 static void to_cache(const float *x, uintptr_t cache, long long heads, long long cap,
                      long long pos, long long hd) {
@@ -311,8 +287,8 @@ static int token_attention(layer_args *l, float *att) {
     return status;
 }
 
-/* One token through a GeGLU block: token_attention, then tail_locked. LOCK held, no GIL. */
-static int layer_locked(layer_args *l) {
+/* ggmlblock.h */
+int layer_locked(layer_args *l) {
     float *att = scratch(1, l->f.w[0].rows);
     if (att == NULL) return -1;
     int status = token_attention(l, att);
@@ -324,25 +300,28 @@ static int layer_locked(layer_args *l) {
     return status;
 }
 
-/* The front and cache of a layer call: (x, d, (attn_norm, (wq, type, rows), (wk, ...), (wv,
- * ...), q_norm, k_norm, hd), n_rot, neox, cos, sin, eps), then (k_cache, v_cache, cap, pos, lo,
- * kq_scale, q_scale, softcap); threads and small already in l->t. False with an exception. */
-static bool parse_front(PyObject *front, PyObject *cache, layer_args *l) {
+/* ggmlblock.h */
+bool parse_held(PyObject *held, layer_args *l) {
     front_args *f = &l->f;
-    unsigned long long x, an, qn, kn, pc, ps, kc, vc;
-    if (!PyArg_ParseTuple(front, "KL(K(KiL)(KiL)(KiL)KKL)LpKKf", &x, &f->d, &an, &f->w[0].w,
-                          &f->w[0].type, &f->w[0].rows, &f->w[1].w, &f->w[1].type, &f->w[1].rows,
-                          &f->w[2].w, &f->w[2].type, &f->w[2].rows, &qn, &kn, &f->hd, &f->n_rot,
-                          &f->neox, &pc, &ps, &f->eps) ||
-        !PyArg_ParseTuple(cache, "KKLLLfff", &kc, &vc, &l->a.cap, &l->pos, &l->a.lo,
-                          &l->a.scale, &l->q_scale, &l->a.softcap))
+    unsigned long long an, qn, kn;
+    if (!PyArg_ParseTuple(held, "K(KiL)(KiL)(KiL)KKL", &an, &f->w[0].w, &f->w[0].type,
+                          &f->w[0].rows, &f->w[1].w, &f->w[1].type, &f->w[1].rows, &f->w[2].w,
+                          &f->w[2].type, &f->w[2].rows, &qn, &kn, &f->hd))
         return false;
+    f->attn_norm = (const float *)(uintptr_t)an;
+    f->q_norm = (const float *)(uintptr_t)qn, f->k_norm = (const float *)(uintptr_t)kn;
+    return true;
+}
+
+/* ggmlblock.h */
+bool check_front(layer_args *l) {
+    front_args *f = &l->f;
     const long long d = f->d, hd = f->hd;
     bool ok = attends() && d >= 1 && hd >= 1 && f->w[0].rows % hd == 0 &&
               f->w[1].rows % hd == 0 && f->w[2].rows == f->w[1].rows && f->w[1].rows > 0 &&
               f->w[0].rows % f->w[1].rows == 0 && f->n_rot >= 2 && f->n_rot % 2 == 0 &&
-              f->n_rot <= hd && l->t.threads >= 1 && an && l->pos >= 0 && l->pos < l->a.cap &&
-              l->a.lo >= 0 && l->a.lo <= l->pos;
+              f->n_rot <= hd && l->t.threads >= 1 && f->attn_norm != NULL && l->pos >= 0 &&
+              l->pos < l->a.cap && l->a.lo >= 0 && l->a.lo <= l->pos;
     if (!ok) {
         PyErr_Format(PyExc_ValueError, "layer d=%lld hd=%lld pos=%lld of %lld", d, hd, l->pos,
                      l->a.cap);
@@ -350,12 +329,28 @@ static bool parse_front(PyObject *front, PyObject *cache, layer_args *l) {
     }
     f->n = 1, f->kv_f16 = 1, f->threads = l->t.threads, f->small = l->t.small;
     f->q_step = f->w[0].rows / hd, f->kv_step = f->w[1].rows / hd;
-    f->x = (const float *)(uintptr_t)x, f->attn_norm = (const float *)(uintptr_t)an;
-    f->q_norm = (const float *)(uintptr_t)qn, f->k_norm = (const float *)(uintptr_t)kn;
-    f->cos_t = (const float *)(uintptr_t)pc, f->sin_t = (const float *)(uintptr_t)ps;
     l->a.hd = hd, l->a.n_head = f->q_step, l->a.n_head_kv = f->kv_step;
-    l->a.k = (uintptr_t)kc, l->a.v = (uintptr_t)vc, l->a.hi = l->pos + 1;
+    l->a.hi = l->pos + 1;
     return true;
+}
+
+/* The front and cache of a layer call: (x, d, held, n_rot, neox, cos, sin, eps), held as
+ * parse_held reads it, then (k_cache, v_cache, cap, pos, lo, kq_scale, q_scale, softcap);
+ * threads and small already in l->t. False with an exception. */
+static bool parse_front(PyObject *front, PyObject *cache, layer_args *l) {
+    front_args *f = &l->f;
+    unsigned long long x, pc, ps, kc, vc;
+    PyObject *held;
+    if (!PyArg_ParseTuple(front, "KLOLpKKf", &x, &f->d, &held, &f->n_rot, &f->neox, &pc, &ps,
+                          &f->eps) ||
+        !parse_held(held, l) ||
+        !PyArg_ParseTuple(cache, "KKLLLfff", &kc, &vc, &l->a.cap, &l->pos, &l->a.lo,
+                          &l->a.scale, &l->q_scale, &l->a.softcap))
+        return false;
+    f->x = (const float *)(uintptr_t)x;
+    f->cos_t = (const float *)(uintptr_t)pc, f->sin_t = (const float *)(uintptr_t)ps;
+    l->a.k = (uintptr_t)kc, l->a.v = (uintptr_t)vc;
+    return check_front(l);
 }
 
 static PyObject *run_layer(int (*locked)(void *), void *arg) {
@@ -371,46 +366,45 @@ static PyObject *run_layer(int (*locked)(void *), void *arg) {
 
 static int geglu_layer_locked(void *l) { return layer_locked((layer_args *)l); }
 
+/* ggmlblock.h */
+bool parse_tail(PyObject *tail, layer_args *l) {
+    tail_args *t = &l->t;
+    unsigned long long pa, fn, pf, table;
+    if (!PyArg_ParseTuple(tail, "(Ki)(Ki)(Ki)(Ki)LKKKK", &t->wo.w, &t->wo.type, &t->gate.w,
+                          &t->gate.type, &t->up.w, &t->up.type, &t->down.w, &t->down.type,
+                          &t->ff, &pa, &fn, &pf, &table))
+        return false;
+    if (t->ff < 1 || fn == 0 || table == 0) {
+        PyErr_Format(PyExc_ValueError, "geglu_layer ff=%lld", t->ff);
+        return false;
+    }
+    const long long d = l->f.d;
+    t->n = 1, t->d = d, t->q_dim = l->f.w[0].rows, t->eps = l->f.eps;
+    t->wo.rows = d, t->down.rows = d, t->gate.rows = t->up.rows = t->ff;
+    t->x = l->f.x;
+    t->post_attn = (const float *)(uintptr_t)pa, t->ffn_norm = (const float *)(uintptr_t)fn;
+    t->post_ffw = (const float *)(uintptr_t)pf, t->table = (const float *)(uintptr_t)table;
+    return true;
+}
+
 /* geglu_layer(front, cache, ((wo, type), (gate, type), (up, type), (down, type), ff,
  *             post_attn_norm, ffn_norm, post_ffw_norm, gelu_table), y, threads, small):
- * front and cache as parse_front reads them. */
+ * front and cache as parse_front reads them, the tail as parse_tail. */
 PyObject *py_geglu_layer(PyObject *self, PyObject *args) {
     (void)self;
     layer_args l;
     memset(&l, 0, sizeof l);
-    tail_args *t = &l.t;
-    PyObject *front, *cache;
-    unsigned long long pa, fn, pf, table, y;
-    if (!PyArg_ParseTuple(args, "OO((Ki)(Ki)(Ki)(Ki)LKKKK)KiL", &front, &cache, &t->wo.w,
-                          &t->wo.type, &t->gate.w, &t->gate.type, &t->up.w, &t->up.type,
-                          &t->down.w, &t->down.type, &t->ff, &pa, &fn, &pf, &table, &y,
-                          &t->threads, &t->small))
+    PyObject *front, *cache, *tail;
+    unsigned long long y;
+    if (!PyArg_ParseTuple(args, "OOOKiL", &front, &cache, &tail, &y, &l.t.threads, &l.t.small))
         return NULL;
-    if (!loaded() || !parse_front(front, cache, &l)) return NULL;
-    if (t->ff < 1 || fn == 0 || table == 0)
-        return PyErr_Format(PyExc_ValueError, "geglu_layer ff=%lld", t->ff);
-    const long long d = l.f.d;
-    t->n = 1, t->d = d, t->q_dim = l.f.w[0].rows, t->eps = l.f.eps;
-    t->wo.rows = d, t->down.rows = d, t->gate.rows = t->up.rows = t->ff;
-    t->x = l.f.x;
-    t->post_attn = (const float *)(uintptr_t)pa, t->ffn_norm = (const float *)(uintptr_t)fn;
-    t->post_ffw = (const float *)(uintptr_t)pf, t->table = (const float *)(uintptr_t)table;
-    t->y = (float *)(uintptr_t)y;
+    if (!loaded() || !parse_front(front, cache, &l) || !parse_tail(tail, &l)) return NULL;
+    l.t.y = (float *)(uintptr_t)y;
     return run_layer(geglu_layer_locked, &l);
 }
 
-typedef struct {
-    layer_args l;
-    moe_args m;
-    mat_arg wo;
-    const float *ffn_norm;
-    float *y;
-} moe_layer_args;
-
-/* One token through a pre-norm block with a MoE FFN (qwen3moe's): h = x + att @ Wo.T, then
- * y = h + moe(ffn_norm(h)). LOCK held, no GIL. */
-static int moe_layer_locked(void *arg) {
-    moe_layer_args *b = (moe_layer_args *)arg;
+/* ggmlblock.h */
+int moe_block_locked(moe_layer_args *b) {
     const long long d = b->l.f.d, q_dim = b->l.f.w[0].rows;
     float *att = scratch(1, q_dim + 3 * d);
     if (att == NULL) return -1;
@@ -432,23 +426,38 @@ static int moe_layer_locked(void *arg) {
     return status;
 }
 
+/* ggmlblock.h */
+bool parse_moe_block(PyObject *block, moe_layer_args *b) {
+    PyObject *moe;
+    unsigned long long fn;
+    if (!PyArg_ParseTuple(block, "(Ki)KO", &b->wo.w, &b->wo.type, &fn, &moe) ||
+        !parse_moe(moe, b->l.f.d, &b->m))
+        return false;
+    if (fn == 0) {
+        PyErr_SetString(PyExc_ValueError, "moe_layer: no ffn_norm");
+        return false;
+    }
+    b->m.threads = b->l.t.threads, b->m.small = b->l.t.small;
+    b->wo.rows = b->l.f.d;
+    b->ffn_norm = (const float *)(uintptr_t)fn;
+    return true;
+}
+
+static int moe_layer_locked(void *b) { return moe_block_locked((moe_layer_args *)b); }
+
 /* moe_layer(front, cache, ((wo, type), ffn_norm, moe), y, threads, small): front and cache as
- * parse_front reads them, moe as ggmlmoe.c's parse_moe. */
+ * parse_front reads them, the block as parse_moe_block. */
 PyObject *py_moe_layer(PyObject *self, PyObject *args) {
     (void)self;
     moe_layer_args b;
     memset(&b, 0, sizeof b);
-    PyObject *front, *cache, *moe;
-    unsigned long long fn, y;
-    if (!PyArg_ParseTuple(args, "OO((Ki)KO)KiL", &front, &cache, &b.wo.w, &b.wo.type, &fn, &moe,
-                          &y, &b.l.t.threads, &b.l.t.small))
+    PyObject *front, *cache, *block;
+    unsigned long long y;
+    if (!PyArg_ParseTuple(args, "OOOKiL", &front, &cache, &block, &y, &b.l.t.threads,
+                          &b.l.t.small))
         return NULL;
-    if (!loaded() || !parse_front(front, cache, &b.l) || !parse_moe(moe, b.l.f.d, &b.m))
+    if (!loaded() || !parse_front(front, cache, &b.l) || !parse_moe_block(block, &b))
         return NULL;
-    if (fn == 0) return PyErr_Format(PyExc_ValueError, "moe_layer: no ffn_norm");
-    b.m.threads = b.l.t.threads, b.m.small = b.l.t.small;
-    b.wo.rows = b.l.f.d;
-    b.ffn_norm = (const float *)(uintptr_t)fn;
     b.y = (float *)(uintptr_t)y;
     return run_layer(moe_layer_locked, &b);
 }

@@ -43,6 +43,9 @@
  *   moe_ffn(...), moe_layer(...)
  *        one token through a MoE FFN of stacked SwiGLU experts (router_locked and
  *        experts_locked below: ggml's nodes), a whole block with one: ggmlmoe.c, ggmlblock.c
+ *   decode_step(...)
+ *        one token through a decoder's blocks (GeGLU or MoE ones), final norm and head:
+ *        ggmlstep.c
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -514,6 +517,7 @@ static PyMethodDef METHODS[] = {
     {"geglu_layer", py_geglu_layer, METH_VARARGS, "One token through a GeGLU block."},
     {"moe_ffn", py_moe_ffn, METH_VARARGS, "One token through a MoE FFN of SwiGLU experts."},
     {"moe_layer", py_moe_layer, METH_VARARGS, "One token through a block with a MoE FFN."},
+    {"decode_step", py_decode_step, METH_VARARGS, "One token through a decoder's blocks and head."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -86,5 +86,6 @@ PyObject *py_geglu_tail(PyObject *self, PyObject *args);
 PyObject *py_attn_front(PyObject *self, PyObject *args);
 PyObject *py_flash_attn(PyObject *self, PyObject *args);
 PyObject *py_geglu_layer(PyObject *self, PyObject *args);
+PyObject *py_decode_step(PyObject *self, PyObject *args);
 
 #endif

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from ggufswap.runtime.models.blocks.attention import Attention, decode_keys
 from ggufswap.runtime.models.blocks.ffn import FeedForward
-from ggufswap.runtime.models.blocks.ggml_steps import block_moe_layer
+from ggufswap.runtime.models.blocks.ggml_decode import stack_step
+from ggufswap.runtime.models.blocks.ggml_steps import StepLayer, block_moe_layer, step_moe_layer
 from ggufswap.runtime.models.blocks.moe import MoEFeedForward
 from ggufswap.runtime.models.blocks.norms import rms_norm
 from ggufswap.runtime.models.blocks.rope import RopeTables
@@ -72,6 +73,16 @@ class TransformerBlock(nn.Module):
         else:
             h = x + self.attention(rms_norm(x, w(self.attn_norm), eps), rope, mask, cache)
         return h + self.feed_forward(rms_norm(h, w(self.ffn_norm), eps))
+
+    def step_layer(self, kind: int) -> StepLayer | None:
+        """This block's part of a one-call decode step in ggml's numerics (of ``kind``: which
+        RoPE and keys it reads): a block with MoE experts (:func:`~.ggml_steps.step_moe_layer`);
+        None for the others."""
+        ffn = self.feed_forward
+        if type(self.attention) is not Attention or not isinstance(ffn, MoEFeedForward):
+            return None
+        norms = (self.attn_norm, self.ffn_norm)
+        return step_moe_layer(self.weights, (self.attention, ffn), norms, kind)
 
     def _moe_step(
         self, x: Tensor, rope: RopeTables, mask: Tensor | None, cache: KVCache | None
@@ -138,8 +149,11 @@ class DecoderStack(nn.Module):
         # tokens: [B, T] int64 -> logits: [B, T, V] float32
         c, seq = self.config, tokens.shape[1]
         if cache is not None:
+            logits = stack_step(self, tokens, start_pos, cache)  # ggml's numerics: one call
+            if logits is not None:
+                return logits
             cache.check_continues(start_pos, seq)
-        x = embed(tokens, self.weights, self.tok_embd, c.embed_scale)  # [B, T, D]
+        x = self.embedding(tokens)  # [B, T, D]
         inputs = self.layer_inputs(start_pos, seq, tokens.device, cached=cache is not None)
         for layer, (rope, mask) in zip(self.layers, inputs, strict=True):
             x = layer(x, rope, mask, cache)
@@ -147,6 +161,10 @@ class DecoderStack(nn.Module):
             cache.advance(seq)
         x = rms_norm(x, self.weights.weight(self.norm), c.norm_eps)
         return lm_head(x, self.weights.matrix(self.output), c.final_logit_softcap)  # [B, T, V]
+
+    def embedding(self, tokens: Tensor) -> Tensor:
+        """``[B, T, D]`` float32: the embedding rows of ``tokens [B, T]``, scaled."""
+        return embed(tokens, self.weights, self.tok_embd, self.config.embed_scale)
 
     def layer_inputs(
         self, start: int, seq: int, device: torch.device, *, cached: bool

@@ -7,7 +7,9 @@ one by one (``tests/test_ggml_block.py``) and reads the store's weights, looked 
 (its forward views, which a commit clears), so a committed swap is what the next call computes
 with; each is None where it does not apply (exact
 numerics, biases, SwiGLU's tail, another attention, a matrix ggml does not multiply), and the
-caller then steps.
+caller then steps. :func:`block_layer` and :func:`block_moe_layer` are a whole block's decode step
+in one call; :func:`step_layer` and :func:`step_moe_layer` what the same blocks add to a whole
+decode step in one call (``ggml_decode.py``), made from the same per-commit arguments.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ggufswap.runtime.kernels.ggml_layer import (
     tail_weights,
 )
 from ggufswap.runtime.kernels.ggml_moe import moe_args, moe_block_args
+from ggufswap.runtime.kernels.ggml_step import StepLayer
 from ggufswap.runtime.models.blocks.rope import RopeTables
 from ggufswap.runtime.models.ggml_numerics import (
     GgmlMatrix,
@@ -53,12 +56,15 @@ if TYPE_CHECKING:
     from ggufswap.runtime.models.kv_cache import KVCache
 
 __all__ = [
+    "StepLayer",
     "block_front",
     "block_layer",
     "block_moe_layer",
     "block_tail",
     "gelu_table",
     "moe_step",
+    "step_layer",
+    "step_moe_layer",
 ]
 
 
@@ -222,14 +228,13 @@ def _front(
     if buffers is None:
         like = x.new_empty(1, held.n_head_kv, 1, held.head_dim).half()
         buffers = cache.buffers(attention.layer, end, like, like)
-    scale = attention.config.attn_scale
     return front_args(
         x,
         held,
         rope=(rope.cos, rope.sin, rope.n_rot, rope.neox),
         eps=eps,
         cache=(buffers[0], buffers[1], cache.length, keys[0]),
-        scales=(1.0, scale) if attention.scale_q else (scale, 1.0),
+        scales=_scales(attention),
     )
 
 
@@ -247,6 +252,37 @@ def _decoding(weights: object, x: Tensor, attention: Attention, step: tuple[obje
         and isinstance(rope, RopeTables)
         and all(b is None for b in (attention.bq, attention.bk, attention.bv, attention.bo))
     )
+
+
+def _tail_args(
+    weights: GgmlWeights,
+    parts: tuple[Attention, FeedForward],
+    norms: tuple[str, str | None, str, str | None],
+) -> tuple[object, ...] | None:
+    """A GeGLU block's tail for the layer calls (:func:`~.ggml_layer.tail_weights`), once per
+    commit; ``norms``: the attention, post-attention, FFN and post-FFN norms' tensors."""
+    attention, ffn = parts
+    attn_norm, post_attn, ffn_norm, post_ffw = norms
+
+    def make() -> tuple[object, ...] | None:
+        names = (attention.wo, ffn.gate, ffn.up, ffn.down)
+        tail = _operands(weights, "ggml-tail", names, (post_attn, ffn_norm, post_ffw))
+        post_a, ffn_n, post_f = tail.vectors
+        front = _layer_weights(weights, attention, attn_norm)
+        if tail.blocks is None or ffn_n is None or front is None:
+            return None
+        wo, gate, up, down = tail.blocks
+        held = (post_a, ffn_n, post_f)
+        return tail_weights((wo, gate, up, down), held, gelu_table(), front.q_dim)
+
+    held: tuple[object, ...] | None = _held(weights, "ggml-layer-tail", attention.wo, make)
+    return held
+
+
+def _scales(attention: Attention) -> tuple[float, float]:
+    """``(kq_scale, q_scale)``: the attention's scale on the scores, or on q (gemma3's)."""
+    scale = attention.config.attn_scale
+    return (1.0, scale) if attention.scale_q else (scale, 1.0)
 
 
 def block_layer(
@@ -272,24 +308,31 @@ def block_layer(
     assert isinstance(weights, GgmlWeights)
     assert keys is not None
     assert cache is not None
-    attn_norm, post_attn, ffn_norm, post_ffw = norms
-
-    def make() -> tuple[object, ...] | None:
-        names = (attention.wo, ffn.gate, ffn.up, ffn.down)
-        tail = _operands(weights, "ggml-tail", names, (post_attn, ffn_norm, post_ffw))
-        post_a, ffn_n, post_f = tail.vectors
-        front = _layer_weights(weights, attention, attn_norm)
-        if tail.blocks is None or ffn_n is None or front is None:
-            return None
-        wo, gate, up, down = tail.blocks
-        held = (post_a, ffn_n, post_f)
-        return tail_weights((wo, gate, up, down), held, gelu_table(), front.q_dim)
-
-    tail_args = _held(weights, "ggml-layer-tail", attention.wo, make)
-    front = _front(weights, x, attention, attn_norm, (rope, keys, cache), eps=eps)
+    tail_args = _tail_args(weights, parts, norms)
+    front = _front(weights, x, attention, norms[0], (rope, keys, cache), eps=eps)
     if front is None or tail_args is None:
         return None
     return ggml_geglu_layer(x, front, tail_args)
+
+
+def step_layer(
+    weights: object,
+    parts: tuple[Attention, FeedForward],
+    norms: tuple[str, str | None, str, str | None],
+    kind: int,
+) -> StepLayer | None:
+    """A GeGLU block's part of a one-call decode step (:func:`~.ggml_step.step_weights`), of
+    ``kind`` (which RoPE and keys it reads), made from what :func:`block_layer` reads (once per
+    commit); None where :func:`block_layer` would not apply whatever the step."""
+    attention, ffn = parts
+    biases = (attention.bq, attention.bk, attention.bv, attention.bo)
+    if not isinstance(weights, GgmlWeights) or not ffn.gelu or any(b is not None for b in biases):
+        return None
+    front = _layer_weights(weights, attention, norms[0])
+    tail = _tail_args(weights, parts, norms)
+    if front is None or tail is None:
+        return None
+    return StepLayer(front, tail, kind, _scales(attention))
 
 
 @dataclass(frozen=True)
@@ -332,6 +375,26 @@ def moe_step(weights: object, moe: MoEFeedForward, f: Tensor) -> Tensor | None:
     return None if spec is None else ggml_moe_ffn(f, spec, moe.config.n_embd)
 
 
+def _moe_block(
+    weights: GgmlWeights, parts: tuple[Attention, MoEFeedForward], norms: tuple[str, str]
+) -> tuple[object, ...] | None:
+    """A MoE block's half after attention for the layer calls (:func:`~.ggml_moe.
+    moe_block_args`), once per commit; ``norms``: the attention's and the FFN's."""
+    attention, moe = parts
+    attn_norm, ffn_norm = norms
+
+    def make() -> tuple[object, ...] | None:
+        spec = _moe(weights, moe)
+        wo = _operands(weights, "ggml-wo", (attention.wo,), (ffn_norm,))
+        front = _layer_weights(weights, attention, attn_norm)
+        if spec is None or wo.blocks is None or wo.vectors[0] is None or front is None:
+            return None
+        return moe_block_args(wo.blocks[0], wo.vectors[0], spec, front.q_dim)
+
+    held: tuple[object, ...] | None = _held(weights, "ggml-moe-block", attention.wo, make)
+    return held
+
+
 def block_moe_layer(
     weights: object,
     x: Tensor,
@@ -348,24 +411,31 @@ def block_moe_layer(
     output product, the residual, the FFN norm (``norms``: the attention's and the FFN's),
     :func:`moe_step`'s FFN and the residual, the bits of those steps one after the other. None
     elsewhere: the caller steps."""
-    attention, moe = parts
+    attention = parts[0]
     if not _decoding(weights, x, attention, (rope, keys, cache)):
         return None
     assert isinstance(weights, GgmlWeights)
     assert keys is not None
     assert cache is not None
-    attn_norm, ffn_norm = norms
-
-    def make() -> tuple[object, ...] | None:
-        spec = _moe(weights, moe)
-        wo = _operands(weights, "ggml-wo", (attention.wo,), (ffn_norm,))
-        front = _layer_weights(weights, attention, attn_norm)
-        if spec is None or wo.blocks is None or wo.vectors[0] is None or front is None:
-            return None
-        return moe_block_args(wo.blocks[0], wo.vectors[0], spec, front.q_dim)
-
-    block = _held(weights, "ggml-moe-block", attention.wo, make)
-    front = _front(weights, x, attention, attn_norm, (rope, keys, cache), eps=eps)
+    block = _moe_block(weights, parts, norms)
+    front = _front(weights, x, attention, norms[0], (rope, keys, cache), eps=eps)
     if front is None or block is None:
         return None
     return ggml_moe_layer(x, front, block)
+
+
+def step_moe_layer(
+    weights: object, parts: tuple[Attention, MoEFeedForward], norms: tuple[str, str], kind: int
+) -> StepLayer | None:
+    """A MoE block's part of a one-call decode step (:func:`~.ggml_step.step_weights`), of
+    ``kind``, made from what :func:`block_moe_layer` reads (once per commit); None where
+    :func:`block_moe_layer` would not apply whatever the step."""
+    attention, _ = parts
+    biases = (attention.bq, attention.bk, attention.bv, attention.bo)
+    if not isinstance(weights, GgmlWeights) or any(b is not None for b in biases):
+        return None
+    front = _layer_weights(weights, attention, norms[0])
+    block = _moe_block(weights, parts, norms)
+    if front is None or block is None:
+        return None
+    return StepLayer(front, block, kind, _scales(attention))

@@ -1,0 +1,194 @@
+"""A decoder's whole decode step in one compiled call, in ggml's numerics
+(``ggufswap.runtime.kernels.ggml_step``, ``csrc/ggmlstep.c``): gemma3's GeGLU stack, and the
+stacks of pre-norm blocks with MoE experts (qwen3moe's).
+
+Block by block, a decode step crosses from Python into C once a block
+(:func:`~.ggml_steps.block_layer`, :func:`~.ggml_steps.block_moe_layer`) and builds each block's
+arguments in Python, then runs the final norm and the head from Python too. :func:`stack_step`
+runs the embedding in Python and everything after it in one call: the blocks, the final norm,
+the head. Its logits are, bit for bit, those of the steps block by block
+(``tests/test_ggml_step.py``), and it reads what they read: the blocks' weights and the head
+looked up once per commit (kept in the store's forward views, which a commit clears: a swap is
+what the next step reads), the RoPE rows and keys of the stack's own ``layer_inputs`` (each kind
+of layer once), the KV cache's F16 buffers where they are (their addresses taken again when the
+cache makes or grows them).
+
+Every block says what it adds to the step (its ``step_layer(kind)``: gemma3's blocks, and
+:class:`~.decoder.TransformerBlock` where its FFN is a MoE one); the step is None where a block
+says nothing, or elsewhere where it does not apply (exact numerics, an F32 cache, more than one
+token, a matrix ggml does not multiply, another attention, no libggml with the call): the caller
+then steps block by block. :func:`per_block_steps` turns it off within a block of code (what it
+is checked and measured against).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ggufswap.runtime.kernels.ggml_step import (
+    MAX_KINDS,
+    StepLayer,
+    StepWeights,
+    available,
+    decode_step,
+    step_caches,
+    step_weights,
+)
+from ggufswap.runtime.models.blocks.attention import decode_keys
+from ggufswap.runtime.models.blocks.rope import RopeTables
+from ggufswap.runtime.models.ggml_numerics import GgmlMatrix, GgmlWeights, ggml_norms_active, kv_f16
+
+if TYPE_CHECKING:
+    from ggufswap.runtime.models.blocks.decoder import DecoderStack, LayerInputs
+    from ggufswap.runtime.models.kv_cache import KVCache
+
+__all__ = ["per_block_steps", "stack_step"]
+
+_PER_BLOCK: ContextVar[bool] = ContextVar("ggufswap_per_block_steps", default=False)
+
+
+@contextmanager
+def per_block_steps() -> Iterator[None]:
+    """Within the block (this thread / context), decode steps run block by block, not as one
+    call."""
+    token = _PER_BLOCK.set(True)
+    try:
+        yield
+    finally:
+        _PER_BLOCK.reset(token)
+
+
+Rope = tuple[Tensor, Tensor, int, bool, int]  # cos, sin [1, n_rot / 2], n_rot, neox, first key
+
+
+def _kinds(inputs: Sequence[LayerInputs], end: int) -> tuple[tuple[int, ...], list[Rope]] | None:
+    """Which kind each layer is (the layers that share their RoPE and mask, one object in
+    ``layer_inputs``), and each kind's RoPE row and first key; None where a kind's keys are not
+    one run ending at the token's own, or there are more kinds than a call tells apart."""
+    seen: dict[int, int] = {}
+    ropes: list[Rope] = []
+    kinds = []
+    for item in inputs:
+        kind = seen.get(id(item))
+        if kind is None:
+            rope, mask = item
+            keys = decode_keys(mask, end)
+            if not isinstance(rope, RopeTables) or keys is None or len(ropes) == MAX_KINDS:
+                return None
+            kind = seen[id(item)] = len(ropes)
+            ropes.append((rope.cos, rope.sin, rope.n_rot, rope.neox, keys[0]))
+        kinds.append(kind)
+    return tuple(kinds), ropes
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A stack's step weights for layers of ``kinds`` (None: the call does not apply), and what
+    they point into (kept alive with them until the store's next commit)."""
+
+    kinds: tuple[int, ...]
+    weights: StepWeights | None
+    held: tuple[object, ...]
+
+
+def _step(weights: GgmlWeights, stack: DecoderStack, kinds: tuple[int, ...]) -> _Step:
+    """The stack's :class:`StepWeights` (None: the call does not apply), once per commit (the
+    store's forward views, under the head's name), for layers of ``kinds`` (the first step's
+    after the commit: a stack's split of its layers into kinds does not change)."""
+
+    def make() -> _Step:
+        layers: list[StepLayer] = []
+        for layer, kind in zip(stack.layers, kinds, strict=True):
+            part = getattr(layer, "step_layer", None)
+            made = None if part is None else part(kind)
+            if not isinstance(made, StepLayer):
+                return _Step(kinds, None, ())
+            layers.append(made)
+        head = weights.matrix(stack.output)
+        norm = weights.weight(stack.norm)
+        if not isinstance(head, GgmlMatrix):
+            return _Step(kinds, None, ())
+        return _Step(kinds, step_weights(layers, norm, head.blocks), (head, norm))
+
+    return weights.store.views.get("ggml-step", stack.output, _Step, make)
+
+
+Caches = tuple[tuple[int, int, int], ...]  # per layer: k, v (addresses), capacity
+# Each cache's buffers as the last step took them: (its generation, the step weights, caches).
+_CACHES: weakref.WeakKeyDictionary[KVCache, tuple[int, StepWeights, Caches]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _caches(cache: KVCache, held: StepWeights, end: int) -> Caches | None:
+    """Every layer's F16 buffers with room for ``end`` positions (made or grown here where they
+    do not have it), as the step takes them; None where they are not F16 ones."""
+    if cache.capacity() < end:
+        for layer, (n_head_kv, head_dim) in enumerate(held.heads):
+            like = torch.empty(1, n_head_kv, 1, head_dim, dtype=torch.float16)
+            cache.buffers(layer, end, like, like)
+    last = _CACHES.get(cache)
+    if last is not None and last[0] == cache.generation and last[1] is held:
+        return last[2]
+    buffers = [cache.room(layer, end) for layer in range(len(held.heads))]
+    if any(b is None for b in buffers):
+        return None
+    made = step_caches(held, [b for b in buffers if b is not None])
+    if made is not None:
+        _CACHES[cache] = (cache.generation, held, made)
+    return made
+
+
+def stack_step(
+    stack: DecoderStack, tokens: Tensor, start_pos: int, cache: KVCache
+) -> Tensor | None:
+    """``logits [1, 1, V]`` of one token ``tokens [1, 1]`` at ``start_pos`` (the cache's
+    length) in one compiled call after the embedding, the token's keys and values appended to
+    ``cache``; None where the call does not apply (the caller steps block by block; the cache
+    may have grown its buffers for the token, nothing else is done)."""
+    weights = stack.weights
+    applies = (
+        not _PER_BLOCK.get()
+        and isinstance(weights, GgmlWeights)
+        and ggml_norms_active()
+        and kv_f16()
+        and tokens.shape == (1, 1)
+        and tokens.is_cpu
+        and start_pos == cache.length
+        and available()
+    )
+    if not applies:
+        return None
+    assert isinstance(weights, GgmlWeights)
+    known = weights.store.views.find("ggml-step", stack.output)
+    if isinstance(known, _Step) and known.weights is None:
+        return None  # not this stack, until the next commit
+    end = start_pos + 1
+    found = _kinds(stack.layer_inputs(start_pos, 1, tokens.device, cached=True), end)
+    if found is None:
+        return None
+    kinds, ropes = found
+    step = _step(weights, stack, kinds)
+    held = step.weights
+    if held is None or step.kinds != kinds:
+        return None
+    caches = _caches(cache, held, end)
+    if caches is None:
+        return None
+    c = stack.config
+    logits = decode_step(
+        stack.embedding(tokens), held, ropes, caches, pos=start_pos, eps=c.norm_eps
+    )
+    if logits is None:
+        return None
+    cache.advance(1)
+    softcap = c.final_logit_softcap
+    return logits if not softcap else torch.tanh(logits / softcap) * softcap

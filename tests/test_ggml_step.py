@@ -1,0 +1,229 @@
+"""A decode step in one compiled call under ggml's numerics (``runtime/models/blocks/
+ggml_decode.py``, ``runtime/kernels/csrc/ggmlstep.c``), gemma3's and qwen3moe's: every block, the
+final norm and the head give the bits of the blocks one call each and of the steps one by one,
+read what the store holds after a commit, and step aside where they do not apply."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import ModelDir, Q, one_thread
+
+import ggufswap.runtime.models.blocks.attention as attention_module
+import ggufswap.runtime.models.blocks.decoder as decoder_module
+import ggufswap.runtime.models.blocks.ggml_decode as ggml_decode
+import ggufswap.runtime.models.gemma3 as gemma3
+from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, float_products
+from ggufswap.runtime.kernels import ggml_library
+from ggufswap.runtime.kernels.ggml_step import StepLayer, decode_step, step_caches, step_weights
+from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.models.blocks.ggml_decode import per_block_steps
+from ggufswap.runtime.models.ggml_numerics import kv_cache_type
+from ggufswap.runtime.models.registry import Decoder
+from ggufswap.shards.ggml_types import GGMLType
+from ggufswap.shards.presets import tiny_arch
+
+pytestmark = [
+    pytest.mark.skipif(ggml_library() is None, reason="no libggml installed"),
+    pytest.mark.usefixtures(one_thread.__name__),
+]
+
+PROMPT = torch.tensor([[1, 17, 33, 250, 4, 99, 7]])
+DOWN2 = "blk.2.ffn_down.weight"
+
+
+def open_ggml(first: Path) -> tuple[HotSwapRuntime, Decoder]:
+    """A native runtime over ``first`` and its decoder with ggml's numerics."""
+    runtime = HotSwapRuntime.open(first, storage=Storage.NATIVE)
+    assert runtime.shards is not None, "open() keeps the shard set"
+    config = HParams.from_metadata(runtime.shards.metadata)
+    return runtime, build_model(config, runtime.store, store=runtime.store, numerics="ggml")
+
+
+@pytest.fixture(params=["gemma3"])
+def gemma(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[HotSwapRuntime, Decoder, ModelDir]]:
+    """A tiny model of a mix of ggml's types, native, with ggml's numerics: gemma3 (six blocks,
+    five with a window of 4) unless the test asks for qwen3moe."""
+    spec = tiny_arch(request.param).with_types(
+        ffn_gate="q4_0", ffn_up="q5_0", ffn_down="q8_0", attn_o="iq4_nl", attn_k="q5_0"
+    )
+    model_dir = ModelDir.write(tmp_path / "model", spec)
+    runtime, model = open_ggml(model_dir.first)
+    try:
+        yield runtime, model, model_dir
+    finally:
+        runtime.close()
+
+
+def steps_of(
+    model: Decoder, steps: int, *, swap_at: tuple[int, object] | None = None
+) -> list[torch.Tensor]:
+    """The prompt's logits, then ``steps`` greedy steps' through a cache made too small for
+    them (it grows twice); ``swap_at = (i, apply)``: ``apply()`` runs before step ``i``."""
+    cache = model.new_cache(max_len=4)
+    with torch.inference_mode():
+        logits = model(PROMPT, cache=cache)
+        out = [logits]
+        for i in range(steps):
+            if swap_at is not None and swap_at[0] == i:
+                swap_at[1]()  # type: ignore[operator]
+            token = logits[:, -1:].argmax(-1)
+            logits = model(token, start_pos=cache.length, cache=cache)
+            out.append(logits)
+    return out
+
+
+def ran(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each one-call step ran (``ggml_decode.decode_step`` replaced by a counting twin)."""
+    real = ggml_decode.decode_step
+    calls: list[bool] = []
+
+    def counted(*args: object, **kwargs: object) -> object:
+        y = real(*args, **kwargs)  # type: ignore[arg-type]
+        calls.append(y is not None)
+        return y
+
+    monkeypatch.setattr(ggml_decode, "decode_step", counted)
+    return calls
+
+
+@pytest.mark.parametrize("gemma", ["gemma3", "qwen3moe"], indirect=True)
+def test_one_call_steps_give_the_bits_of_the_block_calls_and_of_the_steps(
+    gemma: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six decode steps in one call each (gemma3's past the window, the cache grown twice) give,
+    bit for bit, the logits of the blocks one compiled call each and of every step one by one
+    (ggml's products, attention and MoE FFN called from Python)."""
+    _, model, _ = gemma
+    calls = ran(monkeypatch)
+    one = steps_of(model, 6)
+    assert calls == [True] * 6, "every decode step ran as one call"
+    with per_block_steps():
+        blocks = steps_of(model, 6)
+        for name in ("block_layer", "block_tail"):
+            monkeypatch.setattr(gemma3, name, lambda *args, **kwargs: None)
+        monkeypatch.setattr(decoder_module, "block_moe_layer", lambda *args, **kwargs: None)
+        monkeypatch.setattr(attention_module, "block_front", lambda *args, **kwargs: None)
+        stepped = steps_of(model, 6)
+    assert calls == [True] * 6, "not while the steps run block by block"
+    for i, (a, b, c) in enumerate(zip(one, blocks, stepped, strict=True)):
+        assert torch.equal(a, b), f"forward {i}: one call against the block calls"
+        assert torch.equal(a, c), f"forward {i}: one call against the steps"
+
+
+@pytest.mark.parametrize(
+    ("gemma", "swapped"),
+    [("gemma3", DOWN2), ("gemma3", "head"), ("qwen3moe", "blk.1.ffn_down_exps.weight")],
+    indirect=["gemma"],
+)
+def test_a_swap_between_steps_is_what_the_next_step_reads(
+    gemma: tuple[HotSwapRuntime, Decoder, ModelDir], swapped: str, tmp_path: Path
+) -> None:
+    """A swap committed between two steps of one cache (a block's FFN matrix, qwen3moe's experts'
+    down stack, or the head) is
+    what the next one-call step reads, as the block calls read it; a fresh load computes the
+    same; after the swap back the steps are the first load's again."""
+    runtime, model, model_dir = gemma
+    name = model.output if swapped == "head" else swapped  # type: ignore[union-attr]
+    assert isinstance(name, str)
+    baseline = steps_of(model, 3)
+    saved = model_dir.save(name, tmp_path / "saved")
+    plans = iter(range(10))  # a plan id once: the runtime applies an id once
+
+    def swap() -> None:
+        model_dir.put(name, model_dir.variant(name, Q.Q4_0, tmp_path / "variants"))
+        plan = model_dir.plan(f"to-{next(plans)}", [name])
+        assert runtime.apply(plan).state is PlanState.COMMITTED
+
+    def back() -> None:
+        model_dir.put(name, saved)
+        plan = model_dir.plan(f"back-{next(plans)}", [name])
+        assert runtime.apply(plan).state is PlanState.COMMITTED
+
+    one = steps_of(model, 3, swap_at=(2, swap))
+    back()
+    with per_block_steps():
+        blocks = steps_of(model, 3, swap_at=(2, swap))
+    assert all(torch.equal(a, b) for a, b in zip(one, blocks, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(one[:3], baseline[:3], strict=True))
+    assert not torch.equal(one[3], baseline[3]), "the step after the commit reads the swap"
+    fresh, fresh_model = open_ggml(model_dir.first)
+    try:
+        again = steps_of(fresh_model, 3)
+        assert all(torch.equal(a, b) for a, b in zip(steps_of(model, 3), again, strict=True))
+    finally:
+        fresh.close()
+    back()
+    assert all(torch.equal(a, b) for a, b in zip(steps_of(model, 3), baseline, strict=True))
+
+
+@pytest.mark.parametrize("where", ["float products", "F32 cache", "block by block"])
+def test_the_step_steps_aside_where_it_does_not_apply_and_comes_back(
+    gemma: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Inside float products, under an F32 KV cache or block by block, a decode step is not one
+    call (the blocks step); after it, without a commit, it is one call again."""
+    _, model, _ = gemma
+    calls = ran(monkeypatch)
+    aside: AbstractContextManager[object] = {
+        "float products": float_products(),
+        "F32 cache": kv_cache_type(GGMLType.F32),
+        "block by block": per_block_steps(),
+    }.get(where, nullcontext())
+    with aside:
+        steps_of(model, 2)
+    assert calls == [], "no one-call step ran"
+    steps_of(model, 2)
+    assert calls == [True] * 2
+
+
+def test_a_decoder_with_exact_numerics_never_takes_the_call(
+    gemma: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decoder with exact numerics over the same store steps block by block."""
+    runtime, _, _ = gemma
+    calls = ran(monkeypatch)
+    assert runtime.shards is not None
+    config = HParams.from_metadata(runtime.shards.metadata)
+    exact = build_model(config, runtime.store, store=runtime.store)
+    steps_of(exact, 2)
+    assert calls == []
+
+
+def test_step_arguments_that_do_not_fit_are_refused(
+    gemma: tuple[HotSwapRuntime, Decoder, ModelDir],
+) -> None:
+    """A step's weights need a final norm of the blocks' width; its caches F16 buffers of each
+    block's heads, one pair a block; its call a float32 row of that width and one RoPE row a
+    kind of block: elsewhere None (the blocks step). A position past the caches is refused by
+    the C side, not written."""
+    _, model, _ = gemma
+    weights = model.weights
+    layers = [layer.step_layer(0) for layer in model.layers]
+    assert all(isinstance(layer, StepLayer) for layer in layers)
+    head = weights.matrix(model.output)
+    norm = weights.weight(model.norm)
+    held = step_weights(layers, norm, head.blocks)  # type: ignore[arg-type, union-attr]
+    assert held is not None
+    assert step_weights(layers, norm[:-1], head.blocks) is None  # type: ignore[arg-type, union-attr]
+    f16 = [(torch.zeros(1, h, 8, d, dtype=torch.float16),) * 2 for h, d in held.heads]
+    caches = step_caches(held, f16)
+    assert caches is not None
+    assert step_caches(held, [(k.float(), v.float()) for k, v in f16]) is None
+    assert step_caches(held, f16[:-1]) is None
+    n_rot = model.config.n_rot
+    rope = (torch.ones(1, n_rot // 2), torch.zeros(1, n_rot // 2), n_rot, True, 0)
+    x = torch.randn(1, 1, held.d)
+    assert decode_step(x.double(), held, [rope], caches, pos=0, eps=1e-6) is None
+    assert decode_step(x, held, [rope, rope], caches, pos=0, eps=1e-6) is None
+    logits = decode_step(x, held, [rope], caches, pos=0, eps=1e-6)
+    assert logits is not None
+    assert logits.shape == (1, 1, head.blocks.shape[0])  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="pos=8 of 8"):
+        decode_step(x, held, [rope], caches, pos=8, eps=1e-6)
