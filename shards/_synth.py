@@ -79,6 +79,37 @@ _IK_SCALES: Final[dict[GGMLType, tuple[str, float]]] = {
 IK_TYPES: Final = tuple(_IK_SCALES)
 
 
+# gguf.quants works through an array 16 rows at a time (to bound its temporaries): for the
+# writer's small tensors that is mostly per-call overhead. These hand it chunks of whole blocks
+# as one row each: the same element-wise and per-block arithmetic, so the same bytes, with
+# temporaries bounded by the chunk.
+_CHUNK_ELEMENTS: Final = 1 << 20
+
+
+def _quantize_in_chunks(values: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """``gguf.quants.quantize`` of float32 ``values`` (rows of whole blocks), as flat uint8."""
+    block_size = GGML_QUANT_SIZES[ggml_type][0]
+    flat = values.reshape(-1)
+    step = max(block_size, _CHUNK_ELEMENTS // block_size * block_size)
+    parts = [
+        np.ascontiguousarray(quantize(flat[i : i + step].reshape(1, -1), ggml_type))
+        for i in range(0, flat.size, step)
+    ]
+    return np.concatenate([part.view(np.uint8).reshape(-1) for part in parts])
+
+
+def _dequantize_blocks(blocks: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """``gguf.quants.dequantize`` of ``blocks`` (``(n, type_size)`` uint8): ``(n, block_size)``
+    float32."""
+    block_size = GGML_QUANT_SIZES[ggml_type][0]
+    step = max(1, _CHUNK_ELEMENTS // block_size)
+    parts = [
+        np.asarray(dequantize(blocks[i : i + step].reshape(1, -1), ggml_type), dtype=np.float32)
+        for i in range(0, len(blocks), step)
+    ]
+    return np.concatenate(parts, axis=1).reshape(len(blocks), block_size)
+
+
 def tensor_rng(seed: int, name: str) -> np.random.Generator:
     """A generator that depends only on the model seed and the tensor name (not on write order)."""
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
@@ -91,8 +122,7 @@ def encode_floats(values: np.ndarray, ggml_type: GGMLQuantizationType) -> np.nda
         raise ValueError(f"cannot quantize to {ggml_type.name}: supported targets are {names}")
     if ggml_type in kquants.TYPES:
         return kquants.quantize(values, ggml_type)
-    encoded = quantize(np.ascontiguousarray(values, dtype=np.float32), ggml_type)
-    return np.ascontiguousarray(encoded).view(np.uint8).reshape(-1)
+    return _quantize_in_chunks(np.ascontiguousarray(values, dtype=np.float32), ggml_type)
 
 
 def decode_floats(
@@ -120,7 +150,7 @@ def synth_blocks(
     for off in fields:
         blocks[:, off : off + 2] = np.frombuffer(one, dtype=np.uint8)
     # Dequantization is linear in (d, dmin) jointly: measure the spread at d = dmin = 1, then scale.
-    unit = np.asarray(dequantize(blocks, ggml_type), dtype=np.float32)
+    unit = _dequantize_blocks(blocks, ggml_type)
     rms = float(np.sqrt(np.mean(np.square(unit)))) or 1.0
     per_block = (std / rms) * rng.uniform(0.75, 1.25, size=n_blocks)
     scales = per_block.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
