@@ -3,6 +3,7 @@ parsing of role and type names; ``shards.writer`` re-exports all of it."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from enum import Enum
 from types import MappingProxyType
@@ -110,13 +111,20 @@ class Role(Enum):
 
     def tensor_name(self, block: int | None = None) -> str:
         """The llama.cpp tensor name, e.g. ``blk.3.ffn_up_exps.weight``."""
-        if isinstance(self.value, str):  # a literal template
-            return self.value.format(block)
-        if isinstance(self.value, tuple):
-            tensor, suffix = self.value
-        else:
-            tensor, suffix = self.value, "bias" if self is Role.FFN_EXP_PROBS_B else "weight"
-        return tensor_template(tensor, suffix).format(block)
+        return _role_template(self).format(block)
+
+
+@functools.cache
+def _role_template(role: Role) -> str:
+    """A role's name template (``blk.{}.ffn_up_exps.weight``), made once per role: a model's
+    plan names every tensor, and a test session plans thousands of small models."""
+    if isinstance(role.value, str):  # a literal template
+        return role.value
+    if isinstance(role.value, tuple):
+        tensor, suffix = role.value
+    else:
+        tensor, suffix = role.value, "bias" if role is Role.FFN_EXP_PROBS_B else "weight"
+    return tensor_template(tensor, suffix)
 
 
 NORM_ROLES: Final = frozenset(
