@@ -72,6 +72,9 @@ define typecheck_and_pytest
 	test $$tests -eq 0 && test $$typed -eq 0
 endef
 
+# The fast tier runs every fuzz and property test with 60 cases (tests/fuzz_budget.py; make test
+# runs each with its own 150-300, make fuzz with 20,000).
+check: export GGUFSWAP_FUZZ_EXAMPLES ?= 60
 check: lint
 	$(call typecheck_and_pytest,$(FAST_TIER),10)
 

@@ -8,6 +8,7 @@ import re
 import textwrap
 from pathlib import Path
 
+import fuzz_budget
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -755,7 +756,7 @@ def test_check_config_lists_problems_and_exits_1(tmp_path: Path) -> None:
 
 # --- fuzzing --------------------------------------------------------------------------------
 
-FUZZ_EXAMPLES = int(os.environ.get("GGUFSWAP_FUZZ_EXAMPLES", "200"))
+FUZZ_EXAMPLES = fuzz_budget.examples(200)
 FRAGMENTS = [
     ": ", "- ", "[", "]", "{", "}", ",", "&a ", "*a", "<<: *a\n", "!!python/object:os.system ",
     "!!binary ", "!x ", "? ", "|\n", ">", "#", "'", '"', "\n", "  ", "\t", "---\n", "...\n",

@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import fuzz_budget
 import ggufbytes as gb
 import pytest
 from gguf import GGMLQuantizationType
@@ -216,7 +217,7 @@ def content_of(contents: Mapping[tuple[str, FileIdentity, int], int]) -> Callabl
     return fp
 
 
-PROPS = settings(max_examples=150, deadline=None, database=None)
+PROPS = settings(max_examples=fuzz_budget.examples(150), deadline=None, database=None)
 
 
 @PROPS

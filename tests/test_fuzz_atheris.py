@@ -12,18 +12,18 @@ Skipped when atheris is not installed (``pip install atheris``; wheels exist for
 
 from __future__ import annotations
 
-import os
 import resource
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import fuzz_budget
 import pytest
 
 pytestmark = pytest.mark.process
 
-EXAMPLES = int(os.environ.get("GGUFSWAP_FUZZ_EXAMPLES", "300"))
+EXAMPLES = fuzz_budget.examples(300)
 RUNS = 10 * EXAMPLES
 TARGETS = ("read_header", "decode")
 

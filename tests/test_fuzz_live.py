@@ -10,10 +10,10 @@ the base plan reloads the tensors' current contents, so no mutation of it may ch
 
 from __future__ import annotations
 
-import os
 import uuid
 from typing import Any
 
+import fuzz_budget
 import msgpack
 import pytest
 import structlog
@@ -34,7 +34,7 @@ from ggufswap.shards import open_shard_set
 pytestmark = pytest.mark.process
 
 log = structlog.get_logger(__name__)
-EXAMPLES = int(os.environ.get("GGUFSWAP_FUZZ_EXAMPLES", "200"))
+EXAMPLES = fuzz_budget.examples(200)
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,

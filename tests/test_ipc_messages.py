@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import pickle
 import re
 import tracemalloc
@@ -11,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import fuzz_budget
 import msgpack
 import pytest
 from gguf import GGMLQuantizationType
@@ -69,7 +69,7 @@ from ggufswap.ipc.plan import MAX_PLAN_JOBS
 from ggufswap.ipc.schema import REPLY_TYPES
 from ggufswap.shards import FileIdentity, TensorRecord
 
-FUZZ_EXAMPLES = int(os.environ.get("GGUFSWAP_FUZZ_EXAMPLES", "300"))
+FUZZ_EXAMPLES = fuzz_budget.examples(300)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
+import fuzz_budget
 import ggufbytes as gb
 import numpy as np
 import pytest
@@ -35,7 +36,7 @@ from ggufswap.shards.keys import TensorNames
 from ggufswap.shards.reader import read_array_bytes
 from ggufswap.shards.writer import WRITABLE_TYPES, Layout, ModelSpec, Role, write_model
 
-FUZZ_EXAMPLES = int(os.environ.get("GGUFSWAP_FUZZ_EXAMPLES", "300"))
+FUZZ_EXAMPLES = fuzz_budget.examples(300)
 ALLOC_SLACK = 4 << 20  # bytes a parse may allocate beyond the file size
 
 # A model whose roles use every writable type: a qwen2moe (routed and shared experts, the most

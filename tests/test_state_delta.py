@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fuzz_budget
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -401,7 +402,11 @@ _values = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=fuzz_budget.examples(300),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(
     key=st.sampled_from([*_GOOD, "name"]),
     value=_values,
