@@ -21,6 +21,7 @@ import textwrap
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -39,6 +40,9 @@ from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, _libc
 from ggufswap.runtime.loading import Loader, LoadJob
 from ggufswap.runtime.models import Transformer
 from ggufswap.shards import FileChangedError, Layout, TensorRecord
+
+if TYPE_CHECKING:
+    from zygote import Zygote
 
 pytestmark = [pytest.mark.process, pytest.mark.usefixtures(one_thread.__name__)]
 
@@ -546,11 +550,12 @@ def test_a_forked_child_keeps_its_weights_when_a_writer_truncates_the_shards(
 
 @pytest.mark.parametrize("policy", ["OFF", "ON"])
 def test_a_daemon_thread_reading_the_weights_at_exit_does_not_fault(
-    model_dir_shared: ModelDir, policy: str
+    model_dir_shared: ModelDir, policy: str, zygote: Zygote, tmp_path: Path
 ) -> None:
     """The interpreter exits while a daemon thread reads a tensor's bytes with the GIL
     released (a host's inference thread): mapped weights must stay mapped until the process is
-    gone, as copied ones stay allocated (no ``munmap`` from an exit hook)."""
+    gone, as copied ones stay allocated (no ``munmap`` from an exit hook). Each program is forked
+    from the zygote and exits as its interpreter would, module teardown included."""
     code = f"""
     import sys, threading, zlib
     from runtime_helpers import open_runtime
@@ -569,6 +574,9 @@ def test_a_daemon_thread_reading_the_weights_at_exit_does_not_fault(
     threading.Thread(target=read, daemon=True).start()
     assert reading.wait(20)
     """
-    for _ in range(3):
-        done = _run(textwrap.dedent(code), str(model_dir_shared.first))
-        assert done.returncode == 0, done.stderr
+    for i in range(3):
+        log = tmp_path / f"exit-{i}.log"
+        child = zygote.spawn(
+            [str(model_dir_shared.first)], code=textwrap.dedent(code), log=log, cwd=TESTS
+        )
+        assert child.wait(WAIT_S) == 0, log.read_text()

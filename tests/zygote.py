@@ -16,7 +16,10 @@ signal to a real process. The zygote reaps its children and writes each one's ex
 life (its two pipe descriptors are in :data:`SHARED_FDS`, which the leak check does not count);
 ``processes.run_ggufswap`` and ``processes.Proc`` fork the commands of :data:`FORKED_COMMANDS`
 from it. A command that must start from a fresh interpreter (another thread count, a wrapper such
-as ``setpriv``) runs as an ordinary subprocess.
+as ``setpriv``) runs as an ordinary subprocess. A test of what a process's exit does (a daemon
+thread reading mapped weights while the interpreter finalizes) has the zygote fork a Python
+program instead (``spawn(..., code=...)``), which exits as its interpreter would, teardown
+included.
 """
 
 from __future__ import annotations
@@ -73,6 +76,31 @@ def reap(*_):
             os.rename(path + ".tmp", path)
 
 def child(req):
+    setup(req)
+    sys.argv = [req["argv0"], *req["args"]]
+    try:
+        return main(req["args"])
+    except SystemExit as exc:
+        return exc.code
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+def program(req):
+    # A Python program (python -c CODE ARGS) whose exit is the interpreter's own, teardown
+    # included: SystemExit leaves the zygote's loop and the interpreter finalizes as it would.
+    setup(req)
+    sys.argv = ["-c", *req["args"]]
+    try:
+        exec(compile(req["code"], "<string>", "exec"), {"__name__": "__main__"})
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        raise SystemExit(1)
+    raise SystemExit(0)
+
+def setup(req):
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     os.environ.clear(); os.environ.update(req["env"])
@@ -83,14 +111,6 @@ def child(req):
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0); os.dup2(out, 1); os.dup2(log, 2)
     os.close(log); os.close(out); os.close(null)
-    sys.argv = [req["argv0"], *req["args"]]
-    try:
-        return main(req["args"])
-    except SystemExit as exc:
-        return exc.code
-    except BaseException:
-        traceback.print_exc()
-        return 1
 
 def finish(code):
     # The interpreter's exit (Py_FinalizeEx) up to the module teardown, in its order.
@@ -115,6 +135,8 @@ for line in sys.stdin:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # reap() must know the pid first
     pid = os.fork()
     if pid == 0:
+        if "code" in req:
+            program(req)  # raises SystemExit: the interpreter's whole exit
         finish(child(req))  # the console script's exit, less the module teardown
     exits[pid] = req["exit"]
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
@@ -155,11 +177,17 @@ class Zygote:
         log: Path,
         out: Path | None = None,
         env: dict[str, str] | None = None,
+        code: str | None = None,
+        cwd: Path | None = None,
     ) -> Child:
         """Fork ``ggufswap ARGS``: its stderr goes to ``log``, and its stdout too unless ``out``
         names a file of its own (a command whose printed output is checked); ``env`` is added
-        to this process's environment for the child, which starts in this process's directory."""
-        tiers.starting(f"asked the zygote to fork `ggufswap {' '.join(args[:1])}`")
+        to this process's environment for the child, which starts in ``cwd`` (default: this
+        process's directory). With ``code``, the child runs ``python -c CODE ARGS`` instead and
+        exits as that interpreter would, module teardown included (a test of what happens at a
+        process's exit)."""
+        what = "python -c" if code is not None else f"ggufswap {' '.join(args[:1])}"
+        tiers.starting(f"asked the zygote to fork `{what}`")
         assert self.popen.stdin is not None
         assert self.popen.stdout is not None
         exit_file = log.with_suffix(log.suffix + ".exit")
@@ -173,10 +201,12 @@ class Zygote:
             "log": str(log),
             "exit": str(exit_file),
             "env": {**os.environ, **(env or {})},
-            "cwd": os.getcwd(),
+            "cwd": str(cwd or os.getcwd()),
         }
         if out is not None:
             request["out"] = str(out)
+        if code is not None:
+            request["code"] = code
         self.popen.stdin.write(json.dumps(request) + "\n")
         self.popen.stdin.flush()
         return Child(int(self.popen.stdout.readline()), log, exit_file)
