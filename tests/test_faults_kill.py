@@ -27,7 +27,12 @@ from ggufswap.ipc import (
     make_reply,
 )
 
-ITERATIONS = int(os.environ.get("GGUFSWAP_KILL_ITERATIONS", "50"))
+# make test: every kill point 5-6 times; the slow tier (make soak) 25 times.
+ITERATIONS = int(os.environ.get("GGUFSWAP_KILL_ITERATIONS", "30"))
+SOAK_ITERATIONS = 150
+KILL_RUNS = pytest.mark.parametrize(
+    "iterations", [ITERATIONS, pytest.param(SOAK_ITERATIONS, marks=pytest.mark.slow)]
+)
 BATCH_INTERVAL_S = 0.15  # a staged plan waits up to this long for its commit: observable
 # Tensors the loops update, and the types each cycles through (consecutive ones always differ,
 # so every update changes content; F16 experts fall back to host memory with their family).
@@ -129,10 +134,14 @@ def wait_runtime_plan(rig: Rig, version: int) -> str:
 
 
 @pytest.mark.process
-def test_agent_sigkill_at_every_point_loses_nothing_and_applies_nothing_twice(rig: Rig) -> None:
-    """50 times: an update, the agent SIGKILLed at one of six points, a new agent: the runtime
-    converges to the disk, each update is committed exactly once (weight_version = updates),
-    and the batch served on every version equals a fresh load of that version's files."""
+@KILL_RUNS
+def test_agent_sigkill_at_every_point_loses_nothing_and_applies_nothing_twice(
+    rig: Rig, iterations: int
+) -> None:
+    """30 times (150 in the slow tier): an update, the agent SIGKILLed at one of six points, a
+    new agent: the runtime converges to the disk, each update is committed exactly once
+    (weight_version = updates), and the batch served on every version equals a fresh load of
+    that version's files."""
     rig.start_runtime()
     rig.start_agent()
     commits = CommitLog(rig.events)
@@ -140,7 +149,7 @@ def test_agent_sigkill_at_every_point_loses_nothing_and_applies_nothing_twice(ri
     points = list(KillPoint)
     hit: Counter[str] = Counter()
     try:
-        for i in range(ITERATIONS):
+        for i in range(iterations):
             point = points[i % len(points)]
             name, source = updates.next_source()
             if point in (KillPoint.MID_WRITE_TEMP, KillPoint.MID_WRITE_IN_PLACE):
@@ -175,7 +184,7 @@ def test_agent_sigkill_at_every_point_loses_nothing_and_applies_nothing_twice(ri
     finally:
         commits.close()
     status = rig.runtime_status()
-    assert status["plans"].get("committed") == ITERATIONS, status["plans"]
+    assert status["plans"].get("committed") == iterations, status["plans"]
     assert status["serve"]["failed_batches"] == 0
     assert all(hit[p.name] > 0 for p in points), hit
     for p in points:
@@ -198,17 +207,21 @@ class RuntimeKill(enum.Enum):
 
 
 @pytest.mark.process
-def test_runtime_sigkill_at_every_point_converges_and_applies_each_update_once(rig: Rig) -> None:
-    """50 times: an update that the running runtime must commit exactly once, then another with
-    the runtime SIGKILLed at one of five points and restarted: the new runtime converges to the
-    disk and never re-applies what it loaded; every served version equals a fresh load."""
+@KILL_RUNS
+def test_runtime_sigkill_at_every_point_converges_and_applies_each_update_once(
+    rig: Rig, iterations: int
+) -> None:
+    """30 times (150 in the slow tier): an update that the running runtime must commit exactly
+    once, then another with the runtime SIGKILLed at one of five points and restarted: the new
+    runtime converges to the disk and never re-applies what it loaded; every served version
+    equals a fresh load."""
     rig.start_runtime()
     rig.start_agent()
     updates = Updates(rig)
     points = list(RuntimeKill)
     hit: Counter[str] = Counter()
     restarts = 0
-    for i in range(ITERATIONS):
+    for i in range(iterations):
         point = points[i % len(points)]
         # An update on the current runtime (a fresh one after the first iteration): once.
         base = rig.runtime_status()["weight_version"]
