@@ -36,6 +36,7 @@ from ggufswap.ipc import (
     PlanCommittedEvent,
     RequestServer,
     encode,
+    job_to_wire,
     make_message,
     message_from,
 )
@@ -75,7 +76,13 @@ def served(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def plan_frame(plan: Plan) -> tuple[str, bytes]:
-    msg = message_from(MessageType.PLAN, _plan_to_wire(plan))
+    return body_frame(_plan_to_wire(plan))
+
+
+def body_frame(body: dict[str, Any]) -> tuple[str, bytes]:
+    """A ``plan`` message of ``body`` (as ``plan_to_wire`` gives it, or built by hand): its id
+    and its frame."""
+    msg = message_from(MessageType.PLAN, body)
     return str(msg[Fields.ID]), encode(msg)
 
 
@@ -108,14 +115,17 @@ def test_plans_over_the_bounds_are_malformed(served: Served) -> None:
     record = served.model_dir.record(OUTPUT)
     deep = str(served.model_dir.root) + "/." * 80_000 + "/" + Path(record.path).name
     job = Job(record)
+    wire = job_to_wire(job)  # one job's fields, renamed for each of the many (built once)
     attacks = {
-        "components": Plan("deep", "", (Job(dataclasses.replace(record, path=deep)),)),
-        "plan_id": Plan("x" * (1 << 20), "", (job,)),
-        "jobs": Plan(
-            "many",
-            "",
-            tuple(Job(dataclasses.replace(record, name=f"t{i}")) for i in range(MAX_PLAN_JOBS + 1)),
+        "components": _plan_to_wire(
+            Plan("deep", "", (Job(dataclasses.replace(record, path=deep)),))
         ),
+        "plan_id": _plan_to_wire(Plan("x" * (1 << 20), "", (job,))),
+        "jobs": {
+            Fields.PLAN_ID: "many",
+            Fields.MODEL: "",
+            Fields.JOBS: [{**wire, Fields.Tensor.NAME: f"t{i}"} for i in range(MAX_PLAN_JOBS + 1)],
+        },
     }
     expected = {
         "components": f"{MAX_PATH_COMPONENTS} components",
@@ -123,8 +133,8 @@ def test_plans_over_the_bounds_are_malformed(served: Served) -> None:
         "jobs": f"at most {MAX_PLAN_JOBS} jobs",
     }
     with RawPeer(served.control.control.endpoint) as peer:
-        for what, plan in attacks.items():
-            msg_id, frame = plan_frame(plan)
+        for what, body in attacks.items():
+            msg_id, frame = body_frame(body)
             peer.send([frame])
             reply = outcome(peer, served.runtime, msg_id)
             assert reply[Fields.TYPE] == "error", (what, reply)
