@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from runtime_helpers import ModelDir, Q, one_thread
+from test_ggml_block import open_ggml
 
 import ggufswap.runtime.models.blocks.attention as attention_module
 import ggufswap.runtime.models.blocks.decoder as decoder_module
 import ggufswap.runtime.models.blocks.ggml_decode as ggml_decode
 import ggufswap.runtime.models.gemma3 as gemma3
-from ggufswap.runtime import HotSwapRuntime, PlanState, Storage, float_products
+from ggufswap.runtime import HotSwapRuntime, PlanState, float_products
 from ggufswap.runtime.kernels import ggml_library
 from ggufswap.runtime.kernels.ggml_step import StepLayer, decode_step, step_caches, step_weights
 from ggufswap.runtime.models import HParams, build_model
@@ -34,14 +35,6 @@ pytestmark = [
 
 PROMPT = torch.tensor([[1, 17, 33, 250, 4, 99, 7]])
 DOWN2 = "blk.2.ffn_down.weight"
-
-
-def open_ggml(first: Path) -> tuple[HotSwapRuntime, Decoder]:
-    """A native runtime over ``first`` and its decoder with ggml's numerics."""
-    runtime = HotSwapRuntime.open(first, storage=Storage.NATIVE)
-    assert runtime.shards is not None, "open() keeps the shard set"
-    config = HParams.from_metadata(runtime.shards.metadata)
-    return runtime, build_model(config, runtime.store, store=runtime.store, numerics="ggml")
 
 
 @pytest.fixture(params=["gemma3"])

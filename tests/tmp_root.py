@@ -23,8 +23,8 @@ from pathlib import Path
 ENV = "GGUFSWAP_TEST_TMP"
 DEFAULT_PARENT = "/dev/shm"
 PREFIX = "gst-"  # short: a Unix socket path under it must fit in 107 bytes
-# The fast tier peaks at ~0.8 GB of files, make test at ~2.5 GB: a smaller tmpfs (a container's
-# default /dev/shm is 64 MB) is not used.
+# The fast tier peaks at ~0.8 GB of files, make test at ~1.9 GB (sampled): a smaller tmpfs (a
+# container's default /dev/shm is 64 MB) is not used.
 MIN_FREE_BYTES = 6 << 30
 
 
