@@ -11,7 +11,7 @@ import pytest
 import torch
 from runtime_helpers import one_thread
 
-from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime import HotSwapRuntime, Storage
 from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.models.errors import KVCacheError
 from ggufswap.runtime.models.gemma3 import sliding_window_mask
@@ -119,6 +119,36 @@ def test_greedy_decoding_with_the_cache_picks_the_tokens_of_full_forwards(model:
     prompt = random_tokens(model, batch=1, length=5, seed=1)[0].tolist()
     with_cache = greedy_continuation(model, prompt, 16, cached=True)
     assert with_cache == greedy_continuation(model, prompt, 16, cached=False)
+
+
+@pytest.mark.parametrize("storage", [Storage.NATIVE, Storage.DEQUANTIZED], ids=lambda s: s.value)
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3moe", "deepseek32"])
+def test_last_only_gives_the_last_positions_logits(
+    tmp_path: Path, arch: str, storage: Storage
+) -> None:
+    """``last_only`` (what generation asks for) computes the head for the last position alone,
+    with and without a cache: the full forward's last row, bit for bit where the store's
+    products go row by row (native), to float rounding where torch multiplies the rows
+    together (dequantized)."""
+    runtime = HotSwapRuntime.open(write_model(tiny_arch(arch), tmp_path)[0], storage=storage)
+    try:
+        assert runtime.shards is not None
+        model = build_model(
+            HParams.from_metadata(runtime.shards.metadata), runtime.store, store=runtime.store
+        )
+        tokens = random_tokens(model, batch=2, length=9)
+        cache = model.new_cache(max_len=9)
+        with torch.inference_mode():
+            full = model(tokens)[:, -1:]
+            last = model(tokens, last_only=True)
+            cached = model(tokens, cache=cache, last_only=True)
+        assert last.shape == cached.shape == (2, 1, model.config.n_vocab)
+        if storage is Storage.NATIVE:
+            assert torch.equal(last, full)
+        torch.testing.assert_close(last, full, atol=ATOL, rtol=0)
+        torch.testing.assert_close(cached, full, atol=ATOL, rtol=0)
+    finally:
+        runtime.close()
 
 
 def test_cached_decoding_is_deterministic(model: Decoder) -> None:

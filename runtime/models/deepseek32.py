@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from ggufswap.runtime.models import deepseek2
 from ggufswap.runtime.models.architecture import Architecture
-from ggufswap.runtime.models.blocks.decoder import DecoderStack, TransformerBlock, embed, lm_head
+from ggufswap.runtime.models.blocks.decoder import DecoderStack, TransformerBlock, embed
 from ggufswap.runtime.models.blocks.indexer import IndexerCache, LightningIndexer
 from ggufswap.runtime.models.blocks.moe import lead_dense_ffn
 from ggufswap.runtime.models.blocks.norms import rms_norm
@@ -146,10 +146,16 @@ class SparseTransformer(DecoderStack):
         self.rope = rotary(config, config.rope_base, n_rot=config.mla.n_rot)
 
     def forward(
-        self, tokens: Tensor, *, start_pos: int = 0, cache: KVCache | None = None
+        self,
+        tokens: Tensor,
+        *,
+        start_pos: int = 0,
+        cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> Tensor:
         """Logits of ``tokens`` at positions ``start_pos ..``; with ``cache`` (an
-        :class:`IndexerCache`: ``new_cache``) they also attend to the cached positions."""
+        :class:`IndexerCache`: ``new_cache``) they also attend to the cached positions;
+        ``last_only``: the last position's alone (:meth:`DecoderStack.logits`)."""
         # tokens: [B, T] int64 -> logits: [B, T, V] float32
         c, seq = self.config, tokens.shape[1]
         if cache is not None:
@@ -166,8 +172,7 @@ class SparseTransformer(DecoderStack):
             x, selection = cast(SparseBlock, block).sparse(x, rope, start_pos, selection, cache)
         if cache is not None:
             cache.advance(seq)
-        x = rms_norm(x, self.weights.weight(self.norm), c.norm_eps)
-        return lm_head(x, self.weights.matrix(self.output), c.final_logit_softcap)
+        return self.logits(x, last_only=last_only)
 
     def new_cache(self, *, max_len: int) -> IndexerCache:
         """An empty state for one sequence: the latent cache and the indexer keys."""

@@ -167,9 +167,9 @@ def greedy_continuation(
     with torch.inference_mode():
         for _ in range(n_new):
             if cache is None:
-                logits = model(torch.tensor([ids]))[0, -1]  # [V]
+                logits = model(torch.tensor([ids]), last_only=True)[0, -1]  # [V]
             else:
                 new = torch.tensor([ids[cache.length :]])  # [1, T]
-                logits = model(new, start_pos=cache.length, cache=cache)[0, -1]
+                logits = model(new, start_pos=cache.length, cache=cache, last_only=True)[0, -1]
             ids.append(int(torch.argmax(logits)))
     return ids[len(prompt) :]

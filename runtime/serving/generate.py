@@ -385,7 +385,7 @@ class Batcher:
         )
         new = torch.tensor([seq.ids[cache.length :]], dtype=torch.long)  # [1, T]: prompt, then 1
         with torch.inference_mode():
-            logits = self.model(new, start_pos=cache.length, cache=cache)[0, -1]  # [V]
+            logits = self.model(new, start_pos=cache.length, cache=cache, last_only=True)[0, -1]
         if not self.runtime.batch_intact():
             return False
         next_id, logprob = pick(
@@ -483,7 +483,7 @@ class Batcher:
         ids = self.encode("Hello", special=False) or [0]
         cache = self.model.new_cache(max_len=len(ids) + 1)
         with torch.inference_mode():
-            logits = self.model(torch.tensor([ids]), cache=cache)[0, -1]  # [V]
+            logits = self.model(torch.tensor([ids]), cache=cache, last_only=True)[0, -1]
             self.model(
                 torch.tensor([[int(torch.argmax(logits))]]), start_pos=cache.length, cache=cache
             )

@@ -142,12 +142,18 @@ class DecoderStack(nn.Module):
         check_weights(weights, spec, shapes=check_shapes)
 
     def forward(
-        self, tokens: Tensor, *, start_pos: int = 0, cache: KVCache | None = None
+        self,
+        tokens: Tensor,
+        *,
+        start_pos: int = 0,
+        cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> Tensor:
         """Logits of ``tokens`` at positions ``start_pos ..``; with ``cache`` they also attend to
-        the cached positions (``start_pos`` must be ``cache.length``) and are appended to it."""
+        the cached positions (``start_pos`` must be ``cache.length``) and are appended to it.
+        ``last_only``: the last position's logits alone, ``[B, 1, V]`` (:meth:`logits`)."""
         # tokens: [B, T] int64 -> logits: [B, T, V] float32
-        c, seq = self.config, tokens.shape[1]
+        seq = tokens.shape[1]
         if cache is not None:
             logits = stack_step(self, tokens, start_pos, cache)  # ggml's numerics: one call
             if logits is not None:
@@ -159,8 +165,18 @@ class DecoderStack(nn.Module):
             x = layer(x, rope, mask, cache)
         if cache is not None:
             cache.advance(seq)
-        x = rms_norm(x, self.weights.weight(self.norm), c.norm_eps)
-        return lm_head(x, self.weights.matrix(self.output), c.final_logit_softcap)  # [B, T, V]
+        return self.logits(x, last_only=last_only)
+
+    def logits(self, x: Tensor, *, last_only: bool = False) -> Tensor:
+        """The final norm and the output head over the hidden states ``x [B, T, D]``: float32
+        ``[B, T, V]``, or with ``last_only`` the last position's, ``[B, 1, V]``: what a
+        generation step reads, as llama.cpp outputs only the rows it is asked for (the head of
+        a 262k vocabulary is most of a long prompt's prefill). Each row is normed and multiplied
+        on its own, the same arithmetic either way."""
+        if last_only:
+            x = x[:, -1:]
+        x = rms_norm(x, self.weights.weight(self.norm), self.config.norm_eps)
+        return lm_head(x, self.weights.matrix(self.output), self.config.final_logit_softcap)
 
     def embedding(self, tokens: Tensor) -> Tensor:
         """``[B, T, D]`` float32: the embedding rows of ``tokens [B, T]``, scaled."""
