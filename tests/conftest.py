@@ -390,7 +390,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pluggy.Result[pytest.TestReport], None]:
-    """A test marked ``reliability(area, fault, tries=, outcome=)`` records its row on a pass."""
+    """A test marked ``reliability(area, fault, tries=, outcome=)`` records its row on a pass; a
+    failed test's ``tmp_path`` in memory is copied where it outlives the session."""
     outcome = yield
     report = outcome.get_result()
     import reliability
@@ -405,6 +406,10 @@ def pytest_runtest_makereport(
             outcome=str(marker.kwargs["outcome"]),
             test=item.nodeid,
         )
+    tmp_path = item.funcargs.get("tmp_path") if isinstance(item, pytest.Function) else None
+    if report.failed and isinstance(tmp_path, Path) and tmp_root.in_memory(tmp_path):
+        kept = tmp_root.keep_failed(tmp_path, item.nodeid)  # the session's copy is removed
+        report.sections.append(("tmp_path kept", f"{tmp_path} is copied to {kept}"))
     if _is_xdist_worker(item.config) and (new := reliability.take_new()):
         # Rows recorded in this phase (by the marker, the test, or a fixture's teardown) travel
         # to the controller with the report.

@@ -4,8 +4,10 @@ session, and the directories of killed sessions removed."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,26 @@ def test_a_killed_sessions_directory_is_removed_and_a_live_ones_kept(tmp_path: P
         (d / "sub").mkdir(parents=True)
     tmp_root.remove_stale(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+
+
+def test_a_failed_tests_directory_is_copied_out_without_its_sockets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``keep_failed`` copies a test's directory (its logs) where it outlives the session,
+    leaving out what cannot be copied (a Unix socket), and names the copy after the test;
+    ``in_memory`` tells a session directory's paths from others."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "system-tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    (tmp_path / "system-tmp").mkdir()
+    test_dir = tmp_path / f"{tmp_root.PREFIX}1-x" / "popen-gw0" / "test_a0"
+    (test_dir / "run").mkdir(parents=True)
+    (test_dir / "run" / "runtime.log").write_text("evidence")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(test_dir / "run" / "rt.sock"))
+    assert tmp_root.in_memory(test_dir)
+    assert not tmp_root.in_memory(Path("/tmp/pytest-of-root/pytest-1/test_a0"))
+    kept = tmp_root.keep_failed(test_dir, "tests/test_x.py::test_a[p/1]")
+    assert kept.parent == tmp_path / "system-tmp" / f"ggufswap-failed-{os.getuid()}"
+    assert kept.name == "tests_test_x.py_test_a_p_1_"
+    assert (kept / "run" / "runtime.log").read_text() == "evidence"
+    assert not (kept / "run" / "rt.sock").exists()

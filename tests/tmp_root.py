@@ -8,14 +8,18 @@ also pass with ``--basetemp`` on a disk); a power cut is not something a test ca
 
 The directory is made per session by the pytest process that owns it (the xdist controller; its
 workers get subdirectories of it), named with that process's pid, removed when the session ends,
-and a later session removes the ones a killed session left behind. ``--basetemp`` given on the
-command line wins; ``GGUFSWAP_TEST_TMP`` names another parent directory (``GGUFSWAP_TEST_TMP=``,
-empty, keeps pytest's default under the system's temporary directory).
+and a later session removes the ones a killed session left behind. A failed test's ``tmp_path``
+(its processes' logs, the files it wrote) is copied out first, to
+``$TMPDIR/ggufswap-failed-UID/<test>``, and the failure report says where (:func:`keep_failed`).
+``--basetemp`` given on the command line wins; ``GGUFSWAP_TEST_TMP`` names another parent
+directory (``GGUFSWAP_TEST_TMP=``, empty, keeps pytest's default under the system's temporary
+directory).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -57,3 +61,21 @@ def session_root() -> Path | None:
     if stat.f_bavail * stat.f_frsize < MIN_FREE_BYTES:
         return None
     return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
+
+
+def in_memory(path: Path) -> bool:
+    """Whether ``path`` lies in a session directory this module made."""
+    return any(parent.name.startswith(PREFIX) for parent in path.parents)
+
+
+def keep_failed(path: Path, nodeid: str) -> Path:
+    """Copy a failed test's ``tmp_path`` where it outlives the session (what cannot be copied,
+    a socket, is left out); returns the copy's path."""
+    name = re.sub(r"[^\w.-]+", "_", nodeid)[-150:]
+    dest = Path(tempfile.gettempdir()) / f"ggufswap-failed-{os.getuid()}" / name
+    shutil.rmtree(dest, ignore_errors=True)
+    try:
+        shutil.copytree(path, dest, symlinks=True)
+    except (shutil.Error, OSError):
+        pass  # the rest is copied: copytree goes on past a file it cannot copy
+    return dest
