@@ -184,6 +184,10 @@ def _is_xdist_worker(config: pytest.Config) -> bool:
 RELIABILITY_ROWS = "ggufswap_reliability_rows"
 
 
+# Whether this session's tmp_path root is one tests/tmp_root.py made (pytest_configure).
+_OWN_TMP_ROOT = pytest.StashKey[bool]()
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own tmp_path factory reads --basetemp
 def pytest_configure(config: pytest.Config) -> None:
     """One torch thread; enforce the tiers' markers (tests/tiers.py). In the session's own
@@ -207,6 +211,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.option.basetemp is None and (root := tmp_root.session_root()) is not None:
         config.option.basetemp = str(root)  # read by pytest's tmp_path factory, configured next
         config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
+        config.stash[_OWN_TMP_ROOT] = True
     if not config.getoption("numprocesses", None):
         return
     if config.getoption("dist", "no") == "loadgroup":
@@ -407,7 +412,10 @@ def pytest_runtest_makereport(
             test=item.nodeid,
         )
     tmp_path = item.funcargs.get("tmp_path") if isinstance(item, pytest.Function) else None
-    if report.failed and isinstance(tmp_path, Path) and tmp_root.in_memory(tmp_path):
+    # A session (or its xdist worker) whose root this conftest made: not the inner sessions
+    # some tests run with pytester (their tests fail on purpose, under their own --basetemp).
+    owned = _is_xdist_worker(item.config) or item.config.stash.get(_OWN_TMP_ROOT, False)
+    if report.failed and owned and isinstance(tmp_path, Path) and tmp_root.in_memory(tmp_path):
         kept = tmp_root.keep_failed(tmp_path, item.nodeid)  # the session's copy is removed
         report.sections.append(("tmp_path kept", f"{tmp_path} is copied to {kept}"))
     if _is_xdist_worker(item.config) and (new := reliability.take_new()):
