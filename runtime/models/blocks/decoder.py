@@ -171,8 +171,9 @@ class DecoderStack(nn.Module):
         """The final norm and the output head over the hidden states ``x [B, T, D]``: float32
         ``[B, T, V]``, or with ``last_only`` the last position's, ``[B, 1, V]``: what a
         generation step reads, as llama.cpp outputs only the rows it is asked for (the head of
-        a 262k vocabulary is most of a long prompt's prefill). Each row is normed and multiplied
-        on its own, the same arithmetic either way."""
+        a 262k vocabulary is most of a long prompt's prefill). The row is bit-identical to the
+        full head's last where the products go row by row (native storage); torch's product of
+        one row instead of all (dequantized) moves it within float rounding."""
         if last_only:
             x = x[:, -1:]
         x = rms_norm(x, self.weights.weight(self.norm), self.config.norm_eps)
