@@ -13,15 +13,15 @@ alternate (ours, llama.cpp, ours, ...) for ``--rounds`` rounds and each figure i
 over the rounds. Every row is a ratio, llama.cpp's time over ours (higher is better; 1.0 =
 llama.cpp's pace), with the issue's target:
 
-- greedy decode of the real Gemma 3 270M Q4_K_M at 1 and 2 threads (target 1.0), with the
-  default numerics and with ggml's (``runtime.numerics: ggml``: ggml's norms and products end to
-  end, native storage);
+- greedy decode of the real Gemma 3 270M Q4_K_M at 1 and 2 threads (target 1.0), in the
+  numerics ``runtime.numerics: auto`` serves (ggml's end to end where every product is a
+  libggml's, as here; the row names them);
 - perplexity evaluation, one 512-token context, 2 threads: in ggml's numerics (native storage,
   ``numerics="ggml"``: the sweep's llama.cpp-comparable figures, target 1.0) and in exact numerics
   (dequantized float products); and the sweep's ggml numerics against its exact ones;
 - process start to first logits, warm page cache (target: at most 1.5x llama.cpp's time);
-- one-token decode of a synthetic qwen3moe (128 experts, 8 used; Q4_K/Q6_K), 1 thread, default
-  and ggml numerics (target 1.0);
+- one-token decode of a synthetic qwen3moe (128 experts, 8 used; Q4_K/Q6_K), 1 thread, in the
+  numerics ``auto`` serves (target 1.0);
 - decode-step growth from 64 to 4,096 tokens of context, 1 thread (ours against llama.cpp's
   growth: no worse, target 1.0).
 
@@ -105,6 +105,17 @@ def _open(job: dict[str, Any], storage: str = "auto") -> Any:
     )
 
 
+def _served(runtime: Any, numerics: str | None) -> str | None:
+    """``numerics``, or (None) what ``runtime.numerics: auto`` serves over this store: ggml's
+    where every product is a libggml's (runtime/serving/daemon.py's ``served_numerics``), else
+    None (the store's fastest products, float32 norms)."""
+    from ggufswap.runtime.models.ggml_numerics import ggml_fast_path
+
+    if numerics is not None or ggml_fast_path(runtime.store) is not None:
+        return numerics
+    return "ggml"
+
+
 def _model(runtime: Any, numerics: str | None = None) -> Any:
     from ggufswap.runtime.models import HParams, build_model
 
@@ -143,8 +154,10 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     numerics = job.get("numerics")
     storage = {"ggml": "native", "exact": "dequantized"}.get(numerics or "", "auto")
     with _open(job, storage) as runtime, torch.inference_mode():
-        model = _model(runtime, numerics)
+        served = _served(runtime, numerics)
+        model = _model(runtime, served)
         out: dict[str, Any] = {
+            "numerics": served or "auto",
             "storage": runtime.store.storage.value,
             "kernels": runtime.status()["kernels"],
         }
@@ -195,13 +208,12 @@ def _key(name: str, cpu: bool) -> str:
 
 
 def _decode(
-    python: Path, rounds: int, cpu: bool, job: dict[str, Any], numerics: str | None
+    python: Path, rounds: int, cpu: bool, job: dict[str, Any]
 ) -> tuple[float, float, dict[str, Any], str]:
     """A decode job's step time, ours and llama.cpp's (and the ``--against`` build's, as
-    ``before_s`` in the last result), interleaved over ``rounds``, in ``numerics`` (None: the
-    runtime's default); the last of our results, and the row name's suffix."""
-    if numerics is not None:
-        job = {**job, "numerics": numerics}
+    ``before_s`` in the last result), interleaved over ``rounds``, ours in the numerics the
+    runtime serves by default; the last of our results, and the row name's suffix (naming
+    those numerics)."""
     key = _key("step_s", cpu)
     before: list[float] = []
 
@@ -213,7 +225,7 @@ def _decode(
 
     theirs, mine, last = interleaved(rounds, measure, lambda: llama(python, job), key)
     last["before_s"] = statistics.median(before) if before else None
-    return theirs, mine, last, f", {numerics} numerics" if numerics else ""
+    return theirs, mine, last, f", default numerics ({last['numerics']})"
 
 
 # ``--against``: the other build measured beside ours in the decode rows (none: empty).
@@ -235,14 +247,13 @@ def gemma_rows(
     clock = " (CPU time)" if cpu else ""
     steps = 8 if quick else 32
     for threads in (1, 2):
-        for numerics in (None, "ggml"):
-            job = {"what": "decode", "path": str(path), "threads": threads, "steps": steps}
-            theirs, mine, last, how = _decode(python, rounds, cpu, job, numerics)
-            _say(f"gemma3 decode {threads} thread(s){how}: ours {1 / mine:.1f} tok/s "
-                 f"({last['storage']}, {last['kernels']}), llama.cpp {1 / theirs:.1f} tok/s"
-                 f"{clock}")  # fmt: skip
-            name = f"gemma3 270M greedy decode, {threads} thread(s){how}{clock}"
-            rows.append(_decode_row(name, theirs, mine, last))
+        job = {"what": "decode", "path": str(path), "threads": threads, "steps": steps}
+        theirs, mine, last, how = _decode(python, rounds, cpu, job)
+        _say(f"gemma3 decode {threads} thread(s){how}: ours {1 / mine:.1f} tok/s "
+             f"({last['storage']}, {last['kernels']}), llama.cpp {1 / theirs:.1f} tok/s"
+             f"{clock}")  # fmt: skip
+        name = f"gemma3 270M greedy decode, {threads} thread(s){how}{clock}"
+        rows.append(_decode_row(name, theirs, mine, last))
     if decode_only:
         return rows
     prompt = [PROMPT[i % len(PROMPT)] for i in range(EVAL_TOKENS)]
@@ -298,14 +309,13 @@ def moe_rows(python: Path, root: Path, rounds: int, quick: bool, cpu: bool) -> l
     path = write_model(spec, root / "moe128")[0]
     rows = []
     clock = " (CPU time)" if cpu else ""
-    for numerics in (None, "ggml"):
-        job = {"what": "decode", "path": str(path), "threads": 1, "steps": 8 if quick else 32}
-        job["prompt"] = [1, 2, 3, 4]
-        theirs, mine, last, how = _decode(python, rounds, cpu, job, numerics)
-        _say(f"qwen3moe 128 experts decode{how}: ours {mine * 1e3:.2f} ms/step "
-             f"({last['kernels']}), llama.cpp {theirs * 1e3:.2f} ms/step{clock}")  # fmt: skip
-        name = f"qwen3moe 128 experts (8 used) decode, 1 thread{how}{clock}"
-        rows.append(_decode_row(name, theirs, mine, last))
+    job = {"what": "decode", "path": str(path), "threads": 1, "steps": 8 if quick else 32}
+    job["prompt"] = [1, 2, 3, 4]
+    theirs, mine, last, how = _decode(python, rounds, cpu, job)
+    _say(f"qwen3moe 128 experts decode{how}: ours {mine * 1e3:.2f} ms/step "
+         f"({last['kernels']}), llama.cpp {theirs * 1e3:.2f} ms/step{clock}")  # fmt: skip
+    name = f"qwen3moe 128 experts (8 used) decode, 1 thread{how}{clock}"
+    rows.append(_decode_row(name, theirs, mine, last))
     return rows
 
 

@@ -38,8 +38,7 @@ from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime import HotSwapRuntime, Pool, RuntimeLibraryError, Storage
 from ggufswap.runtime.coordinated import GroupOptions
 from ggufswap.runtime.errors import RankLost
-from ggufswap.runtime.models import Transformer
-from ggufswap.runtime.models.hparams import HParams
+from ggufswap.runtime.serving.daemon import served_model
 from ggufswap.runtime.serving.serve import logits_digest, probe_tokens
 from ggufswap.shards import read_header
 
@@ -142,8 +141,7 @@ def serve(
     """The serving loop; its records. Rank 0 submits ``plans`` one after the other and notes
     when the first one ended (``first_plan_s``: seconds from its submission)."""
     rank = dist.get_rank()
-    assert runtime.shards is not None, "open() keeps the shard set"
-    model = Transformer(HParams.from_metadata(runtime.shards.metadata), runtime.store)
+    model = served_model(runtime)  # as fresh_digest builds it
     tokens = probe_tokens(model.config.n_vocab, batch=2, tokens=16)  # fresh_digest's probe
     records: list[list[object]] = []
     current, submitted = None, 0.0

@@ -20,6 +20,7 @@ from processes import GGUFSWAP, PROBE_INTERVAL_S, Proc, status_of, wait_for
 from runtime_helpers import ModelDir, fresh_digest, loaded_bytes
 from zygote import Child, Zygote
 
+from ggufswap.config import Numerics
 from ggufswap.ipc import MessageType, PeerTimeout, Subscriber, Topic, make_message, request
 from ggufswap.runtime import Storage
 from ggufswap.shards import Fingerprinter, open_shard_set, tiny_moe
@@ -246,7 +247,10 @@ runtime:
         return str(result["digest"])
 
     def fresh_digest(self) -> str:
-        return fresh_digest(self.model.first, storage=self.storage)
+        """A fresh load's probe digest, in the numerics the rig's runtime serves (``auto``
+        resolves at its load; a swap to a type ggml's kernels do not take never changes it)."""
+        served = Numerics(self.runtime_status()["numerics"])
+        return fresh_digest(self.model.first, storage=self.storage, served=served)
 
 
 class CommitLog:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from ggufswap.config import Numerics
 from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime import (
     HotSwapRuntime,
@@ -24,6 +25,7 @@ from ggufswap.runtime import (
 )
 from ggufswap.runtime.models import Decoder, Transformer, build_model
 from ggufswap.runtime.models.hparams import HParams
+from ggufswap.runtime.serving.daemon import model_in, served_model
 from ggufswap.runtime.serving.serve import logits_digest, probe_tokens
 from ggufswap.shards import (
     Layout,
@@ -227,12 +229,18 @@ def assert_swap_equals_fresh_load(
         assert torch.equal(logits(model), before)
 
 
-def fresh_digest(first: Path, *, storage: Storage = Storage.AUTO) -> str:
+def fresh_digest(
+    first: Path, *, storage: Storage = Storage.AUTO, served: Numerics | None = None
+) -> str:
     """The digest of the probe batch's logits (what a runtime in probe mode records) on a fresh
-    load of the files as they are now (``storage``: the configuration's default, auto)."""
+    load of the files as they are now (``storage``: the configuration's default, auto), with
+    the decoder a runtime serves: in the numerics ``auto`` chooses for these files, or in
+    ``served`` (a runtime's status's ``numerics``: chosen at its load, never changed by a
+    swap)."""
+    if served is Numerics.GGML and storage is Storage.AUTO:
+        storage = Storage.NATIVE  # as the runtime loads for them (served_storage)
     with HotSwapRuntime.open(first, storage=storage) as runtime:
-        assert runtime.shards is not None, "open() keeps the shard set"
-        model = Transformer(HParams.from_metadata(runtime.shards.metadata), runtime.store)
+        model = served_model(runtime) if served is None else model_in(runtime, served)
         with torch.inference_mode():
             return logits_digest(model(probe_tokens(model.config.n_vocab, batch=2, tokens=16)))
 

@@ -24,9 +24,9 @@ from runtime_helpers import ModelDir, Q, one_thread
 from ggufswap.ipc import DealerClient, Fields, MessageType, make_message, plan_to_wire
 from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime import HotSwapRuntime, PlanState, Storage
-from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.serving import GgufTokenizer
 from ggufswap.runtime.serving.chat import ChatTemplate
+from ggufswap.runtime.serving.daemon import served_model
 from ggufswap.runtime.serving.generate import Batcher, BatcherOptions
 from ggufswap.runtime.serving.http import CompletionServer, HttpOptions
 from ggufswap.shards import ModelSpec, read_header, requantize, tiny_dense
@@ -130,10 +130,7 @@ def start_server(
     **options: Any,
 ) -> Iterator[Served]:
     runtime = HotSwapRuntime.open(first, storage=Storage.AUTO)  # as a default config loads
-    assert runtime.shards is not None, "open() keeps the shard set"
-    model = build_model(
-        HParams.from_metadata(runtime.shards.metadata), runtime.store, store=runtime.store
-    )
+    model = served_model(runtime)  # and serves (numerics: auto)
     batcher = Batcher(
         runtime, model, GgufTokenizer.from_file(first), options=BatcherOptions(**options)
     )

@@ -28,7 +28,7 @@ from test_perplexity_cmd import license_text, reference
 from zygote import Child, Zygote
 
 from ggufswap.runtime import HotSwapRuntime, Storage
-from ggufswap.runtime.models import HParams, build_model
+from ggufswap.runtime.serving.daemon import served_model
 from ggufswap.runtime.serving.perplexity import make_eval_tokens, perplexity
 from ggufswap.runtime.serving.serve import ServeOptions
 from ggufswap.shards import ModelSpec
@@ -93,9 +93,8 @@ def stream_perplexity(first: Path) -> float:
     options = ServeOptions()
     runtime = HotSwapRuntime.open(first, storage=Storage.AUTO)  # the configuration's default
     try:
-        assert runtime.shards is not None, "open() keeps the shard set"
-        config = HParams.from_metadata(runtime.shards.metadata)
-        model = build_model(config, runtime.store, store=runtime.store)
+        model = served_model(runtime)  # numerics: auto, as the runtime serves
+        config = model.config
         stream = make_eval_tokens(config.n_vocab, options.eval_tokens, options.seed)
         return perplexity(model, stream, ctx=options.eval_ctx, batch_size=options.eval_batch)
     finally:

@@ -67,6 +67,7 @@ from torch import Tensor
 
 from ggufswap.config import Storage
 from ggufswap.runtime import QuantizedExperts, QuantizedMatrix, grouped
+from ggufswap.runtime.kernels import ggml_library
 from ggufswap.runtime.models.errors import ModelError
 from ggufswap.shards.ggml_types import GGMLType
 
@@ -79,6 +80,7 @@ __all__ = [
     "GgmlWeights",
     "Numerics",
     "gelu",
+    "ggml_fast_path",
     "ggml_norms",
     "ggml_norms_active",
     "kv_cache",
@@ -418,3 +420,28 @@ class GgmlWeights:
 
     def has(self, name: str) -> bool:
         return self.store.has(name)
+
+
+def ggml_fast_path(store: TensorStore) -> str | None:
+    """Why ggml's numerics are not the fast path for the model in ``store`` (what
+    ``runtime.numerics: auto`` serves where they are), or None where they are: native storage
+    in float32, a libggml loaded, and every matrix of the model (a 2-D weight or an expert
+    stack, whole on the CPU) of a type and row length that libggml multiplies, so that no
+    product is emulated. F32 matrices (routers, norms' rows) are exact either way."""
+    library = ggml_library()
+    if library is None:
+        return "no libggml is loaded"
+    if store.storage is not Storage.NATIVE:
+        return f"storage is {store.storage.value}"
+    if store.compute_dtype != torch.float32:
+        return f"the compute dtype is {store.compute_dtype}"
+    for name, slot in store.loaded_table().items():
+        record = slot.record
+        if len(record.ne) < 2 or record.ggml_type is T.F32:
+            continue
+        if slot.is_split:
+            return f"{name} is split across pools"
+        device = slot.active.tensor.device
+        if not library.multiplies(record.ggml_type, record.ne[0], device):
+            return f"{library.name} does not multiply {name} ({record.ggml_type.name} on {device})"
+    return None

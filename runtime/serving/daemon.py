@@ -25,6 +25,7 @@ from ggufswap.ipc.sdnotify import Notifier, WatchdogPinger
 from ggufswap.logs import get_logger
 from ggufswap.runtime.control import ControlServer
 from ggufswap.runtime.engine import HotSwapRuntime
+from ggufswap.runtime.models.ggml_numerics import ggml_fast_path
 from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.models.registry import Decoder, build_model, unused_tensors
 from ggufswap.runtime.pools import Pool
@@ -33,6 +34,7 @@ from ggufswap.runtime.serving.startup import Phase, Startup, collect_from_now
 from ggufswap.runtime.threads import apply_thread_policy, resolve_threads
 
 if TYPE_CHECKING:
+    from ggufswap.runtime import TensorStore
     from ggufswap.runtime.serving.http import CompletionServer
     from ggufswap.runtime.serving.prestart import EarlyTokenizer
     from ggufswap.runtime.serving.tokenizer import GgufTokenizer
@@ -79,14 +81,37 @@ def served_storage(rc: RuntimeConfig) -> Storage:
     return rc.storage
 
 
-def served_model(runtime: HotSwapRuntime, rc: RuntimeConfig) -> Decoder:
-    """The decoder over ``runtime``'s store with ``runtime.numerics``: ``auto`` the store's
-    fastest products (``build_model``'s default), ``exact`` float products, ``ggml`` ggml's CPU
-    arithmetic end to end (norms, products, GELU, an F16 KV cache: llama.cpp's)."""
+def served_numerics(store: TensorStore, numerics: Numerics) -> tuple[Numerics, str]:
+    """The numerics a decoder over ``store`` serves for ``runtime.numerics``, and why. ``auto``
+    is ggml's (llama.cpp's arithmetic end to end, its fastest path on the CPU) where every
+    product is a libggml's own kernel (:func:`~ggufswap.runtime.models.ggml_numerics.
+    ggml_fast_path`), else the store's fastest products with float32 norms and KV cache
+    (``auto`` as served)."""
+    if numerics is not Numerics.AUTO:
+        return numerics, "configured"
+    refused = ggml_fast_path(store)
+    if refused is None:
+        return Numerics.GGML, "every product is libggml's"
+    return Numerics.AUTO, refused
+
+
+def served_model(runtime: HotSwapRuntime, numerics: Numerics = Numerics.AUTO) -> Decoder:
+    """The decoder over ``runtime``'s store for ``runtime.numerics`` (:func:`served_numerics`,
+    logged with its reason): :func:`model_in` the numerics it serves."""
+    serving, why = served_numerics(runtime.store, numerics)
+    log.info("runtime.numerics", configured=numerics.value, serving=serving.value, why=why)
+    return model_in(runtime, serving)
+
+
+def model_in(runtime: HotSwapRuntime, numerics: Numerics) -> Decoder:
+    """The decoder over ``runtime``'s store computing in ``numerics``, as served: ``auto`` the
+    store's fastest products with float32 norms and KV cache (``build_model``'s default, not
+    resolved again), ``exact`` float products, ``ggml`` ggml's CPU arithmetic end to end (norms,
+    products, GELU, an F16 KV cache: llama.cpp's)."""
     assert runtime.shards is not None, "open() always records the shard set"
     hparams = HParams.from_metadata(runtime.shards.metadata, source=runtime.shards.first.path)
-    numerics = None if rc.numerics is Numerics.AUTO else rc.numerics.value
-    return build_model(hparams, runtime.store, store=runtime.store, numerics=numerics)
+    chosen = None if numerics is Numerics.AUTO else numerics.value
+    return build_model(hparams, runtime.store, store=runtime.store, numerics=chosen)
 
 
 def report_unused(runtime: HotSwapRuntime, model: Decoder) -> frozenset[str]:
@@ -198,6 +223,14 @@ def _loaded_tokenizer(first: ShardHeader, startup: Startup) -> GgufTokenizer:
         return GgufTokenizer.from_file(first.path, cache=cache_dir())
 
 
+def _with_numerics(
+    status: Callable[[], dict[str, Any]], numerics: Numerics
+) -> Callable[[], dict[str, Any]]:
+    """``status`` with the numerics the decoder serves (``ggml`` where ``auto`` chose them):
+    chosen at the load, never changed by a swap."""
+    return lambda: {**status(), "numerics": numerics.value}
+
+
 def _start(
     config: Config,
     options: ServeOptions,
@@ -214,12 +247,15 @@ def _start(
         headers = None if early is None else early.headers  # the header it parsed
         runtime = open_runtime(config, on_progress=startup.progress, headers=headers)
         startup.enter(Phase.MODEL)
-        model = served_model(runtime, config.require_runtime())
+        numerics = config.require_runtime().numerics
+        model = served_model(runtime, numerics)
         report_unused(runtime, model)
         loop = build_service(runtime, model, options, server=server, startup=startup, early=early)
         if not startup.ready:
             startup.enter(Phase.READY)
-        control = ControlServer.from_config(runtime, config, extra_status=loop.status).start()
+        serving = served_numerics(runtime.store, numerics)[0]  # chosen once, at the load
+        status = _with_numerics(loop.status, serving)
+        control = ControlServer.from_config(runtime, config, extra_status=status).start()
     except BaseException as exc:
         startup.fail(f"{type(exc).__name__}: {exc}")
         if loop is not None:
@@ -266,7 +302,7 @@ def run(
         model=runtime.model_name,
         control=rc.control_endpoint,
         mode=options.mode.value,
-        numerics=rc.numerics.value,
+        numerics=served_numerics(runtime.store, rc.numerics)[0].value,
         http_port=None if server is None else server.port,
         load_s=round(time.monotonic() - started, 3),
     )
@@ -311,4 +347,12 @@ def _shut_down(loop: Service, control: ControlServer, runtime: HotSwapRuntime) -
     control.close()
 
 
-__all__ = ["open_runtime", "report_unused", "run", "served_model", "served_storage"]
+__all__ = [
+    "model_in",
+    "open_runtime",
+    "report_unused",
+    "run",
+    "served_model",
+    "served_numerics",
+    "served_storage",
+]
