@@ -23,8 +23,8 @@ import torch
 
 from ggufswap.ipc.plan import Job, Plan
 from ggufswap.runtime import HotSwapRuntime, PlanState
-from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.serving import GgufTokenizer
+from ggufswap.runtime.serving.daemon import served_model
 from ggufswap.runtime.serving.generate import Batcher, BatcherOptions
 from ggufswap.runtime.serving.http import CompletionServer, HttpOptions
 from ggufswap.shards import read_header, requantize, tiny_dense, write_model
@@ -61,7 +61,7 @@ def measure(plans: int) -> tuple[list[float], list[float], list[float]]:
     (first,) = write_model(tiny_dense(n_vocab=2048, context_length=512), tempfile.mkdtemp())
     runtime = HotSwapRuntime.open(first)
     assert runtime.shards is not None
-    model = build_model(HParams.from_metadata(runtime.shards.metadata), runtime.store)
+    model = served_model(runtime)  # what the runtime serves (numerics: auto)
     batcher = Batcher(runtime, model, GgufTokenizer.from_file(first), options=BatcherOptions())
     server = CompletionServer.serving(batcher, runtime, options=HttpOptions(port=0)).start()
     stop, done = threading.Event(), threading.Event()
