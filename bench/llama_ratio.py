@@ -106,14 +106,16 @@ def _open(job: dict[str, Any], storage: str = "auto") -> Any:
 
 
 def _served(runtime: Any, numerics: str | None) -> str | None:
-    """``numerics``, or (None) what ``runtime.numerics: auto`` serves over this store: ggml's
-    where every product is a libggml's (runtime/serving/daemon.py's ``served_numerics``), else
-    None (the store's fastest products, float32 norms)."""
-    from ggufswap.runtime.models.ggml_numerics import ggml_fast_path
+    """``numerics``, or (None) what ``runtime.numerics: auto`` serves over this store (the
+    daemon's ``served_numerics``): ``"ggml"`` where every product is a libggml's, else None (the
+    store's fastest products, float32 norms)."""
+    from ggufswap.config import Numerics
+    from ggufswap.runtime.serving.daemon import served_numerics
 
-    if numerics is not None or ggml_fast_path(runtime.store) is not None:
+    if numerics is not None:
         return numerics
-    return "ggml"
+    chosen = served_numerics(runtime.store, Numerics.AUTO)[0]
+    return None if chosen is Numerics.AUTO else chosen.value
 
 
 def _model(runtime: Any, numerics: str | None = None) -> Any:

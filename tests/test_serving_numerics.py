@@ -157,7 +157,9 @@ def test_auto_serves_ggml_numerics_where_every_product_is_libggml(tmp_path: Path
         model_dir.put(ATTN_V1, model_dir.variant(ATTN_V1, Q.F16, tmp_path / "v"))
         assert runtime.apply(model_dir.plan("f16", [ATTN_V1])).state is PlanState.COMMITTED
         assert served_numerics(runtime.store, Numerics.AUTO)[0] is Numerics.AUTO  # a fresh load's
-        assert torch.equal(logits(model, TOKENS), served_logits(ggml))
+        swapped = logits(model, TOKENS)
+        assert not torch.equal(swapped, got)
+        assert torch.equal(swapped, served_logits(ggml))
     finally:
         runtime.close()
     dequantized = config_of(tmp_path, first, "storage: dequantized\n")
