@@ -24,7 +24,7 @@ from ggufswap.config import DEFAULT_DECODED_CACHE, MapShards, Storage
 from ggufswap.ipc import SlotState
 from ggufswap.logs import get_logger
 from ggufswap.runtime.families import DerivedTensor, family_of
-from ggufswap.runtime.kernels import QuantizedMatrix, dequantize
+from ggufswap.runtime.kernels import QuantizedMatrix, decode_rows, dequantize
 from ggufswap.runtime.loading import Loader, LoadJob, LoadReport, Segment, trim_heap
 from ggufswap.runtime.mapping import ShardMaps
 from ggufswap.runtime.placement import Placement, placement_units, plan_placement
@@ -228,12 +228,7 @@ class TensorStore:
             return torch.nn.functional.embedding(ids.to(w.device), w)
         record = slot.record
         blocks = slot.active.tensor[: record.nbytes].view(record.ne[1], -1)  # [rows, row bytes]
-        wanted, where = torch.unique(ids.reshape(-1).to(blocks.device), return_inverse=True)
-        picked = blocks.index_select(0, wanted).reshape(-1)
-        values = dequantize(
-            picked, record.ggml_type, (record.ne[0], wanted.numel()), dtype=self.compute_dtype
-        )
-        return values[where].view(*ids.shape, record.ne[0])
+        return decode_rows(blocks, ids, record.ggml_type, record.ne[0], dtype=self.compute_dtype)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's logical shape, from its record (nothing is read or decoded)."""

@@ -369,17 +369,21 @@ def test_native_decode_steps_multiply_from_blocks_and_batches_use_the_decoded_ca
 
 
 def test_native_embedding_lookups_decode_only_the_rows_asked_for(tmp_path: Path) -> None:
-    """store.rows gives, for ids of any shape (repeats included), exactly the rows of the
-    decoded table, without putting the table in the decoded cache."""
+    """store.rows gives, for ids of any shape (repeats included; one token, as a decode step
+    asks), exactly the rows of the decoded table, without putting the table in the decoded
+    cache; an id past the table is refused, one token or several."""
     model_dir = ModelDir.write(tmp_path / "model")
-    ids = torch.tensor([[7, 3, 7], [0, 255, 3]])
     dequantized, _ = open_runtime(model_dir.first)
     native, _ = open_runtime(model_dir.first, storage=Storage.NATIVE)
     try:
         table = dequantized.store.weight("token_embd.weight")
-        got = native.store.rows("token_embd.weight", ids)
-        assert got.shape == (2, 3, table.shape[1])
-        assert torch.equal(got, table[ids])
+        for ids in (torch.tensor([[7, 3, 7], [0, 255, 3]]), torch.tensor([[255]]), torch.tensor(9)):
+            got = native.store.rows("token_embd.weight", ids)
+            assert got.shape == (*ids.shape, table.shape[1])
+            assert torch.equal(got, table[ids])
+        for wrong in (torch.tensor([[256]]), torch.tensor([[-1]]), torch.tensor([[3, 256]])):
+            with pytest.raises((IndexError, RuntimeError)):
+                native.store.rows("token_embd.weight", wrong)
         assert native.store.decoded.snapshot()["entries"] == 0
     finally:
         dequantized.close()

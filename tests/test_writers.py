@@ -185,8 +185,14 @@ def test_writes_through_a_shared_mapping_are_loaded_after_munmap(live: Live) -> 
             timeout=WAIT_S,
             what="a scan while the shard is mapped, and the link's plan from it",
         )
-        held = writing(live)
-        assert [h["path"] for h in held] == [record.path], held
+        # The other shard may be held too for a while: a scan its events started can find its
+        # writer still at work (its close-write brings the scan that releases it).
+        paths = wait_for(
+            lambda: (p := [h["path"] for h in writing(live)]) == [record.path] and p,
+            timeout=WAIT_S,
+            what="the mapped shard alone held as open for writing",
+        )
+        assert paths == [record.path]
         assert live.weight_version() == 0, "planned from a file mapped writable"
     finally:
         mapping.close()  # no msync: the pages are still dirty

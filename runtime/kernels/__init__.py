@@ -23,7 +23,7 @@ from ggufswap.runtime.kernels._ggml import describe as ggml_describe
 from ggufswap.runtime.kernels._ggml import float_products
 from ggufswap.runtime.kernels._ggml import library as ggml_library
 from ggufswap.runtime.kernels._ggml import select as ggml_select
-from ggufswap.runtime.kernels.dequant import KERNEL_TYPES, dequantize, has_kernel
+from ggufswap.runtime.kernels.dequant import KERNEL_TYPES, decode_rows, dequantize, has_kernel
 from ggufswap.runtime.kernels.experts import QuantizedExperts, grouped, routed_all
 from ggufswap.runtime.kernels.ggml_block import attn_front as ggml_attn_front
 from ggufswap.runtime.kernels.ggml_block import geglu_tail as ggml_geglu_tail
@@ -41,6 +41,7 @@ __all__ = [
     "KERNEL_TYPES",
     "QuantizedExperts",
     "QuantizedMatrix",
+    "decode_rows",
     "dequantize",
     "float_products",
     "ggml_attn_front",

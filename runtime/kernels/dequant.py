@@ -36,7 +36,7 @@ from ggufswap.runtime.kernels._mainline import KERNELS as MAINLINE_KERNELS
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, Origin, row_nbytes
 from ggufswap.shards.ggml_types import ggml_type as ggml_type_of
 
-__all__ = ["KERNEL_TYPES", "dequantize", "has_kernel"]
+__all__ = ["KERNEL_TYPES", "decode_rows", "dequantize", "has_kernel"]
 
 log = get_logger(__name__)
 
@@ -71,6 +71,21 @@ _warned_types: set[GGMLType] = set()
 def has_kernel(ggml_type: int) -> bool:
     """Whether ``ggml_type`` is dequantized by a torch kernel (rather than gguf's numpy code)."""
     return ggml_type in KERNEL_TYPES
+
+
+def decode_rows(
+    blocks: torch.Tensor, ids: torch.Tensor, ggml_type: int, cols: int, *, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rows ``ids`` (any shape) of a 2-D tensor's GGUF blocks ``blocks [rows, row bytes]``,
+    decoded: ``[*ids.shape, cols]`` in ``dtype`` (an embedding look-up that decodes only the rows
+    asked for, each once). One token (a decode step's) decodes its row alone, without the
+    look-up table (a fifth of the time); an id out of range is refused by ``index_select``."""
+    if ids.numel() == 1 and 0 <= (only := int(ids.reshape(-1)[0])) < blocks.shape[0]:
+        return dequantize(blocks[only], ggml_type, (cols, 1), dtype=dtype).view(*ids.shape, cols)
+    wanted, where = torch.unique(ids.reshape(-1).to(blocks.device), return_inverse=True)
+    picked = blocks.index_select(0, wanted).reshape(-1)
+    values = dequantize(picked, ggml_type, (cols, wanted.numel()), dtype=dtype)
+    return values[where].view(*ids.shape, cols)
 
 
 def dequantize(
