@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from ggufswap.runtime.models import deepseek2
 from ggufswap.runtime.models.architecture import Architecture
-from ggufswap.runtime.models.blocks.decoder import DecoderStack, TransformerBlock, embed
+from ggufswap.runtime.models.blocks.decoder import DecoderStack, TransformerBlock
 from ggufswap.runtime.models.blocks.indexer import IndexerCache, LightningIndexer
 from ggufswap.runtime.models.blocks.moe import lead_dense_ffn
 from ggufswap.runtime.models.blocks.norms import rms_norm
@@ -165,7 +165,7 @@ class SparseTransformer(DecoderStack):
                     f"model.new_cache(...), not a {type(cache).__name__}"
                 )
             cache.check_continues(start_pos, seq)
-        x = embed(tokens, self.weights, self.tok_embd, c.embed_scale)  # [B, T, D]
+        x = self.embedding(tokens)  # [B, T, D]
         rope = self.rope(start_pos, seq, tokens.device)
         selection: Tensor | None = None
         for block in self.layers:

@@ -353,7 +353,8 @@ static bool parse_front(PyObject *front, PyObject *cache, layer_args *l) {
     return check_front(l);
 }
 
-static PyObject *run_layer(int (*locked)(void *), void *arg) {
+/* ggmlblock.h */
+PyObject *run_locked(int (*locked)(void *), void *arg) {
     int status;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&LOCK);
@@ -400,7 +401,7 @@ PyObject *py_geglu_layer(PyObject *self, PyObject *args) {
         return NULL;
     if (!loaded() || !parse_front(front, cache, &l) || !parse_tail(tail, &l)) return NULL;
     l.t.y = (float *)(uintptr_t)y;
-    return run_layer(geglu_layer_locked, &l);
+    return run_locked(geglu_layer_locked, &l);
 }
 
 /* ggmlblock.h */
@@ -459,5 +460,5 @@ PyObject *py_moe_layer(PyObject *self, PyObject *args) {
     if (!loaded() || !parse_front(front, cache, &b.l) || !parse_moe_block(block, &b))
         return NULL;
     b.y = (float *)(uintptr_t)y;
-    return run_layer(moe_layer_locked, &b);
+    return run_locked(moe_layer_locked, &b);
 }

@@ -68,4 +68,7 @@ bool parse_moe_block(PyObject *block, moe_layer_args *b);
  * LOCK held, no GIL; 0 or -1. */
 int moe_block_locked(moe_layer_args *b);
 
+/* locked(arg) with LOCK held and without the GIL: None, or MemoryError where it returned -1. */
+PyObject *run_locked(int (*locked)(void *), void *arg);
+
 #endif

@@ -118,16 +118,7 @@ static bool parse_layer(PyObject *item, PyObject *cache, const rope_row *ropes, 
     return check_front(l) && (b->moe ? parse_moe_block(tail, &b->b) : parse_tail(tail, l));
 }
 
-static PyObject *run_step(step_args *s) {
-    int status;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&LOCK);
-    status = step_locked(s);
-    pthread_mutex_unlock(&LOCK);
-    Py_END_ALLOW_THREADS
-    if (status != 0) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
+static int step_locked_arg(void *s) { return step_locked((step_args *)s); }
 
 PyObject *py_decode_step(PyObject *self, PyObject *args) {
     (void)self;
@@ -160,7 +151,7 @@ PyObject *py_decode_step(PyObject *self, PyObject *args) {
     }
     s.x = (const float *)(uintptr_t)x, s.out_norm = (const float *)(uintptr_t)on;
     s.head.y = y;
-    PyObject *result = run_step(&s);
+    PyObject *result = run_locked(step_locked_arg, &s);
     free(s.layers);
     return result;
 }

@@ -238,19 +238,25 @@ def _front(
     )
 
 
+def _plain(weights: object, attention: Attention) -> bool:
+    """Whether a block's layer and step calls can take it whatever the step: ggml's weights,
+    an attention without biases."""
+    biases = (attention.bq, attention.bk, attention.bv, attention.bo)
+    return isinstance(weights, GgmlWeights) and all(b is None for b in biases)
+
+
 def _decoding(weights: object, x: Tensor, attention: Attention, step: tuple[object, ...]) -> bool:
     """Whether a layer call may run: one token in a ggml decoder's forward with an F16 cache,
     an attention without biases, the keys one run (``step``: rope, keys, cache)."""
     rope, keys, cache = step
     return (
-        isinstance(weights, GgmlWeights)
+        _plain(weights, attention)
         and ggml_norms_active()
         and kv_f16()
         and cache is not None
         and keys is not None
         and x.shape[:2] == (1, 1)
         and isinstance(rope, RopeTables)
-        and all(b is None for b in (attention.bq, attention.bk, attention.bv, attention.bo))
     )
 
 
@@ -325,9 +331,9 @@ def step_layer(
     ``kind`` (which RoPE and keys it reads), made from what :func:`block_layer` reads (once per
     commit); None where :func:`block_layer` would not apply whatever the step."""
     attention, ffn = parts
-    biases = (attention.bq, attention.bk, attention.bv, attention.bo)
-    if not isinstance(weights, GgmlWeights) or not ffn.gelu or any(b is not None for b in biases):
+    if not _plain(weights, attention) or not ffn.gelu:
         return None
+    assert isinstance(weights, GgmlWeights)
     front = _layer_weights(weights, attention, norms[0])
     tail = _tail_args(weights, parts, norms)
     if front is None or tail is None:
@@ -431,9 +437,9 @@ def step_moe_layer(
     ``kind``, made from what :func:`block_moe_layer` reads (once per commit); None where
     :func:`block_moe_layer` would not apply whatever the step."""
     attention, _ = parts
-    biases = (attention.bq, attention.bk, attention.bv, attention.bo)
-    if not isinstance(weights, GgmlWeights) or any(b is not None for b in biases):
+    if not _plain(weights, attention):
         return None
+    assert isinstance(weights, GgmlWeights)
     front = _layer_weights(weights, attention, norms[0])
     block = _moe_block(weights, parts, norms)
     if front is None or block is None:
