@@ -96,11 +96,16 @@ def served_numerics(store: TensorStore, numerics: Numerics) -> tuple[Numerics, s
 
 
 def served_model(runtime: HotSwapRuntime, numerics: Numerics = Numerics.AUTO) -> Decoder:
-    """The decoder over ``runtime``'s store for ``runtime.numerics`` (:func:`served_numerics`,
-    logged with its reason): :func:`model_in` the numerics it serves."""
-    serving, why = served_numerics(runtime.store, numerics)
+    """The decoder over ``runtime``'s store for ``runtime.numerics``: :func:`model_in` the
+    numerics :func:`chosen_numerics` serves."""
+    return model_in(runtime, chosen_numerics(runtime.store, numerics))
+
+
+def chosen_numerics(store: TensorStore, numerics: Numerics) -> Numerics:
+    """:func:`served_numerics`' choice, logged with its reason (``runtime.numerics``)."""
+    serving, why = served_numerics(store, numerics)
     log.info("runtime.numerics", configured=numerics.value, serving=serving.value, why=why)
-    return model_in(runtime, serving)
+    return serving
 
 
 def model_in(runtime: HotSwapRuntime, numerics: Numerics) -> Decoder:
@@ -236,9 +241,10 @@ def _start(
     options: ServeOptions,
     server: CompletionServer | None,
     early: EarlyTokenizer | None = None,
-) -> tuple[HotSwapRuntime, Service, ControlServer]:
+) -> tuple[HotSwapRuntime, Service, ControlServer, Numerics]:
     """The start's phases (startup.py): load, model, the service (tokenizer and warm-up in http
-    mode), then the control endpoint; a failure is shown on ``/health`` and closes what opened."""
+    mode), then the control endpoint; a failure is shown on ``/health`` and closes what opened.
+    Also the numerics the decoder serves (chosen once, at the load: a swap never changes them)."""
     startup = server.startup if server is not None else Startup(config.require_runtime().name)
     loop: Service | None = None
     runtime: HotSwapRuntime | None = None
@@ -247,13 +253,12 @@ def _start(
         headers = None if early is None else early.headers  # the header it parsed
         runtime = open_runtime(config, on_progress=startup.progress, headers=headers)
         startup.enter(Phase.MODEL)
-        numerics = config.require_runtime().numerics
-        model = served_model(runtime, numerics)
+        serving = chosen_numerics(runtime.store, config.require_runtime().numerics)
+        model = model_in(runtime, serving)
         report_unused(runtime, model)
         loop = build_service(runtime, model, options, server=server, startup=startup, early=early)
         if not startup.ready:
             startup.enter(Phase.READY)
-        serving = served_numerics(runtime.store, numerics)[0]  # chosen once, at the load
         status = _with_numerics(loop.status, serving)
         control = ControlServer.from_config(runtime, config, extra_status=status).start()
     except BaseException as exc:
@@ -265,7 +270,7 @@ def _start(
         if runtime is not None:
             runtime.close()
         raise
-    return runtime, loop, control
+    return runtime, loop, control, serving
 
 
 def run(
@@ -291,7 +296,7 @@ def run(
     apply_thread_policy(resolve_threads(flag=threads, config=rc.threads))
     if server is None and options.mode is Mode.HTTP:
         server = open_http(options, Startup(rc.name))
-    runtime, loop, control = _start(config, options, server, early)
+    runtime, loop, control, serving = _start(config, options, server, early)
     collect_from_now()  # the start paused garbage collection (ggufswap.main)
     if rc.metrics_port is not None:
         from ggufswap.runtime.serving.metrics import RuntimeMetrics
@@ -302,7 +307,7 @@ def run(
         model=runtime.model_name,
         control=rc.control_endpoint,
         mode=options.mode.value,
-        numerics=served_numerics(runtime.store, rc.numerics)[0].value,
+        numerics=serving.value,
         http_port=None if server is None else server.port,
         load_s=round(time.monotonic() - started, 3),
     )
@@ -348,6 +353,7 @@ def _shut_down(loop: Service, control: ControlServer, runtime: HotSwapRuntime) -
 
 
 __all__ = [
+    "chosen_numerics",
     "model_in",
     "open_runtime",
     "report_unused",
