@@ -216,6 +216,17 @@ class TensorStore:
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of a 2-D tensor (an embedding lookup), ``[*ids.shape, ne[0]]``. Native
         storage decodes only the rows asked for (each row is a run of whole blocks)."""
+        source = self.row_blocks(name)
+        if source is None:
+            w = self.weight(name)
+            return torch.nn.functional.embedding(ids.to(w.device), w)
+        blocks, ggml_type, cols = source
+        return decode_rows(blocks, ids, ggml_type, cols, dtype=self.compute_dtype)
+
+    def row_blocks(self, name: str) -> tuple[torch.Tensor, int, int] | None:
+        """``(blocks [rows, row bytes], ggml type, cols)``: where :meth:`rows` decodes a 2-D
+        tensor's rows from its blocks (native storage, one piece, not a view), the blocks it
+        reads them from (until the next commit: a swap changes them); None elsewhere."""
         slot = self.slots.get(name)
         if (
             slot is None
@@ -224,11 +235,10 @@ class TensorStore:
             or len(slot.ne) != 2
             or self._is_view(slot.record)
         ):
-            w = self.weight(name)
-            return torch.nn.functional.embedding(ids.to(w.device), w)
+            return None
         record = slot.record
-        blocks = slot.active.tensor[: record.nbytes].view(record.ne[1], -1)  # [rows, row bytes]
-        return decode_rows(blocks, ids, record.ggml_type, record.ne[0], dtype=self.compute_dtype)
+        blocks = slot.active.tensor[: record.nbytes].view(record.ne[1], -1)
+        return blocks, record.ggml_type, record.ne[0]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's logical shape, from its record (nothing is read or decoded)."""

@@ -20,7 +20,13 @@ import ggufswap.runtime.models.blocks.ggml_decode as ggml_decode
 import ggufswap.runtime.models.gemma3 as gemma3
 from ggufswap.runtime import HotSwapRuntime, PlanState, float_products
 from ggufswap.runtime.kernels import ggml_library
-from ggufswap.runtime.kernels.ggml_step import StepLayer, decode_step, step_caches, step_weights
+from ggufswap.runtime.kernels.ggml_step import (
+    StepLayer,
+    decode_step,
+    rope_row,
+    step_caches,
+    step_weights,
+)
 from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.models.blocks.ggml_decode import per_block_steps
 from ggufswap.runtime.models.ggml_numerics import kv_cache_type
@@ -211,7 +217,11 @@ def test_step_arguments_that_do_not_fit_are_refused(
     assert step_caches(held, [(k.float(), v.float()) for k, v in f16]) is None
     assert step_caches(held, f16[:-1]) is None
     n_rot = model.config.n_rot
-    rope = (torch.ones(1, n_rot // 2), torch.zeros(1, n_rot // 2), n_rot, True, 0)
+    cos, sin = torch.ones(1, n_rot // 2), torch.zeros(1, n_rot // 2)
+    assert rope_row(cos[:, :-1], sin[:, :-1], n_rot, True, 0) is None
+    assert rope_row(cos.double(), sin.double(), n_rot, True, 0) is None
+    rope = rope_row(cos, sin, n_rot, True, 0)
+    assert rope is not None
     x = torch.randn(1, 1, held.d)
     assert decode_step(x.double(), held, [rope], caches, pos=0, eps=1e-6) is None
     assert decode_step(x, held, [rope, rope], caches, pos=0, eps=1e-6) is None
@@ -220,3 +230,68 @@ def test_step_arguments_that_do_not_fit_are_refused(
     assert logits.shape == (1, 1, head.blocks.shape[0])  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="pos=8 of 8"):
         decode_step(x, held, [rope], caches, pos=8, eps=1e-6)
+
+
+@pytest.mark.parametrize("gemma", ["gemma3", "qwen3moe"], indirect=True)
+def test_what_a_stack_tells_its_steps_is_what_its_layer_inputs_give_them(
+    gemma: tuple[HotSwapRuntime, Decoder, ModelDir],
+) -> None:
+    """A stack's ``step_kinds`` tells a one-token step, without tables or masks, what its
+    ``layer_inputs`` give it: each layer's kind, each kind's RoPE rows (the same rows of the
+    same tables) and first key, at every position before, at and past gemma3's window of 4."""
+    _, model, _ = gemma
+    told = ggml_decode._told(model)  # type: ignore[arg-type]
+    assert told is not None
+    cpu = torch.device("cpu")
+    for pos in range(12):
+        inputs = model.layer_inputs(pos, 1, cpu, cached=True)  # type: ignore[union-attr]
+        found = ggml_decode._kinds(inputs, pos + 1)
+        assert found is not None
+        assert (told.kinds, told.rows(pos)) == found, f"position {pos}"
+
+
+def test_a_stack_whose_layer_inputs_differ_is_told_nothing(
+    gemma: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stack class that gives its layers other inputs (it overrides ``layer_inputs``) and does
+    not tell its steps so (``step_kinds``) is told nothing: its steps read ``layer_inputs``, and
+    still run as one call with the same bits."""
+    _, model, _ = gemma
+    base = type(model)
+
+    def layer_inputs(self: Decoder, *args: object, **kwargs: object) -> object:
+        return base.layer_inputs(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    told = type("Other", (base,), {"layer_inputs": layer_inputs})
+    calls = ran(monkeypatch)
+    first = steps_of(model, 6)
+    model.__class__ = told
+    try:
+        assert model.step_kinds() is None  # type: ignore[operator]
+        assert ggml_decode._told(model) is None  # type: ignore[arg-type]
+        again = steps_of(model, 6)
+    finally:
+        model.__class__ = base
+    assert calls == [True] * 12
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+@pytest.mark.parametrize("gemma", ["gemma3", "qwen3moe"], indirect=True)
+def test_a_token_past_the_vocabulary_is_refused_as_the_blocks_refuse_it(
+    gemma: tuple[HotSwapRuntime, Decoder, ModelDir],
+) -> None:
+    """A one-call step decodes its token's embedding row itself; a token that is not a row is
+    refused as the blocks' embedding refuses it, and nothing is added to the cache."""
+    _, model, _ = gemma
+    vocab = model.config.n_vocab  # type: ignore[union-attr]
+    refused = []
+    for aside in (nullcontext(), per_block_steps()):
+        cache = model.new_cache(max_len=16)
+        with torch.inference_mode(), aside:
+            model(PROMPT, cache=cache)
+            for token in (vocab, -1):
+                with pytest.raises((IndexError, RuntimeError)) as info:
+                    model(torch.tensor([[token]]), start_pos=cache.length, cache=cache)
+                refused.append((type(info.value), cache.length))
+    assert refused[:2] == refused[2:]
+    assert {length for _, length in refused} == {PROMPT.shape[1]}

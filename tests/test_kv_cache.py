@@ -15,7 +15,12 @@ from ggufswap.runtime import HotSwapRuntime, Storage
 from ggufswap.runtime.models import HParams, build_model
 from ggufswap.runtime.models.errors import KVCacheError
 from ggufswap.runtime.models.gemma3 import sliding_window_mask
-from ggufswap.runtime.models.kv_cache import KVCache, attention_mask, greedy_continuation
+from ggufswap.runtime.models.kv_cache import (
+    KVCache,
+    attention_mask,
+    greedy_continuation,
+    mask_keys,
+)
 from ggufswap.runtime.models.registry import Decoder
 from ggufswap.runtime.serving import GgufTokenizer
 from ggufswap.runtime.serving.generate import (
@@ -211,6 +216,24 @@ def test_attention_mask_with_a_cache_keeps_causality_and_the_window() -> None:
     windowed = attention_mask(0, 6, window=3, device=torch.device("cpu"))
     assert windowed is not None
     assert torch.equal(windowed, sliding_window_mask(6, 3, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("window", [0, 1, 3, 8])
+def test_a_one_query_mask_is_marked_with_its_run_of_keys(window: int) -> None:
+    """A decode step's mask (one query at ``start``) allows what the general mask's row allows,
+    and is marked with that run of keys; a copy carries no mark (its keys are read from its
+    values)."""
+    cpu = torch.device("cpu")
+    for start in range(1, 12):
+        mask = attention_mask(start, 1, window=window, device=cpu)
+        assert mask is not None
+        dist = start - torch.arange(start + 1)
+        allowed = (dist >= 0) & (dist < window) if window > 0 else dist >= 0
+        assert mask.shape == (1, start + 1)
+        assert torch.equal(mask[0], allowed)
+        keep = allowed.nonzero().flatten()
+        assert mask_keys(mask) == (int(keep[0]), int(keep[-1]) + 1)
+        assert mask_keys(mask.clone()) is None
 
 
 def served_text(batcher: Batcher, prompt: str, sampling: Sampling) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import mmap
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from ggufswap.runtime.kernels._mainline import KERNELS as MAINLINE_KERNELS
 from ggufswap.shards.ggml_types import LAYOUTS, GGMLType, Origin, row_nbytes
 from ggufswap.shards.ggml_types import ggml_type as ggml_type_of
 
-__all__ = ["KERNEL_TYPES", "decode_rows", "dequantize", "has_kernel"]
+__all__ = ["KERNEL_TYPES", "decode_rows", "dequantize", "has_kernel", "row_decoder"]
 
 log = get_logger(__name__)
 
@@ -86,6 +87,20 @@ def decode_rows(
     picked = blocks.index_select(0, wanted).reshape(-1)
     values = dequantize(picked, ggml_type, (cols, wanted.numel()), dtype=dtype)
     return values[where].view(*ids.shape, cols)
+
+
+def row_decoder(ggml_type: int, cols: int) -> Callable[[int, int], None] | None:
+    """``decode(src, dst)``: one row of ``cols`` values of ``ggml_type`` from its blocks at the
+    address ``src`` into float32 at ``dst`` on the CPU, the bits :func:`decode_rows` gives that
+    row (the compiled decoder both go through), with no tensor made: a decode step's embedding
+    row. None where :func:`decode_rows` decodes the type another way (the caller goes through
+    it)."""
+    if ggml_type in INTERLEAVED or not _compiled.handles(ggml_type, cols, torch.device("cpu")):
+        return None
+    kernels, code = _compiled.module(), int(ggml_type)
+    if ggml_type in IK_KERNELS:  # a per-row header: the decoder is told the row's length
+        return lambda src, dst: kernels.decode(src, code, cols, dst, 1, cols)
+    return lambda src, dst: kernels.decode(src, code, cols, dst, 1)
 
 
 def dequantize(

@@ -28,10 +28,12 @@ from ggufswap.runtime.kernels.ggml_layer import LayerWeights, layer_library
 from ggufswap.runtime.kernels.qmatmul import QuantizedMatrix
 
 __all__ = [
+    "RopeRow",
     "StepLayer",
     "StepWeights",
     "available",
     "decode_step",
+    "rope_row",
     "step_caches",
     "step_weights",
 ]
@@ -130,31 +132,41 @@ def step_caches(
     return tuple(out)
 
 
+RopeRow = tuple[int, int, int, bool, int]  # cos, sin (addresses), n_rot, neox, first key
+
+
+def rope_row(
+    cos: torch.Tensor, sin: torch.Tensor, n_rot: int, neox: bool, lo: int
+) -> RopeRow | None:
+    """A kind's :data:`RopeRow` from its RoPE row ``cos, sin [1, n_rot / 2]`` (float32 CPU
+    rows, kept alive by the caller through the call), or None where they are not such rows."""
+    fits = cos.shape == sin.shape == (1, n_rot // 2) and _rows(cos) and _rows(sin)
+    return (cos.data_ptr(), sin.data_ptr(), n_rot, neox, lo) if fits else None
+
+
 def decode_step(
     x: torch.Tensor,
     weights: StepWeights,
-    ropes: Sequence[tuple[torch.Tensor, torch.Tensor, int, bool, int]],
+    ropes: Sequence[RopeRow],
     caches: tuple[tuple[int, int, int], ...],
     *,
     pos: int,
     eps: float,
+    x_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """``logits [1, 1, V]`` (float32, before any soft-capping) of one token ``x [1, 1, d]`` (its
-    embedding) at position ``pos``: every block, the final norm and the head in one call.
-    ``ropes``: per kind of block ``(cos, sin [1, n_rot / 2], n_rot, neox, lo)``, the RoPE row
-    of ``pos`` and the first key it attends (the last is ``pos``); ``caches`` as
-    :func:`step_caches` made them, the token's keys and values written at ``pos``. None where
-    the call does not apply."""
+    embedding, times ``x_scale`` in float32 before the first block: ``x`` is not written) at
+    position ``pos``: every block, the final norm and the head in one call. ``ropes``: per kind
+    of block, the addresses of the RoPE rows of ``pos`` (``n_rot / 2`` float32 each, alive
+    through the call: :func:`rope_row`, or a table's rows) and the first key it attends (the
+    last is ``pos``); ``caches`` as :func:`step_caches` made them, the token's keys and values
+    written at ``pos``. None where the call does not apply."""
     library = layer_library(ENTRY)
     fits = (
         library is not None
         and x.shape == (1, 1, weights.d)
         and _rows(x)
         and len(ropes) == 1 + max(weights.kinds)
-        and all(
-            cos.shape == sin.shape == (1, n_rot // 2) and _rows(cos) and _rows(sin)
-            for cos, sin, n_rot, _, _ in ropes
-        )
     )
     if not fits:
         return None
@@ -162,13 +174,7 @@ def decode_step(
     logits = torch.empty(1, 1, weights.head[3], dtype=_F32)
     library.module.decode_step(
         weights.layers,
-        (
-            x.data_ptr(),
-            weights.d,
-            pos,
-            eps,
-            tuple((cos.data_ptr(), sin.data_ptr(), n, neox, lo) for cos, sin, n, neox, lo in ropes),
-        ),
+        (x.data_ptr(), weights.d, pos, eps, tuple(ropes), x_scale),
         caches,
         weights.head,
         logits.data_ptr(),

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ggufswap.runtime.models.architecture import Architecture
 from ggufswap.runtime.models.blocks.attention import Attention, decode_keys, sliding_window_mask
-from ggufswap.runtime.models.blocks.decoder import DecoderStack, LayerInputs
+from ggufswap.runtime.models.blocks.decoder import DecoderStack, LayerInputs, StepKind
 from ggufswap.runtime.models.blocks.ffn import FeedForward
 from ggufswap.runtime.models.blocks.ggml_steps import StepLayer, block_layer, block_tail, step_layer
 from ggufswap.runtime.models.blocks.norms import rms_norm
@@ -144,6 +144,14 @@ class Gemma3Transformer(DecoderStack):
             local=(self.rope_local(start, seq, device), local_mask),
             global_=(self.rope_global(start, seq, device), global_mask),
         )
+
+    def step_kinds(self) -> list[StepKind] | None:
+        """The local blocks' RoPE and window, the global blocks' RoPE and every key (what
+        :meth:`layer_inputs` gives a one-token step)."""
+        if type(self).layer_inputs is not Gemma3Transformer.layer_inputs:
+            return None
+        window = max(self.config.sliding_window, 0)
+        return self.by_kind(local=(self.rope_local, window), global_=(self.rope_global, 0))
 
     def _masks(
         self, start_pos: int, seq: int, device: torch.device, *, cached: bool

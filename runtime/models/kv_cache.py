@@ -147,14 +147,35 @@ def attention_mask(
     """``[T, start + T]`` bool, True where the query at position ``start + i`` may attend the key
     at position ``j``: ``0 <= start + i - j`` and, with a window, ``< window``. None when plain
     causal attention over this forward's own tokens is the same (``start == 0``, window covering
-    the forward)."""
+    the forward).
+
+    One query's mask (a decode step's, ``[1, start + 1]``) is one run of keys, made as such and
+    marked with it (:func:`mask_keys`), so a step reads its keys without reading the mask."""
     if start == 0 and (window <= 0 or length <= window):
         return None
+    if length == 1:
+        lo = max(0, start - window + 1) if window > 0 else 0
+        mask = torch.zeros(1, start + 1, dtype=torch.bool, device=device)
+        mask[:, lo:] = True
+        setattr(mask, _KEYS, (lo, start + 1))
+        return mask
     query = torch.arange(start, start + length, device=device)
     key = torch.arange(start + length, device=device)
     dist = query[:, None] - key[None, :]  # [T, S]: i - j
     allowed = dist >= 0
     return allowed & (dist < window) if window > 0 else allowed
+
+
+# The attribute that marks a one-query mask of :func:`attention_mask` with its run of keys. A mask
+# is not written after it is made; a tensor made from it (a copy, a view) has no mark.
+_KEYS = "_ggufswap_keys"
+
+
+def mask_keys(mask: Tensor) -> tuple[int, int] | None:
+    """The keys ``(lo, hi)`` of a one-query mask :func:`attention_mask` made (the run ``lo ..
+    hi - 1``); None for any other tensor (its keys are read from its values)."""
+    keys = getattr(mask, _KEYS, None)
+    return keys if isinstance(keys, tuple) else None
 
 
 def greedy_continuation(

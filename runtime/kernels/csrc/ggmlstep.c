@@ -11,15 +11,16 @@
  * the blocks one call each followed by the final norm (rownorm.h, ggml's) and the head's product
  * (ggmlcall.c's mats_locked, the graph of ggml_mul_mat).
  *
- *   decode_step(layers, (x, d, pos, eps, ropes), caches, (out_norm, w, type, rows), y, threads,
- *               small)
+ *   decode_step(layers, (x, d, pos, eps, ropes, x_scale), caches, (out_norm, w, type, rows), y,
+ *               threads, small)
  *        layers: per block (held, tail, kind, kq_scale, q_scale), held as ggmlblock.c's
  *        parse_held reads it, tail as parse_tail (a GeGLU block's) or, of three items, as
  *        parse_moe_block (a MoE block's); kind: which of `ropes` the block reads;
  *        ropes: per kind of block (cos, sin, n_rot, neox, lo): the RoPE row of the token's
  *        position (float32 [n_rot / 2] each) and the first key it attends; caches: per block
  *        (k, v, cap), its F16 caches [n_head_kv, cap, hd]; x: the token's embedding, float32
- *        [d]; y: the logits, float32 [rows] (the head W [rows, d] in its blocks at w).
+ *        [d], times x_scale (float32 products, as torch's x * scale; 1: x as it is; x is not
+ *        written); y: the logits, float32 [rows] (the head W [rows, d] in its blocks at w).
  *
  * A product runs on one thread when its weight bytes are under `small`, else on `threads`.
  */
@@ -42,7 +43,7 @@ typedef struct {
     step_layer *layers;
     const float *x, *out_norm;
     mat_arg head;
-    float eps;
+    float eps, x_scale;
     int threads;
     long long small;
 } step_args;
@@ -51,9 +52,14 @@ typedef struct {
  * LOCK held, no GIL; 0 or -1. */
 static int step_locked(step_args *s) {
     const long long d = s->d;
-    float *buf = (float *)malloc((size_t)(3 * d) * sizeof(float));
+    float *buf = (float *)malloc((size_t)(4 * d) * sizeof(float));
     if (buf == NULL) return -1;
     const float *cur = s->x;
+    if (s->x_scale != 1.0f) {
+        float *scaled = buf + 3 * d;
+        for (long long i = 0; i < d; i++) scaled[i] = s->x[i] * s->x_scale;
+        cur = scaled;
+    }
     int status = 0;
     for (long long i = 0; i < s->n_layer && status == 0; i++) {
         step_layer *b = &s->layers[i];
@@ -127,9 +133,9 @@ PyObject *py_decode_step(PyObject *self, PyObject *args) {
     PyObject *layers, *caches, *ropes;
     unsigned long long x, on, y;
     long long pos;
-    if (!PyArg_ParseTuple(args, "O!(KLLfO)O!(KKiL)KiL", &PyTuple_Type, &layers, &x, &s.d, &pos,
-                          &s.eps, &ropes, &PyTuple_Type, &caches, &on, &s.head.w, &s.head.type,
-                          &s.head.rows, &y, &s.threads, &s.small))
+    if (!PyArg_ParseTuple(args, "O!(KLLfOf)O!(KKiL)KiL", &PyTuple_Type, &layers, &x, &s.d, &pos,
+                          &s.eps, &ropes, &s.x_scale, &PyTuple_Type, &caches, &on, &s.head.w,
+                          &s.head.type, &s.head.rows, &y, &s.threads, &s.small))
         return NULL;
     if (!loaded()) return NULL;
     s.n_layer = PyTuple_GET_SIZE(layers);

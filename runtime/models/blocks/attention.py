@@ -19,7 +19,7 @@ from ggufswap.runtime.models.blocks.rope import RopeTables
 from ggufswap.runtime.models.blocks.weights import TensorSpec, WeightProvider, linear, linears
 from ggufswap.runtime.models.ggml_numerics import kv_cache, kv_f16
 from ggufswap.runtime.models.hparams import HParams
-from ggufswap.runtime.models.kv_cache import KVCache
+from ggufswap.runtime.models.kv_cache import KVCache, mask_keys
 from ggufswap.shards.keys import TensorNames
 
 
@@ -269,6 +269,9 @@ _LAST_SPAN: list[tuple[Tensor, tuple[int, int] | None]] = []
 def _span(mask: Tensor) -> tuple[int, int] | None:
     """``(lo, hi)`` where the keys ``mask [1, S]`` allows are the one run ``lo .. hi - 1``;
     None where they are not one run (or none)."""
+    marked = mask_keys(mask)
+    if marked is not None:
+        return marked
     last = _LAST_SPAN[0] if _LAST_SPAN else None
     if (
         last is not None

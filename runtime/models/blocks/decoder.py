@@ -9,7 +9,7 @@ masks); ``forward(tokens [B, T]) -> logits [B, T, V]`` (float32).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar, TypeAlias
+from typing import ClassVar, TypeAlias, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +20,7 @@ from ggufswap.runtime.models.blocks.ggml_decode import stack_step
 from ggufswap.runtime.models.blocks.ggml_steps import StepLayer, block_moe_layer, step_moe_layer
 from ggufswap.runtime.models.blocks.moe import MoEFeedForward
 from ggufswap.runtime.models.blocks.norms import rms_norm
-from ggufswap.runtime.models.blocks.rope import RopeTables
+from ggufswap.runtime.models.blocks.rope import RopeTables, RotaryEmbedding
 from ggufswap.runtime.models.blocks.weights import (
     Matrix,
     TensorSpec,
@@ -106,6 +106,9 @@ class TransformerBlock(nn.Module):
 # A block's RoPE tables and attention mask ([T, S] bool, True = may attend; None = causal within
 # this forward).
 LayerInputs: TypeAlias = "tuple[RopeTables, Tensor | None]"
+# A block's RoPE and sliding window (0: none) in a one-token step (DecoderStack.step_kinds).
+StepKind: TypeAlias = "tuple[RotaryEmbedding, int]"
+_T = TypeVar("_T")
 
 
 class DecoderStack(nn.Module):
@@ -195,7 +198,18 @@ class DecoderStack(nn.Module):
         mask = attention_mask(start, seq, device=device) if cached else None
         return [(rope, mask)] * self.n_trunk
 
-    def by_kind(self, *, local: LayerInputs, global_: LayerInputs) -> list[LayerInputs]:
+    def step_kinds(self) -> list[StepKind] | None:
+        """Per block, the RoPE and window (0: every earlier key) a one-token step at any
+        position reads: what :meth:`layer_inputs` gives such a step, told without its tables and
+        masks (a compiled step reads the tables' rows itself). None where a subclass's
+        ``layer_inputs`` says otherwise and it does not override this too, or the RoPE factors
+        are a tensor (the step then reads ``layer_inputs``)."""
+        if type(self).layer_inputs is not DecoderStack.layer_inputs or self.rope_freqs is not None:
+            return None
+        rope = self.rope
+        return [(rope, 0)] * self.n_trunk if isinstance(rope, RotaryEmbedding) else None
+
+    def by_kind(self, *, local: _T, global_: _T) -> list[_T]:
         """``local`` for the sliding-window blocks, ``global_`` for the others."""
         return [local if self.config.is_local_layer(i) else global_ for i in range(self.n_trunk)]
 

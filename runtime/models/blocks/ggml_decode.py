@@ -5,13 +5,19 @@ stacks of pre-norm blocks with MoE experts (qwen3moe's).
 Block by block, a decode step crosses from Python into C once a block
 (:func:`~.ggml_steps.block_layer`, :func:`~.ggml_steps.block_moe_layer`) and builds each block's
 arguments in Python, then runs the final norm and the head from Python too. :func:`stack_step`
-runs the embedding in Python and everything after it in one call: the blocks, the final norm,
-the head. Its logits are, bit for bit, those of the steps block by block
-(``tests/test_ggml_step.py``), and it reads what they read: the blocks' weights and the head
-looked up once per commit (kept in the store's forward views, which a commit clears: a swap is
-what the next step reads), the RoPE rows and keys of the stack's own ``layer_inputs`` (each kind
-of layer once), the KV cache's F16 buffers where they are (their addresses taken again when the
-cache makes or grows them).
+runs the whole step in one call: the blocks, the final norm, the head. Its logits are, bit for
+bit, those of the steps block by block (``tests/test_ggml_step.py``), and it reads what they
+read: the blocks' weights and the head looked up once per commit (kept in the store's forward
+views, which a commit clears: a swap is what the next step reads), the KV cache's F16 buffers
+where they are (their addresses taken again when the cache makes or grows them).
+
+What changes from step to step goes in without a tensor op where it can, since after a call
+that streamed the weights through the caches each small op costs tens of microseconds: the
+token's embedding row is decoded straight into the step's row by the compiled decoder the
+store's look-up uses (scaled in the call), and the RoPE rows and first keys come from what the
+stack tells its steps (``step_kinds``: each layer's RoPE tables and window, read at the
+token's position). A stack that does not tell (its ``layer_inputs`` differ from what it would
+tell) gives its steps ``layer_inputs``, each kind of layer once, read back from the masks.
 
 Every block says what it adds to the step (its ``step_layer(kind)``: gemma3's blocks, and
 :class:`~.decoder.TransformerBlock` where its FFN is a MoE one); the step is None where a block
@@ -24,7 +30,7 @@ is checked and measured against).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -33,18 +39,22 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ggufswap.runtime.kernels.dequant import row_decoder
 from ggufswap.runtime.kernels.ggml_step import (
     MAX_KINDS,
+    RopeRow,
     StepLayer,
     StepWeights,
     available,
     decode_step,
+    rope_row,
     step_caches,
     step_weights,
 )
 from ggufswap.runtime.models.blocks.attention import decode_keys
-from ggufswap.runtime.models.blocks.rope import RopeTables
+from ggufswap.runtime.models.blocks.rope import RopeTables, RotaryEmbedding
 from ggufswap.runtime.models.ggml_numerics import GgmlMatrix, GgmlWeights, ggml_norms_active, kv_f16
+from ggufswap.runtime.models.hparams import RopeType
 
 if TYPE_CHECKING:
     from ggufswap.runtime.models.blocks.decoder import DecoderStack, LayerInputs
@@ -66,15 +76,12 @@ def per_block_steps() -> Iterator[None]:
         _PER_BLOCK.reset(token)
 
 
-Rope = tuple[Tensor, Tensor, int, bool, int]  # cos, sin [1, n_rot / 2], n_rot, neox, first key
-
-
-def _kinds(inputs: Sequence[LayerInputs], end: int) -> tuple[tuple[int, ...], list[Rope]] | None:
+def _kinds(inputs: Sequence[LayerInputs], end: int) -> tuple[tuple[int, ...], list[RopeRow]] | None:
     """Which kind each layer is (the layers that share their RoPE and mask, one object in
     ``layer_inputs``), and each kind's RoPE row and first key; None where a kind's keys are not
     one run ending at the token's own, or there are more kinds than a call tells apart."""
     seen: dict[int, int] = {}
-    ropes: list[Rope] = []
+    ropes: list[RopeRow] = []
     kinds = []
     for item in inputs:
         kind = seen.get(id(item))
@@ -83,20 +90,98 @@ def _kinds(inputs: Sequence[LayerInputs], end: int) -> tuple[tuple[int, ...], li
             keys = decode_keys(mask, end)
             if not isinstance(rope, RopeTables) or keys is None or len(ropes) == MAX_KINDS:
                 return None
+            row = rope_row(rope.cos, rope.sin, rope.n_rot, rope.neox, keys[0])
+            if row is None:
+                return None
             kind = seen[id(item)] = len(ropes)
-            ropes.append((rope.cos, rope.sin, rope.n_rot, rope.neox, keys[0]))
+            ropes.append(row)
         kinds.append(kind)
     return tuple(kinds), ropes
 
 
 @dataclass(frozen=True)
+class _Told:
+    """A stack's one-token steps as its ``step_kinds`` tells them: each layer's kind, and each
+    kind's RoPE and window (0: every earlier key)."""
+
+    kinds: tuple[int, ...]
+    ropes: tuple[tuple[RotaryEmbedding, int], ...]
+
+    def rows(self, pos: int) -> list[RopeRow]:
+        """Each kind's RoPE rows of ``pos`` (read where the tables hold them) and first key."""
+        end = pos + 1
+        return [
+            (*rope.row_addresses(pos), rope.n_rot, rope.rope_type != RopeType.NORM,
+             max(0, end - window) if window > 0 else 0)
+            for rope, window in self.ropes
+        ]  # fmt: skip
+
+
+# Each stack's _Told (None: its steps read layer_inputs), with the class that told it: a stack's
+# split of its layers does not change.
+_TOLD: weakref.WeakKeyDictionary[DecoderStack, tuple[type, _Told | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _told(stack: DecoderStack) -> _Told | None:
+    known = _TOLD.get(stack)
+    if known is not None and known[0] is type(stack):
+        return known[1]
+    told = None
+    spec = stack.step_kinds()
+    if spec is not None:
+        index: dict[tuple[int, int], int] = {}
+        for rope, window in spec:
+            index.setdefault((id(rope), window), len(index))
+        ropes = {index[id(rope), window]: (rope, window) for rope, window in spec}
+        kinds = tuple(index[id(rope), window] for rope, window in spec)
+        if len(ropes) <= MAX_KINDS:
+            told = _Told(kinds, tuple(ropes[k] for k in range(len(ropes))))
+    _TOLD[stack] = (type(stack), told)
+    return told
+
+
+@dataclass(frozen=True)
 class _Step:
-    """A stack's step weights for layers of ``kinds`` (None: the call does not apply), and what
-    they point into (kept alive with them until the store's next commit)."""
+    """A stack's step weights for layers of ``kinds`` (None: the call does not apply), what
+    they point into (kept alive with them until the store's next commit), and how a token's
+    embedding row is decoded straight into the step's row (None: the stack's embedding)."""
 
     kinds: tuple[int, ...]
     weights: StepWeights | None
     held: tuple[object, ...]
+    embedding: _Embedding | None = None
+
+
+@dataclass(frozen=True)
+class _Embedding:
+    """A token's embedding row decoded from the table's blocks into ``x`` (the step's row)."""
+
+    decode: Callable[[int, int], None]
+    blocks: Tensor  # [rows, row bytes]
+    x: Tensor  # [1, 1, d] float32
+    scale: float
+
+    def row(self, token: int) -> Tensor | None:
+        """``x`` holding ``token``'s row (not scaled: the call scales it), or None where the
+        token is not a row (the stack's embedding refuses it)."""
+        if not 0 <= token < self.blocks.shape[0]:
+            return None
+        self.decode(self.blocks.data_ptr() + token * self.blocks.stride(0), self.x.data_ptr())
+        return self.x
+
+
+def _embedding(weights: GgmlWeights, stack: DecoderStack, d: int) -> _Embedding | None:
+    source = weights.store.row_blocks(stack.tok_embd)  # GgmlWeights: float32 values
+    if source is None:
+        return None
+    blocks, ggml_type, cols = source
+    decode = row_decoder(ggml_type, cols) if cols == d and blocks.is_cpu else None
+    if decode is None:
+        return None
+    x = torch.empty(1, 1, d, dtype=torch.float32)
+    return _Embedding(decode, blocks, x, stack.config.embed_scale)
 
 
 def _step(weights: GgmlWeights, stack: DecoderStack, kinds: tuple[int, ...]) -> _Step:
@@ -116,7 +201,9 @@ def _step(weights: GgmlWeights, stack: DecoderStack, kinds: tuple[int, ...]) -> 
         norm = weights.weight(stack.norm)
         if not isinstance(head, GgmlMatrix):
             return _Step(kinds, None, ())
-        return _Step(kinds, step_weights(layers, norm, head.blocks), (head, norm))
+        held = step_weights(layers, norm, head.blocks)
+        embedding = None if held is None else _embedding(weights, stack, held.d)
+        return _Step(kinds, held, (head, norm), embedding)
 
     return weights.store.views.get("ggml-step", stack.output, _Step, make)
 
@@ -172,10 +259,14 @@ def stack_step(
     if isinstance(known, _Step) and known.weights is None:
         return None  # not this stack, until the next commit
     end = start_pos + 1
-    found = _kinds(stack.layer_inputs(start_pos, 1, tokens.device, cached=True), end)
-    if found is None:
-        return None
-    kinds, ropes = found
+    told = _told(stack)
+    if told is not None:
+        kinds, ropes = told.kinds, told.rows(start_pos)
+    else:
+        found = _kinds(stack.layer_inputs(start_pos, 1, tokens.device, cached=True), end)
+        if found is None:
+            return None
+        kinds, ropes = found
     step = _step(weights, stack, kinds)
     held = step.weights
     if held is None or step.kinds != kinds:
@@ -184,9 +275,11 @@ def stack_step(
     if caches is None:
         return None
     c = stack.config
-    logits = decode_step(
-        stack.embedding(tokens), held, ropes, caches, pos=start_pos, eps=c.norm_eps
-    )
+    x = None if step.embedding is None else step.embedding.row(int(tokens.item()))
+    scale = c.embed_scale
+    if x is None:
+        x, scale = stack.embedding(tokens), 1.0
+    logits = decode_step(x, held, ropes, caches, pos=start_pos, eps=c.norm_eps, x_scale=scale)
     if logits is None:
         return None
     cache.advance(1)
