@@ -19,7 +19,9 @@ llama.cpp's pace), with the issue's target:
 - perplexity evaluation, one 512-token context, 2 threads: in ggml's numerics (native storage,
   ``numerics="ggml"``: the sweep's llama.cpp-comparable figures, target 1.0) and in exact numerics
   (dequantized float products); and the sweep's ggml numerics against its exact ones;
-- process start to first logits, warm page cache (target: at most 1.5x llama.cpp's time);
+- process start to first logits, warm page cache (target: at most 1.5x llama.cpp's time), and
+  beside it ``import torch`` alone in a fresh interpreter (no target: the least any start of
+  a PyTorch process takes);
 - one-token decode of a synthetic qwen3moe (128 experts, 8 used; Q4_K/Q6_K), 1 thread, in the
   numerics ``auto`` serves (target 1.0);
 - decode-step growth from 64 to 4,096 tokens of context, 1 thread (ours against llama.cpp's
@@ -88,6 +90,14 @@ def ours(job: dict[str, Any], repo: Path | None = None) -> dict[str, Any]:
     got = _json_child([*argv, "--child", json.dumps(job)])
     got["wall_s"] = time.perf_counter() - started
     return got
+
+
+def _torch_import_s() -> float:
+    """Seconds a fresh interpreter takes to import torch and exit: the least a start of this
+    project's runtime (a PyTorch process) can take, measured beside llama.cpp's whole start."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.perf_counter() - started
 
 
 # -- our side (in a child process) --------------------------------------------------------------
@@ -279,6 +289,9 @@ def gemma_rows(
     theirs, mine, _ = interleaved(rounds, lambda: ours(job), lambda: llama(python, job), "wall_s")
     _say(f"gemma3 start to first logits: ours {mine:.2f} s, llama.cpp {theirs:.2f} s")
     rows.append(row("gemma3 270M process start to first logits", theirs, mine, 1 / 1.5))
+    floor = statistics.median(_torch_import_s() for _ in range(rounds))
+    _say(f"import torch alone: {floor:.2f} s ({floor / theirs:.2f}x llama.cpp's whole start)")
+    rows.append(row("import torch alone (a PyTorch process's least start)", theirs, floor, None))
     growth: dict[str, tuple[float, float]] = {}
     contexts = (64, 1024) if quick else (64, 4096)
     for context in contexts:
