@@ -52,6 +52,16 @@ class Plan:
     def names(self) -> tuple[str, ...]:
         return tuple(job.name for job in self.jobs)
 
+    def same_as(self, other: Plan) -> bool:
+        """Whether ``other`` is this plan sent again: the same model and jobs, in any order (a
+        plan id names one plan's content)."""
+        jobs = {job.name: job for job in self.jobs}
+        return (
+            self.model == other.model
+            and len(other.jobs) == len(jobs)
+            and all(jobs.get(job.name) == job for job in other.jobs)
+        )
+
 
 # --------------------------------------------------------------------------- wire
 

@@ -51,7 +51,7 @@ from ggufswap.ipc.errors import UnknownMessageType
 from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
 from ggufswap.runtime.engine import HotSwapRuntime
-from ggufswap.runtime.plans import PlanState, PlanTicket
+from ggufswap.runtime.plans import PlanState, PlanTicket, another_plan
 from ggufswap.runtime.store import Slot
 
 log = get_logger(__name__)
@@ -254,6 +254,10 @@ class ControlServer:
         accepted = make_reply(request.msg, MessageType.ACCEPTED, **{Fields.PLAN_ID: plan.plan_id})
         with self._fair:
             waiting = self._waiting.get(plan.plan_id)
+            if waiting is not None and not waiting.plan.same_as(plan):
+                log.warning("plan.id_reused", plan_id=plan.plan_id, known="waiting")
+                outcome = another_plan(plan.plan_id, "waiting")
+                return make_reply(request.msg, MessageType.REJECTED, **rejected_to_wire(outcome))
             if waiting is not None:  # a re-send of a plan waiting here: one more to answer
                 waiting.answers.append(
                     _Answer(self.control, request.peer, msg_id, said_accepted=True)

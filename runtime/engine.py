@@ -57,7 +57,7 @@ from ggufswap.runtime.integrity import check_mapped
 from ggufswap.runtime.kernels import kernels
 from ggufswap.runtime.opening import load_model
 from ggufswap.runtime.placement import Placement
-from ggufswap.runtime.plans import Follower, PlanState, PlanTicket
+from ggufswap.runtime.plans import Follower, PlanState, PlanTicket, another_plan
 from ggufswap.runtime.pools import Buffer, Pool
 from ggufswap.runtime.staging import StagedPlan, Stager
 from ggufswap.runtime.store import Slot, TensorStore
@@ -251,6 +251,8 @@ class HotSwapRuntime:
         if known is not None and mirror and known.state.final:
             known = None
         if known is not None and known.state is not PlanState.REJECTED:
+            if not known.plan.same_as(plan):
+                return self._another_under(known, plan, follow)
             if follow is not None:
                 known.follow(follow)
             return known
@@ -286,6 +288,16 @@ class HotSwapRuntime:
         with self._cond:
             self._in_flight += 1
         self._queue.put(ticket)
+        return ticket
+
+    def _another_under(self, known: PlanTicket, plan: Plan, follow: Follower | None) -> PlanTicket:
+        """``plan`` under the id of another plan the runtime has (``known``): refused on its own
+        ticket, which is neither kept nor announced (the id stays ``known``'s)."""
+        log.warning("plan.id_reused", plan_id=plan.plan_id, known=known.state.value)
+        ticket = PlanTicket(plan)
+        ticket.reject(list(another_plan(plan.plan_id, known.state.value).reasons))
+        if follow is not None:
+            ticket.follow(follow)
         return ticket
 
     def apply(self, plan: Plan, *, timeout: float = 60.0) -> PlanTicket:

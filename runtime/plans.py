@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ggufswap.ipc import Plan, Reason
-from ggufswap.ipc.bodies import reasons_to_wire
+from ggufswap.ipc.bodies import Rejected, reasons_to_wire
 from ggufswap.logs import get_logger
 from ggufswap.runtime.errors import PlanStateError
 
@@ -122,3 +122,10 @@ class PlanTicket:
             "stage_ms": None if self.stage_s is None else round(self.stage_s * 1e3, 3),
             "stall_ms": None if self.stall_s is None else round(self.stall_s * 1e3, 3),
         }
+
+
+def another_plan(plan_id: str, state: str) -> Rejected:
+    """Why a plan sent under the id of another plan the runtime has (in ``state``) is refused:
+    a plan id names one plan's content (re-sending that plan is what an id is for)."""
+    why = f"plan id {plan_id!r} names another plan (its state: {state}); send this one under "
+    return Rejected(plan_id=plan_id, stale=False, reasons=(Reason("*", why + "its own id"),))

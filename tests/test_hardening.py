@@ -172,6 +172,12 @@ def test_a_flooding_client_cannot_queue_ahead_of_another(served: Served, tmp_pat
             agent.send([frame])
             # Queued before any commit (nothing commits until the loop below runs).
             assert [r[Fields.TYPE] for r in agent.replies()] == ["accepted"]
+            with RawPeer(endpoint) as other:  # another plan under the queued plan's id
+                _, frame = plan_frame(served.model_dir.plan("agent", ["blk.0.attn_k.weight"]))
+                other.send([frame])
+                [refused] = other.replies()
+                assert refused[Fields.TYPE] == "rejected", refused
+                assert "'agent' names another plan (its state: waiting)" in str(refused)
             reply = outcome(agent, served.runtime, msg_id)
         assert reply[Fields.TYPE] == "committed", reply
         assert committed.index("agent") <= MAX_PLANS_IN_FLIGHT_PER_PEER, committed

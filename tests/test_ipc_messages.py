@@ -108,6 +108,27 @@ def test_plan_roundtrip(record: TensorRecord) -> None:
     assert plan_from_wire(msg) == plan
 
 
+def test_a_plan_sent_again_is_the_same_plan_and_another_is_not(record: TensorRecord) -> None:
+    """A plan read back from the wire, or with its jobs in another order, is the same plan; one
+    with another model, a job more or less, or a job of other bytes or fingerprint is not."""
+    other = TensorRecord(
+        "token_embd.weight", GGMLQuantizationType.F16, (16, 4), 0, 128, record.path, record.identity
+    )
+    plan = Plan("p1", "demo", (Job(record, "ab" * 16), Job(other, None)))
+    assert plan.same_as(plan_from_wire(_through_codec(plan_to_wire(plan), MessageType.PLAN)))
+    assert plan.same_as(dataclasses.replace(plan, jobs=plan.jobs[::-1]))
+    moved = dataclasses.replace(other, offset=256)
+    for another in (
+        dataclasses.replace(plan, model="other"),
+        dataclasses.replace(plan, jobs=plan.jobs[:1]),
+        dataclasses.replace(plan, jobs=(*plan.jobs, Job(dataclasses.replace(other, name="x")))),
+        dataclasses.replace(plan, jobs=(plan.jobs[0], Job(moved, None))),
+        dataclasses.replace(plan, jobs=(Job(record, "cd" * 16), plan.jobs[1])),
+    ):
+        assert not plan.same_as(another)
+        assert not another.same_as(plan)
+
+
 def test_state_committed_rejected_roundtrip(record: TensorRecord) -> None:
     """state_reply, committed and rejected bodies roundtrip through their typed records."""
     state = RuntimeState("demo", 7, (TensorEntry(record, None, SlotState.FALLBACK_CPU),))

@@ -24,7 +24,7 @@ from ggufswap.ipc import (
     message_from,
     plan_to_wire,
 )
-from ggufswap.runtime import HotSwapRuntime
+from ggufswap.runtime import HotSwapRuntime, PlanState
 from ggufswap.runtime.control import ControlServer
 
 OUTPUT = "output.weight"
@@ -51,7 +51,8 @@ def test_plan_replies_follow_the_ticket_and_events_are_published(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """A plan gets accepted, staged and committed, each naming its request; re-sent, it gets its
-    outcome again; every plan event is published once, reading back as its typed record."""
+    outcome again, and another plan under its id is refused; every plan event is published once,
+    reading back as its typed record."""
     sockdir = tmp_path_factory.mktemp("s")  # short: a socket path holds at most 107 bytes
     model_dir = ModelDir.write(tmp_path / "m")
     runtime, _ = open_runtime(model_dir.first)
@@ -90,6 +91,20 @@ def test_plan_replies_follow_the_ticket_and_events_are_published(
                 again[Fields.ID],
             )
             assert outcome[Fields.WEIGHT_VERSION] == version
+
+            # Another plan under the id is refused, naming the id; nothing is staged or announced.
+            model_dir.put(OUTPUT, model_dir.variant(OUTPUT, Q.Q4_0, tmp_path / "variants"))
+            other = message_from(MessageType.PLAN, plan_to_wire(model_dir.plan("p1", [OUTPUT])))
+            client.send(other)
+            (refused,) = _replies(client, runtime, {"committed", "rejected"})
+            assert (refused[Fields.TYPE], refused[Fields.IN_REPLY_TO]) == (
+                "rejected",
+                other[Fields.ID],
+            )
+            [reason] = refused[Fields.REASONS]
+            assert "plan id 'p1' names another plan (its state: committed)" in reason[Fields.REASON]
+            assert runtime.weight_version == version
+            assert runtime.ticket("p1").state is PlanState.COMMITTED  # type: ignore[union-attr]
 
             events = []
             while (got := sub.recv(0.2)) is not None:
