@@ -295,7 +295,7 @@ class HotSwapRuntime:
         ticket, which is neither kept nor announced (the id stays ``known``'s)."""
         log.warning("plan.id_reused", plan_id=plan.plan_id, known=known.state.value)
         ticket = PlanTicket(plan)
-        ticket.reject(list(another_plan(plan.plan_id, known.state.value).reasons))
+        ticket.reject(list(another_plan(plan.plan_id, known.state.value.lower()).reasons))
         if follow is not None:
             ticket.follow(follow)
         return ticket
