@@ -37,6 +37,10 @@ class Job:
         return self.source.name
 
 
+def _by_name(job: Job) -> str:
+    return job.name
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """All jobs of a plan are committed together or not at all.
@@ -55,11 +59,8 @@ class Plan:
     def same_as(self, other: Plan) -> bool:
         """Whether ``other`` is this plan sent again: the same model and jobs, in any order (a
         plan id names one plan's content)."""
-        jobs = {job.name: job for job in self.jobs}
-        return (
-            self.model == other.model
-            and len(other.jobs) == len(jobs)
-            and all(jobs.get(job.name) == job for job in other.jobs)
+        return self.model == other.model and sorted(self.jobs, key=_by_name) == sorted(
+            other.jobs, key=_by_name
         )
 
 

@@ -58,10 +58,9 @@ log = get_logger(__name__)
 
 Reply = Mapping[str, Any]
 
-# Plans one client may have queued or staging at once. The agent has one plan in flight at a
-# time; a client that floods plans gets ``rejected`` (stale: retry later) past this. A client is
-# a process on ipc:// (SO_PEERCRED: all its connections count together), a connection on tcp://
-# (``peer_identity``).
+# Plans one client may have queued or staging at once (the agent has one in flight); past it a
+# plan is ``rejected`` (stale: retry later). A client is a process on ipc:// (SO_PEERCRED: all
+# its connections count together), a connection on tcp:// (``peer_identity``).
 MAX_PLANS_IN_FLIGHT_PER_PEER = 4
 # Plans handed to the runtime at once: one staging or staged, one queued behind it so that the
 # stager never waits for the dispatcher. Every further plan waits in its client's queue here,
@@ -115,8 +114,8 @@ class ControlServer:
     ) -> None:
         options = options if options is not None else SocketOptions()
         self.runtime = runtime
-        # Names this server's weight history on the wire: a client's ``since`` from another
-        # instance (a restarted runtime counts its versions from 0 again) gets the full state.
+        # Names this server's weight history on the wire: a ``since`` from another instance (a
+        # restarted runtime counts from 0 again) gets the full state.
         self.instance = new_id()
         self._extra_status = extra_status
         self.control = RequestServer(
@@ -147,7 +146,7 @@ class ControlServer:
         self._queues: dict[str, deque[_Waiting]] = {}  # client -> its plans waiting here
         self._turns: deque[str] = deque()  # clients with plans waiting, in round-robin order
         self._waiting: dict[str, _Waiting] = {}  # plan id -> where it waits
-        self._handed: set[str] = set()  # plan ids handed to the runtime, not yet final
+        self._handed: dict[str, Plan] = {}  # plans handed to the runtime, not yet final
         self._stopping = False
         self._stopped = threading.Event()  # set with _stopping: ends a restart's backoff
         self._closed = False  # the sockets are closed: events are no longer published
@@ -254,9 +253,11 @@ class ControlServer:
         accepted = make_reply(request.msg, MessageType.ACCEPTED, **{Fields.PLAN_ID: plan.plan_id})
         with self._fair:
             waiting = self._waiting.get(plan.plan_id)
-            if waiting is not None and not waiting.plan.same_as(plan):
-                log.warning("plan.id_reused", plan_id=plan.plan_id, known="waiting")
-                outcome = another_plan(plan.plan_id, "waiting")
+            held = self._handed.get(plan.plan_id) if waiting is None else waiting.plan
+            if held is not None and not held.same_as(plan):  # another plan under a held id
+                state = "handed to the runtime" if waiting is None else "waiting"
+                log.warning("plan.id_reused", plan_id=plan.plan_id, known=state)
+                outcome = another_plan(plan.plan_id, state)
                 return make_reply(request.msg, MessageType.REJECTED, **rejected_to_wire(outcome))
             if waiting is not None:  # a re-send of a plan waiting here: one more to answer
                 waiting.answers.append(
@@ -269,7 +270,7 @@ class ControlServer:
             plans.add(plan.plan_id)
             direct = not self._turns and len(self._handed) < RUNTIME_WINDOW
             if direct:
-                self._handed.add(plan.plan_id)
+                self._handed[plan.plan_id] = plan
                 self._note_dispatched(identity, plan.plan_id)
             else:
                 answer = _Answer(self.control, request.peer, msg_id, said_accepted=True)
@@ -341,7 +342,7 @@ class ControlServer:
                     del self._queues[identity]
                 plan_id = waiting.plan.plan_id
                 del self._waiting[plan_id]
-                self._handed.add(plan_id)
+                self._handed[plan_id] = waiting.plan
                 self._note_dispatched(identity, plan_id)
             fanout = _Fanout(waiting.answers, on_final=partial(self._release, identity, plan_id))
             try:
@@ -356,7 +357,7 @@ class ControlServer:
     def _release(self, identity: str, plan_id: str) -> None:
         """``plan_id`` reached a final state: its client and the runtime have room again."""
         with self._fair:
-            self._handed.discard(plan_id)
+            self._handed.pop(plan_id, None)
             plans = self._peer_plans.get(identity)
             if plans is not None:
                 plans.discard(plan_id)
@@ -441,8 +442,7 @@ class _Answer:
         self._peer = peer
         self._request_id = request_id
         self._on_final = on_final
-        # Answered ``accepted`` already (the plan waited in the fair queue): the first call
-        # sends only an outcome.
+        # Answered ``accepted`` already (the plan waited here): the first call sends an outcome.
         self._said_accepted = said_accepted
         self.first: Reply | None = None
 

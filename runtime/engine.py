@@ -251,7 +251,7 @@ class HotSwapRuntime:
         if known is not None and mirror and known.state.final:
             known = None
         if known is not None and known.state is not PlanState.REJECTED:
-            if not known.plan.same_as(plan):
+            if not mirror and not known.plan.same_as(plan):  # a mirror: the leader decides
                 return self._another_under(known, plan, follow)
             if follow is not None:
                 known.follow(follow)
@@ -293,9 +293,10 @@ class HotSwapRuntime:
     def _another_under(self, known: PlanTicket, plan: Plan, follow: Follower | None) -> PlanTicket:
         """``plan`` under the id of another plan the runtime has (``known``): refused on its own
         ticket, which is neither kept nor announced (the id stays ``known``'s)."""
-        log.warning("plan.id_reused", plan_id=plan.plan_id, known=known.state.value)
+        state = known.state.value.lower()
+        log.warning("plan.id_reused", plan_id=plan.plan_id, known=state)
         ticket = PlanTicket(plan)
-        ticket.reject(list(another_plan(plan.plan_id, known.state.value.lower()).reasons))
+        ticket.reject(list(another_plan(plan.plan_id, state).reasons))
         if follow is not None:
             ticket.follow(follow)
         return ticket

@@ -5,6 +5,7 @@ read what the store holds after a commit, and step aside where they do not apply
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -118,14 +119,19 @@ def test_one_call_steps_give_the_bits_of_the_block_calls_and_of_the_steps(
 
 @pytest.mark.parametrize(
     ("gemma", "swapped"),
-    [("gemma3", DOWN2), ("gemma3", "head"), ("qwen3moe", "blk.1.ffn_down_exps.weight")],
+    [
+        ("gemma3", DOWN2),
+        ("gemma3", "head"),
+        ("gemma3", "token_embd.weight"),
+        ("qwen3moe", "blk.1.ffn_down_exps.weight"),
+    ],
     indirect=["gemma"],
 )
 def test_a_swap_between_steps_is_what_the_next_step_reads(
     gemma: tuple[HotSwapRuntime, Decoder, ModelDir], swapped: str, tmp_path: Path
 ) -> None:
     """A swap committed between two steps of one cache (a block's FFN matrix, qwen3moe's experts'
-    down stack, or the head) is
+    down stack, the head, or the embedding table the step decodes its row from) is
     what the next one-call step reads, as the block calls read it; a fresh load computes the
     same; after the swap back the steps are the first load's again."""
     runtime, model, model_dir = gemma
@@ -238,16 +244,20 @@ def test_what_a_stack_tells_its_steps_is_what_its_layer_inputs_give_them(
 ) -> None:
     """A stack's ``step_kinds`` tells a one-token step, without tables or masks, what its
     ``layer_inputs`` give it: each layer's kind, each kind's RoPE rows (the same rows of the
-    same tables) and first key, at every position before, at and past gemma3's window of 4."""
+    same tables) and first key, at every position before, at and past gemma3's window of 4, and
+    past the tables' first length (they grow)."""
     _, model, _ = gemma
     told = ggml_decode._told(model)  # type: ignore[arg-type]
     assert told is not None
     cpu = torch.device("cpu")
-    for pos in range(12):
+    grown = told.ropes[0][0]._n_pos  # the tables' first length: past it they grow
+    for pos in [*range(12), grown - 1, grown, grown + 5]:
         inputs = model.layer_inputs(pos, 1, cpu, cached=True)  # type: ignore[union-attr]
         found = ggml_decode._kinds(inputs, pos + 1)
         assert found is not None
-        assert (told.kinds, told.rows(pos)) == found, f"position {pos}"
+        rows, _ = told.rows(pos)
+        assert (told.kinds, rows) == found, f"position {pos}"
+    assert told.ropes[0][0]._n_pos > grown
 
 
 def test_a_stack_whose_layer_inputs_differ_is_told_nothing(
@@ -295,3 +305,29 @@ def test_a_token_past_the_vocabulary_is_refused_as_the_blocks_refuse_it(
                 refused.append((type(info.value), cache.length))
     assert refused[:2] == refused[2:]
     assert {length for _, length in refused} == {PROMPT.shape[1]}
+
+
+def test_the_call_scales_the_embedding_as_torch_does(
+    gemma: tuple[HotSwapRuntime, Decoder, ModelDir],
+) -> None:
+    """The call's ``x_scale`` multiplies the row in float32 as torch's ``x * scale`` does, for a
+    scale that is not a power of two (gemma3's own, sqrt(640) for the real model)."""
+    _, model, _ = gemma
+    weights = model.weights
+    layers = [layer.step_layer(0) for layer in model.layers]
+    head = weights.matrix(model.output)
+    held = step_weights(layers, weights.weight(model.norm), head.blocks)  # type: ignore[arg-type, union-attr]
+    assert held is not None
+    n_rot = model.config.n_rot
+    cos, sin = torch.rand(1, n_rot // 2), torch.rand(1, n_rot // 2)
+    rope = rope_row(cos, sin, n_rot, True, 0)
+    assert rope is not None
+    x, scale = torch.randn(1, 1, held.d), math.sqrt(640)
+    logits = []
+    for row, by in ((x, scale), (x * scale, 1.0)):
+        f16 = [(torch.zeros(1, h, 8, d, dtype=torch.float16),) * 2 for h, d in held.heads]
+        caches = step_caches(held, f16)
+        assert caches is not None
+        logits.append(decode_step(row, held, [rope], caches, pos=0, eps=1e-6, x_scale=by))
+    assert logits[0] is not None
+    assert torch.equal(logits[0], logits[1])  # type: ignore[arg-type]

@@ -124,6 +124,8 @@ def test_a_plan_sent_again_is_the_same_plan_and_another_is_not(record: TensorRec
         dataclasses.replace(plan, jobs=(*plan.jobs, Job(dataclasses.replace(other, name="x")))),
         dataclasses.replace(plan, jobs=(plan.jobs[0], Job(moved, None))),
         dataclasses.replace(plan, jobs=(Job(record, "cd" * 16), plan.jobs[1])),
+        dataclasses.replace(plan, jobs=(plan.jobs[0], Job(other, "ef" * 16))),
+        dataclasses.replace(plan, jobs=(plan.jobs[0], plan.jobs[0])),
     ):
         assert not plan.same_as(another)
         assert not another.same_as(plan)

@@ -89,18 +89,24 @@ def decode_rows(
     return values[where].view(*ids.shape, cols)
 
 
-def row_decoder(ggml_type: int, cols: int) -> Callable[[int, int], None] | None:
+def row_decoder(ggml_type: int, cols: int) -> Callable[[int, int], bool] | None:
     """``decode(src, dst)``: one row of ``cols`` values of ``ggml_type`` from its blocks at the
     address ``src`` into float32 at ``dst`` on the CPU, the bits :func:`decode_rows` gives that
     row (the compiled decoder both go through), with no tensor made: a decode step's embedding
-    row. None where :func:`decode_rows` decodes the type another way (the caller goes through
-    it)."""
+    row; False (nothing written) while the compiled kernels are switched off. None where
+    :func:`decode_rows` decodes the type another way (the caller goes through it)."""
     if ggml_type in INTERLEAVED or not _compiled.handles(ggml_type, cols, torch.device("cpu")):
         return None
     kernels, code = _compiled.module(), int(ggml_type)
-    if ggml_type in IK_KERNELS:  # a per-row header: the decoder is told the row's length
-        return lambda src, dst: kernels.decode(src, code, cols, dst, 1, cols)
-    return lambda src, dst: kernels.decode(src, code, cols, dst, 1)
+    header = (cols,) if ggml_type in IK_KERNELS else ()  # a per-row header: told the row length
+
+    def decode(src: int, dst: int) -> bool:
+        if not _compiled.available():
+            return False
+        kernels.decode(src, code, cols, dst, 1, *header)
+        return True
+
+    return decode
 
 
 def dequantize(

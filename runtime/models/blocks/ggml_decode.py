@@ -29,11 +29,12 @@ is checked and measured against).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -107,14 +108,18 @@ class _Told:
     kinds: tuple[int, ...]
     ropes: tuple[tuple[RotaryEmbedding, int], ...]
 
-    def rows(self, pos: int) -> list[RopeRow]:
-        """Each kind's RoPE rows of ``pos`` (read where the tables hold them) and first key."""
+    def rows(self, pos: int) -> tuple[list[RopeRow], list[Tensor]]:
+        """Each kind's RoPE rows of ``pos`` (read where the tables hold them) and first key,
+        and the tables, which the caller keeps through the call."""
         end = pos + 1
-        return [
-            (*rope.row_addresses(pos), rope.n_rot, rope.rope_type != RopeType.NORM,
-             max(0, end - window) if window > 0 else 0)
-            for rope, window in self.ropes
-        ]  # fmt: skip
+        rows: list[RopeRow] = []
+        tables: list[Tensor] = []
+        for rope, window in self.ropes:
+            cos, sin, offset = rope.rows_at(pos)
+            tables += (cos, sin)
+            neox, lo = rope.rope_type != RopeType.NORM, max(0, end - window) if window > 0 else 0
+            rows.append((cos.data_ptr() + offset, sin.data_ptr() + offset, rope.n_rot, neox, lo))
+        return rows, tables
 
 
 # Each stack's _Told (None: its steps read layer_inputs), with the class that told it: a stack's
@@ -156,32 +161,40 @@ class _Step:
 
 @dataclass(frozen=True)
 class _Embedding:
-    """A token's embedding row decoded from the table's blocks into ``x`` (the step's row)."""
+    """A token's embedding row decoded from the table's blocks into a row of the step's (one
+    per thread)."""
 
-    decode: Callable[[int, int], None]
+    decode: Callable[[int, int], bool]
     blocks: Tensor  # [rows, row bytes]
-    x: Tensor  # [1, 1, d] float32
-    scale: float
+    d: int
+    rows: threading.local = field(default_factory=threading.local)
 
     def row(self, token: int) -> Tensor | None:
-        """``x`` holding ``token``'s row (not scaled: the call scales it), or None where the
-        token is not a row (the stack's embedding refuses it)."""
+        """This thread's row (``[1, 1, d]`` float32) holding ``token``'s embedding, not scaled
+        (the call scales it), or None where the token is not a row (the stack's embedding
+        refuses it) or the compiled decoder is off."""
         if not 0 <= token < self.blocks.shape[0]:
             return None
-        self.decode(self.blocks.data_ptr() + token * self.blocks.stride(0), self.x.data_ptr())
-        return self.x
+        x = getattr(self.rows, "x", None)
+        if x is None:
+            x = self.rows.x = torch.empty(1, 1, self.d, dtype=torch.float32)
+        src = self.blocks.data_ptr() + token * self.blocks.stride(0)
+        return x if self.decode(src, x.data_ptr()) else None
 
 
 def _embedding(weights: GgmlWeights, stack: DecoderStack, d: int) -> _Embedding | None:
+    """Where the stack embeds as :class:`DecoderStack` does (a subclass may not) from a table
+    whose rows the compiled decoder decodes."""
+    from ggufswap.runtime.models.blocks.decoder import DecoderStack as Base  # (imports this)
+
+    if type(stack).embedding is not Base.embedding:
+        return None
     source = weights.store.row_blocks(stack.tok_embd)  # GgmlWeights: float32 values
     if source is None:
         return None
     blocks, ggml_type, cols = source
     decode = row_decoder(ggml_type, cols) if cols == d and blocks.is_cpu else None
-    if decode is None:
-        return None
-    x = torch.empty(1, 1, d, dtype=torch.float32)
-    return _Embedding(decode, blocks, x, stack.config.embed_scale)
+    return None if decode is None else _Embedding(decode, blocks, d)
 
 
 def _step(weights: GgmlWeights, stack: DecoderStack, kinds: tuple[int, ...]) -> _Step:
@@ -238,9 +251,10 @@ def stack_step(
     stack: DecoderStack, tokens: Tensor, start_pos: int, cache: KVCache
 ) -> Tensor | None:
     """``logits [1, 1, V]`` of one token ``tokens [1, 1]`` at ``start_pos`` (the cache's
-    length) in one compiled call after the embedding, the token's keys and values appended to
-    ``cache``; None where the call does not apply (the caller steps block by block; the cache
-    may have grown its buffers for the token, nothing else is done)."""
+    length) in one compiled call (the embedding row decoded into it where the compiled decoder
+    reads the table), the token's keys and values appended to ``cache``; None where the call
+    does not apply (the caller steps block by block; the cache may have grown its buffers for
+    the token, nothing else is done)."""
     weights = stack.weights
     applies = (
         not _PER_BLOCK.get()
@@ -260,8 +274,10 @@ def stack_step(
         return None  # not this stack, until the next commit
     end = start_pos + 1
     told = _told(stack)
+    tables: list[Tensor] = []  # the RoPE tables the call reads, kept through it
     if told is not None:
-        kinds, ropes = told.kinds, told.rows(start_pos)
+        kinds = told.kinds
+        ropes, tables = told.rows(start_pos)
     else:
         found = _kinds(stack.layer_inputs(start_pos, 1, tokens.device, cached=True), end)
         if found is None:
@@ -280,6 +296,7 @@ def stack_step(
     if x is None:
         x, scale = stack.embedding(tokens), 1.0
     logits = decode_step(x, held, ropes, caches, pos=start_pos, eps=c.norm_eps, x_scale=scale)
+    del tables  # read by the call
     if logits is None:
         return None
     cache.advance(1)

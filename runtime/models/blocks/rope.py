@@ -217,15 +217,15 @@ class RotaryEmbedding(nn.Module):
         end = start + length
         return RopeTables(cos[start:end], sin[start:end], self.n_rot, self.rope_type)
 
-    def row_addresses(self, pos: int) -> tuple[int, int]:
-        """The addresses of position ``pos``'s rows of the CPU tables (cos, sin: ``n_rot / 2``
-        float32 each, what :meth:`forward` gives for ``pos`` alone), for a compiled step; they
-        hold until the tables next grow (a later call past their end)."""
+    def rows_at(self, pos: int) -> tuple[Tensor, Tensor, int]:
+        """The CPU tables (cos, sin ``[positions, n_rot / 2]`` float32) holding position
+        ``pos`` and the byte offset of its rows (what :meth:`forward` gives for ``pos`` alone),
+        for a compiled step; a caller keeps the tables while it reads them (a later call past
+        their end replaces them)."""
         if pos >= self._n_pos:
             self._extend(2 * (pos + 1))
         cos, sin = self._tables[torch.device("cpu")]
-        offset = pos * cos.stride(0) * cos.element_size()
-        return cos.data_ptr() + offset, sin.data_ptr() + offset
+        return cos, sin, pos * cos.stride(0) * cos.element_size()
 
 
 def rotary(config: HParams, base: float, *, n_rot: int | None = None) -> RotaryEmbedding:
