@@ -79,8 +79,9 @@ def per_block_steps() -> Iterator[None]:
 
 def _kinds(inputs: Sequence[LayerInputs], end: int) -> tuple[tuple[int, ...], list[RopeRow]] | None:
     """Which kind each layer is (the layers that share their RoPE and mask, one object in
-    ``layer_inputs``), and each kind's RoPE row and first key; None where a kind's keys are not
-    one run ending at the token's own, or there are more kinds than a call tells apart."""
+    ``layer_inputs``), and each kind's RoPE row (the addresses of ``inputs``' tensors, which
+    the caller keeps through the call) and first key; None where a kind's keys are not one run
+    ending at the token's own, or there are more kinds than a call tells apart."""
     seen: dict[int, int] = {}
     ropes: list[RopeRow] = []
     kinds = []
@@ -274,12 +275,13 @@ def stack_step(
         return None  # not this stack, until the next commit
     end = start_pos + 1
     told = _told(stack)
-    tables: list[Tensor] = []  # the RoPE tables the call reads, kept through it
+    kept: object  # what the RoPE rows' addresses point into, kept through the call
     if told is not None:
         kinds = told.kinds
-        ropes, tables = told.rows(start_pos)
+        ropes, kept = told.rows(start_pos)
     else:
-        found = _kinds(stack.layer_inputs(start_pos, 1, tokens.device, cached=True), end)
+        kept = stack.layer_inputs(start_pos, 1, tokens.device, cached=True)
+        found = _kinds(kept, end)
         if found is None:
             return None
         kinds, ropes = found
@@ -296,7 +298,7 @@ def stack_step(
     if x is None:
         x, scale = stack.embedding(tokens), 1.0
     logits = decode_step(x, held, ropes, caches, pos=start_pos, eps=c.norm_eps, x_scale=scale)
-    del tables  # read by the call
+    del kept  # read by the call
     if logits is None:
         return None
     cache.advance(1)
