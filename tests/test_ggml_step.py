@@ -33,7 +33,7 @@ from ggufswap.runtime.models.blocks.ggml_decode import per_block_steps
 from ggufswap.runtime.models.ggml_numerics import kv_cache_type
 from ggufswap.runtime.models.registry import Decoder
 from ggufswap.shards.ggml_types import GGMLType
-from ggufswap.shards.presets import tiny_arch
+from ggufswap.shards.presets import tiny_arch, tiny_llama3
 
 pytestmark = [
     pytest.mark.skipif(ggml_library() is None, reason="no libggml installed"),
@@ -49,8 +49,15 @@ def gemma(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[tuple[HotSwapRuntime, Decoder, ModelDir]]:
     """A tiny model of a mix of ggml's types, native, with ggml's numerics: gemma3 (six blocks,
-    five with a window of 4) unless the test asks for qwen3moe."""
-    spec = tiny_arch(request.param).with_types(
+    five with a window of 4) unless the test asks for qwen3moe, or llama3-moe (a llama with 4
+    experts and Llama 3.1's RoPE factors, a ``rope_freqs`` tensor: its RoPE tables are computed
+    afresh each step, from its ``layer_inputs``)."""
+    base = (
+        tiny_llama3(n_layers=4, n_expert=4, n_expert_used=2, n_ff_expert=64)
+        if request.param == "llama3-moe"
+        else tiny_arch(request.param)
+    )
+    spec = base.with_types(
         ffn_gate="q4_0", ffn_up="q5_0", ffn_down="q8_0", attn_o="iq4_nl", attn_k="q5_0"
     )
     model_dir = ModelDir.write(tmp_path / "model", spec)
@@ -93,7 +100,7 @@ def ran(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return calls
 
 
-@pytest.mark.parametrize("gemma", ["gemma3", "qwen3moe"], indirect=True)
+@pytest.mark.parametrize("gemma", ["gemma3", "qwen3moe", "llama3-moe"], indirect=True)
 def test_one_call_steps_give_the_bits_of_the_block_calls_and_of_the_steps(
     gemma: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
 ) -> None:
