@@ -292,11 +292,12 @@ class HotSwapRuntime:
 
     def _another_under(self, known: PlanTicket, plan: Plan, follow: Follower | None) -> PlanTicket:
         """``plan`` under the id of another plan the runtime has (``known``): refused on its own
-        ticket, which is neither kept nor announced (the id stays ``known``'s)."""
+        ticket, counted (``id_reused`` in the status's plans) but neither kept nor announced (the
+        id stays ``known``'s: a ``plan.rejected`` event would tell its client otherwise)."""
         state = known.state.value.lower()
-        log.warning("plan.id_reused", plan_id=plan.plan_id, known=state)
         ticket = PlanTicket(plan)
         ticket.reject(list(another_plan(plan.plan_id, state).reasons))
+        self._history.reused(ticket, state)
         if follow is not None:
             ticket.follow(follow)
         return ticket

@@ -50,6 +50,18 @@ class PlanHistory:
             tensors=len(ticket.plan.jobs),
         )
 
+    def reused(self, ticket: PlanTicket, known: str) -> None:
+        """Count and log a plan refused because its id names another plan (in state ``known``):
+        the plan the id names is not touched, and ``ticket`` is not kept."""
+        self.outcomes["id_reused"] += 1
+        log.warning(
+            "plan",
+            outcome="id_reused",
+            plan_id=ticket.plan_id,
+            known=known,
+            tensors=len(ticket.plan.jobs),
+        )
+
     def committed(self, ticket: PlanTicket, *, weight_version: int, stall_s: float) -> None:
         """Count and log a plan committed at ``weight_version``, with its stage and stall."""
         self.outcomes["committed"] += 1

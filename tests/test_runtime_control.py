@@ -105,6 +105,7 @@ def test_plan_replies_follow_the_ticket_and_events_are_published(
             assert "plan id 'p1' names another plan (its state: committed)" in reason[Fields.REASON]
             assert runtime.weight_version == version
             assert runtime.ticket("p1").state is PlanState.COMMITTED  # type: ignore[union-attr]
+            assert runtime.status()["plans"] == {"committed": 1, "id_reused": 1}
 
             events = []
             while (got := sub.recv(0.2)) is not None:
