@@ -2,14 +2,14 @@
 
 A thin layer. The request server validates each message once and hands the handler what that
 read (a ``plan`` arrives as a :class:`~ggufswap.ipc.Plan`). A plan goes to
-:meth:`HotSwapRuntime.submit`, which has the plan's ticket followed by an :class:`_Answer` for
-the peer that sent it: the answer's first reply (``accepted``, or the outcome of a plan already
-decided) is the handler's return, and each later move of the ticket (``staged``, then
-``committed`` or ``rejected``) is queued with ``send_to``. Either way every frame leaves from
-the request server's thread, the only one that touches its socket. The runtime's events are
-published on the PUB socket. ``state`` reports the loaded table (whole, or only the slots a
-commit stamped after the version the client holds: :meth:`ControlServer.state`), ``status`` the
-runtime's health. The wire format is in docs/protocol.md.
+:meth:`HotSwapRuntime.submit`, which has the plan's ticket followed by an answer
+(:mod:`.control_answers`) for the peer that sent it: the answer's first reply (``accepted``, or
+the outcome of a plan already decided) is the handler's return, and each later move of the
+ticket (``staged``, then ``committed`` or ``rejected``) is queued with ``send_to``. Either way
+every frame leaves from the request server's thread, the only one that touches its socket. The
+runtime's events are published on the PUB socket. ``state`` reports the loaded table (whole, or
+only the slots a commit stamped after the version the client holds: :meth:`ControlServer.state`),
+``status`` the runtime's health. The wire format is in docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ from typing import Any, Final
 
 from ggufswap.config import Config
 from ggufswap.ipc import (
-    Committed,
     Event,
     Fields,
-    IpcError,
     MessageType,
     Plan,
     Process,
@@ -38,7 +36,6 @@ from ggufswap.ipc import (
     RuntimeState,
     SocketOptions,
     TensorEntry,
-    committed_to_wire,
     make_reply,
     new_id,
     rejected_to_wire,
@@ -50,8 +47,9 @@ from ggufswap.ipc.codec import STATUS_MAX_REQUEST_SIZE
 from ggufswap.ipc.errors import UnknownMessageType
 from ggufswap.ipc.supervisor import Supervised
 from ggufswap.logs import get_logger
+from ggufswap.runtime.control_answers import Answer, Fanout
 from ggufswap.runtime.engine import HotSwapRuntime
-from ggufswap.runtime.plans import PlanState, PlanTicket, another_plan
+from ggufswap.runtime.plans import PlanState, another_plan
 from ggufswap.runtime.store import Slot
 
 log = get_logger(__name__)
@@ -90,13 +88,21 @@ def peer_identity(request: Request, *, ipc: bool) -> str:
     return f"connection {request.peer.hex()}"
 
 
+@dataclasses.dataclass(eq=False)
+class _Handed:
+    """A plan handed to the runtime, one per hand-off: its release frees the room it took, and
+    not the room of a later hand-off under the same id."""
+
+    plan: Plan
+
+
 @dataclasses.dataclass
 class _Waiting:
     """A plan admitted and answered ``accepted``, waiting for its client's turn."""
 
     plan: Plan
     identity: str
-    answers: list[_Answer]
+    answers: list[Answer]
 
 
 class ControlServer:
@@ -146,7 +152,8 @@ class ControlServer:
         self._queues: dict[str, deque[_Waiting]] = {}  # client -> its plans waiting here
         self._turns: deque[str] = deque()  # clients with plans waiting, in round-robin order
         self._waiting: dict[str, _Waiting] = {}  # plan id -> where it waits
-        self._handed: dict[str, Plan] = {}  # plans handed to the runtime, not yet final
+        self._handed: dict[str, _Handed] = {}  # plans handed to the runtime, not yet final
+        self._reused = 0  # plans refused here because their id names another plan
         self._stopping = False
         self._stopped = threading.Event()  # set with _stopping: ends a restart's backoff
         self._closed = False  # the sockets are closed: events are no longer published
@@ -245,7 +252,7 @@ class ControlServer:
         known = self.runtime.ticket(plan.plan_id)
         if known is not None and known.state is not PlanState.REJECTED:
             # A re-send of a plan the runtime has: answered with its state, counted once.
-            answer = _Answer(self.control, request.peer, msg_id)
+            answer = Answer(self.control, request.peer, msg_id)
             self.runtime.submit(plan, follow=answer)
             assert answer.first is not None, "submit follows the ticket, which answers at once"
             return answer.first
@@ -253,15 +260,17 @@ class ControlServer:
         accepted = make_reply(request.msg, MessageType.ACCEPTED, **{Fields.PLAN_ID: plan.plan_id})
         with self._fair:
             waiting = self._waiting.get(plan.plan_id)
-            held = self._handed.get(plan.plan_id) if waiting is None else waiting.plan
+            given = self._handed.get(plan.plan_id)
+            held = waiting.plan if waiting is not None else given.plan if given else None
             if held is not None and not held.same_as(plan):  # another plan under a held id
                 state = "handed to the runtime" if waiting is None else "waiting"
+                self._reused += 1
                 log.warning("plan.id_reused", plan_id=plan.plan_id, known=state)
                 outcome = another_plan(plan.plan_id, state)
                 return make_reply(request.msg, MessageType.REJECTED, **rejected_to_wire(outcome))
             if waiting is not None:  # a re-send of a plan waiting here: one more to answer
                 waiting.answers.append(
-                    _Answer(self.control, request.peer, msg_id, said_accepted=True)
+                    Answer(self.control, request.peer, msg_id, said_accepted=True)
                 )
                 return accepted
             plans = self._peer_plans.setdefault(identity, set())
@@ -270,23 +279,23 @@ class ControlServer:
             plans.add(plan.plan_id)
             direct = not self._turns and len(self._handed) < RUNTIME_WINDOW
             if direct:
-                self._handed[plan.plan_id] = plan
+                handed = self._handed[plan.plan_id] = _Handed(plan)
                 self._note_dispatched(identity, plan.plan_id)
             else:
-                answer = _Answer(self.control, request.peer, msg_id, said_accepted=True)
+                answer = Answer(self.control, request.peer, msg_id, said_accepted=True)
                 self._enqueue(_Waiting(plan, identity, [answer]))
                 return accepted
         # The runtime has room and no one waits: handed over now, validated as it is.
-        answer = _Answer(
+        answer = Answer(
             self.control,
             request.peer,
             msg_id,
-            on_final=lambda: self._release(identity, plan.plan_id),
+            on_final=lambda: self._release(identity, plan.plan_id, handed),
         )
         try:
             self.runtime.submit(plan, follow=answer)
         except BaseException:  # a bug (answered INTERNAL): its room is not held forever
-            self._release(identity, plan.plan_id)
+            self._release(identity, plan.plan_id, handed)
             raise
         assert answer.first is not None, "submit follows the ticket, which answers at once"
         return answer.first
@@ -342,21 +351,25 @@ class ControlServer:
                     del self._queues[identity]
                 plan_id = waiting.plan.plan_id
                 del self._waiting[plan_id]
-                self._handed[plan_id] = waiting.plan
+                handed = self._handed[plan_id] = _Handed(waiting.plan)
                 self._note_dispatched(identity, plan_id)
-            fanout = _Fanout(waiting.answers, on_final=partial(self._release, identity, plan_id))
+            release = partial(self._release, identity, plan_id, handed)
+            fanout = Fanout(waiting.answers, on_final=release)
             try:
                 self.runtime.submit(waiting.plan, follow=fanout)
             except Exception:  # a bug: the plan is dropped, its client re-plans
                 log.exception("control.dispatch_failed", plan_id=plan_id)
-                self._release(identity, plan_id)
+                release()
 
     def _room(self) -> bool:
         return len(self._handed) < RUNTIME_WINDOW
 
-    def _release(self, identity: str, plan_id: str) -> None:
-        """``plan_id`` reached a final state: its client and the runtime have room again."""
+    def _release(self, identity: str, plan_id: str, handed: _Handed) -> None:
+        """``handed`` reached a final state: its client and the runtime have room again (unless
+        a later hand-off holds its id: that one's release frees the room)."""
         with self._fair:
+            if self._handed.get(plan_id, handed) is not handed:
+                return
             self._handed.pop(plan_id, None)
             plans = self._peer_plans.get(identity)
             if plans is not None:
@@ -372,6 +385,7 @@ class ControlServer:
                 "waiting": {identity: len(q) for identity, q in self._queues.items()},
                 "handed": len(self._handed),
                 "clients_in_flight": {i: len(p) for i, p in self._peer_plans.items()},
+                "id_reused": self._reused,
             }
 
     # -- events ----------------------------------------------------------------------------
@@ -417,84 +431,3 @@ class ControlServer:
         if self._extra_status is not None:
             status.update(self._extra_status())
         return status
-
-
-class _Answer:
-    """Answers one ``plan`` request by following the plan's ticket.
-
-    The first call (when ``submit`` starts following) builds the reply the handler returns:
-    ``accepted`` while the plan is in flight (a re-sent plan that is already staged too), or
-    the outcome of a plan already decided. Each later call is a move of the ticket: ``staged``,
-    ``committed`` or ``rejected``, queued for the request server's thread with ``send_to``
-    (which sends it after the handler's reply).
-    """
-
-    def __init__(
-        self,
-        server: RequestServer,
-        peer: bytes,
-        request_id: str,
-        *,
-        on_final: Callable[[], None] | None = None,
-        said_accepted: bool = False,
-    ) -> None:
-        self._server = server
-        self._peer = peer
-        self._request_id = request_id
-        self._on_final = on_final
-        # Answered ``accepted`` already (the plan waited here): the first call sends an outcome.
-        self._said_accepted = said_accepted
-        self.first: Reply | None = None
-
-    def __call__(self, ticket: PlanTicket) -> None:
-        if ticket.state.final and self._on_final is not None:
-            self._on_final()
-        if self.first is None:
-            self.first = self._reply(ticket, MessageType.ACCEPTED)
-            if self._said_accepted and ticket.state.final:
-                self._send(self.first, ticket.plan_id)
-            return
-        if ticket.state is PlanState.STAGING:
-            return  # ``accepted`` said so already
-        self._send(self._reply(ticket, MessageType.STAGED), ticket.plan_id)
-
-    def _send(self, reply: Reply, plan_id: str) -> None:
-        try:
-            self._server.send_to(self._peer, reply)
-        except IpcError as exc:  # the server stopped: the peer re-plans from ``state``
-            log.info("control.reply_dropped", plan_id=plan_id, error=str(exc))
-
-    def refuse(self, plan_id: str, reason: Reason) -> None:
-        """Answer the request with ``rejected`` for ``reason`` (a plan never handed over)."""
-        outcome = Rejected(plan_id=plan_id, stale=reason.stale, reasons=(reason,))
-        request = {Fields.ID: self._request_id}
-        self._send(make_reply(request, MessageType.REJECTED, **rejected_to_wire(outcome)), plan_id)
-
-    def _reply(self, ticket: PlanTicket, in_flight: MessageType) -> Reply:
-        """The reply for the ticket's state; ``in_flight`` for a plan not yet decided."""
-        request = {Fields.ID: self._request_id}
-        if ticket.state is PlanState.COMMITTED:
-            body = Committed(
-                plan_id=ticket.plan_id,
-                weight_version=ticket.weight_version or 0,
-                stall_ms=round((ticket.stall_s or 0.0) * 1e3, 3),
-            )
-            return make_reply(request, MessageType.COMMITTED, **committed_to_wire(body))
-        if ticket.state is PlanState.REJECTED:
-            outcome = Rejected(plan_id=ticket.plan_id, stale=ticket.stale, reasons=ticket.reasons)
-            return make_reply(request, MessageType.REJECTED, **rejected_to_wire(outcome))
-        return make_reply(request, in_flight, **{Fields.PLAN_ID: ticket.plan_id})
-
-
-class _Fanout:
-    """Follows one ticket for every request that asked for its plan while it waited."""
-
-    def __init__(self, answers: list[_Answer], *, on_final: Callable[[], None]) -> None:
-        self._answers = answers
-        self._on_final = on_final
-
-    def __call__(self, ticket: PlanTicket) -> None:
-        if ticket.state.final:
-            self._on_final()
-        for answer in self._answers:
-            answer(ticket)

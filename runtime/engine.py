@@ -251,7 +251,7 @@ class HotSwapRuntime:
         if known is not None and mirror and known.state.final:
             known = None
         if known is not None and known.state is not PlanState.REJECTED:
-            if not mirror and not known.plan.same_as(plan):  # a mirror: the leader decides
+            if not mirror and not known.plan.same_as(plan):  # a mirror: as the leader decides
                 return self._another_under(known, plan, follow)
             if follow is not None:
                 known.follow(follow)

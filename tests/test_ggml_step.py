@@ -20,7 +20,7 @@ import ggufswap.runtime.models.blocks.decoder as decoder_module
 import ggufswap.runtime.models.blocks.ggml_decode as ggml_decode
 import ggufswap.runtime.models.gemma3 as gemma3
 from ggufswap.runtime import HotSwapRuntime, PlanState, float_products
-from ggufswap.runtime.kernels import ggml_library
+from ggufswap.runtime.kernels import _compiled, ggml_library
 from ggufswap.runtime.kernels.ggml_step import (
     StepLayer,
     decode_step,
@@ -338,3 +338,32 @@ def test_the_call_scales_the_embedding_as_torch_does(
         logits.append(decode_step(row, held, [rope], caches, pos=0, eps=1e-6, x_scale=by))
     assert logits[0] is not None
     assert torch.equal(logits[0], logits[1])  # type: ignore[arg-type]
+
+
+def test_the_step_decodes_the_embedding_its_stack_would(
+    gemma: tuple[HotSwapRuntime, Decoder, ModelDir], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step decodes its token's embedding row itself only where the stack embeds as
+    ``DecoderStack`` does and the compiled decoder is on; with the compiled kernels switched off
+    between steps it takes the stack's embedding, and the steps stay one call with the same
+    bits."""
+    _, model, _ = gemma
+    base = type(model)
+    d = model.config.n_embd  # type: ignore[union-attr]
+    weights = model.weights
+    assert ggml_decode._embedding(weights, model, d) is not None  # type: ignore[arg-type]
+
+    def embedding(self: Decoder, tokens: torch.Tensor) -> torch.Tensor:
+        return base.embedding(self, tokens)  # type: ignore[arg-type]
+
+    model.__class__ = type("OwnEmbedding", (base,), {"embedding": embedding})
+    try:
+        assert ggml_decode._embedding(weights, model, d) is None  # type: ignore[arg-type]
+    finally:
+        model.__class__ = base
+    calls = ran(monkeypatch)
+    first = steps_of(model, 4)
+    with _compiled.disabled():
+        off = steps_of(model, 4)
+    assert calls == [True] * 8
+    assert all(torch.equal(a, b) for a, b in zip(first, off, strict=True))

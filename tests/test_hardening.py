@@ -178,6 +178,7 @@ def test_a_flooding_client_cannot_queue_ahead_of_another(served: Served, tmp_pat
                 [refused] = other.replies()
                 assert refused[Fields.TYPE] == "rejected", refused
                 assert "'agent' names another plan (its state: waiting)" in str(refused)
+                assert served.control.fairness()["id_reused"] == 1
             reply = outcome(agent, served.runtime, msg_id)
         assert reply[Fields.TYPE] == "committed", reply
         assert committed.index("agent") <= MAX_PLANS_IN_FLIGHT_PER_PEER, committed
@@ -250,7 +251,12 @@ def test_many_connections_do_not_starve_the_agents_update(served: Served, tmp_pa
             assert each.count("accepted") == MAX_PLANS_IN_FLIGHT_PER_PEER, each
             assert each.count("rejected") == len(each) - MAX_PLANS_IN_FLIGHT_PER_PEER, each
         drain(served, committed, flooders * MAX_PLANS_IN_FLIGHT_PER_PEER + 1)
-    assert served.control.fairness() == {"waiting": {}, "handed": 0, "clients_in_flight": {}}
+    assert served.control.fairness() == {
+        "waiting": {},
+        "handed": 0,
+        "clients_in_flight": {},
+        "id_reused": 0,
+    }
 
 
 # -- socket directories (finding 5) -----------------------------------------------------------

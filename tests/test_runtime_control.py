@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from runtime_helpers import WAIT_S, ModelDir, Q, open_runtime
 
+import ggufswap.runtime.control as control_module
 from ggufswap.ipc import (
     DealerClient,
     Fields,
@@ -120,3 +121,33 @@ def test_plan_replies_follow_the_ticket_and_events_are_published(
     committed = events[-1]
     assert isinstance(committed, PlanCommittedEvent)
     assert (committed.plan_id, committed.weight_version, committed.changed) == ("p1", 1, (OUTPUT,))
+
+
+def test_a_release_frees_only_the_room_of_its_own_hand_off(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A plan's final state frees the room its own hand-off took: a later hand-off under the same
+    id (the plan handed again, or another plan after the first was decided) keeps the runtime's
+    window and its client's count until its own release."""
+    sockdir = tmp_path_factory.mktemp("s")
+    model_dir = ModelDir.write(tmp_path / "m")
+    runtime, _ = open_runtime(model_dir.first)
+    control = ControlServer(
+        runtime,
+        control_endpoint=f"ipc://{sockdir}/control.sock",
+        events_endpoint=f"ipc://{sockdir}/events.sock",
+    )
+    try:
+        plan = model_dir.plan("x", [OUTPUT])
+        first, later = control_module._Handed(plan), control_module._Handed(plan)
+        control._handed["x"] = later
+        control._peer_plans["client"] = {"x"}
+        control._release("client", "x", first)
+        assert control.fairness()["handed"] == 1
+        assert control.fairness()["clients_in_flight"] == {"client": 1}
+        control._release("client", "x", later)
+        assert control.fairness()["handed"] == 0
+        assert control.fairness()["clients_in_flight"] == {}
+    finally:
+        control.close()
+        runtime.close()

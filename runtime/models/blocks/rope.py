@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -135,6 +136,10 @@ def ggml_angles(
 INITIAL_POSITIONS: Final = 4096
 
 
+# Guards the replacement of any RotaryEmbedding's tables (rare: they double each time).
+_GROWING: Final = threading.Lock()
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE cos/sin cache (per device), computed for :data:`INITIAL_POSITIONS` positions and
     grown on demand (past the training context too).
@@ -194,9 +199,13 @@ class RotaryEmbedding(nn.Module):
         return wide.cos().float() * mscale, wide.sin().float() * mscale
 
     def _extend(self, n_pos: int) -> None:
+        """Tables for ``n_pos`` positions, unless they hold more already: they only grow, so a
+        caller (a step's thread) that made sure of its position reads tables that hold it."""
         cos, sin = self._cos_sin(torch.arange(n_pos))
-        self._tables = {torch.device("cpu"): (cos, sin)}
-        self._n_pos = n_pos
+        with _GROWING:
+            if n_pos > self._n_pos:
+                self._tables = {torch.device("cpu"): (cos, sin)}
+                self._n_pos = n_pos
 
     def forward(
         self, start: int, length: int, device: torch.device, *, factors: Tensor | None = None
