@@ -23,6 +23,7 @@ from ggufswap.runtime import (
     Storage,
     float_products,
 )
+from ggufswap.runtime.control import ControlServer
 from ggufswap.runtime.models import Decoder, Transformer, build_model
 from ggufswap.runtime.models.hparams import HParams
 from ggufswap.runtime.serving.daemon import model_in, served_model
@@ -263,3 +264,13 @@ def loaded_bytes(first: Path, storage: Storage) -> int:
         return sum(runtime.store.pools.usage().values())
     finally:
         runtime.close()
+
+
+def control_server(runtime: HotSwapRuntime, sockdir: Path) -> ControlServer:
+    """A control server over ``runtime``, its control and events sockets in ``sockdir`` (short:
+    a socket path holds at most 107 bytes); not started."""
+    return ControlServer(
+        runtime,
+        control_endpoint=f"ipc://{sockdir}/control.sock",
+        events_endpoint=f"ipc://{sockdir}/events.sock",
+    )

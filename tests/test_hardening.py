@@ -21,7 +21,7 @@ import pytest
 from flood_peer import FloodPeer
 from hostile import MODEL, STARTUP_TIMEOUT_S, TENSOR, RawPeer
 from processes import GGUFSWAP, PROBE, Proc, status_of, wait_for, write_config
-from runtime_helpers import WAIT_S, ModelDir, Q, open_runtime
+from runtime_helpers import WAIT_S, ModelDir, Q, control_server, open_runtime
 
 from ggufswap.config import ConfigError, load_config
 from ggufswap.config.endpoints import default_runtime_dir, socket_dir_problem
@@ -476,11 +476,7 @@ def test_a_shutdown_decides_every_plan_and_publishes_nothing_after_close(
     sockdir = tmp_path_factory.mktemp("s")
     model_dir = ModelDir.write(tmp_path / "m")
     runtime, _ = open_runtime(model_dir.first)
-    control = ControlServer(
-        runtime,
-        control_endpoint=f"ipc://{sockdir}/control.sock",
-        events_endpoint=f"ipc://{sockdir}/events.sock",
-    ).start()
+    control = control_server(runtime, sockdir).start()
     endpoint = control.control.endpoint
     closed = False
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runtime_helpers import WAIT_S, ModelDir, Q, open_runtime
+from runtime_helpers import WAIT_S, ModelDir, Q, control_server, open_runtime
 
 import ggufswap.runtime.control as control_module
 from ggufswap.ipc import (
@@ -26,7 +26,6 @@ from ggufswap.ipc import (
     plan_to_wire,
 )
 from ggufswap.runtime import HotSwapRuntime, PlanState
-from ggufswap.runtime.control import ControlServer
 
 OUTPUT = "output.weight"
 
@@ -58,11 +57,7 @@ def test_plan_replies_follow_the_ticket_and_events_are_published(
     model_dir = ModelDir.write(tmp_path / "m")
     runtime, _ = open_runtime(model_dir.first)
     model_dir.put(OUTPUT, model_dir.variant(OUTPUT, Q.Q8_0, tmp_path / "variants"))
-    control = ControlServer(
-        runtime,
-        control_endpoint=f"ipc://{sockdir}/control.sock",
-        events_endpoint=f"ipc://{sockdir}/events.sock",
-    ).start()
+    control = control_server(runtime, sockdir).start()
     publisher = control.publisher
     assert publisher is not None
     try:
@@ -132,11 +127,7 @@ def test_a_release_frees_only_the_room_of_its_own_hand_off(
     sockdir = tmp_path_factory.mktemp("s")
     model_dir = ModelDir.write(tmp_path / "m")
     runtime, _ = open_runtime(model_dir.first)
-    control = ControlServer(
-        runtime,
-        control_endpoint=f"ipc://{sockdir}/control.sock",
-        events_endpoint=f"ipc://{sockdir}/events.sock",
-    )
+    control = control_server(runtime, sockdir)
     try:
         plan = model_dir.plan("x", [OUTPUT])
         first, later = control_module._Handed(plan), control_module._Handed(plan)
