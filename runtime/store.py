@@ -228,8 +228,9 @@ class TensorStore:
         tensor's rows from its blocks (native storage, one piece, not a view), the blocks it
         reads them from (until the next commit: a swap changes them); None elsewhere."""
         slot = self.slots.get(name)
-        native = slot is not None and self.storage is Storage.NATIVE and not slot.is_split
-        if slot is None or not native or len(slot.ne) != 2 or self._is_view(slot.record):
+        if slot is None or self.storage is not Storage.NATIVE or slot.is_split:
+            return None
+        if len(slot.ne) != 2 or self._is_view(slot.record):
             return None
         record = slot.record
         blocks = slot.active.tensor[: record.nbytes].view(record.ne[1], -1)

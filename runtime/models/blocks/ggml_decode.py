@@ -140,10 +140,10 @@ def _told(stack: DecoderStack) -> _Told | None:
         index: dict[tuple[int, int], int] = {}
         for rope, window in spec:
             index.setdefault((id(rope), window), len(index))
-        ropes = {index[id(rope), window]: (rope, window) for rope, window in spec}
+        ropes = {index[id(rope), window]: (rope, window) for rope, window in spec}  # in order
         kinds = tuple(index[id(rope), window] for rope, window in spec)
         if len(ropes) <= MAX_KINDS:
-            told = _Told(kinds, tuple(ropes[k] for k in range(len(ropes))))
+            told = _Told(kinds, tuple(ropes.values()))
     _TOLD[stack] = (type(stack), told)
     return told
 
