@@ -14,7 +14,7 @@ Usage::
         runtime.at_batch_boundary()   # commits staged plans; cheap when there are none
         logits = model(batch)
 
-Size: ~630 lines in one class, because its three threads (submit, the stager, the inference
+Size: ~650 lines in one class, because its three threads (submit, the stager, the inference
 loop) share one queue, one deque of staged plans and the locks that order them, and each step of
 a plan's life reads that shared state (the stager's crash handling rejects the plan it held; the
 checks of mapped weights at the batch boundary run under the commit lock). What does not touch
